@@ -1,0 +1,819 @@
+// `expert-bench storage`: cold random-expert read bandwidth of the storage engine against raw read
+// loops over the same byte ranges, in the same order.
+//
+//  1. probe_best_read_config() picks the engine's io_uring shape (queue depth, chunk), as the
+//     daemon does at start (unless --queue-depth/--chunk override it);
+//  2. the engine — ExpertStore + StoreReactor over a real backend, every load checked against
+//     expert-forge's content by verifier threads — acquires experts of a seeded shuffle of the
+//     whole model, up to `--outstanding` at once, releasing each once it is verified;
+//  3. the raw loops of storage/read_probe.h read the slices of the same experts in the same
+//     order: pread whole slices, and io_uring over a grid of queue depths and chunk sizes; their
+//     best is the disk's ceiling for this access pattern;
+//  4. for reference: sequential large-block reads (the device's ceiling) and mmap + page faults
+//     (what llama.cpp does by default).
+//
+// GB/s counts expert bytes (not the widening to the DIO alignment) over wall time, for every
+// method alike. The cache is much smaller than the model and every expert is read once per pass,
+// so almost every acquire misses; hits deliver no disk bytes and are not counted.
+#include <fmt/format.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "bench/commands.h"
+#include "daemon/store.h"
+#include "storage/file_probe.h"
+#include "storage/read_probe.h"
+#include "tools/forge/content.h"
+
+namespace expertd::bench {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr std::array<uint32_t, 5> kGridQueueDepths = {1, 4, 16, 32, 64};
+constexpr std::array<uint64_t, 4> kGridChunks = {256u << 10, 1u << 20, 4u << 20, 0};
+constexpr ReadConfig kSequentialConfig{8, 8u << 20};
+constexpr uint64_t kVerifyWakeTag = 1;
+
+struct StorageFlags {
+  std::string model;
+  std::string cache;
+  double seconds = 3.0;
+  bool json = false;
+  std::string backend = "uring";
+  uint32_t queue_depth = 0;  // 0: the probe's choice
+  std::string chunk;         // empty: the probe's choice
+  uint32_t outstanding = 0;  // 0: max(4, 2 x queue depth)
+  uint32_t rounds = 3;
+  uint64_t seed = 1;
+  bool verify = true;
+  double probe_seconds = 1.5;
+};
+
+void progress(const std::string& line) { std::fprintf(stderr, "expert-bench: %s\n", line.c_str()); }
+
+// Every expert of the model once, in a seeded random order (Fisher-Yates over a 64-bit Mersenne
+// twister with a plain modulo, so the order is the same with every standard library).
+std::vector<ExpertKey> shuffled_experts(const SliceMap& map, uint64_t seed) {
+  std::vector<ExpertKey> keys;
+  for (const MoeLayer& l : map.layers()) {
+    for (uint32_t e = 0; e < map.expert_count(); ++e) keys.push_back(ExpertKey{l.layer, e});
+  }
+  std::mt19937_64 rng(seed);
+  for (size_t i = keys.size(); i > 1; --i) std::swap(keys[i - 1], keys[rng() % i]);
+  return keys;
+}
+
+std::vector<ProbeRange> ranges_of(const SliceMap& map, std::span<const ExpertKey> keys) {
+  std::vector<ProbeRange> ranges;
+  ranges.reserve(keys.size() * 3);
+  std::array<ExpertSlice, 3> s{};
+  for (const ExpertKey& k : keys) {
+    const uint32_t n = map.slices(k.layer, k.expert, s);
+    for (uint32_t i = 0; i < n; ++i)
+      ranges.push_back(ProbeRange{s[i].shard, s[i].offset, s[i].bytes});
+  }
+  return ranges;
+}
+
+// --- the engine run --------------------------------------------------------------------------
+
+struct VectorSink final : CompletionSink {
+  void complete(const Completion& c) override { done.push_back(c); }
+  std::vector<Completion> done;
+};
+
+// Counts what the engine loaded and keeps the read latencies (bounded).
+class LoadStats final : public LoadObserver {
+ public:
+  LoadStats(const SliceMap& map, size_t max_samples) : map_(map) {
+    latencies_ns.reserve(max_samples);
+  }
+  void loaded(ExpertKey key, uint32_t, const uint8_t*, uint64_t latency_ns) override {
+    if (latencies_ns.size() < latencies_ns.capacity()) latencies_ns.push_back(latency_ns);
+    expert_bytes += map_.expert_bytes(key.layer);
+    ++loads;
+  }
+  void failed(ExpertKey, int error) override {
+    ++failures;
+    if (first_error == 0) first_error = error;
+  }
+  std::vector<uint64_t> latencies_ns;
+  uint64_t expert_bytes = 0;
+  uint64_t loads = 0;
+  uint64_t failures = 0;
+  int first_error = 0;
+
+ private:
+  const SliceMap& map_;
+};
+
+// Checks acquired slots against the forge's content on worker threads, so verification (about as
+// costly per byte as the read) never stalls the reactor. The reactor hands over held slots; a
+// worker verifies one and returns it, then wakes the reactor through an eventfd it watches.
+class VerifyPool {
+ public:
+  static Result<std::unique_ptr<VerifyPool>> create(const ExpertStore& store, uint32_t threads,
+                                                    size_t capacity, int wake_fd) {
+    auto pool = std::unique_ptr<VerifyPool>(new VerifyPool(store, capacity, wake_fd));
+    for (uint32_t i = 0; i < threads; ++i) {
+      EXPERTD_TRY_ASSIGN(auto v,
+                         ForgeVerifier::create(store.model(), store.slice_map(), store.layouts()));
+      pool->verifiers_.push_back(std::move(v));
+    }
+    for (uint32_t i = 0; i < threads; ++i) {
+      pool->threads_.emplace_back([p = pool.get(), i] { p->work(*p->verifiers_[i]); });
+    }
+    return pool;
+  }
+  ~VerifyPool() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  // The reactor: `slot` holds `key` for us until take_done() returns it.
+  void push(ExpertKey key, uint32_t slot) {
+    {
+      std::lock_guard lock(mu_);
+      todo_.push_back(Item{key, slot});
+    }
+    cv_.notify_one();
+  }
+  // The reactor: moves the verified slots into `out`.
+  void take_done(std::vector<uint32_t>& out) {
+    std::lock_guard lock(mu_);
+    out.insert(out.end(), done_.begin(), done_.end());
+    done_.clear();
+  }
+  // After every pushed slot came back: the verifiers' totals.
+  uint64_t verified() const { return sum(&ForgeVerifier::verified); }
+  uint64_t failures() const { return sum(&ForgeVerifier::failures); }
+  std::string first_message() const {
+    for (const auto& v : verifiers_) {
+      if (!v->messages().empty()) return v->messages().front();
+    }
+    return "";
+  }
+
+ private:
+  struct Item {
+    ExpertKey key;
+    uint32_t slot;
+  };
+  VerifyPool(const ExpertStore& store, size_t capacity, int wake_fd)
+      : store_(store), wake_fd_(wake_fd) {
+    todo_.reserve(capacity);
+    done_.reserve(capacity);
+  }
+  void work(ForgeVerifier& verifier) {
+    while (true) {
+      Item item;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !todo_.empty(); });
+        if (todo_.empty()) return;
+        item = todo_.back();
+        todo_.pop_back();
+      }
+      verifier.loaded(item.key, item.slot, store_.slot_data(item.slot), 0);
+      {
+        std::lock_guard lock(mu_);
+        done_.push_back(item.slot);
+      }
+      const uint64_t one = 1;
+      (void)!::write(wake_fd_, &one, sizeof(one));
+    }
+  }
+  uint64_t sum(uint64_t (ForgeVerifier::*get)() const) const {
+    uint64_t n = 0;
+    for (const auto& v : verifiers_) n += ((*v).*get)();
+    return n;
+  }
+
+  const ExpertStore& store_;
+  const int wake_fd_;
+  std::vector<std::unique_ptr<ForgeVerifier>> verifiers_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Item> todo_;      // guarded by mu_
+  std::vector<uint32_t> done_;  // guarded by mu_
+  bool stopping_ = false;       // guarded by mu_
+};
+
+struct EngineOptions {
+  BackendKind backend = BackendKind::Uring;
+  ReadConfig read;
+  uint64_t cache_bytes = 0;
+  uint32_t outstanding = 8;
+  bool verify = true;
+  uint32_t verify_threads = 1;
+};
+
+// What driving the engine saw, summed over the drives it covers.
+struct Phase {
+  double seconds = 0.0;
+  uint64_t acquires = 0;
+  uint64_t hits = 0;
+  uint64_t acquire_errors = 0;
+  uint64_t loads = 0;
+  uint64_t expert_bytes = 0;  // bytes of the experts loaded (no widening)
+  uint64_t bytes_read = 0;    // bytes the backend delivered (widening included)
+  uint64_t reads = 0;
+  std::vector<uint64_t> latencies_ns;  // load start -> READY, one per load
+  double gbps() const {
+    return seconds > 0.0 ? static_cast<double>(expert_bytes) / seconds / 1e9 : 0.0;
+  }
+};
+
+// One ExpertStore over its own backend, kept across drives (the cache stays warm as it would in
+// the daemon). Single-threaded apart from the verifier pool.
+class EngineBench {
+ public:
+  static Result<std::unique_ptr<EngineBench>> open(const std::string& model_path,
+                                                   const std::vector<ExpertKey>& sequence,
+                                                   const EngineOptions& options) {
+    std::unique_ptr<EngineBench> b(new EngineBench(sequence, options));
+    EXPERTD_TRY(b->init(model_path));
+    return b;
+  }
+
+  // Acquires experts from the sequence (continuing where the last drive stopped), `outstanding`
+  // at a time, for `seconds`; then waits for every acquire to complete, be verified and released.
+  Result<Phase> drive(double seconds, uint32_t outstanding) {
+    Phase ph;
+    const SchedulerStats s0 = store_->scheduler().stats();
+    const uint64_t loads0 = stats_->loads;
+    const uint64_t bytes0 = stats_->expert_bytes;
+    const size_t lat0 = stats_->latencies_ns.size();
+    Scheduler& sched = store_->scheduler();
+    std::array<IoEvent, 8> fd_events{};
+    const uint64_t start = monotonic_ns();
+    const uint64_t deadline = start + static_cast<uint64_t>(seconds * 1e9);
+    uint32_t held = 0;  // acquired and not yet released (reading or being verified)
+    bool stopping = false;
+    while (true) {
+      while (!stopping && held < outstanding) {
+        if (monotonic_ns() >= deadline) {
+          stopping = true;
+          break;
+        }
+        const ExpertKey key = sequence_[next_ % sequence_.size()];
+        const int rc = sched.acquire(0, key, next_++);
+        if (rc < 0) return make_error(-rc, fmt::format("acquire: {}", std::strerror(-rc)));
+        ++held;
+      }
+      if (stopping && held == 0) break;
+      const int n = reactor_->run_once(50, fd_events);
+      if (n < 0) return make_error(-n, fmt::format("reactor: {}", std::strerror(-n)));
+      if (n > 0) {
+        uint64_t count = 0;
+        (void)!::read(wake_fd_.get(), &count, sizeof(count));
+      }
+      for (const Completion& c : sink_.done) {
+        if (c.slot < 0) {
+          ++ph.acquire_errors;
+          --held;
+        } else if (pool_) {
+          pool_->push(c.key, static_cast<uint32_t>(c.slot));
+        } else {
+          released_.push_back(static_cast<uint32_t>(c.slot));
+        }
+      }
+      sink_.done.clear();
+      if (pool_) pool_->take_done(released_);
+      for (const uint32_t slot : released_) {
+        if (const int rc = sched.release(0, slot); rc < 0) {
+          return make_error(-rc, fmt::format("release slot {}: {}", slot, std::strerror(-rc)));
+        }
+        --held;
+      }
+      released_.clear();
+    }
+    ph.seconds = static_cast<double>(monotonic_ns() - start) / 1e9;
+    const SchedulerStats& s1 = sched.stats();
+    ph.acquires = s1.acquires - s0.acquires;
+    ph.hits = s1.hits - s0.hits;
+    ph.bytes_read = s1.bytes_read - s0.bytes_read;
+    ph.reads = s1.reads - s0.reads;
+    ph.loads = stats_->loads - loads0;
+    ph.expert_bytes = stats_->expert_bytes - bytes0;
+    ph.latencies_ns.assign(stats_->latencies_ns.begin() + static_cast<std::ptrdiff_t>(lat0),
+                           stats_->latencies_ns.end());
+    return ph;
+  }
+
+  std::string backend_name() const { return std::string(backend_->name()); }
+  std::string backend_describe() const { return backend_->describe(); }
+  const std::string& fallback_reason() const { return fallback_reason_; }
+  std::string store_describe() const { return store_->describe(); }
+  uint64_t slot_bytes() const { return store_->layouts().slot_bytes(); }
+  uint32_t cache_slots() const { return store_->cache().slot_count(); }
+  uint64_t load_failures() const { return stats_->failures; }
+  bool verifying() const { return pool_ != nullptr; }
+  uint64_t verified() const { return pool_ ? pool_->verified() : 0; }
+  uint64_t verify_failures() const { return pool_ ? pool_->failures() : 0; }
+  std::string verify_message() const { return pool_ ? pool_->first_message() : ""; }
+
+ private:
+  EngineBench(const std::vector<ExpertKey>& sequence, const EngineOptions& options)
+      : sequence_(sequence), options_(options) {}
+
+  Status init(const std::string& model_path) {
+    EXPERTD_TRY_ASSIGN(GgufModel model, GgufModel::open(model_path));
+    std::vector<std::string> paths;
+    for (const GgufFile& s : model.shards()) paths.push_back(s.path());
+    BackendOptions bo;
+    bo.queue_depth = std::max<uint32_t>(64, options_.read.queue_depth);
+    bo.pread_threads = std::clamp<uint32_t>(options_.read.queue_depth, 1, 64);
+    EXPERTD_TRY_ASSIGN(backend_, make_backend(options_.backend, bo, &fallback_reason_));
+    EXPERTD_TRY(backend_->open_files(paths));
+    std::vector<uint32_t> files;
+    for (uint32_t i = 0; i < paths.size(); ++i) files.push_back(i);
+
+    StoreOptions so;
+    so.cache_bytes = options_.cache_bytes;
+    so.lock_memory = true;
+    so.scheduler.queue_depth = options_.read.queue_depth;
+    so.scheduler.chunk_bytes = options_.read.chunk_bytes;
+    // The observer is given to the store at creation, before the store's own map exists.
+    EXPERTD_TRY_ASSIGN(map_, SliceMap::build(model));
+    stats_ = std::make_unique<LoadStats>(map_, 1u << 20);
+    EXPERTD_TRY_ASSIGN(store_, ExpertStore::create("bench", std::move(model), *backend_, files, so,
+                                                   sink_, stats_.get()));
+    const iovec arena{store_->arena().data(), store_->arena().size()};
+    EXPERTD_TRY(backend_->register_buffers({&arena, 1}));
+    reactor_ = std::make_unique<StoreReactor>(*backend_);
+    reactor_->add(store_.get(), 0, static_cast<uint32_t>(paths.size()));
+
+    wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!wake_fd_.valid()) {
+      return make_error(errno, fmt::format("eventfd: {}", std::strerror(errno)));
+    }
+    EXPERTD_TRY(backend_->watch(wake_fd_.get(), kVerifyWakeTag));
+    if (options_.verify) {
+      EXPERTD_TRY_ASSIGN(pool_, VerifyPool::create(*store_, options_.verify_threads,
+                                                   options_.outstanding + 1, wake_fd_.get()));
+    }
+    sink_.done.reserve(2 * options_.outstanding + 16);
+    released_.reserve(options_.outstanding + 1);
+    return Ok{};
+  }
+
+  const std::vector<ExpertKey>& sequence_;
+  const EngineOptions options_;
+  std::string fallback_reason_;
+  SliceMap map_;
+  std::unique_ptr<LoadStats> stats_;
+  VectorSink sink_;
+  std::unique_ptr<ReadBackend> backend_;
+  std::unique_ptr<ExpertStore> store_;
+  std::unique_ptr<StoreReactor> reactor_;
+  UniqueFd wake_fd_;
+  std::unique_ptr<VerifyPool> pool_;  // joined before the store it reads goes
+  std::vector<uint32_t> released_;
+  uint64_t next_ = 0;
+};
+
+// --- the methods, run in interleaved rounds ---------------------------------------------------
+
+// One measured thing. Its `run` does one round of `seconds`, continuing where the last stopped.
+struct Method {
+  std::string name;
+  std::string kind;  // "raw", "sequential", "mmap", "expertd"
+  uint32_t queue_depth = 0;
+  uint64_t chunk_bytes = 0;
+  std::function<Result<std::pair<uint64_t, double>>(double seconds)> run;  // (bytes, seconds)
+  uint64_t bytes = 0;
+  double seconds = 0.0;
+  std::vector<double> round_gbps;
+  double gbps() const { return seconds > 0.0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0; }
+};
+
+// A raw read loop over `ranges` that continues where its previous round stopped.
+Method raw_method(std::string name, std::string kind, ReadConfig shape,
+                  std::function<Result<ProbeResult>(double, size_t)> read) {
+  Method m{std::move(name), std::move(kind), shape.queue_depth, shape.chunk_bytes, {}};
+  auto cursor = std::make_shared<size_t>(0);
+  m.run = [read = std::move(read), cursor](double seconds) -> Result<std::pair<uint64_t, double>> {
+    EXPERTD_TRY_ASSIGN(const ProbeResult r, read(seconds, *cursor));
+    *cursor = r.next_range;
+    return std::pair{r.bytes, r.seconds};
+  };
+  return m;
+}
+
+Json method_json(const Method& m, double best) {
+  Json j;
+  j["method"] = m.name;
+  j["kind"] = m.kind;
+  j["queue_depth"] = m.queue_depth;
+  j["chunk_bytes"] = m.chunk_bytes;
+  j["gbps"] = m.gbps();
+  j["ratio"] = best > 0.0 ? m.gbps() / best : 0.0;
+  j["round_gbps"] = m.round_gbps;
+  j["bytes"] = m.bytes;
+  j["seconds"] = m.seconds;
+  return j;
+}
+
+std::string describe_engine(const ReadConfig& c) {
+  return fmt::format("QD{} {}", c.queue_depth, describe_chunk(c.chunk_bytes));
+}
+
+double us(uint64_t ns) { return static_cast<double>(ns) / 1000.0; }
+
+int run_storage(const StorageFlags& flags) {
+  auto model = GgufModel::open(flags.model);
+  if (!model) {
+    progress(model.error().message);
+    return 1;
+  }
+  auto map = SliceMap::build(*model);
+  if (!map) {
+    progress(map.error().message);
+    return 1;
+  }
+  if (map->layers().empty()) {
+    progress(flags.model + ": no routed expert tensors");
+    return 1;
+  }
+  std::vector<std::string> paths;
+  uint64_t model_bytes = 0;
+  for (const GgufFile& s : model->shards()) {
+    paths.push_back(s.path());
+    model_bytes += s.file_size();
+  }
+  const MachineInfo machine = describe_machine(flags.model);
+  const bool forged = static_cast<bool>(forge_info(*model));
+  const bool verify = flags.verify && forged;
+  if (flags.verify && !forged) progress("not a forged model: verification skipped");
+
+  uint64_t cache_bytes = std::min(map->total_expert_bytes() / 4, machine.ram_bytes / 4);
+  if (!flags.cache.empty()) {
+    const auto c = parse_bytes(flags.cache);
+    if (!c) {
+      progress("--cache " + flags.cache + ": not a size (e.g. 4GiB, 512MiB)");
+      return 2;
+    }
+    cache_bytes = *c;
+  }
+  std::optional<uint64_t> chunk_flag;
+  if (!flags.chunk.empty()) {
+    chunk_flag = flags.chunk == "whole" ? std::optional<uint64_t>(0) : parse_bytes(flags.chunk);
+    if (!chunk_flag) {
+      progress("--chunk " + flags.chunk + ": not a size (e.g. 1MiB) or 'whole'");
+      return 2;
+    }
+  }
+
+  auto probe = ReadProbe::open(paths);
+  if (!probe) {
+    progress(probe.error().message);
+    return 1;
+  }
+  const std::vector<ExpertKey> sequence = shuffled_experts(*map, flags.seed);
+  const std::vector<ProbeRange> ranges = ranges_of(*map, sequence);
+  progress(fmt::format(
+      "{}: {} ({} MoE layers x {} experts, {} of experts, {} per expert on "
+      "average), DIO alignment {}; disk {}",
+      flags.model, format_bytes(model_bytes), map->layers().size(), map->expert_count(),
+      format_bytes(map->total_expert_bytes()),
+      format_bytes(map->total_expert_bytes() / sequence.size()), probe->alignment(), machine.disk));
+
+  // 1. The start-up probe, on a differently shuffled sample, as the daemon would run it.
+  const std::vector<ExpertKey> sample = shuffled_experts(*map, flags.seed ^ 0x5eed5eedull);
+  const std::vector<ProbeRange> sample_ranges = ranges_of(*map, sample);
+  ProbeOptions po;
+  po.seconds = flags.probe_seconds;
+  auto choice = probe_best_read_config(*probe, sample_ranges, po);
+  if (!choice) {
+    progress(choice.error().message);
+    return 1;
+  }
+  progress(fmt::format("probe ({:.1f} s): {} at {:.2f} GB/s", flags.probe_seconds,
+                       describe_read_config(choice->config), choice->gbps));
+  ReadConfig engine_config = choice->config;
+  std::string engine_source = "probe";
+  if (flags.queue_depth != 0) engine_config.queue_depth = flags.queue_depth;
+  if (chunk_flag) engine_config.chunk_bytes = *chunk_flag;
+  if (flags.queue_depth != 0 || chunk_flag) engine_source = "flags";
+
+  // 2. The engine, at the chosen shape and at the scheduler's built-in defaults.
+  EngineOptions eo;
+  eo.backend = flags.backend == "pread" ? BackendKind::Pread : BackendKind::Uring;
+  eo.cache_bytes = cache_bytes;
+  eo.verify = verify;
+  eo.verify_threads = std::clamp<uint32_t>(machine.cpus - 1, 1, 4);
+  auto engine_options = [&](const ReadConfig& config) {
+    EngineOptions o = eo;
+    o.read = config;
+    o.outstanding =
+        flags.outstanding != 0 ? flags.outstanding : std::max<uint32_t>(4, 2 * config.queue_depth);
+    return o;
+  };
+  const EngineOptions chosen_options = engine_options(engine_config);
+  auto engine = EngineBench::open(flags.model, sequence, chosen_options);
+  if (!engine) {
+    progress("expertd: " + engine.error().message);
+    return 1;
+  }
+  progress(fmt::format("expertd: {}; {}; {} outstanding, verify {}", (*engine)->backend_describe(),
+                       (*engine)->store_describe(), chosen_options.outstanding,
+                       verify ? fmt::format("on ({} threads)", eo.verify_threads) : "off"));
+  const SchedulerOptions defaults;
+  const ReadConfig default_config{defaults.queue_depth, defaults.chunk_bytes};
+  std::unique_ptr<EngineBench> engine_default;
+  if (!(default_config == engine_config)) {
+    auto d = EngineBench::open(flags.model, sequence, engine_options(default_config));
+    if (!d) {
+      progress("expertd (defaults): " + d.error().message);
+      return 1;
+    }
+    engine_default = std::move(*d);
+  }
+
+  std::vector<Method> methods;
+  Phase engine_phase;
+  Phase default_phase;
+  auto engine_method = [](std::string name, ReadConfig c, EngineBench& e, uint32_t outstanding,
+                          Phase& total) {
+    Method m{std::move(name), "expertd", c.queue_depth, c.chunk_bytes, {}};
+    m.run = [&e, outstanding, &total](double seconds) -> Result<std::pair<uint64_t, double>> {
+      EXPERTD_TRY_ASSIGN(Phase p, e.drive(seconds, outstanding));
+      total.seconds += p.seconds;
+      total.acquires += p.acquires;
+      total.hits += p.hits;
+      total.acquire_errors += p.acquire_errors;
+      total.loads += p.loads;
+      total.expert_bytes += p.expert_bytes;
+      total.bytes_read += p.bytes_read;
+      total.reads += p.reads;
+      total.latencies_ns.insert(total.latencies_ns.end(), p.latencies_ns.begin(),
+                                p.latencies_ns.end());
+      return std::pair{p.expert_bytes, p.seconds};
+    };
+    return m;
+  };
+  methods.push_back(engine_method(fmt::format("expertd {} {} ({})", (*engine)->backend_name(),
+                                              describe_engine(engine_config), engine_source),
+                                  engine_config, **engine, chosen_options.outstanding,
+                                  engine_phase));
+  if (engine_default) {
+    methods.push_back(
+        engine_method(fmt::format("expertd {} {} (built-in defaults)",
+                                  engine_default->backend_name(), describe_engine(default_config)),
+                      default_config, *engine_default, engine_options(default_config).outstanding,
+                      default_phase));
+  }
+  // 3. The raw loops over the same ranges; their best is the ceiling.
+  ReadProbe& rp = *probe;
+  methods.push_back(raw_method("pread O_DIRECT whole slice", "raw", ReadConfig{1, 0},
+                               [&](double s, size_t first) {
+                                 return rp.pread_whole(ranges, ProbeBudget{s, 0}, first);
+                               }));
+  for (const uint32_t qd : kGridQueueDepths) {
+    for (const uint64_t chunk : kGridChunks) {
+      const ReadConfig c{qd, chunk};
+      methods.push_back(
+          raw_method(describe_read_config(c), "raw", c, [&rp, &ranges, c](double s, size_t first) {
+            return rp.uring(ranges, c, ProbeBudget{s, 0}, first);
+          }));
+    }
+  }
+  // 4. References: the device's sequential ceiling, and mmap + page faults.
+  uint32_t largest = 0;
+  for (uint32_t f = 0; f < rp.file_count(); ++f) {
+    if (rp.file(f).size_bytes > rp.file(largest).size_bytes) largest = f;
+  }
+  methods.push_back(raw_method("sequential " + describe_read_config(kSequentialConfig),
+                               "sequential", kSequentialConfig,
+                               [&rp, largest](double s, size_t first) {
+                                 return rp.sequential(largest, 0, rp.file(largest).size_bytes,
+                                                      kSequentialConfig, ProbeBudget{s, 0}, first);
+                               }));
+  methods.push_back(raw_method("mmap + page faults (4 KiB touches)", "mmap", ReadConfig{0, 0},
+                               [&](double s, size_t first) {
+                                 return rp.mmap_fault(ranges, ProbeBudget{s, 0}, first);
+                               }));
+
+  // Rounds: every method runs seconds/rounds per round, in an order rotated each round, so a
+  // disk whose speed drifts (a shared virtual disk does) slows every method alike.
+  const double slice_s = flags.seconds / flags.rounds;
+  for (uint32_t round = 0; round < flags.rounds; ++round) {
+    const size_t shift = round * methods.size() / flags.rounds;
+    for (size_t k = 0; k < methods.size(); ++k) {
+      Method& m = methods[(k + shift) % methods.size()];
+      auto r = m.run(slice_s);
+      if (!r) {
+        progress(m.name + ": " + r.error().message);
+        return 1;
+      }
+      m.bytes += r->first;
+      m.seconds += r->second;
+      m.round_gbps.push_back(r->second > 0 ? static_cast<double>(r->first) / r->second / 1e9 : 0);
+      progress(fmt::format("round {}/{} [{}/{}] {}: {:.2f} GB/s", round + 1, flags.rounds, k + 1,
+                           methods.size(), m.name, m.round_gbps.back()));
+    }
+  }
+  // Read latency with one expert at a time: no queueing behind other loads.
+  auto idle = (*engine)->drive(1.0, 1);
+  if (!idle) {
+    progress("expertd: " + idle.error().message);
+    return 1;
+  }
+
+  // --- output
+  const Method* best = nullptr;
+  const Method* seq = nullptr;
+  const Method* mm = nullptr;
+  for (const Method& m : methods) {
+    if (m.kind == "raw" && (best == nullptr || m.gbps() > best->gbps())) best = &m;
+    if (m.kind == "sequential") seq = &m;
+    if (m.kind == "mmap") mm = &m;
+  }
+  const Method& e = methods.front();
+  const double ratio = best->gbps() > 0.0 ? e.gbps() / best->gbps() : 0.0;
+  const uint64_t verify_failures =
+      (*engine)->verify_failures() + (engine_default ? engine_default->verify_failures() : 0);
+  const uint64_t verified =
+      (*engine)->verified() + (engine_default ? engine_default->verified() : 0);
+  const uint64_t errors = engine_phase.acquire_errors + default_phase.acquire_errors +
+                          idle->acquire_errors + (*engine)->load_failures() +
+                          (engine_default ? engine_default->load_failures() : 0);
+
+  std::string table =
+      fmt::format("{:<48} {:>7} {:>8}  {}\n", "method", "GB/s", "vs best", "per round");
+  for (const Method& m : methods) {
+    std::string per_round;
+    for (const double g : m.round_gbps) per_round += fmt::format(" {:.2f}", g);
+    table += fmt::format("{:<48} {:>7.3f} {:>8.3f} {}\n", m.name, m.gbps(),
+                         best->gbps() > 0 ? m.gbps() / best->gbps() : 0.0, per_round);
+  }
+  const std::string verify_line =
+      verify ? fmt::format("{} failures in {} acquired slots checked byte for byte{}",
+                           verify_failures, verified,
+                           (*engine)->verify_message().empty()
+                               ? ""
+                               : " (first: " + (*engine)->verify_message() + ")")
+             : std::string("skipped (not a forged model, or --no-verify)");
+  const std::string summary = fmt::format(
+      "best raw: {} at {:.3f} GB/s\n"
+      "expertd: {:.3f} GB/s ({} {}, chosen by {}) = {:.3f} of the best raw\n"
+      "expertd: {} experts read in {:.2f} s ({} of {} acquires hit, {} errors); {:.3f} GB/s "
+      "read incl. widening in {} reads\n"
+      "verify: {}\n"
+      "latency, load start -> READY: p50 {:.0f} us, p99 {:.0f} us with {} experts outstanding; "
+      "one at a time: p50 {:.0f} us, p99 {:.0f} us\n"
+      "sequential ceiling ({}): {:.3f} GB/s; mmap + page faults: {:.3f} GB/s\n"
+      "probe: {} at {:.3f} GB/s in {:.1f} s\n",
+      best->name, best->gbps(), e.gbps(), (*engine)->backend_name(), describe_engine(engine_config),
+      engine_source, ratio, engine_phase.loads, engine_phase.seconds, engine_phase.hits,
+      engine_phase.acquires, errors,
+      engine_phase.seconds > 0
+          ? static_cast<double>(engine_phase.bytes_read) / engine_phase.seconds / 1e9
+          : 0.0,
+      engine_phase.reads, verify_line, us(percentile(engine_phase.latencies_ns, 50)),
+      us(percentile(engine_phase.latencies_ns, 99)), chosen_options.outstanding,
+      us(percentile(idle->latencies_ns, 50)), us(percentile(idle->latencies_ns, 99)),
+      describe_read_config(kSequentialConfig), seq->gbps(), mm->gbps(),
+      describe_read_config(choice->config), choice->gbps, flags.probe_seconds);
+
+  std::FILE* text = flags.json ? stderr : stdout;
+  std::fputs(table.c_str(), text);
+  std::fputs(summary.c_str(), text);
+  if (flags.json) {
+    Json j;
+    j["raw_gbps"] = best->gbps();
+    j["raw_method"] = best->name;
+    j["expertd_gbps"] = e.gbps();
+    j["ratio"] = ratio;
+    j["experts_read"] = engine_phase.loads;
+    j["verify_failures"] = verify_failures;
+    j["verified"] = verify;
+    j["verify_checked"] = verified;
+    j["errors"] = errors;
+    Json raw = Json::array();
+    for (const Method& m : methods) {
+      if (m.kind == "raw") raw.push_back(method_json(m, best->gbps()));
+    }
+    j["raw_method_table"] = std::move(raw);
+    j["seq_gbps"] = seq->gbps();
+    j["mmap_gbps"] = mm->gbps();
+    j["latency_us_p50"] = us(percentile(engine_phase.latencies_ns, 50));
+    j["latency_us_p99"] = us(percentile(engine_phase.latencies_ns, 99));
+    j["latency_outstanding"] = chosen_options.outstanding;
+    j["idle_latency_us_p50"] = us(percentile(idle->latencies_ns, 50));
+    j["idle_latency_us_p99"] = us(percentile(idle->latencies_ns, 99));
+    j["engine_queue_depth"] = engine_config.queue_depth;
+    j["engine_chunk_bytes"] = engine_config.chunk_bytes;
+    j["engine_config_source"] = engine_source;
+    j["engine_round_gbps"] = e.round_gbps;
+    j["probe"] = {{"queue_depth", choice->config.queue_depth},
+                  {"chunk_bytes", choice->config.chunk_bytes},
+                  {"gbps", choice->gbps},
+                  {"seconds", flags.probe_seconds}};
+    if (engine_default) {
+      j["expertd_default_gbps"] = methods[1].gbps();
+      j["expertd_default_queue_depth"] = default_config.queue_depth;
+      j["expertd_default_chunk_bytes"] = default_config.chunk_bytes;
+    }
+    j["backend"] = (*engine)->backend_name();
+    j["backend_describe"] = (*engine)->backend_describe();
+    if (!(*engine)->fallback_reason().empty()) j["backend_fallback"] = (*engine)->fallback_reason();
+    j["acquires"] = engine_phase.acquires;
+    j["hits"] = engine_phase.hits;
+    j["expert_bytes_read"] = engine_phase.expert_bytes;
+    j["bytes_read"] = engine_phase.bytes_read;
+    j["reads"] = engine_phase.reads;
+    j["engine_seconds"] = engine_phase.seconds;
+    j["cache_bytes"] = cache_bytes;
+    j["cache_slots"] = (*engine)->cache_slots();
+    j["model"] = flags.model;
+    j["model_bytes"] = model_bytes;
+    j["expert_bytes_total"] = map->total_expert_bytes();
+    j["experts"] = sequence.size();
+    j["slot_bytes"] = (*engine)->slot_bytes();
+    j["dio_alignment"] = rp.alignment();
+    j["seconds_per_method"] = flags.seconds;
+    j["rounds"] = flags.rounds;
+    j["seed"] = flags.seed;
+    j["date"] = machine.date;
+    j["host"] = machine.host;
+    j["cpus"] = machine.cpus;
+    j["ram_bytes"] = machine.ram_bytes;
+    j["kernel"] = machine.kernel;
+    j["disk"] = machine.disk;
+    std::puts(j.dump(2).c_str());
+  }
+  return verify_failures > 0 || errors > 0 ? 3 : 0;
+}
+
+}  // namespace
+
+void add_storage_command(CLI::App& app, int* exit_code) {
+  auto flags = std::make_shared<StorageFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "storage",
+      "cold random-expert reads: the storage engine against raw pread/io_uring loops over the same "
+      "byte ranges (their best is the disk's ceiling), plus sequential and mmap references");
+  cmd->add_option("--model", flags->model, "a GGUF model (the first shard of a split one)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--cache", flags->cache,
+                  "expert cache size, e.g. 4GiB, 512MiB (default: 1/4 of the expert bytes, at "
+                  "most 1/4 of RAM)");
+  cmd->add_option("--seconds", flags->seconds, "seconds per method, over all rounds")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--rounds", flags->rounds,
+                  "rounds the methods take turns in (evens out a disk whose speed drifts)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
+  cmd->add_flag("--json", flags->json,
+                "print one JSON object on stdout (the table goes to stderr)");
+  cmd->add_option("--backend", flags->backend, "the engine's read backend")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"uring", "pread"}));
+  cmd->add_option("--queue-depth", flags->queue_depth,
+                  "the engine's reads in flight (default: what the probe chose)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--chunk", flags->chunk,
+                  "the engine's read size, e.g. 1MiB, or 'whole' for one read per slice "
+                  "(default: what the probe chose)");
+  cmd->add_option("--outstanding", flags->outstanding,
+                  "experts the engine benchmark keeps acquired at once (default: max(4, 2 x queue "
+                  "depth))")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--seed", flags->seed, "seed of the random expert order")->capture_default_str();
+  cmd->add_flag("!--no-verify", flags->verify,
+                "skip checking every acquired slot against expert-forge's content");
+  cmd->add_option("--probe-seconds", flags->probe_seconds,
+                  "time for the start-up probe of queue depth and chunk size")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->callback([flags, exit_code] { *exit_code = run_storage(*flags); });
+}
+
+}  // namespace expertd::bench

@@ -1,0 +1,986 @@
+#include "expertd/client.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include <capnp/rpc-twoparty.h>
+#include <fmt/format.h>
+#include <kj/async-io.h>
+#include <kj/async.h>
+
+#include "client/expertd.capnp.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define EXPERTD_CPU_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define EXPERTD_CPU_PAUSE() asm volatile("yield" ::: "memory")
+#else
+#define EXPERTD_CPU_PAUSE() \
+  do {                      \
+  } while (0)
+#endif
+
+namespace expertd::client {
+
+namespace {
+
+constexpr uint kMaxFdsPerMessage = 8;
+constexpr int kSleepSliceMs = 100;         // a sleeping waiter re-checks liveness this often
+constexpr uint64_t kRingFullTimeoutMs = 10'000;  // the daemon stopped consuming requests
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+std::string str(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
+kj::StringPtr text(const std::string& s) { return kj::StringPtr(s.c_str(), s.size()); }
+
+void wake(int eventfd) {
+  const uint64_t one = 1;
+  // A full counter (EAGAIN) is still readable: nothing is lost.
+  [[maybe_unused]] const ssize_t n = ::write(eventfd, &one, sizeof(one));
+}
+
+ModelLayout to_layout(rpc::ModelLayout::Reader r) {
+  ModelLayout l;
+  l.name = str(r.getName());
+  l.architecture = str(r.getArchitecture());
+  l.block_count = r.getBlockCount();
+  l.expert_count = r.getExpertCount();
+  l.top_k = r.getTopK();
+  l.alignment = r.getAlignment();
+  l.slot_bytes = r.getSlotBytes();
+  l.slot_count = r.getSlotCount();
+  for (auto s : r.getSlices()) {
+    l.slices.push_back(ModelLayout::Slice{s.getLayer(), str(s.getKind()), s.getShard(),
+                                          s.getOffset(), s.getStride(), s.getBytes(),
+                                          str(s.getType()), s.getNe0(), s.getNe1()});
+  }
+  return l;
+}
+
+SchedulerStats to_scheduler(rpc::SchedulerStats::Reader r) {
+  SchedulerStats s;
+  s.acquires = r.getAcquires();
+  s.hits = r.getHits();
+  s.coalesced = r.getCoalesced();
+  s.misses = r.getMisses();
+  s.busy = r.getBusy();
+  s.prefetch_hints = r.getPrefetchHints();
+  s.prefetch_loads = r.getPrefetchLoads();
+  s.prefetch_dropped = r.getPrefetchDropped();
+  s.prefetch_cancelled = r.getPrefetchCancelled();
+  s.prefetch_useful = r.getPrefetchUseful();
+  s.loads_done = r.getLoadsDone();
+  s.loads_failed = r.getLoadsFailed();
+  s.staged_loads = r.getStagedLoads();
+  s.evictions = r.getEvictions();
+  s.bytes_read = r.getBytesRead();
+  s.reads = r.getReads();
+  s.short_reads = r.getShortReads();
+  s.eagain_retries = r.getEagainRetries();
+  s.buffered_requeues = r.getBufferedRequeues();
+  return s;
+}
+
+SessionStats to_session(rpc::SessionStats::Reader r) {
+  return SessionStats{r.getSession(),  str(r.getModel()), str(r.getClient()),
+                      r.getPid(),      r.getUid(),        r.getAcquires(),
+                      r.getPrefetches(), r.getReleases(),  r.getHolds()};
+}
+
+Stats to_stats(rpc::Stats::Reader r) {
+  Stats s;
+  s.backend = str(r.getBackend());
+  s.backend_detail = str(r.getBackendDetail());
+  s.uptime_ms = r.getUptimeMs();
+  s.reactor_loops = r.getReactorLoops();
+  s.queue_depth = r.getQueueDepth();
+  s.chunk_bytes = r.getChunkBytes();
+  s.prefetch_depth = r.getPrefetchDepth();
+  s.policy = str(r.getPolicy());
+  s.bytes_read = r.getBytesRead();
+  s.sessions_closed_hostile = r.getSessionsClosedHostile();
+  for (auto m : r.getModels()) {
+    ModelStats ms;
+    ms.name = str(m.getName());
+    ms.scheduler = to_scheduler(m.getScheduler());
+    ms.cache_slots = m.getCacheSlots();
+    ms.cache_ready = m.getCacheReady();
+    ms.staging_slots = m.getStagingSlots();
+    ms.slot_bytes = m.getSlotBytes();
+    for (auto v : m.getLayerHits()) ms.layer_hits.push_back(v);
+    for (auto v : m.getLayerMisses()) ms.layer_misses.push_back(v);
+    ms.reads_in_flight = m.getReadsInFlight();
+    s.models.push_back(std::move(ms));
+  }
+  for (auto x : r.getSessions()) s.sessions.push_back(to_session(x));
+  return s;
+}
+
+// What attach() gets back from the RPC thread: the session's numbers and dup()ed fds.
+struct AttachReply {
+  uint64_t key = 0;
+  uint32_t session = 0;
+  uint64_t arena_bytes = 0;
+  uint64_t slot_table_bytes = 0;
+  uint64_t session_bytes = 0;
+  uint32_t request_capacity = 0;
+  uint32_t completion_capacity = 0;
+  std::array<int, 5> fds{-1, -1, -1, -1, -1};  // arena, slot table, session, req, comp
+};
+
+}  // namespace
+
+std::string default_socket() {
+  const char* env = std::getenv("EXPERTD_SOCKET");
+  return env != nullptr && *env ? std::string(env) : std::string(kDefaultSocket);
+}
+
+bool ModelLayout::has_experts(uint32_t layer) const {
+  for (const auto& s : slices) {
+    if (s.layer == layer) return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection: the RPC thread. Everything capnp lives on it; other threads reach it through
+// executeSync() with functions that capture nothing capnp (kj destroys them on the caller).
+
+class Connection {
+ public:
+  static Result<std::shared_ptr<Connection>> start(int fd, std::string socket);
+  ~Connection();
+
+  // Runs `fn(bootstrap) -> kj::Promise<T>` on the RPC thread and waits for its value.
+  template <typename T, typename Fn>
+  Result<T> call(Fn&& fn) {
+    if (disconnected_.load(std::memory_order_acquire)) return gone_error();
+    try {
+      return executor_->executeSync([this, &fn]() {
+        if (state_ == nullptr) {
+          kj::throwFatalException(KJ_EXCEPTION(DISCONNECTED, "the client's RPC thread stopped"));
+        }
+        return fn(*state_);
+      });
+    } catch (const kj::Exception& e) {
+      return to_error(e);
+    }
+  }
+
+  bool disconnected() const { return disconnected_.load(std::memory_order_acquire); }
+  std::string disconnect_reason() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reason_;
+  }
+  Error gone_error() const {
+    return make_error(ECONNRESET, "expertd went away: " + disconnect_reason());
+  }
+
+  // Sleepers on these eventfds are woken when the connection drops.
+  void watch_doorbell(int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    doorbells_.push_back(fd);
+    if (disconnected_.load()) wake(fd);
+  }
+  void unwatch_doorbell(int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    doorbells_.erase(std::remove(doorbells_.begin(), doorbells_.end(), fd), doorbells_.end());
+  }
+
+  // State owned by the RPC thread.
+  struct State {
+    rpc::Expertd::Client bootstrap;
+    std::unordered_map<uint64_t, rpc::Session::Client> sessions;
+    uint64_t next_key = 1;
+  };
+
+ private:
+  Connection() = default;
+  void run(int fd, std::promise<std::string>* started);
+  void mark_disconnected(std::string why);
+  Error to_error(const kj::Exception& e) {
+    std::string d(e.getDescription().cStr());
+    constexpr std::string_view kRemote = "remote exception: ";
+    if (d.rfind(kRemote, 0) == 0) d.erase(0, kRemote.size());
+    if (e.getType() == kj::Exception::Type::DISCONNECTED || disconnected()) {
+      if (!disconnected()) mark_disconnected(d);
+      return gone_error();
+    }
+    return make_error(e.getType() == kj::Exception::Type::OVERLOADED ? EBUSY : EIO, d);
+  }
+
+  std::string socket_;
+  std::thread thread_;
+  kj::Own<const kj::Executor> executor_;
+  kj::Own<kj::CrossThreadPromiseFulfiller<void>> stop_;
+  State* state_ = nullptr;
+  std::atomic<bool> disconnected_{false};
+  mutable std::mutex mu_;
+  std::string reason_;
+  std::vector<int> doorbells_;
+};
+
+Result<std::shared_ptr<Connection>> Connection::start(int fd, std::string socket) {
+  std::shared_ptr<Connection> c(new Connection());
+  c->socket_ = std::move(socket);
+  std::promise<std::string> started;
+  auto future = started.get_future();
+  c->thread_ = std::thread([raw = c.get(), fd, &started] { raw->run(fd, &started); });
+  const std::string error = future.get();
+  if (!error.empty()) {
+    c->thread_.join();
+    return make_error(EIO, fmt::format("expertd at {}: {}", c->socket_, error));
+  }
+  return c;
+}
+
+void Connection::run(int fd, std::promise<std::string>* started) {
+  bool announced = false;
+  try {
+    auto io = kj::setupAsyncIo();
+    auto stream = io.lowLevelProvider->wrapUnixSocketFd(
+        fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
+                kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC);
+    capnp::TwoPartyClient rpc(*stream, kMaxFdsPerMessage);
+    State state{rpc.bootstrap().castAs<rpc::Expertd>(), {}, 1};
+    state_ = &state;
+    auto watch = rpc.onDisconnect()
+                     .then([this]() { mark_disconnected("the connection closed"); },
+                           [this](kj::Exception&& e) {
+                             mark_disconnected(e.getDescription().cStr());
+                           })
+                     .eagerlyEvaluate(nullptr);
+    auto stop = kj::newPromiseAndCrossThreadFulfiller<void>();
+    stop_ = kj::mv(stop.fulfiller);
+    executor_ = kj::getCurrentThreadExecutor().addRef();
+    started->set_value("");
+    announced = true;
+    stop.promise.wait(io.waitScope);
+    // Capabilities go before the RPC system and the stream they live on.
+    state.sessions.clear();
+    state_ = nullptr;
+  } catch (const kj::Exception& e) {
+    state_ = nullptr;
+    if (announced) {
+      mark_disconnected(e.getDescription().cStr());
+    } else {
+      started->set_value(e.getDescription().cStr());
+    }
+  }
+}
+
+void Connection::mark_disconnected(std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (disconnected_.load()) return;
+  reason_ = why.empty() ? "the connection closed" : std::move(why);
+  disconnected_.store(true, std::memory_order_release);
+  for (const int fd : doorbells_) wake(fd);
+}
+
+Connection::~Connection() {
+  if (stop_.get() != nullptr) stop_->fulfill();
+  if (thread_.joinable()) thread_.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+
+Result<std::unique_ptr<Client>> Client::connect(const std::string& socket) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket.empty() || socket.size() >= sizeof(addr.sun_path)) {
+    return make_error(ENAMETOOLONG, fmt::format("cannot connect to expertd at '{}': the socket "
+                                                "path must be 1..{} bytes",
+                                                socket, sizeof(addr.sun_path) - 1));
+  }
+  std::memcpy(addr.sun_path, socket.c_str(), socket.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return make_error(errno, fmt::format("socket: {}", std::strerror(errno)));
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int e = errno;
+    ::close(fd);
+    const char* hint = e == EACCES || e == EPERM
+                           ? " (is your user allowed to use expertd's socket?)"
+                           : " (is expertd running?)";
+    return make_error(e, fmt::format("cannot connect to expertd at {}: {}{}", socket,
+                                     std::strerror(e), hint));
+  }
+  std::unique_ptr<Client> c(new Client());
+  c->socket_ = socket;
+  EXPERTD_TRY_ASSIGN(c->conn_, Connection::start(fd, socket));
+  // The first call also tells whether we may talk at all (permission) and the same protocol.
+  DaemonInfo info;
+  EXPERTD_TRY_ASSIGN(info, c->info());
+  if (info.protocol_version != abi::kProtocolVersion) {
+    return make_error(EPROTO, fmt::format("protocol version mismatch: daemon {}, client {}",
+                                          info.protocol_version, abi::kProtocolVersion));
+  }
+  return c;
+}
+
+Client::~Client() = default;
+
+bool Client::connected() const { return !conn_->disconnected(); }
+
+Result<DaemonInfo> Client::info() {
+  return conn_->call<DaemonInfo>([](Connection::State& s) {
+    return s.bootstrap.infoRequest().send().then([](auto r) {
+      DaemonInfo i;
+      i.version = str(r.getVersion());
+      i.protocol_version = r.getProtocolVersion();
+      i.backend = str(r.getBackend());
+      i.backend_detail = str(r.getBackendDetail());
+      for (auto m : r.getModels()) i.models.push_back(str(m));
+      return i;
+    });
+  });
+}
+
+Result<ModelLayout> Client::open_model(const std::string& name) {
+  return conn_->call<ModelLayout>([&name](Connection::State& s) {
+    auto req = s.bootstrap.openModelRequest();
+    req.setName(text(name));
+    return req.send().then([](auto r) { return to_layout(r.getLayout()); });
+  });
+}
+
+Result<Stats> Client::stats() {
+  return conn_->call<Stats>([](Connection::State& s) {
+    return s.bootstrap.statsRequest().send().then([](auto r) { return to_stats(r.getStats()); });
+  });
+}
+
+Status Client::set_prefetch_depth(uint32_t depth) {
+  return conn_->call<Ok>([depth](Connection::State& s) {
+    auto req = s.bootstrap.setPrefetchDepthRequest();
+    req.setDepth(depth);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::set_queue_depth(uint32_t depth) {
+  return conn_->call<Ok>([depth](Connection::State& s) {
+    auto req = s.bootstrap.setQueueDepthRequest();
+    req.setDepth(depth);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::set_policy(const std::string& name) {
+  return conn_->call<Ok>([&name](Connection::State& s) {
+    auto req = s.bootstrap.setPolicyRequest();
+    req.setName(text(name));
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::pin(const std::string& model, uint32_t layer, uint32_t expert) {
+  return conn_->call<Ok>([&](Connection::State& s) {
+    auto req = s.bootstrap.pinRequest();
+    req.setModel(text(model));
+    req.setLayer(layer);
+    req.setExpert(expert);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::unpin(const std::string& model, uint32_t layer, uint32_t expert) {
+  return conn_->call<Ok>([&](Connection::State& s) {
+    auto req = s.bootstrap.unpinRequest();
+    req.setModel(text(model));
+    req.setLayer(layer);
+    req.setExpert(expert);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::evict(const std::string& model, uint32_t layer, uint32_t expert) {
+  return conn_->call<Ok>([&](Connection::State& s) {
+    auto req = s.bootstrap.evictRequest();
+    req.setModel(text(model));
+    req.setLayer(layer);
+    req.setExpert(expert);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::ping() {
+  return conn_->call<Ok>([](Connection::State& s) {
+    return s.bootstrap.pingRequest().send().then([](auto) { return Ok{}; });
+  });
+}
+
+namespace {
+
+// Maps `bytes` of `fd` shared; checks the file is at least that large first (a short file would
+// SIGBUS on access).
+Result<void*> map_fd(int fd, uint64_t bytes, int prot, const char* what) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return make_error(errno, fmt::format("{}: fstat: {}", what, std::strerror(errno)));
+  }
+  if (bytes == 0 || static_cast<uint64_t>(st.st_size) < bytes) {
+    return make_error(EPROTO, fmt::format("{}: expertd announced {} bytes, the file has {}", what,
+                                          bytes, st.st_size));
+  }
+  void* p = ::mmap(nullptr, bytes, prot, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return make_error(errno, fmt::format("{}: mmap of {} bytes: {}", what, bytes,
+                                         std::strerror(errno)));
+  }
+  return p;
+}
+
+bool power_of_two(uint32_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+}  // namespace
+
+Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
+                                                const std::string& client_name) {
+  ModelLayout layout;
+  EXPERTD_TRY_ASSIGN(layout, open_model(model));
+  AttachReply reply;
+  EXPERTD_TRY_ASSIGN(
+      reply, conn_->call<AttachReply>([&](Connection::State& s) {
+        auto req = s.bootstrap.attachRequest();
+        req.setModel(text(model));
+        req.setClientName(text(client_name));
+        return req.send().then([&s](capnp::Response<rpc::Expertd::AttachResults> r) {
+          auto caps = kj::heapArrayBuilder<rpc::Fd::Client>(5);
+          caps.add(r.getArena());
+          caps.add(r.getSlotTable());
+          caps.add(r.getSessionRegion());
+          caps.add(r.getRequestDoorbell());
+          caps.add(r.getCompletionDoorbell());
+          AttachReply a;
+          a.key = s.next_key++;
+          s.sessions.emplace(a.key, r.getSession());
+          a.session = r.getSessionId();
+          a.arena_bytes = r.getArenaBytes();
+          a.slot_table_bytes = r.getSlotTableBytes();
+          a.session_bytes = r.getSessionBytes();
+          a.request_capacity = r.getRequestCapacity();
+          a.completion_capacity = r.getCompletionCapacity();
+          auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
+          for (auto& c : caps) fds.add(c.getFd());
+          return kj::joinPromises(fds.finish())
+              .attach(caps.finish())
+              .then([a](kj::Array<kj::Maybe<int>> got) mutable {
+                for (size_t i = 0; i < got.size(); ++i) {
+                  KJ_IF_MAYBE (fd, got[i]) {
+                    // The capability owns its fd: keep a copy of our own.
+                    a.fds[i] = ::fcntl(*fd, F_DUPFD_CLOEXEC, 0);
+                  }
+                }
+                return a;
+              });
+        });
+      }));
+
+  std::unique_ptr<Session> s(new Session());
+  s->conn_ = conn_;
+  s->key_ = reply.key;
+  s->id_ = reply.session;
+  s->arena_fd_ = reply.fds[0];
+  s->table_fd_ = reply.fds[1];
+  s->region_fd_ = reply.fds[2];
+  s->request_fd_ = reply.fds[3];
+  s->completion_fd_ = reply.fds[4];
+  // From here the Session's destructor detaches and cleans up whatever is set.
+  for (const int fd : reply.fds) {
+    if (fd < 0) {
+      return make_error(EPROTO, "attach: expertd sent no file descriptors (this client needs a "
+                                "Unix socket with fd passing)");
+    }
+  }
+  s->layout_ = std::move(layout);
+  s->arena_bytes_ = reply.arena_bytes;
+  s->table_bytes_ = reply.slot_table_bytes;
+  s->region_bytes_ = reply.session_bytes;
+  s->request_capacity_ = reply.request_capacity;
+  s->completion_capacity_ = reply.completion_capacity;
+
+  void* p = nullptr;
+  EXPERTD_TRY_ASSIGN(p, map_fd(s->arena_fd_, s->arena_bytes_, PROT_READ, "arena"));
+  s->arena_ = static_cast<const uint8_t*>(p);
+  EXPERTD_TRY_ASSIGN(p, map_fd(s->table_fd_, s->table_bytes_, PROT_READ, "slot table"));
+  s->table_ = static_cast<const uint8_t*>(p);
+  EXPERTD_TRY_ASSIGN(
+      p, map_fd(s->region_fd_, s->region_bytes_, PROT_READ | PROT_WRITE, "session region"));
+  s->region_ = static_cast<uint8_t*>(p);
+
+  // The slot table: ours to trust only after its header matches.
+  const ModelLayout& l = s->layout_;
+  if (s->table_bytes_ < sizeof(abi::SlotTableHeader)) {
+    return make_error(EPROTO, "slot table: smaller than its header");
+  }
+  s->table_header_ = reinterpret_cast<const abi::SlotTableHeader*>(s->table_);
+  const abi::SlotTableHeader& th = *s->table_header_;
+  if (th.magic != abi::kSlotTableMagic) {
+    return make_error(EPROTO, fmt::format("slot table: bad magic {:#x} (expected {:#x})",
+                                          th.magic, abi::kSlotTableMagic));
+  }
+  if (th.version != abi::kProtocolVersion) {
+    return make_error(EPROTO, fmt::format("protocol version mismatch: daemon {}, client {}",
+                                          th.version, abi::kProtocolVersion));
+  }
+  if (th.slot_count != l.slot_count || th.slot_bytes != l.slot_bytes ||
+      abi::slot_table_bytes(th.slot_count) > s->table_bytes_ ||
+      uint64_t{th.slot_count} * th.slot_bytes > s->arena_bytes_ || l.alignment == 0 ||
+      (l.alignment & (l.alignment - 1)) != 0) {
+    return make_error(EPROTO, fmt::format("slot table: {} slots of {} bytes does not match the "
+                                          "model layout ({} slots of {} bytes, arena {} bytes)",
+                                          th.slot_count, th.slot_bytes, l.slot_count,
+                                          l.slot_bytes, s->arena_bytes_));
+  }
+  s->table_entries_ =
+      reinterpret_cast<const abi::SlotEntry*>(s->table_ + sizeof(abi::SlotTableHeader));
+
+  // The session region.
+  if (s->region_bytes_ < sizeof(abi::SessionHeader)) {
+    return make_error(EPROTO, "session region: smaller than its header");
+  }
+  s->header_ = reinterpret_cast<abi::SessionHeader*>(s->region_);
+  const abi::SessionHeader& h = *s->header_;
+  if (h.magic != abi::kSessionMagic) {
+    return make_error(EPROTO, fmt::format("session region: bad magic {:#x} (expected {:#x})",
+                                          h.magic, abi::kSessionMagic));
+  }
+  if (h.version != abi::kProtocolVersion) {
+    return make_error(EPROTO, fmt::format("protocol version mismatch: daemon {}, client {}",
+                                          h.version, abi::kProtocolVersion));
+  }
+  const abi::SessionLayout want =
+      abi::session_layout(s->request_capacity_, s->completion_capacity_);
+  if (!power_of_two(s->request_capacity_) || !power_of_two(s->completion_capacity_) ||
+      h.request_ring_offset != want.request_ring_offset ||
+      h.completion_ring_offset != want.completion_ring_offset || want.bytes > s->region_bytes_) {
+    return make_error(EPROTO, "session region: ring layout does not match the announced "
+                              "capacities");
+  }
+  s->req_ = reinterpret_cast<abi::RingHeader*>(s->region_ + h.request_ring_offset);
+  s->req_entries_ = reinterpret_cast<abi::Request*>(s->req_ + 1);
+  s->comp_ = reinterpret_cast<abi::RingHeader*>(s->region_ + h.completion_ring_offset);
+  s->comp_entries_ = reinterpret_cast<abi::CompletionEntry*>(s->comp_ + 1);
+  if (s->req_->capacity != s->request_capacity_ ||
+      s->req_->entry_bytes != sizeof(abi::Request) ||
+      s->comp_->capacity != s->completion_capacity_ ||
+      s->comp_->entry_bytes != sizeof(abi::CompletionEntry)) {
+    return make_error(EPROTO, "session region: ring headers do not match the announced layout");
+  }
+  s->req_tail_ = s->req_->tail.value.load(std::memory_order_relaxed);
+  s->comp_head_ = s->comp_->head.value.load(std::memory_order_relaxed);
+
+  // Per layer: where its slices are in the layout.
+  s->layer_slices_.assign(l.block_count, {});
+  for (uint32_t i = 0; i < l.slices.size(); ++i) {
+    const uint32_t layer = l.slices[i].layer;
+    if (layer >= l.block_count) {
+      return make_error(EPROTO, fmt::format("model layout: slice of layer {} beyond {} layers",
+                                            layer, l.block_count));
+    }
+    auto& ls = s->layer_slices_[layer];
+    if (ls.count == 0) ls.first = i;
+    if (ls.first + ls.count != i || ls.count == 3) {
+      return make_error(EPROTO, fmt::format("model layout: layer {}'s slices are not grouped",
+                                            layer));
+    }
+    ++ls.count;
+  }
+  s->held_.assign(l.slot_count, 0);
+  conn_->watch_doorbell(s->completion_fd_);
+  s->watching_ = true;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session: control
+
+Session::~Session() {
+  (void)detach();
+  if (watching_) conn_->unwatch_doorbell(completion_fd_);
+  if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
+  if (table_ != nullptr) ::munmap(const_cast<uint8_t*>(table_), table_bytes_);
+  if (region_ != nullptr) ::munmap(region_, region_bytes_);
+  for (const int fd : {arena_fd_, table_fd_, region_fd_, request_fd_, completion_fd_}) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+Status Session::detach() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (detached_) return Ok{};
+  detached_ = true;
+  holds_ = 0;
+  std::fill(held_.begin(), held_.end(), 0);
+  if (conn_ == nullptr || conn_->disconnected()) return Ok{};
+  const uint64_t key = key_;
+  return conn_->call<Ok>([key](Connection::State& s) -> kj::Promise<Ok> {
+    auto it = s.sessions.find(key);
+    if (it == s.sessions.end()) return Ok{};
+    auto cap = kj::mv(it->second);
+    s.sessions.erase(it);
+    return cap.detachRequest().send().attach(kj::mv(cap)).then([](auto) { return Ok{}; });
+  });
+}
+
+Result<SessionStats> Session::stats() {
+  const uint64_t key = key_;
+  return conn_->call<SessionStats>([key](Connection::State& s) -> kj::Promise<SessionStats> {
+    auto it = s.sessions.find(key);
+    if (it == s.sessions.end()) return KJ_EXCEPTION(FAILED, "session is detached");
+    return it->second.statsRequest().send().then(
+        [](auto r) { return to_session(r.getStats()); });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session: data plane
+
+Error Session::gone(const std::string& why) const { return make_error(ECONNRESET, why); }
+
+Status Session::check_open() const {
+  if (detached_) return make_error(EBADF, fmt::format("session {} is detached", id_));
+  const int32_t closed = header_->closed.load(std::memory_order_acquire);
+  if (closed != 0) {
+    return make_error(EPROTO, fmt::format("expertd closed session {}: {} (it rejected a request; "
+                                          "the daemon's log says which)",
+                                          id_, std::strerror(closed < 0 ? -closed : closed)));
+  }
+  if (conn_->disconnected()) return conn_->gone_error();
+  return Ok{};
+}
+
+void Session::ring_daemon() {
+  // Orders our tail store before reading the daemon's `waiting` (pairs with the daemon's fence
+  // between setting waiting and re-reading our tail): either it sees the request or we see it
+  // sleeping and wake it.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (req_->waiting.value.load(std::memory_order_relaxed) != 0) wake(request_fd_);
+}
+
+Status Session::push(const abi::Request& r) {
+  uint32_t head = req_->head.value.load(std::memory_order_acquire);
+  if (req_tail_ - head >= request_capacity_) {
+    // Full: the daemon is behind. Make sure it is awake, then wait for room.
+    ring_daemon();
+    const uint64_t deadline = now_ns() + kRingFullTimeoutMs * 1'000'000;
+    while (req_tail_ - (head = req_->head.value.load(std::memory_order_acquire)) >=
+           request_capacity_) {
+      EXPERTD_TRY(check_open());
+      if (now_ns() > deadline) {
+        return gone(fmt::format("expertd went away: session {}'s request ring stayed full for "
+                                "{} s",
+                                id_, kRingFullTimeoutMs / 1000));
+      }
+      std::this_thread::yield();
+    }
+  }
+  req_entries_[req_tail_ & (request_capacity_ - 1)] = r;
+  ++req_tail_;
+  // Release: the daemon that sees the new tail sees the entry.
+  req_->tail.value.store(req_tail_, std::memory_order_release);
+  return Ok{};
+}
+
+bool Session::poll_completion(abi::CompletionEntry* out) {
+  // Acquire: pairs with the daemon's release store of tail, so the entry is complete.
+  const uint32_t tail = comp_->tail.value.load(std::memory_order_acquire);
+  if (tail == comp_head_) return false;
+  *out = comp_entries_[comp_head_ & (completion_capacity_ - 1)];
+  ++comp_head_;
+  // Release: the daemon may reuse the entry once it sees the new head.
+  comp_->head.value.store(comp_head_, std::memory_order_release);
+  return true;
+}
+
+Status Session::wait_completion(abi::CompletionEntry* out) {
+  if (poll_completion(out)) return Ok{};
+  const uint64_t spin_until = now_ns() + spin_ns_;
+  uint32_t spins = 0;
+  while (true) {
+    for (int i = 0; i < 64; ++i) {
+      if (poll_completion(out)) return Ok{};
+      EXPERTD_CPU_PAUSE();
+    }
+    if (++spins % 16 == 0) EXPERTD_TRY(check_open());
+    if (now_ns() >= spin_until) break;
+  }
+  // Sleep: announce it, then re-check (the daemon's fence pairs with ours), then block.
+  while (true) {
+    comp_->waiting.value.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (poll_completion(out)) {
+      comp_->waiting.value.store(0, std::memory_order_relaxed);
+      return Ok{};
+    }
+    if (auto st = check_open(); !st) {
+      comp_->waiting.value.store(0, std::memory_order_relaxed);
+      return st;
+    }
+    pollfd p{completion_fd_, POLLIN, 0};
+    const int r = ::poll(&p, 1, kSleepSliceMs);
+    if (r > 0) {
+      uint64_t v = 0;
+      [[maybe_unused]] const ssize_t n = ::read(completion_fd_, &v, sizeof(v));
+    } else if (r < 0 && errno != EINTR) {
+      comp_->waiting.value.store(0, std::memory_order_relaxed);
+      return make_error(errno, fmt::format("poll on session {}'s doorbell: {}", id_,
+                                           std::strerror(errno)));
+    }
+  }
+}
+
+Status Session::fill_view(const abi::CompletionEntry& c, SlotView& v) const {
+  const auto slot = static_cast<uint32_t>(c.result);
+  if (slot >= layout_.slot_count) {
+    return make_error(EPROTO, fmt::format("expertd returned slot {} of {}", slot,
+                                          layout_.slot_count));
+  }
+  const abi::SlotEntry& e = table_entries_[slot];
+  // Acquire: pairs with the daemon's release store of state after layer/expert/generation.
+  const uint32_t state = e.state.load(std::memory_order_acquire);
+  if (state != abi::kSlotReady || e.layer != c.layer || e.expert != c.expert ||
+      e.generation != c.generation) {
+    return make_error(EPROTO,
+                      fmt::format("slot {} for layer {} expert {} (generation {}): the slot "
+                                  "table says state {}, layer {} expert {} (generation {})",
+                                  slot, c.layer, c.expert, c.generation, state, e.layer,
+                                  e.expert, e.generation));
+  }
+  v.slot = slot;
+  v.generation = c.generation;
+  v.layer = c.layer;
+  v.expert = c.expert;
+  v.slot_data = arena_ + uint64_t{slot} * layout_.slot_bytes;
+  // Slices are placed one after another, each widened to the alignment (SlotLayouts::place).
+  const LayerSlices& ls = layer_slices_[c.layer];
+  const uint64_t a = layout_.alignment;
+  uint64_t pos = 0;
+  v.slice_count = ls.count;
+  for (uint32_t i = 0; i < ls.count; ++i) {
+    const ModelLayout::Slice& s = layout_.slices[ls.first + i];
+    const uint64_t offset = s.offset + uint64_t{c.expert} * s.stride;
+    const uint64_t start = offset / a * a;
+    const uint64_t end = (offset + s.bytes + a - 1) / a * a;
+    v.slices[i] = SliceView{&s, v.slot_data + pos + (offset - start), s.bytes};
+    pos += end - start;
+  }
+  if (pos > layout_.slot_bytes) {
+    return make_error(EPROTO, fmt::format("layer {} expert {}: its slices need {} bytes, a slot "
+                                          "has {}",
+                                          c.layer, c.expert, pos, layout_.slot_bytes));
+  }
+  return Ok{};
+}
+
+Status Session::push_release(uint32_t slot) {
+  abi::Request r{};
+  r.op = abi::kOpRelease;
+  r.arg = slot;
+  EXPERTD_TRY(push(r));
+  --held_[slot];
+  --holds_;
+  return Ok{};
+}
+
+void Session::release_quietly(std::span<const SlotView> views, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    if (views[i].slot_data != nullptr && held_[views[i].slot] > 0) {
+      if (!push_release(views[i].slot)) break;
+    }
+  }
+  ring_daemon();
+}
+
+Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
+                        std::span<SlotView> out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  const size_t n = experts.size();
+  if (out.size() < n) {
+    return make_error(EINVAL, fmt::format("acquire: room for {} views, {} experts asked",
+                                          out.size(), n));
+  }
+  if (layer >= layer_slices_.size() || layer_slices_[layer].count == 0) {
+    return make_error(EINVAL, fmt::format("acquire: layer {} has no routed experts (model '{}' "
+                                          "has {} layers)",
+                                          layer, layout_.name, layout_.block_count));
+  }
+  for (const uint32_t e : experts) {
+    if (e >= layout_.expert_count) {
+      return make_error(EINVAL, fmt::format("acquire: expert {} of layer {}: the model has {} "
+                                            "experts per layer",
+                                            e, layer, layout_.expert_count));
+    }
+  }
+  for (size_t i = 0; i < n; ++i) out[i] = SlotView{};
+  const uint64_t tag0 = next_tag_;
+  next_tag_ += n;
+  // At most capacity - 1 acquires outstanding: the daemon closes a session that could overflow
+  // its completion ring.
+  const uint32_t window = completion_capacity_ - 1;
+  size_t sent = 0;
+  size_t done = 0;
+  Status failed = Ok{};
+  while (done < n) {
+    bool pushed = false;
+    while (sent < n && in_flight_ < window && failed) {
+      abi::Request r{};
+      r.op = abi::kOpAcquire;
+      r.layer = layer;
+      r.expert = experts[sent];
+      r.tag = tag0 + sent;
+      if (auto st = push(r); !st) {
+        failed = std::move(st);
+        break;
+      }
+      ++sent;
+      ++in_flight_;
+      pushed = true;
+    }
+    if (pushed) ring_daemon();
+    if (done == sent) break;  // a push failed: nothing more to wait for
+    abi::CompletionEntry c{};
+    if (auto st = wait_completion(&c); !st) return st;  // the daemon dropped every hold
+    --in_flight_;
+    const uint64_t i = c.tag - tag0;
+    if (c.tag < tag0 || i >= n || out[i].slot_data != nullptr || c.layer != layer ||
+        c.expert != experts[i]) {
+      // Not an answer to this call: a daemon bug; give a slot back and report it.
+      if (c.result >= 0 && static_cast<uint32_t>(c.result) < layout_.slot_count) {
+        ++held_[static_cast<uint32_t>(c.result)];
+        ++holds_;
+        (void)push_release(static_cast<uint32_t>(c.result));
+      }
+      if (failed) {
+        failed = make_error(EPROTO, fmt::format("acquire: unexpected completion tag {} "
+                                                "(layer {} expert {})",
+                                                c.tag, c.layer, c.expert));
+      }
+      continue;
+    }
+    ++done;
+    if (c.result < 0) {
+      if (failed) {
+        failed = make_error(-c.result, fmt::format("acquire of layer {} expert {}: {}", layer,
+                                                   c.expert, std::strerror(-c.result)));
+      }
+      continue;
+    }
+    if (auto st = fill_view(c, out[i]); !st) {
+      if (failed) failed = std::move(st);
+      continue;
+    }
+    ++held_[out[i].slot];
+    ++holds_;
+  }
+  if (!failed) {
+    release_quietly(out, n);
+    return failed;
+  }
+  return Ok{};
+}
+
+Result<std::vector<SlotView>> Session::acquire(uint32_t layer,
+                                               std::span<const uint32_t> experts) {
+  std::vector<SlotView> views(experts.size());
+  EXPERTD_TRY(acquire(layer, experts, std::span<SlotView>(views)));
+  return views;
+}
+
+Status Session::prefetch(std::span<const PrefetchHint> hints) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  for (const PrefetchHint& h : hints) {
+    if (h.layer >= layer_slices_.size() || layer_slices_[h.layer].count == 0 ||
+        h.expert >= layout_.expert_count || !std::isfinite(h.score)) {
+      return make_error(EINVAL, fmt::format("prefetch: layer {} expert {} score {}: no such "
+                                            "routed expert or not a score",
+                                            h.layer, h.expert, h.score));
+    }
+  }
+  for (const PrefetchHint& h : hints) {
+    abi::Request r{};
+    r.op = abi::kOpPrefetch;
+    r.layer = h.layer;
+    r.expert = h.expert;
+    r.score = std::clamp(h.score, 0.0f, 1.0f);
+    if (auto st = push(r); !st) {
+      ring_daemon();
+      return st;
+    }
+  }
+  ring_daemon();
+  return Ok{};
+}
+
+Status Session::release(uint32_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  if (slot >= held_.size() || held_[slot] == 0) {
+    return make_error(EINVAL, fmt::format("release of slot {}: this session does not hold it",
+                                          slot));
+  }
+  EXPERTD_TRY(push_release(slot));
+  ring_daemon();
+  return Ok{};
+}
+
+Status Session::release(std::span<const SlotView> views) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  for (const SlotView& v : views) {
+    if (v.slot >= held_.size() || held_[v.slot] == 0) {
+      return make_error(EINVAL, fmt::format("release of slot {}: this session does not hold it",
+                                            v.slot));
+    }
+  }
+  for (const SlotView& v : views) {
+    if (auto st = push_release(v.slot); !st) {
+      ring_daemon();
+      return st;
+    }
+  }
+  ring_daemon();
+  return Ok{};
+}
+
+Status Session::set_cursor(uint32_t token, uint32_t layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  if (layer >= layout_.block_count) {
+    return make_error(EINVAL, fmt::format("set_cursor: layer {}: the model has {} layers", layer,
+                                          layout_.block_count));
+  }
+  abi::Request r{};
+  r.op = abi::kOpCursor;
+  r.layer = layer;
+  r.arg = token;
+  EXPERTD_TRY(push(r));
+  ring_daemon();
+  return Ok{};
+}
+
+}  // namespace expertd::client

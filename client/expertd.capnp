@@ -1,0 +1,132 @@
+# expertd's control plane: Cap'n Proto RPC over the daemon's Unix socket.
+#
+# APPEND-ONLY from version 1 on: never renumber, retype or remove a field, method or
+# parameter; add new ones at the end with the next ordinal. Old clients and daemons must keep
+# talking to new ones. The data plane (acquire / release / prefetch / cursor) is not here: it runs
+# over shared-memory rings (client/include/expertd/protocol.h) that attach() hands out.
+#
+# Errors: a failed call carries the daemon's one-line message as the exception's description
+# ("model 'x' is not served by this daemon (models: a, b)").
+
+@0xe70fb0b0d0d4b887;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("expertd::rpc");
+
+# A file descriptor passed with the message (SCM_RIGHTS): the server side overrides getFd(), the
+# receiving side reads it with Capability::Client::getFd() (and dup()s it to keep it).
+interface Fd {}
+
+struct ModelLayout {
+  name @0 :Text;
+  architecture @1 :Text;
+  blockCount @2 :UInt32;
+  expertCount @3 :UInt32;
+  topK @4 :UInt32;
+  alignment @5 :UInt32;   # DIO alignment the slots were laid out with
+  slotBytes @6 :UInt64;
+  slotCount @7 :UInt32;
+  slices @8 :List(Slice);
+
+  # Expert 0's slice of one kind in one MoE layer; expert e is at offset + e * stride. Within a
+  # layer, slices are listed in the order their bytes are placed in a slot.
+  struct Slice {
+    layer @0 :UInt32;
+    kind @1 :Text;        # gate, up, down, gate_up
+    shard @2 :UInt32;
+    offset @3 :UInt64;
+    stride @4 :UInt64;
+    bytes @5 :UInt64;
+    type @6 :Text;        # ggml type name
+    ne0 @7 :UInt64;
+    ne1 @8 :UInt64;
+  }
+}
+
+struct SchedulerStats {
+  acquires @0 :UInt64;
+  hits @1 :UInt64;
+  coalesced @2 :UInt64;
+  misses @3 :UInt64;
+  busy @4 :UInt64;
+  prefetchHints @5 :UInt64;
+  prefetchLoads @6 :UInt64;
+  prefetchDropped @7 :UInt64;
+  prefetchCancelled @8 :UInt64;
+  prefetchUseful @9 :UInt64;
+  loadsDone @10 :UInt64;
+  loadsFailed @11 :UInt64;
+  stagedLoads @12 :UInt64;
+  evictions @13 :UInt64;
+  bytesRead @14 :UInt64;
+  reads @15 :UInt64;
+  shortReads @16 :UInt64;
+  eagainRetries @17 :UInt64;
+  bufferedRequeues @18 :UInt64;
+}
+
+struct ModelStats {
+  name @0 :Text;
+  scheduler @1 :SchedulerStats;
+  cacheSlots @2 :UInt32;
+  cacheReady @3 :UInt32;
+  stagingSlots @4 :UInt32;
+  slotBytes @5 :UInt64;
+  layerHits @6 :List(UInt64);    # per block layer: acquires served READY
+  layerMisses @7 :List(UInt64);  # per block layer: acquires that waited for a read
+  readsInFlight @8 :UInt32;
+}
+
+struct SessionStats {
+  session @0 :UInt32;
+  model @1 :Text;
+  client @2 :Text;
+  pid @3 :Int32;
+  uid @4 :UInt32;
+  acquires @5 :UInt64;
+  prefetches @6 :UInt64;
+  releases @7 :UInt64;
+  holds @8 :UInt32;
+}
+
+struct Stats {
+  backend @0 :Text;
+  backendDetail @1 :Text;
+  uptimeMs @2 :UInt64;
+  reactorLoops @3 :UInt64;
+  queueDepth @4 :UInt32;
+  chunkBytes @5 :UInt64;
+  prefetchDepth @6 :UInt32;
+  policy @7 :Text;
+  bytesRead @8 :UInt64;
+  models @9 :List(ModelStats);
+  sessions @10 :List(SessionStats);
+  sessionsClosedHostile @11 :UInt64;
+}
+
+# One attached client of one model. Dropping this capability (or the connection) detaches the
+# session: the daemon releases every slot it still holds.
+interface Session {
+  stats @0 () -> (stats :SessionStats);
+  detach @1 () -> ();
+}
+
+# The bootstrap capability.
+interface Expertd {
+  info @0 () -> (version :Text, protocolVersion :UInt32, backend :Text, backendDetail :Text,
+                 models :List(Text));
+  openModel @1 (name :Text) -> (layout :ModelLayout);
+  attach @2 (model :Text, clientName :Text)
+      -> (session :Session, sessionId :UInt32, arenaBytes :UInt64, slotTableBytes :UInt64,
+          sessionBytes :UInt64, requestCapacity :UInt32, completionCapacity :UInt32,
+          arena :Fd, slotTable :Fd, sessionRegion :Fd, requestDoorbell :Fd,
+          completionDoorbell :Fd);
+  stats @3 () -> (stats :Stats);
+  setPrefetchDepth @4 (depth :UInt32) -> ();
+  setQueueDepth @5 (depth :UInt32) -> ();
+  setPolicy @6 (name :Text) -> ();
+  pin @7 (model :Text, layer :UInt32, expert :UInt32) -> ();
+  unpin @8 (model :Text, layer :UInt32, expert :UInt32) -> ();
+  evict @9 (model :Text, layer :UInt32, expert :UInt32) -> ();
+  ping @10 () -> ();
+}

@@ -1,0 +1,301 @@
+// libexpertd-client: the public client of expertd.
+//
+// Control plane: Client talks Cap'n Proto RPC (client/expertd.capnp) over the daemon's Unix
+// socket. The RPC runs on a private kj event loop in a background thread the Client owns, so every
+// public call is synchronous, may be made from any thread, and leaves the caller's thread alone
+// between calls.
+//
+// Data plane: Session bypasses RPC. attach() receives (by fd passing) the model's arena and slot
+// table, mapped read-only, and the session region, mapped read-write; acquire / prefetch / release
+// / set_cursor write Request records into the session's request ring and read CompletionEntry
+// records from its completion ring (client/include/expertd/protocol.h). The caller spins briefly
+// for completions, then sleeps on an eventfd; a daemon that dies (the RPC connection drops) or
+// closes the session (header `closed`) turns every later call into a clear error.
+//
+// Lifetimes: a Session keeps its Client's connection alive; destroying the Session detaches it
+// (the daemon releases every slot it still holds). Pointers in a SlotView stay valid while the
+// slot is held (until release) and the Session lives.
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "expertd/protocol.h"
+#include "storage/result.h"
+
+namespace expertd::client {
+
+inline constexpr const char* kDefaultSocket = "/run/expertd/expertd.sock";
+
+// $EXPERTD_SOCKET when set, else kDefaultSocket.
+std::string default_socket();
+
+struct DaemonInfo {
+  std::string version;
+  uint32_t protocol_version = 0;
+  std::string backend;
+  std::string backend_detail;
+  std::vector<std::string> models;
+};
+
+struct ModelLayout {
+  std::string name;
+  std::string architecture;
+  uint32_t block_count = 0;
+  uint32_t expert_count = 0;
+  uint32_t top_k = 0;
+  uint32_t alignment = 0;  // DIO alignment the slots were laid out with
+  uint64_t slot_bytes = 0;
+  uint32_t slot_count = 0;
+  struct Slice {  // expert 0's slices of one MoE layer; expert e is at offset + e * stride
+    uint32_t layer = 0;
+    std::string kind;  // gate, up, down, gate_up
+    uint32_t shard = 0;
+    uint64_t offset = 0;
+    uint64_t stride = 0;
+    uint64_t bytes = 0;
+    std::string type;  // ggml type name
+    uint64_t ne0 = 0;
+    uint64_t ne1 = 0;
+  };
+  std::vector<Slice> slices;  // by layer; within a layer in slot placement order
+
+  // True when `layer` has routed experts (dense layers and layers past the end do not).
+  bool has_experts(uint32_t layer) const;
+};
+
+struct SchedulerStats {
+  uint64_t acquires = 0;
+  uint64_t hits = 0;
+  uint64_t coalesced = 0;
+  uint64_t misses = 0;
+  uint64_t busy = 0;
+  uint64_t prefetch_hints = 0;
+  uint64_t prefetch_loads = 0;
+  uint64_t prefetch_dropped = 0;
+  uint64_t prefetch_cancelled = 0;
+  uint64_t prefetch_useful = 0;
+  uint64_t loads_done = 0;
+  uint64_t loads_failed = 0;
+  uint64_t staged_loads = 0;
+  uint64_t evictions = 0;
+  uint64_t bytes_read = 0;
+  uint64_t reads = 0;
+  uint64_t short_reads = 0;
+  uint64_t eagain_retries = 0;
+  uint64_t buffered_requeues = 0;
+};
+
+struct ModelStats {
+  std::string name;
+  SchedulerStats scheduler;
+  uint32_t cache_slots = 0;
+  uint32_t cache_ready = 0;
+  uint32_t staging_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<uint64_t> layer_hits;    // per block layer
+  std::vector<uint64_t> layer_misses;  // per block layer
+  uint32_t reads_in_flight = 0;
+};
+
+struct SessionStats {
+  uint32_t session = 0;
+  std::string model;
+  std::string client;
+  int32_t pid = 0;
+  uint32_t uid = 0;
+  uint64_t acquires = 0;
+  uint64_t prefetches = 0;
+  uint64_t releases = 0;
+  uint32_t holds = 0;
+};
+
+struct Stats {
+  std::string backend;
+  std::string backend_detail;
+  uint64_t uptime_ms = 0;
+  uint64_t reactor_loops = 0;
+  uint32_t queue_depth = 0;
+  uint64_t chunk_bytes = 0;
+  uint32_t prefetch_depth = 0;
+  std::string policy;
+  uint64_t bytes_read = 0;
+  std::vector<ModelStats> models;
+  std::vector<SessionStats> sessions;
+  uint64_t sessions_closed_hostile = 0;
+};
+
+// One slice of an acquired expert, inside the read-only arena mapping.
+struct SliceView {
+  const ModelLayout::Slice* info = nullptr;  // kind, ggml type, shape (owned by the Session)
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// An acquired expert: a held slot. Give it back with Session::release().
+struct SlotView {
+  uint32_t slot = 0;
+  uint32_t generation = 0;
+  uint32_t layer = 0;
+  uint32_t expert = 0;
+  uint32_t slice_count = 0;
+  std::array<SliceView, 3> slices{};
+  const uint8_t* slot_data = nullptr;  // the start of the slot in the arena mapping
+};
+
+struct PrefetchHint {
+  uint32_t layer = 0;
+  uint32_t expert = 0;
+  float score = 0.0f;  // the router's probability, in [0, 1]
+};
+
+class Connection;  // the RPC thread and its state (client.cc)
+
+// One attached session: the data plane of one model. Thread-safe (calls are serialised by a
+// mutex; one engine thread per session is the intended use).
+class Session {
+ public:
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  uint32_t id() const { return id_; }
+  const ModelLayout& layout() const { return layout_; }
+
+  // Acquires `experts` of `layer` (waiting for reads as needed) and returns them held, in order.
+  // Every returned slot must be released. On error nothing stays held.
+  Result<std::vector<SlotView>> acquire(uint32_t layer, std::span<const uint32_t> experts);
+  // The same into `out` (out.size() >= experts.size()); allocates nothing.
+  Status acquire(uint32_t layer, std::span<const uint32_t> experts, std::span<SlotView> out);
+  // Hints for experts wanted soon (no completion; the daemon may ignore them).
+  Status prefetch(std::span<const PrefetchHint> hints);
+  // Gives back held slots.
+  Status release(uint32_t slot);
+  Status release(std::span<const SlotView> views);
+  // Where the engine is: prefetches for layers it has passed are dropped.
+  Status set_cursor(uint32_t token, uint32_t layer);
+  // The daemon's counters for this session (an RPC).
+  Result<SessionStats> stats();
+  // Detaches now (the destructor does it otherwise). Later data-plane calls fail.
+  Status detach();
+
+  // --- For engines (cudaHostRegister the arena once) and tests ---
+  const uint8_t* arena() const { return arena_; }
+  uint64_t arena_bytes() const { return arena_bytes_; }
+  const abi::SlotTableHeader* slot_table() const { return table_header_; }
+  const abi::SlotEntry* slot_entries() const { return table_entries_; }
+  uint8_t* session_region() const { return region_; }
+  uint64_t session_bytes() const { return region_bytes_; }
+  int arena_fd() const { return arena_fd_; }
+  int slot_table_fd() const { return table_fd_; }
+  int session_fd() const { return region_fd_; }
+  int request_doorbell_fd() const { return request_fd_; }
+  int completion_doorbell_fd() const { return completion_fd_; }
+  uint32_t request_capacity() const { return request_capacity_; }
+  uint32_t completion_capacity() const { return completion_capacity_; }
+  // Slots this Session holds (acquired, not yet released).
+  uint32_t holds() const { return holds_; }
+
+  // Spin this long for a completion before sleeping on the eventfd.
+  void set_spin_us(uint32_t us) { spin_ns_ = uint64_t{us} * 1000; }
+
+ private:
+  friend class Client;
+  Session() = default;
+
+  struct LayerSlices {
+    uint32_t first = 0;  // index into layout_.slices
+    uint32_t count = 0;
+  };
+
+  Status check_open() const;
+  Error gone(const std::string& why) const;
+  Status push(const abi::Request& r);
+  void ring_daemon();
+  bool poll_completion(abi::CompletionEntry* out);
+  Status wait_completion(abi::CompletionEntry* out);
+  Status fill_view(const abi::CompletionEntry& c, SlotView& view) const;
+  void release_quietly(std::span<const SlotView> views, size_t count);
+  Status push_release(uint32_t slot);
+
+  std::shared_ptr<Connection> conn_;
+  uint64_t key_ = 0;  // the Session capability's key in the connection
+  uint32_t id_ = 0;
+  ModelLayout layout_;
+  std::vector<LayerSlices> layer_slices_;  // per block layer
+
+  int arena_fd_ = -1;
+  int table_fd_ = -1;
+  int region_fd_ = -1;
+  int request_fd_ = -1;
+  int completion_fd_ = -1;
+  const uint8_t* arena_ = nullptr;
+  uint64_t arena_bytes_ = 0;
+  const uint8_t* table_ = nullptr;
+  uint64_t table_bytes_ = 0;
+  const abi::SlotTableHeader* table_header_ = nullptr;
+  const abi::SlotEntry* table_entries_ = nullptr;
+  uint8_t* region_ = nullptr;
+  uint64_t region_bytes_ = 0;
+
+  abi::SessionHeader* header_ = nullptr;
+  abi::RingHeader* req_ = nullptr;
+  abi::Request* req_entries_ = nullptr;
+  abi::RingHeader* comp_ = nullptr;
+  abi::CompletionEntry* comp_entries_ = nullptr;
+  uint32_t request_capacity_ = 0;
+  uint32_t completion_capacity_ = 0;
+  uint32_t req_tail_ = 0;   // ours: the next request to write
+  uint32_t comp_head_ = 0;  // ours: the next completion to read
+  uint32_t in_flight_ = 0;  // acquires sent, completions not yet read
+  uint64_t next_tag_ = 1;
+  uint32_t holds_ = 0;
+  std::vector<uint32_t> held_;  // per slot: holds taken by acquires, not yet released
+  uint64_t spin_ns_ = 30'000;
+  bool detached_ = false;
+  bool watching_ = false;  // completion_fd_ is registered with the connection
+  std::mutex mu_;
+};
+
+class Client {
+ public:
+  // Connects to the daemon's socket and checks the protocol version. Errors: "cannot connect to
+  // expertd at PATH: No such file or directory (is expertd running?)", "permission denied: ...",
+  // "protocol version mismatch: daemon 2, client 1".
+  static Result<std::unique_ptr<Client>> connect(const std::string& socket);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& socket() const { return socket_; }
+  Result<DaemonInfo> info();
+  Result<ModelLayout> open_model(const std::string& name);
+  Result<std::unique_ptr<Session>> attach(const std::string& model,
+                                          const std::string& client_name);
+  Result<Stats> stats();
+  Status set_prefetch_depth(uint32_t depth);
+  Status set_queue_depth(uint32_t depth);
+  Status set_policy(const std::string& name);
+  Status pin(const std::string& model, uint32_t layer, uint32_t expert);
+  Status unpin(const std::string& model, uint32_t layer, uint32_t expert);
+  Status evict(const std::string& model, uint32_t layer, uint32_t expert);
+  // An empty RPC round trip (benchmarks).
+  Status ping();
+  // False once the connection to the daemon dropped.
+  bool connected() const;
+
+ private:
+  Client() = default;
+  std::string socket_;
+  std::shared_ptr<Connection> conn_;
+};
+
+}  // namespace expertd::client

@@ -1,0 +1,230 @@
+#include "daemon/config.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <set>
+
+#include "daemon/policy.h"
+
+namespace expertd {
+
+uint64_t physical_memory_bytes() {
+  return static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+Result<uint64_t> parse_size(const std::string& what, const std::string& value,
+                            uint64_t total_bytes) {
+  auto bad = [&](const char* why) {
+    return make_error(EINVAL,
+                      fmt::format("{} '{}': {} (examples: 4GiB, 512MiB, 25%)", what, value, why));
+  };
+  size_t i = 0;
+  while (i < value.size() &&
+         (std::isdigit(static_cast<unsigned char>(value[i])) || value[i] == '.')) {
+    ++i;
+  }
+  if (i == 0) return bad("not a size");
+  double number = 0;
+  try {
+    number = std::stod(value.substr(0, i));
+  } catch (...) {
+    return bad("not a number");
+  }
+  std::string unit = value.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double mult = 1;
+  if (unit.empty() || unit == "B") {
+    mult = 1;
+  } else if (unit == "%") {
+    if (number > 100) return bad("a percentage above 100");
+    return static_cast<uint64_t>(static_cast<double>(total_bytes) * number / 100.0);
+  } else {
+    static const std::pair<const char*, double> units[] = {
+        {"K", 1024.0},          {"KIB", 1024.0},          {"KB", 1e3},
+        {"M", 1048576.0},       {"MIB", 1048576.0},       {"MB", 1e6},
+        {"G", 1073741824.0},    {"GIB", 1073741824.0},    {"GB", 1e9},
+        {"T", 1099511627776.0}, {"TIB", 1099511627776.0}, {"TB", 1e12}};
+    bool found = false;
+    for (const auto& [name, m] : units) {
+      if (unit == name) {
+        mult = m;
+        found = true;
+      }
+    }
+    if (!found) return bad("unknown unit");
+  }
+  const double bytes = number * mult;
+  if (!std::isfinite(bytes) || bytes >= 1.8e19) return bad("too large");
+  return static_cast<uint64_t>(bytes);
+}
+
+Result<BackendKind> parse_backend(const std::string& what, const std::string& value) {
+  if (value == "uring" || value == "io_uring") return BackendKind::Uring;
+  if (value == "pread") return BackendKind::Pread;
+  return make_error(EINVAL, fmt::format("{} '{}': must be 'uring' or 'pread'", what, value));
+}
+
+const char* backend_kind_name(BackendKind kind) {
+  return kind == BackendKind::Uring ? "uring" : "pread";
+}
+
+namespace {
+
+Error key_error(const std::string& path, const toml::node& node, const std::string& key,
+                const std::string& what) {
+  const auto& src = node.source();
+  return make_error(
+      EINVAL, fmt::format("{}:{}:{}: {}: {}", path, src.begin.line, src.begin.column, key, what));
+}
+
+template <typename T>
+Status read_uint(const std::string& path, const toml::table& t, const char* key, T& out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return Ok{};
+  const auto v = n->value<int64_t>();
+  if (!v || *v < 0 || static_cast<uint64_t>(*v) > std::numeric_limits<T>::max()) {
+    return key_error(path, *n, key, "must be a non-negative integer");
+  }
+  out = static_cast<T>(*v);
+  return Ok{};
+}
+
+Status read_string(const std::string& path, const toml::table& t, const char* key,
+                   std::string& out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return Ok{};
+  if (const auto v = n->value<std::string>()) {
+    out = *v;
+    return Ok{};
+  }
+  if (const auto i = n->value<int64_t>(); i && *i >= 0) {  // sizes may be plain byte counts
+    out = std::to_string(*i);
+    return Ok{};
+  }
+  return key_error(path, *n, key, "must be a string");
+}
+
+template <typename T>
+Status read_id_list(const std::string& path, const toml::table& t, const char* key,
+                    std::vector<T>& out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return Ok{};
+  const toml::array* a = n->as_array();
+  if (a == nullptr) return key_error(path, *n, key, "must be an array of integers");
+  out.clear();
+  for (const auto& e : *a) {
+    const auto v = e.value<int64_t>();
+    if (!v || *v < 0 || *v > 0xffffffffll) {
+      return key_error(path, e, key, "must hold non-negative integers (uids or gids)");
+    }
+    out.push_back(static_cast<T>(*v));
+  }
+  return Ok{};
+}
+
+}  // namespace
+
+Status load_config_file(const std::string& path, DaemonConfig& c) {
+  toml::table t;
+  try {
+    t = toml::parse_file(path);  // configuration is start-up: exceptions are allowed here
+  } catch (const toml::parse_error& e) {
+    const bool missing = e.source().begin.line == 0;
+    return make_error(missing ? ENOENT : EINVAL,
+                      missing ? fmt::format("{}: {}", path, e.description())
+                              : fmt::format("{}:{}:{}: {}", path, e.source().begin.line,
+                                            e.source().begin.column, e.description()));
+  }
+  static const std::set<std::string> known = {
+      "socket",       "cache",        "staging",      "prefetch_depth", "queue_depth",
+      "chunk",        "backend",      "policy",       "lock_memory",    "verify",
+      "allowed_uids", "allowed_gids", "max_sessions", "models"};
+  for (const auto& [k, v] : t) {
+    if (known.count(std::string(k.str())) == 0) {
+      return key_error(path, v, std::string(k.str()),
+                       "unknown key (known: socket, cache, staging, prefetch_depth, queue_depth, "
+                       "chunk, backend, policy, lock_memory, verify, allowed_uids, allowed_gids, "
+                       "max_sessions, [models])");
+    }
+  }
+  c.config_path = path;
+  EXPERTD_TRY(read_string(path, t, "socket", c.socket));
+  EXPERTD_TRY(read_string(path, t, "cache", c.cache));
+  EXPERTD_TRY(read_string(path, t, "staging", c.staging));
+  EXPERTD_TRY(read_uint(path, t, "prefetch_depth", c.prefetch_depth));
+  EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
+  EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
+  std::string chunk;
+  EXPERTD_TRY(read_string(path, t, "chunk", chunk));
+  if (!chunk.empty() && chunk != "auto") {
+    EXPERTD_TRY_ASSIGN(c.chunk_bytes, parse_size(path + ": chunk", chunk, 0));
+  }
+  std::string backend;
+  EXPERTD_TRY(read_string(path, t, "backend", backend));
+  if (!backend.empty()) {
+    EXPERTD_TRY_ASSIGN(c.backend, parse_backend(path + ": backend", backend));
+  }
+  EXPERTD_TRY(read_string(path, t, "policy", c.policy));
+  for (const char* key : {"lock_memory", "verify"}) {
+    if (const toml::node* n = t.get(key)) {
+      const auto b = n->value<bool>();
+      if (!b) return key_error(path, *n, key, "must be true or false");
+      (std::string(key) == "verify" ? c.verify : c.lock_memory) = *b;
+    }
+  }
+  EXPERTD_TRY(read_id_list(path, t, "allowed_uids", c.allowed_uids));
+  EXPERTD_TRY(read_id_list(path, t, "allowed_gids", c.allowed_gids));
+  if (const toml::node* n = t.get("models")) {
+    const toml::table* m = n->as_table();
+    if (m == nullptr) return key_error(path, *n, "models", "must be a table of name = \"path\"");
+    for (const auto& [name, p] : *m) {
+      const auto v = p.value<std::string>();
+      if (!v) {
+        return key_error(path, p, fmt::format("models.{}", name.str()),
+                         "must be the path of a GGUF file (string)");
+      }
+      c.models.push_back(ModelConfig{std::string(name.str()), *v});
+    }
+  }
+  return Ok{};
+}
+
+Status validate_config(const DaemonConfig& c) {
+  if (c.models.empty()) {
+    return make_error(EINVAL,
+                      "no models configured: add [models] NAME = \"PATH\" to the "
+                      "configuration, or pass --model NAME=PATH");
+  }
+  std::set<std::string> names;
+  for (const auto& m : c.models) {
+    if (m.name.empty() || m.name.find_first_of(" /\t") != std::string::npos) {
+      return make_error(EINVAL, fmt::format("model name '{}': must be non-empty, without spaces "
+                                            "or slashes",
+                                            m.name));
+    }
+    if (!names.insert(m.name).second) {
+      return make_error(EINVAL, fmt::format("model '{}' is configured twice", m.name));
+    }
+  }
+  EXPERTD_TRY(parse_size("cache", c.cache, physical_memory_bytes()));
+  EXPERTD_TRY(parse_size("staging", c.staging, physical_memory_bytes()));
+  if (c.socket.empty()) return make_error(EINVAL, "socket: must be a path");
+  if (c.max_sessions == 0 || c.max_sessions > 4096) {
+    return make_error(EINVAL, fmt::format("max_sessions {}: must be 1..4096", c.max_sessions));
+  }
+  bool known_policy = false;
+  for (const auto p : policy_names()) known_policy |= p == c.policy;
+  if (!known_policy) {
+    return make_error(EINVAL,
+                      fmt::format("policy '{}': unknown (known: cyclic, lru, fifo)", c.policy));
+  }
+  return Ok{};
+}
+
+}  // namespace expertd

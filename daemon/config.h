@@ -1,0 +1,55 @@
+// expertd's configuration: a TOML file (/etc/expertd/expertd.toml, or --config PATH), overridden
+// by command-line flags. Without a file the daemon runs from flags alone. Errors name the file,
+// the key (or flag) and the bad value.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "storage/reader.h"
+#include "storage/result.h"
+
+namespace expertd {
+
+struct ModelConfig {
+  std::string name;  // what clients open it by
+  std::string path;  // a GGUF file or its first shard
+};
+
+struct DaemonConfig {
+  std::string config_path;  // the file read, empty when none
+  std::vector<ModelConfig> models;
+  std::string socket = "/run/expertd/expertd.sock";
+  std::string cache = "25%";  // of physical memory, or a size such as 4GiB; split among models
+  std::string staging = "64MiB";
+  uint32_t prefetch_depth = 2;
+  uint32_t queue_depth = 0;  // 0: probe the device at start
+  uint64_t chunk_bytes = 0;  // 0 with queue_depth 0: probed; else 0 = whole slices
+  BackendKind backend = BackendKind::Uring;
+  std::string policy = "cyclic";
+  bool lock_memory = true;
+  bool verify = false;  // check every load of a forged model against its content function
+  std::vector<uid_t> allowed_uids;
+  std::vector<gid_t> allowed_gids;
+  uint32_t max_sessions = 64;
+};
+
+// Parses "4GiB", "512MiB", "1.5G", "4096", "2GB" (powers of 1000 for KB/MB/GB/TB, of 1024
+// otherwise) or "25%" of `total_bytes`. The error names `what` and the value.
+Result<uint64_t> parse_size(const std::string& what, const std::string& value,
+                            uint64_t total_bytes);
+// "uring" or "pread".
+Result<BackendKind> parse_backend(const std::string& what, const std::string& value);
+const char* backend_kind_name(BackendKind kind);
+
+// Reads a TOML file into `config` (keys absent from the file keep their values).
+Status load_config_file(const std::string& path, DaemonConfig& config);
+// Validates the whole configuration (models present and named uniquely, sizes parse, ...).
+Status validate_config(const DaemonConfig& config);
+
+uint64_t physical_memory_bytes();
+
+}  // namespace expertd

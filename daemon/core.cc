@@ -1,0 +1,667 @@
+#include "daemon/core.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+namespace expertd {
+
+namespace {
+
+constexpr uint32_t kRequestCapacity = 512;
+constexpr uint32_t kCompletionCapacity = 512;
+constexpr uint64_t kCommandTag = 1ull << 40;
+constexpr uint64_t kSessionTag = 1ull << 41;  // | session id
+constexpr uint32_t kRequestBudget = 1024;     // entries taken from one ring per loop
+
+uint64_t now_ms() { return monotonic_ns() / 1'000'000; }
+
+void drain_eventfd(int fd) {
+  uint64_t v = 0;
+  while (::read(fd, &v, sizeof(v)) == sizeof(v)) {
+  }
+}
+
+void ring_eventfd(int fd) {
+  const uint64_t one = 1;
+  // A full counter (EAGAIN) still means "readable": nothing is lost.
+  [[maybe_unused]] const ssize_t n = ::write(fd, &one, sizeof(one));
+}
+
+}  // namespace
+
+// Routes a model's completions to the sessions' rings.
+class DaemonCore::Sink final : public CompletionSink {
+ public:
+  Sink(DaemonCore& core, uint32_t model) : core_(core), model_(model) {}
+  void complete(const Completion& c) override { core_.deliver(model_, c); }
+
+ private:
+  DaemonCore& core_;
+  uint32_t model_;
+};
+
+struct DaemonCore::Model {
+  std::string name;
+  std::unique_ptr<Sink> sink;
+  std::unique_ptr<ExpertStore> store;
+  std::unique_ptr<ForgeVerifier> verifier;
+  uint32_t first_file = 0;
+  uint32_t file_count = 0;
+  std::vector<uint64_t> layer_hits;
+  std::vector<uint64_t> layer_misses;
+};
+
+struct DaemonCore::Session {
+  uint32_t id = 0;
+  uint32_t model = 0;
+  ClientIdentity who;
+  SharedRegion region;
+  int request_fd = -1;
+  int completion_fd = -1;
+  abi::SessionHeader* header = nullptr;
+  abi::RingHeader* req = nullptr;
+  abi::Request* req_entries = nullptr;
+  abi::RingHeader* comp = nullptr;
+  abi::CompletionEntry* comp_entries = nullptr;
+  uint32_t comp_tail = 0;       // ours: the client cannot move it
+  uint32_t req_head = 0;        // ours
+  uint32_t outstanding = 0;     // acquires not yet completed
+  std::vector<uint32_t> holds;  // per slot of the model's arena
+  uint32_t hold_count = 0;
+  bool comp_dirty = false;
+  bool closed = false;
+  uint64_t acquires = 0;
+  uint64_t prefetches = 0;
+  uint64_t releases = 0;
+
+  ~Session() {
+    if (request_fd >= 0) ::close(request_fd);
+    if (completion_fd >= 0) ::close(completion_fd);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Creation
+
+Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& config) {
+  EXPERTD_TRY(validate_config(config));
+  std::unique_ptr<DaemonCore> core(new DaemonCore());
+  core->config_ = config;
+
+  std::vector<GgufModel> opened;
+  std::vector<std::string> paths;
+  for (const auto& m : config.models) {
+    auto model = GgufModel::open(m.path);
+    if (!model) {
+      return make_error(model.error().code,
+                        fmt::format("model '{}': {}", m.name, model.error().message));
+    }
+    for (const auto& s : model->shards()) paths.push_back(s.path());
+    opened.push_back(std::move(*model));
+    core->model_names_.push_back(m.name);
+  }
+
+  BackendOptions bo;
+  bo.queue_depth = std::max<uint32_t>(config.queue_depth ? config.queue_depth : 32, 64);
+  auto backend = make_backend(config.backend, bo, &core->fallback_reason_);
+  if (!backend) return backend.take_error();
+  core->io_ = std::move(*backend);
+  if (!core->fallback_reason_.empty()) spdlog::warn("{}", core->fallback_reason_);
+  EXPERTD_TRY(core->io_->open_files(paths));
+
+  const uint64_t ram = physical_memory_bytes();
+  uint64_t cache_bytes = 0;
+  uint64_t staging_bytes = 0;
+  EXPERTD_TRY_ASSIGN(cache_bytes, parse_size("cache", config.cache, ram));
+  EXPERTD_TRY_ASSIGN(staging_bytes, parse_size("staging", config.staging, ram));
+  const uint64_t per_model_cache = cache_bytes / config.models.size();
+  const uint64_t per_model_staging = staging_bytes / config.models.size();
+
+  core->reactor_ = std::make_unique<StoreReactor>(*core->io_);
+  uint32_t file = 0;
+  std::vector<iovec> buffers;
+  for (uint32_t i = 0; i < opened.size(); ++i) {
+    auto m = std::make_unique<Model>();
+    m->name = config.models[i].name;
+    m->sink = std::make_unique<Sink>(*core, i);
+    m->first_file = file;
+    m->file_count = static_cast<uint32_t>(opened[i].shards().size());
+    std::vector<uint32_t> files(m->file_count);
+    for (uint32_t s = 0; s < m->file_count; ++s) files[s] = file + s;
+    file += m->file_count;
+
+    StoreOptions so;
+    so.cache_bytes = per_model_cache;
+    so.policy = config.policy;
+    so.lock_memory = config.lock_memory;
+    so.scheduler.queue_depth = config.queue_depth ? config.queue_depth : 32;
+    so.scheduler.chunk_bytes = config.queue_depth ? config.chunk_bytes : (1u << 20);
+    so.scheduler.prefetch_depth = config.prefetch_depth;
+    so.scheduler.max_sessions = config.max_sessions;
+    // Staging slots: the configured bytes, at least 2 slots (one streams while one is held).
+    SliceMap probe_map;
+    EXPERTD_TRY_ASSIGN(probe_map, SliceMap::build(opened[i]));
+    uint32_t alignment = 512;
+    for (const uint32_t f : files)
+      alignment = std::max(alignment, core->io_->file(f).dio_alignment);
+    const uint64_t slot_bytes = SlotLayouts(probe_map, alignment, page_bytes()).slot_bytes();
+    so.staging_slots = static_cast<uint32_t>(
+        std::clamp<uint64_t>(slot_bytes ? per_model_staging / slot_bytes : 2, 2, 4096));
+
+    // The verifier (verify mode) observes loads; it needs the store's layouts, so it is wired
+    // after creation through a forwarding observer.
+    auto store = ExpertStore::create(m->name, std::move(opened[i]), *core->io_, files, so, *m->sink,
+                                     nullptr);
+    if (!store) {
+      return make_error(store.error().code,
+                        fmt::format("model '{}': {}", m->name, store.error().message));
+    }
+    m->store = std::move(*store);
+    if (config.verify) {
+      auto v = ForgeVerifier::create(m->store->model(), m->store->slice_map(), m->store->layouts());
+      if (!v) {
+        return make_error(EINVAL,
+                          fmt::format("model '{}': --verify: {}", m->name, v.error().message));
+      }
+      m->verifier = std::move(*v);
+      m->store->scheduler().set_observer(m->verifier.get());
+    }
+    m->layer_hits.assign(m->store->slice_map().block_count(), 0);
+    m->layer_misses.assign(m->store->slice_map().block_count(), 0);
+    spdlog::info("{}", m->store->describe());
+    if (!m->store->arena().locked() && config.lock_memory) {
+      spdlog::warn("model '{}': arena not locked: {}", m->name, m->store->arena().lock_error());
+    }
+    buffers.push_back(iovec{m->store->arena().data(), m->store->arena().size()});
+    core->reactor_->add(m->store.get(), m->first_file, m->file_count);
+    core->models_.push_back(std::move(m));
+  }
+  if (auto st = core->io_->register_buffers(buffers); !st) {
+    spdlog::warn("backend: {}", st.error().message);
+  }
+  spdlog::info("backend: {}", core->io_->describe());
+
+  core->command_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (core->command_fd_ < 0) return make_error(errno, "eventfd for the command queue failed");
+  EXPERTD_TRY(core->io_->watch(core->command_fd_, kCommandTag));
+  core->sessions_.resize(config.max_sessions);
+  core->start_ns_ = monotonic_ns();
+  core->refresh_status();
+  return core;
+}
+
+DaemonCore::~DaemonCore() {
+  stop();
+  if (command_fd_ >= 0) ::close(command_fd_);
+}
+
+std::string DaemonCore::backend_name() const { return std::string(io_->name()); }
+
+// ---------------------------------------------------------------------------------------------
+// Thread and commands
+
+Status DaemonCore::start() {
+  if (running_.exchange(true)) return Ok{};
+  stop_ = false;
+  last_progress_ms_ = now_ms();
+  thread_ = std::thread([this] { run(); });
+  return Ok{};
+}
+
+void DaemonCore::stop() {
+  if (!running_.load()) return;
+  stop_ = true;
+  ring_eventfd(command_fd_);
+  if (thread_.joinable()) thread_.join();
+  running_ = false;
+}
+
+bool DaemonCore::post(std::function<void(DaemonCore&)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(command_mu_);
+    if (commands_.size() >= kMaxCommands || stop_.load()) return false;
+    commands_.push_back(std::move(fn));
+  }
+  ring_eventfd(command_fd_);
+  return true;
+}
+
+void DaemonCore::run_commands() {
+  std::deque<std::function<void(DaemonCore&)>> batch;
+  {
+    std::lock_guard<std::mutex> lock(command_mu_);
+    batch.swap(commands_);
+  }
+  for (auto& fn : batch) fn(*this);
+}
+
+void DaemonCore::run() {
+  std::array<IoEvent, 64> fd_events{};
+  uint64_t last_status_ms = 0;
+  while (!stop_.load(std::memory_order_relaxed)) {
+    run_commands();
+    bool busy = false;
+    for (auto& s : sessions_) {
+      if (s && !s->closed) busy |= poll_session(*s);
+    }
+    flush_completions();
+    const int timeout = busy ? 0 : (arm_sleep() ? 100 : 0);
+    const int n = reactor_->run_once(timeout, fd_events);
+    for (auto& s : sessions_) {
+      if (s && !s->closed) s->req->waiting.value.store(0, std::memory_order_relaxed);
+    }
+    if (n < 0) {
+      spdlog::error("reactor: backend wait failed: {}", std::strerror(-n));
+      continue;  // no progress stamp: the watchdog notices a reactor that keeps failing
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint64_t tag = fd_events[static_cast<size_t>(i)].tag;
+      if (tag == kCommandTag) {
+        drain_eventfd(command_fd_);
+      } else if (tag & kSessionTag) {
+        const uint64_t id = tag & ~kSessionTag;
+        if (id < sessions_.size() && sessions_[id]) drain_eventfd(sessions_[id]->request_fd);
+      }
+    }
+    flush_completions();
+    ++reactor_loops_;
+    const uint64_t ms = now_ms();
+    last_progress_ms_.store(ms, std::memory_order_relaxed);
+    if (ms - last_status_ms >= 1000) {
+      refresh_status();
+      last_status_ms = ms;
+    }
+  }
+  // Drain: reads in flight finish (their slots become READY or FREE), then sessions go.
+  run_commands();
+  if (!reactor_->drain(10'000)) spdlog::warn("shutdown: reads still in flight after 10 s");
+  for (auto& s : sessions_) {
+    if (s) detach(s->id, "daemon shutting down");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sessions
+
+Result<Attachment> DaemonCore::attach(const std::string& model_name, const ClientIdentity& who) {
+  uint32_t model = 0;
+  while (model < models_.size() && models_[model]->name != model_name) ++model;
+  if (model == models_.size()) {
+    return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
+                                          model_name, fmt::join(model_names_, ", ")));
+  }
+  uint32_t id = 0;
+  while (id < sessions_.size() && sessions_[id]) ++id;
+  if (id == sessions_.size()) {
+    return make_error(EBUSY,
+                      fmt::format("all {} sessions are in use (max_sessions)", sessions_.size()));
+  }
+  auto s = std::make_unique<Session>();
+  s->id = id;
+  s->model = model;
+  s->who = who;
+  const abi::SessionLayout layout = abi::session_layout(kRequestCapacity, kCompletionCapacity);
+  EXPERTD_TRY_ASSIGN(s->region, SharedRegion::create(fmt::format("expertd-session-{}", id),
+                                                     layout.bytes, false, true));
+  std::memset(s->region.data(), 0, s->region.size());
+  uint8_t* base = s->region.data();
+  s->header = reinterpret_cast<abi::SessionHeader*>(base);
+  s->req = reinterpret_cast<abi::RingHeader*>(base + layout.request_ring_offset);
+  s->req_entries = reinterpret_cast<abi::Request*>(s->req + 1);
+  s->comp = reinterpret_cast<abi::RingHeader*>(base + layout.completion_ring_offset);
+  s->comp_entries = reinterpret_cast<abi::CompletionEntry*>(s->comp + 1);
+  s->header->magic = abi::kSessionMagic;
+  s->header->version = abi::kProtocolVersion;
+  s->header->session_id = id;
+  s->header->request_ring_offset = layout.request_ring_offset;
+  s->header->completion_ring_offset = layout.completion_ring_offset;
+  s->header->region_bytes = s->region.size();
+  s->req->capacity = kRequestCapacity;
+  s->req->entry_bytes = sizeof(abi::Request);
+  s->comp->capacity = kCompletionCapacity;
+  s->comp->entry_bytes = sizeof(abi::CompletionEntry);
+  s->request_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  s->completion_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (s->request_fd < 0 || s->completion_fd < 0) {
+    return make_error(errno, fmt::format("eventfd: {}", std::strerror(errno)));
+  }
+  s->holds.assign(models_[model]->store->slot_count(), 0);
+  EXPERTD_TRY(io_->watch(s->request_fd, kSessionTag | id));
+
+  const ExpertStore& store = *models_[model]->store;
+  Attachment a;
+  a.session = id;
+  a.arena_fd = ::fcntl(store.arena().fd(), F_DUPFD_CLOEXEC, 0);
+  a.slot_table_fd = ::fcntl(store.slot_table().fd(), F_DUPFD_CLOEXEC, 0);
+  a.session_fd = ::fcntl(s->region.fd(), F_DUPFD_CLOEXEC, 0);
+  a.request_doorbell = ::fcntl(s->request_fd, F_DUPFD_CLOEXEC, 0);
+  a.completion_doorbell = ::fcntl(s->completion_fd, F_DUPFD_CLOEXEC, 0);
+  a.arena_bytes = store.arena().size();
+  a.slot_table_bytes = store.slot_table().size();
+  a.session_bytes = s->region.size();
+  a.request_capacity = kRequestCapacity;
+  a.completion_capacity = kCompletionCapacity;
+  spdlog::info("session {}: attached to model '{}' by {} (pid {}, uid {})", id, model_name,
+               who.name.empty() ? "a client" : who.name, who.pid, who.uid);
+  sessions_[id] = std::move(s);
+  return a;
+}
+
+void DaemonCore::detach(uint32_t id, const char* why) {
+  if (id >= sessions_.size() || !sessions_[id]) return;
+  Session& s = *sessions_[id];
+  Scheduler& sched = models_[s.model]->store->scheduler();
+  sched.drop_session(id);
+  uint32_t released = 0;
+  for (uint32_t slot = 0; slot < s.holds.size(); ++slot) {
+    for (; s.holds[slot] > 0; --s.holds[slot]) {
+      (void)sched.release(id, slot);
+      ++released;
+    }
+  }
+  (void)io_->unwatch(s.request_fd);
+  spdlog::info("session {}: detached ({}); {} holds released", id, why, released);
+  sessions_[id].reset();
+}
+
+void DaemonCore::close_session(Session& s, int reason, const std::string& why) {
+  if (s.closed) return;
+  s.closed = true;
+  ++sessions_closed_hostile_;
+  spdlog::warn("session {} (pid {}, {}): closed: {}", s.id, s.who.pid, s.who.name, why);
+  s.header->closed.store(reason, std::memory_order_release);
+  ring_eventfd(s.completion_fd);  // wake a sleeping client so it sees the closure
+  // Holds and waiting acquires go now; the region stays mapped until the client detaches.
+  Scheduler& sched = models_[s.model]->store->scheduler();
+  sched.drop_session(s.id);
+  for (uint32_t slot = 0; slot < s.holds.size(); ++slot) {
+    for (; s.holds[slot] > 0; --s.holds[slot]) (void)sched.release(s.id, slot);
+  }
+  s.hold_count = 0;
+  (void)io_->unwatch(s.request_fd);
+}
+
+bool DaemonCore::poll_session(Session& s) {
+  const uint32_t tail = s.req->tail.value.load(std::memory_order_acquire);
+  const uint32_t available = tail - s.req_head;
+  if (available == 0) return false;
+  if (available > kRequestCapacity) {
+    close_session(s, -EPROTO,
+                  fmt::format("request ring tail {} is {} entries ahead of head {} (capacity {})",
+                              tail, available, s.req_head, kRequestCapacity));
+    return false;
+  }
+  const uint32_t n = std::min(available, kRequestBudget);
+  for (uint32_t i = 0; i < n && !s.closed; ++i) {
+    abi::Request r;
+    // Copy once; the client may rewrite the entry while we look at it.
+    std::memcpy(&r, &s.req_entries[s.req_head & (kRequestCapacity - 1)], sizeof(r));
+    ++s.req_head;
+    handle_request(s, r);
+  }
+  // Release: the client may reuse the entries we consumed.
+  s.req->head.value.store(s.req_head, std::memory_order_release);
+  return true;
+}
+
+void DaemonCore::handle_request(Session& s, const abi::Request& r) {
+  Model& m = *models_[s.model];
+  Scheduler& sched = m.store->scheduler();
+  const SliceMap& map = m.store->slice_map();
+  const bool valid_key = r.expert < map.expert_count() && map.find_layer(r.layer) != nullptr;
+  switch (r.op) {
+    case abi::kOpAcquire: {
+      if (!valid_key) {
+        return close_session(s, -EINVAL,
+                             fmt::format("acquire of layer {} expert {}: no such expert "
+                                         "(the model has {} experts in MoE layers)",
+                                         r.layer, r.expert, map.expert_count()));
+      }
+      const uint32_t unread = s.comp_tail - s.comp->head.value.load(std::memory_order_acquire);
+      if (s.outstanding + std::min(unread, kCompletionCapacity) >= kCompletionCapacity) {
+        return close_session(s, -ENOBUFS,
+                             fmt::format("acquire flood: {} acquires outstanding and {} "
+                                         "completions unread exceed the completion ring ({})",
+                                         s.outstanding, unread, kCompletionCapacity));
+      }
+      ++s.outstanding;
+      ++s.acquires;
+      const int32_t slot = m.store->cache().lookup({r.layer, r.expert});
+      const bool hit =
+          slot >= 0 && m.store->cache().state(static_cast<uint32_t>(slot)) == SlotState::Ready;
+      ++(hit ? m.layer_hits : m.layer_misses)[r.layer];
+      (void)sched.acquire(s.id, {r.layer, r.expert}, r.tag);
+      return;
+    }
+    case abi::kOpPrefetch:
+      if (!valid_key || !std::isfinite(r.score) || r.score < 0.0f || r.score > 1.0f) {
+        return close_session(s, -EINVAL,
+                             fmt::format("prefetch of layer {} expert {} score {}: out of range",
+                                         r.layer, r.expert, r.score));
+      }
+      ++s.prefetches;
+      (void)sched.prefetch(s.id, {r.layer, r.expert}, r.score);
+      return;
+    case abi::kOpRelease:
+      if (r.arg >= s.holds.size() || s.holds[r.arg] == 0) {
+        return close_session(
+            s, -EINVAL, fmt::format("release of slot {}, which this session does not hold", r.arg));
+      }
+      --s.holds[r.arg];
+      --s.hold_count;
+      ++s.releases;
+      (void)sched.release(s.id, r.arg);
+      return;
+    case abi::kOpCursor:
+      if (r.layer >= map.block_count()) {
+        return close_session(
+            s, -EINVAL,
+            fmt::format("cursor at layer {}: the model has {} layers", r.layer, map.block_count()));
+      }
+      sched.set_cursor(s.id, r.arg, r.layer);
+      return;
+    default:
+      return close_session(s, -EINVAL, fmt::format("unknown request op {}", r.op));
+  }
+}
+
+void DaemonCore::deliver(uint32_t model, const Completion& c) {
+  Session* s = c.session < sessions_.size() ? sessions_[c.session].get() : nullptr;
+  if (s == nullptr || s->closed || s->model != model) {
+    // drop_session() unlinks waiting acquires, so this is only reachable for a session closed
+    // between an acquire and its immediate completion; the hold is returned at once.
+    if (c.slot >= 0) (void)models_[model]->store->scheduler().release(c.session, c.slot);
+    return;
+  }
+  if (s->outstanding > 0) --s->outstanding;
+  abi::CompletionEntry e{c.tag, c.slot, c.generation, c.key.layer, c.key.expert};
+  // handle_request() keeps outstanding + unread below the capacity, so the ring has room.
+  s->comp_entries[s->comp_tail & (kCompletionCapacity - 1)] = e;
+  ++s->comp_tail;
+  s->comp->tail.value.store(s->comp_tail, std::memory_order_release);
+  if (c.slot >= 0) {
+    ++s->holds[static_cast<uint32_t>(c.slot)];
+    ++s->hold_count;
+  }
+  s->comp_dirty = true;
+}
+
+void DaemonCore::flush_completions() {
+  bool any = false;
+  for (auto& s : sessions_) any |= s && s->comp_dirty;
+  if (!any) return;
+  // Orders our tail stores before reading the clients' waiting flags (pairs with the client's
+  // fence between setting waiting and re-checking the ring).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (auto& s : sessions_) {
+    if (!s || !s->comp_dirty) continue;
+    s->comp_dirty = false;
+    if (s->comp->waiting.value.load(std::memory_order_relaxed) != 0) ring_eventfd(s->completion_fd);
+  }
+}
+
+bool DaemonCore::arm_sleep() {
+  for (auto& s : sessions_) {
+    if (s && !s->closed) s->req->waiting.value.store(1, std::memory_order_relaxed);
+  }
+  // Orders the waiting stores before re-reading the tails (pairs with the client's fence
+  // between publishing a request and reading `waiting`).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (auto& s : sessions_) {
+    if (s && !s->closed && s->req->tail.value.load(std::memory_order_acquire) != s->req_head) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control-plane queries (reactor thread)
+
+Result<ModelLayout> DaemonCore::open_model(const std::string& name) const {
+  for (const auto& m : models_) {
+    if (m->name != name) continue;
+    const ExpertStore& st = *m->store;
+    const SliceMap& map = st.slice_map();
+    ModelLayout l;
+    l.name = name;
+    l.architecture = st.model().architecture();
+    l.block_count = map.block_count();
+    l.expert_count = map.expert_count();
+    l.top_k = map.top_k();
+    l.alignment = st.layouts().alignment();
+    l.slot_bytes = st.layouts().slot_bytes();
+    l.slot_count = st.slot_count();
+    for (const auto& layer : map.layers()) {
+      for (uint32_t i = 0; i < layer.slice_count; ++i) {
+        const ExpertSlice& s = layer.expert0[i];
+        l.slices.push_back(ModelLayout::Slice{layer.layer, std::string(slice_kind_name(s.kind)),
+                                              s.shard, s.offset, layer.expert_stride[i], s.bytes,
+                                              std::string(ggml_type_name(s.type)), s.ne0, s.ne1});
+      }
+    }
+    return l;
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
+                                        name, fmt::join(model_names_, ", ")));
+}
+
+DaemonStats DaemonCore::stats() const {
+  DaemonStats d;
+  d.backend = std::string(io_->name());
+  d.backend_detail = io_->describe();
+  if (!fallback_reason_.empty()) d.backend_detail += " [" + fallback_reason_ + "]";
+  d.uptime_ms = (monotonic_ns() - start_ns_) / 1'000'000;
+  d.reactor_loops = reactor_loops_;
+  d.policy = config_.policy;
+  d.sessions_closed_hostile = sessions_closed_hostile_;
+  for (const auto& m : models_) {
+    const Scheduler& sched = m->store->scheduler();
+    d.queue_depth = sched.options().queue_depth;
+    d.chunk_bytes = sched.options().chunk_bytes;
+    d.prefetch_depth = sched.options().prefetch_depth;
+    d.bytes_read += sched.stats().bytes_read;
+    ModelStats ms;
+    ms.name = m->name;
+    ms.scheduler = sched.stats();
+    ms.cache_slots = m->store->cache().slot_count();
+    ms.cache_ready = m->store->cache().ready_count();
+    ms.staging_slots = m->store->staging().slot_count();
+    ms.slot_bytes = m->store->layouts().slot_bytes();
+    ms.layer_hits = m->layer_hits;
+    ms.layer_misses = m->layer_misses;
+    d.models.push_back(std::move(ms));
+  }
+  for (const auto& s : sessions_) {
+    if (!s) continue;
+    d.sessions.push_back(SessionStats{s->id, models_[s->model]->name, s->who.name, s->who.pid,
+                                      s->who.uid, s->acquires, s->prefetches, s->releases,
+                                      s->hold_count});
+  }
+  return d;
+}
+
+Status DaemonCore::set_prefetch_depth(uint32_t depth) {
+  if (depth > 64) return make_error(EINVAL, fmt::format("prefetch depth {}: must be 0..64", depth));
+  for (auto& m : models_) m->store->scheduler().set_prefetch_depth(depth);
+  config_.prefetch_depth = depth;
+  spdlog::info("tuning: prefetch depth {}", depth);
+  return Ok{};
+}
+
+Status DaemonCore::set_queue_depth(uint32_t depth) {
+  if (depth == 0 || depth > io_->queue_depth()) {
+    return make_error(EINVAL,
+                      fmt::format("queue depth {}: must be 1..{}", depth, io_->queue_depth()));
+  }
+  for (auto& m : models_) m->store->scheduler().set_queue_depth(depth);
+  config_.queue_depth = depth;
+  spdlog::info("tuning: queue depth {}", depth);
+  return Ok{};
+}
+
+Status DaemonCore::set_policy(const std::string& policy) {
+  for (auto& m : models_) EXPERTD_TRY(m->store->set_policy(policy));
+  config_.policy = policy;
+  spdlog::info("tuning: cache policy {}", policy);
+  return Ok{};
+}
+
+Status DaemonCore::pin(const std::string& model, uint32_t layer, uint32_t expert, bool pinned) {
+  for (auto& m : models_) {
+    if (m->name != model) continue;
+    if (!m->store->cache().set_pinned({layer, expert}, pinned)) {
+      return make_error(ENOENT, fmt::format("model '{}' layer {} expert {} is not in the cache "
+                                            "(acquire it first)",
+                                            model, layer, expert));
+    }
+    return Ok{};
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
+}
+
+Status DaemonCore::evict(const std::string& model, uint32_t layer, uint32_t expert) {
+  for (auto& m : models_) {
+    if (m->name != model) continue;
+    if (!m->store->cache().evict({layer, expert})) {
+      return make_error(EBUSY, fmt::format("model '{}' layer {} expert {}: not cached, or held, "
+                                           "pinned or loading",
+                                           model, layer, expert));
+    }
+    return Ok{};
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
+}
+
+void DaemonCore::refresh_status() {
+  uint64_t acquires = 0;
+  uint64_t hits = 0;
+  uint64_t ready = 0;
+  for (const auto& m : models_) {
+    acquires += m->store->scheduler().stats().acquires;
+    hits += m->store->scheduler().stats().hits;
+    ready += m->store->cache().ready_count();
+  }
+  uint32_t sessions = 0;
+  for (const auto& s : sessions_) sessions += s ? 1 : 0;
+  const double rate = acquires ? 100.0 * static_cast<double>(hits) / acquires : 0.0;
+  std::string line = fmt::format("backend {}, {} experts cached, hit rate {:.1f}%, {} sessions",
+                                 io_->name(), ready, rate, sessions);
+  std::lock_guard<std::mutex> lock(status_mu_);
+  status_ = std::move(line);
+}
+
+std::string DaemonCore::status_line() const {
+  std::lock_guard<std::mutex> lock(status_mu_);
+  return status_;
+}
+
+}  // namespace expertd

@@ -1,0 +1,199 @@
+// DaemonCore: the storage side of expertd — every model's ExpertStore over one ReadBackend, the
+// client sessions and their shared-memory rings — run by one storage reactor thread.
+//
+// Threads. The reactor thread owns all of it and sleeps only in the backend's wait (io_uring),
+// where client doorbells and the command eventfd are watched too. Other threads (the Cap'n Proto
+// control loop, signal handling) talk to it only through post(): a bounded, mutex-protected command
+// queue plus an eventfd. A command runs on the reactor thread and answers through its callback,
+// also on the reactor thread (the caller hands the answer back to its own thread, e.g. with a kj
+// cross-thread fulfiller). Nothing on the data path locks or allocates.
+//
+// Sessions. attach() creates a session region (header + request ring + completion ring) and two
+// eventfds (client → daemon doorbell, daemon → client doorbell). The reactor copies every request
+// once, validates it and closes the session — only that session — on the first hostile entry
+// (unknown op, layer or expert out of range, a release of a slot it does not hold, more
+// outstanding acquires than its completion ring holds), logging why and storing the reason in the
+// session header. Holds are counted per session; detach (or the client's death, seen as the
+// control connection's hangup) releases all of them.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/config.h"
+#include "daemon/scheduler.h"
+#include "daemon/shm.h"
+#include "daemon/store.h"
+
+namespace expertd {
+
+// What a client needs to know about a model to use its slots: returned by open_model().
+struct ModelLayout {
+  std::string name;
+  std::string architecture;
+  uint32_t block_count = 0;
+  uint32_t expert_count = 0;
+  uint32_t top_k = 0;
+  uint32_t alignment = 0;  // DIO alignment the slots were laid out with
+  uint64_t slot_bytes = 0;
+  uint32_t slot_count = 0;
+  struct Slice {  // expert 0's slices of one MoE layer; expert e is at offset + e * stride
+    uint32_t layer = 0;
+    std::string kind;  // gate, up, down, gate_up
+    uint32_t shard = 0;
+    uint64_t offset = 0;
+    uint64_t stride = 0;
+    uint64_t bytes = 0;
+    std::string type;  // ggml type name
+    uint64_t ne0 = 0;
+    uint64_t ne1 = 0;
+  };
+  std::vector<Slice> slices;
+};
+
+// File descriptors handed to an attached client (the caller passes them on and closes its
+// copies). Ring capacities and the session id are also in the session region's header.
+struct Attachment {
+  uint32_t session = 0;
+  int arena_fd = -1;             // sealed, read-only for the client
+  int slot_table_fd = -1;        // sealed, read-only for the client
+  int session_fd = -1;           // the session region, read-write
+  int request_doorbell = -1;     // client writes it when the daemon sleeps
+  int completion_doorbell = -1;  // daemon writes it when the client sleeps
+  uint64_t arena_bytes = 0;
+  uint64_t slot_table_bytes = 0;
+  uint64_t session_bytes = 0;
+  uint32_t request_capacity = 0;
+  uint32_t completion_capacity = 0;
+};
+
+struct ModelStats {
+  std::string name;
+  SchedulerStats scheduler;
+  uint32_t cache_slots = 0;
+  uint32_t cache_ready = 0;
+  uint32_t staging_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<uint64_t> layer_hits;    // per block layer: acquires served READY
+  std::vector<uint64_t> layer_misses;  // per block layer: acquires that waited for a read
+};
+
+struct SessionStats {
+  uint32_t session = 0;
+  std::string model;
+  std::string client;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  uint64_t acquires = 0;
+  uint64_t prefetches = 0;
+  uint64_t releases = 0;
+  uint32_t holds = 0;
+};
+
+struct DaemonStats {
+  std::string backend;
+  std::string backend_detail;
+  uint64_t uptime_ms = 0;
+  uint64_t reactor_loops = 0;
+  uint32_t queue_depth = 0;
+  uint64_t chunk_bytes = 0;
+  uint32_t prefetch_depth = 0;
+  std::string policy;
+  uint64_t bytes_read = 0;
+  std::vector<ModelStats> models;
+  std::vector<SessionStats> sessions;
+  uint64_t sessions_closed_hostile = 0;
+};
+
+struct ClientIdentity {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::string name;  // what the client calls itself (for stats and logs)
+};
+
+class DaemonCore {
+ public:
+  // Opens every model, chooses (or probes) the backend's read settings, creates the arenas.
+  // Errors name the model and file. Does not start the reactor.
+  static Result<std::unique_ptr<DaemonCore>> create(const DaemonConfig& config);
+  ~DaemonCore();
+
+  // Starts / stops the reactor thread. stop() drains reads in flight, then returns.
+  Status start();
+  void stop();
+  bool running() const { return running_.load(); }
+
+  // Thread-safe: runs `fn` on the reactor thread. False when the queue is full or stopped.
+  bool post(std::function<void(DaemonCore&)> fn);
+
+  // --- Reactor-thread API (call from inside post()) ---
+  Result<ModelLayout> open_model(const std::string& name) const;
+  Result<Attachment> attach(const std::string& model, const ClientIdentity& who);
+  void detach(uint32_t session, const char* why);
+  DaemonStats stats() const;
+  Status set_prefetch_depth(uint32_t depth);
+  Status set_queue_depth(uint32_t depth);
+  Status set_policy(const std::string& policy);
+  Status pin(const std::string& model, uint32_t layer, uint32_t expert, bool pinned);
+  Status evict(const std::string& model, uint32_t layer, uint32_t expert);
+
+  // --- Any thread ---
+  const std::vector<std::string>& model_names() const { return model_names_; }
+  std::string backend_name() const;
+  // Milliseconds of monotonic time when the reactor last finished a loop (watchdog).
+  uint64_t last_progress_ms() const { return last_progress_ms_.load(std::memory_order_relaxed); }
+  // A short human status for systemd's STATUS=, refreshed by the reactor.
+  std::string status_line() const;
+
+ private:
+  struct Session;
+  struct Model;
+  class Sink;
+
+  DaemonCore() = default;
+  void run();
+  void run_commands();
+  bool poll_session(Session& s);
+  void handle_request(Session& s, const abi::Request& r);
+  void close_session(Session& s, int reason, const std::string& why);
+  void deliver(uint32_t model, const Completion& c);
+  void flush_completions();
+  bool arm_sleep();
+  void refresh_status();
+
+  DaemonConfig config_;
+  std::unique_ptr<ReadBackend> io_;
+  std::string fallback_reason_;
+  std::vector<std::unique_ptr<Model>> models_;
+  std::vector<std::string> model_names_;
+  std::unique_ptr<StoreReactor> reactor_;
+  std::vector<std::unique_ptr<Session>> sessions_;  // index = session id; null when free
+  uint64_t sessions_closed_hostile_ = 0;
+  uint64_t reactor_loops_ = 0;
+  uint64_t start_ns_ = 0;
+
+  int command_fd_ = -1;  // eventfd
+  std::mutex command_mu_;
+  std::deque<std::function<void(DaemonCore&)>> commands_;
+  static constexpr size_t kMaxCommands = 1024;
+
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> last_progress_ms_{0};
+  mutable std::mutex status_mu_;
+  std::string status_;
+};
+
+}  // namespace expertd

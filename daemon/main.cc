@@ -1,0 +1,219 @@
+// expertd: the expert streaming daemon. Reads its configuration (TOML, overridden by flags), opens
+// the models, starts the storage reactor and the Cap'n Proto control socket, tells systemd it is
+// ready, and runs until SIGTERM (drain, exit 0). SIGHUP reloads the tunables from the file.
+#include <poll.h>
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <sys/signalfd.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "daemon/config.h"
+#include "daemon/core.h"
+#include "daemon/rpc.h"
+
+namespace {
+
+using expertd::DaemonConfig;
+
+struct Flags {
+  std::string config_path;
+  bool config_given = false;
+  std::vector<std::string> models;
+  std::string socket, cache, staging, backend, policy;
+  int64_t prefetch_depth = -1;
+  int64_t queue_depth = -1;
+  std::vector<int64_t> allow_uids;
+  bool verify = false;
+  bool no_mlock = false;
+  std::string log_level = "info";
+};
+
+void setup_logging(const std::string& level) {
+  auto logger = spdlog::stderr_color_mt("expertd");
+  spdlog::set_default_logger(logger);
+  // Under systemd (JOURNAL_STREAM set) the journal adds the time: log without it.
+  if (std::getenv("JOURNAL_STREAM") != nullptr) {
+    spdlog::set_pattern("<%^%l%$> %v");
+  } else {
+    spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
+  }
+  spdlog::set_level(spdlog::level::from_str(level));
+}
+
+// Applies the flags over the file's values.
+expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
+  for (const auto& m : f.models) {
+    const auto eq = m.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == m.size()) {
+      return expertd::make_error(EINVAL, "--model '" + m + "': expected NAME=PATH");
+    }
+    const std::string name = m.substr(0, eq);
+    bool replaced = false;
+    for (auto& existing : c.models) {
+      if (existing.name == name) {
+        existing.path = m.substr(eq + 1);
+        replaced = true;
+      }
+    }
+    if (!replaced) c.models.push_back({name, m.substr(eq + 1)});
+  }
+  if (!f.socket.empty()) c.socket = f.socket;
+  if (!f.cache.empty()) c.cache = f.cache;
+  if (!f.staging.empty()) c.staging = f.staging;
+  if (!f.policy.empty()) c.policy = f.policy;
+  if (!f.backend.empty()) {
+    EXPERTD_TRY_ASSIGN(c.backend, expertd::parse_backend("--backend", f.backend));
+  }
+  if (f.prefetch_depth >= 0) c.prefetch_depth = static_cast<uint32_t>(f.prefetch_depth);
+  if (f.queue_depth >= 0) c.queue_depth = static_cast<uint32_t>(f.queue_depth);
+  for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
+  if (f.verify) c.verify = true;
+  if (f.no_mlock) c.lock_memory = false;
+  return expertd::Ok{};
+}
+
+expertd::Result<DaemonConfig> load(const Flags& f) {
+  DaemonConfig c;
+  const std::string path = f.config_given ? f.config_path : "/etc/expertd/expertd.toml";
+  if (f.config_given || ::access(path.c_str(), F_OK) == 0) {
+    EXPERTD_TRY(expertd::load_config_file(path, c));
+  }
+  EXPERTD_TRY(apply_flags(f, c));
+  EXPERTD_TRY(expertd::validate_config(c));
+  return c;
+}
+
+// SIGHUP: re-read the file (flags still win) and apply the tunables that can change at runtime.
+void reload(expertd::DaemonCore& core, const Flags& f) {
+  auto c = load(f);
+  if (!c) {
+    spdlog::error("reload: {}; keeping the current settings", c.error().message);
+    return;
+  }
+  core.post([c = *c](expertd::DaemonCore& d) {
+    for (const auto& st :
+         {d.set_prefetch_depth(c.prefetch_depth), d.set_policy(c.policy),
+          c.queue_depth ? d.set_queue_depth(c.queue_depth) : expertd::Status(expertd::Ok{})}) {
+      if (!st) spdlog::error("reload: {}", st.error().message);
+    }
+    spdlog::info("reload: tunables applied");
+  });
+}
+
+int run(const Flags& flags) {
+  auto config = load(flags);
+  if (!config) {
+    spdlog::critical("{}", config.error().message);
+    return 1;
+  }
+  auto core = expertd::DaemonCore::create(*config);
+  if (!core) {
+    spdlog::critical("{}", core.error().message);
+    return 1;
+  }
+  if (auto st = (*core)->start(); !st) {
+    spdlog::critical("{}", st.error().message);
+    return 1;
+  }
+  auto rpc = expertd::RpcServer::start(**core, *config);
+  if (!rpc) {
+    spdlog::critical("{}", rpc.error().message);
+    (*core)->stop();
+    return 1;
+  }
+  spdlog::info("expertd ready: {} model(s), socket {}", config->models.size(), config->socket);
+  sd_notify(0, "READY=1");
+
+  // Signals arrive through a signalfd; the watchdog and STATUS= ride its poll timeout.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGHUP);
+  const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
+  uint64_t watchdog_usec = 0;
+  const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
+  const uint64_t tick_ms = watchdog ? std::max<uint64_t>(watchdog_usec / 2000, 50) : 1000;
+  std::string last_status;
+  int exit_code = 0;
+  while (true) {
+    pollfd p{sfd, POLLIN, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(tick_ms));
+    if (r < 0 && errno != EINTR) break;
+    if (r > 0) {
+      signalfd_siginfo si{};
+      if (::read(sfd, &si, sizeof(si)) == sizeof(si)) {
+        if (si.ssi_signo == SIGHUP) {
+          sd_notify(0, "RELOADING=1");
+          reload(**core, flags);
+          sd_notify(0, "READY=1");
+        } else {
+          spdlog::info("{}: draining and stopping", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
+          break;
+        }
+      }
+    }
+    // WATCHDOG=1 only while the reactor makes progress (it loops at least every 100 ms).
+    const uint64_t now = expertd::monotonic_ns() / 1'000'000;
+    const uint64_t last = (*core)->last_progress_ms();
+    if (watchdog && now - last < watchdog_usec / 1000 / 2) sd_notify(0, "WATCHDOG=1");
+    const std::string status = (*core)->status_line();
+    if (status != last_status) {
+      sd_notifyf(0, "STATUS=%s", status.c_str());
+      last_status = status;
+    }
+  }
+  sd_notify(0, "STOPPING=1");
+  (*rpc)->stop();
+  (*core)->stop();
+  ::close(sfd);
+  spdlog::info("expertd stopped");
+  return exit_code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"expertd: out-of-core expert streaming daemon for Mixture-of-Experts models"};
+  Flags f;
+  app.add_option("--config", f.config_path,
+                 "TOML configuration (default /etc/expertd/expertd.toml when it exists)");
+  app.add_option("--model", f.models,
+                 "Serve a model: NAME=PATH (a .gguf or its first shard); "
+                 "repeatable");
+  app.add_option("--socket", f.socket, "Control socket path (default /run/expertd/expertd.sock)");
+  app.add_option("--cache", f.cache, "Expert cache size, e.g. 4GiB or 25% of RAM (default 25%)");
+  app.add_option("--staging", f.staging, "Staging ring size for streamed experts (default 64MiB)");
+  app.add_option("--prefetch-depth", f.prefetch_depth, "Layers ahead prefetches may cover (2)");
+  app.add_option("--queue-depth", f.queue_depth, "Reads in flight (0 = probe the disk at start)");
+  app.add_option("--backend", f.backend, "I/O backend: uring (default) or pread");
+  app.add_option("--policy", f.policy, "Cache policy: cyclic (default), lru or fifo");
+  app.add_option("--allow-uid", f.allow_uids, "Also allow this uid on the socket; repeatable");
+  app.add_flag("--verify", f.verify,
+               "Check every expert read from a forged model against its content (tests)");
+  app.add_flag("--no-mlock", f.no_mlock, "Do not mlock the arena");
+  app.add_option("--log-level", f.log_level, "trace, debug, info (default), warn, error");
+  CLI11_PARSE(app, argc, argv);
+  f.config_given = app.count("--config") > 0;
+
+  // Block the signals before any thread starts so only the signalfd sees them.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  setup_logging(f.log_level);
+  return run(f);
+}

@@ -1,0 +1,665 @@
+#include "daemon/rpc.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <utility>
+#include <vector>
+
+#include <capnp/rpc-twoparty.h>
+#include <fmt/format.h>
+#include <kj/async-io.h>
+#include <kj/async.h>
+#include <kj/timer.h>
+#include <spdlog/spdlog.h>
+
+#include "client/expertd.capnp.h"
+#include "client/include/expertd/protocol.h"
+
+#ifndef EXPERTD_VERSION
+#define EXPERTD_VERSION "0.0.0"
+#endif
+
+namespace expertd {
+
+namespace {
+
+constexpr uint kMaxFdsPerMessage = 8;
+constexpr int kListenBacklog = 128;
+// A refused peer may read its error; then the connection goes.
+constexpr auto kRefusedLinger = 5 * kj::SECONDS;
+
+kj::Exception to_kj(const Error& e) {
+  // The description is the message alone: the client shows it as is.
+  return kj::Exception(e.code == EBUSY ? kj::Exception::Type::OVERLOADED
+                                       : kj::Exception::Type::FAILED,
+                       __FILE__, __LINE__, kj::heapString(e.message.data(), e.message.size()));
+}
+
+kj::StringPtr text(const std::string& s) { return kj::StringPtr(s.c_str(), s.size()); }
+std::string str(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
+
+// Runs `fn(core) -> Result<T>` on the reactor thread; the promise resolves on the RPC thread.
+// A command the caller no longer waits for (its connection closed) is skipped. The value travels
+// on the heap (kj::Own): small to move, and it keeps GCC's maybe-uninitialized analysis of kj's
+// NullableValue quiet.
+template <typename T, typename Fn>
+kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
+  auto paf = kj::newPromiseAndCrossThreadFulfiller<kj::Own<T>>();
+  // std::function needs a copyable callable: the fulfiller rides in a shared_ptr.
+  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<kj::Own<T>>>>(
+      kj::mv(paf.fulfiller));
+  const bool posted = core.post([fulfiller, fn = std::move(fn)](DaemonCore& c) mutable {
+    if (!(*fulfiller)->isWaiting()) return;
+    Result<T> r = fn(c);
+    if (r) {
+      (*fulfiller)->fulfill(kj::heap<T>(std::move(r).value()));
+    } else {
+      (*fulfiller)->reject(to_kj(r.error()));
+    }
+  });
+  if (!posted) {
+    return KJ_EXCEPTION(OVERLOADED, "expertd is stopping or its command queue is full");
+  }
+  return kj::mv(paf.promise);
+}
+
+// An fd passed to the client; closed when the capability goes.
+class FdImpl final : public rpc::Fd::Server {
+ public:
+  explicit FdImpl(int fd) : fd_(fd) {}
+  ~FdImpl() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  kj::Maybe<int> getFd() override { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// The result of an attach while it travels from the reactor to the RPC thread. Owns the fds and
+// the session: if nobody takes them (the caller's connection closed meanwhile), the destructor
+// closes the fds and detaches the session.
+class OwnedAttachment {
+ public:
+  OwnedAttachment(DaemonCore& core, Attachment a) : core_(&core), a_(a) {}
+  OwnedAttachment(OwnedAttachment&& o) noexcept
+      : core_(std::exchange(o.core_, nullptr)), a_(o.a_) {}
+  OwnedAttachment& operator=(OwnedAttachment&&) = delete;
+  ~OwnedAttachment() {
+    if (core_ == nullptr) return;
+    for (int fd : {a_.arena_fd, a_.slot_table_fd, a_.session_fd, a_.request_doorbell,
+                   a_.completion_doorbell}) {
+      if (fd >= 0) ::close(fd);
+    }
+    const uint32_t id = a_.session;
+    (void)core_->post([id](DaemonCore& c) { c.detach(id, "attach abandoned by the client"); });
+  }
+  // Hands over the fds and the session.
+  Attachment release() {
+    core_ = nullptr;
+    return a_;
+  }
+
+ private:
+  DaemonCore* core_;
+  Attachment a_;
+};
+
+class SessionImpl final : public rpc::Session::Server {
+ public:
+  SessionImpl(DaemonCore& core, uint32_t id) : core_(core), id_(id) {}
+  ~SessionImpl() {
+    // The client dropped its capability, or its connection went away (process death included).
+    if (!detached_) {
+      const uint32_t id = id_;
+      (void)core_.post([id](DaemonCore& c) { c.detach(id, "client disconnected"); });
+    }
+  }
+
+  kj::Promise<void> stats(StatsContext context) override {
+    if (detached_) return KJ_EXCEPTION(FAILED, "session already detached");
+    const uint32_t id = id_;
+    return on_reactor<SessionStats>(core_,
+                                    [id](DaemonCore& c) -> Result<SessionStats> {
+                                      for (auto& s : c.stats().sessions) {
+                                        if (s.session == id) return std::move(s);
+                                      }
+                                      return make_error(ENOENT, "session is gone");
+                                    })
+        .then([context](kj::Own<SessionStats> p) mutable {
+          const SessionStats& s = *p;
+          auto o = context.getResults().initStats();
+          o.setSession(s.session);
+          o.setModel(text(s.model));
+          o.setClient(text(s.client));
+          o.setPid(s.pid);
+          o.setUid(s.uid);
+          o.setAcquires(s.acquires);
+          o.setPrefetches(s.prefetches);
+          o.setReleases(s.releases);
+          o.setHolds(s.holds);
+        });
+  }
+
+  kj::Promise<void> detach(DetachContext) override {
+    if (detached_) return kj::READY_NOW;
+    detached_ = true;
+    const uint32_t id = id_;
+    return on_reactor<Ok>(core_, [id](DaemonCore& c) -> Result<Ok> {
+      c.detach(id, "client detached");
+      return Ok{};
+    }).ignoreResult();
+  }
+
+ private:
+  DaemonCore& core_;
+  uint32_t id_;
+  bool detached_ = false;
+};
+
+void fill_layout(const ModelLayout& l, rpc::ModelLayout::Builder o) {
+  o.setName(text(l.name));
+  o.setArchitecture(text(l.architecture));
+  o.setBlockCount(l.block_count);
+  o.setExpertCount(l.expert_count);
+  o.setTopK(l.top_k);
+  o.setAlignment(l.alignment);
+  o.setSlotBytes(l.slot_bytes);
+  o.setSlotCount(l.slot_count);
+  auto slices = o.initSlices(static_cast<uint>(l.slices.size()));
+  for (uint i = 0; i < l.slices.size(); ++i) {
+    const auto& s = l.slices[i];
+    auto b = slices[i];
+    b.setLayer(s.layer);
+    b.setKind(text(s.kind));
+    b.setShard(s.shard);
+    b.setOffset(s.offset);
+    b.setStride(s.stride);
+    b.setBytes(s.bytes);
+    b.setType(text(s.type));
+    b.setNe0(s.ne0);
+    b.setNe1(s.ne1);
+  }
+}
+
+void fill_scheduler(const SchedulerStats& s, rpc::SchedulerStats::Builder o) {
+  o.setAcquires(s.acquires);
+  o.setHits(s.hits);
+  o.setCoalesced(s.coalesced);
+  o.setMisses(s.misses);
+  o.setBusy(s.busy);
+  o.setPrefetchHints(s.prefetch_hints);
+  o.setPrefetchLoads(s.prefetch_loads);
+  o.setPrefetchDropped(s.prefetch_dropped);
+  o.setPrefetchCancelled(s.prefetch_cancelled);
+  o.setPrefetchUseful(s.prefetch_useful);
+  o.setLoadsDone(s.loads_done);
+  o.setLoadsFailed(s.loads_failed);
+  o.setStagedLoads(s.staged_loads);
+  o.setEvictions(s.evictions);
+  o.setBytesRead(s.bytes_read);
+  o.setReads(s.reads);
+  o.setShortReads(s.short_reads);
+  o.setEagainRetries(s.eagain_retries);
+  o.setBufferedRequeues(s.buffered_requeues);
+}
+
+void fill_list(const std::vector<uint64_t>& v, capnp::List<uint64_t>::Builder o) {
+  for (uint i = 0; i < v.size(); ++i) o.set(i, v[i]);
+}
+
+void fill_stats(const DaemonStats& d, rpc::Stats::Builder o) {
+  o.setBackend(text(d.backend));
+  o.setBackendDetail(text(d.backend_detail));
+  o.setUptimeMs(d.uptime_ms);
+  o.setReactorLoops(d.reactor_loops);
+  o.setQueueDepth(d.queue_depth);
+  o.setChunkBytes(d.chunk_bytes);
+  o.setPrefetchDepth(d.prefetch_depth);
+  o.setPolicy(text(d.policy));
+  o.setBytesRead(d.bytes_read);
+  o.setSessionsClosedHostile(d.sessions_closed_hostile);
+  auto models = o.initModels(static_cast<uint>(d.models.size()));
+  for (uint i = 0; i < d.models.size(); ++i) {
+    const ModelStats& m = d.models[i];
+    auto b = models[i];
+    b.setName(text(m.name));
+    fill_scheduler(m.scheduler, b.initScheduler());
+    b.setCacheSlots(m.cache_slots);
+    b.setCacheReady(m.cache_ready);
+    b.setStagingSlots(m.staging_slots);
+    b.setSlotBytes(m.slot_bytes);
+    fill_list(m.layer_hits, b.initLayerHits(static_cast<uint>(m.layer_hits.size())));
+    fill_list(m.layer_misses, b.initLayerMisses(static_cast<uint>(m.layer_misses.size())));
+  }
+  auto sessions = o.initSessions(static_cast<uint>(d.sessions.size()));
+  for (uint i = 0; i < d.sessions.size(); ++i) {
+    const SessionStats& s = d.sessions[i];
+    auto b = sessions[i];
+    b.setSession(s.session);
+    b.setModel(text(s.model));
+    b.setClient(text(s.client));
+    b.setPid(s.pid);
+    b.setUid(s.uid);
+    b.setAcquires(s.acquires);
+    b.setPrefetches(s.prefetches);
+    b.setReleases(s.releases);
+    b.setHolds(s.holds);
+  }
+}
+
+// The bootstrap capability of one allowed connection.
+class ExpertdImpl final : public rpc::Expertd::Server {
+ public:
+  ExpertdImpl(DaemonCore& core, ClientIdentity peer) : core_(core), peer_(std::move(peer)) {}
+
+  kj::Promise<void> info(InfoContext context) override {
+    return on_reactor<DaemonStats>(core_, [](DaemonCore& c) -> Result<DaemonStats> {
+             DaemonStats d;  // only the backend is needed: skip the per-model work
+             auto full = c.stats();
+             d.backend = std::move(full.backend);
+             d.backend_detail = std::move(full.backend_detail);
+             return d;
+           })
+        .then([this, context](kj::Own<DaemonStats> d) mutable {
+          auto r = context.getResults();
+          r.setVersion(EXPERTD_VERSION);
+          r.setProtocolVersion(abi::kProtocolVersion);
+          r.setBackend(text(d->backend));
+          r.setBackendDetail(text(d->backend_detail));
+          const auto& names = core_.model_names();
+          auto models = r.initModels(static_cast<uint>(names.size()));
+          for (uint i = 0; i < names.size(); ++i) models.set(i, text(names[i]));
+        });
+  }
+
+  kj::Promise<void> openModel(OpenModelContext context) override {
+    std::string name = str(context.getParams().getName());
+    return on_reactor<ModelLayout>(core_,
+                                   [name](DaemonCore& c) { return c.open_model(name); })
+        .then([context](kj::Own<ModelLayout> l) mutable {
+          fill_layout(*l, context.getResults().initLayout());
+        });
+  }
+
+  kj::Promise<void> attach(AttachContext context) override {
+    const auto p = context.getParams();
+    std::string model = str(p.getModel());
+    ClientIdentity who = peer_;
+    who.name = str(p.getClientName()).substr(0, 64);
+    return on_reactor<OwnedAttachment>(
+               core_,
+               [model, who](DaemonCore& c) -> Result<OwnedAttachment> {
+                 auto a = c.attach(model, who);
+                 if (!a) return a.take_error();
+                 return OwnedAttachment(c, *a);
+               })
+        .then([this, context](kj::Own<OwnedAttachment> owned) mutable {
+          const Attachment a = owned->release();
+          auto r = context.getResults();
+          r.setSession(kj::heap<SessionImpl>(core_, a.session));
+          r.setSessionId(a.session);
+          r.setArenaBytes(a.arena_bytes);
+          r.setSlotTableBytes(a.slot_table_bytes);
+          r.setSessionBytes(a.session_bytes);
+          r.setRequestCapacity(a.request_capacity);
+          r.setCompletionCapacity(a.completion_capacity);
+          r.setArena(kj::heap<FdImpl>(a.arena_fd));
+          r.setSlotTable(kj::heap<FdImpl>(a.slot_table_fd));
+          r.setSessionRegion(kj::heap<FdImpl>(a.session_fd));
+          r.setRequestDoorbell(kj::heap<FdImpl>(a.request_doorbell));
+          r.setCompletionDoorbell(kj::heap<FdImpl>(a.completion_doorbell));
+        });
+  }
+
+  kj::Promise<void> stats(StatsContext context) override {
+    return on_reactor<DaemonStats>(core_,
+                                   [](DaemonCore& c) -> Result<DaemonStats> { return c.stats(); })
+        .then([context](kj::Own<DaemonStats> d) mutable {
+          fill_stats(*d, context.getResults().initStats());
+        });
+  }
+
+  kj::Promise<void> setPrefetchDepth(SetPrefetchDepthContext context) override {
+    const uint32_t depth = context.getParams().getDepth();
+    return status(core_, [depth](DaemonCore& c) { return c.set_prefetch_depth(depth); });
+  }
+
+  kj::Promise<void> setQueueDepth(SetQueueDepthContext context) override {
+    const uint32_t depth = context.getParams().getDepth();
+    return status(core_, [depth](DaemonCore& c) { return c.set_queue_depth(depth); });
+  }
+
+  kj::Promise<void> setPolicy(SetPolicyContext context) override {
+    std::string name = str(context.getParams().getName());
+    return status(core_, [name](DaemonCore& c) { return c.set_policy(name); });
+  }
+
+  kj::Promise<void> pin(PinContext context) override {
+    const auto p = context.getParams();
+    return pin_as(str(p.getModel()), p.getLayer(), p.getExpert(), true);
+  }
+
+  kj::Promise<void> unpin(UnpinContext context) override {
+    const auto p = context.getParams();
+    return pin_as(str(p.getModel()), p.getLayer(), p.getExpert(), false);
+  }
+
+  kj::Promise<void> evict(EvictContext context) override {
+    const auto p = context.getParams();
+    std::string model = str(p.getModel());
+    const uint32_t layer = p.getLayer();
+    const uint32_t expert = p.getExpert();
+    return status(core_,
+                  [model, layer, expert](DaemonCore& c) { return c.evict(model, layer, expert); });
+  }
+
+  kj::Promise<void> ping(PingContext) override { return kj::READY_NOW; }
+
+ private:
+  template <typename Fn>
+  static kj::Promise<void> status(DaemonCore& core, Fn fn) {
+    return on_reactor<Ok>(core, std::move(fn)).ignoreResult();
+  }
+
+  kj::Promise<void> pin_as(std::string model, uint32_t layer, uint32_t expert, bool pinned) {
+    return status(core_, [model = std::move(model), layer, expert, pinned](DaemonCore& c) {
+      return c.pin(model, layer, expert, pinned);
+    });
+  }
+
+  DaemonCore& core_;
+  ClientIdentity peer_;
+};
+
+// One accepted connection: its stream, its half of the two-party network and its RPC system.
+// Destroying it drops every capability the peer held (its sessions detach).
+struct Connection {
+  Connection(kj::Own<kj::AsyncCapabilityStream> s, capnp::Capability::Client bootstrap)
+      : stream(kj::mv(s)),
+        network(*stream, kMaxFdsPerMessage, capnp::rpc::twoparty::Side::SERVER),
+        rpc(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
+  kj::Own<kj::AsyncCapabilityStream> stream;
+  capnp::TwoPartyVatNetwork network;
+  capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
+};
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;  // supplementary groups (SO_PEERGROUPS), when the kernel has it
+};
+
+PeerCredentials peer_credentials(int fd) {
+  PeerCredentials p;
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    p.pid = cred.pid;
+    p.uid = cred.uid;
+    p.gid = cred.gid;
+  } else {
+    p.uid = static_cast<uid_t>(-1);  // unknown: only an allowed gid could let it in
+    p.gid = static_cast<gid_t>(-1);
+  }
+#ifdef SO_PEERGROUPS
+  std::vector<gid_t> groups(64);
+  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0 && errno == ERANGE) {
+    groups.resize(glen / sizeof(gid_t) + 1);
+    glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0) glen = 0;
+  }
+  groups.resize(glen / sizeof(gid_t));
+  p.groups = std::move(groups);
+#endif
+  return p;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The RPC thread
+
+struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
+  Loop(DaemonCore& c, const DaemonConfig& config) : core(c) {
+    allowed_uids = config.allowed_uids;
+    allowed_gids = config.allowed_gids;
+    if (const char* hook = std::getenv("EXPERTD_TEST_PEER_UID"); hook != nullptr && *hook) {
+      test_uid = static_cast<uid_t>(std::strtoul(hook, nullptr, 10));
+      has_test_uid = true;
+    }
+  }
+
+  void taskFailed(kj::Exception&& e) override {
+    spdlog::debug("rpc: connection ended: {}", e.getDescription().cStr());
+  }
+
+  bool allowed(const PeerCredentials& p) const {
+    if (p.uid == 0 || p.uid == ::getuid()) return true;
+    if (std::find(allowed_uids.begin(), allowed_uids.end(), p.uid) != allowed_uids.end()) {
+      return true;
+    }
+    for (const gid_t g : allowed_gids) {
+      if (g == p.gid || std::find(p.groups.begin(), p.groups.end(), g) != p.groups.end()) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener) {
+    return listener.accept().then([this, &listener](kj::Own<kj::AsyncIoStream>&& s) {
+      on_connection(s.downcast<kj::AsyncCapabilityStream>());
+      return accept_loop(listener);
+    });
+  }
+
+  void on_connection(kj::Own<kj::AsyncCapabilityStream> stream) {
+    PeerCredentials peer;
+    KJ_IF_MAYBE (fd, stream->getFd()) {
+      peer = peer_credentials(*fd);
+    }
+    if (has_test_uid) peer.uid = test_uid;
+    if (!allowed(peer)) {
+      const std::string why = fmt::format(
+          "permission denied: uid {} is not allowed (allowed_uids/allowed_gids in expertd.toml)",
+          peer.uid);
+      spdlog::warn("rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
+                   "or allowed_gids",
+                   peer.pid, peer.uid, peer.gid);
+      capnp::Capability::Client refused(
+          kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())));
+      auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused));
+      auto done = conn->network.onDisconnect().exclusiveJoin(timer->afterDelay(kRefusedLinger));
+      tasks->add(done.attach(kj::mv(conn)));
+      return;
+    }
+    spdlog::debug("rpc: connection from pid {} (uid {}, gid {})", peer.pid, peer.uid, peer.gid);
+    ClientIdentity who;
+    who.pid = peer.pid;
+    who.uid = peer.uid;
+    who.gid = peer.gid;
+    auto conn = kj::heap<Connection>(
+        kj::mv(stream), capnp::Capability::Client(kj::heap<ExpertdImpl>(core, std::move(who))));
+    auto done = conn->network.onDisconnect();
+    tasks->add(done.attach(kj::mv(conn)));
+  }
+
+  // The thread's body: serves `listen_fd` until stop is fulfilled.
+  void run(int listen_fd, std::promise<std::string>& started) {
+    bool announced = false;  // after that, `started` belongs to a returned start()
+    try {
+      auto io = kj::setupAsyncIo();
+      timer = &io.provider->getTimer();
+      tasks = kj::heap<kj::TaskSet>(*this);
+      auto stop = kj::newPromiseAndCrossThreadFulfiller<void>();
+      stop_fulfiller = kj::mv(stop.fulfiller);
+      auto listener = io.lowLevelProvider->wrapListenSocketFd(
+          listen_fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
+                         kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC |
+                         kj::LowLevelAsyncIoProvider::ALREADY_NONBLOCK);
+      auto accepting = accept_loop(*listener).eagerlyEvaluate([](kj::Exception&& e) {
+        spdlog::error("rpc: accepting connections failed: {}", e.getDescription().cStr());
+      });
+      started.set_value("");
+      announced = true;
+      stop.promise.wait(io.waitScope);
+      // Teardown on this thread, inside its event loop: the connections (and with them the
+      // sessions' capabilities) first.
+      tasks = nullptr;
+      accepting = nullptr;
+      listener = nullptr;
+      timer = nullptr;
+    } catch (const kj::Exception& e) {
+      tasks = nullptr;
+      std::string why = fmt::format("rpc thread: {}", e.getDescription().cStr());
+      if (announced) {
+        spdlog::error("{}", why);
+      } else {
+        started.set_value(why);
+      }
+    }
+  }
+
+  DaemonCore& core;
+  std::vector<uid_t> allowed_uids;
+  std::vector<gid_t> allowed_gids;
+  bool has_test_uid = false;
+  uid_t test_uid = 0;
+  kj::Timer* timer = nullptr;
+  kj::Own<kj::TaskSet> tasks;  // the connections; lives inside the thread's event loop
+  kj::Own<kj::CrossThreadPromiseFulfiller<void>> stop_fulfiller;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Socket setup
+
+namespace {
+
+Error socket_error(const std::string& path, const char* what, int e) {
+  return make_error(e, fmt::format("control socket {}: {}: {}", path, what, std::strerror(e)));
+}
+
+Status make_parent_dirs(const std::string& path) {
+  for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
+    const std::string dir = path.substr(0, pos);
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return socket_error(path, fmt::format("creating directory {}", dir).c_str(), errno);
+    }
+  }
+  return Ok{};
+}
+
+// A socket file left by a daemon that died is removed; one somebody listens on is an error.
+Status remove_stale_socket(const std::string& path, const sockaddr_un& addr) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? Status(Ok{}) : Status(socket_error(path, "stat", errno));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return make_error(EEXIST,
+                      fmt::format("control socket {}: the path exists and is not a socket", path));
+  }
+  const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (probe < 0) return socket_error(path, "socket", errno);
+  const int r = ::connect(probe, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int e = errno;
+  ::close(probe);
+  if (r == 0) {
+    return make_error(EADDRINUSE,
+                      fmt::format("control socket {}: another expertd is listening on it", path));
+  }
+  if (e != ECONNREFUSED) return socket_error(path, "probing the existing socket", e);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return socket_error(path, "removing the stale socket", errno);
+  }
+  spdlog::info("rpc: removed the stale socket {} (nothing listened on it)", path);
+  return Ok{};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core,
+                                                    const DaemonConfig& config) {
+  const std::string& path = config.socket;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return make_error(ENAMETOOLONG, fmt::format("control socket '{}': the path must be 1..{} bytes",
+                                                path, sizeof(addr.sun_path) - 1));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  EXPERTD_TRY(make_parent_dirs(path));
+  EXPERTD_TRY(remove_stale_socket(path, addr));
+
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return socket_error(path, "socket", errno);
+  auto fail = [&](const char* what) {
+    const int e = errno;
+    ::close(fd);
+    return socket_error(path, what, e);
+  };
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return fail("bind");
+  }
+  if (::chmod(path.c_str(), 0660) != 0) return fail("chmod 0660");
+  // Members of the first allowed group reach the socket through its group permission.
+  if (!config.allowed_gids.empty() &&
+      ::chown(path.c_str(), static_cast<uid_t>(-1), config.allowed_gids.front()) != 0) {
+    spdlog::warn("rpc: cannot give {} to group {}: {}", path, config.allowed_gids.front(),
+                 std::strerror(errno));
+  }
+  if (::listen(fd, kListenBacklog) != 0) return fail("listen");
+  struct stat st {};
+  (void)::stat(path.c_str(), &st);
+
+  std::unique_ptr<RpcServer> server(new RpcServer());
+  server->socket_path_ = path;
+  server->socket_dev_ = st.st_dev;
+  server->socket_ino_ = st.st_ino;
+  server->loop_ = std::make_shared<Loop>(core, config);
+  if (server->loop_->has_test_uid) {
+    spdlog::warn("rpc: test hook EXPERTD_TEST_PEER_UID is set: every peer is treated as uid {}",
+                 server->loop_->test_uid);
+  }
+  std::promise<std::string> started;
+  auto started_future = started.get_future();
+  server->thread_ = std::thread(
+      [loop = server->loop_, fd, &started] { loop->run(fd, started); });
+  const std::string error = started_future.get();
+  if (!error.empty()) {
+    server->thread_.join();
+    server->stopped_ = true;
+    ::unlink(path.c_str());
+    return make_error(EIO, fmt::format("control socket {}: {}", path, error));
+  }
+  spdlog::info("rpc: listening on {}", path);
+  return server;
+}
+
+void RpcServer::stop() {
+  if (stopped_.exchange(true)) return;
+  if (loop_ && loop_->stop_fulfiller.get() != nullptr) loop_->stop_fulfiller->fulfill();
+  if (thread_.joinable()) thread_.join();
+  // Remove the socket file only if it is still ours (a new daemon may have replaced it).
+  struct stat st {};
+  if (::stat(socket_path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ &&
+      st.st_ino == socket_ino_) {
+    ::unlink(socket_path_.c_str());
+  }
+}
+
+RpcServer::~RpcServer() { stop(); }
+
+}  // namespace expertd

@@ -1,0 +1,56 @@
+// RpcServer: expertd's control plane — Cap'n Proto RPC (client/expertd.capnp) on a Unix socket,
+// served by a kj event loop on a thread of its own.
+//
+// Threads. The RPC thread never touches the stores: every method posts a command to the
+// DaemonCore's reactor (DaemonCore::post) and answers when the reactor fulfils a kj cross-thread
+// fulfiller. ping() alone answers on the RPC thread (it measures the control plane's round trip).
+//
+// Peers. Each connection's SO_PEERCRED is checked once: uid 0, the daemon's own uid, a uid in
+// allowed_uids or a primary gid in allowed_gids may talk; anyone else gets a bootstrap capability
+// on which every call fails with "permission denied: ...", and the connection is closed a few
+// seconds later. The test hook EXPERTD_TEST_PEER_UID=N (environment) makes every peer uid N.
+//
+// Sessions. attach() returns a Session capability and the session's file descriptors, each in an
+// Fd capability that owns it (passed with SCM_RIGHTS). The Session's server object detaches the
+// session when it is destroyed: when the client drops it, calls detach(), or the connection goes
+// away (a client that dies loses its holds as soon as the kernel closes its socket).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "daemon/config.h"
+#include "daemon/core.h"
+#include "storage/result.h"
+
+namespace expertd {
+
+class RpcServer {
+ public:
+  // Creates the socket (its parent directory if missing; a stale socket file nobody listens on
+  // is replaced; mode 0660) and starts serving on a new thread. Errors name the path.
+  static Result<std::unique_ptr<RpcServer>> start(DaemonCore& core, const DaemonConfig& config);
+  // Stops accepting, closes every connection (detaching their sessions), joins the thread and
+  // removes the socket file. Idempotent.
+  void stop();
+  ~RpcServer();
+
+  RpcServer(const RpcServer&) = delete;
+  RpcServer& operator=(const RpcServer&) = delete;
+
+  struct Loop;  // the RPC thread's state (rpc.cc)
+
+ private:
+  RpcServer() = default;
+
+  std::string socket_path_;
+  dev_t socket_dev_ = 0;
+  ino_t socket_ino_ = 0;
+  std::thread thread_;
+  std::shared_ptr<Loop> loop_;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace expertd

@@ -1,0 +1,253 @@
+// `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon).
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <map>
+#include <string>
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "storage/gguf.h"
+#include "storage/slice_map.h"
+#include "tools/expertctl/commands.h"
+
+namespace expertctl {
+namespace {
+
+using expertd::GgufModel;
+using expertd::SliceMap;
+
+struct InspectOptions {
+  std::string model;
+  bool json = false;
+  bool tensors = false;
+  bool metadata = false;
+  bool types = false;
+};
+
+std::string human_bytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+nlohmann::ordered_json scalar_json(const expertd::GgufValue& v) {
+  if (const auto* u = std::get_if<uint64_t>(&v.v)) return *u;
+  if (const auto* s = std::get_if<int64_t>(&v.v)) return *s;
+  if (const auto* d = std::get_if<double>(&v.v)) return *d;
+  if (const auto* b = std::get_if<bool>(&v.v)) return *b;
+  if (const auto* str = v.as_string()) return *str;
+  return nullptr;
+}
+
+nlohmann::ordered_json value_json(const expertd::GgufValue& v) {
+  const expertd::GgufArray* a = v.as_array();
+  if (a == nullptr) return scalar_json(v);
+  auto out = nlohmann::ordered_json::array();
+  for (uint64_t i = 0; i < a->count; ++i) {
+    if (a->elem_type == expertd::GgufValueType::STRING) {
+      out.push_back(std::string(a->string_at(i)));
+    } else {
+      const uint32_t w = expertd::gguf_scalar_bytes(a->elem_type);
+      if (a->elem_type == expertd::GgufValueType::FLOAT32 ||
+          a->elem_type == expertd::GgufValueType::FLOAT64) {
+        out.push_back(a->float_at(i).value_or(0.0));
+      } else if (a->elem_type == expertd::GgufValueType::BOOL) {
+        out.push_back(a->raw[i] != 0);
+      } else if (a->elem_type == expertd::GgufValueType::UINT64) {
+        uint64_t u = 0;
+        std::memcpy(&u, a->raw.data() + i * w, 8);
+        out.push_back(u);
+      } else {
+        out.push_back(a->int_at(i).value_or(0));
+      }
+    }
+  }
+  return out;
+}
+
+std::string dump(const nlohmann::ordered_json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+void print_metadata_json(const GgufModel& m) {
+  for (uint32_t s = 0; s < m.shards().size(); ++s) {
+    for (const auto& kv : m.shards()[s].kvs()) {
+      nlohmann::ordered_json j;
+      j["shard"] = s;
+      j["key"] = kv.key;
+      j["type"] = std::string(expertd::gguf_value_type_name(kv.value.type));
+      if (const auto* a = kv.value.as_array()) {
+        j["elem_type"] = std::string(expertd::gguf_value_type_name(a->elem_type));
+      }
+      j["value"] = value_json(kv.value);
+      std::puts(dump(j).c_str());
+    }
+  }
+}
+
+void print_tensors_json(const GgufModel& m) {
+  for (uint32_t s = 0; s < m.shards().size(); ++s) {
+    for (const auto& t : m.shards()[s].tensors()) {
+      nlohmann::ordered_json j;
+      j["shard"] = s;
+      j["name"] = t.name;
+      j["type"] = std::string(expertd::ggml_type_name(t.type));
+      auto shape = nlohmann::ordered_json::array();
+      for (uint32_t d = 0; d < t.n_dims; ++d) shape.push_back(t.ne[d]);
+      j["shape"] = shape;
+      j["offset"] = t.offset;
+      j["bytes"] = t.bytes;
+      std::puts(dump(j).c_str());
+    }
+  }
+}
+
+void print_slices_json(const SliceMap& map) {
+  std::array<expertd::ExpertSlice, 3> slices{};
+  for (const auto& layer : map.layers()) {
+    for (uint32_t e = 0; e < map.expert_count(); ++e) {
+      const uint32_t n = map.slices(layer.layer, e, slices);
+      for (uint32_t i = 0; i < n; ++i) {
+        const auto& s = slices[i];
+        // Fixed key order, as documented: shard, layer, expert, kind, offset, bytes, type.
+        std::printf(
+            "{\"shard\":%u,\"layer\":%u,\"expert\":%u,\"kind\":\"%s\",\"offset\":%llu,"
+            "\"bytes\":%llu,\"type\":\"%s\"}\n",
+            s.shard, layer.layer, e, std::string(expertd::slice_kind_name(s.kind)).c_str(),
+            static_cast<unsigned long long>(s.offset), static_cast<unsigned long long>(s.bytes),
+            std::string(expertd::ggml_type_name(s.type)).c_str());
+      }
+    }
+  }
+}
+
+std::string meta_string(const GgufModel& m, const std::string& key) {
+  if (const auto* v = m.meta().find(key)) {
+    if (const auto* s = v->as_string()) return *s;
+  }
+  return "-";
+}
+
+void print_summary(const GgufModel& m, const SliceMap& map) {
+  uint64_t file_bytes = 0;
+  for (const auto& s : m.shards()) file_bytes += s.file_size();
+  fmt::print("model          {}\n", m.meta().path());
+  fmt::print("architecture   {}\n", m.architecture().empty() ? "-" : m.architecture());
+  fmt::print("name           {}\n", meta_string(m, "general.name"));
+  fmt::print("gguf           v{}, alignment {}, {} tensors, {}\n", m.meta().version(),
+             m.meta().alignment(), m.tensor_count(), human_bytes(file_bytes));
+  fmt::print("layers         {} ({} with routed experts)\n", map.block_count(),
+             map.layers().size());
+  if (map.layers().empty()) {
+    fmt::print("experts        none: this model has no routed expert tensors\n");
+  } else {
+    fmt::print("experts        {} per layer, top-k {}\n", map.expert_count(), map.top_k());
+    fmt::print("expert bytes   min {} ({}), max {} ({})\n", human_bytes(map.min_expert_bytes()),
+               map.min_expert_bytes(), human_bytes(map.max_expert_bytes()),
+               map.max_expert_bytes());
+    const auto& l0 = map.layers().front();
+    std::string parts;
+    for (uint32_t i = 0; i < l0.slice_count; ++i) {
+      const auto& s = l0.expert0[i];
+      parts += fmt::format("{}{} {} [{}x{}] {}", i ? ", " : "", slice_kind_name(s.kind),
+                           ggml_type_name(s.type), s.ne0, s.ne1, human_bytes(s.bytes));
+    }
+    fmt::print("expert slices  {} (layer {})\n", parts, l0.layer);
+  }
+  uint64_t tensor_bytes = 0;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> by_type;  // type -> (count, bytes)
+  for (const auto& s : m.shards()) {
+    for (const auto& t : s.tensors()) {
+      tensor_bytes += t.bytes;
+      auto& e = by_type[std::string(expertd::ggml_type_name(t.type))];
+      ++e.first;
+      e.second += t.bytes;
+    }
+  }
+  const uint64_t expert_bytes = map.total_expert_bytes();
+  fmt::print("expert total   {} ({:.1f}% of tensor data)\n", human_bytes(expert_bytes),
+             tensor_bytes ? 100.0 * static_cast<double>(expert_bytes) /
+                                static_cast<double>(tensor_bytes)
+                          : 0.0);
+  fmt::print("dense total    {}\n", human_bytes(tensor_bytes - expert_bytes));
+  fmt::print("shards         {}\n", m.shards().size());
+  for (uint32_t i = 0; i < m.shards().size(); ++i) {
+    const auto& s = m.shards()[i];
+    fmt::print("  [{}] {}  {}  {} tensors\n", i, s.path(), human_bytes(s.file_size()),
+               s.tensors().size());
+  }
+  fmt::print("types\n");
+  for (const auto& [name, e] : by_type) {
+    fmt::print("  {:<8} {:>5} tensors  {}\n", name, e.first, human_bytes(e.second));
+  }
+}
+
+void print_types_json() {
+  for (uint32_t id = 0; id < expertd::ggml_type_id_limit(); ++id) {
+    const auto t = expertd::ggml_type_traits(id);
+    if (!t || t->removed) continue;
+    std::printf("{\"id\":%u,\"name\":\"%s\",\"block_elems\":%u,\"block_bytes\":%u}\n", t->id,
+                std::string(t->name).c_str(), t->block_elems, t->block_bytes);
+  }
+}
+
+int run_inspect(const InspectOptions& opts) {
+  if (opts.types) {
+    print_types_json();
+    return 0;
+  }
+  if (opts.model.empty()) {
+    std::fprintf(stderr, "expertctl inspect: MODEL is required (a .gguf file or first shard)\n");
+    return 2;
+  }
+  auto model = GgufModel::open(opts.model);
+  if (!model) {
+    std::fprintf(stderr, "expertctl inspect: %s\n", model.error().message.c_str());
+    return 1;
+  }
+  auto map = SliceMap::build(*model);
+  if (!map) {
+    std::fprintf(stderr, "expertctl inspect: %s\n", map.error().message.c_str());
+    return 1;
+  }
+  if (opts.metadata) {
+    print_metadata_json(*model);
+  } else if (opts.tensors) {
+    print_tensors_json(*model);
+  } else if (opts.json) {
+    print_slices_json(*map);
+  } else {
+    print_summary(*model, *map);
+  }
+  return std::fflush(stdout) == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+void add_inspect_command(CLI::App& app, std::function<int()>* run) {
+  auto opts = std::make_shared<InspectOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "inspect", "Show a GGUF model's layout and expert slice map (offline, no daemon)");
+  cmd->add_option("model", opts->model, "GGUF file, or the first shard NAME-00001-of-0000N.gguf");
+  cmd->add_flag("--json", opts->json,
+                "One JSON object per expert slice (JSON Lines): shard, layer, expert, kind, "
+                "offset, bytes, type");
+  cmd->add_flag("--tensors", opts->tensors,
+                "One JSON object per tensor: shard, name, type, shape, offset, bytes");
+  cmd->add_flag("--metadata", opts->metadata,
+                "One JSON object per metadata key: shard, key, type, value");
+  cmd->add_flag("--types", opts->types,
+                "List the ggml tensor types this build knows (id, name, block size and bytes)");
+  cmd->callback([run, opts] { *run = [opts] { return run_inspect(*opts); }; });
+}
+
+}  // namespace expertctl

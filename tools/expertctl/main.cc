@@ -1,0 +1,16 @@
+// expertctl: the command-line client of expertd. `inspect` works offline on GGUF files; the
+// daemon subcommands talk to expertd over its control socket.
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+#include "tools/expertctl/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"expertctl: inspect MoE models and control the expertd daemon"};
+  app.require_subcommand(1);
+  std::function<int()> run;
+  expertctl::add_inspect_command(app, &run);
+  CLI11_PARSE(app, argc, argv);
+  return run ? run() : 2;
+}
