@@ -22,6 +22,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -51,6 +52,8 @@ constexpr std::array<uint32_t, 5> kGridQueueDepths = {1, 4, 16, 32, 64};
 constexpr std::array<uint64_t, 4> kGridChunks = {256u << 10, 1u << 20, 4u << 20, 0};
 constexpr ReadConfig kSequentialConfig{8, 8u << 20};
 constexpr uint64_t kVerifyWakeTag = 1;
+// Each method's time is cut into rounds of about this length, taken in turns (see run_storage).
+constexpr double kRoundSeconds = 0.5;
 
 struct StorageFlags {
   std::string model;
@@ -58,10 +61,11 @@ struct StorageFlags {
   double seconds = 3.0;
   bool json = false;
   std::string backend = "uring";
-  uint32_t queue_depth = 0;  // 0: the probe's choice
-  std::string chunk;         // empty: the probe's choice
-  uint32_t outstanding = 0;  // 0: max(4, 2 x queue depth)
-  uint32_t rounds = 3;
+  uint32_t queue_depth = 0;   // 0: the probe's choice
+  std::string chunk;          // empty: the probe's choice
+  uint32_t outstanding = 0;   // 0: max(4, 2 x queue depth)
+  uint32_t rounds = 0;        // 0: one round per kRoundSeconds of --seconds
+  std::string grid = "full";  // "full" or "engine" (only the raw loops at the engine's shapes)
   uint64_t seed = 1;
   bool verify = true;
   double probe_seconds = 1.5;
@@ -593,9 +597,17 @@ int run_storage(const StorageFlags& flags) {
                                [&](double s, size_t first) {
                                  return rp.pread_whole(ranges, ProbeBudget{s, 0}, first);
                                }));
-  for (const uint32_t qd : kGridQueueDepths) {
-    for (const uint64_t chunk : kGridChunks) {
-      const ReadConfig c{qd, chunk};
+  std::vector<ReadConfig> grid;
+  if (flags.grid == "full") {
+    for (const uint32_t qd : kGridQueueDepths) {
+      for (const uint64_t chunk : kGridChunks) grid.push_back(ReadConfig{qd, chunk});
+    }
+  } else {
+    grid.push_back(engine_config);
+    if (engine_default) grid.push_back(default_config);
+  }
+  {
+    for (const ReadConfig& c : grid) {
       methods.push_back(
           raw_method(describe_read_config(c), "raw", c, [&rp, &ranges, c](double s, size_t first) {
             return rp.uring(ranges, c, ProbeBudget{s, 0}, first);
@@ -620,9 +632,13 @@ int run_storage(const StorageFlags& flags) {
 
   // Rounds: every method runs seconds/rounds per round, in an order rotated each round, so a
   // disk whose speed drifts (a shared virtual disk does) slows every method alike.
-  const double slice_s = flags.seconds / flags.rounds;
-  for (uint32_t round = 0; round < flags.rounds; ++round) {
-    const size_t shift = round * methods.size() / flags.rounds;
+  const uint32_t rounds =
+      flags.rounds != 0 ? flags.rounds
+                        : std::max<uint32_t>(
+                              1, static_cast<uint32_t>(std::lround(flags.seconds / kRoundSeconds)));
+  const double slice_s = flags.seconds / rounds;
+  for (uint32_t round = 0; round < rounds; ++round) {
+    const size_t shift = round * methods.size() / rounds;
     for (size_t k = 0; k < methods.size(); ++k) {
       Method& m = methods[(k + shift) % methods.size()];
       auto r = m.run(slice_s);
@@ -633,7 +649,7 @@ int run_storage(const StorageFlags& flags) {
       m.bytes += r->first;
       m.seconds += r->second;
       m.round_gbps.push_back(r->second > 0 ? static_cast<double>(r->first) / r->second / 1e9 : 0);
-      progress(fmt::format("round {}/{} [{}/{}] {}: {:.2f} GB/s", round + 1, flags.rounds, k + 1,
+      progress(fmt::format("round {}/{} [{}/{}] {}: {:.2f} GB/s", round + 1, rounds, k + 1,
                            methods.size(), m.name, m.round_gbps.back()));
     }
   }
@@ -757,7 +773,8 @@ int run_storage(const StorageFlags& flags) {
     j["slot_bytes"] = (*engine)->slot_bytes();
     j["dio_alignment"] = rp.alignment();
     j["seconds_per_method"] = flags.seconds;
-    j["rounds"] = flags.rounds;
+    j["rounds"] = rounds;
+    j["grid"] = flags.grid;
     j["seed"] = flags.seed;
     j["date"] = machine.date;
     j["host"] = machine.host;
@@ -788,9 +805,14 @@ void add_storage_command(CLI::App& app, int* exit_code) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--rounds", flags->rounds,
-                  "rounds the methods take turns in (evens out a disk whose speed drifts)")
+                  "rounds the methods take turns in, which evens out a disk whose speed drifts "
+                  "(default: one per 0.5 s of --seconds)")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--grid", flags->grid,
+                  "raw io_uring loops: 'full' (queue depths 1-64 x chunks 256 KiB-whole slice) or "
+                  "'engine' (only the engine's shapes, for a quick paired comparison)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100));
+      ->check(CLI::IsMember({"full", "engine"}));
   cmd->add_flag("--json", flags->json,
                 "print one JSON object on stdout (the table goes to stderr)");
   cmd->add_option("--backend", flags->backend, "the engine's read backend")

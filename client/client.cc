@@ -484,12 +484,13 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
           a.completion_capacity = r.getCompletionCapacity();
           auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
           for (auto& c : caps) fds.add(c.getFd());
+          // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
+          // object would be dropped before the continuation runs).
           return kj::joinPromises(fds.finish())
-              .attach(caps.finish())
-              .then([a](kj::Array<kj::Maybe<int>> got) mutable {
+              .then([a, caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
                 for (size_t i = 0; i < got.size(); ++i) {
                   KJ_IF_MAYBE (fd, got[i]) {
-                    // The capability owns its fd: keep a copy of our own.
+                    // Keep a copy of our own.
                     a.fds[i] = ::fcntl(*fd, F_DUPFD_CLOEXEC, 0);
                   }
                 }

@@ -153,8 +153,9 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
     for (const uint32_t f : files)
       alignment = std::max(alignment, core->io_->file(f).dio_alignment);
     const uint64_t slot_bytes = SlotLayouts(probe_map, alignment, page_bytes()).slot_bytes();
-    so.staging_slots = static_cast<uint32_t>(
-        std::clamp<uint64_t>(slot_bytes ? per_model_staging / slot_bytes : 2, 2, 4096));
+    const uint64_t experts = uint64_t{probe_map.expert_count()} * probe_map.layers().size();
+    so.staging_slots = static_cast<uint32_t>(std::clamp<uint64_t>(
+        slot_bytes ? per_model_staging / slot_bytes : 2, 2, std::max<uint64_t>(experts, 2)));
 
     // The verifier (verify mode) observes loads; it needs the store's layouts, so it is wired
     // after creation through a forwarding observer.

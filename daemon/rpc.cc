@@ -1,6 +1,12 @@
 #include "daemon/rpc.h"
 
+#include <capnp/rpc-twoparty.h>
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <kj/async-io.h>
+#include <kj/async.h>
+#include <kj/timer.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -13,13 +19,6 @@
 #include <future>
 #include <utility>
 #include <vector>
-
-#include <capnp/rpc-twoparty.h>
-#include <fmt/format.h>
-#include <kj/async-io.h>
-#include <kj/async.h>
-#include <kj/timer.h>
-#include <spdlog/spdlog.h>
 
 #include "client/expertd.capnp.h"
 #include "client/include/expertd/protocol.h"
@@ -39,9 +38,9 @@ constexpr auto kRefusedLinger = 5 * kj::SECONDS;
 
 kj::Exception to_kj(const Error& e) {
   // The description is the message alone: the client shows it as is.
-  return kj::Exception(e.code == EBUSY ? kj::Exception::Type::OVERLOADED
-                                       : kj::Exception::Type::FAILED,
-                       __FILE__, __LINE__, kj::heapString(e.message.data(), e.message.size()));
+  return kj::Exception(
+      e.code == EBUSY ? kj::Exception::Type::OVERLOADED : kj::Exception::Type::FAILED, __FILE__,
+      __LINE__, kj::heapString(e.message.data(), e.message.size()));
 }
 
 kj::StringPtr text(const std::string& s) { return kj::StringPtr(s.c_str(), s.size()); }
@@ -55,8 +54,8 @@ template <typename T, typename Fn>
 kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
   auto paf = kj::newPromiseAndCrossThreadFulfiller<kj::Own<T>>();
   // std::function needs a copyable callable: the fulfiller rides in a shared_ptr.
-  auto fulfiller = std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<kj::Own<T>>>>(
-      kj::mv(paf.fulfiller));
+  auto fulfiller =
+      std::make_shared<kj::Own<kj::CrossThreadPromiseFulfiller<kj::Own<T>>>>(kj::mv(paf.fulfiller));
   const bool posted = core.post([fulfiller, fn = std::move(fn)](DaemonCore& c) mutable {
     if (!(*fulfiller)->isWaiting()) return;
     Result<T> r = fn(c);
@@ -154,10 +153,12 @@ class SessionImpl final : public rpc::Session::Server {
     if (detached_) return kj::READY_NOW;
     detached_ = true;
     const uint32_t id = id_;
-    return on_reactor<Ok>(core_, [id](DaemonCore& c) -> Result<Ok> {
-      c.detach(id, "client detached");
-      return Ok{};
-    }).ignoreResult();
+    return on_reactor<Ok>(core_,
+                          [id](DaemonCore& c) -> Result<Ok> {
+                            c.detach(id, "client detached");
+                            return Ok{};
+                          })
+        .ignoreResult();
   }
 
  private:
@@ -263,13 +264,15 @@ class ExpertdImpl final : public rpc::Expertd::Server {
   ExpertdImpl(DaemonCore& core, ClientIdentity peer) : core_(core), peer_(std::move(peer)) {}
 
   kj::Promise<void> info(InfoContext context) override {
-    return on_reactor<DaemonStats>(core_, [](DaemonCore& c) -> Result<DaemonStats> {
-             DaemonStats d;  // only the backend is needed: skip the per-model work
-             auto full = c.stats();
-             d.backend = std::move(full.backend);
-             d.backend_detail = std::move(full.backend_detail);
-             return d;
-           })
+    return on_reactor<DaemonStats>(
+               core_,
+               [](DaemonCore& c) -> Result<DaemonStats> {
+                 DaemonStats d;  // only the backend is needed: skip the per-model work
+                 auto full = c.stats();
+                 d.backend = std::move(full.backend);
+                 d.backend_detail = std::move(full.backend_detail);
+                 return d;
+               })
         .then([this, context](kj::Own<DaemonStats> d) mutable {
           auto r = context.getResults();
           r.setVersion(EXPERTD_VERSION);
@@ -284,8 +287,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
 
   kj::Promise<void> openModel(OpenModelContext context) override {
     std::string name = str(context.getParams().getName());
-    return on_reactor<ModelLayout>(core_,
-                                   [name](DaemonCore& c) { return c.open_model(name); })
+    return on_reactor<ModelLayout>(core_, [name](DaemonCore& c) { return c.open_model(name); })
         .then([context](kj::Own<ModelLayout> l) mutable {
           fill_layout(*l, context.getResults().initLayout());
         });
@@ -296,13 +298,12 @@ class ExpertdImpl final : public rpc::Expertd::Server {
     std::string model = str(p.getModel());
     ClientIdentity who = peer_;
     who.name = str(p.getClientName()).substr(0, 64);
-    return on_reactor<OwnedAttachment>(
-               core_,
-               [model, who](DaemonCore& c) -> Result<OwnedAttachment> {
-                 auto a = c.attach(model, who);
-                 if (!a) return a.take_error();
-                 return OwnedAttachment(c, *a);
-               })
+    return on_reactor<OwnedAttachment>(core_,
+                                       [model, who](DaemonCore& c) -> Result<OwnedAttachment> {
+                                         auto a = c.attach(model, who);
+                                         if (!a) return a.take_error();
+                                         return OwnedAttachment(c, *a);
+                                       })
         .then([this, context](kj::Own<OwnedAttachment> owned) mutable {
           const Attachment a = owned->release();
           auto r = context.getResults();
@@ -475,9 +476,10 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
       const std::string why = fmt::format(
           "permission denied: uid {} is not allowed (allowed_uids/allowed_gids in expertd.toml)",
           peer.uid);
-      spdlog::warn("rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
-                   "or allowed_gids",
-                   peer.pid, peer.uid, peer.gid);
+      spdlog::warn(
+          "rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
+          "or allowed_gids",
+          peer.pid, peer.uid, peer.gid);
       capnp::Capability::Client refused(
           kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())));
       auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused));
@@ -590,8 +592,7 @@ Status remove_stale_socket(const std::string& path, const sockaddr_un& addr) {
 
 }  // namespace
 
-Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core,
-                                                    const DaemonConfig& config) {
+Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const DaemonConfig& config) {
   const std::string& path = config.socket;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -635,8 +636,7 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core,
   }
   std::promise<std::string> started;
   auto started_future = started.get_future();
-  server->thread_ = std::thread(
-      [loop = server->loop_, fd, &started] { loop->run(fd, started); });
+  server->thread_ = std::thread([loop = server->loop_, fd, &started] { loop->run(fd, started); });
   const std::string error = started_future.get();
   if (!error.empty()) {
     server->thread_.join();

@@ -167,5 +167,364 @@ TEST_F(ClientTest, AcquireEveryExpertVerified) {
   EXPECT_EQ(st->pid, ::getpid());
 }
 
-}  // namespace
-}  // namespace expertd::client
+TEST_F(ClientTest, SeveralClientsAtOnceSeeTheForgedBytes) {
+  Expected expected(model_);
+  constexpr int kClients = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Client::connect(daemon_->socket());
+      if (!c) {
+        ADD_FAILURE() << c.error().message;
+        ++failures;
+        return;
+      }
+      auto s = (*c)->attach("m", fmt::format("client-{}", t));
+      if (!s) {
+        ADD_FAILURE() << s.error().message;
+        ++failures;
+        return;
+      }
+      for (int round = 0; round < 3; ++round) {
+        for (uint32_t l = 0; l < 4; ++l) {
+          const uint32_t layer = (l + static_cast<uint32_t>(t)) % 4;  // different orders
+          auto views = (*s)->acquire(layer, iota(8));
+          if (!views) {
+            ADD_FAILURE() << views.error().message;
+            ++failures;
+            return;
+          }
+          for (const auto& v : *views) {
+            if (!expected.check(v)) ++failures;
+          }
+          if (!(*s)->release(*views)) ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto c = connect();
+  auto st = c->stats();
+  ASSERT_TRUE(st) << st.error().message;
+  ASSERT_EQ(st->models.size(), 1u);
+  EXPECT_EQ(st->models[0].scheduler.acquires, uint64_t{kClients} * 3 * 4 * 8);
+  EXPECT_EQ(st->models[0].scheduler.loads_failed, 0u);
+}
+
+TEST_F(ClientTest, TheSealedArenaCannotBeWrittenOrResized) {
+  auto c = connect();
+  auto s = c->attach("m", "sealed");
+  ASSERT_TRUE(s) << s.error().message;
+  for (const int fd : {(*s)->arena_fd(), (*s)->slot_table_fd()}) {
+    errno = 0;
+    void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    EXPECT_EQ(p, MAP_FAILED);
+    EXPECT_EQ(errno, EPERM);
+    errno = 0;
+    EXPECT_NE(::ftruncate(fd, 1 << 20), 0);
+    EXPECT_EQ(errno, EPERM);
+    errno = 0;
+    EXPECT_NE(::ftruncate(fd, 0), 0);
+    EXPECT_EQ(errno, EPERM);
+    const uint8_t byte = 0x5a;
+    errno = 0;
+    EXPECT_EQ(::pwrite(fd, &byte, 1, 0), -1);
+    EXPECT_EQ(errno, EPERM);
+    errno = 0;
+    EXPECT_EQ(::write(fd, &byte, 1), -1);
+    EXPECT_EQ(errno, EPERM);
+  }
+  // The client's own read-only mapping cannot be made writable either.
+  EXPECT_NE(::mprotect(const_cast<uint8_t*>((*s)->arena()), 4096, PROT_READ | PROT_WRITE), 0);
+  // And what it maps is what the daemon loaded.
+  Expected expected(model_);
+  const uint32_t experts[] = {3, 5};
+  auto views = (*s)->acquire(1, experts);
+  ASSERT_TRUE(views) << views.error().message;
+  for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+  ASSERT_TRUE((*s)->release(*views));
+}
+
+TEST_F(ClientTest, ClientSideErrorsLeaveTheSessionUsable) {
+  auto c = connect();
+  auto s = c->attach("m", "careful");
+  ASSERT_TRUE(s) << s.error().message;
+  const uint32_t bad_expert[] = {8};
+  auto r = (*s)->acquire(0, bad_expert);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().message,
+            "acquire: expert 8 of layer 0: the model has 8 experts per layer");
+  const uint32_t ok_expert[] = {1};
+  auto r2 = (*s)->acquire(4, ok_expert);
+  ASSERT_FALSE(r2);
+  EXPECT_EQ(r2.error().message, "acquire: layer 4 has no routed experts (model 'm' has 4 layers)");
+  auto rel = (*s)->release(3);
+  ASSERT_FALSE(rel);
+  EXPECT_EQ(rel.error().message, "release of slot 3: this session does not hold it");
+  const PrefetchHint hints[] = {{1, 2, 0.9f}, {2, 3, 0.1f}};
+  EXPECT_TRUE((*s)->prefetch(hints));
+  EXPECT_TRUE((*s)->set_cursor(0, 0));
+  auto views = (*s)->acquire(0, ok_expert);
+  ASSERT_TRUE(views) << views.error().message;
+  EXPECT_TRUE((*s)->release(*views));
+}
+
+// --- Hostile ring entries ----------------------------------------------------------------------
+
+// Writes `r` straight into the session's request ring, as a misbehaving client would, and rings
+// the doorbell.
+void raw_push(Session& s, const abi::Request& r) {
+  auto* h = reinterpret_cast<abi::SessionHeader*>(s.session_region());
+  auto* ring = reinterpret_cast<abi::RingHeader*>(s.session_region() + h->request_ring_offset);
+  auto* entries = reinterpret_cast<abi::Request*>(ring + 1);
+  const uint32_t tail = ring->tail.value.load(std::memory_order_relaxed);
+  const uint64_t deadline = test::now_ms() + 2000;
+  while (tail - ring->head.value.load(std::memory_order_acquire) >= ring->capacity &&
+         h->closed.load() == 0 && test::now_ms() < deadline) {
+    std::this_thread::yield();
+  }
+  entries[tail & (ring->capacity - 1)] = r;
+  ring->tail.value.store(tail + 1, std::memory_order_release);
+  const uint64_t one = 1;
+  ASSERT_EQ(::write(s.request_doorbell_fd(), &one, sizeof(one)), 8);
+}
+
+bool wait_closed(Session& s, uint64_t timeout_ms) {
+  auto* h = reinterpret_cast<abi::SessionHeader*>(s.session_region());
+  const uint64_t deadline = test::now_ms() + timeout_ms;
+  while (h->closed.load() == 0 && test::now_ms() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return h->closed.load() != 0;
+}
+
+struct HostileCase {
+  const char* name;
+  std::vector<abi::Request> entries;  // pushed once
+  uint32_t repeat = 1;                // times the entries are pushed
+};
+
+class HostileRingTest : public ClientTest, public ::testing::WithParamInterface<HostileCase> {};
+
+TEST_P(HostileRingTest, ClosesOnlyThatSession) {
+  auto c = connect();
+  auto victim = c->attach("m", "hostile");
+  ASSERT_TRUE(victim) << victim.error().message;
+  auto c2 = connect();
+  auto bystander = c2->attach("m", "bystander");
+  ASSERT_TRUE(bystander) << bystander.error().message;
+  const uint32_t warm[] = {0, 1, 2};
+  auto held = (*bystander)->acquire(0, warm);  // held across the other session's closure
+  ASSERT_TRUE(held) << held.error().message;
+
+  for (uint32_t i = 0; i < GetParam().repeat; ++i) {
+    for (const auto& r : GetParam().entries) raw_push(**victim, r);
+    if (reinterpret_cast<abi::SessionHeader*>((*victim)->session_region())->closed.load()) break;
+  }
+  ASSERT_TRUE(wait_closed(**victim, 2000)) << daemon_->log();
+  const uint32_t one[] = {0};
+  auto r = (*victim)->acquire(0, one);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("expertd closed session"), std::string::npos)
+      << r.error().message;
+
+  Expected expected(model_);
+  for (const auto& v : *held) EXPECT_TRUE(expected.check(v));
+  EXPECT_TRUE((*bystander)->release(*held));
+  auto views = (*bystander)->acquire(2, iota(8));
+  ASSERT_TRUE(views) << views.error().message;
+  for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+  EXPECT_TRUE((*bystander)->release(*views));
+  auto st = c2->stats();
+  ASSERT_TRUE(st) << st.error().message;
+  EXPECT_EQ(st->sessions_closed_hostile, 1u);
+}
+
+abi::Request req(uint32_t op, uint32_t layer, uint32_t expert, uint32_t arg = 0,
+                 float score = 0.5f) {
+  abi::Request r{};
+  r.op = op;
+  r.layer = layer;
+  r.expert = expert;
+  r.arg = arg;
+  r.tag = 1;
+  r.score = score;
+  return r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Entries, HostileRingTest,
+    ::testing::Values(HostileCase{"bad_op", {req(77, 0, 0)}},
+                      HostileCase{"layer_out_of_range", {req(abi::kOpAcquire, 99, 0)}},
+                      HostileCase{"expert_out_of_range", {req(abi::kOpAcquire, 0, 1000)}},
+                      HostileCase{"release_unheld", {req(abi::kOpRelease, 0, 0, 5)}},
+                      HostileCase{"prefetch_nan", {req(abi::kOpPrefetch, 0, 0, 0, NAN)}},
+                      HostileCase{"cursor_out_of_range", {req(abi::kOpCursor, 1u << 30, 0)}},
+                      // Acquires whose completions are never read, past the completion ring.
+                      HostileCase{"acquire_flood", {req(abi::kOpAcquire, 1, 2)}, 4096}),
+    [](const ::testing::TestParamInfo<HostileCase>& p) { return std::string(p.param.name); });
+
+// --- Clients and daemons that die ---------------------------------------------------------------
+
+uint32_t holds_of(Client& c, pid_t pid, bool* present) {
+  auto st = c.stats();
+  EXPECT_TRUE(st) << st.error().message;
+  *present = false;
+  uint32_t holds = 0;
+  if (!st) return 0;
+  for (const auto& s : st->sessions) {
+    if (s.pid == pid) {
+      *present = true;
+      holds += s.holds;
+    }
+  }
+  return holds;
+}
+
+class KilledClientTest : public ClientTest {
+  std::vector<std::string> daemon_args() override {
+    auto a = ClientTest::daemon_args();
+    a.insert(a.end(), {"--staging", "1MiB"});  // 2 staging slots: the cache is all there is
+    return a;
+  }
+};
+
+TEST_F(KilledClientTest, AClientKilledWhileHoldingLosesItsHoldsWithinASecond) {
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The child holds every expert of the model (the whole cache), then waits to be killed.
+    ::close(ready[0]);
+    char ok = '0';
+    auto c = Client::connect(daemon_->socket());
+    std::unique_ptr<Session> s;
+    if (c) {
+      auto a = (*c)->attach("m", "doomed");
+      if (a) s = std::move(*a);
+    }
+    bool held = s != nullptr;
+    for (uint32_t layer = 0; held && layer < 4; ++layer) held = bool(s->acquire(layer, iota(8)));
+    if (held) ok = '1';
+    (void)!::write(ready[1], &ok, 1);
+    while (true) ::pause();
+  }
+  ::close(ready[1]);
+  char ok = 0;
+  ASSERT_EQ(::read(ready[0], &ok, 1), 1);
+  ::close(ready[0]);
+  ASSERT_EQ(ok, '1') << "the child could not acquire\n" << daemon_->log();
+
+  auto c = connect();
+  bool present = false;
+  EXPECT_EQ(holds_of(*c, child, &present), 32u);
+  EXPECT_TRUE(present);
+
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  const uint64_t t0 = test::now_ms();
+  while (test::now_ms() - t0 < 5000) {
+    (void)holds_of(*c, child, &present);
+    if (!present) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const uint64_t freed_ms = test::now_ms() - t0;
+  EXPECT_FALSE(present);
+  EXPECT_LT(freed_ms, 1000u) << "the dead client's session lingered";
+
+  // Every slot is free for the living: all 32 experts held at once again.
+  auto s = c->attach("m", "survivor");
+  ASSERT_TRUE(s) << s.error().message;
+  Expected expected(model_);
+  std::vector<std::vector<SlotView>> all;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    auto views = (*s)->acquire(layer, iota(8));
+    ASSERT_TRUE(views) << views.error().message;
+    for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+    all.push_back(std::move(*views));
+  }
+  EXPECT_EQ((*s)->holds(), 32u);
+  for (const auto& v : all) EXPECT_TRUE((*s)->release(v));
+}
+
+TEST_F(ClientTest, TheDaemonKilledUnderAClientIsAClearErrorThenReconnectWorks) {
+  auto c = connect();
+  auto s = c->attach("m", "orphan");
+  ASSERT_TRUE(s) << s.error().message;
+  const uint32_t two[] = {0, 1};
+  auto views = (*s)->acquire(0, two);
+  ASSERT_TRUE(views) << views.error().message;
+  ASSERT_TRUE((*s)->release(*views));
+
+  // A client asleep in acquire() when the daemon dies wakes with an error.
+  ASSERT_EQ(::kill(daemon_->pid(), SIGSTOP), 0);
+  std::atomic<uint64_t> woke_ms{0};
+  Result<std::vector<SlotView>> blocked = make_error(0, "");
+  std::thread waiter([&] {
+    const uint32_t cold[] = {7};
+    blocked = (*s)->acquire(3, cold);
+    woke_ms = test::now_ms();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const uint64_t killed_ms = test::now_ms();
+  daemon_->kill9();
+  waiter.join();
+  ASSERT_FALSE(blocked);
+  EXPECT_NE(blocked.error().message.find("expertd went away"), std::string::npos)
+      << blocked.error().message;
+  EXPECT_LT(woke_ms.load() - killed_ms, 1000u);
+  EXPECT_FALSE(c->connected());
+  auto info = c->info();
+  ASSERT_FALSE(info);
+  EXPECT_NE(info.error().message.find("expertd went away"), std::string::npos)
+      << info.error().message;
+
+  // A new daemon on the same (stale) socket path; the client reconnects.
+  ASSERT_TRUE(daemon_->start());
+  auto c2 = connect();
+  ASSERT_TRUE(c2);
+  auto s2 = c2->attach("m", "reborn");
+  ASSERT_TRUE(s2) << s2.error().message;
+  auto again = (*s2)->acquire(0, two);
+  ASSERT_TRUE(again) << again.error().message;
+  Expected expected(model_);
+  for (const auto& v : *again) EXPECT_TRUE(expected.check(v));
+  EXPECT_TRUE((*s2)->release(*again));
+}
+
+// --- Peer credentials ----------------------------------------------------------------------------
+
+TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
+  TempDir dir;
+  const std::string model = test::forge(dir.path(), "m", kSmallModel);
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(),
+           {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock"},
+           {"EXPERTD_TEST_PEER_UID=4242"});
+  ASSERT_TRUE(d.start());
+  auto c = Client::connect(sock);
+  ASSERT_FALSE(c);
+  EXPECT_EQ(c.error().message,
+            "permission denied: uid 4242 is not allowed (allowed_uids/allowed_gids in "
+            "expertd.toml)");
+  const std::string log = d.log();
+  EXPECT_NE(log.find("EXPERTD_TEST_PEER_UID"), std::string::npos) << log;
+  EXPECT_NE(log.find("refused a connection"), std::string::npos) << log;
+  EXPECT_EQ(d.stop(), 0);
+
+  // The same uid, allowed.
+  Daemon allowed(dir.path(),
+                 {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock",
+                  "--allow-uid", "4242"},
+                 {"EXPERTD_TEST_PEER_UID=4242"});
+  ASSERT_TRUE(allowed.start());
+  auto ok = Client::connect(sock);
+  ASSERT_TRUE(ok) << ok.error().message;
+  ok->reset();
+  EXPECT_EQ(allowed.stop(), 0);
+}
+
+}
