@@ -57,6 +57,7 @@ struct DaemonCore::Model {
   uint32_t file_count = 0;
   std::vector<uint64_t> layer_hits;
   std::vector<uint64_t> layer_misses;
+  uint64_t verify_failures_logged = 0;
 };
 
 struct DaemonCore::Session {
@@ -284,6 +285,13 @@ void DaemonCore::run() {
   // Drain: reads in flight finish (their slots become READY or FREE), then sessions go.
   run_commands();
   if (!reactor_->drain(10'000)) spdlog::warn("shutdown: reads still in flight after 10 s");
+  refresh_status();
+  for (const auto& m : models_) {
+    if (m->verifier) {
+      spdlog::info("model '{}': verify: {} loads checked, {} differ", m->name,
+                   m->verifier->verified(), m->verifier->failures());
+    }
+  }
   for (auto& s : sessions_) {
     if (s) detach(s->id, "daemon shutting down");
   }
@@ -643,6 +651,16 @@ Status DaemonCore::evict(const std::string& model, uint32_t layer, uint32_t expe
 }
 
 void DaemonCore::refresh_status() {
+  for (auto& m : models_) {
+    if (!m->verifier) continue;
+    const uint64_t failures = m->verifier->failures();
+    if (failures > m->verify_failures_logged) {
+      spdlog::error("model '{}': verify: {} of {} loads differ from the forged content; first: {}",
+                    m->name, failures, m->verifier->verified(),
+                    m->verifier->messages().empty() ? "-" : m->verifier->messages().front());
+      m->verify_failures_logged = failures;
+    }
+  }
   uint64_t acquires = 0;
   uint64_t hits = 0;
   uint64_t ready = 0;

@@ -527,4 +527,5 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   EXPECT_EQ(allowed.stop(), 0);
 }
 
-}
+}  // namespace
+}  // namespace expertd::client

@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::function<int()> run;
   expertctl::add_inspect_command(app, &run);
+  expertctl::add_daemon_commands(app, &run);
+  expertctl::add_top_command(app, &run);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }

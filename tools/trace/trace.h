@@ -32,4 +32,10 @@ struct Trace {
 
 Result<Trace> load_trace_jsonl(const std::string& path);
 
+// A generated trace with locality like a real one, for machines without ../shared/traces: each
+// layer routes by a skewed (Zipf-like) popularity over its experts, and each expert chosen for
+// the previous token is kept with probability `reuse` (OLMoE and Mixtral keep about 40%).
+Trace make_synthetic_trace(uint32_t tokens, uint32_t layers, uint32_t experts, uint32_t top_k,
+                           uint64_t seed, double reuse = 0.4);
+
 }  // namespace expertd

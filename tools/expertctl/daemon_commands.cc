@@ -1,0 +1,414 @@
+// expertctl's daemon subcommands: status, stats, models, pin, unpin, evict, set. Each connects to
+// expertd's control socket, makes its calls and prints text (or one JSON document with --json).
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "tools/expertctl/commands.h"
+#include "tools/expertctl/daemon_util.h"
+
+namespace expertctl {
+
+using expertd::client::Client;
+using expertd::client::Stats;
+using json = nlohmann::ordered_json;
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+
+void add_daemon_options(CLI::App* cmd, DaemonOptions& opts) {
+  opts.socket = expertd::client::default_socket();
+  cmd->add_option("--socket", opts.socket,
+                  "expertd's control socket (default $EXPERTD_SOCKET or "
+                  "/run/expertd/expertd.sock)");
+  cmd->add_flag("--json", opts.json, "Print one JSON document instead of text");
+}
+
+int fail(const DaemonOptions& opts, const std::string& command, const std::string& message) {
+  std::fprintf(stderr, "expertctl %s: %s\n", command.c_str(), message.c_str());
+  if (opts.json) print_json(json{{"error", message}});
+  return 1;
+}
+
+std::unique_ptr<Client> connect(const DaemonOptions& opts, const std::string& command) {
+  auto c = Client::connect(opts.socket);
+  if (!c) {
+    fail(opts, command, c.error().message);
+    return nullptr;
+  }
+  return std::move(*c);
+}
+
+void print_json(const json& j) {
+  std::puts(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  std::fflush(stdout);
+}
+
+std::string human_bytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+std::string human_duration_ms(uint64_t ms) {
+  const uint64_t s = ms / 1000;
+  if (s < 60) return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0);
+  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  if (s < 86400) return fmt::format("{}h{:02}m", s / 3600, s / 60 % 60);
+  return fmt::format("{}d{:02}h", s / 86400, s / 3600 % 24);
+}
+
+double hit_rate(uint64_t hits, uint64_t misses) {
+  const uint64_t n = hits + misses;
+  return n == 0 ? -1.0 : static_cast<double>(hits) / static_cast<double>(n);
+}
+
+json stats_json(const Stats& s) {
+  json j;
+  j["backend"] = s.backend;
+  j["backend_detail"] = s.backend_detail;
+  j["uptime_ms"] = s.uptime_ms;
+  j["reactor_loops"] = s.reactor_loops;
+  j["queue_depth"] = s.queue_depth;
+  j["chunk_bytes"] = s.chunk_bytes;
+  j["prefetch_depth"] = s.prefetch_depth;
+  j["policy"] = s.policy;
+  j["bytes_read"] = s.bytes_read;
+  j["sessions_closed_hostile"] = s.sessions_closed_hostile;
+  json models = json::array();
+  for (const auto& m : s.models) {
+    const auto& x = m.scheduler;
+    json sched{{"acquires", x.acquires},
+               {"hits", x.hits},
+               {"coalesced", x.coalesced},
+               {"misses", x.misses},
+               {"busy", x.busy},
+               {"prefetch_hints", x.prefetch_hints},
+               {"prefetch_loads", x.prefetch_loads},
+               {"prefetch_dropped", x.prefetch_dropped},
+               {"prefetch_cancelled", x.prefetch_cancelled},
+               {"prefetch_useful", x.prefetch_useful},
+               {"loads_done", x.loads_done},
+               {"loads_failed", x.loads_failed},
+               {"staged_loads", x.staged_loads},
+               {"evictions", x.evictions},
+               {"bytes_read", x.bytes_read},
+               {"reads", x.reads},
+               {"short_reads", x.short_reads},
+               {"eagain_retries", x.eagain_retries},
+               {"buffered_requeues", x.buffered_requeues}};
+    json mj;
+    mj["name"] = m.name;
+    mj["scheduler"] = sched;
+    mj["cache_slots"] = m.cache_slots;
+    mj["cache_ready"] = m.cache_ready;
+    mj["staging_slots"] = m.staging_slots;
+    mj["slot_bytes"] = m.slot_bytes;
+    mj["reads_in_flight"] = m.reads_in_flight;
+    mj["layer_hits"] = m.layer_hits;
+    mj["layer_misses"] = m.layer_misses;
+    models.push_back(std::move(mj));
+  }
+  j["models"] = std::move(models);
+  json sessions = json::array();
+  for (const auto& x : s.sessions) {
+    sessions.push_back(json{{"session", x.session},
+                            {"model", x.model},
+                            {"client", x.client},
+                            {"pid", x.pid},
+                            {"uid", x.uid},
+                            {"acquires", x.acquires},
+                            {"prefetches", x.prefetches},
+                            {"releases", x.releases},
+                            {"holds", x.holds}});
+  }
+  j["sessions"] = std::move(sessions);
+  return j;
+}
+
+namespace {
+
+std::string percent(double rate) {
+  return rate < 0 ? std::string("-") : fmt::format("{:.1f}%", 100.0 * rate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// status
+
+int run_status(const DaemonOptions& o) {
+  auto c = connect(o, "status");
+  if (!c) return 1;
+  auto info = c->info();
+  if (!info) return fail(o, "status", info.error().message);
+  auto st = c->stats();
+  if (!st) return fail(o, "status", st.error().message);
+  uint64_t acquires = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  for (const auto& m : st->models) {
+    acquires += m.scheduler.acquires;
+    hits += m.scheduler.hits;
+    misses += m.scheduler.acquires - m.scheduler.hits;
+  }
+  const double rate = hit_rate(hits, misses);
+  if (o.json) {
+    json j;
+    j["socket"] = o.socket;
+    j["version"] = info->version;
+    j["protocol_version"] = info->protocol_version;
+    j["backend"] = info->backend;
+    j["backend_detail"] = info->backend_detail;
+    j["uptime_ms"] = st->uptime_ms;
+    j["models"] = info->models;
+    j["sessions"] = st->sessions.size();
+    j["acquires"] = acquires;
+    j["hits"] = hits;
+    j["hit_rate"] = rate < 0 ? json(nullptr) : json(rate);
+    j["bytes_read"] = st->bytes_read;
+    j["prefetch_depth"] = st->prefetch_depth;
+    j["queue_depth"] = st->queue_depth;
+    j["chunk_bytes"] = st->chunk_bytes;
+    j["policy"] = st->policy;
+    print_json(j);
+    return 0;
+  }
+  std::string models;
+  for (const auto& m : info->models) models += (models.empty() ? "" : ", ") + m;
+  fmt::print("expertd {} (protocol {}) at {}\n", info->version, info->protocol_version, o.socket);
+  fmt::print("backend    {}\n", info->backend_detail);
+  fmt::print("uptime     {}\n", human_duration_ms(st->uptime_ms));
+  fmt::print("models     {}\n", models.empty() ? "-" : models);
+  fmt::print("sessions   {}\n", st->sessions.size());
+  fmt::print("hit rate   {} of {} acquires\n", percent(rate), acquires);
+  fmt::print("read       {}\n", human_bytes(st->bytes_read));
+  fmt::print("tuning     prefetch depth {}, queue depth {}, chunk {}, policy {}\n",
+             st->prefetch_depth, st->queue_depth,
+             st->chunk_bytes ? human_bytes(st->chunk_bytes) : std::string("whole slices"),
+             st->policy);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// stats
+
+int run_stats(const DaemonOptions& o) {
+  auto c = connect(o, "stats");
+  if (!c) return 1;
+  auto st = c->stats();
+  if (!st) return fail(o, "stats", st.error().message);
+  if (o.json) {
+    print_json(stats_json(*st));
+    return 0;
+  }
+  fmt::print("backend {}; uptime {}; {} reactor loops; read {}\n", st->backend_detail,
+             human_duration_ms(st->uptime_ms), st->reactor_loops, human_bytes(st->bytes_read));
+  fmt::print("tuning: prefetch depth {}, queue depth {}, policy {}; sessions closed for hostile "
+             "requests: {}\n",
+             st->prefetch_depth, st->queue_depth, st->policy, st->sessions_closed_hostile);
+  for (const auto& m : st->models) {
+    const auto& x = m.scheduler;
+    fmt::print("\nmodel {}: cache {} / {} slots ready ({} each), staging {} slots\n", m.name,
+               m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes), m.staging_slots);
+    fmt::print("  acquires {:>10}  hits {:>10}  coalesced {:>8}  misses {:>8}  busy {}\n",
+               x.acquires, x.hits, x.coalesced, x.misses, x.busy);
+    fmt::print("  prefetch hints {:>8}  loads {:>8}  useful {:>8}  dropped {:>6}  cancelled {}\n",
+               x.prefetch_hints, x.prefetch_loads, x.prefetch_useful, x.prefetch_dropped,
+               x.prefetch_cancelled);
+    fmt::print("  loads {:>8} done, {} failed, {} staged; {} evictions\n", x.loads_done,
+               x.loads_failed, x.staged_loads, x.evictions);
+    fmt::print("  reads {:>8} ({}), {} short, {} EAGAIN, {} buffered requeues\n", x.reads,
+               human_bytes(x.bytes_read), x.short_reads, x.eagain_retries, x.buffered_requeues);
+    fmt::print("  layer  hits       misses     hit rate\n");
+    for (size_t l = 0; l < m.layer_hits.size(); ++l) {
+      const uint64_t h = m.layer_hits[l];
+      const uint64_t mi = l < m.layer_misses.size() ? m.layer_misses[l] : 0;
+      if (h + mi == 0) continue;
+      fmt::print("  {:>5}  {:<10} {:<10} {}\n", l, h, mi, percent(hit_rate(h, mi)));
+    }
+  }
+  if (!st->sessions.empty()) {
+    fmt::print("\nsession  model        client           pid      uid    acquires   holds\n");
+    for (const auto& s : st->sessions) {
+      fmt::print("{:>7}  {:<12} {:<16} {:<8} {:<6} {:<10} {}\n", s.session, s.model, s.client,
+                 s.pid, s.uid, s.acquires, s.holds);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// models
+
+int run_models(const DaemonOptions& o) {
+  auto c = connect(o, "models");
+  if (!c) return 1;
+  auto info = c->info();
+  if (!info) return fail(o, "models", info.error().message);
+  auto st = c->stats();
+  if (!st) return fail(o, "models", st.error().message);
+  json out = json::array();
+  if (!o.json) {
+    fmt::print("{:<16} {:<12} {:>6} {:>8} {:>5} {:>12} {:>8}\n", "model", "arch", "layers",
+               "experts", "top-k", "slot", "cached");
+  }
+  for (const auto& name : info->models) {
+    auto l = c->open_model(name);
+    if (!l) return fail(o, "models", l.error().message);
+    uint32_t ready = 0;
+    uint32_t slots = 0;
+    for (const auto& m : st->models) {
+      if (m.name == name) {
+        ready = m.cache_ready;
+        slots = m.cache_slots;
+      }
+    }
+    uint32_t moe_layers = 0;
+    for (uint32_t layer = 0; layer < l->block_count; ++layer) moe_layers += l->has_experts(layer);
+    if (o.json) {
+      out.push_back(json{{"name", name},
+                         {"architecture", l->architecture},
+                         {"block_count", l->block_count},
+                         {"moe_layers", moe_layers},
+                         {"expert_count", l->expert_count},
+                         {"top_k", l->top_k},
+                         {"alignment", l->alignment},
+                         {"slot_bytes", l->slot_bytes},
+                         {"slot_count", l->slot_count},
+                         {"cache_slots", slots},
+                         {"cache_ready", ready}});
+    } else {
+      fmt::print("{:<16} {:<12} {:>6} {:>8} {:>5} {:>12} {:>8}\n", name, l->architecture,
+                 l->block_count, l->expert_count, l->top_k, human_bytes(l->slot_bytes),
+                 fmt::format("{}/{}", ready, slots));
+    }
+  }
+  if (o.json) print_json(out);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// pin, unpin, evict
+
+struct ExpertOptions {
+  DaemonOptions daemon;
+  std::string model;
+  uint32_t layer = 0;
+  uint32_t expert = 0;
+};
+
+int run_expert_op(const ExpertOptions& o, const std::string& op) {
+  auto c = connect(o.daemon, op);
+  if (!c) return 1;
+  const expertd::Status st = op == "pin"     ? c->pin(o.model, o.layer, o.expert)
+                             : op == "unpin" ? c->unpin(o.model, o.layer, o.expert)
+                                             : c->evict(o.model, o.layer, o.expert);
+  if (!st) return fail(o.daemon, op, st.error().message);
+  if (o.daemon.json) {
+    print_json(json{{"ok", true},
+                    {"op", op},
+                    {"model", o.model},
+                    {"layer", o.layer},
+                    {"expert", o.expert}});
+  } else {
+    const char* done = op == "pin" ? "pinned" : op == "unpin" ? "unpinned" : "evicted";
+    fmt::print("{} model {} layer {} expert {}\n", done, o.model, o.layer, o.expert);
+  }
+  return 0;
+}
+
+void add_expert_command(CLI::App& app, std::function<int()>* run, const std::string& op,
+                        const std::string& help) {
+  auto opts = std::make_shared<ExpertOptions>();
+  CLI::App* cmd = app.add_subcommand(op, help);
+  cmd->add_option("model", opts->model, "Model name (as in expertd's configuration)")->required();
+  cmd->add_option("layer", opts->layer, "Layer (block) index")->required();
+  cmd->add_option("expert", opts->expert, "Expert index")->required();
+  add_daemon_options(cmd, opts->daemon);
+  cmd->callback([run, opts, op] { *run = [opts, op] { return run_expert_op(*opts, op); }; });
+}
+
+// ---------------------------------------------------------------------------------------------
+// set
+
+struct SetOptions {
+  DaemonOptions daemon;
+  std::string knob;
+  std::string value;
+};
+
+int run_set(const SetOptions& o) {
+  uint32_t number = 0;
+  const bool numeric = o.knob == "prefetch-depth" || o.knob == "queue-depth";
+  if (numeric) {
+    try {
+      size_t used = 0;
+      const unsigned long v = std::stoul(o.value, &used);
+      if (used != o.value.size() || v > UINT32_MAX) throw std::out_of_range(o.value);
+      number = static_cast<uint32_t>(v);
+    } catch (const std::exception&) {
+      return fail(o.daemon, "set",
+                  fmt::format("{} '{}': expected a non-negative integer", o.knob, o.value));
+    }
+  }
+  auto c = connect(o.daemon, "set");
+  if (!c) return 1;
+  const expertd::Status st = o.knob == "prefetch-depth" ? c->set_prefetch_depth(number)
+                             : o.knob == "queue-depth"  ? c->set_queue_depth(number)
+                                                        : c->set_policy(o.value);
+  if (!st) return fail(o.daemon, "set", st.error().message);
+  if (o.daemon.json) {
+    json j{{"ok", true}, {"knob", o.knob}};
+    j["value"] = numeric ? json(number) : json(o.value);
+    print_json(j);
+  } else {
+    fmt::print("{} set to {}\n", o.knob, o.value);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_daemon_commands(CLI::App& app, std::function<int()>* run) {
+  {
+    auto opts = std::make_shared<DaemonOptions>();
+    CLI::App* cmd = app.add_subcommand("status", "Is expertd up: version, backend, hit rate");
+    add_daemon_options(cmd, *opts);
+    cmd->callback([run, opts] { *run = [opts] { return run_status(*opts); }; });
+  }
+  {
+    auto opts = std::make_shared<DaemonOptions>();
+    CLI::App* cmd =
+        app.add_subcommand("stats", "Every counter: per model, per layer and per session");
+    add_daemon_options(cmd, *opts);
+    cmd->callback([run, opts] { *run = [opts] { return run_stats(*opts); }; });
+  }
+  {
+    auto opts = std::make_shared<DaemonOptions>();
+    CLI::App* cmd = app.add_subcommand("models", "The models expertd serves and their layout");
+    add_daemon_options(cmd, *opts);
+    cmd->callback([run, opts] { *run = [opts] { return run_models(*opts); }; });
+  }
+  add_expert_command(app, run, "pin", "Keep a cached expert in the cache (never evicted)");
+  add_expert_command(app, run, "unpin", "Let a pinned expert be evicted again");
+  add_expert_command(app, run, "evict", "Drop a cached expert that nobody holds");
+  {
+    auto opts = std::make_shared<SetOptions>();
+    CLI::App* cmd = app.add_subcommand("set", "Change a tuning knob of the running daemon");
+    cmd->add_option("knob", opts->knob, "prefetch-depth, queue-depth or policy")
+        ->required()
+        ->check(CLI::IsMember({"prefetch-depth", "queue-depth", "policy"}));
+    cmd->add_option("value", opts->value, "The new value")->required();
+    add_daemon_options(cmd, opts->daemon);
+    cmd->callback([run, opts] { *run = [opts] { return run_set(*opts); }; });
+  }
+}
+
+}  // namespace expertctl

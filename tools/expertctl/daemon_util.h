@@ -1,0 +1,41 @@
+// What expertctl's daemon subcommands share: the --socket/--json options, connecting, and the
+// one way errors are reported (a line on stderr, and {"error": ...} on stdout with --json).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "expertd/client.h"
+
+namespace expertctl {
+
+struct DaemonOptions {
+  std::string socket;
+  bool json = false;
+};
+
+// Adds --socket (default $EXPERTD_SOCKET or /run/expertd/expertd.sock) and --json to `cmd`.
+void add_daemon_options(CLI::App* cmd, DaemonOptions& opts);
+
+// Reports `message` as the failure of `command`; returns the exit status (1).
+int fail(const DaemonOptions& opts, const std::string& command, const std::string& message);
+
+// Connects, or reports why not and returns null.
+std::unique_ptr<expertd::client::Client> connect(const DaemonOptions& opts,
+                                                 const std::string& command);
+
+// Prints one JSON document on stdout.
+void print_json(const nlohmann::ordered_json& j);
+
+std::string human_bytes(uint64_t bytes);
+std::string human_duration_ms(uint64_t ms);
+// hits / (hits + misses) in [0, 1]; -1 with no acquires.
+double hit_rate(uint64_t hits, uint64_t misses);
+
+nlohmann::ordered_json stats_json(const expertd::client::Stats& s);
+
+}  // namespace expertctl

@@ -1,0 +1,245 @@
+// expert-tune: storage tuning from routing traces.
+//   simulate  offline cache simulation of a trace: a policy's hits against Belady's optimum
+//   replay    replays a trace against a running expertd (real reads), printing hit rate and GB/s
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "daemon/policy.h"
+#include "daemon/scheduler.h"
+#include "expertd/client.h"
+#include "tools/trace/trace.h"
+
+namespace {
+
+using expertd::ExpertKey;
+using expertd::Trace;
+
+// The trace to use: a file, or the shared Mixtral trace when present, or a generated one.
+expertd::Result<Trace> load_or_generate(const std::string& path, uint32_t layers, uint32_t experts,
+                                        uint32_t top_k, uint32_t tokens, std::string* label) {
+  if (!path.empty()) {
+    *label = path;
+    return expertd::load_trace_jsonl(path);
+  }
+  *label = fmt::format("generated ({} tokens, {} layers, {} experts, top-{}, 40% reuse)", tokens,
+                       layers, experts, top_k);
+  return expertd::make_synthetic_trace(tokens, layers, experts, top_k, 1);
+}
+
+std::vector<uint32_t> parse_list(const std::string& s) {
+  std::vector<uint32_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(static_cast<uint32_t>(std::stoul(item)));
+  return out;
+}
+
+struct SimulateOptions {
+  std::string trace;
+  std::string cache_experts = "64";
+  std::string policy = "cyclic";
+  bool json = false;
+};
+
+int run_simulate(const SimulateOptions& o) {
+  auto trace = expertd::load_trace_jsonl(o.trace);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune simulate: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  std::vector<uint32_t> sizes;
+  try {
+    sizes = parse_list(o.cache_experts);
+  } catch (...) {
+    std::fprintf(stderr, "expert-tune simulate: --cache-experts '%s': expected N or N,N,...\n",
+                 o.cache_experts.c_str());
+    return 2;
+  }
+  const auto acc = trace->accesses();
+  if (!o.json) {
+    fmt::print("trace {}: {} tokens, {} layers, {} experts, {} accesses\n", o.trace, trace->tokens,
+               trace->layers, trace->experts, acc.size());
+    fmt::print("{:>12} {:>10} {:>10} {:>9} {:>12} {:>10}\n", "cache", "accesses", "hits",
+               "hit rate", "belady hits", "belady");
+  }
+  for (const uint32_t n : sizes) {
+    const auto r = expertd::simulate_policy(o.policy, {n, trace->layers, trace->experts}, acc);
+    if (!r) {
+      std::fprintf(stderr, "expert-tune simulate: %s\n", r.error().message.c_str());
+      return 2;
+    }
+    const auto b = expertd::simulate_belady(n, acc);
+    if (o.json) {
+      fmt::print(
+          "{{\"cache_experts\":{},\"policy\":\"{}\",\"accesses\":{},\"hits\":{},"
+          "\"hit_rate\":{:.6f},\"belady_hits\":{},\"belady_hit_rate\":{:.6f}}}\n",
+          n, o.policy, r->accesses, r->hits, r->hit_rate(), b.hits, b.hit_rate());
+    } else {
+      fmt::print("{:>12} {:>10} {:>10} {:>8.1f}% {:>12} {:>9.1f}%\n", n, r->accesses, r->hits,
+                 100 * r->hit_rate(), b.hits, 100 * b.hit_rate());
+    }
+  }
+  return 0;
+}
+
+struct ReplayOptions {
+  std::string socket = expertd::client::default_socket();
+  std::string model;
+  std::string trace;
+  uint32_t depth = 2;
+  uint32_t tokens = 0;  // 0: all
+  bool json = false;
+};
+
+int run_replay(const ReplayOptions& o) {
+  auto fail = [](const std::string& m) {
+    std::fprintf(stderr, "expert-tune replay: %s\n", m.c_str());
+    return 1;
+  };
+  auto client = expertd::client::Client::connect(o.socket);
+  if (!client) return fail(client.error().message);
+  auto session = (*client)->attach(o.model, "expert-tune replay");
+  if (!session) return fail(session.error().message);
+  const auto& layout = (*session)->layout();
+  std::vector<uint32_t> moe_layers;
+  for (uint32_t l = 0; l < layout.block_count; ++l) {
+    if (layout.has_experts(l)) moe_layers.push_back(l);
+  }
+  if (moe_layers.empty()) return fail("the model has no MoE layers");
+  std::string label;
+  auto trace =
+      load_or_generate(o.trace, static_cast<uint32_t>(moe_layers.size()), layout.expert_count,
+                       std::max(layout.top_k, 1u), o.tokens ? o.tokens : 64, &label);
+  if (!trace) return fail(trace.error().message);
+  // Trace layers and experts are folded onto the model's (a trace of another shape still replays
+  // its locality).
+  auto map_key = [&](uint32_t layer, uint32_t expert) {
+    return ExpertKey{moe_layers[layer % moe_layers.size()], expert % layout.expert_count};
+  };
+  auto before = (*client)->stats();
+  if (!before) return fail(before.error().message);
+  const auto& recs = trace->records;
+  size_t end = recs.size();
+  if (o.tokens) {
+    end = 0;
+    while (end < recs.size() && recs[end].token < recs.front().token + o.tokens) ++end;
+  }
+  std::vector<expertd::client::SlotView> views(layout.expert_count);
+  std::vector<expertd::client::PrefetchHint> hints;
+  std::vector<uint32_t> experts;
+  const uint64_t t0 = expertd::monotonic_ns();
+  uint64_t stall_ns = 0;
+  uint32_t tokens = 0;
+  uint32_t last_token = UINT32_MAX;
+  for (size_t i = 0; i < end; ++i) {
+    const auto& r = recs[i];
+    if (r.token != last_token) {
+      ++tokens;
+      last_token = r.token;
+    }
+    const ExpertKey here = map_key(r.layer, 0);
+    if (auto st = (*session)->set_cursor(r.token, here.layer); !st) return fail(st.error().message);
+    // Oracle hints: the experts of the next `depth` records, as a router lookahead would give.
+    hints.clear();
+    for (size_t j = i + 1; j < end && j <= i + o.depth; ++j) {
+      for (size_t k = 0; k < recs[j].experts.size(); ++k) {
+        const ExpertKey key = map_key(recs[j].layer, recs[j].experts[k]);
+        const float w = k < recs[j].weights.size() ? recs[j].weights[k] : 1.0f;
+        hints.push_back({key.layer, key.expert, std::clamp(w, 0.0f, 1.0f)});
+      }
+    }
+    if (!hints.empty()) {
+      if (auto st = (*session)->prefetch(hints); !st) return fail(st.error().message);
+    }
+    experts.clear();
+    for (const uint32_t e : r.experts) {
+      const uint32_t m = map_key(r.layer, e).expert;
+      if (std::find(experts.begin(), experts.end(), m) == experts.end()) experts.push_back(m);
+    }
+    const uint64_t a = expertd::monotonic_ns();
+    if (auto st = (*session)->acquire(here.layer, experts, {views.data(), experts.size()}); !st) {
+      return fail(st.error().message);
+    }
+    stall_ns += expertd::monotonic_ns() - a;
+    if (auto st = (*session)->release({views.data(), experts.size()}); !st) {
+      return fail(st.error().message);
+    }
+  }
+  const double seconds = static_cast<double>(expertd::monotonic_ns() - t0) / 1e9;
+  auto after = (*client)->stats();
+  if (!after) return fail(after.error().message);
+  const auto& m0 = before->models;
+  const auto& m1 = after->models;
+  uint64_t acquires = 0, hits = 0, bytes = 0, useful = 0, loads = 0;
+  for (size_t i = 0; i < m1.size(); ++i) {
+    if (m1[i].name != o.model) continue;
+    acquires = m1[i].scheduler.acquires - m0[i].scheduler.acquires;
+    hits = m1[i].scheduler.hits - m0[i].scheduler.hits;
+    bytes = m1[i].scheduler.bytes_read - m0[i].scheduler.bytes_read;
+    useful = m1[i].scheduler.prefetch_useful - m0[i].scheduler.prefetch_useful;
+    loads = m1[i].scheduler.prefetch_loads - m0[i].scheduler.prefetch_loads;
+  }
+  const double hit_rate = acquires ? static_cast<double>(hits) / acquires : 0.0;
+  const double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+  const double stall_ms = tokens ? static_cast<double>(stall_ns) / 1e6 / tokens : 0.0;
+  if (o.json) {
+    fmt::print(
+        "{{\"trace\":\"{}\",\"tokens\":{},\"acquires\":{},\"hits\":{},\"hit_rate\":{:.6f},"
+        "\"bytes_read\":{},\"seconds\":{:.6f},\"gbps\":{:.4f},\"stall_ms_per_token\":{:.4f},"
+        "\"prefetch_depth\":{},\"prefetch_loads\":{},\"prefetch_useful\":{}}}\n",
+        label, tokens, acquires, hits, hit_rate, bytes, seconds, gbps, stall_ms, o.depth, loads,
+        useful);
+  } else {
+    fmt::print("replayed {} tokens of {} against model '{}' (prefetch depth {})\n", tokens, label,
+               o.model, o.depth);
+    fmt::print("  acquires {}, hits {} ({:.1f}%: READY when asked)\n", acquires, hits,
+               100 * hit_rate);
+    fmt::print("  read {:.1f} MB in {:.2f} s: {:.2f} GB/s; stall {:.2f} ms/token\n",
+               static_cast<double>(bytes) / 1e6, seconds, gbps, stall_ms);
+    fmt::print("  prefetch loads {}, useful {}\n", loads, useful);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"expert-tune: tune expertd's cache and prefetch from routing traces"};
+  app.require_subcommand(1);
+  std::function<int()> run;
+
+  SimulateOptions sim;
+  auto* s = app.add_subcommand("simulate",
+                               "Offline cache simulation of a trace (no daemon): a policy's hits "
+                               "against Belady's optimum");
+  s->add_option("--trace", sim.trace, "Canonical trace (JSON Lines)")->required();
+  s->add_option("--cache-experts", sim.cache_experts, "Capacity in experts: N or N,N,...");
+  s->add_option("--policy", sim.policy, "cyclic (default), lru or fifo");
+  s->add_flag("--json", sim.json, "One JSON object per capacity");
+  s->callback([&] { run = [&] { return run_simulate(sim); }; });
+
+  ReplayOptions rep;
+  auto* r = app.add_subcommand("replay", "Replay a trace against a running expertd (real reads)");
+  r->add_option("--socket", rep.socket, "expertd's control socket");
+  r->add_option("--model", rep.model, "Model name as configured in expertd")->required();
+  r->add_option("--trace", rep.trace,
+                "Canonical trace (JSON Lines); without it a trace with realistic locality is "
+                "generated");
+  r->add_option("--depth", rep.depth, "Oracle prefetch depth in records (layers) ahead (2)");
+  r->add_option("--tokens", rep.tokens, "Replay only the first N tokens");
+  r->add_flag("--json", rep.json, "One JSON object");
+  r->callback([&] { run = [&] { return run_replay(rep); }; });
+
+  CLI11_PARSE(app, argc, argv);
+  return run ? run() : 2;
+}
