@@ -52,8 +52,10 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
     chunks_[i].next_free = i + 1 < max_chunks ? i + 1 : kNil;
   free_chunk_ = 0;
   requeued_.reserve(max_chunks);
-  demand_queue_.reserve(options_.max_loads);
-  prefetch_queue_.reserve(options_.max_loads);
+  // A load enters the prefetch queue once and the demand queue at most once more (when someone
+  // starts waiting for it): twice max_loads bounds both, so pushes never reallocate.
+  demand_queue_.reserve(2 * options_.max_loads);
+  prefetch_queue_.reserve(2 * options_.max_loads);
   hints_.resize(options_.max_prefetches);
   pending_.reserve(options_.max_waiters);
   cursors_.resize(options_.max_sessions);

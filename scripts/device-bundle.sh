@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Packs built binaries and the shared libraries they need (beyond glibc and libstdc++) into
+# .device/ so they run on a machine without liburing, Cap'n Proto or spdlog installed (the GPU
+# device machine). Usage: scripts/device-bundle.sh [BUILD_DIR] [BIN...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+shift || true
+bins=("$@")
+[ ${#bins[@]} -gt 0 ] || bins=(expert-forge expert-bench expertd expertctl expert-tune)
+rm -rf .device && mkdir -p .device/bin .device/lib
+for b in "${bins[@]}"; do
+  [ -x "$build/bin/$b" ] || continue
+  cp "$build/bin/$b" .device/bin/
+  ldd "$build/bin/$b" | awk '/=> \// {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libgcc_s*|libstdc++*) ;;
+      *) cp -n "$lib" .device/lib/ ;;
+    esac
+  done
+done
+du -sh .device
