@@ -10,4 +10,8 @@ namespace expertd::bench {
 // `storage`: the storage engine's cold read bandwidth against raw read loops (storage_bench.cc).
 void add_storage_command(CLI::App& app, int* exit_code);
 
+// `ipc`: shared-memory acquire+release round trip against a Cap'n Proto RPC round trip
+// (ipc_bench.cc).
+void add_ipc_command(CLI::App& app, int* exit_code);
+
 }  // namespace expertd::bench

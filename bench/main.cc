@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = 0;
   expertd::bench::add_storage_command(app, &exit_code);
+  expertd::bench::add_ipc_command(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -1,21 +1,26 @@
 // `expert-bench storage`: cold random-expert read bandwidth of the storage engine against raw read
-// loops over the same byte ranges, in the same order.
+// loops over the same byte ranges, in the same order, into the same memory.
 //
 //  1. probe_best_read_config() picks the engine's io_uring shape (queue depth, chunk), as the
 //     daemon does at start (unless --queue-depth/--chunk override it);
-//  2. the engine — ExpertStore + StoreReactor over a real backend, every load checked against
-//     expert-forge's content by verifier threads — acquires experts of a seeded shuffle of the
-//     whole model, up to `--outstanding` at once, releasing each once it is verified;
+//  2. the engine — ExpertStore + StoreReactor over a real backend, every acquired slot checked
+//     against expert-forge's content by verifier threads — acquires experts of a seeded shuffle
+//     of the whole model, keeping `--outstanding` acquires waiting, releasing each slot once it
+//     is checked;
 //  3. the raw loops of storage/read_probe.h read the slices of the same experts in the same
-//     order: pread whole slices, and io_uring over a grid of queue depths and chunk sizes; their
-//     best is the disk's ceiling for this access pattern;
+//     order into the engine's arena: pread whole slices, and io_uring over a grid of queue depths
+//     and chunk sizes; their best is the disk's ceiling for this access pattern;
 //  4. for reference: sequential large-block reads (the device's ceiling) and mmap + page faults
 //     (what llama.cpp does by default).
 //
-// GB/s counts expert bytes (not the widening to the DIO alignment) over wall time, for every
-// method alike. The cache is much smaller than the model and every expert is read once per pass,
-// so almost every acquire misses; hits deliver no disk bytes and are not counted.
+// Every method runs in short rounds, taking turns, so a disk whose speed drifts (a shared virtual
+// disk does, by a third within a minute) slows all alike. GB/s counts expert bytes (not the
+// widening to the DIO alignment) over the method's time. The cache is much smaller than the model,
+// every expert is read once per pass, and it is emptied after each engine round (the raw loops
+// overwrite the arena), so acquires miss; hits would deliver no disk bytes and are not counted.
 #include <fmt/format.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -38,6 +43,7 @@
 
 #include "bench/bench_util.h"
 #include "bench/commands.h"
+#include "daemon/shm.h"
 #include "daemon/store.h"
 #include "storage/file_probe.h"
 #include "storage/read_probe.h"
@@ -68,6 +74,7 @@ struct StorageFlags {
   std::string grid = "full";  // "full" or "engine" (only the raw loops at the engine's shapes)
   uint64_t seed = 1;
   bool verify = true;
+  bool compare_defaults = false;
   double probe_seconds = 1.5;
 };
 
@@ -95,6 +102,21 @@ std::vector<ProbeRange> ranges_of(const SliceMap& map, std::span<const ExpertKey
       ranges.push_back(ProbeRange{s[i].shard, s[i].offset, s[i].bytes});
   }
   return ranges;
+}
+
+// Reads the engine issues for an expert of the first MoE layer with chunks of `chunk_bytes`.
+uint64_t reads_per_expert(const SliceMap& map, uint64_t chunk_bytes, uint64_t alignment) {
+  std::array<ExpertSlice, 3> s{};
+  const uint32_t n = map.slices(map.layers().front().layer, 0, s);
+  const uint64_t chunk =
+      chunk_bytes == 0 ? 0 : std::max(chunk_bytes / alignment * alignment, alignment);
+  uint64_t reads = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint64_t widened = (s[i].offset + s[i].bytes + alignment - 1) / alignment * alignment -
+                             s[i].offset / alignment * alignment;
+    reads += chunk == 0 ? 1 : (widened + chunk - 1) / chunk;
+  }
+  return std::max<uint64_t>(reads, 1);
 }
 
 // --- the engine run --------------------------------------------------------------------------
@@ -191,6 +213,11 @@ class VerifyPool {
     done_.reserve(capacity);
   }
   void work(ForgeVerifier& verifier) {
+    // Checking is background work: on a machine with few cores it must never delay the reactor's
+    // wake-up after a read completes (a queue of 4 reads runs dry in a few milliseconds). The
+    // backlog it may build is bounded by the benchmark (EngineBench::max_checking).
+    sched_param param{};
+    (void)::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &param);
     while (true) {
       Item item;
       {
@@ -263,22 +290,27 @@ class EngineBench {
     return b;
   }
 
-  // Acquires experts from the sequence (continuing where the last drive stopped), `outstanding`
-  // at a time, for `seconds`; then waits for every acquire to complete, be verified and released.
+  // Acquires experts from the sequence (continuing where the last drive stopped) for `seconds`,
+  // keeping `outstanding` acquires waiting for their expert. A completed acquire's slot stays
+  // held while a verifier checks it (at most max_checking() slots), then is released. The
+  // phase's time ends at the last completion: checking is the benchmark's work, not the
+  // engine's, so a backlog left at the end is drained untimed.
   Result<Phase> drive(double seconds, uint32_t outstanding) {
     Phase ph;
-    const SchedulerStats s0 = store_->scheduler().stats();
+    Scheduler& sched = store_->scheduler();
+    const SchedulerStats s0 = sched.stats();
     const uint64_t loads0 = stats_->loads;
     const uint64_t bytes0 = stats_->expert_bytes;
     const size_t lat0 = stats_->latencies_ns.size();
-    Scheduler& sched = store_->scheduler();
     std::array<IoEvent, 8> fd_events{};
     const uint64_t start = monotonic_ns();
     const uint64_t deadline = start + static_cast<uint64_t>(seconds * 1e9);
-    uint32_t held = 0;  // acquired and not yet released (reading or being verified)
+    uint64_t last_completion = start;
+    uint32_t waiting = 0;   // acquired, not completed yet
+    uint32_t checking = 0;  // completed, held by the verifiers
     bool stopping = false;
     while (true) {
-      while (!stopping && held < outstanding) {
+      while (!stopping && waiting < outstanding && checking < max_checking()) {
         if (monotonic_ns() >= deadline) {
           stopping = true;
           break;
@@ -286,36 +318,41 @@ class EngineBench {
         const ExpertKey key = sequence_[next_ % sequence_.size()];
         const int rc = sched.acquire(0, key, next_++);
         if (rc < 0) return make_error(-rc, fmt::format("acquire: {}", std::strerror(-rc)));
-        ++held;
+        ++waiting;
       }
-      if (stopping && held == 0) break;
+      if (stopping && waiting == 0 && checking == 0) break;
       const int n = reactor_->run_once(50, fd_events);
       if (n < 0) return make_error(-n, fmt::format("reactor: {}", std::strerror(-n)));
       if (n > 0) {
         uint64_t count = 0;
         (void)!::read(wake_fd_.get(), &count, sizeof(count));
       }
+      if (!sink_.done.empty()) last_completion = monotonic_ns();
       for (const Completion& c : sink_.done) {
+        --waiting;
         if (c.slot < 0) {
           ++ph.acquire_errors;
-          --held;
         } else if (pool_) {
           pool_->push(c.key, static_cast<uint32_t>(c.slot));
+          ++checking;
         } else {
           released_.push_back(static_cast<uint32_t>(c.slot));
         }
       }
       sink_.done.clear();
-      if (pool_) pool_->take_done(released_);
+      if (pool_) {
+        const size_t before = released_.size();
+        pool_->take_done(released_);
+        checking -= static_cast<uint32_t>(released_.size() - before);
+      }
       for (const uint32_t slot : released_) {
         if (const int rc = sched.release(0, slot); rc < 0) {
           return make_error(-rc, fmt::format("release slot {}: {}", slot, std::strerror(-rc)));
         }
-        --held;
       }
       released_.clear();
     }
-    ph.seconds = static_cast<double>(monotonic_ns() - start) / 1e9;
+    ph.seconds = static_cast<double>(last_completion - start) / 1e9;
     const SchedulerStats& s1 = sched.stats();
     ph.acquires = s1.acquires - s0.acquires;
     ph.hits = s1.hits - s0.hits;
@@ -327,6 +364,17 @@ class EngineBench {
                            stats_->latencies_ns.end());
     return ph;
   }
+
+  // Forgets every cached expert, so the arena may be overwritten (by raw loops reading into it)
+  // without a later hit serving the garbage. Only between drives: nothing is held or loading.
+  void clear_cache() {
+    for (ExpertCache* c : {&store_->cache(), &store_->staging()}) {
+      for (uint32_t slot = c->first_slot(); slot < c->first_slot() + c->slot_count(); ++slot) {
+        if (c->state(slot) == SlotState::Ready) (void)c->evict(c->key(slot));
+      }
+    }
+  }
+  std::span<uint8_t> arena() const { return {store_->arena().data(), store_->arena().size()}; }
 
   std::string backend_name() const { return std::string(backend_->name()); }
   std::string backend_describe() const { return backend_->describe(); }
@@ -343,6 +391,11 @@ class EngineBench {
  private:
   EngineBench(const std::vector<ExpertKey>& sequence, const EngineOptions& options)
       : sequence_(sequence), options_(options) {}
+
+  // Slots the verifiers may hold at once: enough that a verifier running behind for a moment
+  // never thins the reads in flight; if it stays behind, acquiring waits (the machine's CPU is
+  // then the limit, and the rate says so).
+  uint32_t max_checking() const { return std::max<uint32_t>(2 * options_.outstanding, 16); }
 
   Status init(const std::string& model_path) {
     EXPERTD_TRY_ASSIGN(GgufModel model, GgufModel::open(model_path));
@@ -377,11 +430,12 @@ class EngineBench {
     }
     EXPERTD_TRY(backend_->watch(wake_fd_.get(), kVerifyWakeTag));
     if (options_.verify) {
-      EXPERTD_TRY_ASSIGN(pool_, VerifyPool::create(*store_, options_.verify_threads,
-                                                   options_.outstanding + 1, wake_fd_.get()));
+      EXPERTD_TRY_ASSIGN(pool_,
+                         VerifyPool::create(*store_, options_.verify_threads,
+                                            max_checking() + options_.outstanding, wake_fd_.get()));
     }
     sink_.done.reserve(2 * options_.outstanding + 16);
-    released_.reserve(options_.outstanding + 1);
+    released_.reserve(max_checking() + options_.outstanding);
     return Ok{};
   }
 
@@ -511,13 +565,31 @@ int run_storage(const StorageFlags& flags) {
   const std::vector<ProbeRange> sample_ranges = ranges_of(*map, sample);
   ProbeOptions po;
   po.seconds = flags.probe_seconds;
+  // The probe reads into memory like the arena the engine will read into (a sealed, locked
+  // memfd of about its size), not into a small buffer of its own; see set_destination().
+  uint64_t widest = 0;
+  for (const ProbeRange& r : ranges) widest = std::max(widest, r.bytes);
+  auto scratch = SharedRegion::create(
+      "expert-bench-probe", std::max(cache_bytes, 72 * (widest + 2 * probe->alignment())), true);
+  if (!scratch) {
+    progress(scratch.error().message);
+    return 1;
+  }
+  probe->set_destination(scratch->data(), scratch->size());
   auto choice = probe_best_read_config(*probe, sample_ranges, po);
+  probe->set_destination(nullptr, 0);
+  scratch = SharedRegion();
   if (!choice) {
     progress(choice.error().message);
     return 1;
   }
-  progress(fmt::format("probe ({:.1f} s): {} at {:.2f} GB/s", flags.probe_seconds,
-                       describe_read_config(choice->config), choice->gbps));
+  std::string trials;
+  for (const ProbeTrial& t : choice->trials) {
+    trials += fmt::format("{}{} {:.2f}", trials.empty() ? "" : ", ", describe_read_config(t.config),
+                          t.result.gbps());
+  }
+  progress(fmt::format("probe ({:.1f} s): {} at {:.2f} GB/s (tried {})", flags.probe_seconds,
+                       describe_read_config(choice->config), choice->gbps, trials));
   ReadConfig engine_config = choice->config;
   std::string engine_source = "probe";
   if (flags.queue_depth != 0) engine_config.queue_depth = flags.queue_depth;
@@ -529,12 +601,18 @@ int run_storage(const StorageFlags& flags) {
   eo.backend = flags.backend == "pread" ? BackendKind::Pread : BackendKind::Uring;
   eo.cache_bytes = cache_bytes;
   eo.verify = verify;
-  eo.verify_threads = std::clamp<uint32_t>(machine.cpus - 1, 1, 4);
+  // Verifiers run at SCHED_IDLE, so they may have every core the reactor leaves.
+  eo.verify_threads = std::clamp<uint32_t>(machine.cpus, 1, 4);
+  // Enough experts waiting that twice the queue depth of reads is ready to go, and no more:
+  // more would only queue in the scheduler and inflate the latency measured.
   auto engine_options = [&](const ReadConfig& config) {
     EngineOptions o = eo;
     o.read = config;
-    o.outstanding =
-        flags.outstanding != 0 ? flags.outstanding : std::max<uint32_t>(4, 2 * config.queue_depth);
+    const uint64_t per_expert = reads_per_expert(*map, config.chunk_bytes, probe->alignment());
+    o.outstanding = flags.outstanding != 0
+                        ? flags.outstanding
+                        : static_cast<uint32_t>(std::max<uint64_t>(
+                              4, (2 * uint64_t{config.queue_depth} + per_expert - 1) / per_expert));
     return o;
   };
   const EngineOptions chosen_options = engine_options(engine_config);
@@ -549,7 +627,7 @@ int run_storage(const StorageFlags& flags) {
   const SchedulerOptions defaults;
   const ReadConfig default_config{defaults.queue_depth, defaults.chunk_bytes};
   std::unique_ptr<EngineBench> engine_default;
-  if (!(default_config == engine_config)) {
+  if (flags.compare_defaults && !(default_config == engine_config)) {
     auto d = EngineBench::open(flags.model, sequence, engine_options(default_config));
     if (!d) {
       progress("expertd (defaults): " + d.error().message);
@@ -562,10 +640,12 @@ int run_storage(const StorageFlags& flags) {
   Phase engine_phase;
   Phase default_phase;
   auto engine_method = [](std::string name, ReadConfig c, EngineBench& e, uint32_t outstanding,
-                          Phase& total) {
+                          Phase& total, bool shares_arena) {
     Method m{std::move(name), "expertd", c.queue_depth, c.chunk_bytes, {}};
-    m.run = [&e, outstanding, &total](double seconds) -> Result<std::pair<uint64_t, double>> {
+    m.run = [&e, outstanding, &total,
+             shares_arena](double seconds) -> Result<std::pair<uint64_t, double>> {
       EXPERTD_TRY_ASSIGN(Phase p, e.drive(seconds, outstanding));
+      if (shares_arena) e.clear_cache();
       total.seconds += p.seconds;
       total.acquires += p.acquires;
       total.hits += p.hits;
@@ -582,17 +662,20 @@ int run_storage(const StorageFlags& flags) {
   };
   methods.push_back(engine_method(fmt::format("expertd {} {} ({})", (*engine)->backend_name(),
                                               describe_engine(engine_config), engine_source),
-                                  engine_config, **engine, chosen_options.outstanding,
-                                  engine_phase));
+                                  engine_config, **engine, chosen_options.outstanding, engine_phase,
+                                  true));
   if (engine_default) {
     methods.push_back(
         engine_method(fmt::format("expertd {} {} (built-in defaults)",
                                   engine_default->backend_name(), describe_engine(default_config)),
                       default_config, *engine_default, engine_options(default_config).outstanding,
-                      default_phase));
+                      default_phase, false));
   }
-  // 3. The raw loops over the same ranges; their best is the ceiling.
+  // 3. The raw loops over the same ranges; their best is the ceiling. They read into the
+  // engine's arena, as the engine does: on a virtual machine the destination pages alone can move
+  // the rate by a third (docs/PERFORMANCE.md), which would swamp what is measured here.
   ReadProbe& rp = *probe;
+  rp.set_destination((*engine)->arena().data(), (*engine)->arena().size());
   methods.push_back(raw_method("pread O_DIRECT whole slice", "raw", ReadConfig{1, 0},
                                [&](double s, size_t first) {
                                  return rp.pread_whole(ranges, ProbeBudget{s, 0}, first);
@@ -746,10 +829,17 @@ int run_storage(const StorageFlags& flags) {
     j["engine_chunk_bytes"] = engine_config.chunk_bytes;
     j["engine_config_source"] = engine_source;
     j["engine_round_gbps"] = e.round_gbps;
+    Json tried = Json::array();
+    for (const ProbeTrial& t : choice->trials) {
+      tried.push_back({{"queue_depth", t.config.queue_depth},
+                       {"chunk_bytes", t.config.chunk_bytes},
+                       {"gbps", t.result.gbps()}});
+    }
     j["probe"] = {{"queue_depth", choice->config.queue_depth},
                   {"chunk_bytes", choice->config.chunk_bytes},
                   {"gbps", choice->gbps},
-                  {"seconds", flags.probe_seconds}};
+                  {"seconds", flags.probe_seconds},
+                  {"trials", std::move(tried)}};
     if (engine_default) {
       j["expertd_default_gbps"] = methods[1].gbps();
       j["expertd_default_queue_depth"] = default_config.queue_depth;
@@ -825,12 +915,15 @@ void add_storage_command(CLI::App& app, int* exit_code) {
                   "the engine's read size, e.g. 1MiB, or 'whole' for one read per slice "
                   "(default: what the probe chose)");
   cmd->add_option("--outstanding", flags->outstanding,
-                  "experts the engine benchmark keeps acquired at once (default: max(4, 2 x queue "
-                  "depth))")
+                  "acquires the engine benchmark keeps waiting (default: enough experts for twice "
+                  "the queue depth of reads, at least 4)")
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--seed", flags->seed, "seed of the random expert order")->capture_default_str();
   cmd->add_flag("!--no-verify", flags->verify,
                 "skip checking every acquired slot against expert-forge's content");
+  cmd->add_flag("--compare-defaults", flags->compare_defaults,
+                "also run the engine at the scheduler's built-in queue depth and chunk size (in an "
+                "arena of its own: on a VM its rate is not comparable, see docs/PERFORMANCE.md)");
   cmd->add_option("--probe-seconds", flags->probe_seconds,
                   "time for the start-up probe of queue depth and chunk size")
       ->capture_default_str()

@@ -1,6 +1,10 @@
 #include "expertd/client.h"
 
+#include <capnp/rpc-twoparty.h>
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <kj/async-io.h>
+#include <kj/async.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -18,11 +22,6 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>
-
-#include <capnp/rpc-twoparty.h>
-#include <fmt/format.h>
-#include <kj/async-io.h>
-#include <kj/async.h>
 
 #include "client/expertd.capnp.h"
 
@@ -42,7 +41,8 @@ namespace expertd::client {
 namespace {
 
 constexpr uint kMaxFdsPerMessage = 8;
-constexpr int kSleepSliceMs = 100;         // a sleeping waiter re-checks liveness this often
+constexpr uint64_t kCallTimeoutMs = 30'000;      // a control call the daemon never answers
+constexpr int kSleepSliceMs = 100;               // a sleeping waiter re-checks liveness this often
 constexpr uint64_t kRingFullTimeoutMs = 10'000;  // the daemon stopped consuming requests
 
 uint64_t now_ns() {
@@ -103,9 +103,9 @@ SchedulerStats to_scheduler(rpc::SchedulerStats::Reader r) {
 }
 
 SessionStats to_session(rpc::SessionStats::Reader r) {
-  return SessionStats{r.getSession(),  str(r.getModel()), str(r.getClient()),
-                      r.getPid(),      r.getUid(),        r.getAcquires(),
-                      r.getPrefetches(), r.getReleases(),  r.getHolds()};
+  return SessionStats{r.getSession(),    str(r.getModel()), str(r.getClient()),
+                      r.getPid(),        r.getUid(),        r.getAcquires(),
+                      r.getPrefetches(), r.getReleases(),   r.getHolds()};
 }
 
 Stats to_stats(rpc::Stats::Reader r) {
@@ -177,11 +177,17 @@ class Connection {
   Result<T> call(Fn&& fn) {
     if (disconnected_.load(std::memory_order_acquire)) return gone_error();
     try {
-      return executor_->executeSync([this, &fn]() {
+      return executor_->executeSync([this, &fn]() -> kj::Promise<T> {
         if (state_ == nullptr) {
           kj::throwFatalException(KJ_EXCEPTION(DISCONNECTED, "the client's RPC thread stopped"));
         }
-        return fn(*state_);
+        kj::Promise<T> answer = fn(*state_);
+        return answer.exclusiveJoin(
+            state_->timer->afterDelay(kCallTimeoutMs * kj::MILLISECONDS).then([]() -> T {
+              kj::throwFatalException(kj::Exception(
+                  kj::Exception::Type::OVERLOADED, __FILE__, __LINE__,
+                  kj::str("expertd did not answer within ", kCallTimeoutMs / 1000, " s")));
+            }));
       });
     } catch (const kj::Exception& e) {
       return to_error(e);
@@ -210,6 +216,7 @@ class Connection {
 
   // State owned by the RPC thread.
   struct State {
+    kj::Timer* timer;
     rpc::Expertd::Client bootstrap;
     std::unordered_map<uint64_t, rpc::Session::Client> sessions;
     uint64_t next_key = 1;
@@ -259,18 +266,17 @@ void Connection::run(int fd, std::promise<std::string>* started) {
   bool announced = false;
   try {
     auto io = kj::setupAsyncIo();
-    auto stream = io.lowLevelProvider->wrapUnixSocketFd(
-        fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
-                kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC);
+    auto stream =
+        io.lowLevelProvider->wrapUnixSocketFd(fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
+                                                      kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC);
     capnp::TwoPartyClient rpc(*stream, kMaxFdsPerMessage);
-    State state{rpc.bootstrap().castAs<rpc::Expertd>(), {}, 1};
+    State state{&io.provider->getTimer(), rpc.bootstrap().castAs<rpc::Expertd>(), {}, 1};
     state_ = &state;
-    auto watch = rpc.onDisconnect()
-                     .then([this]() { mark_disconnected("the connection closed"); },
-                           [this](kj::Exception&& e) {
-                             mark_disconnected(e.getDescription().cStr());
-                           })
-                     .eagerlyEvaluate(nullptr);
+    auto watch =
+        rpc.onDisconnect()
+            .then([this]() { mark_disconnected("the connection closed"); },
+                  [this](kj::Exception&& e) { mark_disconnected(e.getDescription().cStr()); })
+            .eagerlyEvaluate(nullptr);
     auto stop = kj::newPromiseAndCrossThreadFulfiller<void>();
     stop_ = kj::mv(stop.fulfiller);
     executor_ = kj::getCurrentThreadExecutor().addRef();
@@ -323,8 +329,8 @@ Result<std::unique_ptr<Client>> Client::connect(const std::string& socket) {
     const char* hint = e == EACCES || e == EPERM
                            ? " (is your user allowed to use expertd's socket?)"
                            : " (is expertd running?)";
-    return make_error(e, fmt::format("cannot connect to expertd at {}: {}{}", socket,
-                                     std::strerror(e), hint));
+    return make_error(
+        e, fmt::format("cannot connect to expertd at {}: {}{}", socket, std::strerror(e), hint));
   }
   std::unique_ptr<Client> c(new Client());
   c->socket_ = socket;
@@ -446,8 +452,8 @@ Result<void*> map_fd(int fd, uint64_t bytes, int prot, const char* what) {
   }
   void* p = ::mmap(nullptr, bytes, prot, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    return make_error(errno, fmt::format("{}: mmap of {} bytes: {}", what, bytes,
-                                         std::strerror(errno)));
+    return make_error(errno,
+                      fmt::format("{}: mmap of {} bytes: {}", what, bytes, std::strerror(errno)));
   }
   return p;
 }
@@ -461,43 +467,42 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   ModelLayout layout;
   EXPERTD_TRY_ASSIGN(layout, open_model(model));
   AttachReply reply;
-  EXPERTD_TRY_ASSIGN(
-      reply, conn_->call<AttachReply>([&](Connection::State& s) {
-        auto req = s.bootstrap.attachRequest();
-        req.setModel(text(model));
-        req.setClientName(text(client_name));
-        return req.send().then([&s](capnp::Response<rpc::Expertd::AttachResults> r) {
-          auto caps = kj::heapArrayBuilder<rpc::Fd::Client>(5);
-          caps.add(r.getArena());
-          caps.add(r.getSlotTable());
-          caps.add(r.getSessionRegion());
-          caps.add(r.getRequestDoorbell());
-          caps.add(r.getCompletionDoorbell());
-          AttachReply a;
-          a.key = s.next_key++;
-          s.sessions.emplace(a.key, r.getSession());
-          a.session = r.getSessionId();
-          a.arena_bytes = r.getArenaBytes();
-          a.slot_table_bytes = r.getSlotTableBytes();
-          a.session_bytes = r.getSessionBytes();
-          a.request_capacity = r.getRequestCapacity();
-          a.completion_capacity = r.getCompletionCapacity();
-          auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
-          for (auto& c : caps) fds.add(c.getFd());
-          // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
-          // object would be dropped before the continuation runs).
-          return kj::joinPromises(fds.finish())
-              .then([a, caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
-                for (size_t i = 0; i < got.size(); ++i) {
-                  KJ_IF_MAYBE (fd, got[i]) {
-                    // Keep a copy of our own.
-                    a.fds[i] = ::fcntl(*fd, F_DUPFD_CLOEXEC, 0);
-                  }
-                }
-                return a;
-              });
-        });
-      }));
+  EXPERTD_TRY_ASSIGN(reply, conn_->call<AttachReply>([&](Connection::State& s) {
+    auto req = s.bootstrap.attachRequest();
+    req.setModel(text(model));
+    req.setClientName(text(client_name));
+    return req.send().then([&s](capnp::Response<rpc::Expertd::AttachResults> r) {
+      auto caps = kj::heapArrayBuilder<rpc::Fd::Client>(5);
+      caps.add(r.getArena());
+      caps.add(r.getSlotTable());
+      caps.add(r.getSessionRegion());
+      caps.add(r.getRequestDoorbell());
+      caps.add(r.getCompletionDoorbell());
+      AttachReply a;
+      a.key = s.next_key++;
+      s.sessions.emplace(a.key, r.getSession());
+      a.session = r.getSessionId();
+      a.arena_bytes = r.getArenaBytes();
+      a.slot_table_bytes = r.getSlotTableBytes();
+      a.session_bytes = r.getSessionBytes();
+      a.request_capacity = r.getRequestCapacity();
+      a.completion_capacity = r.getCompletionCapacity();
+      auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
+      for (auto& c : caps) fds.add(c.getFd());
+      // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
+      // object would be dropped before the continuation runs).
+      return kj::joinPromises(fds.finish())
+          .then([a, caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
+            for (size_t i = 0; i < got.size(); ++i) {
+              KJ_IF_MAYBE (fd, got[i]) {
+                // Keep a copy of our own.
+                a.fds[i] = ::fcntl(*fd, F_DUPFD_CLOEXEC, 0);
+              }
+            }
+            return a;
+          });
+    });
+  }));
 
   std::unique_ptr<Session> s(new Session());
   s->conn_ = conn_;
@@ -511,8 +516,9 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   // From here the Session's destructor detaches and cleans up whatever is set.
   for (const int fd : reply.fds) {
     if (fd < 0) {
-      return make_error(EPROTO, "attach: expertd sent no file descriptors (this client needs a "
-                                "Unix socket with fd passing)");
+      return make_error(EPROTO,
+                        "attach: expertd sent no file descriptors (this client needs a "
+                        "Unix socket with fd passing)");
     }
   }
   s->layout_ = std::move(layout);
@@ -539,8 +545,8 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->table_header_ = reinterpret_cast<const abi::SlotTableHeader*>(s->table_);
   const abi::SlotTableHeader& th = *s->table_header_;
   if (th.magic != abi::kSlotTableMagic) {
-    return make_error(EPROTO, fmt::format("slot table: bad magic {:#x} (expected {:#x})",
-                                          th.magic, abi::kSlotTableMagic));
+    return make_error(EPROTO, fmt::format("slot table: bad magic {:#x} (expected {:#x})", th.magic,
+                                          abi::kSlotTableMagic));
   }
   if (th.version != abi::kProtocolVersion) {
     return make_error(EPROTO, fmt::format("protocol version mismatch: daemon {}, client {}",
@@ -552,8 +558,8 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
       (l.alignment & (l.alignment - 1)) != 0) {
     return make_error(EPROTO, fmt::format("slot table: {} slots of {} bytes does not match the "
                                           "model layout ({} slots of {} bytes, arena {} bytes)",
-                                          th.slot_count, th.slot_bytes, l.slot_count,
-                                          l.slot_bytes, s->arena_bytes_));
+                                          th.slot_count, th.slot_bytes, l.slot_count, l.slot_bytes,
+                                          s->arena_bytes_));
   }
   s->table_entries_ =
       reinterpret_cast<const abi::SlotEntry*>(s->table_ + sizeof(abi::SlotTableHeader));
@@ -577,15 +583,15 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   if (!power_of_two(s->request_capacity_) || !power_of_two(s->completion_capacity_) ||
       h.request_ring_offset != want.request_ring_offset ||
       h.completion_ring_offset != want.completion_ring_offset || want.bytes > s->region_bytes_) {
-    return make_error(EPROTO, "session region: ring layout does not match the announced "
-                              "capacities");
+    return make_error(EPROTO,
+                      "session region: ring layout does not match the announced "
+                      "capacities");
   }
   s->req_ = reinterpret_cast<abi::RingHeader*>(s->region_ + h.request_ring_offset);
   s->req_entries_ = reinterpret_cast<abi::Request*>(s->req_ + 1);
   s->comp_ = reinterpret_cast<abi::RingHeader*>(s->region_ + h.completion_ring_offset);
   s->comp_entries_ = reinterpret_cast<abi::CompletionEntry*>(s->comp_ + 1);
-  if (s->req_->capacity != s->request_capacity_ ||
-      s->req_->entry_bytes != sizeof(abi::Request) ||
+  if (s->req_->capacity != s->request_capacity_ || s->req_->entry_bytes != sizeof(abi::Request) ||
       s->comp_->capacity != s->completion_capacity_ ||
       s->comp_->entry_bytes != sizeof(abi::CompletionEntry)) {
     return make_error(EPROTO, "session region: ring headers do not match the announced layout");
@@ -604,8 +610,8 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
     auto& ls = s->layer_slices_[layer];
     if (ls.count == 0) ls.first = i;
     if (ls.first + ls.count != i || ls.count == 3) {
-      return make_error(EPROTO, fmt::format("model layout: layer {}'s slices are not grouped",
-                                            layer));
+      return make_error(EPROTO,
+                        fmt::format("model layout: layer {}'s slices are not grouped", layer));
     }
     ++ls.count;
   }
@@ -633,7 +639,7 @@ Status Session::detach() {
   std::lock_guard<std::mutex> lock(mu_);
   if (detached_) return Ok{};
   detached_ = true;
-  holds_ = 0;
+  holds_.store(0, std::memory_order_relaxed);
   std::fill(held_.begin(), held_.end(), 0);
   if (conn_ == nullptr || conn_->disconnected()) return Ok{};
   const uint64_t key = key_;
@@ -651,8 +657,7 @@ Result<SessionStats> Session::stats() {
   return conn_->call<SessionStats>([key](Connection::State& s) -> kj::Promise<SessionStats> {
     auto it = s.sessions.find(key);
     if (it == s.sessions.end()) return KJ_EXCEPTION(FAILED, "session is detached");
-    return it->second.statsRequest().send().then(
-        [](auto r) { return to_session(r.getStats()); });
+    return it->second.statsRequest().send().then([](auto r) { return to_session(r.getStats()); });
   });
 }
 
@@ -691,9 +696,10 @@ Status Session::push(const abi::Request& r) {
            request_capacity_) {
       EXPERTD_TRY(check_open());
       if (now_ns() > deadline) {
-        return gone(fmt::format("expertd went away: session {}'s request ring stayed full for "
-                                "{} s",
-                                id_, kRingFullTimeoutMs / 1000));
+        return gone(
+            fmt::format("expertd went away: session {}'s request ring stayed full for "
+                        "{} s",
+                        id_, kRingFullTimeoutMs / 1000));
       }
       std::this_thread::yield();
     }
@@ -747,8 +753,8 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
       [[maybe_unused]] const ssize_t n = ::read(completion_fd_, &v, sizeof(v));
     } else if (r < 0 && errno != EINTR) {
       comp_->waiting.value.store(0, std::memory_order_relaxed);
-      return make_error(errno, fmt::format("poll on session {}'s doorbell: {}", id_,
-                                           std::strerror(errno)));
+      return make_error(
+          errno, fmt::format("poll on session {}'s doorbell: {}", id_, std::strerror(errno)));
     }
   }
 }
@@ -756,19 +762,19 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
 Status Session::fill_view(const abi::CompletionEntry& c, SlotView& v) const {
   const auto slot = static_cast<uint32_t>(c.result);
   if (slot >= layout_.slot_count) {
-    return make_error(EPROTO, fmt::format("expertd returned slot {} of {}", slot,
-                                          layout_.slot_count));
+    return make_error(EPROTO,
+                      fmt::format("expertd returned slot {} of {}", slot, layout_.slot_count));
   }
   const abi::SlotEntry& e = table_entries_[slot];
   // Acquire: pairs with the daemon's release store of state after layer/expert/generation.
   const uint32_t state = e.state.load(std::memory_order_acquire);
   if (state != abi::kSlotReady || e.layer != c.layer || e.expert != c.expert ||
       e.generation != c.generation) {
-    return make_error(EPROTO,
-                      fmt::format("slot {} for layer {} expert {} (generation {}): the slot "
-                                  "table says state {}, layer {} expert {} (generation {})",
-                                  slot, c.layer, c.expert, c.generation, state, e.layer,
-                                  e.expert, e.generation));
+    return make_error(
+        EPROTO,
+        fmt::format("slot {} for layer {} expert {} (generation {}): the slot "
+                    "table says state {}, layer {} expert {} (generation {})",
+                    slot, c.layer, c.expert, c.generation, state, e.layer, e.expert, e.generation));
   }
   v.slot = slot;
   v.generation = c.generation;
@@ -802,7 +808,7 @@ Status Session::push_release(uint32_t slot) {
   r.arg = slot;
   EXPERTD_TRY(push(r));
   --held_[slot];
-  --holds_;
+  holds_.fetch_sub(1, std::memory_order_relaxed);
   return Ok{};
 }
 
@@ -821,8 +827,8 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
   EXPERTD_TRY(check_open());
   const size_t n = experts.size();
   if (out.size() < n) {
-    return make_error(EINVAL, fmt::format("acquire: room for {} views, {} experts asked",
-                                          out.size(), n));
+    return make_error(EINVAL,
+                      fmt::format("acquire: room for {} views, {} experts asked", out.size(), n));
   }
   if (layer >= layer_slices_.size() || layer_slices_[layer].count == 0) {
     return make_error(EINVAL, fmt::format("acquire: layer {} has no routed experts (model '{}' "
@@ -872,7 +878,7 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
       // Not an answer to this call: a daemon bug; give a slot back and report it.
       if (c.result >= 0 && static_cast<uint32_t>(c.result) < layout_.slot_count) {
         ++held_[static_cast<uint32_t>(c.result)];
-        ++holds_;
+        holds_.fetch_add(1, std::memory_order_relaxed);
         (void)push_release(static_cast<uint32_t>(c.result));
       }
       if (failed) {
@@ -895,7 +901,7 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
       continue;
     }
     ++held_[out[i].slot];
-    ++holds_;
+    holds_.fetch_add(1, std::memory_order_relaxed);
   }
   if (!failed) {
     release_quietly(out, n);
@@ -904,8 +910,7 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
   return Ok{};
 }
 
-Result<std::vector<SlotView>> Session::acquire(uint32_t layer,
-                                               std::span<const uint32_t> experts) {
+Result<std::vector<SlotView>> Session::acquire(uint32_t layer, std::span<const uint32_t> experts) {
   std::vector<SlotView> views(experts.size());
   EXPERTD_TRY(acquire(layer, experts, std::span<SlotView>(views)));
   return views;
@@ -941,8 +946,8 @@ Status Session::release(uint32_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   EXPERTD_TRY(check_open());
   if (slot >= held_.size() || held_[slot] == 0) {
-    return make_error(EINVAL, fmt::format("release of slot {}: this session does not hold it",
-                                          slot));
+    return make_error(EINVAL,
+                      fmt::format("release of slot {}: this session does not hold it", slot));
   }
   EXPERTD_TRY(push_release(slot));
   ring_daemon();
@@ -954,8 +959,8 @@ Status Session::release(std::span<const SlotView> views) {
   EXPERTD_TRY(check_open());
   for (const SlotView& v : views) {
     if (v.slot >= held_.size() || held_[v.slot] == 0) {
-      return make_error(EINVAL, fmt::format("release of slot {}: this session does not hold it",
-                                            v.slot));
+      return make_error(EINVAL,
+                        fmt::format("release of slot {}: this session does not hold it", v.slot));
     }
   }
   for (const SlotView& v : views) {

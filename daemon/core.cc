@@ -587,6 +587,7 @@ DaemonStats DaemonCore::stats() const {
     ms.slot_bytes = m->store->layouts().slot_bytes();
     ms.layer_hits = m->layer_hits;
     ms.layer_misses = m->layer_misses;
+    ms.reads_in_flight = sched.reads_in_flight();
     d.models.push_back(std::move(ms));
   }
   for (const auto& s : sessions_) {

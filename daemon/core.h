@@ -86,6 +86,7 @@ struct ModelStats {
   uint64_t slot_bytes = 0;
   std::vector<uint64_t> layer_hits;    // per block layer: acquires served READY
   std::vector<uint64_t> layer_misses;  // per block layer: acquires that waited for a read
+  uint32_t reads_in_flight = 0;
 };
 
 struct SessionStats {

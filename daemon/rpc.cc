@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +34,7 @@ namespace {
 
 constexpr uint kMaxFdsPerMessage = 8;
 constexpr int kListenBacklog = 128;
+constexpr uint32_t kMaxConnections = 256;
 // A refused peer may read its error; then the connection goes.
 constexpr auto kRefusedLinger = 5 * kj::SECONDS;
 
@@ -218,6 +220,16 @@ void fill_list(const std::vector<uint64_t>& v, capnp::List<uint64_t>::Builder o)
   for (uint i = 0; i < v.size(); ++i) o.set(i, v[i]);
 }
 
+// Reads in flight once the core's ModelStats reports them (0 until it has the field).
+template <typename M>
+uint32_t reads_in_flight_of(const M& m) {
+  if constexpr (requires { m.reads_in_flight; }) {
+    return static_cast<uint32_t>(m.reads_in_flight);
+  } else {
+    return 0;
+  }
+}
+
 void fill_stats(const DaemonStats& d, rpc::Stats::Builder o) {
   o.setBackend(text(d.backend));
   o.setBackendDetail(text(d.backend_detail));
@@ -241,6 +253,7 @@ void fill_stats(const DaemonStats& d, rpc::Stats::Builder o) {
     b.setSlotBytes(m.slot_bytes);
     fill_list(m.layer_hits, b.initLayerHits(static_cast<uint>(m.layer_hits.size())));
     fill_list(m.layer_misses, b.initLayerMisses(static_cast<uint>(m.layer_misses.size())));
+    b.setReadsInFlight(reads_in_flight_of(m));
   }
   auto sessions = o.initSessions(static_cast<uint>(d.sessions.size()));
   for (uint i = 0; i < d.sessions.size(); ++i) {
@@ -394,10 +407,10 @@ struct Connection {
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
 };
 
-struct PeerCredentials {
+struct PeerCredentials {  // unknown until SO_PEERCRED says otherwise: nobody is allowed
   pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
+  uid_t uid = static_cast<uid_t>(-1);
+  gid_t gid = static_cast<gid_t>(-1);
   std::vector<gid_t> groups;  // supplementary groups (SO_PEERGROUPS), when the kernel has it
 };
 
@@ -409,9 +422,6 @@ PeerCredentials peer_credentials(int fd) {
     p.pid = cred.pid;
     p.uid = cred.uid;
     p.gid = cred.gid;
-  } else {
-    p.uid = static_cast<uid_t>(-1);  // unknown: only an allowed gid could let it in
-    p.gid = static_cast<gid_t>(-1);
   }
 #ifdef SO_PEERGROUPS
   std::vector<gid_t> groups(64);
@@ -459,11 +469,28 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     return false;
   }
 
+  // Accepts forever; a failed accept (EMFILE, ENOBUFS) is logged and retried shortly.
   kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener) {
-    return listener.accept().then([this, &listener](kj::Own<kj::AsyncIoStream>&& s) {
-      on_connection(s.downcast<kj::AsyncCapabilityStream>());
-      return accept_loop(listener);
-    });
+    return listener.accept()
+        .then(
+            [this](kj::Own<kj::AsyncIoStream>&& s) -> kj::Promise<void> {
+              on_connection(s.downcast<kj::AsyncCapabilityStream>());
+              return kj::READY_NOW;
+            },
+            [this](kj::Exception&& e) -> kj::Promise<void> {
+              spdlog::error("rpc: accept failed: {}; retrying", e.getDescription().cStr());
+              return timer->afterDelay(100 * kj::MILLISECONDS);
+            })
+        .then([this, &listener] { return accept_loop(listener); });
+  }
+
+  // Serves `stream` with a bootstrap on which every call fails with `why`, for a few seconds.
+  void refuse(kj::Own<kj::AsyncCapabilityStream> stream, const std::string& why) {
+    capnp::Capability::Client refused(
+        kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())));
+    auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused));
+    auto done = conn->network.onDisconnect().exclusiveJoin(timer->afterDelay(kRefusedLinger));
+    tasks->add(done.attach(kj::mv(conn)));
   }
 
   void on_connection(kj::Own<kj::AsyncCapabilityStream> stream) {
@@ -473,18 +500,21 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     }
     if (has_test_uid) peer.uid = test_uid;
     if (!allowed(peer)) {
-      const std::string why = fmt::format(
-          "permission denied: uid {} is not allowed (allowed_uids/allowed_gids in expertd.toml)",
-          peer.uid);
       spdlog::warn(
           "rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
           "or allowed_gids",
           peer.pid, peer.uid, peer.gid);
-      capnp::Capability::Client refused(
-          kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())));
-      auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused));
-      auto done = conn->network.onDisconnect().exclusiveJoin(timer->afterDelay(kRefusedLinger));
-      tasks->add(done.attach(kj::mv(conn)));
+      refuse(kj::mv(stream),
+             fmt::format("permission denied: uid {} is not allowed (allowed_uids/allowed_gids "
+                         "in expertd.toml)",
+                         peer.uid));
+      return;
+    }
+    if (connections >= kMaxConnections) {
+      spdlog::warn("rpc: refused a connection from pid {} (uid {}): {} connections already open",
+                   peer.pid, peer.uid, connections);
+      refuse(kj::mv(stream),
+             fmt::format("expertd is at its limit of {} connections", kMaxConnections));
       return;
     }
     spdlog::debug("rpc: connection from pid {} (uid {}, gid {})", peer.pid, peer.uid, peer.gid);
@@ -494,8 +524,9 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     who.gid = peer.gid;
     auto conn = kj::heap<Connection>(
         kj::mv(stream), capnp::Capability::Client(kj::heap<ExpertdImpl>(core, std::move(who))));
+    ++connections;
     auto done = conn->network.onDisconnect();
-    tasks->add(done.attach(kj::mv(conn)));
+    tasks->add(done.attach(kj::mv(conn), kj::defer([this] { --connections; })));
   }
 
   // The thread's body: serves `listen_fd` until stop is fulfilled.
@@ -537,6 +568,7 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   DaemonCore& core;
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
+  uint32_t connections = 0;  // allowed connections open
   bool has_test_uid = false;
   uid_t test_uid = 0;
   kj::Timer* timer = nullptr;
@@ -601,29 +633,42 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
                                                 path, sizeof(addr.sun_path) - 1));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  EXPERTD_TRY(make_parent_dirs(path));
-  EXPERTD_TRY(remove_stale_socket(path, addr));
 
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return socket_error(path, "socket", errno);
-  auto fail = [&](const char* what) {
-    const int e = errno;
-    ::close(fd);
-    return socket_error(path, what, e);
-  };
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return fail("bind");
+  // Socket activation (expertd.socket): systemd already bound and listens on the path.
+  int fd = -1;
+  bool activated = false;
+  if (sd_listen_fds(1) >= 1 &&
+      sd_is_socket_unix(SD_LISTEN_FDS_START, SOCK_STREAM, 1, path.c_str(), 0) > 0) {
+    fd = SD_LISTEN_FDS_START;
+    activated = true;
+    const int flags = ::fcntl(fd, F_GETFL);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    spdlog::info("rpc: using the socket systemd passed for {}", path);
+  } else {
+    EXPERTD_TRY(make_parent_dirs(path));
+    EXPERTD_TRY(remove_stale_socket(path, addr));
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return socket_error(path, "socket", errno);
+    auto fail = [&](const char* what) {
+      const int e = errno;
+      ::close(fd);
+      return socket_error(path, what, e);
+    };
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      return fail("bind");
+    }
+    if (::chmod(path.c_str(), 0660) != 0) return fail("chmod 0660");
+    // Members of the first allowed group reach the socket through its group permission.
+    if (!config.allowed_gids.empty() &&
+        ::chown(path.c_str(), static_cast<uid_t>(-1), config.allowed_gids.front()) != 0) {
+      spdlog::warn("rpc: cannot give {} to group {}: {}", path, config.allowed_gids.front(),
+                   std::strerror(errno));
+    }
+    if (::listen(fd, kListenBacklog) != 0) return fail("listen");
   }
-  if (::chmod(path.c_str(), 0660) != 0) return fail("chmod 0660");
-  // Members of the first allowed group reach the socket through its group permission.
-  if (!config.allowed_gids.empty() &&
-      ::chown(path.c_str(), static_cast<uid_t>(-1), config.allowed_gids.front()) != 0) {
-    spdlog::warn("rpc: cannot give {} to group {}: {}", path, config.allowed_gids.front(),
-                 std::strerror(errno));
-  }
-  if (::listen(fd, kListenBacklog) != 0) return fail("listen");
   struct stat st {};
-  (void)::stat(path.c_str(), &st);
+  if (!activated) (void)::stat(path.c_str(), &st);
 
   std::unique_ptr<RpcServer> server(new RpcServer());
   server->socket_path_ = path;

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace expertd {
@@ -139,6 +140,51 @@ class Ring {
   bool ok_ = false;
 };
 
+// Registered buffers are at most 1 GiB each (the kernel's limit): a destination region is
+// registered in pieces of this size, and no read crosses a piece.
+constexpr uint64_t kPieceBytes = uint64_t{1} << 30;
+
+// Where each range's widened read lands in a caller's destination region: one range after the
+// other at aligned positions, never across a piece, wrapping at the end.
+class Placer {
+ public:
+  Placer(uint8_t* base, uint64_t bytes, uint64_t align) : base_(base), bytes_(bytes), a_(align) {}
+  // How many ranges of `widest` bytes fit in the region at least (pieces waste their tails).
+  uint64_t capacity(uint64_t widest) const {
+    uint64_t n = 0;
+    for (uint64_t p = 0; p < bytes_; p += kPieceBytes)
+      n += std::min(kPieceBytes, bytes_ - p) / widest;
+    return n;
+  }
+  uint8_t* place(uint64_t widened) {
+    pos_ = align_up(pos_, a_);
+    const uint64_t piece_end = std::min(align_down(pos_, kPieceBytes) + kPieceBytes, bytes_);
+    if (pos_ + widened > piece_end) {
+      pos_ = piece_end < bytes_ ? piece_end : 0;
+      if (pos_ + widened > std::min(pos_ + kPieceBytes, bytes_)) pos_ = 0;
+    }
+    uint8_t* p = base_ + pos_;
+    pos_ += widened;
+    return p;
+  }
+  uint16_t piece_of(const uint8_t* p) const {
+    return static_cast<uint16_t>(static_cast<uint64_t>(p - base_) / kPieceBytes);
+  }
+  std::vector<iovec> pieces() const {
+    std::vector<iovec> v;
+    for (uint64_t p = 0; p < bytes_; p += kPieceBytes) {
+      v.push_back({base_ + p, std::min(kPieceBytes, bytes_ - p)});
+    }
+    return v;
+  }
+
+ private:
+  uint8_t* base_;
+  uint64_t bytes_;
+  uint64_t a_;
+  uint64_t pos_ = 0;
+};
+
 }  // namespace
 
 std::string describe_chunk(uint64_t chunk_bytes) {
@@ -168,6 +214,23 @@ Result<ReadProbe> ReadProbe::open(std::span<const std::string> paths) {
   return p;
 }
 
+void ReadProbe::set_destination(uint8_t* base, uint64_t bytes) {
+  assert(base == nullptr || reinterpret_cast<uintptr_t>(base) % kPageBytes == 0);
+  dest_ = base;
+  dest_bytes_ = base == nullptr ? 0 : bytes;
+}
+
+Status ReadProbe::check_destination(uint64_t widest, uint32_t queue_depth) const {
+  if (dest_ == nullptr) return Ok{};
+  const uint64_t fits = Placer(dest_, dest_bytes_, alignment_).capacity(widest);
+  if (fits < uint64_t{queue_depth} + 2) {
+    return make_error(EINVAL, fmt::format("read probe: the destination ({} bytes) holds {} ranges "
+                                          "of {} bytes; queue depth {} needs {}",
+                                          dest_bytes_, fits, widest, queue_depth, queue_depth + 2));
+  }
+  return Ok{};
+}
+
 Status ReadProbe::check_ranges(std::span<const ProbeRange> ranges) const {
   if (ranges.empty()) return make_error(EINVAL, "read probe: no ranges to read");
   for (const ProbeRange& r : ranges) {
@@ -188,7 +251,14 @@ Result<ProbeResult> ReadProbe::pread_whole(std::span<const ProbeRange> ranges,
   EXPERTD_TRY(check_budget(budget));
   EXPERTD_TRY(check_ranges(ranges));
   const uint64_t a = alignment_;
-  EXPERTD_TRY_ASSIGN(MappedBuffer buf, MappedBuffer::create(max_widened_bytes(ranges, a)));
+  const uint64_t widest = max_widened_bytes(ranges, a);
+  EXPERTD_TRY(check_destination(widest, 1));
+  std::optional<MappedBuffer> own;
+  if (dest_ == nullptr) {
+    EXPERTD_TRY_ASSIGN(MappedBuffer b, MappedBuffer::create(widest));
+    own.emplace(std::move(b));
+  }
+  Placer placer(dest_, dest_bytes_, a);
   ProbeResult res;
   const BudgetClock clock(budget);
   size_t i = first % ranges.size();
@@ -196,10 +266,11 @@ Result<ProbeResult> ReadProbe::pread_whole(std::span<const ProbeRange> ranges,
     const ProbeRange& r = ranges[i];
     const Extent e = widen(r, a);
     const int fd = files_[r.file].direct.get();
+    uint8_t* dst = own ? own->data() : placer.place(e.end - e.start);
     uint64_t done = 0;
     while (e.start + done < e.data_end) {
-      const ssize_t n = ::pread(fd, buf.data() + done, e.end - e.start - done,
-                                static_cast<off_t>(e.start + done));
+      const ssize_t n =
+          ::pread(fd, dst + done, e.end - e.start - done, static_cast<off_t>(e.start + done));
       ++res.reads;
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 || (n == 0) ||
@@ -236,7 +307,14 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
   const uint64_t chunk = config.chunk_bytes == 0
                              ? widest
                              : std::min(widest, std::max(a, align_down(config.chunk_bytes, a)));
-  EXPERTD_TRY_ASSIGN(MappedBuffer buf, MappedBuffer::create(chunk * qd));
+  EXPERTD_TRY(check_destination(widest, qd));
+  // Our own buffers: one chunk per read in flight. A destination: each range at its own place.
+  std::optional<MappedBuffer> own;
+  if (dest_ == nullptr) {
+    EXPERTD_TRY_ASSIGN(MappedBuffer b, MappedBuffer::create(chunk * qd));
+    own.emplace(std::move(b));
+  }
+  Placer placer(dest_, dest_bytes_, a);
 
   Ring ring;
   if (const int rc = ring.init(qd); rc < 0) {
@@ -248,12 +326,18 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
   for (const OpenedFile& f : files_) fds.push_back(f.direct.get());
   const bool fixed_files =
       ::io_uring_register_files(r, fds.data(), static_cast<unsigned>(fds.size())) == 0;
-  std::vector<iovec> iovs(qd);
-  for (uint32_t i = 0; i < qd; ++i) iovs[i] = {buf.data() + i * chunk, chunk};
+  std::vector<iovec> iovs;
+  if (own) {
+    for (uint32_t i = 0; i < qd; ++i) iovs.push_back({own->data() + i * chunk, chunk});
+  } else {
+    iovs = placer.pieces();
+  }
   // Registration can fail (RLIMIT_MEMLOCK); the loop then reads into plain memory.
-  const bool fixed_bufs = ::io_uring_register_buffers(r, iovs.data(), qd) == 0;
+  const bool fixed_bufs =
+      ::io_uring_register_buffers(r, iovs.data(), static_cast<unsigned>(iovs.size())) == 0;
 
-  // One slot per read in flight; its index is the user_data and the registered buffer's.
+  // One slot per read in flight; its index is the user_data (and the registered buffer's, for
+  // our own buffers).
   struct Slot {
     uint32_t file = 0;
     uint64_t offset = 0;
@@ -271,7 +355,8 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
     assert(sqe != nullptr);  // at most qd reads in flight on a ring of qd entries
     const int fd = fixed_files ? static_cast<int>(sl.file) : fds[sl.file];
     if (fixed_bufs) {
-      ::io_uring_prep_read_fixed(sqe, fd, sl.dst, sl.len, sl.offset, static_cast<int>(s));
+      const int index = own ? static_cast<int>(s) : placer.piece_of(sl.dst);
+      ::io_uring_prep_read_fixed(sqe, fd, sl.dst, sl.len, sl.offset, index);
     } else {
       ::io_uring_prep_read(sqe, fd, sl.dst, sl.len, sl.offset);
     }
@@ -284,6 +369,7 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
   size_t next_range = first % ranges.size();
   Extent cur{};  // the range being cut into chunks; cur.start == cur.end when none
   uint32_t cur_file = 0;
+  uint8_t* cur_dst = nullptr;  // where the next chunk of `cur` lands (destination mode)
   bool stopping = false;
   uint32_t in_flight = 0;
   Status failure = Ok{};  // the first read that failed; the others in flight are drained
@@ -298,15 +384,18 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
         next_range = (next_range + 1) % ranges.size();
         cur = widen(pr, a);
         cur_file = pr.file;
+        if (!own) cur_dst = placer.place(cur.end - cur.start);
         res.bytes += pr.bytes;
         ++res.ranges;
       }
       const uint32_t s = free_slots.back();
       free_slots.pop_back();
       const uint64_t len = std::min(chunk, cur.end - cur.start);
-      slots[s] = Slot{cur_file, cur.start, buf.data() + s * chunk, static_cast<uint32_t>(len),
+      slots[s] = Slot{cur_file, cur.start, own ? own->data() + s * chunk : cur_dst,
+                      static_cast<uint32_t>(len),
                       static_cast<uint32_t>(std::min(len, cur.data_end - cur.start))};
       cur.start += len;
+      if (!own) cur_dst += len;
       prep(s);
       ++in_flight;
       ++res.reads;
@@ -446,9 +535,9 @@ std::span<const ReadConfig> default_read_candidates() {
       {1, 0},
       {4, 0},
       {16, 0},
+      {16, 1u << 20},
       {32, 1u << 20},
       {64, 256u << 10},
-      {16, 4u << 20},
   }};
   return kCandidates;
 }
@@ -478,7 +567,7 @@ Result<ProbeChoice> probe_best_read_config(ReadProbe& probe, std::span<const Pro
   const ProbeTrial* pick = nullptr;
   for (const ProbeTrial& t : choice.trials) {
     if (t.result.gbps() < best * (1.0 - options.tie_tolerance)) continue;
-    if (pick == nullptr || t.config.queue_depth < pick->config.queue_depth ||
+    if (pick == nullptr || t.config.queue_depth > pick->config.queue_depth ||
         (t.config.queue_depth == pick->config.queue_depth &&
          t.result.gbps() > pick->result.gbps())) {
       pick = &t;

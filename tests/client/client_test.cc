@@ -4,6 +4,7 @@
 // daemon killed under a client, and a refused peer.
 #include "expertd/client.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -15,9 +16,8 @@
 #include <numeric>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "storage/gguf.h"
 #include "tests/client/expertd_fixture.h"
@@ -89,8 +89,8 @@ class ClientTest : public ::testing::Test {
     }
   }
   virtual std::vector<std::string> daemon_args() {
-    return {"--model",   "m=" + model_, "--socket", dir_.path() + "/run/expertd.sock",
-            "--cache",   "64MiB",       "--verify", "--no-mlock"};
+    return {"--model", "m=" + model_, "--socket", dir_.path() + "/run/expertd.sock",
+            "--cache", "64MiB",       "--verify", "--no-mlock"};
   }
   std::unique_ptr<Client> connect() {
     auto c = Client::connect(daemon_->socket());
@@ -165,6 +165,40 @@ TEST_F(ClientTest, AcquireEveryExpertVerified) {
   EXPECT_EQ(st->acquires, 64u);
   EXPECT_EQ(st->client, "verify");
   EXPECT_EQ(st->pid, ::getpid());
+}
+
+TEST(ClientModels, SplitShardsOtherTypesAndTwoModelsAreServedByteExact) {
+  TempDir dir;
+  const std::string plain = test::forge(dir.path(), "plain", kSmallModel);
+  test::forge(dir.path(), "split",
+              "--layers 3 --experts 6 --embd 256 --ff 768 --expert-type q4_k --split 2 --seed 9 "
+              "--alignment 64");
+  const std::string split = dir.path() + "/split-00001-of-00002.gguf";
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(), {"--model", "plain=" + plain, "--model", "split=" + split, "--socket", sock,
+                        "--cache", "64MiB", "--verify", "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  {
+    auto c = Client::connect(sock);
+    ASSERT_TRUE(c) << c.error().message;
+    auto info = (*c)->info();
+    ASSERT_TRUE(info) << info.error().message;
+    EXPECT_EQ(info->models, (std::vector<std::string>{"plain", "split"}));
+    for (const auto& [name, path, layers, experts] :
+         {std::tuple{"plain", plain, 4u, 8u}, std::tuple{"split", split, 3u, 6u}}) {
+      auto s = (*c)->attach(name, "two-models");
+      ASSERT_TRUE(s) << s.error().message;
+      Expected expected(path);
+      for (uint32_t layer = 0; layer < layers; ++layer) {
+        auto views = (*s)->acquire(layer, iota(experts));
+        ASSERT_TRUE(views) << views.error().message;
+        for (const auto& v : *views) EXPECT_TRUE(expected.check(v)) << name;
+        ASSERT_TRUE((*s)->release(*views));
+      }
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
 }
 
 TEST_F(ClientTest, SeveralClientsAtOnceSeeTheForgedBytes) {
@@ -254,8 +288,7 @@ TEST_F(ClientTest, ClientSideErrorsLeaveTheSessionUsable) {
   const uint32_t bad_expert[] = {8};
   auto r = (*s)->acquire(0, bad_expert);
   ASSERT_FALSE(r);
-  EXPECT_EQ(r.error().message,
-            "acquire: expert 8 of layer 0: the model has 8 experts per layer");
+  EXPECT_EQ(r.error().message, "acquire: expert 8 of layer 0: the model has 8 experts per layer");
   const uint32_t ok_expert[] = {1};
   auto r2 = (*s)->acquire(4, ok_expert);
   ASSERT_FALSE(r2);
@@ -305,6 +338,8 @@ struct HostileCase {
   std::vector<abi::Request> entries;  // pushed once
   uint32_t repeat = 1;                // times the entries are pushed
 };
+
+void PrintTo(const HostileCase& c, std::ostream* os) { *os << c.name; }
 
 class HostileRingTest : public ClientTest, public ::testing::WithParamInterface<HostileCase> {};
 
@@ -434,6 +469,7 @@ TEST_F(KilledClientTest, AClientKilledWhileHoldingLosesItsHoldsWithinASecond) {
   const uint64_t freed_ms = test::now_ms() - t0;
   EXPECT_FALSE(present);
   EXPECT_LT(freed_ms, 1000u) << "the dead client's session lingered";
+  RecordProperty("holds_freed_ms", std::to_string(freed_ms));
 
   // Every slot is free for the living: all 32 experts held at once again.
   auto s = c->attach("m", "survivor");
@@ -476,6 +512,7 @@ TEST_F(ClientTest, TheDaemonKilledUnderAClientIsAClearErrorThenReconnectWorks) {
   EXPECT_NE(blocked.error().message.find("expertd went away"), std::string::npos)
       << blocked.error().message;
   EXPECT_LT(woke_ms.load() - killed_ms, 1000u);
+  RecordProperty("client_woke_ms", std::to_string(woke_ms.load() - killed_ms));
   EXPECT_FALSE(c->connected());
   auto info = c->info();
   ASSERT_FALSE(info);
@@ -493,6 +530,24 @@ TEST_F(ClientTest, TheDaemonKilledUnderAClientIsAClearErrorThenReconnectWorks) {
   Expected expected(model_);
   for (const auto& v : *again) EXPECT_TRUE(expected.check(v));
   EXPECT_TRUE((*s2)->release(*again));
+}
+
+TEST_F(ClientTest, SigtermWithClientsAttachedDrainsAndExitsZero) {
+  auto c = connect();
+  auto s = c->attach("m", "lingering");
+  ASSERT_TRUE(s) << s.error().message;
+  const uint32_t experts[] = {0, 1, 2};
+  auto held = (*s)->acquire(0, experts);  // still held when the daemon stops
+  ASSERT_TRUE(held) << held.error().message;
+  const std::string log = daemon_->log();
+  EXPECT_EQ(daemon_->stop(), 0) << log;
+  auto r = (*s)->acquire(1, experts);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("expertd went away"), std::string::npos) << r.error().message;
+  auto st = c->stats();
+  ASSERT_FALSE(st);
+  EXPECT_NE(st.error().message.find("expertd went away"), std::string::npos) << st.error().message;
+  EXPECT_FALSE(test::socket_listens(daemon_->socket()));
 }
 
 // --- Peer credentials ----------------------------------------------------------------------------

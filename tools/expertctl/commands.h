@@ -2,9 +2,8 @@
 // main() wires them together.
 #pragma once
 
-#include <functional>
-
 #include <CLI/CLI.hpp>
+#include <functional>
 
 namespace expertctl {
 

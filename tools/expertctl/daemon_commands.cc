@@ -1,11 +1,11 @@
 // expertctl's daemon subcommands: status, stats, models, pin, unpin, evict, set. Each connects to
 // expertd's control socket, makes its calls and prints text (or one JSON document with --json).
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "tools/expertctl/commands.h"
 #include "tools/expertctl/daemon_util.h"
@@ -210,9 +210,10 @@ int run_stats(const DaemonOptions& o) {
   }
   fmt::print("backend {}; uptime {}; {} reactor loops; read {}\n", st->backend_detail,
              human_duration_ms(st->uptime_ms), st->reactor_loops, human_bytes(st->bytes_read));
-  fmt::print("tuning: prefetch depth {}, queue depth {}, policy {}; sessions closed for hostile "
-             "requests: {}\n",
-             st->prefetch_depth, st->queue_depth, st->policy, st->sessions_closed_hostile);
+  fmt::print(
+      "tuning: prefetch depth {}, queue depth {}, policy {}; sessions closed for hostile "
+      "requests: {}\n",
+      st->prefetch_depth, st->queue_depth, st->policy, st->sessions_closed_hostile);
   for (const auto& m : st->models) {
     const auto& x = m.scheduler;
     fmt::print("\nmodel {}: cache {} / {} slots ready ({} each), staging {} slots\n", m.name,
@@ -312,11 +313,8 @@ int run_expert_op(const ExpertOptions& o, const std::string& op) {
                                              : c->evict(o.model, o.layer, o.expert);
   if (!st) return fail(o.daemon, op, st.error().message);
   if (o.daemon.json) {
-    print_json(json{{"ok", true},
-                    {"op", op},
-                    {"model", o.model},
-                    {"layer", o.layer},
-                    {"expert", o.expert}});
+    print_json(json{
+        {"ok", true}, {"op", op}, {"model", o.model}, {"layer", o.layer}, {"expert", o.expert}});
   } else {
     const char* done = op == "pin" ? "pinned" : op == "unpin" ? "unpinned" : "evicted";
     fmt::print("{} model {} layer {} expert {}\n", done, o.model, o.layer, o.expert);

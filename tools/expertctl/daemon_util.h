@@ -2,12 +2,11 @@
 // one way errors are reported (a line on stderr, and {"error": ...} on stdout with --json).
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <memory>
-#include <string>
-
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "expertd/client.h"
 

@@ -1,14 +1,13 @@
 // `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon).
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <map>
-#include <string>
-
-#include <fmt/format.h>
-
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "storage/gguf.h"
 #include "storage/slice_map.h"
@@ -152,8 +151,7 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
   } else {
     fmt::print("experts        {} per layer, top-k {}\n", map.expert_count(), map.top_k());
     fmt::print("expert bytes   min {} ({}), max {} ({})\n", human_bytes(map.min_expert_bytes()),
-               map.min_expert_bytes(), human_bytes(map.max_expert_bytes()),
-               map.max_expert_bytes());
+               map.min_expert_bytes(), human_bytes(map.max_expert_bytes()), map.max_expert_bytes());
     const auto& l0 = map.layers().front();
     std::string parts;
     for (uint32_t i = 0; i < l0.slice_count; ++i) {
@@ -175,9 +173,9 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
   }
   const uint64_t expert_bytes = map.total_expert_bytes();
   fmt::print("expert total   {} ({:.1f}% of tensor data)\n", human_bytes(expert_bytes),
-             tensor_bytes ? 100.0 * static_cast<double>(expert_bytes) /
-                                static_cast<double>(tensor_bytes)
-                          : 0.0);
+             tensor_bytes
+                 ? 100.0 * static_cast<double>(expert_bytes) / static_cast<double>(tensor_bytes)
+                 : 0.0);
   fmt::print("dense total    {}\n", human_bytes(tensor_bytes - expert_bytes));
   fmt::print("shards         {}\n", m.shards().size());
   for (uint32_t i = 0; i < m.shards().size(); ++i) {

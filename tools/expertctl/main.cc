@@ -1,8 +1,7 @@
 // expertctl: the command-line client of expertd. `inspect` works offline on GGUF files; the
 // daemon subcommands talk to expertd over its control socket.
-#include <functional>
-
 #include <CLI/CLI.hpp>
+#include <functional>
 
 #include "tools/expertctl/commands.h"
 

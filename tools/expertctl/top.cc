@@ -3,6 +3,7 @@
 // heat strip of every layer's hit rate. `q` (or Ctrl-C) quits; the terminal is put in raw mode
 // while it runs and restored on every way out. `--once` prints a single frame (cumulative numbers)
 // and exits; `--json` prints each frame's numbers as one JSON line instead.
+#include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
@@ -19,8 +20,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "tools/expertctl/commands.h"
 #include "tools/expertctl/daemon_util.h"
@@ -151,7 +150,7 @@ Totals totals(const Stats& s) {
 
 // The numbers of one frame: over the last interval when there is one, else since the start.
 struct Rates {
-  double hit_rate = -1;       // interval
+  double hit_rate = -1;  // interval
   double hit_rate_total = -1;
   double acquires_per_s = 0;
   double read_gb_per_s = 0;
@@ -192,28 +191,31 @@ std::vector<std::string> render(const Stats& cur, const Stats* prev, double dt_s
   lines.push_back(fmt::format("expertd at {} | {} | up {} | {} sessions{}", o.daemon.socket,
                               cur.backend, human_duration_ms(cur.uptime_ms), cur.sessions.size(),
                               o.once ? "" : "   (q quits)"));
-  lines.push_back(fmt::format("hit rate  {} now  {} total   acquires {:.0f}{}", pct(r.hit_rate),
-                              pct(r.hit_rate_total), r.acquires_per_s, span));
-  lines.push_back(fmt::format("read      {:.2f} GB{}   total {}   queue depth {}   reads in "
-                              "flight {}",
-                              r.read_gb_per_s, span, human_bytes(cur.bytes_read), cur.queue_depth,
-                              t.reads_in_flight));
+  const std::string hit =
+      r.interval ? fmt::format("{} now  {} total", pct(r.hit_rate), pct(r.hit_rate_total))
+                 : fmt::format("{} since start", pct(r.hit_rate_total));
+  lines.push_back(fmt::format("hit rate  {}   acquires {:.0f}{}", hit, r.acquires_per_s, span));
+  lines.push_back(fmt::format(
+      "read      {:.2f} GB{}   total {}   queue depth {}   reads in "
+      "flight {}",
+      r.read_gb_per_s, span, human_bytes(cur.bytes_read), cur.queue_depth, t.reads_in_flight));
   const uint64_t wasted = t.prefetch_loads - std::min(t.prefetch_useful, t.prefetch_loads);
-  lines.push_back(fmt::format("prefetch  depth {}   hints {}   loads {}   useful {} ({})   "
-                              "wasted {}   dropped {}   cancelled {}",
-                              cur.prefetch_depth, t.prefetch_hints, t.prefetch_loads,
-                              t.prefetch_useful,
-                              pct(t.prefetch_loads ? static_cast<double>(t.prefetch_useful) /
-                                                         static_cast<double>(t.prefetch_loads)
-                                                   : -1.0),
-                              wasted, t.prefetch_dropped, t.prefetch_cancelled));
+  lines.push_back(fmt::format(
+      "prefetch  depth {}   hints {}   loads {}   useful {} ({})   "
+      "wasted {}   dropped {}   cancelled {}",
+      cur.prefetch_depth, t.prefetch_hints, t.prefetch_loads, t.prefetch_useful,
+      pct(t.prefetch_loads
+              ? static_cast<double>(t.prefetch_useful) / static_cast<double>(t.prefetch_loads)
+              : -1.0),
+      wasted, t.prefetch_dropped, t.prefetch_cancelled));
   lines.push_back("");
   const size_t per_row = static_cast<size_t>(std::clamp(width - 12, 16, 128));
   for (const auto& m : cur.models) {
-    lines.push_back(fmt::format("model {}: {} / {} cache slots ready ({} each), {} staging, "
-                                "policy {}",
-                                m.name, m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes),
-                                m.staging_slots, cur.policy));
+    lines.push_back(
+        fmt::format("model {}: {} / {} cache slots ready ({} each), {} staging, "
+                    "policy {}",
+                    m.name, m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes),
+                    m.staging_slots, cur.policy));
     const auto heat = layer_rates(m, find_model(prev, m.name));
     for (size_t first = 0; first < heat.size(); first += per_row) {
       std::string row = fmt::format("  L{:<4}  ", first);

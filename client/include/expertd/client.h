@@ -12,6 +12,9 @@
 // for completions, then sleeps on an eventfd; a daemon that dies (the RPC connection drops) or
 // closes the session (header `closed`) turns every later call into a clear error.
 //
+// Control calls time out after 30 s (a daemon that is alive but stuck). Like every kj program, a
+// Client sets SIGPIPE to ignored for the process.
+//
 // Lifetimes: a Session keeps its Client's connection alive; destroying the Session detaches it
 // (the daemon releases every slot it still holds). Pointers in a SlotView stay valid while the
 // slot is held (until release) and the Session lives.
@@ -202,7 +205,7 @@ class Session {
   uint32_t request_capacity() const { return request_capacity_; }
   uint32_t completion_capacity() const { return completion_capacity_; }
   // Slots this Session holds (acquired, not yet released).
-  uint32_t holds() const { return holds_; }
+  uint32_t holds() const { return holds_.load(std::memory_order_relaxed); }
 
   // Spin this long for a completion before sleeping on the eventfd.
   void set_spin_us(uint32_t us) { spin_ns_ = uint64_t{us} * 1000; }
@@ -257,8 +260,8 @@ class Session {
   uint32_t comp_head_ = 0;  // ours: the next completion to read
   uint32_t in_flight_ = 0;  // acquires sent, completions not yet read
   uint64_t next_tag_ = 1;
-  uint32_t holds_ = 0;
-  std::vector<uint32_t> held_;  // per slot: holds taken by acquires, not yet released
+  std::atomic<uint32_t> holds_{0};  // read by holds() from any thread
+  std::vector<uint32_t> held_;      // per slot: holds taken by acquires, not yet released
   uint64_t spin_ns_ = 30'000;
   bool detached_ = false;
   bool watching_ = false;  // completion_fd_ is registered with the connection
@@ -278,8 +281,7 @@ class Client {
   const std::string& socket() const { return socket_; }
   Result<DaemonInfo> info();
   Result<ModelLayout> open_model(const std::string& name);
-  Result<std::unique_ptr<Session>> attach(const std::string& model,
-                                          const std::string& client_name);
+  Result<std::unique_ptr<Session>> attach(const std::string& model, const std::string& client_name);
   Result<Stats> stats();
   Status set_prefetch_depth(uint32_t depth);
   Status set_queue_depth(uint32_t depth);

@@ -1,0 +1,51 @@
+#include "engine/cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/dequant.h"
+
+namespace expertd::engine {
+
+void matvec(const WeightView& w, const float* x, float* y, float* row) {
+  for (uint64_t r = 0; r < w.rows; ++r) {
+    dequantize_row(w.type, w.data + r * w.row_bytes, row, w.cols);
+    y[r] = static_cast<float>(dot(row, x, w.cols));
+  }
+}
+
+void rms_norm(const float* x, const float* weight, float* y, size_t n, float eps) {
+  double ss = 0.0;
+  for (size_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  const double scale = 1.0 / std::sqrt(ss / static_cast<double>(n) + static_cast<double>(eps));
+  for (size_t i = 0; i < n; ++i) {
+    y[i] = static_cast<float>(static_cast<double>(x[i]) * scale * static_cast<double>(weight[i]));
+  }
+}
+
+void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base) {
+  const uint32_t half = n_rot / 2;
+  for (uint32_t i = 0; i < half; ++i) {
+    const double theta =
+        static_cast<double>(pos) * std::pow(base, -2.0 * static_cast<double>(i) / n_rot);
+    const double c = std::cos(theta);
+    const double s = std::sin(theta);
+    const double x0 = v[i];
+    const double x1 = v[i + half];
+    v[i] = static_cast<float>(x0 * c - x1 * s);
+    v[i + half] = static_cast<float>(x0 * s + x1 * c);
+  }
+}
+
+void softmax(double* p, size_t n) {
+  double mx = p[0];
+  for (size_t i = 1; i < n; ++i) mx = std::max(mx, p[i]);
+  double sum = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    p[i] = std::exp(p[i] - mx);
+    sum += p[i];
+  }
+  for (size_t i = 0; i < n; ++i) p[i] /= sum;
+}
+
+}  // namespace expertd::engine

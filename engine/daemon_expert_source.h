@@ -1,0 +1,53 @@
+// ExpertSource over libexpertd-client: experts are the daemon's arena slots, read in place
+// through the session's read-only mapping.
+//
+// create() checks the daemon's layout of the model against the engine's own GGUF once: the same
+// layers, expert count and top-k, and for every MoE layer the same slices (kind, shard, offset,
+// stride, bytes, type, shape) as the GGUF's slice map, so a daemon serving a different file under
+// that name is refused before any expert is used. After that get() only converts slot views.
+// Holds nothing but borrowed pointers: the Session must outlive the source.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <vector>
+
+#include "engine/expert_source.h"
+#include "expertd/client.h"
+
+namespace expertd::engine {
+
+class DaemonExpertSource final : public ExpertSource {
+ public:
+  static Result<std::unique_ptr<DaemonExpertSource>> create(client::Session& session,
+                                                            const DenseModel& model);
+
+  Status get(uint32_t layer, std::span<const uint32_t> experts, std::span<ExpertView> out) override;
+  Status release(std::span<const ExpertView> views) override;
+  Status prefetch(std::span<const ExpertHint> hints) override;
+  Status set_cursor(uint32_t token, uint32_t layer) override;
+
+  client::Session& session() { return session_; }
+
+ private:
+  // Where each projection sits among a layer's slot slices, and its shape.
+  struct Part {
+    uint32_t slice = 0;       // index into SlotView::slices
+    uint64_t row_offset = 0;  // rows to skip (the up half of a fused gate_up)
+    WeightView shape;         // type, rows, cols, row_bytes (data filled per hold)
+  };
+  struct LayerParts {
+    Part gate;
+    Part up;
+    Part down;
+  };
+
+  explicit DaemonExpertSource(client::Session& session) : session_(session) {}
+
+  client::Session& session_;
+  std::vector<LayerParts> layers_;       // per block layer
+  std::vector<client::SlotView> slots_;  // get()'s buffer: room for every expert of a layer
+  std::vector<client::PrefetchHint> hints_;
+};
+
+}  // namespace expertd::engine

@@ -1,0 +1,50 @@
+// Where the engine gets routed experts from. The product implementation is DaemonExpertSource
+// (libexpertd-client: the bytes are the daemon's arena slots); the engine never reads expert data
+// from the GGUF itself. Tests of the math may plug in a source of their own.
+//
+// Contract: get() returns the experts asked for, in order, held until release() is called with
+// the same views; a failed get() holds nothing. prefetch() and set_cursor() are hints: a source
+// may ignore them, and their failure does not affect correctness.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "engine/model.h"
+#include "storage/result.h"
+
+namespace expertd::engine {
+
+// One held expert: its three projections. gate and up are [n_ff rows, n_embd cols], down is
+// [n_embd rows, n_ff cols]. The views stay valid until the expert is released.
+struct ExpertView {
+  uint32_t layer = 0;
+  uint32_t expert = 0;
+  WeightView gate;
+  WeightView up;
+  WeightView down;
+  uint64_t handle = 0;  // the source's own identity of the hold (the daemon's slot)
+};
+
+struct ExpertHint {
+  uint32_t layer = 0;
+  uint32_t expert = 0;
+  float score = 0.0f;  // router probability in [0, 1]
+};
+
+class ExpertSource {
+ public:
+  virtual ~ExpertSource() = default;
+  // Acquires `experts` of `layer` into out[0, experts.size()) (out.size() >= experts.size()),
+  // waiting for them as needed.
+  virtual Status get(uint32_t layer, std::span<const uint32_t> experts,
+                     std::span<ExpertView> out) = 0;
+  // Gives back experts returned by get().
+  virtual Status release(std::span<const ExpertView> views) = 0;
+  // Experts wanted soon, with the router's confidence.
+  virtual Status prefetch(std::span<const ExpertHint> hints) = 0;
+  // The engine is at (token, layer): hints for layers it has passed are stale.
+  virtual Status set_cursor(uint32_t token, uint32_t layer) = 0;
+};
+
+}  // namespace expertd::engine

@@ -1,0 +1,207 @@
+#include "engine/model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "engine/dequant.h"
+
+namespace expertd::engine {
+namespace {
+
+// Bounds on the hyperparameters, far above any real model, so a hostile file cannot make the
+// engine allocate without limit before a tensor shape check would catch it.
+constexpr uint64_t kMaxLayers = 1024;
+constexpr uint64_t kMaxEmbd = 1 << 16;
+constexpr uint64_t kMaxHeads = 1024;
+constexpr uint64_t kMaxHeadDim = 1024;
+constexpr uint64_t kMaxExperts = 1 << 14;
+constexpr uint64_t kMaxExpertsUsed = 64;
+
+Result<uint64_t> get_u64(const GgufModel& g, std::string_view suffix,
+                         std::optional<uint64_t> fallback, uint64_t lo, uint64_t hi) {
+  const GgufValue* v = g.find_arch(suffix);
+  std::optional<uint64_t> x = fallback;
+  if (v != nullptr) x = v->as_u64();
+  if (!x) {
+    return make_error(EINVAL, fmt::format("{}: {} is {}", g.meta().path(), g.arch_key(suffix),
+                                          v == nullptr ? "missing" : "not an unsigned integer"));
+  }
+  if (*x < lo || *x > hi) {
+    return make_error(EINVAL, fmt::format("{}: {} = {} is outside [{}, {}]", g.meta().path(),
+                                          g.arch_key(suffix), *x, lo, hi));
+  }
+  return *x;
+}
+
+Result<double> get_f64(const GgufModel& g, std::string_view suffix,
+                       std::optional<double> fallback) {
+  const GgufValue* v = g.find_arch(suffix);
+  std::optional<double> x = fallback;
+  if (v != nullptr) x = v->as_f64();
+  if (!x || !(*x > 0.0) || !std::isfinite(*x)) {
+    return make_error(EINVAL, fmt::format("{}: {} is {}", g.meta().path(), g.arch_key(suffix),
+                                          v == nullptr ? "missing" : "not a positive number"));
+  }
+  return *x;
+}
+
+// Shard readers, opened once for the load.
+using Sources = std::vector<std::unique_ptr<ByteSource>>;
+
+Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
+                           uint64_t rows, uint64_t cols) {
+  const auto ref = g.find_tensor(name);
+  if (!ref)
+    return make_error(ENOENT, fmt::format("{}: tensor {} is missing", g.meta().path(), name));
+  const GgufTensorInfo& t = *ref->info;
+  const std::string& file = g.shards()[ref->shard].path();
+  if (t.ne[0] != cols || t.ne[1] != rows || t.ne[2] != 1 || t.ne[3] != 1) {
+    return make_error(
+        EINVAL, fmt::format("{}: tensor {}: shape [{}, {}, {}, {}], expected [{}, {}]", file, name,
+                            t.ne[0], t.ne[1], t.ne[2], t.ne[3], cols, rows));
+  }
+  if (auto st = dequant_check(t.type, cols); !st) {
+    return make_error(st.error().code,
+                      fmt::format("{}: tensor {}: {}", file, name, st.error().message));
+  }
+  Matrix m;
+  m.name = name;
+  m.type = t.type;
+  m.rows = rows;
+  m.cols = cols;
+  m.row_bytes = *ggml_row_bytes(t.type, cols);
+  if (m.row_bytes * rows != t.bytes) {
+    return make_error(EINVAL, fmt::format("{}: tensor {}: {} bytes, expected {}", file, name,
+                                          t.bytes, m.row_bytes * rows));
+  }
+  m.bytes.resize(t.bytes);
+  EXPERTD_TRY(src[ref->shard]->read_exact(t.offset, m.bytes));
+  return m;
+}
+
+Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
+                                       const std::string& name, uint64_t n) {
+  EXPERTD_TRY_ASSIGN(Matrix m, read_matrix(g, src, name, 1, n));
+  std::vector<float> v(n);
+  dequantize_row(m.type, m.bytes.data(), v.data(), n);
+  return v;
+}
+
+}  // namespace
+
+Result<ModelParams> read_params(const GgufModel& g) {
+  ModelParams p;
+  p.architecture = g.architecture();
+  if (p.architecture != "qwen3moe") {
+    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe",
+                                           g.meta().path(), p.architecture));
+  }
+  EXPERTD_TRY_ASSIGN(const uint64_t n_layer, get_u64(g, "block_count", {}, 1, kMaxLayers));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_embd, get_u64(g, "embedding_length", {}, 1, kMaxEmbd));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_head, get_u64(g, "attention.head_count", {}, 1, kMaxHeads));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_head_kv,
+                     get_u64(g, "attention.head_count_kv", n_head, 1, n_head));
+  if (n_head % n_head_kv != 0) {
+    return make_error(EINVAL, fmt::format("{}: {} heads do not group over {} kv heads",
+                                          g.meta().path(), n_head, n_head_kv));
+  }
+  EXPERTD_TRY_ASSIGN(const uint64_t head_dim,
+                     get_u64(g, "attention.key_length", n_embd / n_head, 2, kMaxHeadDim));
+  EXPERTD_TRY_ASSIGN(const uint64_t v_dim,
+                     get_u64(g, "attention.value_length", head_dim, 2, kMaxHeadDim));
+  if (v_dim != head_dim) {
+    return make_error(ENOTSUP, fmt::format("{}: key_length {} != value_length {}", g.meta().path(),
+                                           head_dim, v_dim));
+  }
+  EXPERTD_TRY_ASSIGN(const uint64_t n_rot,
+                     get_u64(g, "rope.dimension_count", head_dim, 2, head_dim));
+  if (n_rot % 2 != 0) {
+    return make_error(EINVAL,
+                      fmt::format("{}: rope.dimension_count {} is odd", g.meta().path(), n_rot));
+  }
+  EXPERTD_TRY_ASSIGN(const uint64_t n_expert, get_u64(g, "expert_count", {}, 1, kMaxExperts));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_used,
+                     get_u64(g, "expert_used_count", {}, 1, std::min(n_expert, kMaxExpertsUsed)));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_ff,
+                     get_u64(g, "expert_feed_forward_length", {}, 1, kMaxEmbd * 16));
+  EXPERTD_TRY_ASSIGN(const uint64_t n_ctx, get_u64(g, "context_length", 4096, 1, 1ull << 24));
+  EXPERTD_TRY_ASSIGN(const double eps, get_f64(g, "attention.layer_norm_rms_epsilon", {}));
+  EXPERTD_TRY_ASSIGN(const double base, get_f64(g, "rope.freq_base", 10000.0));
+  p.n_layer = static_cast<uint32_t>(n_layer);
+  p.n_embd = static_cast<uint32_t>(n_embd);
+  p.n_head = static_cast<uint32_t>(n_head);
+  p.n_head_kv = static_cast<uint32_t>(n_head_kv);
+  p.head_dim = static_cast<uint32_t>(head_dim);
+  p.n_rot = static_cast<uint32_t>(n_rot);
+  p.n_expert = static_cast<uint32_t>(n_expert);
+  p.n_expert_used = static_cast<uint32_t>(n_used);
+  p.n_ff_exp = static_cast<uint32_t>(n_ff);
+  p.n_ctx_train = static_cast<uint32_t>(n_ctx);
+  p.rms_eps = static_cast<float>(eps);
+  p.rope_base = base;
+  p.norm_topk = true;  // llama.cpp's qwen3moe graph always renormalises the top-k weights
+  return p;
+}
+
+Result<DenseModel> DenseModel::load(const std::string& path) {
+  DenseModel m;
+  m.path_ = path;
+  EXPERTD_TRY_ASSIGN(GgufModel g, GgufModel::open(path));
+  m.gguf_ = std::make_unique<GgufModel>(std::move(g));
+  const GgufModel& gg = *m.gguf_;
+  EXPERTD_TRY_ASSIGN(m.params_, read_params(gg));
+  ModelParams& p = m.params_;
+
+  Sources src;
+  for (const GgufFile& shard : gg.shards()) {
+    EXPERTD_TRY_ASSIGN(auto s, open_file_source(shard.path()));
+    src.push_back(std::move(s));
+  }
+  const auto embd = gg.find_tensor("token_embd.weight");
+  if (!embd)
+    return make_error(ENOENT, fmt::format("{}: tensor token_embd.weight is missing", path));
+  if (embd->info->ne[1] == 0 || embd->info->ne[1] > (1u << 24)) {
+    return make_error(EINVAL,
+                      fmt::format("{}: token_embd.weight has {} rows", path, embd->info->ne[1]));
+  }
+  p.n_vocab = static_cast<uint32_t>(embd->info->ne[1]);
+  const uint64_t e = p.n_embd;
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
+  EXPERTD_TRY_ASSIGN(m.token_embd_, read_matrix(gg, src, "token_embd.weight", p.n_vocab, e));
+  EXPERTD_TRY_ASSIGN(m.output_norm_, read_vector(gg, src, "output_norm.weight", e));
+  if (gg.find_tensor("output.weight")) {
+    EXPERTD_TRY_ASSIGN(m.output_, read_matrix(gg, src, "output.weight", p.n_vocab, e));
+  }
+  m.layers_.resize(p.n_layer);
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    LayerWeights& l = m.layers_[i];
+    const std::string b = fmt::format("blk.{}.", i);
+    EXPERTD_TRY_ASSIGN(l.attn_norm, read_vector(gg, src, b + "attn_norm.weight", e));
+    EXPERTD_TRY_ASSIGN(l.wq, read_matrix(gg, src, b + "attn_q.weight", q_dim, e));
+    EXPERTD_TRY_ASSIGN(l.wk, read_matrix(gg, src, b + "attn_k.weight", kv_dim, e));
+    EXPERTD_TRY_ASSIGN(l.wv, read_matrix(gg, src, b + "attn_v.weight", kv_dim, e));
+    EXPERTD_TRY_ASSIGN(l.wo, read_matrix(gg, src, b + "attn_output.weight", e, q_dim));
+    EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
+    EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
+    EXPERTD_TRY_ASSIGN(l.ffn_norm, read_vector(gg, src, b + "ffn_norm.weight", e));
+    EXPERTD_TRY_ASSIGN(l.gate_inp, read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
+  }
+  return m;
+}
+
+uint64_t DenseModel::dense_bytes() const {
+  uint64_t n = token_embd_.bytes.size() + output_norm_.size() * sizeof(float);
+  if (output_) n += output_->bytes.size();
+  for (const LayerWeights& l : layers_) {
+    for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += x->bytes.size();
+    n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *
+         sizeof(float);
+  }
+  return n;
+}
+
+}  // namespace expertd::engine

@@ -1,0 +1,211 @@
+// expertctl's daemon subcommands (status, stats, models, pin, unpin, evict, set, top --once) run
+// as a user would, against the real expertd binary; and expert-bench ipc end to end.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "expertd/client.h"
+#include "tests/client/expertd_fixture.h"
+
+namespace expertd::client {
+namespace {
+
+using json = nlohmann::json;
+using test::Daemon;
+using test::RunResult;
+using test::TempDir;
+
+class ExpertctlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = test::forge(dir_.path(), "m", "--layers 4 --experts 8 --embd 256 --ff 512");
+    daemon_ = std::make_unique<Daemon>(
+        dir_.path(),
+        std::vector<std::string>{"--model", "m=" + model_, "--socket",
+                                 dir_.path() + "/expertd.sock", "--cache", "64MiB", "--no-mlock"});
+    ASSERT_TRUE(daemon_->start());
+  }
+  void TearDown() override {
+    if (daemon_->pid() > 0) {
+      const std::string log = daemon_->log();
+      EXPECT_EQ(daemon_->stop(), 0) << log;
+    }
+  }
+
+  RunResult ctl(std::vector<std::string> args) {
+    args.insert(args.begin(), EXPERTCTL_BIN);
+    args.push_back("--socket");
+    args.push_back(daemon_->socket());
+    return test::run_command(args);
+  }
+  json ctl_json(std::vector<std::string> args) {
+    args.push_back("--json");
+    const RunResult r = ctl(args);
+    EXPECT_EQ(r.status, 0) << r.err;
+    const json j = json::parse(r.out, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << r.out;
+    return j;
+  }
+
+  // Acquires and releases every expert of `layer` through a client session.
+  void touch(Client& c, uint32_t layer) {
+    auto s = c.attach("m", "expertctl-test");
+    ASSERT_TRUE(s) << s.error().message;
+    std::vector<uint32_t> experts(8);
+    std::iota(experts.begin(), experts.end(), 0u);
+    auto v = (*s)->acquire(layer, experts);
+    ASSERT_TRUE(v) << v.error().message;
+    ASSERT_TRUE((*s)->release(*v));
+  }
+
+  TempDir dir_;
+  std::string model_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+TEST_F(ExpertctlTest, StatusModelsAndStatsAsJson) {
+  const json status = ctl_json({"status"});
+  EXPECT_EQ(status["protocol_version"], 1);
+  EXPECT_EQ(status["models"], json::array({"m"}));
+  EXPECT_EQ(status["sessions"], 0);
+  EXPECT_TRUE(status["hit_rate"].is_null());
+
+  const json models = ctl_json({"models"});
+  ASSERT_EQ(models.size(), 1u);
+  EXPECT_EQ(models[0]["name"], "m");
+  EXPECT_EQ(models[0]["architecture"], "qwen3moe");
+  EXPECT_EQ(models[0]["block_count"], 4);
+  EXPECT_EQ(models[0]["expert_count"], 8);
+  EXPECT_EQ(models[0]["cache_ready"], 0);
+
+  auto c = Client::connect(daemon_->socket());
+  ASSERT_TRUE(c) << c.error().message;
+  touch(**c, 1);
+  touch(**c, 1);
+  const json stats = ctl_json({"stats"});
+  ASSERT_EQ(stats["models"].size(), 1u);
+  const json& m = stats["models"][0];
+  EXPECT_EQ(m["name"], "m");
+  EXPECT_EQ(m["scheduler"]["acquires"], 16);
+  EXPECT_EQ(m["scheduler"]["hits"], 8);
+  EXPECT_EQ(m["cache_ready"], 8);
+  EXPECT_EQ(m["layer_hits"], json::array({0, 8, 0, 0}));
+  EXPECT_EQ(m["layer_misses"], json::array({0, 8, 0, 0}));
+
+  // Text output too, and $EXPERTD_SOCKET as the default socket.
+  ::setenv("EXPERTD_SOCKET", daemon_->socket().c_str(), 1);
+  const RunResult text = test::run_command({EXPERTCTL_BIN, "status"});
+  ::unsetenv("EXPERTD_SOCKET");
+  EXPECT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("hit rate   50.0% of 16 acquires"), std::string::npos) << text.out;
+}
+
+TEST_F(ExpertctlTest, PinUnpinAndEvict) {
+  auto c = Client::connect(daemon_->socket());
+  ASSERT_TRUE(c) << c.error().message;
+  touch(**c, 0);
+
+  const json pinned = ctl_json({"pin", "m", "0", "3"});
+  EXPECT_EQ(pinned["ok"], true);
+  EXPECT_EQ(pinned["op"], "pin");
+
+  RunResult refused = ctl({"evict", "m", "0", "3", "--json"});
+  EXPECT_EQ(refused.status, 1);
+  EXPECT_EQ(json::parse(refused.out)["error"],
+            "model 'm' layer 0 expert 3: not cached, or held, pinned or loading");
+  EXPECT_NE(refused.err.find("expertctl evict: model 'm' layer 0 expert 3"), std::string::npos)
+      << refused.err;
+
+  EXPECT_EQ(ctl_json({"unpin", "m", "0", "3"})["ok"], true);
+  EXPECT_EQ(ctl_json({"evict", "m", "0", "3"})["ok"], true);
+  EXPECT_EQ(ctl_json({"stats"})["models"][0]["cache_ready"], 7);
+
+  const RunResult text = ctl({"evict", "m", "0", "4"});
+  EXPECT_EQ(text.status, 0) << text.err;
+  EXPECT_EQ(text.out, "evicted model m layer 0 expert 4\n");
+
+  const RunResult unknown = ctl({"pin", "nope", "0", "0"});
+  EXPECT_EQ(unknown.status, 1);
+  EXPECT_NE(unknown.err.find("model 'nope' is not served by this daemon"), std::string::npos)
+      << unknown.err;
+}
+
+TEST_F(ExpertctlTest, SetTuningKnobs) {
+  EXPECT_EQ(ctl_json({"set", "prefetch-depth", "5"})["value"], 5);
+  EXPECT_EQ(ctl_json({"set", "policy", "lru"})["value"], "lru");
+  EXPECT_EQ(ctl_json({"set", "queue-depth", "8"})["value"], 8);
+  const json status = ctl_json({"status"});
+  EXPECT_EQ(status["prefetch_depth"], 5);
+  EXPECT_EQ(status["policy"], "lru");
+  EXPECT_EQ(status["queue_depth"], 8);
+
+  const RunResult bad = ctl({"set", "queue-depth", "0"});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("expertctl set: queue depth 0: must be 1.."), std::string::npos)
+      << bad.err;
+  const RunResult nan = ctl({"set", "prefetch-depth", "many"});
+  EXPECT_EQ(nan.status, 1);
+  EXPECT_NE(nan.err.find("prefetch-depth 'many': expected a non-negative integer"),
+            std::string::npos)
+      << nan.err;
+  const RunResult policy = ctl({"set", "policy", "random-guess"});
+  EXPECT_EQ(policy.status, 1);
+  EXPECT_FALSE(policy.err.empty());
+}
+
+TEST_F(ExpertctlTest, TopOnceShowsTheHeatStrip) {
+  auto c = Client::connect(daemon_->socket());
+  ASSERT_TRUE(c) << c.error().message;
+  touch(**c, 0);  // layer 0: 8 misses, then 8 hits: 50%
+  touch(**c, 0);
+  touch(**c, 2);  // layer 2: 8 misses: 0%
+  const RunResult r = ctl({"top", "--once"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  // Layers 0..3: half, none acquired, all misses, none acquired.
+  EXPECT_NE(r.out.find("L0     ▅·▁·"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hit rate   33.3% since start"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("queue depth 32"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("\x1b["), std::string::npos) << "no escapes when not a terminal";
+
+  const json j = ctl_json({"top", "--once"});
+  EXPECT_EQ(j["models"][0]["layer_hit_rate"], json::parse("[0.5, null, 0.0, null]"));
+}
+
+TEST(ExpertctlNoDaemon, SaysSoClearly) {
+  TempDir dir;
+  const std::string sock = dir.path() + "/absent.sock";
+  const std::vector<std::vector<std::string>> commands = {
+      {"status"}, {"stats"}, {"models"}, {"top", "--once"}, {"evict", "m", "0", "0"}};
+  for (const auto& cmd : commands) {
+    std::vector<std::string> argv{EXPERTCTL_BIN};
+    argv.insert(argv.end(), cmd.begin(), cmd.end());
+    argv.insert(argv.end(), {"--socket", sock});
+    const RunResult r = test::run_command(argv);
+    EXPECT_EQ(r.status, 1) << cmd[0];
+    EXPECT_EQ(r.err, "expertctl " + cmd[0] + ": cannot connect to expertd at " + sock +
+                         ": No such file or directory (is expertd running?)\n");
+  }
+}
+
+#ifdef EXPERT_BENCH_BIN
+TEST(ExpertBenchIpc, StartsItsOwnDaemonAndReports) {
+  const RunResult r = test::run_command(
+      {EXPERT_BENCH_BIN, "ipc", "--iterations", "2000", "--rounds", "2", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  for (const char* key :
+       {"shm_rtt_us_p50", "shm_rtt_us_p99", "rpc_rtt_us_p50", "rpc_rtt_us_p99", "speedup"}) {
+    EXPECT_TRUE(j[key].is_number()) << key;
+    EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  }
+  EXPECT_EQ(j["iterations"], 2000);
+}
+#endif
+
+}  // namespace
+}  // namespace expertd::client

@@ -1,0 +1,246 @@
+// The CPU engine on its product path: the real expertd binary serves the committed fixture models
+// and the engine gets every routed expert through libexpertd-client (DaemonExpertSource). The
+// logits must match Hugging Face transformers' within 1e-4 relative error at every position, and
+// expert-run must report what the engine did.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "engine/cpu_engine.h"
+#include "engine/daemon_expert_source.h"
+#include "engine/sampler.h"
+#include "expertd/client.h"
+#include "tests/client/expertd_fixture.h"
+#include "tests/engine/file_expert_source.h"
+#include "tests/engine/fixture.h"
+
+namespace expertd::engine {
+namespace {
+
+using expertd::test::Daemon;
+using expertd::test::TempDir;
+using test::TinyFixture;
+
+constexpr double kMaxRelErr = 1e-4;
+
+// One expertd serving both fixture variants, as "tiny-f32" and "tiny-q8_0".
+class EngineDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fx_ = TinyFixture::load();
+    socket_ = dir_.path() + "/expertd.sock";
+    daemon_ = std::make_unique<Daemon>(
+        dir_.path(), std::vector<std::string>{"--model", "tiny-f32=" + fx_.gguf("f32"), "--model",
+                                              "tiny-q8_0=" + fx_.gguf("q8_0"), "--socket", socket_,
+                                              "--cache", "16MiB", "--no-mlock"});
+    ASSERT_TRUE(daemon_->start());
+  }
+  void TearDown() override {
+    const std::string log = daemon_->log();
+    EXPECT_EQ(daemon_->stop(), 0) << log;
+  }
+
+  TempDir dir_;
+  TinyFixture fx_;
+  std::string socket_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+TEST_F(EngineDaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
+  for (const std::string variant : {"f32", "q8_0"}) {
+    SCOPED_TRACE(variant);
+    auto model = DenseModel::load(fx_.gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    auto client = client::Client::connect(socket_);
+    ASSERT_TRUE(client) << client.error().message;
+    auto session = (*client)->attach("tiny-" + variant, "engine_tests");
+    ASSERT_TRUE(session) << session.error().message;
+    auto source = DaemonExpertSource::create(**session, *model);
+    ASSERT_TRUE(source) << source.error().message;
+    // Prefetch hints go to the daemon too; they must not change a thing.
+    auto engine = CpuEngine::create(*model, **source, EngineOptions{16, 2, 0});
+    ASSERT_TRUE(engine) << engine.error().message;
+    std::vector<RoutingRecord> routing;
+    (*engine)->set_routing_log(&routing);
+
+    const std::vector<float> expected = fx_.logits(variant);
+    std::vector<float> logits(fx_.vocab);
+    double worst = 0.0;
+    for (size_t t = 0; t < fx_.tokens.size(); ++t) {
+      const Status st = (*engine)->decode(fx_.tokens[t], logits);
+      ASSERT_TRUE(st) << st.error().message;
+      const double err = test::rel_err(logits.data(), expected.data() + t * fx_.vocab, fx_.vocab);
+      EXPECT_LE(err, kMaxRelErr) << "position " << t;
+      worst = std::max(worst, err);
+    }
+    RecordProperty("max_rel_err_" + variant, std::to_string(worst));
+    std::printf("[ %s via expertd ] max relative error of the logits over %zu positions: %.3e\n",
+                variant.c_str(), fx_.tokens.size(), worst);
+    const auto trace = fx_.trace(variant);
+    ASSERT_EQ(routing.size(), trace.size());
+    for (size_t i = 0; i < trace.size(); ++i) {
+      EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
+    }
+    EXPECT_EQ((*session)->holds(), 0u);
+    const EngineStats& s = (*engine)->stats();
+    EXPECT_EQ(s.hint_errors, 0u);
+    EXPECT_GT(s.hints_sent, 0u);
+    auto ss = (*session)->stats();
+    ASSERT_TRUE(ss) << ss.error().message;
+    EXPECT_EQ(ss->acquires, fx_.tokens.size() * 3 * 2);
+    EXPECT_EQ(ss->releases, ss->acquires);
+    EXPECT_EQ(ss->prefetches, s.hints_sent);
+  }
+}
+
+TEST_F(EngineDaemonTest, ADaemonServingAnotherFileIsRefused) {
+  auto model = DenseModel::load(fx_.gguf("f32"));
+  ASSERT_TRUE(model);
+  auto client = client::Client::connect(socket_);
+  ASSERT_TRUE(client);
+  auto session = (*client)->attach("tiny-q8_0", "engine_tests");
+  ASSERT_TRUE(session);
+  auto source = DaemonExpertSource::create(**session, *model);
+  ASSERT_FALSE(source);
+  EXPECT_NE(source.error().message.find("model 'tiny-q8_0' layer 0"), std::string::npos)
+      << source.error().message;
+  EXPECT_NE(source.error().message.find("(a different file?)"), std::string::npos)
+      << source.error().message;
+}
+
+// The greedy continuation of the fixture prompt, computed in-process from the GGUF.
+std::vector<uint32_t> greedy_reference(const TinyFixture& fx, const std::string& variant,
+                                       uint32_t n) {
+  auto model = DenseModel::load(fx.gguf(variant));
+  EXPECT_TRUE(model);
+  auto source = test::FileExpertSource::open(*model);
+  auto engine = CpuEngine::create(*model, **source, EngineOptions{64, 0, 0});
+  std::vector<float> logits(fx.vocab);
+  for (const uint32_t t : fx.tokens) EXPECT_TRUE((*engine)->decode(t, logits));
+  std::vector<uint32_t> out;
+  while (out.size() < n) {
+    out.push_back(argmax(logits));
+    if (out.size() < n) {
+      EXPECT_TRUE((*engine)->decode(out.back(), logits));
+    }
+  }
+  return out;
+}
+
+std::string joined(const std::vector<uint32_t>& v) {
+  std::string s;
+  for (const uint32_t x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
+  const std::string trace_path = dir_.path() + "/trace.jsonl";
+  const auto r = expertd::test::run_command(
+      {EXPERT_RUN_BIN, "--socket", socket_, "--model", "tiny-f32", "--gguf", fx_.gguf("f32"),
+       "--prompt-tokens", joined(fx_.tokens), "--max-tokens", "6", "--prefetch-depth", "2",
+       "--record-trace", trace_path, "--json", "--ignore-eos"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  const auto generated = j.at("generated").get<std::vector<uint32_t>>();
+  EXPECT_EQ(generated, greedy_reference(fx_, "f32", 6));
+  // The first generated token is transformers' greedy choice after the prompt.
+  EXPECT_EQ(generated.front(), fx_.meta["variants"]["f32"]["greedy_next"].back().get<uint32_t>());
+  EXPECT_EQ(j.at("engine").get<std::string>(), "cpu");
+  EXPECT_GT(j.at("tokens_per_s").get<double>(), 0.0);
+  EXPECT_GE(j.at("stall_ms_per_token").get<double>(), 0.0);
+  const uint64_t steps = j.at("decode_steps").get<uint64_t>();
+  EXPECT_EQ(steps, fx_.tokens.size() + 5);
+  EXPECT_EQ(j.at("experts_used").get<uint64_t>(), steps * 3 * 2);
+  const auto& hits = j.at("hits");
+  EXPECT_EQ(hits.at("vram").get<uint64_t>(), 0u);
+  // Every acquire was a host hit or waited for the disk; the first use of each expert must read.
+  EXPECT_EQ(hits.at("host").get<uint64_t>() + hits.at("disk").get<uint64_t>(), steps * 3 * 2);
+  EXPECT_GT(hits.at("host").get<uint64_t>(), 0u);
+  for (const char* key : {"prefetch_precision", "prefetch_recall"}) {
+    const double v = j.at(key).get<double>();
+    EXPECT_GT(v, 0.0) << key;
+    EXPECT_LE(v, 1.0) << key;
+  }
+  EXPECT_TRUE(j.contains("text"));
+
+  // The recorded trace starts with the fixture's routing (the prompt), in canonical form.
+  const auto recorded = test::read_trace(trace_path);
+  const auto expected = fx_.trace("f32");
+  ASSERT_EQ(recorded.size(), steps * 3);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(recorded[i].token, expected[i].token);
+    EXPECT_EQ(recorded[i].layer, expected[i].layer);
+    EXPECT_EQ(recorded[i].experts, expected[i].experts) << "record " << i;
+  }
+}
+
+TEST_F(EngineDaemonTest, ExpertRunTextSaysWhichEngineRan) {
+  const auto r = expertd::test::run_command(
+      {EXPERT_RUN_BIN, "--socket", socket_, "--model", "tiny-q8_0", "--gguf", fx_.gguf("q8_0"),
+       "--prompt-tokens", "72,101,108,108,111", "--max-tokens", "3", "--cpu"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("expert-run: CPU reference engine (--cpu)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("generated: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hits: vram 0, host "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefetch: depth 1, "), std::string::npos) << r.out;
+}
+
+TEST(ExpertRun, NoDaemonSaysSo) {
+  TempDir dir;
+  const TinyFixture fx = TinyFixture::load();
+  const auto r = expertd::test::run_command({EXPERT_RUN_BIN, "--socket", dir.path() + "/none.sock",
+                                             "--model", "tiny", "--gguf", fx.gguf("f32"),
+                                             "--prompt-tokens", "1,2", "--max-tokens", "1"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("expert-run: cannot connect to expertd at"), std::string::npos) << r.err;
+}
+
+// Forged models exercise what the tiny fixture does not: q4_k experts, q6_k and f16 dense weights,
+// a split model. Whatever the numbers, experts through expertd must give exactly the logits of
+// experts read from the file.
+TEST(EngineForged, DaemonAndFileGiveIdenticalLogits) {
+  TempDir dir;
+  expertd::test::forge(dir.path(), "split",
+                       "--layers 3 --experts 6 --top-k 2 --embd 256 --ff 512 --heads 4 "
+                       "--kv-heads 2 --head-dim 64 --vocab 300 --expert-type q4_k "
+                       "--dense-type q6_k --split 2 --seed 5");
+  const std::string split = dir.path() + "/split-00001-of-00002.gguf";
+  const std::string plain = expertd::test::forge(
+      dir.path(), "plain",
+      "--layers 2 --experts 4 --top-k 2 --embd 256 --ff 256 --heads 2 --kv-heads 1 "
+      "--head-dim 128 --vocab 300 --expert-type q6_k --dense-type f16 --seed 6");
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(), {"--model", "split=" + split, "--model", "plain=" + plain, "--socket", sock,
+                        "--cache", "32MiB", "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  for (const auto& [name, path] : {std::pair{"split", split}, std::pair{"plain", plain}}) {
+    SCOPED_TRACE(name);
+    auto model = DenseModel::load(path);
+    ASSERT_TRUE(model) << model.error().message;
+    auto client = client::Client::connect(sock);
+    ASSERT_TRUE(client);
+    auto session = (*client)->attach(name, "engine_tests");
+    ASSERT_TRUE(session);
+    auto daemon_source = DaemonExpertSource::create(**session, *model);
+    ASSERT_TRUE(daemon_source) << daemon_source.error().message;
+    auto file_source = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(file_source);
+    auto a = CpuEngine::create(*model, **daemon_source, EngineOptions{8, 1, 0});
+    auto b = CpuEngine::create(*model, **file_source, EngineOptions{8, 0, 0});
+    const uint32_t vocab = model->params().n_vocab;
+    std::vector<float> la(vocab);
+    std::vector<float> lb(vocab);
+    for (const uint32_t t : {1u, 17u, 255u, 299u}) {
+      ASSERT_TRUE((*a)->decode(t, la));
+      ASSERT_TRUE((*b)->decode(t, lb));
+      EXPECT_EQ(la, lb) << "token " << t;
+      for (const float x : la) ASSERT_TRUE(std::isfinite(x));
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
+}
+
+}  // namespace
+}  // namespace expertd::engine
