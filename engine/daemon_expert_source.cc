@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cassert>
 
 #include "engine/dequant.h"
 #include "storage/slice_map.h"
@@ -111,11 +110,26 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
   return src;
 }
 
+Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::connect(
+    const std::string& socket, const std::string& model_name, const DenseModel& model,
+    const std::string& client_name) {
+  EXPERTD_TRY_ASSIGN(auto client, client::Client::connect(socket));
+  EXPERTD_TRY_ASSIGN(auto session, client->attach(model_name, client_name));
+  EXPERTD_TRY_ASSIGN(auto source, create(*session, model));
+  source->owned_client_ = std::move(client);
+  source->owned_session_ = std::move(session);
+  return source;
+}
+
 Status DaemonExpertSource::get(uint32_t layer, std::span<const uint32_t> experts,
                                std::span<ExpertView> out) {
-  assert(layer < layers_.size() && experts.size() <= slots_.size() && out.size() >= experts.size());
+  if (layer >= layers_.size() || experts.size() > slots_.size() || out.size() < experts.size()) {
+    return make_error(EINVAL,
+                      fmt::format("get: layer {} of {}, {} experts of {}, room for {}", layer,
+                                  layers_.size(), experts.size(), slots_.size(), out.size()));
+  }
   const std::span<client::SlotView> slots(slots_.data(), experts.size());
-  EXPERTD_TRY(session_.acquire(layer, experts, slots));
+  EXPERTD_TRY(session_->acquire(layer, experts, slots));
   const LayerParts& lp = layers_[layer];
   auto view = [](const client::SlotView& s, const Part& part) {
     WeightView w = part.shape;
@@ -133,7 +147,7 @@ Status DaemonExpertSource::get(uint32_t layer, std::span<const uint32_t> experts
 Status DaemonExpertSource::release(std::span<const ExpertView> views) {
   Status result = Ok{};
   for (const ExpertView& v : views) {
-    auto st = session_.release(static_cast<uint32_t>(v.handle));
+    auto st = session_->release(static_cast<uint32_t>(v.handle));
     if (!st && result) result = std::move(st);
   }
   return result;
@@ -145,14 +159,14 @@ Status DaemonExpertSource::prefetch(std::span<const ExpertHint> hints) {
     for (size_t i = 0; i < n; ++i) {
       hints_[i] = client::PrefetchHint{hints[i].layer, hints[i].expert, hints[i].score};
     }
-    EXPERTD_TRY(session_.prefetch(std::span<const client::PrefetchHint>(hints_.data(), n)));
+    EXPERTD_TRY(session_->prefetch(std::span<const client::PrefetchHint>(hints_.data(), n)));
     hints = hints.subspan(n);
   }
   return Ok{};
 }
 
 Status DaemonExpertSource::set_cursor(uint32_t token, uint32_t layer) {
-  return session_.set_cursor(token, layer);
+  return session_->set_cursor(token, layer);
 }
 
 }  // namespace expertd::engine

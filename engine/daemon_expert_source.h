@@ -5,11 +5,13 @@
 // layers, expert count and top-k, and for every MoE layer the same slices (kind, shard, offset,
 // stride, bytes, type, shape) as the GGUF's slice map, so a daemon serving a different file under
 // that name is refused before any expert is used. After that get() only converts slot views.
-// Holds nothing but borrowed pointers: the Session must outlive the source.
+// create() borrows a Session, which must outlive the source; connect() makes and owns the Client
+// and the Session.
 #pragma once
 
 #include <array>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/expert_source.h"
@@ -21,13 +23,20 @@ class DaemonExpertSource final : public ExpertSource {
  public:
   static Result<std::unique_ptr<DaemonExpertSource>> create(client::Session& session,
                                                             const DenseModel& model);
+  // Connects to expertd at `socket`, attaches to `model_name` as `client_name`, then create().
+  static Result<std::unique_ptr<DaemonExpertSource>> connect(const std::string& socket,
+                                                             const std::string& model_name,
+                                                             const DenseModel& model,
+                                                             const std::string& client_name);
 
   Status get(uint32_t layer, std::span<const uint32_t> experts, std::span<ExpertView> out) override;
   Status release(std::span<const ExpertView> views) override;
   Status prefetch(std::span<const ExpertHint> hints) override;
   Status set_cursor(uint32_t token, uint32_t layer) override;
 
-  client::Session& session() { return session_; }
+  client::Session& session() { return *session_; }
+  // The Client connect() made (nullptr after create()): stats and tuning calls.
+  client::Client* client() { return owned_client_.get(); }
 
  private:
   // Where each projection sits among a layer's slot slices, and its shape.
@@ -42,9 +51,11 @@ class DaemonExpertSource final : public ExpertSource {
     Part down;
   };
 
-  explicit DaemonExpertSource(client::Session& session) : session_(session) {}
+  explicit DaemonExpertSource(client::Session& session) : session_(&session) {}
 
-  client::Session& session_;
+  std::unique_ptr<client::Client> owned_client_;    // connect() only
+  std::unique_ptr<client::Session> owned_session_;  // connect() only; destroyed before the client
+  client::Session* session_;
   std::vector<LayerParts> layers_;       // per block layer
   std::vector<client::SlotView> slots_;  // get()'s buffer: room for every expert of a layer
   std::vector<client::PrefetchHint> hints_;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -49,18 +50,13 @@ Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
   std::stringstream ss(text);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    unsigned long v = 0;
-    try {
-      v = std::stoul(item, &used);
-    } catch (...) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v > UINT32_MAX) {
+    uint32_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size()) {
       return expertd::make_error(EINVAL,
                                  fmt::format("--prompt-tokens: '{}' is not a token id", item));
     }
-    out.push_back(static_cast<uint32_t>(v));
+    out.push_back(v);
   }
   if (out.empty()) return expertd::make_error(EINVAL, "--prompt-tokens: no tokens");
   return out;
@@ -106,12 +102,9 @@ int run(const Options& o) {
   auto model = DenseModel::load(o.gguf);
   if (!model) return fail(model.error());
   const ModelParams& p = model->params();
-  auto client = expertd::client::Client::connect(o.socket);
-  if (!client) return fail(client.error());
-  auto session = (*client)->attach(o.model, "expert-run");
-  if (!session) return fail(session.error());
-  auto source = DaemonExpertSource::create(**session, *model);
+  auto source = DaemonExpertSource::connect(o.socket, o.model, *model, "expert-run");
   if (!source) return fail(source.error());
+  expertd::client::Client& client = *(*source)->client();
   EngineOptions eo;
   eo.max_context = static_cast<uint32_t>(prompt->size()) + o.max_tokens;
   eo.prefetch_depth = o.prefetch_depth;
@@ -133,7 +126,7 @@ int run(const Options& o) {
                 static_cast<double>(model->dense_bytes()) / (1 << 20), o.gguf.c_str());
   }
 
-  const auto before = model_counters(**client, o.model);
+  const auto before = model_counters(client, o.model);
   std::vector<float> logits(p.n_vocab);
   Sampler sampler(SamplerOptions{o.temperature, o.top_p, o.seed}, p.n_vocab);
   const auto t0 = std::chrono::steady_clock::now();
@@ -150,7 +143,7 @@ int run(const Options& o) {
     if (auto st = (*engine)->decode(next, logits); !st) return fail(st.error());
   }
   const auto t2 = std::chrono::steady_clock::now();
-  const auto after = model_counters(**client, o.model);
+  const auto after = model_counters(client, o.model);
   if (!o.record_trace.empty()) {
     if (auto st = write_trace(o.record_trace, log); !st) return fail(st.error());
   }
