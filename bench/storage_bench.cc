@@ -19,24 +19,20 @@
 // every expert is read once per pass, and it is emptied after each engine round (the raw loops
 // overwrite the arena), so acquires miss; hits would deliver no disk bytes and are not counted.
 #include <fmt/format.h>
-#include <pthread.h>
-#include <sched.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,7 +41,6 @@
 #include "bench/commands.h"
 #include "daemon/shm.h"
 #include "daemon/store.h"
-#include "storage/file_probe.h"
 #include "storage/read_probe.h"
 #include "tools/forge/content.h"
 
@@ -57,7 +52,6 @@ using Json = nlohmann::ordered_json;
 constexpr std::array<uint32_t, 5> kGridQueueDepths = {1, 4, 16, 32, 64};
 constexpr std::array<uint64_t, 4> kGridChunks = {256u << 10, 1u << 20, 4u << 20, 0};
 constexpr ReadConfig kSequentialConfig{8, 8u << 20};
-constexpr uint64_t kVerifyWakeTag = 1;
 // Each method's time is cut into rounds of about this length, taken in turns (see run_storage).
 constexpr double kRoundSeconds = 0.5;
 
@@ -69,7 +63,7 @@ struct StorageFlags {
   std::string backend = "uring";
   uint32_t queue_depth = 0;   // 0: the probe's choice
   std::string chunk;          // empty: the probe's choice
-  uint32_t outstanding = 0;   // 0: max(4, 2 x queue depth)
+  uint32_t outstanding = 0;   // 0: experts for 2 x queue depth reads, at least 4
   uint32_t rounds = 0;        // 0: one round per kRoundSeconds of --seconds
   std::string grid = "full";  // "full" or "engine" (only the raw loops at the engine's shapes)
   uint64_t seed = 1;
@@ -151,108 +145,6 @@ class LoadStats final : public LoadObserver {
   const SliceMap& map_;
 };
 
-// Checks acquired slots against the forge's content on worker threads, so verification (about as
-// costly per byte as the read) never stalls the reactor. The reactor hands over held slots; a
-// worker verifies one and returns it, then wakes the reactor through an eventfd it watches.
-class VerifyPool {
- public:
-  static Result<std::unique_ptr<VerifyPool>> create(const ExpertStore& store, uint32_t threads,
-                                                    size_t capacity, int wake_fd) {
-    auto pool = std::unique_ptr<VerifyPool>(new VerifyPool(store, capacity, wake_fd));
-    for (uint32_t i = 0; i < threads; ++i) {
-      EXPERTD_TRY_ASSIGN(auto v,
-                         ForgeVerifier::create(store.model(), store.slice_map(), store.layouts()));
-      pool->verifiers_.push_back(std::move(v));
-    }
-    for (uint32_t i = 0; i < threads; ++i) {
-      pool->threads_.emplace_back([p = pool.get(), i] { p->work(*p->verifiers_[i]); });
-    }
-    return pool;
-  }
-  ~VerifyPool() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-
-  // The reactor: `slot` holds `key` for us until take_done() returns it.
-  void push(ExpertKey key, uint32_t slot) {
-    {
-      std::lock_guard lock(mu_);
-      todo_.push_back(Item{key, slot});
-    }
-    cv_.notify_one();
-  }
-  // The reactor: moves the verified slots into `out`.
-  void take_done(std::vector<uint32_t>& out) {
-    std::lock_guard lock(mu_);
-    out.insert(out.end(), done_.begin(), done_.end());
-    done_.clear();
-  }
-  // After every pushed slot came back: the verifiers' totals.
-  uint64_t verified() const { return sum(&ForgeVerifier::verified); }
-  uint64_t failures() const { return sum(&ForgeVerifier::failures); }
-  std::string first_message() const {
-    for (const auto& v : verifiers_) {
-      if (!v->messages().empty()) return v->messages().front();
-    }
-    return "";
-  }
-
- private:
-  struct Item {
-    ExpertKey key;
-    uint32_t slot;
-  };
-  VerifyPool(const ExpertStore& store, size_t capacity, int wake_fd)
-      : store_(store), wake_fd_(wake_fd) {
-    todo_.reserve(capacity);
-    done_.reserve(capacity);
-  }
-  void work(ForgeVerifier& verifier) {
-    // Checking is background work: on a machine with few cores it must never delay the reactor's
-    // wake-up after a read completes (a queue of 4 reads runs dry in a few milliseconds). The
-    // backlog it may build is bounded by the benchmark (EngineBench::max_checking).
-    sched_param param{};
-    (void)::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &param);
-    while (true) {
-      Item item;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !todo_.empty(); });
-        if (todo_.empty()) return;
-        item = todo_.back();
-        todo_.pop_back();
-      }
-      verifier.loaded(item.key, item.slot, store_.slot_data(item.slot), 0);
-      {
-        std::lock_guard lock(mu_);
-        done_.push_back(item.slot);
-      }
-      const uint64_t one = 1;
-      (void)!::write(wake_fd_, &one, sizeof(one));
-    }
-  }
-  uint64_t sum(uint64_t (ForgeVerifier::*get)() const) const {
-    uint64_t n = 0;
-    for (const auto& v : verifiers_) n += ((*v).*get)();
-    return n;
-  }
-
-  const ExpertStore& store_;
-  const int wake_fd_;
-  std::vector<std::unique_ptr<ForgeVerifier>> verifiers_;
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Item> todo_;      // guarded by mu_
-  std::vector<uint32_t> done_;  // guarded by mu_
-  bool stopping_ = false;       // guarded by mu_
-};
-
 struct EngineOptions {
   BackendKind backend = BackendKind::Uring;
   ReadConfig read;
@@ -272,14 +164,35 @@ struct Phase {
   uint64_t expert_bytes = 0;  // bytes of the experts loaded (no widening)
   uint64_t bytes_read = 0;    // bytes the backend delivered (widening included)
   uint64_t reads = 0;
+  uint64_t checked = 0;                // loads verified after the round
+  uint64_t unchecked = 0;              // loads evicted before they could be verified (should be 0)
   std::vector<uint64_t> latencies_ns;  // load start -> READY, one per load
   double gbps() const {
     return seconds > 0.0 ? static_cast<double>(expert_bytes) / seconds / 1e9 : 0.0;
   }
+  void add(const Phase& p) {
+    seconds += p.seconds;
+    acquires += p.acquires;
+    hits += p.hits;
+    acquire_errors += p.acquire_errors;
+    loads += p.loads;
+    expert_bytes += p.expert_bytes;
+    bytes_read += p.bytes_read;
+    reads += p.reads;
+    checked += p.checked;
+    unchecked += p.unchecked;
+    latencies_ns.insert(latencies_ns.end(), p.latencies_ns.begin(), p.latencies_ns.end());
+  }
 };
 
-// One ExpertStore over its own backend, kept across drives (the cache stays warm as it would in
-// the daemon). Single-threaded apart from the verifier pool.
+// One ExpertStore over its own backend, kept across rounds, driven on the calling thread.
+//
+// Every load is verified, but not while the clock runs: checking costs about as much CPU per byte
+// as the read, and on a small virtual machine busy vCPUs slow the emulated disk itself (measured:
+// docs/PERFORMANCE.md), which the raw loops it is compared with would not pay. So a round acquires
+// at most as many experts as the cache holds, starting from an empty cache; when its clock stops,
+// every READY slot (each expert the round loaded) is checked against expert-forge's content on
+// all cores, and the cache is emptied for the next round (the raw loops overwrite the arena).
 class EngineBench {
  public:
   static Result<std::unique_ptr<EngineBench>> open(const std::string& model_path,
@@ -290,11 +203,9 @@ class EngineBench {
     return b;
   }
 
-  // Acquires experts from the sequence (continuing where the last drive stopped) for `seconds`,
-  // keeping `outstanding` acquires waiting for their expert. A completed acquire's slot stays
-  // held while a verifier checks it (at most max_checking() slots), then is released. The
-  // phase's time ends at the last completion: checking is the benchmark's work, not the
-  // engine's, so a backlog left at the end is drained untimed.
+  // Acquires experts from the sequence (continuing where the last round stopped) for `seconds`,
+  // keeping `outstanding` acquires waiting and releasing each slot as its acquire completes. The
+  // round's time ends at its last completion.
   Result<Phase> drive(double seconds, uint32_t outstanding) {
     Phase ph;
     Scheduler& sched = store_->scheduler();
@@ -302,16 +213,16 @@ class EngineBench {
     const uint64_t loads0 = stats_->loads;
     const uint64_t bytes0 = stats_->expert_bytes;
     const size_t lat0 = stats_->latencies_ns.size();
-    std::array<IoEvent, 8> fd_events{};
+    // Loads the cache keeps until the round ends (no eviction, so each can be checked).
+    const uint32_t max_acquires = std::max<uint32_t>(1, store_->cache().slot_count());
     const uint64_t start = monotonic_ns();
     const uint64_t deadline = start + static_cast<uint64_t>(seconds * 1e9);
     uint64_t last_completion = start;
-    uint32_t waiting = 0;   // acquired, not completed yet
-    uint32_t checking = 0;  // completed, held by the verifiers
+    uint32_t waiting = 0;  // acquired, not completed yet
     bool stopping = false;
     while (true) {
-      while (!stopping && waiting < outstanding && checking < max_checking()) {
-        if (monotonic_ns() >= deadline) {
+      while (!stopping && waiting < outstanding) {
+        if (monotonic_ns() >= deadline || ph.acquires >= max_acquires) {
           stopping = true;
           break;
         }
@@ -319,42 +230,24 @@ class EngineBench {
         const int rc = sched.acquire(0, key, next_++);
         if (rc < 0) return make_error(-rc, fmt::format("acquire: {}", std::strerror(-rc)));
         ++waiting;
+        ++ph.acquires;
       }
-      if (stopping && waiting == 0 && checking == 0) break;
-      const int n = reactor_->run_once(50, fd_events);
+      if (stopping && waiting == 0) break;
+      const int n = reactor_->run_once(50, {});
       if (n < 0) return make_error(-n, fmt::format("reactor: {}", std::strerror(-n)));
-      if (n > 0) {
-        uint64_t count = 0;
-        (void)!::read(wake_fd_.get(), &count, sizeof(count));
-      }
       if (!sink_.done.empty()) last_completion = monotonic_ns();
       for (const Completion& c : sink_.done) {
         --waiting;
         if (c.slot < 0) {
           ++ph.acquire_errors;
-        } else if (pool_) {
-          pool_->push(c.key, static_cast<uint32_t>(c.slot));
-          ++checking;
-        } else {
-          released_.push_back(static_cast<uint32_t>(c.slot));
+        } else if (const int rc = sched.release(0, static_cast<uint32_t>(c.slot)); rc < 0) {
+          return make_error(-rc, fmt::format("release slot {}: {}", c.slot, std::strerror(-rc)));
         }
       }
       sink_.done.clear();
-      if (pool_) {
-        const size_t before = released_.size();
-        pool_->take_done(released_);
-        checking -= static_cast<uint32_t>(released_.size() - before);
-      }
-      for (const uint32_t slot : released_) {
-        if (const int rc = sched.release(0, slot); rc < 0) {
-          return make_error(-rc, fmt::format("release slot {}: {}", slot, std::strerror(-rc)));
-        }
-      }
-      released_.clear();
     }
     ph.seconds = static_cast<double>(last_completion - start) / 1e9;
     const SchedulerStats& s1 = sched.stats();
-    ph.acquires = s1.acquires - s0.acquires;
     ph.hits = s1.hits - s0.hits;
     ph.bytes_read = s1.bytes_read - s0.bytes_read;
     ph.reads = s1.reads - s0.reads;
@@ -362,19 +255,13 @@ class EngineBench {
     ph.expert_bytes = stats_->expert_bytes - bytes0;
     ph.latencies_ns.assign(stats_->latencies_ns.begin() + static_cast<std::ptrdiff_t>(lat0),
                            stats_->latencies_ns.end());
+    if (!verifiers_.empty()) {
+      ph.checked = check_resident();
+      ph.unchecked = ph.loads > ph.checked ? ph.loads - ph.checked : 0;
+    }
+    clear_cache();
     return ph;
   }
-
-  // Forgets every cached expert, so the arena may be overwritten (by raw loops reading into it)
-  // without a later hit serving the garbage. Only between drives: nothing is held or loading.
-  void clear_cache() {
-    for (ExpertCache* c : {&store_->cache(), &store_->staging()}) {
-      for (uint32_t slot = c->first_slot(); slot < c->first_slot() + c->slot_count(); ++slot) {
-        if (c->state(slot) == SlotState::Ready) (void)c->evict(c->key(slot));
-      }
-    }
-  }
-  std::span<uint8_t> arena() const { return {store_->arena().data(), store_->arena().size()}; }
 
   std::string backend_name() const { return std::string(backend_->name()); }
   std::string backend_describe() const { return backend_->describe(); }
@@ -382,20 +269,23 @@ class EngineBench {
   std::string store_describe() const { return store_->describe(); }
   uint64_t slot_bytes() const { return store_->layouts().slot_bytes(); }
   uint32_t cache_slots() const { return store_->cache().slot_count(); }
+  std::span<uint8_t> arena() const { return {store_->arena().data(), store_->arena().size()}; }
   uint64_t load_failures() const { return stats_->failures; }
-  bool verifying() const { return pool_ != nullptr; }
-  uint64_t verified() const { return pool_ ? pool_->verified() : 0; }
-  uint64_t verify_failures() const { return pool_ ? pool_->failures() : 0; }
-  std::string verify_message() const { return pool_ ? pool_->first_message() : ""; }
+  uint64_t verify_failures() const {
+    uint64_t n = 0;
+    for (const auto& v : verifiers_) n += v->failures();
+    return n;
+  }
+  std::string verify_message() const {
+    for (const auto& v : verifiers_) {
+      if (!v->messages().empty()) return v->messages().front();
+    }
+    return "";
+  }
 
  private:
   EngineBench(const std::vector<ExpertKey>& sequence, const EngineOptions& options)
       : sequence_(sequence), options_(options) {}
-
-  // Slots the verifiers may hold at once: enough that a verifier running behind for a moment
-  // never thins the reads in flight; if it stays behind, acquiring waits (the machine's CPU is
-  // then the limit, and the rate says so).
-  uint32_t max_checking() const { return std::max<uint32_t>(2 * options_.outstanding, 16); }
 
   Status init(const std::string& model_path) {
     EXPERTD_TRY_ASSIGN(GgufModel model, GgufModel::open(model_path));
@@ -423,20 +313,46 @@ class EngineBench {
     EXPERTD_TRY(backend_->register_buffers({&arena, 1}));
     reactor_ = std::make_unique<StoreReactor>(*backend_);
     reactor_->add(store_.get(), 0, static_cast<uint32_t>(paths.size()));
-
-    wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!wake_fd_.valid()) {
-      return make_error(errno, fmt::format("eventfd: {}", std::strerror(errno)));
-    }
-    EXPERTD_TRY(backend_->watch(wake_fd_.get(), kVerifyWakeTag));
     if (options_.verify) {
-      EXPERTD_TRY_ASSIGN(pool_,
-                         VerifyPool::create(*store_, options_.verify_threads,
-                                            max_checking() + options_.outstanding, wake_fd_.get()));
+      for (uint32_t i = 0; i < options_.verify_threads; ++i) {
+        EXPERTD_TRY_ASSIGN(
+            auto v, ForgeVerifier::create(store_->model(), store_->slice_map(), store_->layouts()));
+        verifiers_.push_back(std::move(v));
+      }
     }
-    sink_.done.reserve(2 * options_.outstanding + 16);
-    released_.reserve(max_checking() + options_.outstanding);
+    sink_.done.reserve(2 * size_t{options_.outstanding} + 16);
     return Ok{};
+  }
+
+  // Checks every READY slot (cache and staging) on verify_threads threads; returns how many.
+  uint64_t check_resident() {
+    std::vector<std::pair<ExpertKey, uint32_t>> ready;
+    for (ExpertCache* c : {&store_->cache(), &store_->staging()}) {
+      for (uint32_t slot = c->first_slot(); slot < c->first_slot() + c->slot_count(); ++slot) {
+        if (c->state(slot) == SlotState::Ready) ready.emplace_back(c->key(slot), slot);
+      }
+    }
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < verifiers_.size(); ++t) {
+      threads.emplace_back([this, &ready, t] {
+        for (size_t i = t; i < ready.size(); i += verifiers_.size()) {
+          const auto [key, slot] = ready[i];
+          verifiers_[t]->loaded(key, slot, store_->slot_data(slot), 0);
+        }
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    return ready.size();
+  }
+
+  // Forgets every cached expert: the next round starts empty (so it can keep all it loads), and
+  // the arena may be overwritten by the raw loops without a later hit serving the garbage.
+  void clear_cache() {
+    for (ExpertCache* c : {&store_->cache(), &store_->staging()}) {
+      for (uint32_t slot = c->first_slot(); slot < c->first_slot() + c->slot_count(); ++slot) {
+        if (c->state(slot) == SlotState::Ready) (void)c->evict(c->key(slot));
+      }
+    }
   }
 
   const std::vector<ExpertKey>& sequence_;
@@ -448,9 +364,7 @@ class EngineBench {
   std::unique_ptr<ReadBackend> backend_;
   std::unique_ptr<ExpertStore> store_;
   std::unique_ptr<StoreReactor> reactor_;
-  UniqueFd wake_fd_;
-  std::unique_ptr<VerifyPool> pool_;  // joined before the store it reads goes
-  std::vector<uint32_t> released_;
+  std::vector<std::unique_ptr<ForgeVerifier>> verifiers_;  // one per checking thread
   uint64_t next_ = 0;
 };
 
@@ -601,8 +515,8 @@ int run_storage(const StorageFlags& flags) {
   eo.backend = flags.backend == "pread" ? BackendKind::Pread : BackendKind::Uring;
   eo.cache_bytes = cache_bytes;
   eo.verify = verify;
-  // Verifiers run at SCHED_IDLE, so they may have every core the reactor leaves.
-  eo.verify_threads = std::clamp<uint32_t>(machine.cpus, 1, 4);
+  // Checking runs between rounds, off the clock, on every core.
+  eo.verify_threads = std::clamp<uint32_t>(machine.cpus, 1, 8);
   // Enough experts waiting that twice the queue depth of reads is ready to go, and no more:
   // more would only queue in the scheduler and inflate the latency measured.
   auto engine_options = [&](const ReadConfig& config) {
@@ -624,6 +538,12 @@ int run_storage(const StorageFlags& flags) {
   progress(fmt::format("expertd: {}; {}; {} outstanding, verify {}", (*engine)->backend_describe(),
                        (*engine)->store_describe(), chosen_options.outstanding,
                        verify ? fmt::format("on ({} threads)", eo.verify_threads) : "off"));
+  if ((*engine)->cache_slots() < 4 * chosen_options.outstanding) {
+    progress(
+        fmt::format("warning: a round loads at most the cache's {} slots, few against {} "
+                    "outstanding: the engine's rounds are short (a larger --cache helps)",
+                    (*engine)->cache_slots(), chosen_options.outstanding));
+  }
   const SchedulerOptions defaults;
   const ReadConfig default_config{defaults.queue_depth, defaults.chunk_bytes};
   std::unique_ptr<EngineBench> engine_default;
@@ -640,42 +560,40 @@ int run_storage(const StorageFlags& flags) {
   Phase engine_phase;
   Phase default_phase;
   auto engine_method = [](std::string name, ReadConfig c, EngineBench& e, uint32_t outstanding,
-                          Phase& total, bool shares_arena) {
+                          Phase& total) {
     Method m{std::move(name), "expertd", c.queue_depth, c.chunk_bytes, {}};
-    m.run = [&e, outstanding, &total,
-             shares_arena](double seconds) -> Result<std::pair<uint64_t, double>> {
+    m.run = [&e, outstanding, &total](double seconds) -> Result<std::pair<uint64_t, double>> {
       EXPERTD_TRY_ASSIGN(Phase p, e.drive(seconds, outstanding));
-      if (shares_arena) e.clear_cache();
-      total.seconds += p.seconds;
-      total.acquires += p.acquires;
-      total.hits += p.hits;
-      total.acquire_errors += p.acquire_errors;
-      total.loads += p.loads;
-      total.expert_bytes += p.expert_bytes;
-      total.bytes_read += p.bytes_read;
-      total.reads += p.reads;
-      total.latencies_ns.insert(total.latencies_ns.end(), p.latencies_ns.begin(),
-                                p.latencies_ns.end());
+      total.add(p);
       return std::pair{p.expert_bytes, p.seconds};
     };
     return m;
   };
   methods.push_back(engine_method(fmt::format("expertd {} {} ({})", (*engine)->backend_name(),
                                               describe_engine(engine_config), engine_source),
-                                  engine_config, **engine, chosen_options.outstanding, engine_phase,
-                                  true));
+                                  engine_config, **engine, chosen_options.outstanding,
+                                  engine_phase));
   if (engine_default) {
     methods.push_back(
         engine_method(fmt::format("expertd {} {} (built-in defaults)",
                                   engine_default->backend_name(), describe_engine(default_config)),
                       default_config, *engine_default, engine_options(default_config).outstanding,
-                      default_phase, false));
+                      default_phase));
   }
   // 3. The raw loops over the same ranges; their best is the ceiling. They read into the
   // engine's arena, as the engine does: on a virtual machine the destination pages alone can move
   // the rate by a third (docs/PERFORMANCE.md), which would swamp what is measured here.
   ReadProbe& rp = *probe;
-  rp.set_destination((*engine)->arena().data(), (*engine)->arena().size());
+  const uint64_t widened = widest + 2 * rp.alignment();
+  const std::span<uint8_t> arena = (*engine)->arena();
+  const bool shared = arena.size() >= (kGridQueueDepths.back() + 3) * widened;
+  if (shared) {
+    rp.set_destination(arena.data(), arena.size());
+  } else {
+    progress(
+        "the arena is too small to share with the raw loops: they read into buffers of their "
+        "own (on a VM, compare with care)");
+  }
   methods.push_back(raw_method("pread O_DIRECT whole slice", "raw", ReadConfig{1, 0},
                                [&](double s, size_t first) {
                                  return rp.pread_whole(ranges, ProbeBudget{s, 0}, first);
@@ -702,12 +620,18 @@ int run_storage(const StorageFlags& flags) {
   for (uint32_t f = 0; f < rp.file_count(); ++f) {
     if (rp.file(f).size_bytes > rp.file(largest).size_bytes) largest = f;
   }
-  methods.push_back(raw_method("sequential " + describe_read_config(kSequentialConfig),
-                               "sequential", kSequentialConfig,
-                               [&rp, largest](double s, size_t first) {
-                                 return rp.sequential(largest, 0, rp.file(largest).size_bytes,
-                                                      kSequentialConfig, ProbeBudget{s, 0}, first);
-                               }));
+  methods.push_back(
+      raw_method("sequential " + describe_read_config(kSequentialConfig), "sequential",
+                 kSequentialConfig, [&rp, largest, arena, shared](double s, size_t first) {
+                   // Its blocks are larger than slices: the arena may not hold them.
+                   const bool own = shared && arena.size() < (kSequentialConfig.queue_depth + 3) *
+                                                                 kSequentialConfig.chunk_bytes;
+                   if (own) rp.set_destination(nullptr, 0);
+                   auto r = rp.sequential(largest, 0, rp.file(largest).size_bytes,
+                                          kSequentialConfig, ProbeBudget{s, 0}, first);
+                   if (own) rp.set_destination(arena.data(), arena.size());
+                   return r;
+                 }));
   methods.push_back(raw_method("mmap + page faults (4 KiB touches)", "mmap", ReadConfig{0, 0},
                                [&](double s, size_t first) {
                                  return rp.mmap_fault(ranges, ProbeBudget{s, 0}, first);
@@ -754,10 +678,16 @@ int run_storage(const StorageFlags& flags) {
   }
   const Method& e = methods.front();
   const double ratio = best->gbps() > 0.0 ? e.gbps() / best->gbps() : 0.0;
+  // The engine against the raw loop of its own shape: what the engine's machinery costs.
+  const Method* same = nullptr;
+  for (const Method& m : methods) {
+    if (m.kind == "raw" && m.name == describe_read_config(engine_config)) same = &m;
+  }
+  const double same_ratio = same != nullptr && same->gbps() > 0.0 ? e.gbps() / same->gbps() : 0.0;
   const uint64_t verify_failures =
       (*engine)->verify_failures() + (engine_default ? engine_default->verify_failures() : 0);
-  const uint64_t verified =
-      (*engine)->verified() + (engine_default ? engine_default->verified() : 0);
+  const uint64_t verified = engine_phase.checked + default_phase.checked + idle->checked;
+  const uint64_t unchecked = engine_phase.unchecked + default_phase.unchecked + idle->unchecked;
   const uint64_t errors = engine_phase.acquire_errors + default_phase.acquire_errors +
                           idle->acquire_errors + (*engine)->load_failures() +
                           (engine_default ? engine_default->load_failures() : 0);
@@ -771,15 +701,18 @@ int run_storage(const StorageFlags& flags) {
                          best->gbps() > 0 ? m.gbps() / best->gbps() : 0.0, per_round);
   }
   const std::string verify_line =
-      verify ? fmt::format("{} failures in {} acquired slots checked byte for byte{}",
-                           verify_failures, verified,
-                           (*engine)->verify_message().empty()
-                               ? ""
-                               : " (first: " + (*engine)->verify_message() + ")")
+      verify ? fmt::format(
+                   "{} failures in {} loads checked byte for byte after their rounds ({} "
+                   "not checked: evicted first){}",
+                   verify_failures, verified, unchecked,
+                   (*engine)->verify_message().empty()
+                       ? ""
+                       : " (first: " + (*engine)->verify_message() + ")")
              : std::string("skipped (not a forged model, or --no-verify)");
   const std::string summary = fmt::format(
       "best raw: {} at {:.3f} GB/s\n"
-      "expertd: {:.3f} GB/s ({} {}, chosen by {}) = {:.3f} of the best raw\n"
+      "expertd: {:.3f} GB/s ({} {}, chosen by {}) = {:.3f} of the best raw, {:.3f} of the raw "
+      "loop of the same shape\n"
       "expertd: {} experts read in {:.2f} s ({} of {} acquires hit, {} errors); {:.3f} GB/s "
       "read incl. widening in {} reads\n"
       "verify: {}\n"
@@ -788,7 +721,7 @@ int run_storage(const StorageFlags& flags) {
       "sequential ceiling ({}): {:.3f} GB/s; mmap + page faults: {:.3f} GB/s\n"
       "probe: {} at {:.3f} GB/s in {:.1f} s\n",
       best->name, best->gbps(), e.gbps(), (*engine)->backend_name(), describe_engine(engine_config),
-      engine_source, ratio, engine_phase.loads, engine_phase.seconds, engine_phase.hits,
+      engine_source, ratio, same_ratio, engine_phase.loads, engine_phase.seconds, engine_phase.hits,
       engine_phase.acquires, errors,
       engine_phase.seconds > 0
           ? static_cast<double>(engine_phase.bytes_read) / engine_phase.seconds / 1e9
@@ -808,10 +741,12 @@ int run_storage(const StorageFlags& flags) {
     j["raw_method"] = best->name;
     j["expertd_gbps"] = e.gbps();
     j["ratio"] = ratio;
+    j["ratio_same_shape"] = same_ratio;
     j["experts_read"] = engine_phase.loads;
     j["verify_failures"] = verify_failures;
     j["verified"] = verify;
     j["verify_checked"] = verified;
+    j["verify_unchecked"] = unchecked;
     j["errors"] = errors;
     Json raw = Json::array();
     for (const Method& m : methods) {
@@ -874,7 +809,7 @@ int run_storage(const StorageFlags& flags) {
     j["disk"] = machine.disk;
     std::puts(j.dump(2).c_str());
   }
-  return verify_failures > 0 || errors > 0 ? 3 : 0;
+  return verify_failures > 0 || unchecked > 0 || errors > 0 ? 3 : 0;
 }
 
 }  // namespace
@@ -920,7 +855,7 @@ void add_storage_command(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--seed", flags->seed, "seed of the random expert order")->capture_default_str();
   cmd->add_flag("!--no-verify", flags->verify,
-                "skip checking every acquired slot against expert-forge's content");
+                "skip checking every load against expert-forge's content");
   cmd->add_flag("--compare-defaults", flags->compare_defaults,
                 "also run the engine at the scheduler's built-in queue depth and chunk size (in an "
                 "arena of its own: on a VM its rate is not comparable, see docs/PERFORMANCE.md)");

@@ -12,6 +12,7 @@ rm -rf .device && mkdir -p .device/bin .device/lib
 for b in "${bins[@]}"; do
   [ -x "$build/bin/$b" ] || continue
   cp "$build/bin/$b" .device/bin/
+  strip --strip-debug ".device/bin/$b"
   ldd "$build/bin/$b" | awk '/=> \// {print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libgcc_s*|libstdc++*) ;;

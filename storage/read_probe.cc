@@ -113,7 +113,9 @@ uint64_t max_widened_bytes(std::span<const ProbeRange> ranges, uint64_t a) {
   return m;
 }
 
-// An io_uring for one measurement; torn down (after every read came back) by the destructor.
+// An io_uring for one measurement, torn down by the destructor. The loops reap every read before
+// they return, except when the ring itself fails (io_uring_enter errors): the kernel then ends the
+// reads still in flight on its own, into pinned buffers.
 class Ring {
  public:
   Ring() = default;
@@ -552,9 +554,13 @@ Result<ProbeChoice> probe_best_read_config(ReadProbe& probe, std::span<const Pro
   for (const ReadConfig& c : candidates) choice.trials.push_back(ProbeTrial{c, {}});
   const double each_s = options.seconds / static_cast<double>(candidates.size() * options.rounds);
   for (uint32_t round = 0; round < options.rounds; ++round) {
-    for (ProbeTrial& t : choice.trials) {
+    // Odd rounds run the candidates backwards: a rate drifting during the probe then favours
+    // none of them (with an even number of rounds, a linear drift cancels out).
+    for (size_t k = 0; k < choice.trials.size(); ++k) {
+      ProbeTrial& t = choice.trials[round % 2 == 0 ? k : choice.trials.size() - 1 - k];
       EXPERTD_TRY_ASSIGN(const ProbeResult r,
-                         probe.uring(ranges, t.config, ProbeBudget{each_s, 0}));
+                         probe.uring(ranges, t.config, ProbeBudget{each_s, 0}, choice.next_range));
+      choice.next_range = r.next_range;
       t.result.ranges += r.ranges;
       t.result.bytes += r.bytes;
       t.result.bytes_read += r.bytes_read;

@@ -133,7 +133,7 @@ struct ProbeChoice {
 
 struct ProbeOptions {
   double seconds = 1.5;  // in all, shared equally by the candidates and rounds
-  uint32_t rounds = 2;   // candidates run round-robin, so slow drift hits each one alike
+  uint32_t rounds = 2;   // candidates take turns, forwards then backwards, so drift is shared
   // A candidate this close (relative) to the best with more reads in flight wins: a deeper queue
   // rides out late wake-ups of the reactor when the CPUs are busy, a shallow one runs dry. (On a
   // 2-vCPU VM one busy core cost QD4 whole-slice reads 15% and QD32 1 MiB reads nothing;
