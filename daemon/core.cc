@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <random>
 
 namespace expertd {
 
@@ -118,6 +119,8 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   if (!core->fallback_reason_.empty()) spdlog::warn("{}", core->fallback_reason_);
   EXPERTD_TRY(core->io_->open_files(paths));
 
+  const ReadConfig read = core->choose_read_config(opened, paths);
+
   const uint64_t ram = physical_memory_bytes();
   uint64_t cache_bytes = 0;
   uint64_t staging_bytes = 0;
@@ -143,8 +146,8 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
     so.cache_bytes = per_model_cache;
     so.policy = config.policy;
     so.lock_memory = config.lock_memory;
-    so.scheduler.queue_depth = config.queue_depth ? config.queue_depth : 32;
-    so.scheduler.chunk_bytes = config.queue_depth ? config.chunk_bytes : (1u << 20);
+    so.scheduler.queue_depth = read.queue_depth;
+    so.scheduler.chunk_bytes = read.chunk_bytes;
     so.scheduler.prefetch_depth = config.prefetch_depth;
     so.scheduler.max_sessions = config.max_sessions;
     // Staging slots: the configured bytes, at least 2 slots (one streams while one is held).
@@ -198,6 +201,60 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   core->start_ns_ = monotonic_ns();
   core->refresh_status();
   return core;
+}
+
+ReadConfig DaemonCore::choose_read_config(const std::vector<GgufModel>& models,
+                                          const std::vector<std::string>& paths) {
+  if (config_.queue_depth != 0) {
+    read_choice_ = fmt::format("{} (configured)",
+                               describe_read_config({config_.queue_depth, config_.chunk_bytes}));
+    return ReadConfig{config_.queue_depth, config_.chunk_bytes};
+  }
+  const ReadConfig fallback{32, 1u << 20};
+  if (io_->name() != "io_uring") {
+    read_choice_ = fmt::format("{} (default: the probe measures io_uring shapes)",
+                               describe_read_config(fallback));
+    return fallback;
+  }
+  // A sample of the experts' slices in a seeded random order: the access pattern of decoding.
+  std::vector<ProbeRange> ranges;
+  uint32_t file_base = 0;
+  for (const auto& m : models) {
+    auto map = SliceMap::build(m);
+    if (map) {
+      std::array<ExpertSlice, 3> sl{};
+      for (const auto& layer : map->layers()) {
+        for (uint32_t e = 0; e < map->expert_count(); ++e) {
+          const uint32_t n = map->slices(layer.layer, e, sl);
+          for (uint32_t i = 0; i < n; ++i) {
+            ranges.push_back({file_base + sl[i].shard, sl[i].offset, sl[i].bytes});
+          }
+        }
+      }
+    }
+    file_base += static_cast<uint32_t>(m.shards().size());
+  }
+  std::mt19937_64 rng(1);
+  std::shuffle(ranges.begin(), ranges.end(), rng);
+  if (ranges.size() > 4096) ranges.resize(4096);
+  auto probe = ReadProbe::open(paths);
+  Result<ProbeChoice> choice =
+      probe ? probe_best_read_config(*probe, ranges) : Result<ProbeChoice>(probe.take_error());
+  if (!choice) {
+    spdlog::warn("read probe failed ({}); using {}", choice.error().message,
+                 describe_read_config(fallback));
+    read_choice_ = describe_read_config(fallback) + " (default: the probe failed)";
+    return fallback;
+  }
+  std::string tried;
+  for (const auto& t : choice->trials) {
+    tried += fmt::format("{}{} {:.2f}", tried.empty() ? "" : ", ", describe_read_config(t.config),
+                         t.result.gbps());
+  }
+  read_choice_ = fmt::format("{} at {:.2f} GB/s (probed; tried {})",
+                             describe_read_config(choice->config), choice->gbps, tried);
+  spdlog::info("read probe: {}", read_choice_);
+  return choice->config;
 }
 
 DaemonCore::~DaemonCore() {
@@ -566,7 +623,7 @@ Result<ModelLayout> DaemonCore::open_model(const std::string& name) const {
 DaemonStats DaemonCore::stats() const {
   DaemonStats d;
   d.backend = std::string(io_->name());
-  d.backend_detail = io_->describe();
+  d.backend_detail = io_->describe() + "; reads: " + read_choice_;
   if (!fallback_reason_.empty()) d.backend_detail += " [" + fallback_reason_ + "]";
   d.uptime_ms = (monotonic_ns() - start_ns_) / 1'000'000;
   d.reactor_loops = reactor_loops_;

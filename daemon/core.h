@@ -34,6 +34,7 @@
 #include "daemon/scheduler.h"
 #include "daemon/shm.h"
 #include "daemon/store.h"
+#include "storage/read_probe.h"
 
 namespace expertd {
 
@@ -163,6 +164,9 @@ class DaemonCore {
   class Sink;
 
   DaemonCore() = default;
+  // The reads' queue depth and chunk size: configured, or probed on the models' files.
+  ReadConfig choose_read_config(const std::vector<GgufModel>& models,
+                                const std::vector<std::string>& paths);
   void run();
   void run_commands();
   bool poll_session(Session& s);
@@ -176,6 +180,7 @@ class DaemonCore {
   DaemonConfig config_;
   std::unique_ptr<ReadBackend> io_;
   std::string fallback_reason_;
+  std::string read_choice_;
   std::vector<std::unique_ptr<Model>> models_;
   std::vector<std::string> model_names_;
   std::unique_ptr<StoreReactor> reactor_;

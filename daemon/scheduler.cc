@@ -174,7 +174,6 @@ uint32_t Scheduler::start_load(ExpertKey key, bool to_staging, bool demand) {
   l.active = true;
   l.demand = demand;
   l.slice_count = layouts_.place(key.layer, key.expert, l.slices, l.place);
-  l.start_ns = monotonic_ns();
   prefetched_flag_[*slot] = 0;
   slot_load_[*slot] = static_cast<int32_t>(id);
   (demand ? demand_queue_ : prefetch_queue_).push_back(id);
@@ -218,6 +217,7 @@ bool Scheduler::submit_chunk_of(uint32_t load) {
     free_chunk_ = c;
     return false;
   }
+  if (l.next_slice == 0 && l.next_offset == 0) l.start_ns = monotonic_ns();  // first read
   ++l.ops;
   ++ops_in_flight_;
   ++stats_.reads;

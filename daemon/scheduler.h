@@ -155,8 +155,8 @@ class Scheduler {
     uint32_t ops = 0;  // chunk reads in flight
     uint32_t prefetch_session = 0;
     uint64_t prefetch_target = 0;  // (token << 32 | layer) the prefetch is for
-    uint64_t start_ns = 0;
-    uint32_t queue_next = kNil;  // in the demand or prefetch load queue
+    uint64_t start_ns = 0;         // when its first read was submitted (latency excludes queueing)
+    uint32_t queue_next = kNil;    // in the demand or prefetch load queue
   };
   struct Chunk {
     ReadOp op;
