@@ -12,6 +12,7 @@
 #include "storage/gguf.h"
 #include "storage/slice_map.h"
 #include "tools/expertctl/commands.h"
+#include "tools/expertctl/daemon_util.h"
 
 namespace expertctl {
 namespace {
@@ -26,17 +27,6 @@ struct InspectOptions {
   bool metadata = false;
   bool types = false;
 };
-
-std::string human_bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
-}
 
 nlohmann::ordered_json scalar_json(const expertd::GgufValue& v) {
   if (const auto* u = std::get_if<uint64_t>(&v.v)) return *u;
