@@ -1,6 +1,8 @@
 // expert-tune: storage tuning from routing traces.
 //   simulate  offline cache simulation of a trace: a policy's hits against Belady's optimum
 //   replay    replays a trace against a running expertd (real reads), printing hit rate and GB/s
+//   import    converts a raw routing log (vLLM hooks) into a canonical trace
+//   convert   converts a trace between JSON Lines and the binary form (.etrace)
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -12,6 +14,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "daemon/policy.h"
@@ -29,7 +32,7 @@ expertd::Result<Trace> load_or_generate(const std::string& path, uint32_t layers
                                         uint32_t top_k, uint32_t tokens, std::string* label) {
   if (!path.empty()) {
     *label = path;
-    return expertd::load_trace_jsonl(path);
+    return expertd::load_trace(path);
   }
   *label = fmt::format("generated ({} tokens, {} layers, {} experts, top-{}, 40% reuse)", tokens,
                        layers, experts, top_k);
@@ -52,7 +55,7 @@ struct SimulateOptions {
 };
 
 int run_simulate(const SimulateOptions& o) {
-  auto trace = expertd::load_trace_jsonl(o.trace);
+  auto trace = expertd::load_trace(o.trace);
   if (!trace) {
     std::fprintf(stderr, "expert-tune simulate: %s\n", trace.error().message.c_str());
     return 1;
@@ -211,6 +214,66 @@ int run_replay(const ReplayOptions& o) {
   return 0;
 }
 
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+struct ImportOptions {
+  std::string raw;
+  std::string out;
+  bool binary = false;
+};
+
+int run_import(const ImportOptions& o) {
+  auto trace = expertd::import_raw_log(o.raw);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune import: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  const bool binary = o.binary || ends_with(o.out, ".etrace");
+  const auto st = binary ? expertd::write_trace_binary(o.out, *trace)
+                         : expertd::write_trace_jsonl(o.out, *trace);
+  if (!st) {
+    std::fprintf(stderr, "expert-tune import: %s\n", st.error().message.c_str());
+    return 1;
+  }
+  fmt::print("{}: {} records, {} tokens, {} layers, {} experts -> {} ({})\n", o.raw,
+             trace->records.size(), trace->tokens, trace->layers, trace->experts, o.out,
+             binary ? "binary" : "JSON Lines");
+  return 0;
+}
+
+struct ConvertOptions {
+  std::string in;
+  std::string out;
+};
+
+int run_convert(const ConvertOptions& o) {
+  const bool binary = ends_with(o.out, ".etrace");
+  if (!binary && !ends_with(o.out, ".jsonl")) {
+    std::fprintf(stderr,
+                 "expert-tune convert: %s: the output's extension picks the form: .etrace "
+                 "(binary) or .jsonl (JSON Lines)\n",
+                 o.out.c_str());
+    return 2;
+  }
+  auto trace = expertd::load_trace(o.in);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune convert: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  const auto st = binary ? expertd::write_trace_binary(o.out, *trace)
+                         : expertd::write_trace_jsonl(o.out, *trace);
+  if (!st) {
+    std::fprintf(stderr, "expert-tune convert: %s\n", st.error().message.c_str());
+    return 1;
+  }
+  fmt::print("{}: {} records -> {} ({})\n", o.in, trace->records.size(), o.out,
+             binary ? "binary" : "JSON Lines");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -222,7 +285,8 @@ int main(int argc, char** argv) {
   auto* s = app.add_subcommand("simulate",
                                "Offline cache simulation of a trace (no daemon): a policy's hits "
                                "against Belady's optimum");
-  s->add_option("--trace", sim.trace, "Canonical trace (JSON Lines)")->required();
+  s->add_option("--trace", sim.trace, "Trace: canonical JSON Lines or binary (.etrace)")
+      ->required();
   s->add_option("--cache-experts", sim.cache_experts, "Capacity in experts: N or N,N,...");
   s->add_option("--policy", sim.policy, "cyclic (default), lru or fifo");
   s->add_flag("--json", sim.json, "One JSON object per capacity");
@@ -232,13 +296,32 @@ int main(int argc, char** argv) {
   auto* r = app.add_subcommand("replay", "Replay a trace against a running expertd (real reads)");
   r->add_option("--socket", rep.socket, "expertd's control socket");
   r->add_option("--model", rep.model, "Model name as configured in expertd")->required();
-  r->add_option("--trace", rep.trace,
-                "Canonical trace (JSON Lines); without it a trace with realistic locality is "
-                "generated");
+  r->add_option(
+      "--trace", rep.trace,
+      "Trace (JSON Lines or binary .etrace); without it a trace with realistic locality is "
+      "generated");
   r->add_option("--depth", rep.depth, "Oracle prefetch depth in records (layers) ahead (2)");
   r->add_option("--tokens", rep.tokens, "Replay only the first N tokens");
   r->add_flag("--json", rep.json, "One JSON object");
   r->callback([&] { run = [&] { return run_replay(rep); }; });
+
+  ImportOptions imp;
+  auto* i = app.add_subcommand("import", "Convert a raw routing log into a canonical trace");
+  i->add_option("--raw", imp.raw,
+                "Raw log: JSON Lines of {layer, token_idx|token_pos, experts, gating_probs}")
+      ->required();
+  i->add_option("-o,--output", imp.out, "Output trace (.jsonl, or binary with --binary/.etrace)")
+      ->required();
+  i->add_flag("--binary", imp.binary, "Write the binary form (.etrace)");
+  i->callback([&] { run = [&] { return run_import(imp); }; });
+
+  ConvertOptions conv;
+  auto* c = app.add_subcommand("convert", "Convert a trace between JSON Lines and binary");
+  c->add_option("input", conv.in, "Input trace (either form; binary is recognised by its magic)")
+      ->required();
+  c->add_option("-o,--output", conv.out, "Output trace: .etrace (binary) or .jsonl (JSON Lines)")
+      ->required();
+  c->callback([&] { run = [&] { return run_convert(conv); }; });
 
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
