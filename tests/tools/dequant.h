@@ -1,5 +1,5 @@
-// Test helpers: ggml's reference dequantisation of the forge's types (dequantize_row_* in
-// ggml-quants.c), the scale checks a loader would make, and summary statistics.
+// Test helpers: dequantisation of the forge's types, the scale checks a loader would make, and
+// summary statistics.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/dequant.h"
 #include "storage/ggml_types.h"
 #include "storage/half.h"
 #include "storage/result.h"
@@ -22,98 +23,22 @@ inline float load_f16(const uint8_t* p) {
   return f16_to_float(h);
 }
 
-// ggml's get_scale_min_k4.
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
-  if (j < 4) {
-    *d = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *d = static_cast<uint8_t>((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
-    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-  }
-}
-
+// The engine's dequantisers (engine/dequant.h, checked bit for bit against gguf-py's), plus q4_0,
+// which the forge writes but the engine does not read.
 inline Status dequantize(GgmlType type, std::span<const uint8_t> in, std::vector<float>& out) {
   const auto& tr = ggml_traits(type);
   if (in.size() % tr.block_bytes != 0) return make_error(EINVAL, "partial block");
   const size_t blocks = in.size() / tr.block_bytes;
   out.assign(blocks * tr.block_elems, 0.0f);
-  float* y = out.data();
+  if (type != GgmlType::Q4_0) return engine::dequantize(type, in, out);
   for (size_t b = 0; b < blocks; ++b) {
     const uint8_t* x = in.data() + b * tr.block_bytes;
-    switch (type) {
-      case GgmlType::F32:
-        std::memcpy(y, x, 4);
-        break;
-      case GgmlType::F16:
-        *y = load_f16(x);
-        break;
-      case GgmlType::BF16: {
-        uint16_t v;
-        std::memcpy(&v, x, 2);
-        *y = bf16_to_float(v);
-        break;
-      }
-      case GgmlType::Q8_0: {
-        const float d = load_f16(x);
-        for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(x[2 + i]));
-        break;
-      }
-      case GgmlType::Q4_0: {
-        const float d = load_f16(x);
-        for (int j = 0; j < 16; ++j) {
-          y[j] = d * static_cast<float>((x[2 + j] & 0xf) - 8);
-          y[j + 16] = d * static_cast<float>((x[2 + j] >> 4) - 8);
-        }
-        break;
-      }
-      case GgmlType::Q4_K: {
-        const float d = load_f16(x);
-        const float dmin = load_f16(x + 2);
-        const uint8_t* scales = x + 4;
-        const uint8_t* q = x + 16;
-        float* o = y;
-        for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
-          uint8_t sc = 0, m = 0;
-          scale_min_k4(is, scales, &sc, &m);
-          const float d1 = d * sc, m1 = dmin * m;
-          scale_min_k4(is + 1, scales, &sc, &m);
-          const float d2 = d * sc, m2 = dmin * m;
-          for (int l = 0; l < 32; ++l) *o++ = d1 * static_cast<float>(q[l] & 0xf) - m1;
-          for (int l = 0; l < 32; ++l) *o++ = d2 * static_cast<float>(q[l] >> 4) - m2;
-          q += 32;
-        }
-        break;
-      }
-      case GgmlType::Q6_K: {
-        const uint8_t* ql = x;
-        const uint8_t* qh = x + 128;
-        const auto* sc = reinterpret_cast<const int8_t*>(x + 192);
-        const float d = load_f16(x + 208);
-        float* o = y;
-        for (int n = 0; n < 256; n += 128) {
-          for (int l = 0; l < 32; ++l) {
-            const int is = l / 16;
-            const int q1 = ((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            o[l] = d * sc[is] * static_cast<float>(q1);
-            o[l + 32] = d * sc[is + 2] * static_cast<float>(q2);
-            o[l + 64] = d * sc[is + 4] * static_cast<float>(q3);
-            o[l + 96] = d * sc[is + 6] * static_cast<float>(q4);
-          }
-          o += 128;
-          ql += 64;
-          qh += 32;
-          sc += 8;
-        }
-        break;
-      }
-      default:
-        return make_error(EINVAL, "type not handled by the test dequantiser");
+    float* y = out.data() + b * tr.block_elems;
+    const float d = load_f16(x);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((x[2 + j] & 0xf) - 8);
+      y[j + 16] = d * static_cast<float>((x[2 + j] >> 4) - 8);
     }
-    y += tr.block_elems;
   }
   return Ok{};
 }
