@@ -94,6 +94,7 @@ bool Scheduler::add_waiter(uint32_t load, uint32_t session, uint64_t tag) {
   l.waiters_tail = w;
   if (!l.demand) {
     l.demand = true;
+    --prefetch_loads_active_;
     // A prefetch someone now waits for jumps ahead of the other prefetches.
     if (l.next_slice < l.slice_count) demand_queue_.push_back(load);
   }
@@ -339,6 +340,7 @@ void Scheduler::finish_load(uint32_t id) {
     free_waiter_ = w;
     w = wt.next;
   }
+  if (!l.demand) --prefetch_loads_active_;
   l.active = false;
   free_loads_.push_back(id);
   retry_pending_demands();
@@ -462,9 +464,7 @@ void Scheduler::cancel_passed_prefetch_loads() {
 }
 
 void Scheduler::start_prefetches() {
-  uint32_t active_prefetches = 0;
-  for (const Load& l : loads_) active_prefetches += l.active && !l.demand ? 1 : 0;
-  while (hint_count_ > 0 && !free_loads_.empty() && active_prefetches < options_.queue_depth) {
+  while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
     uint32_t best = kNil;
     for (uint32_t i = 0; i < hints_.size(); ++i) {
       const Hint& h = hints_[i];
@@ -495,7 +495,7 @@ void Scheduler::start_prefetches() {
     l.prefetch_session = h.session;
     l.prefetch_target = h.target;
     ++stats_.prefetch_loads;
-    ++active_prefetches;
+    ++prefetch_loads_active_;
   }
 }
 

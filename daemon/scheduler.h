@@ -222,6 +222,7 @@ class Scheduler {
   std::vector<Cursor> cursors_;
   std::vector<uint8_t> prefetched_flag_;  // per slot: filled by a prefetch, not yet acquired
   uint32_t ops_in_flight_ = 0;
+  uint32_t prefetch_loads_active_ = 0;  // active loads nobody waits for (demand == false)
 };
 
 uint64_t monotonic_ns();
