@@ -49,7 +49,11 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, Ex
 }
 
 CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options)
-    : model_(model), source_(source), p_(model.params()), opts_(options) {
+    : model_(model),
+      source_(source),
+      p_(model.params()),
+      opts_(options),
+      planner_(model.params(), options) {
   if (opts_.prefetch_width == 0) opts_.prefetch_width = p_.n_expert_used;
   kv_dim_ = uint64_t{p_.n_head_kv} * p_.head_dim;
   const uint64_t q_dim = uint64_t{p_.n_head} * p_.head_dim;
@@ -74,8 +78,10 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   up_.resize(p_.n_ff_exp);
   views_.resize(p_.n_expert_used);
   pxn_.resize(p_.n_embd);
-  hinted_.resize(uint64_t{p_.n_layer} * p_.n_expert);
-  hints_.resize(uint64_t{opts_.prefetch_depth} * opts_.prefetch_width);
+}
+
+std::string CpuEngine::description() const {
+  return "CPU reference engine (f32, f64 accumulation)";
 }
 
 Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
@@ -95,7 +101,7 @@ Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
   const Matrix& embd = model_.token_embd();
   dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, x_.data(),
                  p_.n_embd);
-  std::fill(hinted_.begin(), hinted_.end(), 0);
+  planner_.begin_token();
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     if (!source_.set_cursor(pos_, layer)) ++stats_.hint_errors;
     attention(layer);
@@ -152,54 +158,58 @@ void CpuEngine::attention(uint32_t layer) {
 }
 
 void CpuEngine::send_hints(uint32_t layer) {
-  size_t n = 0;
+  planner_.from_layer(layer);
   for (uint32_t j = 1; j <= opts_.prefetch_depth && layer + j < p_.n_layer; ++j) {
     const uint32_t next = layer + j;
+    if (opts_.script != nullptr && opts_.hints == HintSource::Script) {
+      add_scripted_hints(*opts_.script, pos_, layer, next, planner_);
+      continue;
+    }
     const LayerWeights& w = model_.layer(next);
     rms_norm(x_.data(), w.ffn_norm.data(), pxn_.data(), p_.n_embd, p_.rms_eps);
     matvec(w.gate_inp.view(), pxn_.data(), router_.data(), row_.data());
     for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
     softmax(probs_.data(), p_.n_expert);
-    top_indices(probs_, order_, opts_.prefetch_width);
-    for (uint32_t i = 0; i < opts_.prefetch_width; ++i) {
-      const uint32_t e = order_[i];
-      uint8_t& mark = hinted_[uint64_t{next} * p_.n_expert + e];
-      if (mark != 0) continue;
-      mark = 1;
-      hints_[n++] = ExpertHint{next, e, static_cast<float>(probs_[e])};
-    }
+    planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
   }
-  if (n == 0) return;
-  stats_.hints_sent += n;
-  if (!source_.prefetch(std::span<const ExpertHint>(hints_.data(), n))) ++stats_.hint_errors;
+  const std::span<const ExpertHint> hints = planner_.take(stats_);
+  if (hints.empty()) return;
+  if (!source_.prefetch(hints)) ++stats_.hint_errors;
 }
 
 void CpuEngine::route(uint32_t layer) {
   const LayerWeights& w = model_.layer(layer);
   const uint32_t k = p_.n_expert_used;
   rms_norm(x_.data(), w.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
-  matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
-  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
-  softmax(probs_.data(), p_.n_expert);
-  top_indices(probs_, order_, k);
-  double sum = 0.0;
-  for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
-  for (uint32_t i = 0; i < k; ++i) {
-    selected_[i] = order_[i];
-    const double pr = probs_[order_[i]];
-    weights_[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
-  }
-  if (opts_.prefetch_depth > 0 && layer > 0) {
-    stats_.routed_hintable += k;
+  const ScriptedRoute* scripted =
+      opts_.script != nullptr ? opts_.script->find(pos_, layer) : nullptr;
+  if (scripted != nullptr) {
+    std::copy(scripted->experts.begin(), scripted->experts.end(), selected_.begin());
+    std::copy(scripted->weights.begin(), scripted->weights.end(), weights_.begin());
+    ++stats_.scripted_routes;
+  } else {
+    matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
+    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
+    softmax(probs_.data(), p_.n_expert);
+    top_indices(probs_, order_, k);
+    double sum = 0.0;
+    for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
     for (uint32_t i = 0; i < k; ++i) {
-      stats_.hinted_routed += hinted_[uint64_t{layer} * p_.n_expert + selected_[i]];
+      selected_[i] = order_[i];
+      const double pr = probs_[order_[i]];
+      weights_[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
     }
   }
+  RoutingRecord* rec = nullptr;
   if (routing_log_ != nullptr) {
-    routing_log_->push_back(RoutingRecord{pos_, layer,
+    routing_log_->push_back(RoutingRecord{pos_,
+                                          layer,
                                           std::vector<uint32_t>(selected_.begin(), selected_.end()),
-                                          std::vector<float>(weights_.begin(), weights_.end())});
+                                          std::vector<float>(weights_.begin(), weights_.end()),
+                                          {}});
+    rec = &routing_log_->back();
   }
+  planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
 }
 
 Status CpuEngine::moe(uint32_t layer) {

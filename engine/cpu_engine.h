@@ -21,46 +21,13 @@
 #include <span>
 #include <vector>
 
+#include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/model.h"
 
 namespace expertd::engine {
 
-struct EngineOptions {
-  uint32_t max_context = 0;     // positions the KV cache holds (required)
-  uint32_t prefetch_depth = 0;  // layers ahead to predict; 0 sends no hints
-  uint32_t prefetch_width = 0;  // candidates per predicted layer; 0 = the model's top-k
-};
-
-// One routing decision, in the canonical trace's terms (experts by descending probability).
-struct RoutingRecord {
-  uint32_t token = 0;  // position in the sequence
-  uint32_t layer = 0;
-  std::vector<uint32_t> experts;
-  std::vector<float> weights;
-};
-
-struct EngineStats {
-  uint64_t tokens = 0;
-  uint64_t experts_used = 0;     // experts acquired and computed
-  uint64_t stall_ns = 0;         // time inside ExpertSource::get(): waiting for experts
-  uint64_t decode_ns = 0;        // time inside decode(), stall included
-  uint64_t hints_sent = 0;       // prefetch hints (distinct per token, layer and expert)
-  uint64_t hinted_routed = 0;    // hints whose expert the layer then routed to
-  uint64_t routed_hintable = 0;  // routed experts of layers >= 1 (hintable from an earlier layer)
-  uint64_t hint_errors = 0;      // prefetch / set_cursor calls the source refused
-
-  // Hinted experts later routed / hints; routed experts that were hinted / routed experts of
-  // layers >= 1. Zero when nothing was hinted.
-  double prefetch_precision() const {
-    return hints_sent == 0 ? 0.0 : static_cast<double>(hinted_routed) / hints_sent;
-  }
-  double prefetch_recall() const {
-    return routed_hintable == 0 ? 0.0 : static_cast<double>(hinted_routed) / routed_hintable;
-  }
-};
-
-class CpuEngine {
+class CpuEngine final : public Engine {
  public:
   // `model` and `source` must outlive the engine.
   static Result<std::unique_ptr<CpuEngine>> create(const DenseModel& model, ExpertSource& source,
@@ -68,15 +35,17 @@ class CpuEngine {
 
   // Feeds `token` at the next position and writes the next token's logits (n_vocab floats).
   // Errors: a token outside the vocabulary, a full KV cache, an expert the source cannot give.
-  Status decode(uint32_t token, std::span<float> logits);
+  Status decode(uint32_t token, std::span<float> logits) override;
 
   // Forgets the sequence (the KV cache is reused from position 0).
-  void reset() { pos_ = 0; }
-  uint32_t position() const { return pos_; }
-  const EngineStats& stats() const { return stats_; }
+  void reset() override { pos_ = 0; }
+  uint32_t position() const override { return pos_; }
+  const EngineStats& stats() const override { return stats_; }
   const ModelParams& params() const { return p_; }
   // Appends every routing decision to `log` (nullptr: stop). Allocates per decision.
-  void set_routing_log(std::vector<RoutingRecord>* log) { routing_log_ = log; }
+  void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
+  std::string name() const override { return "cpu"; }
+  std::string description() const override;
 
  private:
   CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
@@ -119,8 +88,7 @@ class CpuEngine {
   std::vector<float> up_;           // n_ff
   std::vector<ExpertView> views_;   // top-k held experts
   std::vector<float> pxn_;          // prefetch: normalised residual, n_embd
-  std::vector<uint8_t> hinted_;     // [layer][expert] hinted for the current token
-  std::vector<ExpertHint> hints_;   // depth * width
+  HintPlanner planner_;
 };
 
 }  // namespace expertd::engine

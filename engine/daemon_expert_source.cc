@@ -169,4 +169,23 @@ Status DaemonExpertSource::set_cursor(uint32_t token, uint32_t layer) {
   return session_->set_cursor(token, layer);
 }
 
+std::span<const uint8_t> DaemonExpertSource::host_memory() const {
+  return {session_->arena(), session_->arena_bytes()};
+}
+
+void DaemonExpertSource::host_ready(uint32_t layer, std::span<const uint32_t> experts,
+                                    std::span<uint8_t> out) const {
+  for (uint8_t& o : out) o = 0;
+  const abi::SlotTableHeader* h = session_->slot_table();
+  const abi::SlotEntry* entries = session_->slot_entries();
+  if (h == nullptr || entries == nullptr) return;
+  for (uint32_t s = 0; s < h->slot_count; ++s) {
+    const abi::SlotEntry& e = entries[s];
+    if (e.state.load(std::memory_order_acquire) != abi::kSlotReady || e.layer != layer) continue;
+    for (size_t i = 0; i < experts.size() && i < out.size(); ++i) {
+      if (experts[i] == e.expert) out[i] = 1;
+    }
+  }
+}
+
 }  // namespace expertd::engine

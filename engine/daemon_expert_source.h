@@ -33,6 +33,10 @@ class DaemonExpertSource final : public ExpertSource {
   Status release(std::span<const ExpertView> views) override;
   Status prefetch(std::span<const ExpertHint> hints) override;
   Status set_cursor(uint32_t token, uint32_t layer) override;
+  std::span<const uint8_t> host_memory() const override;
+  // Reads the daemon's slot table (shared memory): READY slots of `layer`.
+  void host_ready(uint32_t layer, std::span<const uint32_t> experts,
+                  std::span<uint8_t> out) const override;
 
   client::Session& session() { return *session_; }
   // The Client connect() made (nullptr after create()): stats and tuning calls.

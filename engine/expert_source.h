@@ -45,6 +45,17 @@ class ExpertSource {
   virtual Status prefetch(std::span<const ExpertHint> hints) = 0;
   // The engine is at (token, layer): hints for layers it has passed are stale.
   virtual Status set_cursor(uint32_t token, uint32_t layer) = 0;
+  // The host memory every view get() returns lies in (the daemon's arena mapping), for the GPU
+  // engine to register with CUDA once; empty when views may point anywhere.
+  virtual std::span<const uint8_t> host_memory() const { return {}; }
+  // Whether each of `experts` of `layer` is ready in host memory now, so get() would not wait
+  // (out[i] = 1). A hint for moving experts closer ahead of time; the default knows nothing.
+  virtual void host_ready(uint32_t layer, std::span<const uint32_t> experts,
+                          std::span<uint8_t> out) const {
+    (void)layer;
+    (void)experts;
+    for (uint8_t& o : out) o = 0;
+  }
 };
 
 }  // namespace expertd::engine

@@ -52,14 +52,25 @@ echo "-- with router-style prefetch 2 layers ahead:"
 "$bin/expert-tune" replay --socket "$sock" --model demo --depth 2 "${trace_flag[@]}"
 
 echo
-echo "== 5. stop expertd (SIGTERM drains reads in flight, then exits 0)"
+echo "== 5. the engine: expert-run decodes with the demo model, every routed expert from expertd"
+echo "   (the CUDA engine when this machine has a GPU, else the CPU reference engine; it says which)"
+"$bin/expert-run" --socket "$sock" --model demo --gguf "$first" --prompt-tokens 1,2,3,4 \
+  --max-tokens 8 --prefetch-depth 2 --ignore-eos
+if [ -n "${trace:-}" ]; then
+  echo "-- benchmark mode: the Mixtral trace's routing replayed through the engine"
+  "$bin/expert-run" --socket "$sock" --model demo --gguf "$first" --prompt-tokens 1,2,3,4 \
+    --max-tokens 12 --prefetch-depth 2 --routing-trace "$trace"
+fi
+
+echo
+echo "== 6. stop expertd (SIGTERM drains reads in flight, then exits 0)"
 kill -TERM "$daemon_pid"
 wait "$daemon_pid"
 daemon_pid=
 tail -n 3 "$work/expertd.log"
 
 echo
-echo "== 6. a damaged copy is refused with an error naming the file, field and byte offset"
+echo "== 7. a damaged copy is refused with an error naming the file, field and byte offset"
 head -c 1000 "$first" > "$work/damaged.gguf"
 "$bin/expertctl" inspect "$work/damaged.gguf" || echo "(exit status $?, as expected)"
 echo

@@ -1,0 +1,158 @@
+#include "engine/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+namespace expertd::engine {
+
+Status RoutingScript::set(uint32_t pos, uint32_t layer, ScriptedRoute route, const ModelParams& p) {
+  if (pos >= tokens_ || layer >= layers_) {
+    return make_error(EINVAL, fmt::format("routing script: position {} layer {} is outside {} "
+                                          "tokens x {} layers",
+                                          pos, layer, tokens_, layers_));
+  }
+  if (route.experts.size() != p.n_expert_used) {
+    return make_error(EINVAL, fmt::format("routing script: token {} layer {} routes to {} experts, "
+                                          "the model uses {}",
+                                          pos, layer, route.experts.size(), p.n_expert_used));
+  }
+  for (const uint32_t e : route.experts) {
+    if (e >= p.n_expert) {
+      return make_error(EINVAL, fmt::format("routing script: token {} layer {}: expert {} is "
+                                            "outside the model's {}",
+                                            pos, layer, e, p.n_expert));
+    }
+  }
+  if (route.weights.empty()) {
+    route.weights.assign(route.experts.size(), 1.0f / static_cast<float>(route.experts.size()));
+  } else if (route.weights.size() != route.experts.size()) {
+    return make_error(EINVAL, fmt::format("routing script: token {} layer {}: {} weights for {} "
+                                          "experts",
+                                          pos, layer, route.weights.size(), route.experts.size()));
+  }
+  for (const auto& [depth, ids] : route.predicted) {
+    for (const uint32_t e : ids) {
+      if (e >= p.n_expert) {
+        return make_error(EINVAL, fmt::format("routing script: token {} layer {}: predicted "
+                                              "expert {} (depth {}) is outside the model's {}",
+                                              pos, layer, e, depth, p.n_expert));
+      }
+    }
+  }
+  if (!route.predicted.empty()) has_predictions_ = true;
+  const uint64_t i = uint64_t{pos} * layers_ + layer;
+  routes_[i] = std::move(route);
+  present_[i] = 1;
+  return Ok{};
+}
+
+HintPlanner::HintPlanner(const ModelParams& p, const EngineOptions& o)
+    : n_layer_(p.n_layer),
+      n_expert_(p.n_expert),
+      depth_(o.prefetch_depth),
+      width_(o.prefetch_width == 0 ? p.n_expert_used : std::min(o.prefetch_width, p.n_expert)),
+      hinted_(uint64_t{p.n_layer} * p.n_expert),
+      order_(p.n_expert) {
+  pending_.reserve(uint64_t{depth_} * std::max(width_, p.n_expert_used) + p.n_expert);
+}
+
+void HintPlanner::begin_token() {
+  std::fill(hinted_.begin(), hinted_.end(), 0);
+  pending_.clear();
+  current_ = 0;
+}
+
+void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
+  if (next >= n_layer_ || expert >= n_expert_ || next <= current_) return;
+  uint8_t& mark = hinted_[uint64_t{next} * n_expert_ + expert];
+  if (mark != 0) return;
+  mark = static_cast<uint8_t>(std::min<uint32_t>(next - current_, 255));
+  pending_.push_back(ExpertHint{next, expert, score});
+}
+
+namespace {
+
+// The indices of the `count` largest values, largest first, ties to the lower index.
+template <typename T>
+void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
+  std::iota(order.begin(), order.end(), 0u);
+  std::partial_sort(order.begin(), order.begin() + count, order.end(), [&](uint32_t a, uint32_t b) {
+    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+  });
+}
+
+}  // namespace
+
+void HintPlanner::add_ranked(uint32_t next, std::span<const double> probs) {
+  top_indices(probs, order_, width_);
+  for (uint32_t i = 0; i < width_; ++i) {
+    add(next, order_[i], static_cast<float>(probs[order_[i]]));
+  }
+}
+
+void HintPlanner::add_ranked(uint32_t next, std::span<const float> probs) {
+  top_indices(probs, order_, width_);
+  for (uint32_t i = 0; i < width_; ++i) add(next, order_[i], probs[order_[i]]);
+}
+
+void HintPlanner::add_listed(uint32_t next, std::span<const uint32_t> experts, float score) {
+  for (const uint32_t e : experts) add(next, e, score);
+}
+
+std::span<const ExpertHint> HintPlanner::take(EngineStats& stats) {
+  stats.hints_sent += pending_.size();
+  std::span<const ExpertHint> out(pending_.data(), pending_.size());
+  return out;
+}
+
+void HintPlanner::routed(uint32_t layer, std::span<const uint32_t> experts, EngineStats& stats,
+                         RoutingRecord* rec) {
+  pending_.clear();
+  if (depth_ == 0 || layer == 0 || layer >= n_layer_) return;
+  stats.routed_hintable += experts.size();
+  for (const uint32_t e : experts)
+    stats.hinted_routed += hinted_[uint64_t{layer} * n_expert_ + e] != 0;
+  if (rec == nullptr) return;
+  for (uint32_t e = 0; e < n_expert_; ++e) {
+    const uint8_t d = hinted_[uint64_t{layer} * n_expert_ + e];
+    if (d != 0) rec->predicted[d].push_back(e);
+  }
+}
+
+void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from, uint32_t next,
+                        HintPlanner& planner) {
+  const ScriptedRoute* r = script.find(pos, next);
+  if (r == nullptr) return;
+  if (!script.has_predictions()) {
+    for (size_t i = 0; i < r->experts.size(); ++i) {
+      planner.add_listed(next, std::span<const uint32_t>(&r->experts[i], 1), r->weights[i]);
+    }
+    return;
+  }
+  const auto it = r->predicted.find(next - from);
+  if (it != r->predicted.end()) planner.add_listed(next, it->second, 1.0f);
+}
+
+Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log) {
+  std::ofstream f(path);
+  if (!f) return make_error(EIO, fmt::format("{}: cannot write the trace", path));
+  for (const RoutingRecord& r : log) {
+    nlohmann::json j = {
+        {"token", r.token}, {"layer", r.layer}, {"experts", r.experts}, {"weights", r.weights}};
+    if (!r.predicted.empty()) {
+      nlohmann::json pred = nlohmann::json::object();
+      for (const auto& [depth, ids] : r.predicted) pred[std::to_string(depth)] = ids;
+      j["predicted"] = pred;
+    }
+    f << j.dump() << '\n';
+  }
+  f.close();
+  if (!f) return make_error(EIO, fmt::format("{}: write failed", path));
+  return Ok{};
+}
+
+}  // namespace expertd::engine

@@ -1,0 +1,168 @@
+// What every decode engine shares: options, statistics, routing records, the scripted routing of
+// the benchmark mode, and the prefetch-hint bookkeeping. CpuEngine (engine/cpu_engine.h) and
+// GpuEngine (engine/gpu_engine.h) implement Engine.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/expert_source.h"
+#include "engine/model.h"
+#include "storage/result.h"
+
+namespace expertd::engine {
+
+// One (token, layer) of a recorded routing trace, as the benchmark mode replays it.
+struct ScriptedRoute {
+  std::vector<uint32_t> experts;  // the model's top-k, by descending weight
+  std::vector<float> weights;     // one per expert
+  // Lookahead depth -> the experts a router predicted for this record from that many layers
+  // earlier (the trace's "predicted"); empty when the trace carries none.
+  std::map<uint32_t, std::vector<uint32_t>> predicted;
+};
+
+// A recorded trace's expert choices, to be used in place of the computed router (expert-run
+// --routing-trace): realistic locality with generated weights. Position p of the sequence uses
+// the trace's p-th token. A (token, layer) the trace lacks falls back to the computed router.
+class RoutingScript {
+ public:
+  RoutingScript(uint32_t tokens, uint32_t layers)
+      : tokens_(tokens),
+        layers_(layers),
+        routes_(uint64_t{tokens} * layers),
+        present_(routes_.size()) {}
+  // Sets position `pos`'s route for `layer`. Errors name the position and layer: wrong expert
+  // count, an expert outside the model, weights that do not match the experts.
+  Status set(uint32_t pos, uint32_t layer, ScriptedRoute route, const ModelParams& p);
+  const ScriptedRoute* find(uint32_t pos, uint32_t layer) const {
+    if (pos >= tokens_ || layer >= layers_) return nullptr;
+    const uint64_t i = uint64_t{pos} * layers_ + layer;
+    return present_[i] ? &routes_[i] : nullptr;
+  }
+  uint32_t tokens() const { return tokens_; }
+  uint32_t layers() const { return layers_; }
+  bool has_predictions() const { return has_predictions_; }
+
+ private:
+  uint32_t tokens_;
+  uint32_t layers_;
+  std::vector<ScriptedRoute> routes_;
+  std::vector<uint8_t> present_;
+  bool has_predictions_ = false;
+};
+
+// Where prefetch hints come from.
+enum class HintSource {
+  Router,  // the next layers' routers applied to the current residual stream (the product path)
+  Script,  // benchmark mode: the script's "predicted" lists, else its own future routes (oracle)
+};
+
+struct EngineOptions {
+  uint32_t max_context = 0;               // positions the KV cache holds (required)
+  uint32_t prefetch_depth = 0;            // layers ahead to predict; 0 sends no hints
+  uint32_t prefetch_width = 0;            // candidates per predicted layer; 0 = the model's top-k
+  const RoutingScript* script = nullptr;  // benchmark mode: routes replayed from a trace
+  HintSource hints = HintSource::Router;
+};
+
+// One routing decision, in the canonical trace's terms (experts by descending probability).
+struct RoutingRecord {
+  uint32_t token = 0;  // position in the sequence
+  uint32_t layer = 0;
+  std::vector<uint32_t> experts;
+  std::vector<float> weights;
+  std::map<uint32_t, std::vector<uint32_t>> predicted;  // depth -> experts hinted for this record
+};
+
+struct EngineStats {
+  uint64_t tokens = 0;
+  uint64_t experts_used = 0;     // experts acquired and computed
+  uint64_t stall_ns = 0;         // time inside ExpertSource::get(): waiting for experts
+  uint64_t decode_ns = 0;        // time inside decode(), stall included
+  uint64_t hints_sent = 0;       // prefetch hints (distinct per token, layer and expert)
+  uint64_t hinted_routed = 0;    // hints whose expert the layer then routed to
+  uint64_t routed_hintable = 0;  // routed experts of layers >= 1 (hintable from an earlier layer)
+  uint64_t hint_errors = 0;      // prefetch / set_cursor calls the source refused
+  uint64_t scripted_routes = 0;  // routing decisions taken from a RoutingScript
+  // The GPU engine's VRAM tier (zero on the CPU engine and in the in-place mode).
+  uint64_t vram_hits = 0;           // routed experts found in VRAM
+  uint64_t vram_misses = 0;         // routed experts acquired from the daemon and copied
+  uint64_t vram_prefetches = 0;     // host-ready hinted experts copied ahead of their layer
+  uint64_t vram_prefetch_used = 0;  // of those, routed to before eviction
+  uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied
+  uint64_t copy_ns = 0;             // copy-stream time of those copies (CUDA events)
+
+  double prefetch_precision() const {
+    return hints_sent == 0 ? 0.0 : static_cast<double>(hinted_routed) / hints_sent;
+  }
+  double prefetch_recall() const {
+    return routed_hintable == 0 ? 0.0 : static_cast<double>(hinted_routed) / routed_hintable;
+  }
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // Feeds `token` at the next position and writes the next token's logits (n_vocab floats).
+  // Errors: a token outside the vocabulary, a full KV cache, an expert the source cannot give.
+  virtual Status decode(uint32_t token, std::span<float> logits) = 0;
+  // Forgets the sequence (the KV cache is reused from position 0).
+  virtual void reset() = 0;
+  virtual uint32_t position() const = 0;
+  virtual const EngineStats& stats() const = 0;
+  // Appends every routing decision to `log` (nullptr: stop). Allocates per decision.
+  virtual void set_routing_log(std::vector<RoutingRecord>* log) = 0;
+  // "cpu" or "gpu", and a line describing the engine (device, tier) for the run summary.
+  virtual std::string name() const = 0;
+  virtual std::string description() const = 0;
+};
+
+// Chooses and tracks prefetch hints for one token at a time: at most `width` candidates per
+// predicted layer, each (layer, expert) hinted once per token, and the precision/recall counters
+// of EngineStats. Used identically by both engines.
+class HintPlanner {
+ public:
+  HintPlanner(const ModelParams& p, const EngineOptions& o);
+  uint32_t depth() const { return depth_; }
+  uint32_t width() const { return width_; }
+  void begin_token();
+  // Hints made from here on are made at `layer` (depth = hinted layer - layer).
+  void from_layer(uint32_t layer) { current_ = layer; }
+  // Candidates for layer `next` ranked by probability (n_expert values): the top `width`.
+  void add_ranked(uint32_t next, std::span<const double> probs);
+  void add_ranked(uint32_t next, std::span<const float> probs);
+  // Candidates for layer `next` given as a list (a script's prediction), each with `score`.
+  void add_listed(uint32_t next, std::span<const uint32_t> experts, float score);
+  // Hints added since the last take(), and counts them as sent.
+  std::span<const ExpertHint> take(EngineStats& stats);
+  // Layer `layer` routed to `experts`: counts hinted ones and fills rec->predicted if given.
+  void routed(uint32_t layer, std::span<const uint32_t> experts, EngineStats& stats,
+              RoutingRecord* rec);
+
+ private:
+  void add(uint32_t next, uint32_t expert, float score);
+
+  uint32_t n_layer_;
+  uint32_t n_expert_;
+  uint32_t depth_;
+  uint32_t width_;
+  uint32_t current_ = 0;         // the layer whose attention just finished (hints come from it)
+  std::vector<uint8_t> hinted_;  // [layer][expert]: depth (1..) it was hinted at, 0 = not
+  std::vector<ExpertHint> pending_;
+  std::vector<uint32_t> order_;
+};
+
+// Script-driven hints for layer `next` made at layer `from` of position `pos`: the script's
+// "predicted" list for that depth when the script has predictions, else the route itself (an
+// oracle: an upper bound on what router lookahead can give).
+void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from, uint32_t next,
+                        HintPlanner& planner);
+
+// The canonical trace form of routing records (JSON Lines; "predicted" when hints were sent).
+Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log);
+
+}  // namespace expertd::engine

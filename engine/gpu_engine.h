@@ -1,0 +1,69 @@
+// The CUDA engine: the qwen3moe forward of CpuEngine on the GPU, with dense weights in VRAM
+// (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of kernels/, and the
+// routed experts streamed from an ExpertSource (the daemon's pinned arena) through a VRAM tier.
+//
+// Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
+// read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
+// LRU of device slots (VramTier): a routed expert found there is a VRAM hit; a miss is acquired
+// from the daemon and copied host->VRAM on a copy stream; the compute stream waits on the copy's
+// event, and the daemon's hold is released once the copy has completed. A slot is overwritten
+// only after an event recorded behind its last reader. In the in-place mode the matvec kernels
+// read the pinned arena slot directly over PCIe and the hold is released when they finished.
+//
+// Router-driven prefetch: as in CpuEngine, after a layer's attention the next `depth` routers are
+// applied to the residual stream (on the GPU, in the same kernels as the routing itself) and the
+// top candidates are sent to the source as hints. Then, once the layer's experts are launched,
+// hinted experts the daemon already holds READY (its slot table) are acquired and copied into the
+// VRAM tier ahead of their layer.
+//
+// Every CUDA and cuBLAS call is checked (kernels/check.h): errors name the call, file and line.
+// Not thread-safe; one sequence at a time.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+
+namespace expertd::engine {
+
+struct GpuOptions {
+  enum class Tier { Auto, InPlace, Experts, Bytes };
+  Tier tier = Tier::Auto;  // Auto: half the free device memory, at most every expert
+  uint64_t value = 0;      // experts (Tier::Experts) or bytes (Tier::Bytes)
+  int device = 0;
+};
+
+// Whether a CUDA device can be used. False on a build without CUDA, or with no device; *why then
+// says why ("no CUDA device: cudaErrorNoDevice (no CUDA-capable device is detected)").
+bool cuda_device_available(std::string* why);
+
+class GpuEngine final : public Engine {
+ public:
+  // `model` and `source` must outlive the engine. Uploads the dense weights (errors name the
+  // tensor and the bytes wanted when VRAM is short) and registers the source's host memory.
+  static Result<std::unique_ptr<GpuEngine>> create(const DenseModel& model, ExpertSource& source,
+                                                   const EngineOptions& options,
+                                                   const GpuOptions& gpu);
+  ~GpuEngine() override;
+
+  Status decode(uint32_t token, std::span<float> logits) override;
+  void reset() override;
+  uint32_t position() const override;
+  const EngineStats& stats() const override;
+  void set_routing_log(std::vector<RoutingRecord>* log) override;
+  std::string name() const override { return "gpu"; }
+  std::string description() const override;
+
+  // Device slots of the VRAM tier (0 in the in-place mode) and the bytes of one.
+  uint32_t vram_slots() const;
+  uint64_t vram_slot_bytes() const;
+
+  struct Impl;
+
+ private:
+  explicit GpuEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expertd::engine

@@ -1,0 +1,959 @@
+// The ggml weight formats on the GPU. docs/KERNELS.md explains the shape of the matvec kernels;
+// in short:
+//
+// Plain types (F32, F16, BF16): a warp per row, each lane streaming 16-byte chunks (narrower when
+// the pointers or rows are less aligned) and converting in registers; x is staged in shared memory
+// as floats.
+//
+// Quantised types (Q8_0, Q4_K, Q6_K): a group of L lanes (4..32) per row. The group copies its row
+// in tiles of whole blocks from global memory to shared memory with the widest loads the alignment
+// allows (Q8_0 and Q6_K blocks are only 2-byte aligned, so the data cannot be read in place with
+// wide loads), prefetching the next tile into registers while it computes the current one. Each
+// lane then handles "units" of 64 weights: the integer quants are multiplied with x by __dp4a, x
+// having been split once per block into three int8 digit planes,
+//     x = s * (a + b / 128 + c / 16384),   s a power of two per 16 or 32 elements,
+// which represents x to about 2^-20 of its group's largest magnitude (the float dot products the
+// CPU reference rounds to are no better). That keeps the per-weight work at about one integer
+// instruction: float conversions of every quant (the I2F pipe runs at 1/8 of the FMA rate) would
+// make a 4-bit matvec compute bound on an H200.
+#include "kernels/dequant.cuh"
+
+#include <cuda_fp16.h>
+
+#include <cstddef>
+
+namespace expertd::kernels {
+namespace {
+
+constexpr uint32_t kThreads = 256;
+constexpr uint32_t kWarps = kThreads / 32;
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr size_t kDefaultSmem = 48 * 1024;
+
+__device__ __forceinline__ float half_bits_to_float(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
+}
+
+__device__ __forceinline__ uint32_t u16_at(const uint8_t* p) {
+  return uint32_t{p[0]} | (uint32_t{p[1]} << 8);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dequantize: eight consecutive elements per thread, with the CPU reference's float operations
+// (__fmul_rn/__fsub_rn keep nvcc from contracting them into FMAs), so the results are
+// bit-identical to engine/dequant.cc. Bytes are read one at a time: `src` need not be aligned.
+
+template <GgmlType T>
+struct Deq;
+
+template <>
+struct Deq<GgmlType::F32> {
+  static __device__ float at(const uint8_t* src, uint64_t e) {
+    const uint8_t* p = src + 4 * e;
+    return __uint_as_float(u16_at(p) | (u16_at(p + 2) << 16));
+  }
+};
+
+template <>
+struct Deq<GgmlType::F16> {
+  static __device__ float at(const uint8_t* src, uint64_t e) {
+    return half_bits_to_float(u16_at(src + 2 * e));
+  }
+};
+
+template <>
+struct Deq<GgmlType::BF16> {
+  static __device__ float at(const uint8_t* src, uint64_t e) {
+    return __uint_as_float(u16_at(src + 2 * e) << 16);
+  }
+};
+
+// Plain types: any n, so elements past n are not read.
+template <GgmlType T>
+__device__ void dequant8_plain(const uint8_t* src, uint64_t e0, uint64_t n, float* out) {
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) out[i] = e0 + i < n ? Deq<T>::at(src, e0 + i) : 0.0f;
+}
+
+// block_q8_0 { f16 d; int8 qs[32]; }
+__device__ void dequant8_q8_0(const uint8_t* src, uint64_t e0, float* out) {
+  const uint8_t* blk = src + (e0 / 32) * 34;
+  const uint32_t l0 = static_cast<uint32_t>(e0 % 32);
+  const float d = half_bits_to_float(u16_at(blk));
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    out[i] = __fmul_rn(d, static_cast<float>(static_cast<int8_t>(blk[2 + l0 + i])));
+  }
+}
+
+// ggml's get_scale_min_k4.
+__device__ void scale_min_k4(uint32_t j, const uint8_t* q, uint32_t* sc, uint32_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63u;
+    *m = q[j + 4] & 63u;
+  } else {
+    *sc = (q[j + 4] & 0xfu) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128]; }: element 64c + l of a block is the low
+// nibble of qs[32c + l] (scale 2c) for l < 32, the high nibble of qs[32c + l - 32] (scale 2c + 1)
+// for l >= 32.
+__device__ void dequant8_q4_k(const uint8_t* src, uint64_t e0, float* out) {
+  const uint8_t* blk = src + (e0 / 256) * 144;
+  const uint32_t j = static_cast<uint32_t>(e0 % 256);
+  const uint32_t c = j / 64;
+  const uint32_t hi = (j / 32) & 1u;
+  const uint32_t l0 = j % 32;
+  uint32_t sc = 0;
+  uint32_t m = 0;
+  scale_min_k4(2 * c + hi, blk + 4, &sc, &m);
+  const float d1 = __fmul_rn(half_bits_to_float(u16_at(blk)), static_cast<float>(sc));
+  const float m1 = __fmul_rn(half_bits_to_float(u16_at(blk + 2)), static_cast<float>(m));
+  const uint8_t* q = blk + 16 + 32 * c + l0;
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    const uint32_t v = hi ? (q[i] >> 4) : (q[i] & 0xfu);
+    out[i] = __fsub_rn(__fmul_rn(d1, static_cast<float>(v)), m1);
+  }
+}
+
+// block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d; }: element 128h + 32q + l (q < 4,
+// l < 32) takes its low four bits from ql[64h + 32(q & 1) + l] (low nibble for q < 2, high for
+// q >= 2), its high two from bits 2q of qh[32h + l], and scale 8h + l/16 + 2q.
+__device__ void dequant8_q6_k(const uint8_t* src, uint64_t e0, float* out) {
+  const uint8_t* blk = src + (e0 / 256) * 210;
+  const uint32_t j = static_cast<uint32_t>(e0 % 256);
+  const uint32_t h = j / 128;
+  const uint32_t quarter = (j % 128) / 32;
+  const uint32_t l0 = j % 32;
+  const uint8_t* ql = blk + 64 * h + 32 * (quarter & 1u);
+  const uint8_t* qh = blk + 128 + 32 * h;
+  const int sc = static_cast<int8_t>(blk[192 + 8 * h + l0 / 16 + 2 * quarter]);
+  const float ds = __fmul_rn(half_bits_to_float(u16_at(blk + 208)), static_cast<float>(sc));
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    const uint32_t l = l0 + i;
+    const uint32_t lo = quarter >= 2 ? (ql[l] >> 4) : (ql[l] & 0xfu);
+    const uint32_t hb = (qh[l] >> (2 * quarter)) & 3u;
+    const int v = static_cast<int>(lo | (hb << 4)) - 32;
+    out[i] = __fmul_rn(ds, static_cast<float>(v));
+  }
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* src, float* dst, uint64_t n) {
+  const uint64_t groups = (n + 7) / 8;
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t g = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const uint64_t e0 = g * 8;
+    float out[8];
+    if constexpr (T == GgmlType::Q8_0) {
+      dequant8_q8_0(src, e0, out);
+    } else if constexpr (T == GgmlType::Q4_K) {
+      dequant8_q4_k(src, e0, out);
+    } else if constexpr (T == GgmlType::Q6_K) {
+      dequant8_q6_k(src, e0, out);
+    } else {
+      dequant8_plain<T>(src, e0, n, out);
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) {
+      if (e0 + i < n) dst[e0 + i] = out[i];
+    }
+  }
+}
+
+template <GgmlType T>
+cudaError_t launch_dequantize(const void* src, float* dst, uint64_t n, cudaStream_t stream) {
+  constexpr uint64_t kMaxBlocks = 1u << 16;
+  uint64_t blocks = ((n + 7) / 8 + kThreads - 1) / kThreads;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  dequantize_kernel<T><<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(src), dst, n);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared by both matvec families.
+
+template <int V>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  using type = uint4;
+};
+template <>
+struct VecOf<4> {
+  using type = uint32_t;
+};
+template <>
+struct VecOf<2> {
+  using type = uint16_t;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+struct LaunchShape {
+  uint32_t ctas_per_job = 0;
+  uint32_t rows_per_cta = 0;
+};
+
+// One CTA's rows are a contiguous range; its size is a multiple of `granule` (the rows the CTA's
+// groups take per step) and at least `min_rows`. Aim for a single wave over the SMs at the
+// kernel's occupancy (a second wave of a few CTAs would double the time of a small matvec).
+template <typename Kernel>
+cudaError_t plan_launch(Kernel kernel, size_t smem, uint32_t rows, uint32_t jobs, uint32_t granule,
+                        uint32_t min_rows, LaunchShape* shape) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  int optin = 0;
+  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;  // cols too large
+  if (smem > kDefaultSmem) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  int occupancy = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, kThreads, smem);
+  if (e != cudaSuccess) return e;
+  if (occupancy < 1) occupancy = 1;
+  const uint64_t resident = uint64_t(occupancy) * uint64_t(sms > 0 ? sms : 1);
+  const uint64_t per_job = resident / jobs > 0 ? resident / jobs : 1;
+  uint64_t rpc = (rows + per_job - 1) / per_job;
+  if (rpc < min_rows) rpc = min_rows;
+  rpc = (rpc + granule - 1) / granule * granule;
+  shape->rows_per_cta = static_cast<uint32_t>(rpc);
+  shape->ctas_per_job = static_cast<uint32_t>((rows + rpc - 1) / rpc);
+  return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantised matvec: x as digit planes.
+//
+// The row is cut into units of 64 weights (a lane's work); unit u of every row uses the same 64
+// elements of x, whose digits live in shared memory slot u:
+//   bytes   0..63   digit a of the unit's 64 positions, 64..127 digit b, 128..191 digit c;
+//   bytes 192..207  four floats: the scale s of positions 16i..16i+15;
+//   bytes 208..223  four floats: the plain sum of x over positions 16i..16i+15;
+//   bytes 224..239  padding: a 60-word stride makes the slots a warp reads conflict-free.
+// Position p of unit u is element F::element(u, p) of x (the order in which the format's quants
+// of that unit come in 4-byte words).
+
+constexpr uint32_t kSlotBytes = 240;
+constexpr uint32_t kSlotScales = 192;
+constexpr uint32_t kSlotSums = 208;
+constexpr uint32_t kMinRowsPerCta = 32;  // amortises the digit planes each CTA builds
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer
+
+// Splits X (|X| < 64) into three digits a, b, c in [-64, 64], X ~ a + b/128 + c/16384, each
+// returned in the low byte of a word. Every step is exact except the final truncation.
+__device__ __forceinline__ void split_digits(float v, uint32_t* a, uint32_t* b, uint32_t* c) {
+  float t = __fadd_rn(v, kRoundMagic);
+  *a = __float_as_uint(t);
+  float r = __fmul_rn(__fsub_rn(v, __fsub_rn(t, kRoundMagic)), 128.0f);
+  t = __fadd_rn(r, kRoundMagic);
+  *b = __float_as_uint(t);
+  r = __fmul_rn(__fsub_rn(r, __fsub_rn(t, kRoundMagic)), 128.0f);
+  *c = __float_as_uint(__fadd_rn(r, kRoundMagic));
+}
+
+// The low bytes of four words, packed.
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t v0, uint32_t v1, uint32_t v2,
+                                                   uint32_t v3) {
+  return __byte_perm(__byte_perm(v0, v1, 0x0040), __byte_perm(v2, v3, 0x0040), 0x5410);
+}
+
+// Fills the x slots of `units` units. Thread t of a pass takes positions 4k..4k+3 of one unit
+// (k = t % 16), so the kScaleGroup/4 threads of a scale group are adjacent lanes of one warp.
+// Elements past `cols` (the second half of a Q8_0 row's last unit) get zero digits, scale and sum.
+template <class F>
+__device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t* xs) {
+  const uint32_t quads = units * 16;
+  for (uint32_t base = 0; base < quads; base += kThreads) {  // uniform: every lane shuffles
+    const uint32_t qd = base + threadIdx.x;
+    const uint32_t u = qd / 16;
+    const uint32_t k = qd % 16;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (qd < quads) {
+      const uint32_t e = F::element(u, 4 * k);
+      if (e < cols) {
+#pragma unroll
+        for (uint32_t i = 0; i < 4; ++i) v[i] = x[e + i];
+      }
+    }
+    float mx = 0.0f;
+    uint32_t bad = 0;
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) {
+      mx = fmaxf(mx, fabsf(v[i]));
+      bad |= isfinite(v[i]) ? 0u : 1u;
+    }
+    float sum = (v[0] + v[1]) + (v[2] + v[3]);
+#pragma unroll
+    for (uint32_t o = 1; o < F::kScaleGroup / 4; o <<= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+      bad |= __shfl_xor_sync(kFull, bad, o);
+    }
+#pragma unroll
+    for (uint32_t o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(kFull, sum, o);
+    // mx = f * 2^E with f in [0.5, 1) and E = biased exponent - 126; x * 2^(6-E) is below 64 in
+    // magnitude and s = 2^(E-6). Groups below 2^-100 count as zero (they cannot move a float
+    // sum), a NaN or infinity makes the group's scale NaN so the row's result is NaN.
+    const uint32_t be = __float_as_uint(mx) >> 23;
+    float mul = 0.0f;
+    float s = 0.0f;
+    if (bad != 0) {
+      s = __uint_as_float(0x7fc00000u);
+    } else if (be >= 27) {
+      mul = __uint_as_float((259u - be) << 23);
+      s = __uint_as_float((be - 5u) << 23);
+    }
+    if (qd < quads) {
+      uint32_t a[4];
+      uint32_t b[4];
+      uint32_t c[4];
+#pragma unroll
+      for (uint32_t i = 0; i < 4; ++i) split_digits(__fmul_rn(v[i], mul), &a[i], &b[i], &c[i]);
+      uint8_t* slot = xs + u * kSlotBytes;
+      reinterpret_cast<uint32_t*>(slot)[k] = pack_low_bytes(a[0], a[1], a[2], a[3]);
+      reinterpret_cast<uint32_t*>(slot + 64)[k] = pack_low_bytes(b[0], b[1], b[2], b[3]);
+      reinterpret_cast<uint32_t*>(slot + 128)[k] = pack_low_bytes(c[0], c[1], c[2], c[3]);
+      if (k % 4 == 0) {
+        reinterpret_cast<float*>(slot + kSlotScales)[k / 4] = s;
+        reinterpret_cast<float*>(slot + kSlotSums)[k / 4] = sum;
+      }
+    }
+  }
+}
+
+// The 16 words of each digit plane of a slot.
+struct Planes {
+  uint32_t a[16];
+  uint32_t b[16];
+  uint32_t c[16];
+};
+
+__device__ __forceinline__ void load_planes(const uint8_t* slot, Planes* p) {
+  const uint4* s = reinterpret_cast<const uint4*>(slot);
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) {
+    const uint4 va = s[i];
+    const uint4 vb = s[4 + i];
+    const uint4 vc = s[8 + i];
+    p->a[4 * i] = va.x;
+    p->a[4 * i + 1] = va.y;
+    p->a[4 * i + 2] = va.z;
+    p->a[4 * i + 3] = va.w;
+    p->b[4 * i] = vb.x;
+    p->b[4 * i + 1] = vb.y;
+    p->b[4 * i + 2] = vb.z;
+    p->b[4 * i + 3] = vb.w;
+    p->c[4 * i] = vc.x;
+    p->c[4 * i + 1] = vc.y;
+    p->c[4 * i + 2] = vc.z;
+    p->c[4 * i + 3] = vc.w;
+  }
+}
+
+// Integer dot products of four quants (bytes of q) with the digits of plane word i.
+struct DigitSums {
+  int a = 0;
+  int b = 0;
+  int c = 0;
+  __device__ __forceinline__ void add(uint32_t q, const Planes& p, uint32_t i) {
+    a = __dp4a(static_cast<int>(q), static_cast<int>(p.a[i]), a);
+    b = __dp4a(static_cast<int>(q), static_cast<int>(p.b[i]), b);
+    c = __dp4a(static_cast<int>(q), static_cast<int>(p.c[i]), c);
+  }
+  // sum q * x / s over the positions added.
+  __device__ __forceinline__ float total() const {
+    return static_cast<float>(a) + static_cast<float>(b) * (1.0f / 128.0f) +
+           static_cast<float>(c) * (1.0f / 16384.0f);
+  }
+};
+
+// block_q4_K: a unit is one 32-byte chunk c of qs, i.e. elements 64c..64c+63 of the block (low
+// nibbles: positions 0..31, scale 2c; high nibbles: positions 32..63, scale 2c + 1). Four units
+// per block; blocks (144 bytes) stay 16-byte aligned in the tile.
+struct Q4K {
+  static constexpr uint32_t kBlockElems = 256;
+  static constexpr uint32_t kBlockBytes = 144;
+  static constexpr uint32_t kScaleGroup = 32;
+  static constexpr uint32_t kUnitsPerLane = 2;
+  static constexpr uint32_t kMinCtasPerSm = 3;  // <= 85 registers, no spills
+  static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
+  static constexpr uint32_t units(uint32_t blocks) { return blocks * 4; }
+  static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
+
+  static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
+                                                   const uint8_t* slot, uint32_t /*ur*/,
+                                                   uint32_t /*blocks*/) {
+    const uint8_t* blk = tile + (uu / 4) * kBlockBytes;
+    const uint32_t c = uu % 4;
+    const uint32_t dm = *reinterpret_cast<const uint32_t*>(blk);
+    const float d = half_bits_to_float(dm);
+    const float dmin = half_bits_to_float(dm >> 16);
+    // The 6-bit scales and mins of sub-blocks 2c and 2c + 1, one per byte (ggml's unpacking of
+    // get_scale_min_k4 for a pair): sc16[i] holds scale bytes 2i and 2i + 1.
+    const uint16_t* sc16 = reinterpret_cast<const uint16_t*>(blk + 4);
+    const uint32_t s_a = sc16[c];
+    const uint32_t s_b = sc16[c + 2];
+    const uint32_t s_c = sc16[c & 1];  // sc16[c - 2] when c >= 2
+    const bool low = c < 2;
+    const uint32_t scales = low ? (s_a & 0x3f3fu) : ((s_b & 0x0f0fu) | ((s_c & 0xc0c0u) >> 2));
+    const uint32_t mins =
+        low ? (s_b & 0x3f3fu) : (((s_b >> 4) & 0x0f0fu) | ((s_a & 0xc0c0u) >> 2));
+    const uint4* qp = reinterpret_cast<const uint4*>(blk + 16 + 32 * c);
+    const uint4 q0 = qp[0];
+    const uint4 q1 = qp[1];
+    const uint32_t qw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    Planes p;
+    load_planes(slot, &p);
+    DigitSums lo;
+    DigitSums hi;
+#pragma unroll
+    for (uint32_t k = 0; k < 8; ++k) {
+      lo.add(qw[k] & 0x0f0f0f0fu, p, k);
+      hi.add((qw[k] >> 4) & 0x0f0f0f0fu, p, 8 + k);
+    }
+    const float4 s = *reinterpret_cast<const float4*>(slot + kSlotScales);
+    const float4 sum = *reinterpret_cast<const float4*>(slot + kSlotSums);
+    const float r_lo = d * static_cast<float>(scales & 0xffu) * (s.x * lo.total()) -
+                       dmin * static_cast<float>(mins & 0xffu) * (sum.x + sum.y);
+    const float r_hi = d * static_cast<float>(scales >> 8) * (s.z * hi.total()) -
+                       dmin * static_cast<float>(mins >> 8) * (sum.z + sum.w);
+    return r_lo + r_hi;
+  }
+};
+
+// block_q8_0: a unit is two blocks (68 bytes, 4-byte aligned in the tile): positions 0..31 the
+// first block's quants, 32..63 the second's. The last unit of a row with an odd block count has
+// only the first.
+struct Q80 {
+  static constexpr uint32_t kBlockElems = 32;
+  static constexpr uint32_t kBlockBytes = 34;
+  static constexpr uint32_t kScaleGroup = 32;
+  static constexpr uint32_t kUnitsPerLane = 1;
+  static constexpr uint32_t kMinCtasPerSm = 3;
+  static constexpr uint32_t tile_blocks(uint32_t lanes) { return 2 * kUnitsPerLane * lanes; }
+  static constexpr uint32_t units(uint32_t blocks) { return (blocks + 1) / 2; }
+  static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
+
+  static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
+                                                   const uint8_t* slot, uint32_t ur,
+                                                   uint32_t blocks) {
+    const uint32_t* wp = reinterpret_cast<const uint32_t*>(tile + uu * 2 * kBlockBytes);
+    uint32_t w[17];
+#pragma unroll
+    for (uint32_t i = 0; i < 17; ++i) w[i] = wp[i];
+    // Bytes 0-1: d of the first block, 2..33 its quants, 34-35 the second d, 36..67 its quants.
+    const float d0 = half_bits_to_float(w[0]);
+    const float d1 = half_bits_to_float(w[8] >> 16);
+    Planes p;
+    load_planes(slot, &p);
+    DigitSums first;
+    DigitSums second;
+#pragma unroll
+    for (uint32_t k = 0; k < 8; ++k) {
+      first.add(__funnelshift_r(w[k], w[k + 1], 16), p, k);
+      second.add(w[9 + k], p, 8 + k);
+    }
+    const float4 s = *reinterpret_cast<const float4*>(slot + kSlotScales);
+    float r = d0 * (s.x * first.total());
+    if (2 * ur + 1 < blocks) r += d1 * (s.z * second.total());
+    return r;
+  }
+};
+
+// block_q6_K: a unit is (half h, l-half lh) of a block: l = 16lh..16lh+15 of all four quarters of
+// half h, i.e. positions 16q + i are element 128h + 32q + 16lh + i. Its bytes: ql[64h + 16lh..],
+// ql[64h + 32 + 16lh..], qh[32h + 16lh..] (16 each), scales[8h + lh + 2q] and d. Blocks are 210
+// bytes, so a block in the tile is 4-byte aligned or 2 off; words are read aligned and funnel
+// shifted.
+struct Q6K {
+  static constexpr uint32_t kBlockElems = 256;
+  static constexpr uint32_t kBlockBytes = 210;
+  static constexpr uint32_t kScaleGroup = 16;
+  static constexpr uint32_t kUnitsPerLane = 2;
+  static constexpr uint32_t kMinCtasPerSm = 2;  // three would spill
+  static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
+  static constexpr uint32_t units(uint32_t blocks) { return blocks * 4; }
+  static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) {
+    return 256 * (u / 4) + 128 * ((u >> 1) & 1u) + 32 * (p / 16) + 16 * (u & 1u) + p % 16;
+  }
+
+  // Four words at byte offset 4 * wi of a block whose first byte is `shift` / 8 bytes past the
+  // aligned word `base`.
+  static __device__ __forceinline__ void read4(const uint32_t* base, uint32_t wi, uint32_t shift,
+                                               uint32_t* out) {
+    uint32_t t[5];
+#pragma unroll
+    for (uint32_t i = 0; i < 5; ++i) t[i] = base[wi + i];
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) out[i] = __funnelshift_r(t[i], t[i + 1], shift);
+  }
+
+  static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
+                                                   const uint8_t* slot, uint32_t /*ur*/,
+                                                   uint32_t /*blocks*/) {
+    const uint32_t off = (uu / 4) * kBlockBytes;
+    const uint32_t h = (uu >> 1) & 1u;
+    const uint32_t lh = uu & 1u;
+    const uint8_t* blk = tile + off;
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(tile + (off & ~3u));
+    const uint32_t shift = (off & 2u) * 8;
+    uint32_t l0[4];
+    uint32_t l1[4];
+    uint32_t qh[4];
+    read4(base, 16 * h + 4 * lh, shift, l0);      // ql[64h + 16lh ..]
+    read4(base, 16 * h + 8 + 4 * lh, shift, l1);  // ql[64h + 32 + 16lh ..]
+    read4(base, 32 + 8 * h + 4 * lh, shift, qh);  // qh[32h + 16lh ..]
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + lh);
+    const float d = half_bits_to_float(*reinterpret_cast<const uint16_t*>(blk + 208));
+    Planes p;
+    load_planes(slot, &p);
+    DigitSums quarter[4];
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      quarter[0].add((l0[k] & 0x0f0f0f0fu) | ((qh[k] << 4) & 0x30303030u), p, k);
+      quarter[1].add((l1[k] & 0x0f0f0f0fu) | ((qh[k] << 2) & 0x30303030u), p, 4 + k);
+      quarter[2].add(((l0[k] >> 4) & 0x0f0f0f0fu) | (qh[k] & 0x30303030u), p, 8 + k);
+      quarter[3].add(((l1[k] >> 4) & 0x0f0f0f0fu) | ((qh[k] >> 2) & 0x30303030u), p, 12 + k);
+    }
+    const float4 s4 = *reinterpret_cast<const float4*>(slot + kSlotScales);
+    const float4 sum4 = *reinterpret_cast<const float4*>(slot + kSlotSums);
+    const float s[4] = {s4.x, s4.y, s4.z, s4.w};
+    const float sum[4] = {sum4.x, sum4.y, sum4.z, sum4.w};
+    float r = 0.0f;
+#pragma unroll
+    for (uint32_t q = 0; q < 4; ++q) {
+      // The quants are stored +32: sum (q6 - 32) x = s * sum q6 x/s - 32 * sum x.
+      r += d * static_cast<float>(sc[2 * q]) * (s[q] * quarter[q].total() - 32.0f * sum[q]);
+    }
+    return r;
+  }
+};
+
+struct QuantArgs {
+  MatvecBatch batch;
+  uint64_t row_bytes;
+  uint32_t rows;
+  uint32_t cols;
+  uint32_t blocks_per_row;
+  uint32_t units_per_row;
+  uint32_t tiles_per_row;
+  uint32_t rows_per_cta;
+};
+
+template <class F, int L>
+struct QuantShape {
+  static constexpr uint32_t kGroupsPerWarp = 32 / L;
+  static constexpr uint32_t kGroups = kWarps * kGroupsPerWarp;  // rows in flight per CTA
+  static constexpr uint32_t kTileUnits = F::kUnitsPerLane * L;
+  static constexpr uint32_t kTileBytes = F::tile_blocks(L) * F::kBlockBytes;
+  static constexpr uint32_t kTileStride = (kTileBytes + 15) / 16 * 16;
+};
+
+// Grid: (CTAs per job, jobs). CTA b of job j computes rows [b * rows_per_cta, ...) of job j; group
+// g (lanes g*L .. g*L+L-1 of a warp) takes rows first + g, first + g + kGroups, ... and walks each
+// row's tiles. Work item n of a group is tile n % tiles_per_row of its row n / tiles_per_row; the
+// next item's bytes are loaded into registers while the current one is computed. The item count is
+// the same for all groups of a warp (the warp's first group decides it), so the shuffles of the
+// row reduction see every lane; rows past the end are computed on stale data and not written.
+template <class F, int L, int V>
+__global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
+    matvec_quant_kernel(const QuantArgs a) {
+  using Vec = typename VecOf<V>::type;
+  using S = QuantShape<F, L>;
+  constexpr uint32_t kChunks = (S::kTileBytes / V + L - 1) / L;  // per lane and tile
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  const uint32_t job = blockIdx.y;
+  const uint8_t* w = static_cast<const uint8_t*>(a.batch.w[job]);
+  const float* x = a.batch.x[job];
+  float* y = a.batch.y[job];
+
+  const uint32_t warp = threadIdx.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t gi = warp * S::kGroupsPerWarp + lane / L;
+  const uint32_t gl = lane % L;
+  uint8_t* xs = smem;
+  uint8_t* tile = smem + a.units_per_row * kSlotBytes + gi * S::kTileStride;
+
+  const uint32_t row0 = blockIdx.x * a.rows_per_cta;
+  const uint32_t row_end = min(a.rows, row0 + a.rows_per_cta);
+  const uint32_t warp_row0 = row0 + warp * S::kGroupsPerWarp;
+  const uint32_t iters =
+      warp_row0 < row_end ? (row_end - warp_row0 + S::kGroups - 1) / S::kGroups : 0;
+  const uint32_t items = iters * a.tiles_per_row;
+  const uint64_t data_bytes = uint64_t{a.blocks_per_row} * F::kBlockBytes;
+
+  Vec buf[kChunks];
+  uint32_t buf_chunks = 0;
+  auto fetch = [&](uint32_t item) {
+    const uint32_t i = item / a.tiles_per_row;
+    const uint32_t t = item - i * a.tiles_per_row;
+    const uint32_t row = row0 + gi + S::kGroups * i;
+    buf_chunks = 0;
+    if (row >= row_end) return;
+    const uint64_t off = uint64_t{t} * S::kTileBytes;
+    const uint64_t left = data_bytes - off;
+    buf_chunks = static_cast<uint32_t>((left < S::kTileBytes ? left : S::kTileBytes) / V);
+    const uint8_t* src = w + uint64_t{row} * a.row_bytes + off;
+#pragma unroll
+    for (uint32_t c = 0; c < kChunks; ++c) {
+      const uint32_t idx = gl + L * c;
+      if (idx < buf_chunks) buf[c] = *reinterpret_cast<const Vec*>(src + uint64_t{idx} * V);
+    }
+  };
+
+  if (items > 0) fetch(0);  // in flight while x is prepared
+  prepare_x<F>(x, a.cols, a.units_per_row, xs);
+  __syncthreads();
+
+  float acc = 0.0f;
+  for (uint32_t item = 0; item < items; ++item) {
+    const uint32_t i = item / a.tiles_per_row;
+    const uint32_t t = item - i * a.tiles_per_row;
+    const uint32_t row = row0 + gi + S::kGroups * i;
+    __syncwarp();  // the group is done reading its previous tile
+#pragma unroll
+    for (uint32_t c = 0; c < kChunks; ++c) {
+      const uint32_t idx = gl + L * c;
+      if (idx < buf_chunks) *reinterpret_cast<Vec*>(tile + idx * V) = buf[c];
+    }
+    __syncwarp();  // the tile is complete
+    if (item + 1 < items) fetch(item + 1);
+    if (row < row_end) {
+#pragma unroll
+      for (uint32_t kk = 0; kk < F::kUnitsPerLane; ++kk) {
+        const uint32_t uu = gl + L * kk;
+        const uint32_t ur = t * S::kTileUnits + uu;
+        if (ur < a.units_per_row) {
+          acc += F::unit_dot(tile, uu, xs + ur * kSlotBytes, ur, a.blocks_per_row);
+        }
+      }
+    }
+    if (t + 1 == a.tiles_per_row) {
+#pragma unroll
+      for (uint32_t o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
+      if (gl == 0 && row < row_end) y[row] = acc;
+      acc = 0.0f;
+    }
+  }
+}
+
+template <class F, int L, int V>
+cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
+                         uint32_t cols, cudaStream_t stream) {
+  using S = QuantShape<F, L>;
+  QuantArgs a{};
+  a.batch = batch;
+  a.row_bytes = row_bytes;
+  a.rows = rows;
+  a.cols = cols;
+  a.blocks_per_row = cols / F::kBlockElems;
+  a.units_per_row = F::units(a.blocks_per_row);
+  a.tiles_per_row = (a.units_per_row + S::kTileUnits - 1) / S::kTileUnits;
+  const size_t smem = size_t{a.units_per_row} * kSlotBytes + size_t{S::kGroups} * S::kTileStride;
+  const auto kernel = matvec_quant_kernel<F, L, V>;
+  LaunchShape shape;
+  const cudaError_t e =
+      plan_launch(kernel, smem, rows, batch.count, S::kGroups, kMinRowsPerCta, &shape);
+  if (e != cudaSuccess) return e;
+  a.rows_per_cta = shape.rows_per_cta;
+  kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <class F, int L>
+cudaError_t launch_quant_vec(uint32_t vec, const MatvecBatch& batch, uint64_t row_bytes,
+                             uint32_t rows, uint32_t cols, cudaStream_t stream) {
+  if (vec == 16) return launch_quant<F, L, 16>(batch, row_bytes, rows, cols, stream);
+  if (vec == 4) return launch_quant<F, L, 4>(batch, row_bytes, rows, cols, stream);
+  return launch_quant<F, L, 2>(batch, row_bytes, rows, cols, stream);
+}
+
+// The widest of 16, 4, 2 bytes dividing every value or'ed into `bits`; 0 if none does.
+uint32_t vec_bytes(uint64_t bits) {
+  if (bits % 16 == 0) return 16;
+  if (bits % 4 == 0) return 4;
+  if (bits % 2 == 0) return 2;
+  return 0;
+}
+
+uint64_t pointer_bits(const MatvecBatch& batch) {
+  uint64_t bits = 0;
+  for (uint32_t j = 0; j < batch.count; ++j) bits |= reinterpret_cast<uintptr_t>(batch.w[j]);
+  return bits;
+}
+
+template <class F>
+cudaError_t dispatch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
+                           uint32_t cols, cudaStream_t stream) {
+  const uint32_t blocks = cols / F::kBlockElems;
+  const uint32_t units = F::units(blocks);
+  // The widest group that still gives each lane its units: short rows share a warp.
+  uint32_t lanes = 4;
+  for (const uint32_t l : {32u, 16u, 8u}) {
+    if (F::kUnitsPerLane * l <= units) {
+      lanes = l;
+      break;
+    }
+  }
+  const uint64_t tile_bytes = uint64_t{F::tile_blocks(lanes)} * F::kBlockBytes;
+  const uint32_t vec = vec_bytes(pointer_bits(batch) | row_bytes | tile_bytes |
+                                 uint64_t{blocks} * F::kBlockBytes);
+  if (vec == 0) return cudaErrorInvalidValue;  // an odd address
+  switch (lanes) {
+    case 32:
+      return launch_quant_vec<F, 32>(vec, batch, row_bytes, rows, cols, stream);
+    case 16:
+      return launch_quant_vec<F, 16>(vec, batch, row_bytes, rows, cols, stream);
+    case 8:
+      return launch_quant_vec<F, 8>(vec, batch, row_bytes, rows, cols, stream);
+    default:
+      return launch_quant_vec<F, 4>(vec, batch, row_bytes, rows, cols, stream);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain matvec.
+
+template <GgmlType T>
+struct PlainType;
+template <>
+struct PlainType<GgmlType::F32> {
+  static constexpr uint32_t kBytes = 4;
+};
+template <>
+struct PlainType<GgmlType::F16> {
+  static constexpr uint32_t kBytes = 2;
+};
+template <>
+struct PlainType<GgmlType::BF16> {
+  static constexpr uint32_t kBytes = 2;
+};
+
+// Element i (0 or 1) of a word of two 16-bit values, or the word itself for f32.
+template <GgmlType T>
+__device__ __forceinline__ float plain_elem(uint32_t word, uint32_t i) {
+  if constexpr (T == GgmlType::F32) {
+    return __uint_as_float(word);
+  } else if constexpr (T == GgmlType::F16) {
+    return half_bits_to_float(i == 0 ? word : word >> 16);
+  } else {
+    return __uint_as_float(i == 0 ? word << 16 : word & 0xffff0000u);
+  }
+}
+
+// The dot product of one loaded chunk with the x values it multiplies (xs already offset).
+template <GgmlType T>
+__device__ __forceinline__ float plain_dot(uint4 v, const float* xs) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  float r = 0.0f;
+  if constexpr (T == GgmlType::F32) {
+    const float4 xv = *reinterpret_cast<const float4*>(xs);
+    r = fmaf(__uint_as_float(v.x), xv.x, r);
+    r = fmaf(__uint_as_float(v.y), xv.y, r);
+    r = fmaf(__uint_as_float(v.z), xv.z, r);
+    r = fmaf(__uint_as_float(v.w), xv.w, r);
+  } else {
+#pragma unroll
+    for (uint32_t i = 0; i < 2; ++i) {
+      const float4 xv = *reinterpret_cast<const float4*>(xs + 4 * i);
+      r = fmaf(plain_elem<T>(words[2 * i], 0), xv.x, r);
+      r = fmaf(plain_elem<T>(words[2 * i], 1), xv.y, r);
+      r = fmaf(plain_elem<T>(words[2 * i + 1], 0), xv.z, r);
+      r = fmaf(plain_elem<T>(words[2 * i + 1], 1), xv.w, r);
+    }
+  }
+  return r;
+}
+
+template <GgmlType T>
+__device__ __forceinline__ float plain_dot(uint32_t v, const float* xs) {
+  if constexpr (T == GgmlType::F32) {
+    return __uint_as_float(v) * xs[0];
+  } else {
+    return fmaf(plain_elem<T>(v, 1), xs[1], plain_elem<T>(v, 0) * xs[0]);
+  }
+}
+
+template <GgmlType T>
+__device__ __forceinline__ float plain_dot(uint16_t v, const float* xs) {
+  return plain_elem<T>(v, 0) * xs[0];
+}
+
+struct PlainArgs {
+  MatvecBatch batch;
+  uint64_t row_bytes;
+  uint32_t rows;
+  uint32_t cols;
+  uint32_t rows_per_cta;
+};
+
+// Grid: (CTAs per job, jobs); a warp per row, lanes over V-byte chunks, kUnroll chunks in flight.
+template <GgmlType T, int V>
+__global__ void __launch_bounds__(kThreads) matvec_plain_kernel(const PlainArgs a) {
+  using Vec = typename VecOf<V>::type;
+  constexpr uint32_t kElems = V / PlainType<T>::kBytes;  // per chunk
+  constexpr uint32_t kUnroll = 4;
+  extern __shared__ __align__(16) float xsf[];
+  const uint32_t job = blockIdx.y;
+  const uint8_t* w = static_cast<const uint8_t*>(a.batch.w[job]);
+  const float* x = a.batch.x[job];
+  float* y = a.batch.y[job];
+  for (uint32_t i = threadIdx.x; i < a.cols; i += kThreads) xsf[i] = x[i];
+  __syncthreads();
+
+  const uint32_t warp = threadIdx.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t chunks = a.cols / kElems;
+  const uint32_t row0 = blockIdx.x * a.rows_per_cta;
+  const uint32_t row_end = min(a.rows, row0 + a.rows_per_cta);
+  for (uint32_t row = row0 + warp; row < row_end; row += kWarps) {
+    const uint8_t* src = w + uint64_t{row} * a.row_bytes;
+    float acc = 0.0f;
+    for (uint32_t c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+      Vec v[kUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t c = c0 + 32 * u;
+        if (c < chunks) v[u] = *reinterpret_cast<const Vec*>(src + uint64_t{c} * V);
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t c = c0 + 32 * u;
+        if (c < chunks) acc += plain_dot<T>(v[u], xsf + c * kElems);
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[row] = acc;
+  }
+}
+
+template <GgmlType T, int V>
+cudaError_t launch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
+                         uint32_t cols, cudaStream_t stream) {
+  PlainArgs a{};
+  a.batch = batch;
+  a.row_bytes = row_bytes;
+  a.rows = rows;
+  a.cols = cols;
+  const size_t smem = (size_t{cols} * sizeof(float) + 15) / 16 * 16;
+  const auto kernel = matvec_plain_kernel<T, V>;
+  LaunchShape shape;
+  const cudaError_t e = plan_launch(kernel, smem, rows, batch.count, kWarps, kWarps, &shape);
+  if (e != cudaSuccess) return e;
+  a.rows_per_cta = shape.rows_per_cta;
+  kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <GgmlType T>
+cudaError_t dispatch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
+                           uint32_t cols, cudaStream_t stream) {
+  const uint32_t vec = vec_bytes(pointer_bits(batch) | row_bytes |
+                                 uint64_t{cols} * PlainType<T>::kBytes);
+  if (vec == 16) return launch_plain<T, 16>(batch, row_bytes, rows, cols, stream);
+  if (vec == 4) return launch_plain<T, 4>(batch, row_bytes, rows, cols, stream);
+  if constexpr (PlainType<T>::kBytes == 2) {
+    if (vec == 2) return launch_plain<T, 2>(batch, row_bytes, rows, cols, stream);
+  }
+  return cudaErrorInvalidValue;  // not aligned to the element size
+}
+
+}  // namespace
+
+bool supported(GgmlType type) {
+  switch (type) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+cudaError_t dequantize(GgmlType type, const void* src, float* dst, uint64_t n,
+                       cudaStream_t stream) {
+  if (!supported(type) || src == nullptr || dst == nullptr || n == 0 ||
+      n % ggml_traits(type).block_elems != 0) {
+    return cudaErrorInvalidValue;
+  }
+  switch (type) {
+    case GgmlType::F32:
+      return launch_dequantize<GgmlType::F32>(src, dst, n, stream);
+    case GgmlType::F16:
+      return launch_dequantize<GgmlType::F16>(src, dst, n, stream);
+    case GgmlType::BF16:
+      return launch_dequantize<GgmlType::BF16>(src, dst, n, stream);
+    case GgmlType::Q8_0:
+      return launch_dequantize<GgmlType::Q8_0>(src, dst, n, stream);
+    case GgmlType::Q4_K:
+      return launch_dequantize<GgmlType::Q4_K>(src, dst, n, stream);
+    default:
+      return launch_dequantize<GgmlType::Q6_K>(src, dst, n, stream);
+  }
+}
+
+cudaError_t matvec(GgmlType type, const void* w, uint64_t row_bytes, uint32_t rows, uint32_t cols,
+                   const float* x, float* y, cudaStream_t stream) {
+  MatvecBatch batch;
+  batch.count = 1;
+  batch.w[0] = w;
+  batch.x[0] = x;
+  batch.y[0] = y;
+  return matvec_batched(type, batch, row_bytes, rows, cols, stream);
+}
+
+cudaError_t matvec_batched(GgmlType type, const MatvecBatch& batch, uint64_t row_bytes,
+                           uint32_t rows, uint32_t cols, cudaStream_t stream) {
+  if (!supported(type) || batch.count == 0 || batch.count > kMaxBatch || rows == 0 ||
+      cols == 0) {
+    return cudaErrorInvalidValue;
+  }
+  const GgmlTypeTraits& traits = ggml_traits(type);
+  if (cols % traits.block_elems != 0 ||
+      uint64_t{cols} / traits.block_elems * traits.block_bytes > row_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  for (uint32_t j = 0; j < batch.count; ++j) {
+    if (batch.w[j] == nullptr || batch.x[j] == nullptr || batch.y[j] == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  switch (type) {
+    case GgmlType::F32:
+      return dispatch_plain<GgmlType::F32>(batch, row_bytes, rows, cols, stream);
+    case GgmlType::F16:
+      return dispatch_plain<GgmlType::F16>(batch, row_bytes, rows, cols, stream);
+    case GgmlType::BF16:
+      return dispatch_plain<GgmlType::BF16>(batch, row_bytes, rows, cols, stream);
+    case GgmlType::Q8_0:
+      return dispatch_quant<Q80>(batch, row_bytes, rows, cols, stream);
+    case GgmlType::Q4_K:
+      return dispatch_quant<Q4K>(batch, row_bytes, rows, cols, stream);
+    default:
+      return dispatch_quant<Q6K>(batch, row_bytes, rows, cols, stream);
+  }
+}
+
+}  // namespace expertd::kernels

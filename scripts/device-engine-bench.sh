@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU engine's checks and benchmark on the device machine (H200), from the repository root
+# with the binaries carried in .device/ (scripts/device-bundle.sh build-me ...). Phases, run in
+# the order given:
+#   tests    gpu_kernels_tests, gpu_engine_tests and engine_tests (fixtures through a real expertd)
+#   gpubench expert-gpu-bench: staging->VRAM copy vs cudaMemcpy of pinned memory; expert FFN vs HBM
+#   forge    a Mixtral-8x7B-shaped qwen3moe GGUF (32 layers, 8 experts, top-2, embd 4096,
+#            ff 14336, q4_k experts: ~25 GB of experts) on the device's disk, unless present
+#   disk     expert-bench storage on it: expertd's O_DIRECT GB/s against raw O_DIRECT
+#   run:NAME:CACHE:VRAM:DEPTH:TOKENS
+#            a fresh expertd (cache CACHE) and expert-run replaying the Mixtral humaneval1 trace
+#            (benchmark mode) with --vram-experts VRAM and --prefetch-depth DEPTH for TOKENS tokens
+# Results land in $OUT (JSON per phase). Tests are compiled with /work/main paths: link them.
+set -euo pipefail
+root=$PWD
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+bin=$root/.device/bin
+out=${OUT:-/tmp/out}
+work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench}
+mkdir -p "$out" "$work"
+model=$work/mixtral-q4k.gguf
+trace=$root/.device/traces/mixtral-8x7b-humaneval1.trace.jsonl
+
+link_paths() {  # the tests' compiled-in paths: /work/main (sources, fixtures), build-me/bin, ../shared
+  if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
+  mkdir -p /work/main/build-me && ln -sfn "$bin" /work/main/build-me/bin
+  mkdir -p /work/shared && ln -sfn "$root/.device/traces" /work/shared/traces
+}
+
+phase_tests() {
+  link_paths
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+  local rc=0
+  for t in gpu_kernels_tests gpu_engine_tests engine_tests; do
+    [ -x "$bin/$t" ] || continue
+    echo "== $t"
+    "$bin/$t" --gtest_brief=1 2>&1 | tee "$out/$t.log" | grep -vE '^\[ +(OK|RUN) ' || rc=1
+  done
+  return $rc
+}
+
+phase_gpubench() {
+  "$bin/expert-gpu-bench" --json | tee "$out/gpubench.json"
+}
+
+phase_forge() {
+  if [ -f "$model" ]; then echo "forge: $model exists"; return; fi
+  "$bin/expert-forge" --layers 32 --experts 8 --top-k 2 --embd 4096 --ff 14336 --heads 32 \
+    --kv-heads 8 --head-dim 128 --vocab 32000 --expert-type q4_k --dense-type f16 --seed 8 \
+    --threads 16 -o "$model" --force
+  ls -l "$model"
+}
+
+phase_disk() {
+  "$bin/expert-bench" storage --model "$model" --seconds 3 --json | tee "$out/disk.json"
+}
+
+phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
+  local name=$1 cache=$2 vram=$3 depth=$4 tokens=$5
+  local sock=$work/expertd.sock
+  rm -f "$sock"
+  "$bin/expertd" --model "mix=$model" --socket "$sock" --cache "$cache" --staging 1GiB \
+    --queue-depth 32 --prefetch-depth 3 2> "$work/expertd-$name.log" &
+  local pid=$!
+  for _ in $(seq 600); do [ -S "$sock" ] && break; sleep 0.1; done
+  [ -S "$sock" ] || { cat "$work/expertd-$name.log"; kill $pid; return 1; }
+  local rc=0
+  "$bin/expert-run" --socket "$sock" --model mix --gguf "$model" --prompt-tokens 1 \
+    --max-tokens "$tokens" --vram-experts "$vram" --prefetch-depth "$depth" \
+    --routing-trace "$trace" --json > "$out/run-$name.json" || rc=$?
+  kill -TERM $pid; wait $pid || true
+  echo "run $name (cache $cache, vram $vram, depth $depth): $(head -c 600 "$out/run-$name.json")"
+  return $rc
+}
+
+for p in "$@"; do
+  case $p in
+    run:*) IFS=: read -r _ n c v d t <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" ;;
+    *) "phase_$p" ;;
+  esac
+done

@@ -1,0 +1,847 @@
+// The CUDA kernels (kernels/*.cuh) against the CPU reference: engine/cpu_ops (rms_norm, rope_neox,
+// softmax, dot), engine/dequant, and the loops of engine/cpu_engine.cc (attention, routing,
+// SwiGLU, the weighted combine) written out again here. Random inputs of several shapes, odd ones
+// included; every comparison reports the normalised error max|gpu - cpu| / max|cpu|.
+//
+// Tolerances (normalised error):
+//   dequantize, moe_combine, add                    0 (bit-identical: same float operations)
+//   swiglu, rope_neox, router probs and weights      1e-6 (double math on both sides)
+//   rms_norm                                         1e-5 (float sum of squares vs double)
+//   decode_attention                                 2e-5 (float online softmax vs double)
+//   matvec, every type                               1e-5 (against dequantise + dot in double)
+//   router experts                                   identical lists, ties to the lower index
+//
+// Every test skips, saying why, when there is no CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_ops.h"
+#include "engine/dequant.h"
+#include "kernels/attention.cuh"
+#include "kernels/combine.cuh"
+#include "kernels/dequant.cuh"
+#include "kernels/norm.cuh"
+#include "kernels/rope.cuh"
+#include "kernels/routing.cuh"
+#include "kernels/swiglu.cuh"
+#include "storage/ggml_types.h"
+#include "storage/half.h"
+
+namespace expertd::kernels {
+namespace {
+
+// Empty when a CUDA device is usable, else what cudaGetDeviceCount said.
+std::string missing_device() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+  }
+  if (count == 0) return "cudaGetDeviceCount found 0 devices";
+  return {};
+}
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(call)
+
+// Every test runs on its own stream, as the engine's kernels do.
+class GpuKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string why = missing_device();
+    if (!why.empty()) GTEST_SKIP() << "no CUDA device: " << why;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) {
+      EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      EXPECT_EQ(cudaStreamDestroy(stream_), cudaSuccess);
+    }
+  }
+  cudaError_t sync() { return cudaStreamSynchronize(stream_); }
+
+  cudaStream_t stream_ = nullptr;
+};
+
+// A device allocation of n values of T.
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+  }
+  explicit DeviceBuffer(const std::vector<T>& v) : DeviceBuffer(v.size()) { upload(v); }
+  ~DeviceBuffer() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* get() const { return static_cast<T*>(p_); }
+  void upload(const std::vector<T>& v) {
+    EXPECT_EQ(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> download() const {
+    std::vector<T> v(n_);
+    EXPECT_EQ(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_;
+};
+
+// max|got - want| / max|want| (max|got - want| when want is all zero); infinity when got has a
+// NaN or infinity that want does not.
+double normalised_error(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0.0;
+  double ref = 0.0;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    if (!std::isfinite(got[i]) && std::isfinite(want[i])) {
+      return std::numeric_limits<double>::infinity();
+    }
+    diff = std::max(diff, std::fabs(static_cast<double>(got[i]) - want[i]));
+    ref = std::max(ref, std::fabs(static_cast<double>(want[i])));
+  }
+  return ref > 0.0 ? diff / ref : diff;
+}
+
+size_t bit_mismatches(const std::vector<float>& got, const std::vector<float>& want) {
+  size_t n = 0;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i])) ++n;
+  }
+  return n + (got.size() > want.size() ? got.size() - want.size() : want.size() - got.size());
+}
+
+std::vector<float> uniform(size_t n, std::mt19937_64& rng, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (float& f : v) f = d(rng);
+  return v;
+}
+
+// An activation vector with the features the digit-plane split must handle: whole 32-element
+// groups of zeros, single outliers a thousand times the rest, tiny values next to large ones.
+std::vector<float> activations(size_t n, std::mt19937_64& rng) {
+  std::vector<float> x = uniform(n, rng);
+  std::uniform_int_distribution<size_t> pick(0, n - 1);
+  for (int i = 0; i < 3 && n >= 64; ++i) {
+    const size_t g = pick(rng) / 32 * 32;
+    std::fill(x.begin() + static_cast<int64_t>(g),
+              x.begin() + static_cast<int64_t>(std::min(n, g + 32)), 0.0f);
+  }
+  for (int i = 0; i < 4; ++i) x[pick(rng)] *= 1000.0f;
+  for (int i = 0; i < 4; ++i) x[pick(rng)] *= 1e-6f;
+  return x;
+}
+
+void put_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+
+// An f16 scale of magnitude around `base`, either sign when `sign`.
+uint16_t f16_scale(std::mt19937_64& rng, float base, bool sign) {
+  std::uniform_real_distribution<float> d(0.5f, 1.5f);
+  const float v = base * d(rng) * (sign && (rng() & 1) ? -1.0f : 1.0f);
+  return float_to_f16(v);
+}
+
+// Valid random rows of `type`: random quants and packed scales (every bit pattern is valid), f16
+// scales set to sane finite values; the bytes between a row's data and row_bytes are random too
+// (the kernels must ignore them).
+std::vector<uint8_t> random_weights(GgmlType type, uint64_t rows, uint64_t cols, uint64_t row_bytes,
+                                    std::mt19937_64& rng) {
+  std::vector<uint8_t> w(rows * row_bytes);
+  for (uint8_t& b : w) b = static_cast<uint8_t>(rng());
+  const GgmlTypeTraits& t = ggml_traits(type);
+  const uint64_t blocks = cols / t.block_elems;
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (uint64_t r = 0; r < rows; ++r) {
+    uint8_t* row = w.data() + r * row_bytes;
+    for (uint64_t b = 0; b < blocks; ++b) {
+      uint8_t* blk = row + b * t.block_bytes;
+      switch (type) {
+        case GgmlType::F32: {
+          const float v = unit(rng);
+          std::memcpy(blk, &v, 4);
+          break;
+        }
+        case GgmlType::F16:
+          put_u16(blk, float_to_f16(unit(rng)));
+          break;
+        case GgmlType::BF16:
+          put_u16(blk, float_to_bf16(unit(rng)));
+          break;
+        case GgmlType::Q8_0:
+          put_u16(blk, f16_scale(rng, 1.0f / 127.0f, true));
+          break;
+        case GgmlType::Q4_K:
+          put_u16(blk, f16_scale(rng, 1.0f / 600.0f, false));
+          put_u16(blk + 2, f16_scale(rng, 1.0f / 600.0f, false));
+          break;
+        case GgmlType::Q6_K:
+          put_u16(blk + 208, f16_scale(rng, 1.0f / 2000.0f, true));
+          break;
+        default:
+          ADD_FAILURE() << "no generator for " << ggml_type_name(type);
+      }
+    }
+  }
+  return w;
+}
+
+uint64_t data_bytes(GgmlType type, uint64_t cols) { return *ggml_row_bytes(type, cols); }
+
+// y = W x by the CPU reference (dequantise each row, dot in double).
+std::vector<float> cpu_matvec(GgmlType type, const uint8_t* w, uint64_t rows, uint64_t cols,
+                              uint64_t row_bytes, const std::vector<float>& x) {
+  std::vector<float> y(rows);
+  std::vector<float> row(cols);
+  engine::matvec(engine::WeightView{type, w, rows, cols, row_bytes}, x.data(), y.data(),
+                 row.data());
+  return y;
+}
+
+constexpr double kMatvecTolerance = 1e-5;
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(GpuKernels, RmsNormMatchesCpu) {
+  std::mt19937_64 rng(1);
+  struct Shape {
+    uint32_t rows;
+    uint32_t n;
+  };
+  for (const Shape s : {Shape{1, 4096}, Shape{1, 2048}, Shape{32, 128}, Shape{8, 64},
+                        Shape{3, 1000}, Shape{5, 33}, Shape{1, 7}, Shape{2, 14336}}) {
+    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n);
+    const std::vector<float> x = uniform(size_t{s.rows} * s.n, rng, -3.0f, 3.0f);
+    const std::vector<float> w = uniform(s.n, rng, 0.5f, 1.5f);
+    std::vector<float> want(x.size());
+    for (uint32_t r = 0; r < s.rows; ++r) {
+      engine::rms_norm(x.data() + size_t{r} * s.n, w.data(), want.data() + size_t{r} * s.n, s.n,
+                       1e-6f);
+    }
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<float> dw(w);
+    DeviceBuffer<float> dy(x.size());
+    CUDA_OK(rms_norm(dx.get(), dw.get(), dy.get(), s.rows, s.n, 1e-6f, stream_));
+    CUDA_OK(sync());
+    const double err = normalised_error(dy.download(), want);
+    EXPECT_LE(err, 1e-5);
+    // In place, as the engine normalises q and k.
+    CUDA_OK(rms_norm(dx.get(), dw.get(), dx.get(), s.rows, s.n, 1e-6f, stream_));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dx.download(), want), 1e-5);
+    RecordProperty("rms_norm_error_" + std::to_string(s.rows) + "x" + std::to_string(s.n),
+                   std::to_string(err));
+  }
+}
+
+TEST_F(GpuKernels, RopeNeoxMatchesCpu) {
+  std::mt19937_64 rng(2);
+  struct Shape {
+    uint32_t heads;
+    uint32_t head_dim;
+    uint32_t n_rot;
+    uint32_t pos;
+    float base;
+  };
+  for (const Shape s :
+       {Shape{32, 128, 128, 0, 1e6f}, Shape{32, 128, 128, 5, 1e6f}, Shape{8, 128, 64, 31000, 1e6f},
+        Shape{4, 64, 64, 1, 10000.0f}, Shape{3, 80, 32, 12345, 10000.0f},
+        Shape{1, 256, 256, 32767, 5e5f}, Shape{40, 128, 2, 77, 1e6f}}) {
+    SCOPED_TRACE(testing::Message() << "heads " << s.heads << " head_dim " << s.head_dim
+                                    << " n_rot " << s.n_rot << " pos " << s.pos);
+    const std::vector<float> x = uniform(size_t{s.heads} * s.head_dim, rng);
+    std::vector<float> want = x;
+    for (uint32_t h = 0; h < s.heads; ++h) {
+      engine::rope_neox(want.data() + size_t{h} * s.head_dim, s.n_rot, s.pos,
+                        static_cast<double>(s.base));
+    }
+    DeviceBuffer<float> dx(x);
+    CUDA_OK(rope_neox(dx.get(), s.heads, s.head_dim, s.n_rot, s.pos, s.base, stream_));
+    CUDA_OK(sync());
+    const std::vector<float> got = dx.download();
+    EXPECT_LE(normalised_error(got, want), 1e-6);
+    // Dimensions from n_rot on are untouched.
+    for (uint32_t h = 0; h < s.heads; ++h) {
+      for (uint32_t i = s.n_rot; i < s.head_dim; ++i) {
+        ASSERT_EQ(got[size_t{h} * s.head_dim + i], x[size_t{h} * s.head_dim + i]);
+      }
+    }
+  }
+}
+
+// The CPU engine's attention loop for one token over positions 0..n_pos-1.
+std::vector<float> cpu_attention(const std::vector<float>& q, const std::vector<float>& k,
+                                 const std::vector<float>& v, uint32_t n_head, uint32_t n_head_kv,
+                                 uint32_t hd, uint32_t n_pos) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  const uint32_t group = n_head / n_head_kv;
+  const uint64_t kv_dim = uint64_t{n_head_kv} * hd;
+  std::vector<float> out(size_t{n_head} * hd);
+  std::vector<double> scores(n_pos);
+  std::vector<double> acc(hd);
+  for (uint32_t h = 0; h < n_head; ++h) {
+    const float* qh = q.data() + uint64_t{h} * hd;
+    const uint64_t off = uint64_t{h / group} * hd;
+    for (uint32_t t = 0; t < n_pos; ++t) {
+      scores[t] = engine::dot(qh, k.data() + t * kv_dim + off, hd) * scale;
+    }
+    engine::softmax(scores.data(), n_pos);
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (uint32_t t = 0; t < n_pos; ++t) {
+      for (uint32_t i = 0; i < hd; ++i) acc[i] += scores[t] * v[t * kv_dim + off + i];
+    }
+    for (uint32_t i = 0; i < hd; ++i) out[uint64_t{h} * hd + i] = static_cast<float>(acc[i]);
+  }
+  return out;
+}
+
+TEST_F(GpuKernels, DecodeAttentionMatchesCpu) {
+  std::mt19937_64 rng(3);
+  struct Shape {
+    uint32_t n_head;
+    uint32_t n_head_kv;
+    uint32_t head_dim;
+    uint32_t n_pos;
+  };
+  for (const Shape s :
+       {Shape{32, 4, 128, 1}, Shape{32, 4, 128, 1500}, Shape{16, 16, 64, 7}, Shape{8, 1, 128, 33},
+        Shape{4, 1, 64, 5000}, Shape{2, 2, 96, 100}, Shape{6, 3, 80, 1025}, Shape{4, 4, 32, 3},
+        Shape{2, 1, 256, 300}, Shape{2, 1, 128, 32768}, Shape{8, 8, 16, 9}}) {
+    SCOPED_TRACE(testing::Message() << "heads " << s.n_head << "/" << s.n_head_kv << " head_dim "
+                                    << s.head_dim << " n_pos " << s.n_pos);
+    const uint64_t kv_dim = uint64_t{s.n_head_kv} * s.head_dim;
+    // The cache is longer than n_pos; the positions past it hold NaN and must not be read.
+    const uint64_t cache_pos = s.n_pos + 5;
+    // q and k of unit rms with a spread that makes the softmax neither flat nor one-hot.
+    const std::vector<float> q = uniform(size_t{s.n_head} * s.head_dim, rng, -2.0f, 2.0f);
+    std::vector<float> k = uniform(cache_pos * kv_dim, rng, -2.0f, 2.0f);
+    std::vector<float> v = uniform(cache_pos * kv_dim, rng);
+    std::fill(k.begin() + static_cast<int64_t>(s.n_pos * kv_dim), k.end(), std::nanf(""));
+    std::fill(v.begin() + static_cast<int64_t>(s.n_pos * kv_dim), v.end(), std::nanf(""));
+    const std::vector<float> want =
+        cpu_attention(q, k, v, s.n_head, s.n_head_kv, s.head_dim, s.n_pos);
+    DeviceBuffer<float> dq(q);
+    DeviceBuffer<float> dk(k);
+    DeviceBuffer<float> dv(v);
+    // One spare head of output, a sentinel the kernel must not write.
+    std::vector<float> out_init(size_t{s.n_head + 1} * s.head_dim, 1234.5f);
+    DeviceBuffer<float> dout(out_init);
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    CUDA_OK(decode_attention(dq.get(), dk.get(), dv.get(), dout.get(), s.n_head, s.n_head_kv,
+                             s.head_dim, s.n_pos, scale, stream_));
+    CUDA_OK(sync());
+    std::vector<float> got = dout.download();
+    for (size_t i = size_t{s.n_head} * s.head_dim; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], 1234.5f) << "wrote past the output at " << i;
+    }
+    got.resize(want.size());
+    EXPECT_LE(normalised_error(got, want), 2e-5);
+  }
+}
+
+// The CPU engine's routing: softmax in double, the top k (ties to the lower index), weights
+// normalised over the chosen when norm_topk.
+void cpu_route(const float* logits, uint32_t n, uint32_t k, bool norm, uint32_t* experts,
+               float* weights, float* probs) {
+  std::vector<double> p(logits, logits + n);
+  engine::softmax(p.data(), n);
+  std::vector<uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](uint32_t a, uint32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  double sum = 0.0;
+  for (uint32_t i = 0; i < k; ++i) sum += p[order[i]];
+  for (uint32_t i = 0; i < k; ++i) {
+    experts[i] = order[i];
+    weights[i] = static_cast<float>(norm ? p[order[i]] / sum : p[order[i]]);
+  }
+  for (uint32_t e = 0; e < n; ++e) probs[e] = static_cast<float>(p[e]);
+}
+
+struct RouteResult {
+  std::vector<uint32_t> experts;
+  std::vector<float> weights;
+  std::vector<float> probs;
+};
+
+RouteResult gpu_route(const std::vector<float>& logits, uint32_t rows, uint32_t n, uint32_t k,
+                      bool norm, cudaStream_t stream) {
+  DeviceBuffer<float> dl(logits);
+  DeviceBuffer<uint32_t> de(size_t{rows} * k);
+  DeviceBuffer<float> dw(size_t{rows} * k);
+  DeviceBuffer<float> dp(size_t{rows} * n);
+  EXPECT_EQ(router_topk(dl.get(), rows, n, k, norm, de.get(), dw.get(), dp.get(), stream),
+            cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  return RouteResult{de.download(), dw.download(), dp.download()};
+}
+
+TEST_F(GpuKernels, RouterTopkMatchesCpu) {
+  std::mt19937_64 rng(4);
+  struct Shape {
+    uint32_t rows;
+    uint32_t n_expert;
+    uint32_t k;
+  };
+  for (const Shape s :
+       {Shape{1, 8, 2}, Shape{3, 128, 8}, Shape{2, 60, 4}, Shape{1, 512, 8}, Shape{4, 1000, 64},
+        Shape{1, 1024, 1}, Shape{2, 256, 64}, Shape{1, 5, 5}, Shape{1, 1, 1}, Shape{2, 300, 10}}) {
+    for (const bool norm : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n_expert " << s.n_expert << " k "
+                                      << s.k << " norm " << norm);
+      const std::vector<float> logits = uniform(size_t{s.rows} * s.n_expert, rng, -4.0f, 4.0f);
+      const RouteResult got = gpu_route(logits, s.rows, s.n_expert, s.k, norm, stream_);
+      RouteResult want{std::vector<uint32_t>(size_t{s.rows} * s.k),
+                       std::vector<float>(size_t{s.rows} * s.k),
+                       std::vector<float>(size_t{s.rows} * s.n_expert)};
+      for (uint32_t r = 0; r < s.rows; ++r) {
+        cpu_route(logits.data() + size_t{r} * s.n_expert, s.n_expert, s.k, norm,
+                  want.experts.data() + size_t{r} * s.k, want.weights.data() + size_t{r} * s.k,
+                  want.probs.data() + size_t{r} * s.n_expert);
+      }
+      EXPECT_EQ(got.experts, want.experts);
+      EXPECT_LE(normalised_error(got.weights, want.weights), 1e-6);
+      EXPECT_LE(normalised_error(got.probs, want.probs), 1e-6);
+    }
+  }
+}
+
+TEST_F(GpuKernels, RouterTiesGoToTheLowerIndex) {
+  // Equal logits give equal probabilities: the lower index comes first, as in the CPU engine.
+  const std::vector<float> logits = {1.0f, 3.0f, 3.0f, 2.0f, 3.0f, 2.0f, 0.5f, 3.0f,  // row 0
+                                     0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const RouteResult got = gpu_route(logits, 2, 8, 6, true, stream_);
+  EXPECT_EQ(got.experts, (std::vector<uint32_t>{1, 2, 4, 7, 3, 5, 0, 1, 2, 3, 4, 5}));
+  for (uint32_t j = 6; j < 12; ++j) EXPECT_FLOAT_EQ(got.weights[j], 1.0f / 6.0f);
+}
+
+TEST_F(GpuKernels, SwigluMatchesCpu) {
+  std::mt19937_64 rng(5);
+  for (const uint64_t n :
+       {uint64_t{1}, uint64_t{1000}, uint64_t{2} * 14336, uint64_t{8} * 768, uint64_t{1} << 21}) {
+    SCOPED_TRACE(n);
+    std::vector<float> gate = uniform(n, rng, -12.0f, 12.0f);
+    gate[0] = -100.0f;  // exp overflow side
+    const std::vector<float> up = uniform(n, rng, -2.0f, 2.0f);
+    std::vector<float> want(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      const float silu =
+          static_cast<float>(gate[i] / (1.0 + std::exp(-static_cast<double>(gate[i]))));
+      want[i] = silu * up[i];
+    }
+    DeviceBuffer<float> dg(gate);
+    DeviceBuffer<float> du(up);
+    DeviceBuffer<float> dout(n);
+    CUDA_OK(swiglu(dg.get(), du.get(), dout.get(), n, stream_));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dout.download(), want), 1e-6);
+    // In place over gate, as the engine may run it.
+    CUDA_OK(swiglu(dg.get(), du.get(), dg.get(), n, stream_));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dg.download(), want), 1e-6);
+  }
+}
+
+TEST_F(GpuKernels, CombineAndAddAreBitIdenticalToCpu) {
+  std::mt19937_64 rng(6);
+  for (const uint32_t k : {1u, 2u, 8u}) {
+    for (const uint32_t n : {1u, 777u, 4096u, 7168u}) {
+      SCOPED_TRACE(testing::Message() << "k " << k << " n " << n);
+      const std::vector<float> eo = uniform(size_t{k} * n, rng, -5.0f, 5.0f);
+      const std::vector<float> w = uniform(k, rng, 0.0f, 1.0f);
+      const std::vector<float> x = uniform(n, rng);
+      std::vector<float> want = x;
+      std::vector<double> acc(n, 0.0);
+      for (uint32_t j = 0; j < k; ++j) {
+        for (uint32_t i = 0; i < n; ++i) {
+          acc[i] += static_cast<double>(w[j]) * static_cast<double>(eo[size_t{j} * n + i]);
+        }
+      }
+      for (uint32_t i = 0; i < n; ++i) want[i] += static_cast<float>(acc[i]);
+      DeviceBuffer<float> deo(eo);
+      DeviceBuffer<float> dw(w);
+      DeviceBuffer<float> dx(x);
+      CUDA_OK(moe_combine(deo.get(), dw.get(), dx.get(), k, n, stream_));
+      CUDA_OK(sync());
+      EXPECT_EQ(bit_mismatches(dx.download(), want), 0u);
+
+      const std::vector<float> y = uniform(n, rng);
+      for (uint32_t i = 0; i < n; ++i) want[i] += y[i];
+      DeviceBuffer<float> dy(y);
+      CUDA_OK(add(dx.get(), dy.get(), n, stream_));
+      CUDA_OK(sync());
+      EXPECT_EQ(bit_mismatches(dx.download(), want), 0u);
+    }
+  }
+}
+
+constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
+                                  GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K};
+
+TEST_F(GpuKernels, DequantizeIsBitIdenticalToCpu) {
+  std::mt19937_64 rng(7);
+  for (const GgmlType type : kAllTypes) {
+    const uint32_t block = ggml_traits(type).block_elems;
+    for (const uint64_t n : {uint64_t{block}, uint64_t{block} * 37, uint64_t{256} * 1024 + 512}) {
+      if (n % block != 0) continue;
+      // Unaligned on purpose: the source is read bytewise.
+      for (const uint64_t offset : {uint64_t{0}, uint64_t{1}}) {
+        SCOPED_TRACE(testing::Message()
+                     << ggml_type_name(type) << " n " << n << " offset " << offset);
+        const uint64_t bytes = data_bytes(type, n);
+        const std::vector<uint8_t> w = random_weights(type, 1, n, bytes, rng);
+        std::vector<float> want(n);
+        engine::dequantize_row(type, w.data(), want.data(), n);
+        std::vector<uint8_t> padded(offset, 0);
+        padded.insert(padded.end(), w.begin(), w.end());
+        DeviceBuffer<uint8_t> dsrc(padded);
+        DeviceBuffer<float> dst(n);
+        CUDA_OK(dequantize(type, dsrc.get() + offset, dst.get(), n, stream_));
+        CUDA_OK(sync());
+        EXPECT_EQ(bit_mismatches(dst.download(), want), 0u);
+      }
+    }
+  }
+}
+
+struct MatvecShape {
+  uint32_t rows;
+  uint32_t cols;
+};
+
+// Shapes per type: one row, odd row counts, rows of one to many tiles, the Qwen3-30B-A3B expert
+// shapes (768 x 2048, 2048 x 768) and the Mixtral ones (in MixtralExpertShapes).
+std::vector<MatvecShape> matvec_shapes(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K:
+      return {{1, 256},    {37, 512},  {300, 768},  {129, 2048}, {1000, 4096},
+              {64, 14336}, {33, 1280}, {2049, 256}, {768, 2048}, {2048, 768}};
+    case GgmlType::Q8_0:
+      return {{1, 32},     {37, 96},    {100, 800},  {300, 2048}, {1000, 4096},
+              {64, 14336}, {129, 1056}, {2048, 768}, {5, 4064},   {2049, 64}};
+    default:
+      return {{1, 1},      {37, 33},    {300, 1000}, {129, 2048},
+              {500, 4097}, {64, 14336}, {1000, 64},  {3, 7}};
+  }
+}
+
+class MatvecCase {
+ public:
+  MatvecCase(GgmlType type, MatvecShape s, uint64_t row_pad, std::mt19937_64& rng)
+      : type_(type), s_(s), row_bytes_(data_bytes(type, s.cols) + row_pad) {
+    w_ = random_weights(type, s.rows, s.cols, row_bytes_, rng);
+    x_ = activations(s.cols, rng);
+    want_ = cpu_matvec(type, w_.data(), s.rows, s.cols, row_bytes_, x_);
+  }
+  uint64_t row_bytes() const { return row_bytes_; }
+  const std::vector<uint8_t>& w() const { return w_; }
+  const std::vector<float>& x() const { return x_; }
+  const std::vector<float>& want() const { return want_; }
+
+ private:
+  GgmlType type_;
+  MatvecShape s_;
+  uint64_t row_bytes_;
+  std::vector<uint8_t> w_;
+  std::vector<float> x_;
+  std::vector<float> want_;
+};
+
+// Runs matvec with the weights at byte `offset` of a device allocation and checks y (and that
+// the element after y is untouched).
+void check_matvec(GgmlType type, MatvecShape s, uint64_t row_pad, uint64_t offset,
+                  std::mt19937_64& rng, cudaStream_t stream) {
+  SCOPED_TRACE(testing::Message() << ggml_type_name(type) << " " << s.rows << " x " << s.cols
+                                  << " row pad " << row_pad << " offset " << offset);
+  const MatvecCase c(type, s, row_pad, rng);
+  std::vector<uint8_t> placed(offset, 0);
+  placed.insert(placed.end(), c.w().begin(), c.w().end());
+  DeviceBuffer<uint8_t> dw(placed);
+  DeviceBuffer<float> dx(c.x());
+  DeviceBuffer<float> dy(std::vector<float>(s.rows + 1, -7.0f));
+  ASSERT_EQ(
+      matvec(type, dw.get() + offset, c.row_bytes(), s.rows, s.cols, dx.get(), dy.get(), stream),
+      cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<float> got = dy.download();
+  EXPECT_EQ(got[s.rows], -7.0f) << "wrote past y";
+  got.resize(s.rows);
+  const double err = normalised_error(got, c.want());
+  EXPECT_LE(err, kMatvecTolerance);
+}
+
+TEST_F(GpuKernels, MatvecMatchesCpuForEveryTypeAndShape) {
+  std::mt19937_64 rng(8);
+  for (const GgmlType type : kAllTypes) {
+    for (const MatvecShape s : matvec_shapes(type)) check_matvec(type, s, 0, 0, rng, stream_);
+  }
+}
+
+TEST_F(GpuKernels, MatvecHandlesNarrowAlignmentAndRowPadding) {
+  // 16-byte loads need 16-byte aligned rows; these take the 4- and 2-byte paths.
+  std::mt19937_64 rng(9);
+  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
+    for (const MatvecShape s : {MatvecShape{70, 512}, MatvecShape{33, 4096}}) {
+      check_matvec(type, s, 0, 4, rng, stream_);   // 4-byte aligned base
+      check_matvec(type, s, 0, 2, rng, stream_);   // 2-byte aligned base
+      check_matvec(type, s, 16, 0, rng, stream_);  // padded rows, still 16-byte aligned
+      check_matvec(type, s, 6, 0, rng, stream_);   // padded rows, 2-byte aligned
+    }
+  }
+  for (const GgmlType type : {GgmlType::F16, GgmlType::BF16}) {
+    check_matvec(type, MatvecShape{41, 1024}, 0, 2, rng, stream_);
+    check_matvec(type, MatvecShape{41, 1024}, 0, 4, rng, stream_);
+    check_matvec(type, MatvecShape{41, 1023}, 2, 0, rng, stream_);
+  }
+  check_matvec(GgmlType::F32, MatvecShape{41, 1024}, 0, 4, rng, stream_);
+  check_matvec(GgmlType::F32, MatvecShape{41, 1023}, 4, 0, rng, stream_);
+}
+
+TEST_F(GpuKernels, MatvecMixtralExpertShapes) {
+  // One Mixtral-8x7B expert's gate (14336 x 4096) and down (4096 x 14336) in each quantised type.
+  std::mt19937_64 rng(10);
+  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
+    check_matvec(type, MatvecShape{14336, 4096}, 0, 0, rng, stream_);
+    check_matvec(type, MatvecShape{4096, 14336}, 0, 0, rng, stream_);
+  }
+}
+
+TEST_F(GpuKernels, MatvecNanInXGivesNan) {
+  std::mt19937_64 rng(11);
+  for (const GgmlType type : kAllTypes) {
+    SCOPED_TRACE(ggml_type_name(type));
+    const MatvecShape s{8, 512};
+    const MatvecCase c(type, s, 0, rng);
+    std::vector<float> x = c.x();
+    x[100] = std::nanf("");
+    DeviceBuffer<uint8_t> dw(c.w());
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<float> dy(s.rows);
+    CUDA_OK(matvec(type, dw.get(), c.row_bytes(), s.rows, s.cols, dx.get(), dy.get(), stream_));
+    CUDA_OK(sync());
+    for (const float v : dy.download()) EXPECT_TRUE(std::isnan(v));
+  }
+}
+
+TEST_F(GpuKernels, MatvecBatchedMatchesCpuPerJob) {
+  std::mt19937_64 rng(12);
+  for (const GgmlType type : kAllTypes) {
+    for (const uint32_t count : {1u, 3u, 16u, kMaxBatch}) {
+      const MatvecShape s = type == GgmlType::Q8_0 || ggml_traits(type).block_elems == 1
+                                ? MatvecShape{97, 2048}
+                                : MatvecShape{200, 1024};
+      SCOPED_TRACE(testing::Message() << ggml_type_name(type) << " jobs " << count);
+      std::vector<MatvecCase> cases;
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dw;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> dx;
+      DeviceBuffer<float> dy(size_t{count} * s.rows);
+      MatvecBatch b;
+      b.count = count;
+      for (uint32_t j = 0; j < count; ++j) {
+        cases.emplace_back(type, s, 0, rng);
+        dw.push_back(std::make_unique<DeviceBuffer<uint8_t>>(cases.back().w()));
+        dx.push_back(std::make_unique<DeviceBuffer<float>>(cases.back().x()));
+        b.w[j] = dw.back()->get();
+        b.x[j] = dx.back()->get();
+        b.y[j] = dy.get() + size_t{j} * s.rows;
+      }
+      CUDA_OK(matvec_batched(type, b, cases[0].row_bytes(), s.rows, s.cols, stream_));
+      CUDA_OK(sync());
+      const std::vector<float> got = dy.download();
+      for (uint32_t j = 0; j < count; ++j) {
+        const std::vector<float> gj(got.begin() + static_cast<int64_t>(size_t{j} * s.rows),
+                                    got.begin() + static_cast<int64_t>(size_t{j + 1} * s.rows));
+        EXPECT_LE(normalised_error(gj, cases[j].want()), kMatvecTolerance) << "job " << j;
+      }
+    }
+  }
+}
+
+// A page-aligned anonymous mapping, made read-only and registered with the device as the in-place
+// mode registers the daemon's arena; unregistered and unmapped on destruction.
+class MappedHost {
+ public:
+  MappedHost(const std::vector<uint8_t>& bytes, bool read_only) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    size_ = (bytes.size() + page - 1) / page * page;
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      ADD_FAILURE() << "mmap: " << std::strerror(errno);
+      return;
+    }
+    host_ = static_cast<uint8_t*>(p);
+    std::memcpy(host_, bytes.data(), bytes.size());
+    const unsigned flags = cudaHostRegisterMapped | (read_only ? cudaHostRegisterReadOnly : 0u);
+    if (read_only) {
+      EXPECT_EQ(mprotect(host_, size_, PROT_READ), 0) << std::strerror(errno);
+    }
+    const cudaError_t e = cudaHostRegister(host_, size_, flags);
+    EXPECT_EQ(e, cudaSuccess) << "cudaHostRegister: " << cudaGetErrorString(e);
+    registered_ = e == cudaSuccess;
+    if (registered_) {
+      void* d = nullptr;
+      EXPECT_EQ(cudaHostGetDevicePointer(&d, host_, 0), cudaSuccess);
+      device_ = static_cast<const uint8_t*>(d);
+    }
+  }
+  ~MappedHost() {
+    if (registered_) cudaHostUnregister(host_);
+    if (host_ != nullptr) munmap(host_, size_);
+  }
+  MappedHost(const MappedHost&) = delete;
+  MappedHost& operator=(const MappedHost&) = delete;
+
+  const uint8_t* device() const { return device_; }
+
+ private:
+  uint8_t* host_ = nullptr;
+  size_t size_ = 0;
+  bool registered_ = false;
+  const uint8_t* device_ = nullptr;
+};
+
+bool host_register_read_only_supported() {
+  int dev = 0;
+  int supported = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterReadOnlySupported, dev) !=
+      cudaSuccess) {
+    return false;
+  }
+  return supported != 0;
+}
+
+TEST_F(GpuKernels, MatvecReadsMappedPinnedHostMemoryInPlace) {
+  if (!host_register_read_only_supported()) {
+    GTEST_SKIP() << "the device lacks cudaDevAttrHostRegisterReadOnlySupported (the in-place "
+                    "mode's registration)";
+  }
+  std::mt19937_64 rng(13);
+  for (const GgmlType type : kAllTypes) {
+    const MatvecShape s =
+        ggml_traits(type).block_elems == 1 ? MatvecShape{300, 1000} : MatvecShape{500, 2048};
+    SCOPED_TRACE(ggml_type_name(type));
+    const MatvecCase c(type, s, 0, rng);
+    const MappedHost mapped(c.w(), true);
+    ASSERT_NE(mapped.device(), nullptr);
+    DeviceBuffer<float> dx(c.x());
+    DeviceBuffer<float> dy(s.rows);
+    CUDA_OK(
+        matvec(type, mapped.device(), c.row_bytes(), s.rows, s.cols, dx.get(), dy.get(), stream_));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dy.download(), c.want()), kMatvecTolerance);
+  }
+}
+
+TEST_F(GpuKernels, MatvecBatchedMixesDeviceAndMappedHostWeights) {
+  if (!host_register_read_only_supported()) {
+    GTEST_SKIP() << "the device lacks cudaDevAttrHostRegisterReadOnlySupported";
+  }
+  // The engine's gate+up batch: some experts resident in VRAM, others read from the arena in
+  // place; all jobs share x.
+  std::mt19937_64 rng(14);
+  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::F16}) {
+    SCOPED_TRACE(ggml_type_name(type));
+    const MatvecShape s{768, 2048};
+    const uint32_t count = 8;
+    const std::vector<float> x = activations(s.cols, rng);
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<float> dy(size_t{count} * s.rows);
+    const uint64_t row_bytes = data_bytes(type, s.cols);
+    std::vector<std::vector<uint8_t>> w;
+    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dev;
+    std::vector<std::unique_ptr<MappedHost>> host;
+    MatvecBatch b;
+    b.count = count;
+    for (uint32_t j = 0; j < count; ++j) {
+      w.push_back(random_weights(type, s.rows, s.cols, row_bytes, rng));
+      if (j % 2 == 0) {
+        dev.push_back(std::make_unique<DeviceBuffer<uint8_t>>(w.back()));
+        b.w[j] = dev.back()->get();
+      } else {
+        host.push_back(std::make_unique<MappedHost>(w.back(), true));
+        ASSERT_NE(host.back()->device(), nullptr);
+        b.w[j] = host.back()->device();
+      }
+      b.x[j] = dx.get();
+      b.y[j] = dy.get() + size_t{j} * s.rows;
+    }
+    CUDA_OK(matvec_batched(type, b, row_bytes, s.rows, s.cols, stream_));
+    CUDA_OK(sync());
+    const std::vector<float> got = dy.download();
+    for (uint32_t j = 0; j < count; ++j) {
+      const std::vector<float> want = cpu_matvec(type, w[j].data(), s.rows, s.cols, row_bytes, x);
+      const std::vector<float> gj(got.begin() + static_cast<int64_t>(size_t{j} * s.rows),
+                                  got.begin() + static_cast<int64_t>(size_t{j + 1} * s.rows));
+      EXPECT_LE(normalised_error(gj, want), kMatvecTolerance) << "job " << j;
+    }
+  }
+}
+
+TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
+  DeviceBuffer<float> f(4096);
+  float* p = f.get();
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p);
+  uint32_t* e = reinterpret_cast<uint32_t*>(p);
+  const cudaStream_t s = stream_;
+  const cudaError_t bad = cudaErrorInvalidValue;
+  EXPECT_EQ(rms_norm(p, p, p, 0, 16, 1e-6f, s), bad);
+  EXPECT_EQ(rms_norm(p, p, p, 1, 0, 1e-6f, s), bad);
+  EXPECT_EQ(rms_norm(nullptr, p, p, 1, 16, 1e-6f, s), bad);
+  EXPECT_EQ(rope_neox(p, 0, 128, 128, 0, 1e4f, s), bad);
+  EXPECT_EQ(rope_neox(p, 1, 128, 127, 0, 1e4f, s), bad);
+  EXPECT_EQ(rope_neox(p, 1, 64, 128, 0, 1e4f, s), bad);
+  EXPECT_EQ(decode_attention(p, p, p, p, 6, 4, 64, 1, 1.0f, s), bad);  // 6 % 4 != 0
+  EXPECT_EQ(decode_attention(p, p, p, p, 4, 4, 64, 0, 1.0f, s), bad);
+  EXPECT_EQ(decode_attention(p, p, p, p, 4, 4, 1024, 1, 1.0f, s), bad);
+  EXPECT_EQ(router_topk(p, 1, 8, 9, true, e, p, p, s), bad);  // k > n_expert
+  EXPECT_EQ(router_topk(p, 1, 2048, 8, true, e, p, p, s), bad);
+  EXPECT_EQ(router_topk(p, 1, 128, 65, true, e, p, p, s), bad);
+  EXPECT_EQ(router_topk(p, 0, 128, 8, true, e, p, p, s), bad);
+  EXPECT_EQ(swiglu(p, p, p, 0, s), bad);
+  EXPECT_EQ(moe_combine(p, p, p, 0, 16, s), bad);
+  EXPECT_EQ(moe_combine(p, p, p, 2, 0, s), bad);
+  EXPECT_EQ(add(p, p, 0, s), bad);
+  EXPECT_EQ(dequantize(GgmlType::Q4_K, w, p, 100, s), bad);
+  EXPECT_EQ(dequantize(GgmlType::Q5_K, w, p, 256, s), bad);
+  EXPECT_EQ(dequantize(GgmlType::F32, w, p, 0, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w, 144, 0, 256, p, p, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w, 144, 1, 0, p, p, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w, 144, 1, 100, p, p, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w, 100, 1, 256, p, p, s), bad);  // row_bytes < one block
+  EXPECT_EQ(matvec(GgmlType::Q5_K, w, 176, 1, 256, p, p, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, nullptr, 144, 1, 256, p, p, s), bad);
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w + 1, 144, 1, 256, p, p, s), bad);       // odd address
+  EXPECT_EQ(matvec(GgmlType::F32, w + 2, 4096, 1, 1024, p, p, s), bad);      // f32 not 4-aligned
+  EXPECT_EQ(matvec(GgmlType::F32, w, 4u << 20, 1, 1u << 20, p, p, s), bad);  // x > shared mem
+  MatvecBatch none;
+  EXPECT_EQ(matvec_batched(GgmlType::Q4_K, none, 144, 1, 256, s), bad);
+  MatvecBatch too_many;
+  too_many.count = kMaxBatch + 1;
+  EXPECT_EQ(matvec_batched(GgmlType::Q4_K, too_many, 144, 1, 256, s), bad);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call left an error behind";
+  EXPECT_TRUE(supported(GgmlType::Q6_K));
+  EXPECT_FALSE(supported(GgmlType::IQ2_XXS));
+}
+
+}  // namespace
+}  // namespace expertd::kernels
