@@ -93,8 +93,9 @@ struct EngineStats {
   uint64_t vram_misses = 0;         // routed experts acquired from the daemon and copied
   uint64_t vram_prefetches = 0;     // host-ready hinted experts copied ahead of their layer
   uint64_t vram_prefetch_used = 0;  // of those, routed to before eviction
-  uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied
-  uint64_t copy_ns = 0;             // copy-stream time of those copies (CUDA events)
+  uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied (demand and prefetch)
+  uint64_t demand_copy_bytes = 0;   // of those, the copies a layer waited for
+  uint64_t copy_ns = 0;             // copy-stream time of the demand copies (CUDA events)
 
   double prefetch_precision() const {
     return hints_sent == 0 ? 0.0 : static_cast<double>(hinted_routed) / hints_sent;

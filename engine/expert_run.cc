@@ -295,7 +295,7 @@ int run(Options o) {
   const uint64_t coalesced = after.coalesced - before.coalesced;
   const uint64_t disk = (after.misses - before.misses) + coalesced;
   const double copy_gbps =
-      s.copy_ns ? static_cast<double>(s.copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
+      s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
   const std::string text = vocab ? vocab->decode(generated) : std::string();
 
   if (o.json) {
@@ -331,7 +331,8 @@ int run(Options o) {
           {"prefetches", s.vram_prefetches},
           {"prefetch_used", s.vram_prefetch_used},
           {"copy_bytes", s.copy_bytes},
-          {"copy_gb_per_s", copy_gbps}}},
+          {"demand_copy_bytes", s.demand_copy_bytes},
+          {"demand_copy_gb_per_s", copy_gbps}}},
         {"prefetch_depth", o.prefetch_depth},
         {"prefetch_hints", s.hints_sent},
         {"prefetch_precision", s.prefetch_precision()},
@@ -371,11 +372,13 @@ int run(Options o) {
       static_cast<unsigned long long>(disk), static_cast<unsigned long long>(coalesced),
       bytes_per_token / (1 << 20));
   if (s.copy_bytes > 0) {
-    std::printf("vram: %llu copied in (%.1f GiB at %.1f GB/s), %llu prefetched ahead (%llu used)\n",
-                static_cast<unsigned long long>(s.vram_misses),
-                static_cast<double>(s.copy_bytes) / (1 << 30), copy_gbps,
-                static_cast<unsigned long long>(s.vram_prefetches),
-                static_cast<unsigned long long>(s.vram_prefetch_used));
+    std::printf(
+        "vram: %llu copied in on demand at %.1f GB/s, %.1f GiB copied in all, %llu "
+        "prefetched ahead (%llu used)\n",
+        static_cast<unsigned long long>(s.vram_misses), copy_gbps,
+        static_cast<double>(s.copy_bytes) / (1 << 30),
+        static_cast<unsigned long long>(s.vram_prefetches),
+        static_cast<unsigned long long>(s.vram_prefetch_used));
   }
   std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
               static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),

@@ -200,7 +200,7 @@ struct GpuEngine::Impl {
   Status route_and_hint(uint32_t layer);
   Status moe(uint32_t layer);
   Status prefetch_into_vram();
-  Status copy_expert(const ExpertView& v, uint32_t slot);
+  Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
   Status release_demand_holds();
   Status release_finished_prefetch_holds(bool all);
   Status gemv(const float* w, uint32_t rows, uint32_t cols, const float* in, float* out,
@@ -651,7 +651,7 @@ Result<ExpertPtrs> GpuEngine::Impl::in_place(const ExpertView& v) const {
   return out;
 }
 
-Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot) {
+Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot, bool demand) {
   auto* dst = static_cast<uint8_t*>(tier_mem.ptr) + uint64_t{slot} * slot_bytes;
   const WeightView* parts[3] = {&v.gate, &v.up, &v.down};
   const uint8_t* lo = parts[0]->data;
@@ -672,6 +672,7 @@ Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot) {
     sp.up = dst + (v.up.data - lo);
     sp.down = dst + (v.down.data - lo);
     stats.copy_bytes += static_cast<uint64_t>(hi - lo);
+    if (demand) stats.demand_copy_bytes += static_cast<uint64_t>(hi - lo);
   } else {
     uint64_t off = 0;
     const void** dsts[3] = {&sp.gate, &sp.up, &sp.down};
@@ -682,6 +683,7 @@ Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot) {
       *dsts[i] = dst + off;
       off += align_up(bytes, kAlign);
       stats.copy_bytes += bytes;
+      if (demand) stats.demand_copy_bytes += bytes;
     }
   }
   EXPERTD_CUDA_TRY(cudaEventRecord(ready_event[slot], copy));
@@ -732,7 +734,7 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
         }
         tier->pin(slot);
         used_slots.push_back(slot);
-        if (auto st = copy_expert(views[j], slot); !st) {
+        if (auto st = copy_expert(views[j], slot, true); !st) {
           tier->erase(slot);
           return st;
         }
@@ -821,7 +823,7 @@ Status GpuEngine::Impl::prefetch_into_vram() {
         EXPERTD_TRY(source.release(std::span<const ExpertView>(&v, 1)));
         return Ok{};
       }
-      if (auto st = copy_expert(v, slot); !st) {
+      if (auto st = copy_expert(v, slot, false); !st) {
         tier->erase(slot);
         (void)source.release(std::span<const ExpertView>(&v, 1));
         return st;

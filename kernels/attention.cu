@@ -22,9 +22,8 @@ __device__ float warp_sum(float v) {
 template <int P, int U>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
-                     const float* __restrict__ v_cache, float* __restrict__ out,
-                     uint32_t n_head_kv, uint32_t head_dim, uint32_t group, uint32_t n_pos,
-                     float scale) {
+                     const float* __restrict__ v_cache, float* __restrict__ out, uint32_t n_head_kv,
+                     uint32_t head_dim, uint32_t group, uint32_t n_pos, float scale) {
   extern __shared__ float smem[];  // acc[n_warps][head_dim], then m[n_warps], l[n_warps]
   const uint32_t h = blockIdx.x;
   const uint32_t lane = threadIdx.x % 32;
@@ -127,9 +126,9 @@ cudaError_t launch(const float* q, const float* k_cache, const float* v_cache, f
 
 }  // namespace
 
-cudaError_t decode_attention(const float* q, const float* k_cache, const float* v_cache,
-                             float* out, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                             uint32_t n_pos, float scale, cudaStream_t stream) {
+cudaError_t decode_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+                             uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, uint32_t n_pos,
+                             float scale, cudaStream_t stream) {
   if (q == nullptr || k_cache == nullptr || v_cache == nullptr || out == nullptr || n_head == 0 ||
       n_head_kv == 0 || n_head % n_head_kv != 0 || head_dim == 0 || head_dim > kMaxHeadDim ||
       n_pos == 0 || n_head > 0x7fffffffu) {
@@ -152,8 +151,7 @@ cudaError_t decode_attention(const float* q, const float* k_cache, const float* 
     return launch<8, 2>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
                         stream);
   }
-  return launch<16, 1>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
-                       stream);
+  return launch<16, 1>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, stream);
 }
 
 }  // namespace expertd::kernels

@@ -11,16 +11,11 @@
 // wide loads), prefetching the next tile into registers while it computes the current one. Each
 // lane then handles "units" of 64 weights: the integer quants are multiplied with x by __dp4a, x
 // having been split once per block into three int8 digit planes,
-//     x = s * (a + b / 128 + c / 16384),   s a power of two per 16 or 32 elements,
-// which represents x to about 2^-20 of its group's largest magnitude (the float dot products the
-// CPU reference rounds to are no better). That keeps the per-weight work at about one integer
-// instruction: float conversions of every quant (the I2F pipe runs at 1/8 of the FMA rate) would
-// make a 4-bit matvec compute bound on an H200.
+//     x = s * (a + b / 254 + c / 254^2),   s = max|x| / 127 over 16 or 32 elements,
+// which represents x to about 2^-24 of its group's largest magnitude, as good as a float. That
+// keeps the per-weight work at about one integer instruction: float conversions of every quant
+// (the I2F pipe runs at 1/8 of the FMA rate) would make a 4-bit matvec compute bound on an H200.
 #include "kernels/dequant.cuh"
-
-#include <cuda_fp16.h>
-
-#include <cstddef>
 
 namespace expertd::kernels {
 namespace {
@@ -30,8 +25,11 @@ constexpr uint32_t kWarps = kThreads / 32;
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr size_t kDefaultSmem = 48 * 1024;
 
+// The f16 in the low 16 bits, widened exactly (subnormals included).
 __device__ __forceinline__ float half_bits_to_float(uint32_t bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(bits & 0xffffu)));
+  return f;
 }
 
 __device__ __forceinline__ uint32_t u16_at(const uint8_t* p) {
@@ -254,18 +252,21 @@ cudaError_t plan_launch(Kernel kernel, size_t smem, uint32_t rows, uint32_t jobs
 constexpr uint32_t kSlotBytes = 240;
 constexpr uint32_t kSlotScales = 192;
 constexpr uint32_t kSlotSums = 208;
-constexpr uint32_t kMinRowsPerCta = 32;  // amortises the digit planes each CTA builds
+constexpr uint32_t kMinRowsPerCta = 32;     // amortises the digit planes each CTA builds
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer
+constexpr float kDigitBase = 254.0f;        // b and c stay within [-127, 127]
+constexpr float kTinyGroup = 0x1p-100f;     // groups below this count as zero
 
-// Splits X (|X| < 64) into three digits a, b, c in [-64, 64], X ~ a + b/128 + c/16384, each
-// returned in the low byte of a word. Every step is exact except the final truncation.
+// Splits v (|v| <= 127) into three digits a, b, c in [-127, 127], v ~ a + b/254 + c/254^2 to
+// within 0.5/254^2, each returned in the low byte of a word (the integer the magic addition
+// leaves in the low mantissa bits, two's complement). v - a and r - b are exact.
 __device__ __forceinline__ void split_digits(float v, uint32_t* a, uint32_t* b, uint32_t* c) {
   float t = __fadd_rn(v, kRoundMagic);
   *a = __float_as_uint(t);
-  float r = __fmul_rn(__fsub_rn(v, __fsub_rn(t, kRoundMagic)), 128.0f);
+  float r = __fmul_rn(__fsub_rn(v, __fsub_rn(t, kRoundMagic)), kDigitBase);
   t = __fadd_rn(r, kRoundMagic);
   *b = __float_as_uint(t);
-  r = __fmul_rn(__fsub_rn(r, __fsub_rn(t, kRoundMagic)), 128.0f);
+  r = __fmul_rn(__fsub_rn(r, __fsub_rn(t, kRoundMagic)), kDigitBase);
   *c = __float_as_uint(__fadd_rn(r, kRoundMagic));
 }
 
@@ -308,17 +309,16 @@ __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t
     }
 #pragma unroll
     for (uint32_t o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(kFull, sum, o);
-    // mx = f * 2^E with f in [0.5, 1) and E = biased exponent - 126; x * 2^(6-E) is below 64 in
-    // magnitude and s = 2^(E-6). Groups below 2^-100 count as zero (they cannot move a float
-    // sum), a NaN or infinity makes the group's scale NaN so the row's result is NaN.
-    const uint32_t be = __float_as_uint(mx) >> 23;
+    // x * (127 / mx) is at most 127 * (1 + 2^-23) in magnitude, so its digits fit in int8. Groups
+    // below 2^-100 count as zero (they cannot move a float sum); a NaN or infinity makes the
+    // group's scale NaN, so the row's result is NaN as on the CPU.
     float mul = 0.0f;
     float s = 0.0f;
     if (bad != 0) {
       s = __uint_as_float(0x7fc00000u);
-    } else if (be >= 27) {
-      mul = __uint_as_float((259u - be) << 23);
-      s = __uint_as_float((be - 5u) << 23);
+    } else if (mx >= kTinyGroup) {
+      mul = 127.0f / mx;
+      s = mx / 127.0f;
     }
     if (qd < quads) {
       uint32_t a[4];
@@ -379,8 +379,8 @@ struct DigitSums {
   }
   // sum q * x / s over the positions added.
   __device__ __forceinline__ float total() const {
-    return static_cast<float>(a) + static_cast<float>(b) * (1.0f / 128.0f) +
-           static_cast<float>(c) * (1.0f / 16384.0f);
+    return static_cast<float>(a) + static_cast<float>(b) * (1.0f / kDigitBase) +
+           static_cast<float>(c) * (1.0f / (kDigitBase * kDigitBase));
   }
 };
 
@@ -413,8 +413,7 @@ struct Q4K {
     const uint32_t s_c = sc16[c & 1];  // sc16[c - 2] when c >= 2
     const bool low = c < 2;
     const uint32_t scales = low ? (s_a & 0x3f3fu) : ((s_b & 0x0f0fu) | ((s_c & 0xc0c0u) >> 2));
-    const uint32_t mins =
-        low ? (s_b & 0x3f3fu) : (((s_b >> 4) & 0x0f0fu) | ((s_a & 0xc0c0u) >> 2));
+    const uint32_t mins = low ? (s_b & 0x3f3fu) : (((s_b >> 4) & 0x0f0fu) | ((s_a & 0xc0c0u) >> 2));
     const uint4* qp = reinterpret_cast<const uint4*>(blk + 16 + 32 * c);
     const uint4 q0 = qp[0];
     const uint4 q1 = qp[1];
@@ -656,8 +655,8 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
 }
 
 template <class F, int L, int V>
-cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
-                         uint32_t cols, cudaStream_t stream) {
+cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows, uint32_t cols,
+                         cudaStream_t stream) {
   using S = QuantShape<F, L>;
   QuantArgs a{};
   a.batch = batch;
@@ -714,8 +713,8 @@ cudaError_t dispatch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_
     }
   }
   const uint64_t tile_bytes = uint64_t{F::tile_blocks(lanes)} * F::kBlockBytes;
-  const uint32_t vec = vec_bytes(pointer_bits(batch) | row_bytes | tile_bytes |
-                                 uint64_t{blocks} * F::kBlockBytes);
+  const uint32_t vec =
+      vec_bytes(pointer_bits(batch) | row_bytes | tile_bytes | uint64_t{blocks} * F::kBlockBytes);
   if (vec == 0) return cudaErrorInvalidValue;  // an odd address
   switch (lanes) {
     case 32:
@@ -846,8 +845,8 @@ __global__ void __launch_bounds__(kThreads) matvec_plain_kernel(const PlainArgs 
 }
 
 template <GgmlType T, int V>
-cudaError_t launch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
-                         uint32_t cols, cudaStream_t stream) {
+cudaError_t launch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows, uint32_t cols,
+                         cudaStream_t stream) {
   PlainArgs a{};
   a.batch = batch;
   a.row_bytes = row_bytes;
@@ -866,8 +865,8 @@ cudaError_t launch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t 
 template <GgmlType T>
 cudaError_t dispatch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
                            uint32_t cols, cudaStream_t stream) {
-  const uint32_t vec = vec_bytes(pointer_bits(batch) | row_bytes |
-                                 uint64_t{cols} * PlainType<T>::kBytes);
+  const uint32_t vec =
+      vec_bytes(pointer_bits(batch) | row_bytes | uint64_t{cols} * PlainType<T>::kBytes);
   if (vec == 16) return launch_plain<T, 16>(batch, row_bytes, rows, cols, stream);
   if (vec == 4) return launch_plain<T, 4>(batch, row_bytes, rows, cols, stream);
   if constexpr (PlainType<T>::kBytes == 2) {
@@ -926,8 +925,7 @@ cudaError_t matvec(GgmlType type, const void* w, uint64_t row_bytes, uint32_t ro
 
 cudaError_t matvec_batched(GgmlType type, const MatvecBatch& batch, uint64_t row_bytes,
                            uint32_t rows, uint32_t cols, cudaStream_t stream) {
-  if (!supported(type) || batch.count == 0 || batch.count > kMaxBatch || rows == 0 ||
-      cols == 0) {
+  if (!supported(type) || batch.count == 0 || batch.count > kMaxBatch || rows == 0 || cols == 0) {
     return cudaErrorInvalidValue;
   }
   const GgmlTypeTraits& traits = ggml_traits(type);

@@ -7,7 +7,11 @@
 // w + r * row_bytes and holds `cols` elements of `type` (cols a whole number of blocks). The
 // weight is dequantised in registers as it is read (fused); accumulation is in float.
 // `w` may be device memory or mapped pinned host memory (cudaHostRegisterMapped), which is how
-// the in-place mode reads the daemon's arena.
+// the in-place mode reads the daemon's arena. `w` must be 2-byte aligned (4-byte for F32); the
+// widest loads (16 bytes) are used when every w and row_bytes are 16-byte aligned, narrower ones
+// otherwise. x is staged in shared memory, which bounds cols (about 54k for the quantised types,
+// 58k for F32/F16/BF16 on an H200); a larger cols, a misaligned w, or row_bytes below the row's
+// data is cudaErrorInvalidValue. Each call queries the device (occupancy, SM count) on the host.
 //
 // matvec_batched: up to kMaxBatch independent matvecs of the same type and shape in one launch
 // (the gate and up projections of all routed experts, then their down projections); job j reads
@@ -34,8 +38,7 @@ struct MatvecBatch {
 // True for the types these kernels read.
 bool supported(GgmlType type);
 
-cudaError_t dequantize(GgmlType type, const void* src, float* dst, uint64_t n,
-                       cudaStream_t stream);
+cudaError_t dequantize(GgmlType type, const void* src, float* dst, uint64_t n, cudaStream_t stream);
 
 cudaError_t matvec(GgmlType type, const void* w, uint64_t row_bytes, uint32_t rows, uint32_t cols,
                    const float* x, float* y, cudaStream_t stream);

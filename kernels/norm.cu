@@ -32,10 +32,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 }  // namespace
 
-cudaError_t rms_norm(const float* x, const float* w, float* y, uint32_t rows, uint32_t n,
-                     float eps, cudaStream_t stream) {
-  if (x == nullptr || w == nullptr || y == nullptr || rows == 0 || n == 0 ||
-      rows > 0x7fffffffu || !(eps >= 0.0f)) {
+cudaError_t rms_norm(const float* x, const float* w, float* y, uint32_t rows, uint32_t n, float eps,
+                     cudaStream_t stream) {
+  if (x == nullptr || w == nullptr || y == nullptr || rows == 0 || n == 0 || rows > 0x7fffffffu ||
+      !(eps >= 0.0f)) {
     return cudaErrorInvalidValue;
   }
   const uint32_t threads = n >= kMaxThreads ? kMaxThreads : (n + 31) / 32 * 32;

@@ -10,7 +10,7 @@
 
 namespace expertd::kernels {
 
-cudaError_t rms_norm(const float* x, const float* w, float* y, uint32_t rows, uint32_t n,
-                     float eps, cudaStream_t stream);
+cudaError_t rms_norm(const float* x, const float* w, float* y, uint32_t rows, uint32_t n, float eps,
+                     cudaStream_t stream);
 
 }  // namespace expertd::kernels

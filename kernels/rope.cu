@@ -15,8 +15,7 @@ __global__ void __launch_bounds__(kThreads)
   if (idx >= uint64_t{heads} * half) return;
   const uint32_t h = static_cast<uint32_t>(idx / half);
   const uint32_t i = static_cast<uint32_t>(idx % half);
-  const double theta =
-      static_cast<double>(pos) * pow(base, -2.0 * static_cast<double>(i) / n_rot);
+  const double theta = static_cast<double>(pos) * pow(base, -2.0 * static_cast<double>(i) / n_rot);
   double s = 0.0;
   double c = 0.0;
   sincos(theta, &s, &c);

@@ -144,8 +144,8 @@ cudaError_t router_topk(const float* logits, uint32_t rows, uint32_t n_expert, u
   }
   uint32_t threads = (n_expert + 31) / 32 * 32;
   if (threads > kMaxThreads) threads = kMaxThreads;
-  router_topk_kernel<<<rows, threads, 0, stream>>>(logits, n_expert, k, norm_topk, experts,
-                                                   weights, probs);
+  router_topk_kernel<<<rows, threads, 0, stream>>>(logits, n_expert, k, norm_topk, experts, weights,
+                                                   probs);
   return cudaGetLastError();
 }
 

@@ -4,7 +4,8 @@
 // probs[r][e] = softmax(logits[r])[e]; experts[r][0..k) are the k largest probabilities, largest
 // first, ties to the lower index (as the CPU reference orders them); weights[r][j] is the chosen
 // expert's probability, divided by the sum of the k chosen when norm_topk (Qwen3's
-// norm_topk_prob). n_expert up to 1024, k up to 64 and k <= n_expert.
+// norm_topk_prob). n_expert up to 1024, k up to 64 and k <= n_expert. probs may be null when only
+// the choice is wanted.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,7 +8,6 @@
 
 namespace expertd::kernels {
 
-cudaError_t swiglu(const float* gate, const float* up, float* out, uint64_t n,
-                   cudaStream_t stream);
+cudaError_t swiglu(const float* gate, const float* up, float* out, uint64_t n, cudaStream_t stream);
 
 }  // namespace expertd::kernels

@@ -39,8 +39,12 @@ phase_tests() {
   return $rc
 }
 
-phase_gpubench() {
-  "$bin/expert-gpu-bench" --json | tee "$out/gpubench.json"
+phase_gpubench() {  # Mixtral's expert (q4_k, and q6_k / q8_0 encodings), Qwen3-30B-A3B's (top-8)
+  "$bin/expert-gpu-bench" | tee "$out/gpubench-q4k.txt"
+  "$bin/expert-gpu-bench" --json > "$out/gpubench-q4k.json"
+  "$bin/expert-gpu-bench" --type q6_k --json > "$out/gpubench-q6k.json"
+  "$bin/expert-gpu-bench" --type q8_0 --json > "$out/gpubench-q8.json"
+  "$bin/expert-gpu-bench" --rows 768 --cols 2048 --experts 8 | tee "$out/gpubench-qwen30b.txt"
 }
 
 phase_forge() {
