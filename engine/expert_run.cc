@@ -245,6 +245,7 @@ int run(Options o) {
                 static_cast<double>(model->dense_bytes()) / (1 << 20), o.gguf.c_str());
   }
 
+  std::fflush(stdout);  // the header before any progress line on stderr
   const auto before = model_counters(client, o.model);
   std::vector<float> logits(p.n_vocab);
   Sampler sampler(SamplerOptions{o.temperature, o.top_p, o.seed}, p.n_vocab);
@@ -383,7 +384,7 @@ int run(Options o) {
   std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
               static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),
               s.prefetch_recall());
-  if (script) std::printf("benchmark mode: %s\n", mode_note.c_str());
+  if (script) std::printf("%s\n", mode_note.c_str());
   if (!o.record_trace.empty()) std::printf("trace: %s\n", o.record_trace.c_str());
   return 0;
 }

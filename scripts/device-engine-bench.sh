@@ -34,7 +34,8 @@ phase_tests() {
   for t in gpu_kernels_tests gpu_engine_tests engine_tests; do
     [ -x "$bin/$t" ] || continue
     echo "== $t"
-    "$bin/$t" --gtest_brief=1 2>&1 | tee "$out/$t.log" | grep -vE '^\[ +(OK|RUN) ' || rc=1
+    "$bin/$t" --gtest_brief=1 --gtest_output="xml:$out/$t.xml" 2>&1 | tee "$out/$t.log" |
+      grep -vE '^\[ +(OK|RUN) ' || rc=1
   done
   return $rc
 }
