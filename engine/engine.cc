@@ -56,18 +56,29 @@ HintPlanner::HintPlanner(const ModelParams& p, const EngineOptions& o)
       depth_(o.prefetch_depth),
       width_(o.prefetch_width == 0 ? p.n_expert_used : std::min(o.prefetch_width, p.n_expert)),
       hinted_(uint64_t{p.n_layer} * p.n_expert),
+      predicted_(uint64_t{o.prefetch_depth} * p.n_layer * p.n_expert),
+      predicted_counts_(o.prefetch_depth),
       order_(p.n_expert) {
   pending_.reserve(uint64_t{depth_} * std::max(width_, p.n_expert_used) + p.n_expert);
 }
 
 void HintPlanner::begin_token() {
   std::fill(hinted_.begin(), hinted_.end(), 0);
+  std::fill(predicted_.begin(), predicted_.end(), 0);
   pending_.clear();
   current_ = 0;
 }
 
 void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
   if (next >= n_layer_ || expert >= n_expert_ || next <= current_) return;
+  const uint32_t depth = next - current_;
+  if (depth <= depth_) {
+    uint8_t& p = predicted_[(uint64_t{depth - 1} * n_layer_ + next) * n_expert_ + expert];
+    if (p == 0) {
+      p = 1;
+      ++predicted_counts_[depth - 1];
+    }
+  }
   uint8_t& mark = hinted_[uint64_t{next} * n_expert_ + expert];
   if (mark != 0) return;
   mark = static_cast<uint8_t>(std::min<uint32_t>(next - current_, 255));
@@ -114,6 +125,17 @@ void HintPlanner::routed(uint32_t layer, std::span<const uint32_t> experts, Engi
   pending_.clear();
   if (depth_ == 0 || layer == 0 || layer >= n_layer_) return;
   stats.routed_hintable += experts.size();
+  if (stats.by_depth.size() < depth_) stats.by_depth.resize(depth_);
+  for (uint32_t d = 1; d <= depth_; ++d) {
+    DepthStats& ds = stats.by_depth[d - 1];
+    ds.predicted += predicted_counts_[d - 1];  // predictions made for this layer, counted once
+    predicted_counts_[d - 1] = 0;
+    if (layer < d) continue;
+    ds.routed += experts.size();
+    for (const uint32_t e : experts) {
+      ds.correct += predicted_[(uint64_t{d - 1} * n_layer_ + layer) * n_expert_ + e];
+    }
+  }
   for (const uint32_t e : experts)
     stats.hinted_routed += hinted_[uint64_t{layer} * n_expert_ + e] != 0;
   if (rec == nullptr) return;

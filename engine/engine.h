@@ -78,6 +78,18 @@ struct RoutingRecord {
   std::map<uint32_t, std::vector<uint32_t>> predicted;  // depth -> experts hinted for this record
 };
 
+// How well the predictions made d layers ahead matched, counted per lookahead depth d (every
+// prediction, whether or not an earlier, deeper one already sent the same hint).
+struct DepthStats {
+  uint64_t predicted = 0;  // (layer, expert) predictions made d layers ahead
+  uint64_t correct = 0;    // of those, experts the layer then routed to
+  uint64_t routed = 0;     // routed experts of layers >= d (predictable from d layers back)
+  double precision() const {
+    return predicted == 0 ? 0.0 : static_cast<double>(correct) / predicted;
+  }
+  double recall() const { return routed == 0 ? 0.0 : static_cast<double>(correct) / routed; }
+};
+
 struct EngineStats {
   uint64_t tokens = 0;
   uint64_t experts_used = 0;     // experts acquired and computed
@@ -96,6 +108,8 @@ struct EngineStats {
   uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied (demand and prefetch)
   uint64_t demand_copy_bytes = 0;   // of those, the copies a layer waited for
   uint64_t copy_ns = 0;             // copy-stream time of the demand copies (CUDA events)
+
+  std::vector<DepthStats> by_depth;  // [d - 1] for lookahead depth d = 1..prefetch depth
 
   double prefetch_precision() const {
     return hints_sent == 0 ? 0.0 : static_cast<double>(hinted_routed) / hints_sent;
@@ -151,8 +165,10 @@ class HintPlanner {
   uint32_t n_expert_;
   uint32_t depth_;
   uint32_t width_;
-  uint32_t current_ = 0;         // the layer whose attention just finished (hints come from it)
-  std::vector<uint8_t> hinted_;  // [layer][expert]: depth (1..) it was hinted at, 0 = not
+  uint32_t current_ = 0;            // the layer whose attention just finished (hints come from it)
+  std::vector<uint8_t> hinted_;     // [layer][expert]: depth (1..) it was hinted at, 0 = not
+  std::vector<uint8_t> predicted_;  // [depth - 1][layer][expert]: predicted from depth back
+  std::vector<uint64_t> predicted_counts_;  // [depth - 1]: predictions not yet in the stats
   std::vector<ExpertHint> pending_;
   std::vector<uint32_t> order_;
 };

@@ -299,6 +299,16 @@ int run(Options o) {
       s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
   const std::string text = vocab ? vocab->decode(generated) : std::string();
 
+  nlohmann::json by_depth = nlohmann::json::array();
+  for (size_t d = 0; d < s.by_depth.size(); ++d) {
+    const DepthStats& ds = s.by_depth[d];
+    by_depth.push_back({{"depth", d + 1},
+                        {"predicted", ds.predicted},
+                        {"correct", ds.correct},
+                        {"routed", ds.routed},
+                        {"precision", ds.precision()},
+                        {"recall", ds.recall()}});
+  }
   if (o.json) {
     nlohmann::json j = {
         {"engine", engine->name()},
@@ -334,6 +344,7 @@ int run(Options o) {
           {"copy_bytes", s.copy_bytes},
           {"demand_copy_bytes", s.demand_copy_bytes},
           {"demand_copy_gb_per_s", copy_gbps}}},
+        {"prefetch_by_depth", by_depth},
         {"prefetch_depth", o.prefetch_depth},
         {"prefetch_hints", s.hints_sent},
         {"prefetch_precision", s.prefetch_precision()},
@@ -384,6 +395,10 @@ int run(Options o) {
   std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
               static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),
               s.prefetch_recall());
+  for (size_t d = 0; d < s.by_depth.size(); ++d) {
+    std::printf("  predicted %zu layer%s ahead: precision %.3f, recall %.3f\n", d + 1,
+                d == 0 ? "" : "s", s.by_depth[d].precision(), s.by_depth[d].recall());
+  }
   if (script) std::printf("%s\n", mode_note.c_str());
   if (!o.record_trace.empty()) std::printf("trace: %s\n", o.record_trace.c_str());
   return 0;

@@ -162,6 +162,11 @@ TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
     EXPECT_GT(v, 0.0) << key;
     EXPECT_LE(v, 1.0) << key;
   }
+  ASSERT_EQ(j.at("prefetch_by_depth").size(), 2u);  // --prefetch-depth 2
+  for (const auto& d : j.at("prefetch_by_depth")) {
+    EXPECT_GT(d.at("predicted").get<uint64_t>(), 0u);
+    EXPECT_LE(d.at("recall").get<double>(), 1.0);
+  }
   EXPECT_TRUE(j.contains("text"));
 
   // The recorded trace starts with the fixture's routing (the prompt), in canonical form.

@@ -95,6 +95,14 @@ TEST(ScriptedCpuEngine, RoutesAsScriptedAndOracleHintsAreExact) {
   EXPECT_EQ(st.scripted_routes, 12u);
   EXPECT_DOUBLE_EQ(st.prefetch_precision(), 1.0);
   EXPECT_DOUBLE_EQ(st.prefetch_recall(), 1.0);
+  // Per depth, every prediction counts, also one a deeper hint already sent.
+  ASSERT_EQ(st.by_depth.size(), 2u);
+  EXPECT_EQ(st.by_depth[0].predicted, 4u * 2 * 2);  // layers 1, 2 from one back, 4 tokens
+  EXPECT_EQ(st.by_depth[1].predicted, 4u * 1 * 2);  // layer 2 from two back
+  for (const DepthStats& d : st.by_depth) {
+    EXPECT_DOUBLE_EQ(d.precision(), 1.0);
+    EXPECT_DOUBLE_EQ(d.recall(), 1.0);
+  }
 }
 
 TEST(ScriptedCpuEngine, PredictedListsAreTheHintsWhenTheScriptHasThem) {
@@ -117,6 +125,10 @@ TEST(ScriptedCpuEngine, PredictedListsAreTheHintsWhenTheScriptHasThem) {
   EXPECT_EQ(st.hints_sent, 3u);
   EXPECT_EQ(st.hinted_routed, 1u);
   EXPECT_EQ(st.routed_hintable, 4u);
+  ASSERT_EQ(st.by_depth.size(), 1u);
+  EXPECT_EQ(st.by_depth[0].predicted, 3u);
+  EXPECT_EQ(st.by_depth[0].correct, 1u);
+  EXPECT_EQ(st.by_depth[0].routed, 4u);
 }
 
 // The recorded trace of a routed run is canonical JSONL the trace library reads back, with the
