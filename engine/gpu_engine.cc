@@ -692,6 +692,8 @@ Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot, bool dem
 
 Status GpuEngine::Impl::moe(uint32_t layer) {
   const uint32_t k = p.n_expert_used;
+  // Pins left by a layer that failed half-way (a successful one leaves none).
+  for (const uint32_t slot : used_slots) tier->unpin(slot);
   used_slots.clear();
   if (!tier) {
     const uint64_t t0 = now_ns();
@@ -793,6 +795,7 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
     EXPERTD_CUDA_TRY(cudaEventRecord(use_event[slot], compute));
     tier->unpin(slot);
   }
+  used_slots.clear();
   return Ok{};
 }
 
