@@ -13,21 +13,6 @@
 namespace expertd::engine {
 namespace {
 
-uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
-
-// Writes the indices of the `count` largest probabilities into order[0, count), largest first;
-// equal probabilities keep the lower index first.
-void top_indices(const std::vector<double>& probs, std::vector<uint32_t>& order, uint32_t count) {
-  std::iota(order.begin(), order.end(), 0u);
-  std::partial_sort(order.begin(), order.begin() + count, order.end(), [&](uint32_t a, uint32_t b) {
-    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-  });
-}
-
 float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
 
 }  // namespace
@@ -97,7 +82,7 @@ Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
     return make_error(EINVAL, fmt::format("room for {} logits, the vocabulary has {}",
                                           logits.size(), p_.n_vocab));
   }
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = monotonic_ns();
   const Matrix& embd = model_.token_embd();
   dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, x_.data(),
                  p_.n_embd);
@@ -113,7 +98,7 @@ Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
   matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
   ++pos_;
   ++stats_.tokens;
-  stats_.decode_ns += now_ns() - t0;
+  stats_.decode_ns += monotonic_ns() - t0;
   return Ok{};
 }
 
@@ -191,7 +176,7 @@ void CpuEngine::route(uint32_t layer) {
     matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
     for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
     softmax(probs_.data(), p_.n_expert);
-    top_indices(probs_, order_, k);
+    top_indices(std::span<const double>(probs_), order_, k);
     double sum = 0.0;
     for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
     for (uint32_t i = 0; i < k; ++i) {
@@ -214,10 +199,10 @@ void CpuEngine::route(uint32_t layer) {
 
 Status CpuEngine::moe(uint32_t layer) {
   const uint32_t k = p_.n_expert_used;
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = monotonic_ns();
   EXPERTD_TRY(source_.get(layer, std::span<const uint32_t>(selected_.data(), k),
                           std::span<ExpertView>(views_.data(), k)));
-  stats_.stall_ns += now_ns() - t0;
+  stats_.stall_ns += monotonic_ns() - t0;
   stats_.experts_used += k;
   std::fill(acc_.begin(), acc_.begin() + p_.n_embd, 0.0);
   for (uint32_t i = 0; i < k; ++i) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -85,9 +86,12 @@ void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
   pending_.push_back(ExpertHint{next, expert, score});
 }
 
-namespace {
+uint64_t monotonic_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
 
-// The indices of the `count` largest values, largest first, ties to the lower index.
 template <typename T>
 void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
   std::iota(order.begin(), order.end(), 0u);
@@ -95,8 +99,8 @@ void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_
     return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
   });
 }
-
-}  // namespace
+template void top_indices(std::span<const double>, std::vector<uint32_t>&, uint32_t);
+template void top_indices(std::span<const float>, std::vector<uint32_t>&, uint32_t);
 
 void HintPlanner::add_ranked(uint32_t next, std::span<const double> probs) {
   top_indices(probs, order_, width_);

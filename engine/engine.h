@@ -179,6 +179,15 @@ class HintPlanner {
 void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from, uint32_t next,
                         HintPlanner& planner);
 
+// Steady-clock nanoseconds (stall and decode timing).
+uint64_t monotonic_ns();
+
+// Writes the indices of the `count` largest of probs into order[0, count) (order holds
+// probs.size() entries), largest first; equal values keep the lower index first, as the router
+// kernel orders them. Instantiated for float and double.
+template <typename T>
+void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count);
+
 // The canonical trace form of routing records (JSON Lines; "predicted" when hints were sent).
 Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log);
 

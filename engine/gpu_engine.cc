@@ -24,12 +24,6 @@
 namespace expertd::engine {
 namespace {
 
-uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
-
 constexpr uint64_t kAlign = 256;  // device sub-allocation alignment
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -696,9 +690,9 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
   for (const uint32_t slot : used_slots) tier->unpin(slot);
   used_slots.clear();
   if (!tier) {
-    const uint64_t t0 = now_ns();
+    const uint64_t t0 = monotonic_ns();
     EXPERTD_TRY(source.get(layer, selected, views));
-    stats.stall_ns += now_ns() - t0;
+    stats.stall_ns += monotonic_ns() - t0;
     for (uint32_t i = 0; i < k; ++i) {
       demand_holds.push_back(views[i]);
       auto pp = in_place(views[i]);
@@ -724,9 +718,9 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
     }
     if (!missing.empty()) {
       stats.vram_misses += missing.size();
-      const uint64_t t0 = now_ns();
+      const uint64_t t0 = monotonic_ns();
       EXPERTD_TRY(source.get(layer, missing, std::span<ExpertView>(views.data(), missing.size())));
-      stats.stall_ns += now_ns() - t0;
+      stats.stall_ns += monotonic_ns() - t0;
       for (size_t j = 0; j < missing.size(); ++j) demand_holds.push_back(views[j]);
       if (!copy_timing) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start, copy));
       for (size_t j = 0; j < missing.size(); ++j) {
@@ -901,7 +895,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
     return make_error(
         EINVAL, fmt::format("room for {} logits, the vocabulary has {}", logits.size(), p.n_vocab));
   }
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = monotonic_ns();
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.x, m.embd + uint64_t{token} * p.n_embd, uint64_t{p.n_embd} * 4,
                                    cudaMemcpyDeviceToDevice, m.compute));
   m.planner.begin_token();
@@ -923,7 +917,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   std::memcpy(logits.data(), m.h_logits, uint64_t{p.n_vocab} * 4);
   ++m.pos;
   ++m.stats.tokens;
-  m.stats.decode_ns += now_ns() - t0;
+  m.stats.decode_ns += monotonic_ns() - t0;
   return Ok{};
 }
 
