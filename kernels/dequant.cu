@@ -5,17 +5,20 @@
 // the pointers or rows are less aligned) and converting in registers; x is staged in shared memory
 // as floats.
 //
-// Quantised types (Q8_0, Q4_K, Q6_K): a group of L lanes (4..32) per row. The group copies its row
-// in tiles of whole blocks from global memory to shared memory with the widest loads the alignment
-// allows (Q8_0 and Q6_K blocks are only 2-byte aligned, so the data cannot be read in place with
-// wide loads), prefetching the next tile into registers while it computes the current one. Each
-// lane then handles "units" of 64 weights: the integer quants are multiplied with x by __dp4a, x
-// having been split once per block into three int8 digit planes,
+// Quantised types (Q8_0, Q4_K, Q6_K): a group of L lanes (4..32) per R rows (1, or 4 for Q4_K).
+// The group copies its rows in tiles of whole blocks from global memory to shared memory with the
+// widest loads the alignment allows (Q8_0 and Q6_K blocks are only 2-byte aligned, so the data
+// cannot be read in place with wide loads), the next tile in flight (in registers, or by cp.async
+// for Q4_K) while it computes the current one. Each lane then handles "units" of 64 weights: the
+// integer quants are multiplied with x by __dp4a, x having been split once per block into three
+// int8 digit planes,
 //     x = s * (a + b / 254 + c / 254^2),   s = max|x| / 127 over 16 or 32 elements,
 // which represents x to about 2^-24 of its group's largest magnitude, as good as a float. That
 // keeps the per-weight work at about one integer instruction: float conversions of every quant
 // (the I2F pipe runs at 1/8 of the FMA rate) would make a 4-bit matvec compute bound on an H200.
 #include "kernels/dequant.cuh"
+// The own header first (STYLE.md), then the standard library.
+#include <atomic>
 
 namespace expertd::kernels {
 namespace {
@@ -202,32 +205,54 @@ struct LaunchShape {
   uint32_t rows_per_cta = 0;
 };
 
+// What plan_launch needs from the driver for one kernel, kept from the kernel's last launch so a
+// repeated call costs a cudaGetDevice instead of attribute and occupancy queries (several
+// microseconds, which a decode step pays per launch): bits 0-15 the SM count, 16-23 the
+// occupancy, 24-47 the dynamic shared memory it was computed for, 48-55 the device, 63 valid.
+// Racing writers store the same value.
+struct LaunchCache {
+  std::atomic<uint64_t> packed{0};
+};
+
+constexpr uint64_t kCacheValid = uint64_t{1} << 63;
+
 // One CTA's rows are a contiguous range; its size is a multiple of `granule` (the rows the CTA's
 // groups take per step) and at least `min_rows`. Aim for a single wave over the SMs at the
 // kernel's occupancy (a second wave of a few CTAs would double the time of a small matvec).
 template <typename Kernel>
-cudaError_t plan_launch(Kernel kernel, size_t smem, uint32_t rows, uint32_t jobs, uint32_t granule,
-                        uint32_t min_rows, LaunchShape* shape) {
+cudaError_t plan_launch(Kernel kernel, LaunchCache* cache, size_t smem, uint32_t rows,
+                        uint32_t jobs, uint32_t granule, uint32_t min_rows, LaunchShape* shape) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  int optin = 0;
-  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e != cudaSuccess) return e;
-  if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;  // cols too large
-  if (smem > kDefaultSmem) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
+  const uint64_t key = kCacheValid | (uint64_t(dev & 0xff) << 48) | (uint64_t(smem) << 24);
+  const uint64_t cached = cache->packed.load(std::memory_order_relaxed);
+  uint64_t occupancy = (cached >> 16) & 0xffu;
+  uint64_t sms = cached & 0xffffu;
+  if ((cached & ~uint64_t{0xffffff}) != key) {
+    int optin = 0;
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e != cudaSuccess) return e;
+    if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;  // cols too large
+    if (smem > kDefaultSmem) {
+      // The device's whole opt-in limit, not `smem`: a smaller value set by a concurrent caller
+      // could then not fail a larger launch.
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+      if (e != cudaSuccess) return e;
+    }
+    int n = 0;
+    e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+    sms = static_cast<uint64_t>(n > 0 ? (n < 0xffff ? n : 0xffff) : 1);
+    int occ = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem);
+    if (e != cudaSuccess) return e;
+    occupancy = static_cast<uint64_t>(occ < 1 ? 1 : (occ < 0xff ? occ : 0xff));
+    if (dev >= 0 && dev <= 0xff && smem < (size_t{1} << 24)) {
+      cache->packed.store(key | (occupancy << 16) | sms, std::memory_order_relaxed);
+    }
   }
-  int sms = 0;
-  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return e;
-  int occupancy = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, kThreads, smem);
-  if (e != cudaSuccess) return e;
-  if (occupancy < 1) occupancy = 1;
-  const uint64_t resident = uint64_t(occupancy) * uint64_t(sms > 0 ? sms : 1);
+  const uint64_t resident = occupancy * sms;
   const uint64_t per_job = resident / jobs > 0 ? resident / jobs : 1;
   uint64_t rpc = (rows + per_job - 1) / per_job;
   if (rpc < min_rows) rpc = min_rows;
@@ -276,64 +301,83 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t v0, uint32_t v1, uin
   return __byte_perm(__byte_perm(v0, v1, 0x0040), __byte_perm(v2, v3, 0x0040), 0x5410);
 }
 
+// One pass of prepare_x for quad qd (x values v, zero past the end): its digits, and with its
+// scale group's other quads the group's scale and sums. Every lane must call it (it shuffles).
+template <class F>
+__device__ __forceinline__ void prepare_quad(const float* v, uint32_t qd, uint32_t quads,
+                                             uint8_t* xs) {
+  const uint32_t u = qd / 16;
+  const uint32_t k = qd % 16;
+  float mx = 0.0f;
+  uint32_t bad = 0;
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) {
+    mx = fmaxf(mx, fabsf(v[i]));
+    bad |= isfinite(v[i]) ? 0u : 1u;
+  }
+  float sum = (v[0] + v[1]) + (v[2] + v[3]);
+#pragma unroll
+  for (uint32_t o = 1; o < F::kScaleGroup / 4; o <<= 1) {
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    bad |= __shfl_xor_sync(kFull, bad, o);
+  }
+#pragma unroll
+  for (uint32_t o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(kFull, sum, o);
+  // x * (127 / mx) is at most 127 * (1 + 2^-23) in magnitude, so its digits fit in int8. Groups
+  // below 2^-100 count as zero (they cannot move a float sum); a NaN or infinity makes the
+  // group's scale NaN, so the row's result is NaN as on the CPU.
+  float mul = 0.0f;
+  float s = 0.0f;
+  if (bad != 0) {
+    s = __uint_as_float(0x7fc00000u);
+  } else if (mx >= kTinyGroup) {
+    mul = 127.0f / mx;
+    s = mx / 127.0f;
+  }
+  if (qd < quads) {
+    uint32_t a[4];
+    uint32_t b[4];
+    uint32_t c[4];
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) split_digits(__fmul_rn(v[i], mul), &a[i], &b[i], &c[i]);
+    uint8_t* slot = xs + u * kSlotBytes;
+    reinterpret_cast<uint32_t*>(slot)[k] = pack_low_bytes(a[0], a[1], a[2], a[3]);
+    reinterpret_cast<uint32_t*>(slot + 64)[k] = pack_low_bytes(b[0], b[1], b[2], b[3]);
+    reinterpret_cast<uint32_t*>(slot + 128)[k] = pack_low_bytes(c[0], c[1], c[2], c[3]);
+    if (k % 4 == 0) {
+      reinterpret_cast<float*>(slot + kSlotScales)[k / 4] = s;
+      reinterpret_cast<float*>(slot + kSlotSums)[k / 4] = sum;
+    }
+  }
+}
+
 // Fills the x slots of `units` units. Thread t of a pass takes positions 4k..4k+3 of one unit
 // (k = t % 16), so the kScaleGroup/4 threads of a scale group are adjacent lanes of one warp.
 // Elements past `cols` (the second half of a Q8_0 row's last unit) get zero digits, scale and sum.
 template <class F>
 __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t* xs) {
   const uint32_t quads = units * 16;
-  for (uint32_t base = 0; base < quads; base += kThreads) {  // uniform: every lane shuffles
-    const uint32_t qd = base + threadIdx.x;
-    const uint32_t u = qd / 16;
-    const uint32_t k = qd % 16;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (qd < quads) {
-      const uint32_t e = F::element(u, 4 * k);
-      if (e < cols) {
+  // The loads of kPrepBatch passes are issued together: one pass at a time would wait for a round
+  // trip to L2 per pass, about 5 us for a 14336-element x, with little else in flight.
+  constexpr uint32_t kPrepBatch = 4;
+  for (uint32_t batch = 0; batch < quads; batch += kPrepBatch * kThreads) {
+    float vb[kPrepBatch][4];
 #pragma unroll
-        for (uint32_t i = 0; i < 4; ++i) v[i] = x[e + i];
+    for (uint32_t j = 0; j < kPrepBatch; ++j) {
+      const uint32_t qd = batch + j * kThreads + threadIdx.x;
+#pragma unroll
+      for (uint32_t i = 0; i < 4; ++i) vb[j][i] = 0.0f;
+      if (qd < quads) {
+        const uint32_t e = F::element(qd / 16, 4 * (qd % 16));
+        if (e < cols) {
+#pragma unroll
+          for (uint32_t i = 0; i < 4; ++i) vb[j][i] = x[e + i];
+        }
       }
     }
-    float mx = 0.0f;
-    uint32_t bad = 0;
 #pragma unroll
-    for (uint32_t i = 0; i < 4; ++i) {
-      mx = fmaxf(mx, fabsf(v[i]));
-      bad |= isfinite(v[i]) ? 0u : 1u;
-    }
-    float sum = (v[0] + v[1]) + (v[2] + v[3]);
-#pragma unroll
-    for (uint32_t o = 1; o < F::kScaleGroup / 4; o <<= 1) {
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-      bad |= __shfl_xor_sync(kFull, bad, o);
-    }
-#pragma unroll
-    for (uint32_t o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(kFull, sum, o);
-    // x * (127 / mx) is at most 127 * (1 + 2^-23) in magnitude, so its digits fit in int8. Groups
-    // below 2^-100 count as zero (they cannot move a float sum); a NaN or infinity makes the
-    // group's scale NaN, so the row's result is NaN as on the CPU.
-    float mul = 0.0f;
-    float s = 0.0f;
-    if (bad != 0) {
-      s = __uint_as_float(0x7fc00000u);
-    } else if (mx >= kTinyGroup) {
-      mul = 127.0f / mx;
-      s = mx / 127.0f;
-    }
-    if (qd < quads) {
-      uint32_t a[4];
-      uint32_t b[4];
-      uint32_t c[4];
-#pragma unroll
-      for (uint32_t i = 0; i < 4; ++i) split_digits(__fmul_rn(v[i], mul), &a[i], &b[i], &c[i]);
-      uint8_t* slot = xs + u * kSlotBytes;
-      reinterpret_cast<uint32_t*>(slot)[k] = pack_low_bytes(a[0], a[1], a[2], a[3]);
-      reinterpret_cast<uint32_t*>(slot + 64)[k] = pack_low_bytes(b[0], b[1], b[2], b[3]);
-      reinterpret_cast<uint32_t*>(slot + 128)[k] = pack_low_bytes(c[0], c[1], c[2], c[3]);
-      if (k % 4 == 0) {
-        reinterpret_cast<float*>(slot + kSlotScales)[k / 4] = s;
-        reinterpret_cast<float*>(slot + kSlotSums)[k / 4] = sum;
-      }
+    for (uint32_t j = 0; j < kPrepBatch; ++j) {
+      prepare_quad<F>(vb[j], batch + j * kThreads + threadIdx.x, quads, xs);
     }
   }
 }
@@ -391,15 +435,17 @@ struct Q4K {
   static constexpr uint32_t kBlockElems = 256;
   static constexpr uint32_t kBlockBytes = 144;
   static constexpr uint32_t kScaleGroup = 32;
-  static constexpr uint32_t kUnitsPerLane = 2;
-  static constexpr uint32_t kMinCtasPerSm = 3;  // <= 85 registers, no spills
+  static constexpr uint32_t kUnitsPerLane = 1;
+  static constexpr uint32_t kRows = 4;
+  static constexpr uint32_t kStages = 2;
+  static constexpr uint32_t kMinCtasPerSm = 2;
   static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
   static constexpr uint32_t units(uint32_t blocks) { return blocks * 4; }
   static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
 
   static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
-                                                   const uint8_t* slot, uint32_t /*ur*/,
-                                                   uint32_t /*blocks*/) {
+                                                   const Planes& p, const uint8_t* slot,
+                                                   uint32_t /*ur*/, uint32_t /*blocks*/) {
     const uint8_t* blk = tile + (uu / 4) * kBlockBytes;
     const uint32_t c = uu % 4;
     const uint32_t dm = *reinterpret_cast<const uint32_t*>(blk);
@@ -418,8 +464,6 @@ struct Q4K {
     const uint4 q0 = qp[0];
     const uint4 q1 = qp[1];
     const uint32_t qw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-    Planes p;
-    load_planes(slot, &p);
     DigitSums lo;
     DigitSums hi;
 #pragma unroll
@@ -445,14 +489,16 @@ struct Q80 {
   static constexpr uint32_t kBlockBytes = 34;
   static constexpr uint32_t kScaleGroup = 32;
   static constexpr uint32_t kUnitsPerLane = 1;
+  static constexpr uint32_t kRows = 1;
+  static constexpr uint32_t kStages = 0;
   static constexpr uint32_t kMinCtasPerSm = 3;
   static constexpr uint32_t tile_blocks(uint32_t lanes) { return 2 * kUnitsPerLane * lanes; }
   static constexpr uint32_t units(uint32_t blocks) { return (blocks + 1) / 2; }
   static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
 
   static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
-                                                   const uint8_t* slot, uint32_t ur,
-                                                   uint32_t blocks) {
+                                                   const Planes& p, const uint8_t* slot,
+                                                   uint32_t ur, uint32_t blocks) {
     const uint32_t* wp = reinterpret_cast<const uint32_t*>(tile + uu * 2 * kBlockBytes);
     uint32_t w[17];
 #pragma unroll
@@ -460,8 +506,6 @@ struct Q80 {
     // Bytes 0-1: d of the first block, 2..33 its quants, 34-35 the second d, 36..67 its quants.
     const float d0 = half_bits_to_float(w[0]);
     const float d1 = half_bits_to_float(w[8] >> 16);
-    Planes p;
-    load_planes(slot, &p);
     DigitSums first;
     DigitSums second;
 #pragma unroll
@@ -486,6 +530,8 @@ struct Q6K {
   static constexpr uint32_t kBlockBytes = 210;
   static constexpr uint32_t kScaleGroup = 16;
   static constexpr uint32_t kUnitsPerLane = 2;
+  static constexpr uint32_t kRows = 1;
+  static constexpr uint32_t kStages = 0;
   static constexpr uint32_t kMinCtasPerSm = 2;  // three would spill
   static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
   static constexpr uint32_t units(uint32_t blocks) { return blocks * 4; }
@@ -505,8 +551,8 @@ struct Q6K {
   }
 
   static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
-                                                   const uint8_t* slot, uint32_t /*ur*/,
-                                                   uint32_t /*blocks*/) {
+                                                   const Planes& p, const uint8_t* slot,
+                                                   uint32_t /*ur*/, uint32_t /*blocks*/) {
     const uint32_t off = (uu / 4) * kBlockBytes;
     const uint32_t h = (uu >> 1) & 1u;
     const uint32_t lh = uu & 1u;
@@ -521,8 +567,6 @@ struct Q6K {
     read4(base, 32 + 8 * h + 4 * lh, shift, qh);  // qh[32h + 16lh ..]
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + lh);
     const float d = half_bits_to_float(*reinterpret_cast<const uint16_t*>(blk + 208));
-    Planes p;
-    load_planes(slot, &p);
     DigitSums quarter[4];
 #pragma unroll
     for (uint32_t k = 0; k < 4; ++k) {
@@ -556,27 +600,63 @@ struct QuantArgs {
   uint32_t rows_per_cta;
 };
 
-template <class F, int L>
+// A group computes R rows at once and loads each unit's digit planes from shared memory once for
+// all R: the plane reads (6 bytes per weight and row) otherwise bound a 4-bit kernel by shared
+// memory bandwidth. Tiles reach shared memory in one of two ways (F::kStages):
+//   0: a register double buffer: the next tile is loaded into registers while the current one is
+//      computed, then stored (Q8_0, Q6_K: one row of 2-byte-aligned blocks per group);
+//   S >= 2: a ring of S tiles per group filled by cp.async, S - 1 in flight while one is computed
+//      (Q4_K, whose R = 4 rows would not fit in registers).
+template <class F, int L, int R>
 struct QuantShape {
   static constexpr uint32_t kGroupsPerWarp = 32 / L;
-  static constexpr uint32_t kGroups = kWarps * kGroupsPerWarp;  // rows in flight per CTA
+  static constexpr uint32_t kGroups = kWarps * kGroupsPerWarp;
   static constexpr uint32_t kTileUnits = F::kUnitsPerLane * L;
-  static constexpr uint32_t kTileBytes = F::tile_blocks(L) * F::kBlockBytes;
+  static constexpr uint32_t kTileBytes = F::tile_blocks(L) * F::kBlockBytes;  // of one row
   static constexpr uint32_t kTileStride = (kTileBytes + 15) / 16 * 16;
+  static constexpr uint32_t kStageBytes = R * kTileStride;  // a group's R row tiles
+  static constexpr uint32_t kSlots = F::kStages > 0 ? F::kStages : 1;
+  static constexpr uint32_t kGroupBytes = kSlots * kStageBytes;
 };
 
-// Grid: (CTAs per job, jobs). CTA b of job j computes rows [b * rows_per_cta, ...) of job j; group
-// g (lanes g*L .. g*L+L-1 of a warp) takes rows first + g, first + g + kGroups, ... and walks each
-// row's tiles. Work item n of a group is tile n % tiles_per_row of its row n / tiles_per_row; the
-// next item's bytes are loaded into registers while the current one is computed. The item count is
-// the same for all groups of a warp (the warp's first group decides it), so the shuffles of the
-// row reduction see every lane; rows past the end are computed on stale data and not written.
-template <class F, int L, int V>
+// Copies V bytes from global to shared memory: asynchronously (cp.async, completed by
+// async_wait) for 16 and 4, synchronously for 2 (cp.async has no 2-byte form).
+template <int V>
+__device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (V == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  } else if constexpr (V == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+  } else {
+    *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
+  }
+}
+
+__device__ __forceinline__ void async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed copy groups are pending.
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Grid: (CTAs per job, jobs). CTA b of job j computes rows [b * rows_per_cta, ...) of job j, in
+// blocks of R consecutive rows; group g (lanes g*L .. g*L+L-1 of a warp) takes row blocks g,
+// g + kGroups, ... and walks their tiles. Work item n of a group is tile n % tiles_per_row of its
+// row block n / tiles_per_row; later items' bytes are in flight while n is computed. The item
+// count is the same for all groups of a warp (the warp's first group decides it), so the warp-wide
+// syncs and the shuffles of the row reduction see every lane; rows past the end are computed on
+// stale data and not written.
+template <class F, int L, int V, int R>
 __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
     matvec_quant_kernel(const QuantArgs a) {
   using Vec = typename VecOf<V>::type;
-  using S = QuantShape<F, L>;
-  constexpr uint32_t kChunks = (S::kTileBytes / V + L - 1) / L;  // per lane and tile
+  using Q = QuantShape<F, L, R>;
+  constexpr uint32_t S = F::kStages;
+  constexpr uint32_t kChunks = (Q::kTileBytes / V + L - 1) / L;  // per lane, row and tile
 
   extern __shared__ __align__(16) uint8_t smem[];
   const uint32_t job = blockIdx.y;
@@ -586,78 +666,136 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
 
   const uint32_t warp = threadIdx.x / 32;
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t gi = warp * S::kGroupsPerWarp + lane / L;
+  const uint32_t gi = warp * Q::kGroupsPerWarp + lane / L;
   const uint32_t gl = lane % L;
   uint8_t* xs = smem;
-  uint8_t* tile = smem + a.units_per_row * kSlotBytes + gi * S::kTileStride;
+  uint8_t* ring = smem + a.units_per_row * kSlotBytes + gi * Q::kGroupBytes;
 
   const uint32_t row0 = blockIdx.x * a.rows_per_cta;
   const uint32_t row_end = min(a.rows, row0 + a.rows_per_cta);
-  const uint32_t warp_row0 = row0 + warp * S::kGroupsPerWarp;
+  const uint32_t row_blocks = (row_end - row0 + R - 1) / R;
+  const uint32_t warp_block0 = warp * Q::kGroupsPerWarp;
   const uint32_t iters =
-      warp_row0 < row_end ? (row_end - warp_row0 + S::kGroups - 1) / S::kGroups : 0;
+      warp_block0 < row_blocks ? (row_blocks - warp_block0 + Q::kGroups - 1) / Q::kGroups : 0;
   const uint32_t items = iters * a.tiles_per_row;
   const uint64_t data_bytes = uint64_t{a.blocks_per_row} * F::kBlockBytes;
 
-  Vec buf[kChunks];
-  uint32_t buf_chunks = 0;
-  auto fetch = [&](uint32_t item) {
-    const uint32_t i = item / a.tiles_per_row;
-    const uint32_t t = item - i * a.tiles_per_row;
-    const uint32_t row = row0 + gi + S::kGroups * i;
-    buf_chunks = 0;
-    if (row >= row_end) return;
-    const uint64_t off = uint64_t{t} * S::kTileBytes;
-    const uint64_t left = data_bytes - off;
-    buf_chunks = static_cast<uint32_t>((left < S::kTileBytes ? left : S::kTileBytes) / V);
-    const uint8_t* src = w + uint64_t{row} * a.row_bytes + off;
+  // The register double buffer (unused, and optimised away, with cp.async).
+  Vec buf[S == 0 ? R : 1][S == 0 ? kChunks : 1];
+  uint32_t buf_chunks = 0;  // per row
+  uint32_t buf_rows = 0;    // rows of the block that exist
+  // Starts loading `item` (into ring slot `slot` with cp.async, committed as one group: an empty
+  // one past the last item, so that every lane commits one group per item).
+  auto fetch = [&](uint32_t item, uint32_t slot) {
+    if (item < items) {
+      const uint32_t i = item / a.tiles_per_row;
+      const uint32_t t = item - i * a.tiles_per_row;
+      const uint32_t first = row0 + (gi + Q::kGroups * i) * R;
+      const uint32_t rows = first < row_end ? min(row_end - first, uint32_t{R}) : 0;
+      const uint64_t off = uint64_t{t} * Q::kTileBytes;
+      const uint64_t left = data_bytes - off;
+      const uint32_t chunks =
+          static_cast<uint32_t>((left < Q::kTileBytes ? left : Q::kTileBytes) / V);
 #pragma unroll
-    for (uint32_t c = 0; c < kChunks; ++c) {
-      const uint32_t idx = gl + L * c;
-      if (idx < buf_chunks) buf[c] = *reinterpret_cast<const Vec*>(src + uint64_t{idx} * V);
+      for (uint32_t r = 0; r < R; ++r) {
+        if (r < rows) {
+          const uint8_t* src = w + uint64_t{first + r} * a.row_bytes + off;
+          uint8_t* dst = ring + slot * Q::kStageBytes + r * Q::kTileStride;
+#pragma unroll
+          for (uint32_t c = 0; c < kChunks; ++c) {
+            const uint32_t idx = gl + L * c;
+            if (idx < chunks) {
+              if constexpr (S > 0) {
+                stage_copy<V>(dst + idx * V, src + uint64_t{idx} * V);
+              } else {
+                buf[r][c] = *reinterpret_cast<const Vec*>(src + uint64_t{idx} * V);
+              }
+            }
+          }
+        }
+      }
+      buf_rows = rows;
+      buf_chunks = chunks;
     }
+    if constexpr (S > 0) async_commit();
   };
 
-  if (items > 0) fetch(0);  // in flight while x is prepared
+  // In flight while x is prepared.
+  if constexpr (S > 0) {
+#pragma unroll
+    for (uint32_t s = 0; s + 1 < S; ++s) fetch(s, s);
+  } else {
+    fetch(0, 0);
+  }
   prepare_x<F>(x, a.cols, a.units_per_row, xs);
   __syncthreads();
 
-  float acc = 0.0f;
+  float acc[R];
+#pragma unroll
+  for (uint32_t r = 0; r < R; ++r) acc[r] = 0.0f;
+  uint32_t slot = 0;  // item % kSlots
   for (uint32_t item = 0; item < items; ++item) {
+    if constexpr (S > 0) {
+      async_wait<S - 2>();  // this lane's copies of `item` have landed
+      __syncwarp();         // every lane's have, and the group is done with item - 1's slot
+      fetch(item + S - 1, slot == 0 ? S - 1 : slot - 1);
+    } else {
+      __syncwarp();  // the group is done reading its previous tiles
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        if (r < buf_rows) {
+#pragma unroll
+          for (uint32_t c = 0; c < kChunks; ++c) {
+            const uint32_t idx = gl + L * c;
+            if (idx < buf_chunks) {
+              *reinterpret_cast<Vec*>(ring + r * Q::kTileStride + idx * V) = buf[r][c];
+            }
+          }
+        }
+      }
+      __syncwarp();  // the tiles are complete
+      if (item + 1 < items) fetch(item + 1, 0);
+    }
     const uint32_t i = item / a.tiles_per_row;
     const uint32_t t = item - i * a.tiles_per_row;
-    const uint32_t row = row0 + gi + S::kGroups * i;
-    __syncwarp();  // the group is done reading its previous tile
-#pragma unroll
-    for (uint32_t c = 0; c < kChunks; ++c) {
-      const uint32_t idx = gl + L * c;
-      if (idx < buf_chunks) *reinterpret_cast<Vec*>(tile + idx * V) = buf[c];
-    }
-    __syncwarp();  // the tile is complete
-    if (item + 1 < items) fetch(item + 1);
-    if (row < row_end) {
+    const uint32_t first = row0 + (gi + Q::kGroups * i) * R;
+    const uint8_t* stage = ring + slot * Q::kStageBytes;
+    if (first < row_end) {
 #pragma unroll
       for (uint32_t kk = 0; kk < F::kUnitsPerLane; ++kk) {
         const uint32_t uu = gl + L * kk;
-        const uint32_t ur = t * S::kTileUnits + uu;
+        const uint32_t ur = t * Q::kTileUnits + uu;
         if (ur < a.units_per_row) {
-          acc += F::unit_dot(tile, uu, xs + ur * kSlotBytes, ur, a.blocks_per_row);
+          const uint8_t* xslot = xs + ur * kSlotBytes;
+          Planes p;
+          load_planes(xslot, &p);
+#pragma unroll
+          for (uint32_t r = 0; r < R; ++r) {
+            acc[r] += F::unit_dot(stage + r * Q::kTileStride, uu, p, xslot, ur, a.blocks_per_row);
+          }
         }
       }
     }
     if (t + 1 == a.tiles_per_row) {
 #pragma unroll
-      for (uint32_t o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
-      if (gl == 0 && row < row_end) y[row] = acc;
-      acc = 0.0f;
+      for (uint32_t r = 0; r < R; ++r) {
+#pragma unroll
+        for (uint32_t o = L / 2; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(kFull, acc[r], o);
+        if (gl == 0 && first + r < row_end) y[first + r] = acc[r];
+        acc[r] = 0.0f;
+      }
     }
+    if constexpr (S > 0) slot = slot + 1 == S ? 0 : slot + 1;
   }
+  if constexpr (S > 0) async_wait<0>();  // the trailing groups are empty; no copy outlives us
 }
 
 template <class F, int L, int V>
 cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows, uint32_t cols,
                          cudaStream_t stream) {
-  using S = QuantShape<F, L>;
+  constexpr int R = F::kRows;
+  using Q = QuantShape<F, L, R>;
+  static LaunchCache cache;
   QuantArgs a{};
   a.batch = batch;
   a.row_bytes = row_bytes;
@@ -665,12 +803,12 @@ cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t 
   a.cols = cols;
   a.blocks_per_row = cols / F::kBlockElems;
   a.units_per_row = F::units(a.blocks_per_row);
-  a.tiles_per_row = (a.units_per_row + S::kTileUnits - 1) / S::kTileUnits;
-  const size_t smem = size_t{a.units_per_row} * kSlotBytes + size_t{S::kGroups} * S::kTileStride;
-  const auto kernel = matvec_quant_kernel<F, L, V>;
+  a.tiles_per_row = (a.units_per_row + Q::kTileUnits - 1) / Q::kTileUnits;
+  const size_t smem = size_t{a.units_per_row} * kSlotBytes + size_t{Q::kGroups} * Q::kGroupBytes;
+  const auto kernel = matvec_quant_kernel<F, L, V, R>;
   LaunchShape shape;
   const cudaError_t e =
-      plan_launch(kernel, smem, rows, batch.count, S::kGroups, kMinRowsPerCta, &shape);
+      plan_launch(kernel, &cache, smem, rows, batch.count, Q::kGroups * R, kMinRowsPerCta, &shape);
   if (e != cudaSuccess) return e;
   a.rows_per_cta = shape.rows_per_cta;
   kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);
@@ -854,8 +992,10 @@ cudaError_t launch_plain(const MatvecBatch& batch, uint64_t row_bytes, uint32_t 
   a.cols = cols;
   const size_t smem = (size_t{cols} * sizeof(float) + 15) / 16 * 16;
   const auto kernel = matvec_plain_kernel<T, V>;
+  static LaunchCache cache;
   LaunchShape shape;
-  const cudaError_t e = plan_launch(kernel, smem, rows, batch.count, kWarps, kWarps, &shape);
+  const cudaError_t e =
+      plan_launch(kernel, &cache, smem, rows, batch.count, kWarps, kWarps, &shape);
   if (e != cudaSuccess) return e;
   a.rows_per_cta = shape.rows_per_cta;
   kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);

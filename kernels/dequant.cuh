@@ -9,9 +9,10 @@
 // `w` may be device memory or mapped pinned host memory (cudaHostRegisterMapped), which is how
 // the in-place mode reads the daemon's arena. `w` must be 2-byte aligned (4-byte for F32); the
 // widest loads (16 bytes) are used when every w and row_bytes are 16-byte aligned, narrower ones
-// otherwise. x is staged in shared memory, which bounds cols (about 54k for the quantised types,
-// 58k for F32/F16/BF16 on an H200); a larger cols, a misaligned w, or row_bytes below the row's
-// data is cudaErrorInvalidValue. Each call queries the device (occupancy, SM count) on the host.
+// otherwise. x is staged in shared memory, which bounds cols (about 54k for Q8_0 and Q6_K, 42k for
+// Q4_K, 58k for F32/F16/BF16 on an H200); a larger cols, a misaligned w, or row_bytes below the
+// row's data is cudaErrorInvalidValue. The device's occupancy and SM count are queried on the host
+// at a kernel's first call per device and shared-memory size, then cached.
 //
 // matvec_batched: up to kMaxBatch independent matvecs of the same type and shape in one launch
 // (the gate and up projections of all routed experts, then their down projections); job j reads
