@@ -102,10 +102,23 @@ SchedulerStats to_scheduler(rpc::SchedulerStats::Reader r) {
   return s;
 }
 
+std::vector<PrefetchDepthStats> to_depths(capnp::List<rpc::PrefetchDepthStats>::Reader r) {
+  std::vector<PrefetchDepthStats> out;
+  out.reserve(r.size());
+  for (auto d : r) {
+    out.push_back(PrefetchDepthStats{d.getDepth(), d.getHints(), d.getLoads(), d.getUseful(),
+                                     d.getWasted(), d.getUsefulBytes(), d.getWastedBytes(),
+                                     d.getHintedAcquires()});
+  }
+  return out;
+}
+
 SessionStats to_session(rpc::SessionStats::Reader r) {
-  return SessionStats{r.getSession(),    str(r.getModel()), str(r.getClient()),
-                      r.getPid(),        r.getUid(),        r.getAcquires(),
-                      r.getPrefetches(), r.getReleases(),   r.getHolds()};
+  return SessionStats{r.getSession(),     str(r.getModel()),
+                      str(r.getClient()), r.getPid(),
+                      r.getUid(),         r.getAcquires(),
+                      r.getPrefetches(),  r.getReleases(),
+                      r.getHolds(),       to_depths(r.getPrefetchDepths())};
 }
 
 Stats to_stats(rpc::Stats::Reader r) {
@@ -131,6 +144,9 @@ Stats to_stats(rpc::Stats::Reader r) {
     for (auto v : m.getLayerHits()) ms.layer_hits.push_back(v);
     for (auto v : m.getLayerMisses()) ms.layer_misses.push_back(v);
     ms.reads_in_flight = m.getReadsInFlight();
+    // A daemon before the field existed sends 0: the whole cache.
+    ms.cache_limit = m.getCacheLimit() ? m.getCacheLimit() : ms.cache_slots;
+    ms.prefetch_depths = to_depths(m.getPrefetchDepths());
     s.models.push_back(std::move(ms));
   }
   for (auto x : r.getSessions()) s.sessions.push_back(to_session(x));
@@ -161,6 +177,37 @@ bool ModelLayout::has_experts(uint32_t layer) const {
     if (s.layer == layer) return true;
   }
   return false;
+}
+
+double PrefetchDepthStats::precision() const {
+  const uint64_t decided = useful + wasted;
+  return decided ? static_cast<double>(useful) / static_cast<double>(decided) : -1.0;
+}
+
+double PrefetchDepthStats::recall(uint64_t acquires) const {
+  return acquires ? static_cast<double>(hinted_acquires) / static_cast<double>(acquires) : -1.0;
+}
+
+PrefetchDepthStats& PrefetchDepthStats::operator+=(const PrefetchDepthStats& o) {
+  hints += o.hints;
+  loads += o.loads;
+  useful += o.useful;
+  wasted += o.wasted;
+  useful_bytes += o.useful_bytes;
+  wasted_bytes += o.wasted_bytes;
+  hinted_acquires += o.hinted_acquires;
+  return *this;
+}
+
+PrefetchDepthStats& PrefetchDepthStats::operator-=(const PrefetchDepthStats& o) {
+  hints -= o.hints;
+  loads -= o.loads;
+  useful -= o.useful;
+  wasted -= o.wasted;
+  useful_bytes -= o.useful_bytes;
+  wasted_bytes -= o.wasted_bytes;
+  hinted_acquires -= o.hinted_acquires;
+  return *this;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -428,6 +475,23 @@ Status Client::evict(const std::string& model, uint32_t layer, uint32_t expert) 
     req.setLayer(layer);
     req.setExpert(expert);
     return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Status Client::set_cache_limit(const std::string& model, uint32_t slots) {
+  return conn_->call<Ok>([&](Connection::State& s) {
+    auto req = s.bootstrap.setCacheLimitRequest();
+    req.setModel(text(model));
+    req.setSlots(slots);
+    return req.send().then([](auto) { return Ok{}; });
+  });
+}
+
+Result<uint32_t> Client::evict_all(const std::string& model) {
+  return conn_->call<uint32_t>([&](Connection::State& s) {
+    auto req = s.bootstrap.evictAllRequest();
+    req.setModel(text(model));
+    return req.send().then([](auto r) { return r.getEvicted(); });
   });
 }
 

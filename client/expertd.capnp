@@ -65,6 +65,20 @@ struct SchedulerStats {
   bufferedRequeues @18 :UInt64;
 }
 
+# Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
+# was (a hint for the cursor's layer or an earlier one is for the next token). docs/CACHE.md
+# defines precision = useful / (useful + wasted) and recall = hintedAcquires / acquires.
+struct PrefetchDepthStats {
+  depth @0 :UInt32;           # 1..8; 8 also counts every deeper hint
+  hints @1 :UInt64;           # hints received at this depth
+  loads @2 :UInt64;           # prefetch loads they started
+  useful @3 :UInt64;          # loads acquired before their expert left the cache
+  wasted @4 :UInt64;          # loads evicted, cancelled or dropped before any acquire
+  usefulBytes @5 :UInt64;
+  wastedBytes @6 :UInt64;
+  hintedAcquires @7 :UInt64;  # acquires of an expert hinted at this depth for that token
+}
+
 struct ModelStats {
   name @0 :Text;
   scheduler @1 :SchedulerStats;
@@ -75,6 +89,8 @@ struct ModelStats {
   layerHits @6 :List(UInt64);    # per block layer: acquires served READY
   layerMisses @7 :List(UInt64);  # per block layer: acquires that waited for a read
   readsInFlight @8 :UInt32;
+  cacheLimit @9 :UInt32;         # slots the cache may use now (setCacheLimit), <= cacheSlots
+  prefetchDepths @10 :List(PrefetchDepthStats);  # depths 1..8
 }
 
 struct SessionStats {
@@ -87,6 +103,7 @@ struct SessionStats {
   prefetches @6 :UInt64;
   releases @7 :UInt64;
   holds @8 :UInt32;
+  prefetchDepths @9 :List(PrefetchDepthStats);   # depths 1..8, this session's hints
 }
 
 struct Stats {
@@ -129,4 +146,9 @@ interface Expertd {
   unpin @8 (model :Text, layer :UInt32, expert :UInt32) -> ();
   evict @9 (model :Text, layer :UInt32, expert :UInt32) -> ();
   ping @10 () -> ();
+  # Caps a model's cache at `slots` slots (0: the whole arena's cache), evicting down to it.
+  setCacheLimit @11 (model :Text, slots :UInt32) -> ();
+  # Drops every cached and staged expert of a model that nobody holds or pinned, and restarts its
+  # policy's history.
+  evictAll @12 (model :Text) -> (evicted :UInt32);
 }

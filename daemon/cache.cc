@@ -1,5 +1,6 @@
 #include "daemon/cache.h"
 
+#include <algorithm>
 #include <cassert>
 
 namespace expertd {
@@ -17,6 +18,7 @@ ExpertCache::ExpertCache(uint32_t first_slot, uint32_t slot_count, uint32_t laye
   free_list_.reserve(slot_count);
   for (uint32_t i = slot_count; i-- > 0;) free_list_.push_back(i);
   free_count_ = slot_count;
+  limit_ = slot_count;
   for (uint32_t i = 0; i < slot_count; ++i) publish(first_slot_ + i);
 }
 
@@ -69,19 +71,27 @@ void ExpertCache::make_free(uint32_t slot) {
   publish(slot);
 }
 
+void ExpertCache::evict_slot(uint32_t slot) {
+  const Slot& v = at(slot);
+  assert(v.state == SlotState::Ready && v.refs == 0 && !v.pinned);
+  if (listener_ != nullptr) listener_->evicted(slot, v.key);
+  make_free(slot);
+}
+
 std::optional<uint32_t> ExpertCache::reserve(ExpertKey key, std::optional<ExpertKey>* evicted,
                                              bool force) {
   assert(key.layer < layers_ && key.expert < experts_);
   assert(lookup(key) < 0);
-  if (free_list_.empty()) {
+  // Room under the limit: one victim normally; more while held slots kept a lowered limit from
+  // taking effect (bounded by the slot count).
+  while (free_list_.empty() || used() >= limit_) {
+    if (limit_ == 0) return std::nullopt;
     const auto victim = policy_->victim(key, force);
     if (!victim) return std::nullopt;
+    // The policy only names slots it was told are evictable (evict_slot() asserts it).
     const uint32_t slot = first_slot_ + *victim;
-    const Slot& v = at(slot);
-    // The policy only names slots it was told are evictable.
-    assert(v.state == SlotState::Ready && v.refs == 0 && !v.pinned);
-    if (evicted != nullptr) *evicted = v.key;
-    make_free(slot);
+    if (evicted != nullptr) *evicted = at(slot).key;
+    evict_slot(slot);
   }
   const uint32_t local = free_list_.back();
   free_list_.pop_back();
@@ -131,8 +141,31 @@ bool ExpertCache::evict(ExpertKey key) {
   if (slot < 0) return false;
   const Slot& s = at(static_cast<uint32_t>(slot));
   if (s.state != SlotState::Ready || s.refs != 0 || s.pinned) return false;
-  make_free(static_cast<uint32_t>(slot));
+  evict_slot(static_cast<uint32_t>(slot));
   return true;
+}
+
+uint32_t ExpertCache::evict_all() {
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state != SlotState::Ready || s.refs != 0 || s.pinned) continue;
+    evict_slot(first_slot_ + i);
+    ++n;
+  }
+  return n;
+}
+
+uint32_t ExpertCache::set_limit(uint32_t slots) {
+  limit_ = slots == 0 ? slot_count() : std::min(slots, slot_count());
+  uint32_t n = 0;
+  while (used() > limit_) {
+    const auto victim = policy_->victim(ExpertKey{}, true);
+    if (!victim) break;  // the rest is held, pinned or loading: reserve() goes on later
+    evict_slot(first_slot_ + *victim);
+    ++n;
+  }
+  return n;
 }
 
 bool ExpertCache::set_pinned(ExpertKey key, bool pinned) {

@@ -11,6 +11,8 @@
 //
 // Invariants: a LOADING slot is never reused (its read is in flight); a held (refs>0) or pinned
 // slot is never evicted; every READY slot holds exactly one key and the key map points back at it.
+// At most limit() slots are in use (LOADING or READY) once reserve() has made room: a lowered
+// limit evicts what it can at once, and reserve() evicts toward it while held slots keep it above.
 // Single-threaded: only the storage reactor calls it. Nothing allocates after construction.
 #pragma once
 
@@ -26,6 +28,14 @@ namespace expertd {
 
 enum class SlotState : uint8_t { Free, Loading, Ready };
 
+// Told of every READY slot the cache evicts (a victim of reserve(), evict(), evict_all(), a
+// lowered limit) just before the slot becomes FREE. Must not call back into the cache.
+class EvictionListener {
+ public:
+  virtual ~EvictionListener() = default;
+  virtual void evicted(uint32_t slot, ExpertKey key) = 0;
+};
+
 class ExpertCache {
  public:
   // Slots [first_slot, first_slot + slot_count) of `table` (global slot indices).
@@ -37,6 +47,7 @@ class ExpertCache {
   bool owns(uint32_t slot) const { return slot - first_slot_ < slots_.size(); }
   ReplacementPolicy& policy() { return *policy_; }
   void set_policy(std::unique_ptr<ReplacementPolicy> policy);  // re-announces READY slots
+  void set_eviction_listener(EvictionListener* listener) { listener_ = listener; }
 
   // The slot holding or loading `key`, or -1.
   int32_t lookup(ExpertKey key) const;
@@ -60,8 +71,15 @@ class ExpertCache {
   void unhold(uint32_t slot);  // READY: refs-1
   // READY(refs=0, unpinned) → FREE. False (nothing changes) when absent, loading, held or pinned.
   bool evict(ExpertKey key);
+  // Every READY slot that is neither held nor pinned → FREE. Returns how many.
+  uint32_t evict_all();
   // Pins keep a READY slot from eviction; false when `key` is not READY here.
   bool set_pinned(ExpertKey key, bool pinned);
+
+  // Caps the slots in use at `slots` (0 or more than slot_count(): every slot), evicting what it
+  // can at once. Returns the number evicted.
+  uint32_t set_limit(uint32_t slots);
+  uint32_t limit() const { return limit_; }
 
   uint32_t free_count() const { return free_count_; }
   uint32_t ready_count() const { return ready_count_; }
@@ -81,6 +99,8 @@ class ExpertCache {
   void publish(uint32_t slot);  // mirror into the shared slot table
   void update_evictable(uint32_t slot);
   void make_free(uint32_t slot);
+  void evict_slot(uint32_t slot);  // READY(refs=0, unpinned) → FREE, telling the listener
+  uint32_t used() const { return slot_count() - free_count_; }
 
   uint32_t first_slot_;
   uint32_t layers_;
@@ -93,6 +113,8 @@ class ExpertCache {
   uint32_t free_count_ = 0;
   uint32_t ready_count_ = 0;
   uint32_t loading_count_ = 0;
+  uint32_t limit_ = 0;  // slots that may be in use; slot_count() unless lowered
+  EvictionListener* listener_ = nullptr;
 };
 
 }  // namespace expertd

@@ -639,6 +639,7 @@ DaemonStats DaemonCore::stats() const {
     ms.name = m->name;
     ms.scheduler = sched.stats();
     ms.cache_slots = m->store->cache().slot_count();
+    ms.cache_limit = m->store->cache().limit();
     ms.cache_ready = m->store->cache().ready_count();
     ms.staging_slots = m->store->staging().slot_count();
     ms.slot_bytes = m->store->layouts().slot_bytes();
@@ -651,7 +652,8 @@ DaemonStats DaemonCore::stats() const {
     if (!s) continue;
     d.sessions.push_back(SessionStats{s->id, models_[s->model]->name, s->who.name, s->who.pid,
                                       s->who.uid, s->acquires, s->prefetches, s->releases,
-                                      s->hold_count});
+                                      s->hold_count,
+                                      models_[s->model]->store->scheduler().session_depths(s->id)});
   }
   return d;
 }
@@ -704,6 +706,35 @@ Status DaemonCore::evict(const std::string& model, uint32_t layer, uint32_t expe
                                            model, layer, expert));
     }
     return Ok{};
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
+}
+
+Status DaemonCore::set_cache_limit(const std::string& model, uint32_t slots) {
+  for (auto& m : models_) {
+    if (m->name != model) continue;
+    ExpertCache& cache = m->store->cache();
+    if (slots > cache.slot_count()) {
+      return make_error(EINVAL, fmt::format("model '{}': cache limit {} slots: the cache has {} "
+                                            "slots of {} KiB (0 = all of them)",
+                                            model, slots, cache.slot_count(),
+                                            m->store->layouts().slot_bytes() / 1024));
+    }
+    const uint32_t evicted = cache.set_limit(slots);
+    spdlog::info("tuning: model '{}' cache limit {} of {} slots ({} evicted)", model, cache.limit(),
+                 cache.slot_count(), evicted);
+    return Ok{};
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
+}
+
+Result<uint32_t> DaemonCore::evict_all(const std::string& model) {
+  for (auto& m : models_) {
+    if (m->name != model) continue;
+    const uint32_t n = m->store->evict_all();
+    spdlog::info("model '{}': evicted {} experts (all but held and pinned); policy history reset",
+                 model, n);
+    return n;
   }
   return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
 }

@@ -82,6 +82,7 @@ struct ModelStats {
   std::string name;
   SchedulerStats scheduler;
   uint32_t cache_slots = 0;
+  uint32_t cache_limit = 0;  // slots the cache may use now (set_cache_limit; else cache_slots)
   uint32_t cache_ready = 0;
   uint32_t staging_slots = 0;
   uint64_t slot_bytes = 0;
@@ -100,6 +101,7 @@ struct SessionStats {
   uint64_t prefetches = 0;
   uint64_t releases = 0;
   uint32_t holds = 0;
+  PrefetchDepths prefetch_depths{};  // this session's hints and their outcomes, by depth
 };
 
 struct DaemonStats {
@@ -149,6 +151,11 @@ class DaemonCore {
   Status set_policy(const std::string& policy);
   Status pin(const std::string& model, uint32_t layer, uint32_t expert, bool pinned);
   Status evict(const std::string& model, uint32_t layer, uint32_t expert);
+  // Caps `model`'s cache at `slots` slots (0: all of them), evicting down to it.
+  Status set_cache_limit(const std::string& model, uint32_t slots);
+  // Empties `model`'s cache and staging ring (all but held and pinned experts) and restarts its
+  // policy's history. Returns the number of experts dropped.
+  Result<uint32_t> evict_all(const std::string& model);
 
   // --- Any thread ---
   const std::vector<std::string>& model_names() const { return model_names_; }

@@ -115,6 +115,34 @@ class OwnedAttachment {
   Attachment a_;
 };
 
+void fill_depths(const PrefetchDepths& d, capnp::List<rpc::PrefetchDepthStats>::Builder o) {
+  for (uint i = 0; i < d.size(); ++i) {
+    const PrefetchDepthCounters& c = d[i];
+    auto b = o[i];
+    b.setDepth(i + 1);
+    b.setHints(c.hints);
+    b.setLoads(c.loads);
+    b.setUseful(c.useful);
+    b.setWasted(c.wasted);
+    b.setUsefulBytes(c.useful_bytes);
+    b.setWastedBytes(c.wasted_bytes);
+    b.setHintedAcquires(c.hinted_acquires);
+  }
+}
+
+void fill_session(const SessionStats& s, rpc::SessionStats::Builder o) {
+  o.setSession(s.session);
+  o.setModel(text(s.model));
+  o.setClient(text(s.client));
+  o.setPid(s.pid);
+  o.setUid(s.uid);
+  o.setAcquires(s.acquires);
+  o.setPrefetches(s.prefetches);
+  o.setReleases(s.releases);
+  o.setHolds(s.holds);
+  fill_depths(s.prefetch_depths, o.initPrefetchDepths(kPrefetchDepthBuckets));
+}
+
 class SessionImpl final : public rpc::Session::Server {
  public:
   SessionImpl(DaemonCore& core, uint32_t id) : core_(core), id_(id) {}
@@ -137,17 +165,7 @@ class SessionImpl final : public rpc::Session::Server {
                                       return make_error(ENOENT, "session is gone");
                                     })
         .then([context](kj::Own<SessionStats> p) mutable {
-          const SessionStats& s = *p;
-          auto o = context.getResults().initStats();
-          o.setSession(s.session);
-          o.setModel(text(s.model));
-          o.setClient(text(s.client));
-          o.setPid(s.pid);
-          o.setUid(s.uid);
-          o.setAcquires(s.acquires);
-          o.setPrefetches(s.prefetches);
-          o.setReleases(s.releases);
-          o.setHolds(s.holds);
+          fill_session(*p, context.getResults().initStats());
         });
   }
 
@@ -254,21 +272,11 @@ void fill_stats(const DaemonStats& d, rpc::Stats::Builder o) {
     fill_list(m.layer_hits, b.initLayerHits(static_cast<uint>(m.layer_hits.size())));
     fill_list(m.layer_misses, b.initLayerMisses(static_cast<uint>(m.layer_misses.size())));
     b.setReadsInFlight(reads_in_flight_of(m));
+    b.setCacheLimit(m.cache_limit);
+    fill_depths(m.scheduler.depths, b.initPrefetchDepths(kPrefetchDepthBuckets));
   }
   auto sessions = o.initSessions(static_cast<uint>(d.sessions.size()));
-  for (uint i = 0; i < d.sessions.size(); ++i) {
-    const SessionStats& s = d.sessions[i];
-    auto b = sessions[i];
-    b.setSession(s.session);
-    b.setModel(text(s.model));
-    b.setClient(text(s.client));
-    b.setPid(s.pid);
-    b.setUid(s.uid);
-    b.setAcquires(s.acquires);
-    b.setPrefetches(s.prefetches);
-    b.setReleases(s.releases);
-    b.setHolds(s.holds);
-  }
+  for (uint i = 0; i < d.sessions.size(); ++i) fill_session(d.sessions[i], sessions[i]);
 }
 
 // The bootstrap capability of one allowed connection.
@@ -375,6 +383,19 @@ class ExpertdImpl final : public rpc::Expertd::Server {
     const uint32_t expert = p.getExpert();
     return status(core_,
                   [model, layer, expert](DaemonCore& c) { return c.evict(model, layer, expert); });
+  }
+
+  kj::Promise<void> setCacheLimit(SetCacheLimitContext context) override {
+    const auto p = context.getParams();
+    std::string model = str(p.getModel());
+    const uint32_t slots = p.getSlots();
+    return status(core_, [model, slots](DaemonCore& c) { return c.set_cache_limit(model, slots); });
+  }
+
+  kj::Promise<void> evictAll(EvictAllContext context) override {
+    std::string model = str(context.getParams().getModel());
+    return on_reactor<uint32_t>(core_, [model](DaemonCore& c) { return c.evict_all(model); })
+        .then([context](kj::Own<uint32_t> n) mutable { context.getResults().setEvicted(*n); });
   }
 
   kj::Promise<void> ping(PingContext) override { return kj::READY_NOW; }

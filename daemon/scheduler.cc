@@ -39,7 +39,8 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   free_loads_.reserve(options_.max_loads);
   for (uint32_t i = options_.max_loads; i-- > 0;) free_loads_.push_back(i);
   slot_load_.assign(slots, -1);
-  prefetched_flag_.assign(slots, 0);
+  prefetched_.assign(slots, PrefetchedSlot{});
+  hinted_.assign(static_cast<size_t>(map.block_count()) * map.expert_count(), HintMark{});
   waiters_.resize(options_.max_waiters);
   for (uint32_t i = 0; i < options_.max_waiters; ++i) {
     waiters_[i].next = i + 1 < options_.max_waiters ? i + 1 : kNil;
@@ -59,6 +60,10 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   hints_.resize(options_.max_prefetches);
   pending_.reserve(options_.max_waiters);
   cursors_.resize(options_.max_sessions);
+  session_depths_.assign(options_.max_sessions, PrefetchDepths{});
+  assert(options_.max_sessions <= kNoSession);
+  cache_.set_eviction_listener(this);
+  staging_.set_eviction_listener(this);
 }
 
 void Scheduler::set_queue_depth(uint32_t depth) {
@@ -104,6 +109,7 @@ bool Scheduler::add_waiter(uint32_t load, uint32_t session, uint64_t tag) {
 int Scheduler::acquire(uint32_t session, ExpertKey key, uint64_t tag) {
   if (!valid(key) || session >= cursors_.size()) return -EINVAL;
   ++stats_.acquires;
+  count_recall(session, key);
   cache_.access(key);
   if (serve(session, key, tag)) return 0;
   if (pending_.size() >= options_.max_waiters) {
@@ -121,9 +127,11 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
   if (slot >= 0 && owner->state(static_cast<uint32_t>(slot)) == SlotState::Ready) {
     ++stats_.hits;
     const auto s = static_cast<uint32_t>(slot);
-    if (prefetched_flag_[s]) {
-      prefetched_flag_[s] = 0;
+    if (prefetched_[s].pending) {
+      const PrefetchedSlot p = prefetched_[s];
+      prefetched_[s] = PrefetchedSlot{};
       ++stats_.prefetch_useful;
+      count_outcome(p.session, p.bucket, p.bytes, true);
     }
     owner->hold(s);
     sink_.complete(Completion{session, tag, slot, owner->generation(s), key});
@@ -135,7 +143,11 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
     // A cancelled prefetch owns the slot until its reads return: wait for it to free.
     if (loads_[load].cancelled) return false;
     ++stats_.coalesced;
-    if (loads_[load].prefetched && !loads_[load].demand) ++stats_.prefetch_useful;
+    const Load& l = loads_[load];
+    if (l.prefetched && !l.demand) {
+      ++stats_.prefetch_useful;
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_planned, true);
+    }
   } else {
     load = start_load(key, false, true);
     if (load == kNil) return false;
@@ -164,7 +176,6 @@ uint32_t Scheduler::start_load(ExpertKey key, bool to_staging, bool demand) {
     staged = false;
   }
   if (!slot) return kNil;
-  if (evicted) ++stats_.evictions;
   if (staged) ++stats_.staged_loads;
   const uint32_t id = free_loads_.back();
   free_loads_.pop_back();
@@ -175,7 +186,8 @@ uint32_t Scheduler::start_load(ExpertKey key, bool to_staging, bool demand) {
   l.active = true;
   l.demand = demand;
   l.slice_count = layouts_.place(key.layer, key.expert, l.slices, l.place);
-  prefetched_flag_[*slot] = 0;
+  for (uint32_t i = 0; i < l.slice_count; ++i) l.bytes_planned += l.place[i].read_bytes;
+  assert(!prefetched_[*slot].pending);  // evicted() settled it when the slot was freed
   slot_load_[*slot] = static_cast<int32_t>(id);
   (demand ? demand_queue_ : prefetch_queue_).push_back(id);
   return id;
@@ -267,7 +279,10 @@ void Scheduler::on_read(ReadOp* op) {
   Chunk& ch = chunks_[c];
   Load& l = loads_[ch.load];
   const int32_t res = op->result;
-  if (res > 0) stats_.bytes_read += static_cast<uint64_t>(res);
+  if (res > 0) {
+    stats_.bytes_read += static_cast<uint64_t>(res);
+    l.bytes_done += static_cast<uint64_t>(res);
+  }
 
   bool done = true;
   if (l.cancelled) {
@@ -318,11 +333,18 @@ void Scheduler::finish_load(uint32_t id) {
   if (err != 0) {
     owner.failed(l.slot);
     if (!l.cancelled) ++stats_.loads_failed;
+    // A cancelled prefetch is never one somebody waits for (cancel_load() skips those).
+    if (l.cancelled && l.prefetched) {
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_done, false);
+    }
     if (observer_ != nullptr && !l.cancelled) observer_->failed(l.key, err);
   } else {
     owner.loaded(l.slot);
     ++stats_.loads_done;
-    if (l.prefetched && l.waiters == kNil) prefetched_flag_[l.slot] = 1;
+    if (l.prefetched && !l.demand) {
+      prefetched_[l.slot] = PrefetchedSlot{true, static_cast<uint16_t>(l.prefetch_session),
+                                           static_cast<uint8_t>(l.prefetch_bucket), l.bytes_done};
+    }
     if (observer_ != nullptr) {
       observer_->loaded(l.key, l.slot, slot_data(l.slot), monotonic_ns() - l.start_ns);
     }
@@ -371,8 +393,67 @@ void Scheduler::retry_pending_demands() {
 
 uint64_t Scheduler::target_of(uint32_t session, uint32_t layer) const {
   const Cursor& c = cursors_[session];
-  if (!c.set || layer >= c.layer) return pack_target(c.token, layer);
-  return pack_target(c.token + 1, layer);  // an earlier layer: the next token's
+  if (!c.set || layer > c.layer) return pack_target(c.token, layer);
+  return pack_target(c.token + 1, layer);  // the cursor's layer or an earlier one: the next token's
+}
+
+uint32_t Scheduler::depth_bucket(uint32_t session, uint64_t target) const {
+  const Cursor& c = cursors_[session];
+  const uint64_t layers = map_.block_count();
+  const uint64_t now = c.set ? static_cast<uint64_t>(c.token) * layers + c.layer : 0;
+  const uint64_t then = (target >> 32) * layers + (target & 0xffffffffu);
+  const uint64_t depth = then > now ? then - now : 1;  // before any cursor, layer 0 counts as 1
+  return static_cast<uint32_t>(std::min<uint64_t>(depth, kPrefetchDepthBuckets) - 1);
+}
+
+void Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket) {
+  HintMark& m = hinted_[key_index(key)];
+  const auto token = static_cast<uint32_t>(target >> 32);
+  const auto bit = static_cast<uint8_t>(1u << bucket);
+  if (m.buckets != 0 && m.session == session && m.token == token) {
+    m.buckets |= bit;
+    return;
+  }
+  // A mark for an earlier token this session has not reached yet stays: a hint a whole layer
+  // cycle ahead must not hide the nearer ones. Anything else (passed, or another session's) goes.
+  if (m.buckets != 0 && m.session == session && m.token < token) {
+    const Cursor& c = cursors_[session];
+    if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return;
+  }
+  m = HintMark{token, static_cast<uint16_t>(session), bit};
+}
+
+void Scheduler::count_recall(uint32_t session, ExpertKey key) {
+  const Cursor& c = cursors_[session];
+  const HintMark& m = hinted_[key_index(key)];
+  if (!c.set || m.buckets == 0 || m.session != session || m.token != c.token) return;
+  for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
+    if ((m.buckets >> b & 1u) == 0) continue;
+    ++stats_.depths[b].hinted_acquires;
+    ++session_depths_[session][b].hinted_acquires;
+  }
+}
+
+void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful) {
+  auto add = [&](PrefetchDepthCounters& c) {
+    if (useful) {
+      ++c.useful;
+      c.useful_bytes += bytes;
+    } else {
+      ++c.wasted;
+      c.wasted_bytes += bytes;
+    }
+  };
+  add(stats_.depths[bucket]);
+  if (session < session_depths_.size()) add(session_depths_[session][bucket]);
+}
+
+void Scheduler::evicted(uint32_t slot, ExpertKey) {
+  ++stats_.evictions;
+  PrefetchedSlot& p = prefetched_[slot];
+  if (!p.pending) return;
+  count_outcome(p.session, p.bucket, p.bytes, false);
+  p = PrefetchedSlot{};
 }
 
 bool Scheduler::hint_passed(const Hint& h) const {
@@ -394,9 +475,13 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
     return -EINVAL;
   }
   ++stats_.prefetch_hints;
+  const uint64_t target = target_of(session, key.layer);
+  const uint32_t bucket = depth_bucket(session, target);
+  ++stats_.depths[bucket].hints;
+  ++session_depths_[session][bucket].hints;
+  mark_hinted(session, key, target, bucket);
   ExpertCache* owner = nullptr;
   if (find_slot(key, &owner) >= 0) return 0;  // already cached or loading
-  const uint64_t target = target_of(session, key.layer);
   // Merge with a queued hint for the same expert, else take a free entry, else replace the
   // farthest queued hint if this one is nearer.
   uint32_t free_entry = kNil;
@@ -412,6 +497,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
       if (target < h.target) {
         h.target = target;
         h.session = session;
+        h.bucket = bucket;
       }
       return 0;
     }
@@ -428,7 +514,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   } else {
     ++hint_count_;
   }
-  hints_[entry] = Hint{session, key, score, target, true};
+  hints_[entry] = Hint{session, key, score, target, bucket, true};
   return 0;
 }
 
@@ -447,19 +533,25 @@ void Scheduler::set_cursor(uint32_t session, uint32_t token, uint32_t layer) {
 
 void Scheduler::cancel_passed_prefetch_loads() {
   for (uint32_t id = 0; id < loads_.size(); ++id) {
-    Load& l = loads_[id];
+    const Load& l = loads_[id];
     if (!l.active || l.demand || l.cancelled || !l.prefetched) continue;
     const Cursor& c = cursors_[l.prefetch_session];
     if (!c.set || l.prefetch_target >= pack_target(c.token, c.layer)) continue;
-    l.cancelled = true;
-    ++stats_.prefetch_cancelled;
-    if (l.ops == 0) {
-      finish_load(id);
-      continue;
-    }
-    for (Chunk& ch : chunks_) {
-      if (ch.load == id) io_.cancel(&ch.op);  // free chunks have load == kNil
-    }
+    cancel_load(id);
+  }
+}
+
+void Scheduler::cancel_load(uint32_t id) {
+  Load& l = loads_[id];
+  assert(l.active && !l.demand && !l.cancelled && l.prefetched);
+  l.cancelled = true;
+  ++stats_.prefetch_cancelled;
+  if (l.ops == 0) {
+    finish_load(id);
+    return;
+  }
+  for (Chunk& ch : chunks_) {
+    if (ch.load == id) io_.cancel(&ch.op);  // free chunks have load == kNil
   }
 }
 
@@ -493,8 +585,11 @@ void Scheduler::start_prefetches() {
     Load& l = loads_[load];
     l.prefetched = true;
     l.prefetch_session = h.session;
+    l.prefetch_bucket = h.bucket;
     l.prefetch_target = h.target;
     ++stats_.prefetch_loads;
+    ++stats_.depths[h.bucket].loads;
+    ++session_depths_[h.session][h.bucket].loads;
     ++prefetch_loads_active_;
   }
 }
@@ -528,7 +623,24 @@ void Scheduler::drop_session(uint32_t session) {
       --hint_count_;
     }
   }
-  if (session < cursors_.size()) cursors_[session] = Cursor{};
+  if (session >= cursors_.size()) return;
+  // Its prefetches nobody waits for are wasted now; their outcome no longer counts for the session
+  // (a new session may get its id).
+  for (uint32_t id = 0; id < loads_.size(); ++id) {
+    Load& l = loads_[id];
+    if (!l.active || !l.prefetched || l.prefetch_session != session) continue;
+    const bool cancel = !l.demand && !l.cancelled;
+    l.prefetch_session = kNoSession;
+    if (cancel) cancel_load(id);
+  }
+  for (PrefetchedSlot& p : prefetched_) {
+    if (p.session == session) p.session = kNoSession;
+  }
+  for (HintMark& m : hinted_) {
+    if (m.session == session) m = HintMark{};
+  }
+  session_depths_[session] = PrefetchDepths{};
+  cursors_[session] = Cursor{};
 }
 
 void Scheduler::pump() {

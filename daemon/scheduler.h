@@ -5,7 +5,13 @@
 //    the cache refuses or has size 0) and a load starts. Demand loads are read before prefetches.
 //  - prefetch (hint): queued by (layers ahead of the session's cursor, router score); low scores go
 //    to the staging ring so they never push hot experts out. A queued prefetch whose layer the
-//    cursor has passed is dropped; a submitted one nobody waits for is cancelled.
+//    cursor has passed is dropped; a submitted one nobody waits for is cancelled. A hint is for
+//    the cursor's token when its layer is after the cursor's, else for the next token (the engine
+//    sets the cursor to layer L, then hints L+1..L+d, then acquires L).
+//  - telemetry by prefetch depth (docs/CACHE.md): each hint's depth is how many layers ahead of
+//    the cursor it is; hints, the loads they start and those loads' outcome (useful: acquired
+//    before eviction; wasted: evicted, cancelled or dropped unacquired) are counted per depth, and
+//    so are acquires of experts that were hinted at that depth for that (token, layer).
 //  - bytes in flight are bounded: at most `queue_depth` chunk reads, and prefetch loads only for
 //    layers within `prefetch_depth` of the cursor.
 //  - each expert's slices are read widened to the DIO alignment, in chunks of `chunk_bytes`
@@ -17,6 +23,7 @@
 // nothing on the request or completion path allocates.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -66,6 +73,22 @@ class LoadObserver {
   virtual void failed(ExpertKey key, int error) = 0;
 };
 
+// Depth buckets of the prefetch telemetry: bucket i holds depth i + 1, the last one depth 8 or
+// more.
+inline constexpr uint32_t kPrefetchDepthBuckets = 8;
+
+// Prefetch outcomes for one depth (see docs/CACHE.md for precision and recall).
+struct PrefetchDepthCounters {
+  uint64_t hints = 0;            // hints received at this depth (resident experts included)
+  uint64_t loads = 0;            // prefetch loads those hints started
+  uint64_t useful = 0;           // loads whose expert was acquired before it left the cache
+  uint64_t wasted = 0;           // loads evicted, cancelled or dropped before any acquire
+  uint64_t useful_bytes = 0;     // bytes those loads read
+  uint64_t wasted_bytes = 0;     // bytes those loads read
+  uint64_t hinted_acquires = 0;  // acquires of an expert hinted at this depth for that token
+};
+using PrefetchDepths = std::array<PrefetchDepthCounters, kPrefetchDepthBuckets>;
+
 struct SchedulerStats {
   uint64_t acquires = 0;
   uint64_t hits = 0;       // acquire found the expert READY
@@ -80,15 +103,16 @@ struct SchedulerStats {
   uint64_t loads_done = 0;
   uint64_t loads_failed = 0;
   uint64_t staged_loads = 0;  // loads that went to the staging ring
-  uint64_t evictions = 0;
-  uint64_t bytes_read = 0;  // bytes the backend delivered (widened reads included)
+  uint64_t evictions = 0;     // READY experts dropped: to make room, by a limit or on request
+  uint64_t bytes_read = 0;    // bytes the backend delivered (widened reads included)
   uint64_t reads = 0;
   uint64_t short_reads = 0;
   uint64_t eagain_retries = 0;
   uint64_t buffered_requeues = 0;  // unaligned remainders read through the buffered fd
+  PrefetchDepths depths{};
 };
 
-class Scheduler {
+class Scheduler final : private EvictionListener {
  public:
   // `files[s]` is the backend file index of shard s. `arena` holds every slot, cache then staging.
   Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& layouts,
@@ -104,8 +128,9 @@ class Scheduler {
   int release(uint32_t session, uint32_t slot);
   // The session's engine is at (token, layer): prefetches for layers it has passed are dropped.
   void set_cursor(uint32_t session, uint32_t token, uint32_t layer);
-  // The session is gone: its waiting acquires complete with -ECANCELED, its prefetches go.
-  // (Its holds are the caller's to release: the session layer tracks them.)
+  // The session is gone: its waiting acquires are unlinked, its queued hints go and its prefetch
+  // loads nobody waits for are cancelled. (Its holds are the caller's to release: the session
+  // layer tracks them.)
   void drop_session(uint32_t session);
 
   // Feeds a finished read (an IoEvent::Kind::Read from the backend).
@@ -120,12 +145,15 @@ class Scheduler {
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }
+  // The prefetch telemetry of one session (zero for a session id not in use).
+  const PrefetchDepths& session_depths(uint32_t session) const { return session_depths_[session]; }
   uint32_t reads_in_flight() const { return ops_in_flight_; }
   uint64_t slot_bytes() const { return layouts_.slot_bytes(); }
   uint8_t* slot_data(uint32_t slot) const { return arena_ + slot * layouts_.slot_bytes(); }
 
  private:
   static constexpr uint32_t kNil = UINT32_MAX;
+  static constexpr uint16_t kNoSession = UINT16_MAX;
 
   struct Cursor {
     uint32_t token = 0;
@@ -154,7 +182,10 @@ class Scheduler {
     uint64_t next_offset = 0;
     uint32_t ops = 0;  // chunk reads in flight
     uint32_t prefetch_session = 0;
+    uint32_t prefetch_bucket = 0;  // depth bucket of the hint that started it
     uint64_t prefetch_target = 0;  // (token << 32 | layer) the prefetch is for
+    uint64_t bytes_planned = 0;    // widened bytes of all its reads
+    uint64_t bytes_done = 0;       // bytes its reads delivered
     uint64_t start_ns = 0;         // when its first read was submitted (latency excludes queueing)
     uint32_t queue_next = kNil;    // in the demand or prefetch load queue
   };
@@ -169,7 +200,21 @@ class Scheduler {
     ExpertKey key;
     float score = 0;
     uint64_t target = 0;  // (token << 32 | layer)
+    uint32_t bucket = 0;  // depth bucket when the (nearest) hint arrived
     bool live = false;
+  };
+  // The depths at which an expert was hinted for one target token (recall telemetry).
+  struct HintMark {
+    uint32_t token = 0;
+    uint16_t session = kNoSession;
+    uint8_t buckets = 0;  // bit b: hinted at depth bucket b
+  };
+  // A READY slot filled by a prefetch and not yet acquired: who hinted it, how deep, its bytes.
+  struct PrefetchedSlot {
+    bool pending = false;
+    uint16_t session = kNoSession;
+    uint8_t bucket = 0;
+    uint64_t bytes = 0;
   };
 
   bool valid(ExpertKey key) const;
@@ -188,6 +233,15 @@ class Scheduler {
   void cancel_passed_prefetch_loads();
   void retry_pending_demands();
   uint64_t target_of(uint32_t session, uint32_t layer) const;
+  uint32_t depth_bucket(uint32_t session, uint64_t target) const;
+  void cancel_load(uint32_t load);
+  void mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket);
+  void count_recall(uint32_t session, ExpertKey key);
+  void count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful);
+  void evicted(uint32_t slot, ExpertKey key) override;
+  size_t key_index(ExpertKey key) const {
+    return static_cast<size_t>(key.layer) * map_.expert_count() + key.expert;
+  }
 
   ReadBackend& io_;
   const SliceMap& map_;
@@ -220,7 +274,9 @@ class Scheduler {
   };
   std::vector<PendingDemand> pending_;  // acquires waiting for any slot to free up
   std::vector<Cursor> cursors_;
-  std::vector<uint8_t> prefetched_flag_;  // per slot: filled by a prefetch, not yet acquired
+  std::vector<PrefetchedSlot> prefetched_;  // per slot
+  std::vector<HintMark> hinted_;            // per (block layer, expert)
+  std::vector<PrefetchDepths> session_depths_;
   uint32_t ops_in_flight_ = 0;
   uint32_t prefetch_loads_active_ = 0;  // active loads nobody waits for (demand == false)
 };

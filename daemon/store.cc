@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 
 #include "tools/forge/content.h"
@@ -71,6 +72,15 @@ Status ExpertStore::set_policy(const std::string& name) {
   cache_->set_policy(std::move(p));
   policy_ = name;
   return Ok{};
+}
+
+uint32_t ExpertStore::evict_all() {
+  const uint32_t n = cache_->evict_all() + staging_->evict_all();
+  // The same policy, without the history of what was evicted; it cannot fail for a name in use.
+  const Status st = set_policy(policy_);
+  assert(st);
+  (void)st;
+  return n;
 }
 
 std::string ExpertStore::describe() const {

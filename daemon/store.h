@@ -52,6 +52,10 @@ class ExpertStore {
   const uint8_t* slot_data(uint32_t slot) const { return scheduler_->slot_data(slot); }
   // Replaces the cache policy (runtime tuning); READY slots stay cached.
   Status set_policy(const std::string& name);
+  // Drops every cached and staged expert nobody holds or pinned, and starts the policy afresh
+  // (no history), as after a restart: tuning sweeps start each setting from here. Returns how
+  // many experts were dropped.
+  uint32_t evict_all();
   std::string describe() const;
 
  private:

@@ -7,6 +7,7 @@
 #   forge    a Mixtral-8x7B-shaped qwen3moe GGUF (32 layers, 8 experts, top-2, embd 4096,
 #            ff 14336, q4_k experts: ~25 GB of experts) on the device's disk, unless present
 #   disk     expert-bench storage on it: expertd's O_DIRECT GB/s against raw O_DIRECT
+#   sweep    expert-tune sweep (docs/TUNING.md) on a 1.6 GB Mixtral-shaped model
 #   run:NAME:CACHE:VRAM:DEPTH:TOKENS
 #            a fresh expertd (cache CACHE) and expert-run replaying the Mixtral humaneval1 trace
 #            (benchmark mode) with --vram-experts VRAM and --prefetch-depth DEPTH for TOKENS tokens
@@ -58,6 +59,25 @@ phase_forge() {
 
 phase_disk() {
   "$bin/expert-bench" storage --model "$model" --seconds 3 --json | tee "$out/disk.json"
+}
+
+phase_sweep() {  # issue 6's tuning sweep (docs/TUNING.md) on a 1.6 GB Mixtral-shaped model
+  local m=$work/sweep
+  mkdir -p "$m"
+  "$bin/expert-forge" --layers 32 --experts 8 --top-k 2 --embd 1024 --ff 3584 --expert-type q4_k \
+    --seed 1 --threads 16 -o "$m/mixtral-shaped.gguf" --force
+  "$bin/expertd" --model "mixtral=$m/mixtral-shaped.gguf" --socket "$m/x.sock" --cache 1GiB \
+    2> "$out/sweep-expertd.log" &
+  local pid=$!
+  for _ in $(seq 300); do "$bin/expertctl" status --socket "$m/x.sock" > /dev/null 2>&1 && break; sleep 0.2; done
+  local rc=0
+  "$bin/expert-tune" sweep --socket "$m/x.sock" --model mixtral --trace "$trace" \
+    --depths 0,1,2,3,4 --queue-depths 4,16 --cache 512MiB,1GiB --compute-us-per-layer 1000 \
+    --repeat 2 --plot "$out/tuning-sweep-h200.svg" > "$out/sweep-h200.txt" 2> "$out/sweep-h200.err" || rc=$?
+  "$bin/expertctl" stats --socket "$m/x.sock" > "$out/stats-h200.txt" || true
+  kill -TERM $pid; wait $pid || true
+  tail -40 "$out/sweep-h200.txt"
+  return $rc
 }
 
 phase_run() {  # NAME CACHE VRAM DEPTH TOKENS

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "expertd/client.h"
+#include "tests/client/expertctl_run.h"
 #include "tests/client/expertd_fixture.h"
 
 namespace expertd::client {
@@ -37,19 +38,11 @@ class ExpertctlTest : public ::testing::Test {
     }
   }
 
-  RunResult ctl(std::vector<std::string> args) {
-    args.insert(args.begin(), EXPERTCTL_BIN);
-    args.push_back("--socket");
-    args.push_back(daemon_->socket());
-    return test::run_command(args);
+  test::RunResult ctl(std::vector<std::string> args) {
+    return test::expertctl(daemon_->socket(), std::move(args));
   }
   json ctl_json(std::vector<std::string> args) {
-    args.push_back("--json");
-    const RunResult r = ctl(args);
-    EXPECT_EQ(r.status, 0) << r.err;
-    const json j = json::parse(r.out, nullptr, false);
-    EXPECT_FALSE(j.is_discarded()) << r.out;
-    return j;
+    return test::expertctl_json(daemon_->socket(), std::move(args));
   }
 
   // Acquires and releases every expert of `layer` through a client session.

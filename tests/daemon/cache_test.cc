@@ -115,5 +115,75 @@ TEST(Policy, UnknownNameIsAClearError) {
   EXPECT_NE(p.error().message.find("cyclic"), std::string::npos);
 }
 
+struct EvictionLog final : EvictionListener {
+  void evicted(uint32_t slot, ExpertKey key) override { seen.push_back({slot, key}); }
+  std::vector<std::pair<uint32_t, ExpertKey>> seen;
+};
+
+TEST(ExpertCache, ALoweredLimitEvictsDownToItAndReserveStaysUnderIt) {
+  Fixture f(8);
+  EvictionLog log;
+  f.cache.set_eviction_listener(&log);
+  std::vector<uint32_t> slots;
+  for (uint32_t e = 0; e < 8; ++e) slots.push_back(load(f.cache, {0, e}));
+  f.cache.hold(slots[0]);
+  ASSERT_TRUE(f.cache.set_pinned({0, 1}, true));
+  EXPECT_EQ(f.cache.limit(), 8u);
+
+  // Down to 3: five of the six evictable experts go; the held and the pinned one stay.
+  EXPECT_EQ(f.cache.set_limit(3), 5u);
+  EXPECT_EQ(f.cache.limit(), 3u);
+  EXPECT_EQ(f.cache.ready_count(), 3u);
+  EXPECT_EQ(log.seen.size(), 5u);
+  EXPECT_GE(f.cache.lookup({0, 0}), 0) << "held";
+  EXPECT_GE(f.cache.lookup({0, 1}), 0) << "pinned";
+  for (const auto& [slot, key] : log.seen) {
+    EXPECT_EQ(f.cache.state(slot), SlotState::Free);
+    EXPECT_EQ(f.cache.lookup(key), -1);
+  }
+
+  // Free slots exist, but a new expert still takes the place of an evictable one.
+  load(f.cache, {1, 0});
+  EXPECT_EQ(f.cache.ready_count(), 3u);
+  EXPECT_EQ(log.seen.size(), 6u);
+
+  // Held and pinned experts keep the cache above a limit below them; reserve() then has nothing to
+  // evict and refuses, rather than exceed it.
+  EXPECT_EQ(f.cache.set_limit(1), 1u);
+  EXPECT_EQ(f.cache.ready_count(), 2u);
+  EXPECT_FALSE(f.cache.reserve({1, 1}));
+  f.cache.unhold(slots[0]);
+  EXPECT_FALSE(f.cache.reserve({1, 1})) << "the pinned expert alone fills a limit of 1";
+  EXPECT_EQ(f.cache.ready_count(), 1u) << "but the unheld one went, down to the limit";
+  EXPECT_EQ(f.cache.set_limit(2), 0u);
+  EXPECT_TRUE(f.cache.reserve({1, 1}));
+
+  // 0 (or more than the slots) lifts the limit.
+  EXPECT_EQ(f.cache.set_limit(0), 0u);
+  EXPECT_EQ(f.cache.limit(), 8u);
+  EXPECT_EQ(f.cache.set_limit(100), 0u);
+  EXPECT_EQ(f.cache.limit(), 8u);
+}
+
+TEST(ExpertCache, EvictAllKeepsOnlyHeldPinnedAndLoadingSlots) {
+  Fixture f(6, "cyclic");
+  EvictionLog log;
+  f.cache.set_eviction_listener(&log);
+  const uint32_t held = load(f.cache, {0, 0});
+  f.cache.hold(held);
+  load(f.cache, {1, 1});
+  ASSERT_TRUE(f.cache.set_pinned({1, 1}, true));
+  load(f.cache, {2, 2});
+  load(f.cache, {3, 3});
+  ASSERT_TRUE(f.cache.reserve({3, 4}));  // loading
+  EXPECT_EQ(f.cache.evict_all(), 2u);
+  EXPECT_EQ(log.seen.size(), 2u);
+  EXPECT_EQ(f.cache.ready_count(), 2u);
+  EXPECT_EQ(f.cache.loading_count(), 1u);
+  EXPECT_EQ(f.cache.lookup({2, 2}), -1);
+  EXPECT_EQ(f.cache.lookup({3, 3}), -1);
+  EXPECT_EQ(f.cache.evict_all(), 0u);
+}
+
 }  // namespace
 }  // namespace expertd

@@ -10,7 +10,7 @@ namespace expertctl {
 // Registers `inspect`; once parsing selects it, `*run` is set to the function that runs it.
 void add_inspect_command(CLI::App& app, std::function<int()>* run);
 
-// Registers the daemon subcommands: status, stats, models, pin, unpin, evict, set
+// Registers the daemon subcommands: status, stats, models, pin, unpin, evict, evict-all, set
 // (daemon_commands.cc). Each has --socket and --json.
 void add_daemon_commands(CLI::App& app, std::function<int()>* run);
 

@@ -1,5 +1,6 @@
-// expertctl's daemon subcommands: status, stats, models, pin, unpin, evict, set. Each connects to
-// expertd's control socket, makes its calls and prints text (or one JSON document with --json).
+// expertctl's daemon subcommands: status, stats, models, pin, unpin, evict, evict-all, set. Each
+// connects to expertd's control socket, makes its calls and prints text (or one JSON document with
+// --json).
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -7,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "daemon/config.h"
 #include "tools/expertctl/commands.h"
 #include "tools/expertctl/daemon_util.h"
 
@@ -45,17 +47,6 @@ std::unique_ptr<Client> connect(const DaemonOptions& opts, const std::string& co
 void print_json(const json& j) {
   std::puts(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   std::fflush(stdout);
-}
-
-std::string human_bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
 }
 
 std::string human_duration_ms(uint64_t ms) {
@@ -109,12 +100,14 @@ json stats_json(const Stats& s) {
     mj["name"] = m.name;
     mj["scheduler"] = sched;
     mj["cache_slots"] = m.cache_slots;
+    mj["cache_limit"] = m.cache_limit;
     mj["cache_ready"] = m.cache_ready;
     mj["staging_slots"] = m.staging_slots;
     mj["slot_bytes"] = m.slot_bytes;
     mj["reads_in_flight"] = m.reads_in_flight;
     mj["layer_hits"] = m.layer_hits;
     mj["layer_misses"] = m.layer_misses;
+    mj["prefetch_depths"] = depths_json(m.prefetch_depths, x.acquires);
     models.push_back(std::move(mj));
   }
   j["models"] = std::move(models);
@@ -128,17 +121,14 @@ json stats_json(const Stats& s) {
                             {"acquires", x.acquires},
                             {"prefetches", x.prefetches},
                             {"releases", x.releases},
-                            {"holds", x.holds}});
+                            {"holds", x.holds},
+                            {"prefetch_depths", depths_json(x.prefetch_depths, x.acquires)}});
   }
   j["sessions"] = std::move(sessions);
   return j;
 }
 
 namespace {
-
-std::string percent(double rate) {
-  return rate < 0 ? std::string("-") : fmt::format("{:.1f}%", 100.0 * rate);
-}
 
 // ---------------------------------------------------------------------------------------------
 // status
@@ -216,8 +206,10 @@ int run_stats(const DaemonOptions& o) {
       st->prefetch_depth, st->queue_depth, st->policy, st->sessions_closed_hostile);
   for (const auto& m : st->models) {
     const auto& x = m.scheduler;
-    fmt::print("\nmodel {}: cache {} / {} slots ready ({} each), staging {} slots\n", m.name,
-               m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes), m.staging_slots);
+    fmt::print("\nmodel {}: cache {} / {} slots ready ({} each{}), staging {} slots\n", m.name,
+               m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes),
+               m.cache_limit < m.cache_slots ? fmt::format("; limited to {}", m.cache_limit) : "",
+               m.staging_slots);
     fmt::print("  acquires {:>10}  hits {:>10}  coalesced {:>8}  misses {:>8}  busy {}\n",
                x.acquires, x.hits, x.coalesced, x.misses, x.busy);
     fmt::print("  prefetch hints {:>8}  loads {:>8}  useful {:>8}  dropped {:>6}  cancelled {}\n",
@@ -227,6 +219,10 @@ int run_stats(const DaemonOptions& o) {
                x.loads_failed, x.staged_loads, x.evictions);
     fmt::print("  reads {:>8} ({}), {} short, {} EAGAIN, {} buffered requeues\n", x.reads,
                human_bytes(x.bytes_read), x.short_reads, x.eagain_retries, x.buffered_requeues);
+    fmt::print("  prefetch by depth (layers ahead of the cursor):\n");
+    for (const auto& line : depths_table(m.prefetch_depths, x.acquires, 2)) {
+      fmt::print("{}\n", line);
+    }
     fmt::print("  layer  hits       misses     hit rate\n");
     for (size_t l = 0; l < m.layer_hits.size(); ++l) {
       const uint64_t h = m.layer_hits[l];
@@ -240,6 +236,12 @@ int run_stats(const DaemonOptions& o) {
     for (const auto& s : st->sessions) {
       fmt::print("{:>7}  {:<12} {:<16} {:<8} {:<6} {:<10} {}\n", s.session, s.model, s.client,
                  s.pid, s.uid, s.acquires, s.holds);
+    }
+    for (const auto& s : st->sessions) {
+      const auto lines = depths_table(s.prefetch_depths, s.acquires, 4);
+      if (lines.size() < 2) continue;  // no hints
+      fmt::print("\nsession {} prefetch by depth:\n", s.session);
+      for (const auto& line : lines) fmt::print("{}\n", line);
     }
   }
   return 0;
@@ -322,6 +324,24 @@ int run_expert_op(const ExpertOptions& o, const std::string& op) {
   return 0;
 }
 
+struct EvictAllOptions {
+  DaemonOptions daemon;
+  std::string model;
+};
+
+int run_evict_all(const EvictAllOptions& o) {
+  auto c = connect(o.daemon, "evict-all");
+  if (!c) return 1;
+  auto n = c->evict_all(o.model);
+  if (!n) return fail(o.daemon, "evict-all", n.error().message);
+  if (o.daemon.json) {
+    print_json(json{{"ok", true}, {"op", "evict-all"}, {"model", o.model}, {"evicted", *n}});
+  } else {
+    fmt::print("evicted {} experts of model {}\n", *n, o.model);
+  }
+  return 0;
+}
+
 void add_expert_command(CLI::App& app, std::function<int()>* run, const std::string& op,
                         const std::string& help) {
   auto opts = std::make_shared<ExpertOptions>();
@@ -340,9 +360,71 @@ struct SetOptions {
   DaemonOptions daemon;
   std::string knob;
   std::string value;
+  std::string model;  // cache-limit only
 };
 
+// The model a per-model knob is for: --model, or the only model the daemon serves.
+expertd::Result<const expertd::client::ModelStats*> pick_model(const Stats& st,
+                                                               const std::string& model) {
+  std::string names;
+  for (const auto& m : st.models) {
+    if (m.name == model || (model.empty() && st.models.size() == 1)) return &m;
+    names += (names.empty() ? "" : ", ") + m.name;
+  }
+  if (model.empty()) {
+    return expertd::make_error(EINVAL, fmt::format("name the model with --model (models: {})",
+                                                   names.empty() ? "-" : names));
+  }
+  return expertd::make_error(
+      ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})", model, names));
+}
+
+// cache-limit: a slot count, or a size (4GiB, 25%: of the model's whole cache) turned into slots.
+int run_set_cache_limit(const SetOptions& o) {
+  auto c = connect(o.daemon, "set");
+  if (!c) return 1;
+  auto st = c->stats();
+  if (!st) return fail(o.daemon, "set", st.error().message);
+  auto m = pick_model(*st, o.model);
+  if (!m) return fail(o.daemon, "set", m.error().message);
+  const auto& model = **m;
+  uint64_t slots = 0;
+  const bool plain =
+      !o.value.empty() && o.value.find_first_not_of("0123456789") == std::string::npos;
+  if (plain) {
+    slots = std::stoull(o.value.substr(0, 12));
+  } else {
+    auto bytes = expertd::parse_size("cache-limit", o.value, model.cache_slots * model.slot_bytes);
+    if (!bytes) return fail(o.daemon, "set", bytes.error().message);
+    slots = model.slot_bytes ? *bytes / model.slot_bytes : 0;
+    if (slots == 0 && *bytes > 0) slots = 1;  // "0" means the whole cache: round a size up
+  }
+  if (slots > model.cache_slots) {
+    return fail(o.daemon, "set",
+                fmt::format("cache-limit {}: model '{}' has {} cache slots of {} (0 = all)",
+                            o.value, model.name, model.cache_slots, human_bytes(model.slot_bytes)));
+  }
+  const auto n = static_cast<uint32_t>(slots);
+  if (const auto r = c->set_cache_limit(model.name, n); !r) {
+    return fail(o.daemon, "set", r.error().message);
+  }
+  const uint32_t effective = n == 0 ? model.cache_slots : n;
+  if (o.daemon.json) {
+    print_json(json{{"ok", true},
+                    {"knob", o.knob},
+                    {"model", model.name},
+                    {"value", n},
+                    {"cache_limit", effective},
+                    {"cache_limit_bytes", uint64_t{effective} * model.slot_bytes}});
+  } else {
+    fmt::print("cache-limit of model {} set to {} of {} slots ({})\n", model.name, effective,
+               model.cache_slots, human_bytes(uint64_t{effective} * model.slot_bytes));
+  }
+  return 0;
+}
+
 int run_set(const SetOptions& o) {
+  if (o.knob == "cache-limit") return run_set_cache_limit(o);
   uint32_t number = 0;
   const bool numeric = o.knob == "prefetch-depth" || o.knob == "queue-depth";
   if (numeric) {
@@ -398,12 +480,24 @@ void add_daemon_commands(CLI::App& app, std::function<int()>* run) {
   add_expert_command(app, run, "unpin", "Let a pinned expert be evicted again");
   add_expert_command(app, run, "evict", "Drop a cached expert that nobody holds");
   {
+    auto opts = std::make_shared<EvictAllOptions>();
+    CLI::App* cmd = app.add_subcommand(
+        "evict-all", "Empty a model's cache (all but held and pinned experts) and its history");
+    cmd->add_option("model", opts->model, "Model name (as in expertd's configuration)")->required();
+    add_daemon_options(cmd, opts->daemon);
+    cmd->callback([run, opts] { *run = [opts] { return run_evict_all(*opts); }; });
+  }
+  {
     auto opts = std::make_shared<SetOptions>();
     CLI::App* cmd = app.add_subcommand("set", "Change a tuning knob of the running daemon");
-    cmd->add_option("knob", opts->knob, "prefetch-depth, queue-depth or policy")
+    cmd->add_option("knob", opts->knob, "prefetch-depth, queue-depth, policy or cache-limit")
         ->required()
-        ->check(CLI::IsMember({"prefetch-depth", "queue-depth", "policy"}));
-    cmd->add_option("value", opts->value, "The new value")->required();
+        ->check(CLI::IsMember({"prefetch-depth", "queue-depth", "policy", "cache-limit"}));
+    cmd->add_option("value", opts->value,
+                    "The new value; cache-limit: slots (0 = the whole cache) or a size (512MiB)")
+        ->required();
+    cmd->add_option("--model", opts->model,
+                    "cache-limit: the model (default: the only one the daemon serves)");
     add_daemon_options(cmd, opts->daemon);
     cmd->callback([run, opts] { *run = [opts] { return run_set(*opts); }; });
   }

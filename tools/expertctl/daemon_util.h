@@ -7,8 +7,10 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "expertd/client.h"
+#include "tools/expertctl/report.h"
 
 namespace expertctl {
 
@@ -30,7 +32,10 @@ std::unique_ptr<expertd::client::Client> connect(const DaemonOptions& opts,
 // Prints one JSON document on stdout.
 void print_json(const nlohmann::ordered_json& j);
 
-std::string human_bytes(uint64_t bytes);
+using expertd::report::depths_json;
+using expertd::report::depths_table;
+using expertd::report::human_bytes;
+using expertd::report::percent;
 std::string human_duration_ms(uint64_t ms);
 // hits / (hits + misses) in [0, 1]; -1 with no acquires.
 double hit_rate(uint64_t hits, uint64_t misses);

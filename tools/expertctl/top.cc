@@ -131,6 +131,7 @@ struct Totals {
   uint64_t prefetch_dropped = 0;
   uint64_t prefetch_cancelled = 0;
   uint32_t reads_in_flight = 0;
+  std::vector<expertd::client::PrefetchDepthStats> depths;  // summed over the models
 };
 
 Totals totals(const Stats& s) {
@@ -144,8 +145,40 @@ Totals totals(const Stats& s) {
     t.prefetch_dropped += m.scheduler.prefetch_dropped;
     t.prefetch_cancelled += m.scheduler.prefetch_cancelled;
     t.reads_in_flight += m.reads_in_flight;
+    if (t.depths.size() < m.prefetch_depths.size()) t.depths.resize(m.prefetch_depths.size());
+    for (size_t i = 0; i < m.prefetch_depths.size(); ++i) {
+      t.depths[i].depth = m.prefetch_depths[i].depth;
+      t.depths[i] += m.prefetch_depths[i];
+    }
   }
   return t;
+}
+
+// Prefetch loads evicted, cancelled or dropped unacquired. An older daemon without the telemetry by
+// depth: every load not (yet) acquired.
+uint64_t wasted_loads(const Totals& t) {
+  if (t.depths.empty()) return t.prefetch_loads - std::min(t.prefetch_useful, t.prefetch_loads);
+  uint64_t n = 0;
+  for (const auto& d : t.depths) n += d.wasted;
+  return n;
+}
+
+// The prefetch telemetry of the frame: over the interval when there is one, else since start;
+// with the acquires its recall is relative to.
+struct DepthWindow {
+  std::vector<expertd::client::PrefetchDepthStats> depths;
+  uint64_t acquires = 0;
+};
+
+DepthWindow depth_window(const Stats& cur, const Stats* prev) {
+  const Totals t = totals(cur);
+  DepthWindow w{t.depths, t.acquires};
+  if (prev == nullptr) return w;
+  const Totals p = totals(*prev);
+  if (p.acquires > t.acquires || p.depths.size() != t.depths.size()) return w;  // a restart
+  w.acquires = t.acquires - p.acquires;
+  for (size_t i = 0; i < w.depths.size(); ++i) w.depths[i] -= p.depths[i];
+  return w;
 }
 
 // The numbers of one frame: over the last interval when there is one, else since the start.
@@ -199,7 +232,7 @@ std::vector<std::string> render(const Stats& cur, const Stats* prev, double dt_s
       "read      {:.2f} GB{}   total {}   queue depth {}   reads in "
       "flight {}",
       r.read_gb_per_s, span, human_bytes(cur.bytes_read), cur.queue_depth, t.reads_in_flight));
-  const uint64_t wasted = t.prefetch_loads - std::min(t.prefetch_useful, t.prefetch_loads);
+  const uint64_t wasted = wasted_loads(t);
   lines.push_back(fmt::format(
       "prefetch  depth {}   hints {}   loads {}   useful {} ({})   "
       "wasted {}   dropped {}   cancelled {}",
@@ -208,6 +241,8 @@ std::vector<std::string> render(const Stats& cur, const Stats* prev, double dt_s
               ? static_cast<double>(t.prefetch_useful) / static_cast<double>(t.prefetch_loads)
               : -1.0),
       wasted, t.prefetch_dropped, t.prefetch_cancelled));
+  const DepthWindow w = depth_window(cur, prev);
+  for (const auto& line : depths_table(w.depths, w.acquires, 10)) lines.push_back(line);
   lines.push_back("");
   const size_t per_row = static_cast<size_t>(std::clamp(width - 12, 16, 128));
   for (const auto& m : cur.models) {
@@ -250,7 +285,9 @@ json frame_json(const Stats& cur, const Stats* prev, double dt_s) {
   j["queue_depth"] = cur.queue_depth;
   j["reads_in_flight"] = t.reads_in_flight;
   j["prefetch_useful"] = t.prefetch_useful;
-  j["prefetch_wasted"] = t.prefetch_loads - std::min(t.prefetch_useful, t.prefetch_loads);
+  j["prefetch_wasted"] = wasted_loads(t);
+  const DepthWindow w = depth_window(cur, prev);
+  j["prefetch_depths"] = depths_json(w.depths, w.acquires);
   json models = json::array();
   for (const auto& m : cur.models) {
     json heat = json::array();

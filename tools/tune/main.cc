@@ -1,6 +1,8 @@
 // expert-tune: storage tuning from routing traces.
 //   simulate  offline cache simulation of a trace: a policy's hits against Belady's optimum
 //   replay    replays a trace against a running expertd (real reads), printing hit rate and GB/s
+//   sweep     replays it once per prefetch depth x queue depth x cache size, with the compute time
+//             between layers, and reports stalls, tokens/s and the bandwidth bound (sweep.h)
 //   import    converts a raw routing log (vLLM hooks) into a canonical trace
 //   convert   converts a trace between JSON Lines and the binary form (.etrace)
 #include <fmt/format.h>
@@ -12,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -21,6 +24,8 @@
 #include "daemon/scheduler.h"
 #include "expertd/client.h"
 #include "tools/trace/trace.h"
+#include "tools/tune/replay.h"
+#include "tools/tune/sweep.h"
 
 namespace {
 
@@ -114,77 +119,29 @@ int run_replay(const ReplayOptions& o) {
   auto session = (*client)->attach(o.model, "expert-tune replay");
   if (!session) return fail(session.error().message);
   const auto& layout = (*session)->layout();
-  std::vector<uint32_t> moe_layers;
-  for (uint32_t l = 0; l < layout.block_count; ++l) {
-    if (layout.has_experts(l)) moe_layers.push_back(l);
-  }
-  if (moe_layers.empty()) return fail("the model has no MoE layers");
+  auto mapping = expertd::tune::TraceMapping::make(layout);
+  if (!mapping) return fail(mapping.error().message);
   std::string label;
-  auto trace =
-      load_or_generate(o.trace, static_cast<uint32_t>(moe_layers.size()), layout.expert_count,
-                       std::max(layout.top_k, 1u), o.tokens ? o.tokens : 64, &label);
-  if (!trace) return fail(trace.error().message);
-  // Trace layers and experts are folded onto the model's (a trace of another shape still replays
-  // its locality).
-  auto map_key = [&](uint32_t layer, uint32_t expert) {
-    return ExpertKey{moe_layers[layer % moe_layers.size()], expert % layout.expert_count};
-  };
+  auto loaded = load_or_generate(o.trace, mapping->moe_layers(), layout.expert_count,
+                                 std::max(layout.top_k, 1u), o.tokens ? o.tokens : 64, &label);
+  if (!loaded) return fail(loaded.error().message);
+  const expertd::tune::IndexedTrace trace(std::move(*loaded));
+  auto oracle = expertd::tune::make_predictor("oracle", trace, label, 0);
+  if (!oracle) return fail(oracle.error().message);
   auto before = (*client)->stats();
   if (!before) return fail(before.error().message);
-  const auto& recs = trace->records;
-  size_t end = recs.size();
-  if (o.tokens) {
-    end = 0;
-    while (end < recs.size() && recs[end].token < recs.front().token + o.tokens) ++end;
-  }
-  std::vector<expertd::client::SlotView> views(layout.expert_count);
-  std::vector<expertd::client::PrefetchHint> hints;
-  std::vector<uint32_t> experts;
-  const uint64_t t0 = expertd::monotonic_ns();
-  uint64_t stall_ns = 0;
-  uint32_t tokens = 0;
-  uint32_t last_token = UINT32_MAX;
-  for (size_t i = 0; i < end; ++i) {
-    const auto& r = recs[i];
-    if (r.token != last_token) {
-      ++tokens;
-      last_token = r.token;
-    }
-    const ExpertKey here = map_key(r.layer, 0);
-    if (auto st = (*session)->set_cursor(r.token, here.layer); !st) return fail(st.error().message);
-    // Oracle hints: the experts of the next `depth` records, as a router lookahead would give.
-    hints.clear();
-    for (size_t j = i + 1; j < end && j <= i + o.depth; ++j) {
-      for (size_t k = 0; k < recs[j].experts.size(); ++k) {
-        const ExpertKey key = map_key(recs[j].layer, recs[j].experts[k]);
-        const float w = k < recs[j].weights.size() ? recs[j].weights[k] : 1.0f;
-        hints.push_back({key.layer, key.expert, std::clamp(w, 0.0f, 1.0f)});
-      }
-    }
-    if (!hints.empty()) {
-      if (auto st = (*session)->prefetch(hints); !st) return fail(st.error().message);
-    }
-    experts.clear();
-    for (const uint32_t e : r.experts) {
-      const uint32_t m = map_key(r.layer, e).expert;
-      if (std::find(experts.begin(), experts.end(), m) == experts.end()) experts.push_back(m);
-    }
-    const uint64_t a = expertd::monotonic_ns();
-    if (auto st = (*session)->acquire(here.layer, experts, {views.data(), experts.size()}); !st) {
-      return fail(st.error().message);
-    }
-    stall_ns += expertd::monotonic_ns() - a;
-    if (auto st = (*session)->release({views.data(), experts.size()}); !st) {
-      return fail(st.error().message);
-    }
-  }
-  const double seconds = static_cast<double>(expertd::monotonic_ns() - t0) / 1e9;
+  expertd::tune::ReplayOptions ro;
+  ro.depth = o.depth;
+  ro.max_tokens = o.tokens;
+  ro.predictor = oracle->get();
+  auto r = expertd::tune::replay_trace(**session, trace, *mapping, ro);
+  if (!r) return fail(r.error().message);
   auto after = (*client)->stats();
   if (!after) return fail(after.error().message);
   const auto& m0 = before->models;
   const auto& m1 = after->models;
   uint64_t acquires = 0, hits = 0, bytes = 0, useful = 0, loads = 0;
-  for (size_t i = 0; i < m1.size(); ++i) {
+  for (size_t i = 0; i < m1.size() && i < m0.size(); ++i) {
     if (m1[i].name != o.model) continue;
     acquires = m1[i].scheduler.acquires - m0[i].scheduler.acquires;
     hits = m1[i].scheduler.hits - m0[i].scheduler.hits;
@@ -192,6 +149,9 @@ int run_replay(const ReplayOptions& o) {
     useful = m1[i].scheduler.prefetch_useful - m0[i].scheduler.prefetch_useful;
     loads = m1[i].scheduler.prefetch_loads - m0[i].scheduler.prefetch_loads;
   }
+  const double seconds = static_cast<double>(r->wall_ns) / 1e9;
+  const uint64_t stall_ns = std::accumulate(r->stall_ns.begin(), r->stall_ns.end(), uint64_t{0});
+  const uint32_t tokens = r->tokens;
   const double hit_rate = acquires ? static_cast<double>(hits) / acquires : 0.0;
   const double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
   const double stall_ms = tokens ? static_cast<double>(stall_ns) / 1e6 / tokens : 0.0;
@@ -300,10 +260,44 @@ int main(int argc, char** argv) {
       "--trace", rep.trace,
       "Trace (JSON Lines or binary .etrace); without it a trace with realistic locality is "
       "generated");
-  r->add_option("--depth", rep.depth, "Oracle prefetch depth in records (layers) ahead (2)");
+  r->add_option("--depth", rep.depth, "Oracle prefetch depth in layers ahead (2)");
   r->add_option("--tokens", rep.tokens, "Replay only the first N tokens");
   r->add_flag("--json", rep.json, "One JSON object");
   r->callback([&] { run = [&] { return run_replay(rep); }; });
+
+  expertd::tune::SweepOptions sw;
+  sw.socket = expertd::client::default_socket();
+  auto* w = app.add_subcommand(
+      "sweep",
+      "Replay a trace against a running expertd for every prefetch depth x queue depth x cache "
+      "size, with compute time between layers: stalls, tokens/s, bandwidth bound, best setting");
+  w->add_option("--socket", sw.socket, "expertd's control socket");
+  w->add_option("--model", sw.model, "Model name as configured in expertd")->required();
+  w->add_option("--trace", sw.trace, "Trace: canonical JSON Lines or binary (.etrace)")->required();
+  w->add_option("--depths", sw.depths, "Prefetch depths in layers ahead (default 0,1,2,3)")
+      ->delimiter(',');
+  w->add_option("--queue-depths", sw.queue_depths,
+                "Reads in flight to try, e.g. 8,32 (default: the daemon's)")
+      ->delimiter(',');
+  w->add_option("--cache", sw.caches,
+                "Cache sizes to try, e.g. 256MiB,1GiB or 50% of the model's cache (default: the "
+                "daemon's whole cache); needs expertd started with at least the largest")
+      ->delimiter(',');
+  w->add_option("--compute-us-per-layer", sw.compute_us_per_layer,
+                "GPU time per layer the experts are held, in microseconds (default 100)");
+  w->add_option("--predictor", sw.predictor,
+                "Hints: oracle (default), noisy:RECALL (e.g. noisy:0.7) or recorded (the trace's "
+                "\"predicted\" lists)");
+  w->add_option("--seed", sw.seed, "Seed of the noisy predictor (default 1)");
+  w->add_option("--max-tokens", sw.max_tokens, "Replay only the first N tokens of the trace");
+  w->add_option("--repeat", sw.repeat,
+                "Run every setting N times, in N rounds over all settings, and report the run "
+                "with the median tokens/s (for noisy machines; default 1)");
+  w->add_option("--disk-gbps", sw.disk_gbps,
+                "Disk bandwidth for the bound in GB/s (default: measured through expertd first)");
+  w->add_option("--plot", sw.plot, "Write an SVG plot of stall and tokens/s against depth");
+  w->add_flag("--json", sw.json, "One JSON document");
+  w->callback([&] { run = [&] { return expertd::tune::run_sweep(sw); }; });
 
   ImportOptions imp;
   auto* i = app.add_subcommand("import", "Convert a raw routing log into a canonical trace");

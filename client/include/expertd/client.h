@@ -97,6 +97,28 @@ struct SchedulerStats {
   uint64_t buffered_requeues = 0;
 };
 
+// Prefetch telemetry for one lookahead depth (docs/CACHE.md): `depth` layers ahead of the
+// session's cursor when the hint arrived (a hint for the cursor's layer or an earlier one is for
+// the next token); depth 8 also counts every deeper hint.
+struct PrefetchDepthStats {
+  uint32_t depth = 0;
+  uint64_t hints = 0;            // hints received at this depth
+  uint64_t loads = 0;            // prefetch loads they started
+  uint64_t useful = 0;           // loads acquired before their expert left the cache
+  uint64_t wasted = 0;           // loads evicted, cancelled or dropped before any acquire
+  uint64_t useful_bytes = 0;     // bytes the useful loads read
+  uint64_t wasted_bytes = 0;     // bytes the wasted loads read
+  uint64_t hinted_acquires = 0;  // acquires of an expert hinted at this depth for that token
+
+  // useful / (useful + wasted); -1 before any load has an outcome.
+  double precision() const;
+  // hinted_acquires / acquires (the model's or the session's acquires); -1 without acquires.
+  double recall(uint64_t acquires) const;
+  // Counter by counter (depth stays): sums over models, differences of two snapshots.
+  PrefetchDepthStats& operator+=(const PrefetchDepthStats& o);
+  PrefetchDepthStats& operator-=(const PrefetchDepthStats& o);
+};
+
 struct ModelStats {
   std::string name;
   SchedulerStats scheduler;
@@ -107,6 +129,8 @@ struct ModelStats {
   std::vector<uint64_t> layer_hits;    // per block layer
   std::vector<uint64_t> layer_misses;  // per block layer
   uint32_t reads_in_flight = 0;
+  uint32_t cache_limit = 0;  // slots the cache may use now (set_cache_limit); <= cache_slots
+  std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
 };
 
 struct SessionStats {
@@ -119,6 +143,7 @@ struct SessionStats {
   uint64_t prefetches = 0;
   uint64_t releases = 0;
   uint32_t holds = 0;
+  std::vector<PrefetchDepthStats> prefetch_depths;  // this session's, depths 1..8
 };
 
 struct Stats {
@@ -289,6 +314,12 @@ class Client {
   Status pin(const std::string& model, uint32_t layer, uint32_t expert);
   Status unpin(const std::string& model, uint32_t layer, uint32_t expert);
   Status evict(const std::string& model, uint32_t layer, uint32_t expert);
+  // Caps `model`'s cache at `slots` slots (0: every slot of its arena's cache), evicting down to
+  // it; the stats' cache_limit shows it. For sweeps over cache sizes on one running daemon.
+  Status set_cache_limit(const std::string& model, uint32_t slots);
+  // Drops every cached and staged expert of `model` that nobody holds or pinned and restarts the
+  // policy's history; returns how many were dropped.
+  Result<uint32_t> evict_all(const std::string& model);
   // An empty RPC round trip (benchmarks).
   Status ping();
   // False once the connection to the daemon dropped.
