@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -107,7 +108,37 @@ class DeviceBuffer {
 
 // max|got - want| / max|want| (max|got - want| when want is all zero); infinity when got has a
 // NaN or infinity that want does not.
+// The largest normalised error each test measured, printed when the run ends (the per-op
+// figures of docs/KERNELS.md).
+std::map<std::string, double>& worst_errors() {
+  static std::map<std::string, double> worst;
+  return worst;
+}
+
+class ErrorReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const auto& [test, err] : worst_errors()) {
+      std::printf("[ per-op ] %-48s max normalised error %.3e\n", test.c_str(), err);
+    }
+  }
+};
+const ::testing::Environment* const kErrorReport =
+    ::testing::AddGlobalTestEnvironment(new ErrorReport);
+
+double normalised_error_of(const std::vector<float>& got, const std::vector<float>& want);
+
 double normalised_error(const std::vector<float>& got, const std::vector<float>& want) {
+  const double err = normalised_error_of(got, want);
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (info != nullptr) {
+    double& w = worst_errors()[info->name()];
+    w = std::max(w, err);
+  }
+  return err;
+}
+
+double normalised_error_of(const std::vector<float>& got, const std::vector<float>& want) {
   EXPECT_EQ(got.size(), want.size());
   double diff = 0.0;
   double ref = 0.0;
