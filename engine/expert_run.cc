@@ -6,6 +6,7 @@
 // Benchmark mode (--routing-trace): a recorded trace's expert choices replace the computed router,
 // for realistic expert locality with generated weights; the output says so on every report.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -250,6 +251,8 @@ int run(Options o) {
   std::vector<float> logits(p.n_vocab);
   Sampler sampler(SamplerOptions{o.temperature, o.top_p, o.seed}, p.n_vocab);
   std::vector<double> stall_ms_each;  // per generated token
+  // A progress line for long benchmark runs, on a terminal only.
+  const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
   const auto t0 = std::chrono::steady_clock::now();
   for (const uint32_t t : *prompt) {
     if (auto st = engine->decode(t, logits); !st) return fail(st.error());
@@ -266,11 +269,11 @@ int run(Options o) {
     const uint64_t stall0 = engine->stats().stall_ns;
     if (auto st = engine->decode(next, logits); !st) return fail(st.error());
     stall_ms_each.push_back(static_cast<double>(engine->stats().stall_ns - stall0) / 1e6);
-    if (!o.json && script && generated.size() % 8 == 0) {
+    if (progress && generated.size() % 8 == 0) {
       std::fprintf(stderr, "\rexpert-run: token %zu/%u", generated.size(), o.max_tokens);
     }
   }
-  if (!o.json && script) std::fprintf(stderr, "\r\033[K");
+  if (progress) std::fprintf(stderr, "\r\033[K");
   const auto t2 = std::chrono::steady_clock::now();
   const auto after = model_counters(client, o.model);
   if (!o.record_trace.empty()) {
