@@ -496,10 +496,13 @@ Result<FfnBuffers> make_ffn_buffers(const ExpertLayout& l, cudaStream_t stream) 
   return b;
 }
 
+// Which launches of the fused FFN to time: all of them, or one projection's matvec alone.
+enum class FfnPart { kAll, kGateUp, kDown };
+
 // The engine's expert FFN with the fused kernels, the weights at `base` (device memory or the
 // device pointer of registered host memory).
 Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, FfnPart part = FfnPart::kAll) {
   const uint32_t e = l.experts;
   float* gu = b.gu.get<float>();
   kernels::MatvecBatch gate_up;
@@ -511,10 +514,15 @@ Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b
     gate_up.y[i] = gu + uint64_t{i} * l.n_ff;
     gate_up.y[e + i] = gu + uint64_t{e + i} * l.n_ff;
   }
-  EXPERTD_CUDA_TRY(
-      kernels::matvec_batched(l.type, gate_up, l.gu_row_bytes, l.n_ff, l.n_embd, stream));
-  EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + uint64_t{e} * l.n_ff, b.h.get<float>(),
-                                   uint64_t{e} * l.n_ff, stream));
+  if (part != FfnPart::kDown) {
+    EXPERTD_CUDA_TRY(
+        kernels::matvec_batched(l.type, gate_up, l.gu_row_bytes, l.n_ff, l.n_embd, stream));
+  }
+  if (part == FfnPart::kGateUp) return Ok{};
+  if (part == FfnPart::kAll) {
+    EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + uint64_t{e} * l.n_ff, b.h.get<float>(),
+                                     uint64_t{e} * l.n_ff, stream));
+  }
   kernels::MatvecBatch down;
   down.count = e;
   for (uint32_t i = 0; i < e; ++i) {
@@ -524,6 +532,7 @@ Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b
   }
   EXPERTD_CUDA_TRY(
       kernels::matvec_batched(l.type, down, l.down_row_bytes, l.n_embd, l.n_ff, stream));
+  if (part == FfnPart::kDown) return Ok{};
   EXPERTD_CUDA_TRY(kernels::moe_combine(b.eo.get<float>(), b.weights.get<float>(),
                                         b.residual.get<float>(), e, l.n_embd, stream));
   return Ok{};
@@ -594,6 +603,8 @@ struct FfnResult {
   double d2d_ms = 0;
   double read_ms = 0;
   double fused_ms = 0;
+  double gate_up_ms = 0;  // the fused gate + up matvec_batched alone
+  double down_ms = 0;     // the fused down matvec_batched alone
   double cublas_ms = 0;
   double dequant_ms = 0;
   double sgemv_ms = 0;
@@ -631,6 +642,12 @@ Result<FfnResult> measure_ffn(const Flags& f, const ExpertLayout& l) {
   // Fused.
   EXPERTD_TRY_ASSIGN(r.fused_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
                        return fused_ffn(l, weights.get(), b, s);
+                     }));
+  EXPERTD_TRY_ASSIGN(r.gate_up_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
+                       return fused_ffn(l, weights.get(), b, s, FfnPart::kGateUp);
+                     }));
+  EXPERTD_TRY_ASSIGN(r.down_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
+                       return fused_ffn(l, weights.get(), b, s, FfnPart::kDown);
                      }));
   EXPERTD_CUDA_TRY(cudaStreamSynchronize(s));
   const uint64_t out_count = uint64_t{l.experts} * l.n_embd;
@@ -747,6 +764,16 @@ Status run(const Flags& f) {
   fmt::print(table, "  {:<52} {:>9.2f} us/expert {:>9.2f} GB/s\n",
              "fused matvec_batched + swiglu + down + combine", per_expert_us(ffn.fused_ms),
              fused_gbps);
+  const uint64_t gu_bytes = uint64_t{f.experts} * 2 * layout.gate_bytes;
+  const uint64_t down_bytes = uint64_t{f.experts} * layout.down_bytes;
+  fmt::print(table, "  {:<52} {:>9.2f} us/expert {:>9.2f} GB/s ({:.3f} of read-only)\n",
+             "  fused gate + up matvec_batched alone", per_expert_us(ffn.gate_up_ms),
+             gbps(gu_bytes, ffn.gate_up_ms),
+             read_gbps > 0 ? gbps(gu_bytes, ffn.gate_up_ms) / read_gbps : 0.0);
+  fmt::print(table, "  {:<52} {:>9.2f} us/expert {:>9.2f} GB/s ({:.3f} of read-only)\n",
+             "  fused down matvec_batched alone", per_expert_us(ffn.down_ms),
+             gbps(down_bytes, ffn.down_ms),
+             read_gbps > 0 ? gbps(down_bytes, ffn.down_ms) / read_gbps : 0.0);
   fmt::print(table, "  {:<52} {:>9.2f} us/expert {:>9.2f} GB/s\n",
              "dequantise to f32 + cublasSgemv", per_expert_us(ffn.cublas_ms),
              gbps(wb, ffn.cublas_ms));
@@ -798,6 +825,8 @@ Status run(const Flags& f) {
                 {"fused_us_per_expert", per_expert_us(ffn.fused_ms)},
                 {"fused_gbps", fused_gbps},
                 {"fused_vs_read", fused_vs_read},
+                {"fused_gate_up_us_per_expert", per_expert_us(ffn.gate_up_ms)},
+                {"fused_down_us_per_expert", per_expert_us(ffn.down_ms)},
                 {"goal_fused_vs_read", 0.7},
                 {"cublas_us_per_expert", per_expert_us(ffn.cublas_ms)},
                 {"cublas_gbps", gbps(wb, ffn.cublas_ms)},
