@@ -20,11 +20,7 @@ float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
-  if (options.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
-  if (options.prefetch_width > p.n_expert) {
-    return make_error(EINVAL, fmt::format("prefetch width {} exceeds the {} experts per layer",
-                                          options.prefetch_width, p.n_expert));
-  }
+  EXPERTD_TRY(check_engine_options(p, options));
   const uint64_t kv_values = uint64_t{p.n_layer} * options.max_context * p.n_head_kv * p.head_dim;
   if (kv_values > (uint64_t{1} << 34)) {  // 64 GiB per cache: a typo, not a plan
     return make_error(EINVAL, fmt::format("a KV cache of {} positions needs {} GiB",
@@ -70,18 +66,7 @@ std::string CpuEngine::description() const {
 }
 
 Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
-  if (token >= p_.n_vocab) {
-    return make_error(EINVAL,
-                      fmt::format("token {} is outside the vocabulary of {}", token, p_.n_vocab));
-  }
-  if (pos_ >= opts_.max_context) {
-    return make_error(ENOSPC,
-                      fmt::format("the KV cache is full ({} positions)", opts_.max_context));
-  }
-  if (logits.size() < p_.n_vocab) {
-    return make_error(EINVAL, fmt::format("room for {} logits, the vocabulary has {}",
-                                          logits.size(), p_.n_vocab));
-  }
+  EXPERTD_TRY(check_decode(p_, opts_, pos_, token, logits.size()));
   const uint64_t t0 = monotonic_ns();
   const Matrix& embd = model_.token_embd();
   dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, x_.data(),

@@ -163,6 +163,31 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
   if (it != r->predicted.end()) planner.add_listed(next, it->second, 1.0f);
 }
 
+Status check_engine_options(const ModelParams& p, const EngineOptions& o) {
+  if (o.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
+  if (o.prefetch_width > p.n_expert) {
+    return make_error(EINVAL, fmt::format("prefetch width {} exceeds the {} experts per layer",
+                                          o.prefetch_width, p.n_expert));
+  }
+  return Ok{};
+}
+
+Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,
+                    size_t logits) {
+  if (token >= p.n_vocab) {
+    return make_error(EINVAL,
+                      fmt::format("token {} is outside the vocabulary of {}", token, p.n_vocab));
+  }
+  if (pos >= o.max_context) {
+    return make_error(ENOSPC, fmt::format("the KV cache is full ({} positions)", o.max_context));
+  }
+  if (logits < p.n_vocab) {
+    return make_error(EINVAL,
+                      fmt::format("room for {} logits, the vocabulary has {}", logits, p.n_vocab));
+  }
+  return Ok{};
+}
+
 Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log) {
   std::ofstream f(path);
   if (!f) return make_error(EIO, fmt::format("{}: cannot write the trace", path));

@@ -179,6 +179,12 @@ class HintPlanner {
 void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from, uint32_t next,
                         HintPlanner& planner);
 
+// The checks both engines make: options at create() (a KV cache of at least one position, a
+// prefetch width within the experts), and each decode() call's token, position and logits room.
+Status check_engine_options(const ModelParams& p, const EngineOptions& o);
+Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,
+                    size_t logits);
+
 // Steady-clock nanoseconds (stall and decode timing).
 uint64_t monotonic_ns();
 

@@ -98,7 +98,6 @@ struct GpuEngine::Impl {
   std::vector<RoutingRecord>* routing_log = nullptr;
   uint32_t pos = 0;
   std::string device_name;
-  uint64_t device_total = 0;
   uint64_t dense_device_bytes = 0;
 
   cudaStream_t compute = nullptr;
@@ -181,7 +180,6 @@ struct GpuEngine::Impl {
   std::vector<uint8_t> ready_flags;
   std::vector<uint32_t> candidates;
   std::vector<ExpertHint> last_hints;  // this layer's hints, for the VRAM prefetch
-  uint32_t pos_layer_ = 0;             // the layer just launched
 
   Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
       : model(m), source(s), p(m.params()), opts(o), gpu(g), planner(m.params(), o) {}
@@ -193,7 +191,7 @@ struct GpuEngine::Impl {
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
   Status moe(uint32_t layer);
-  Status prefetch_into_vram();
+  Status prefetch_into_vram(uint32_t layer);
   Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
   Status release_demand_holds();
   Status release_finished_prefetch_holds(bool all);
@@ -234,7 +232,6 @@ Status GpuEngine::Impl::init() {
   EXPERTD_CUDA_TRY(cudaGetDeviceProperties(&prop, gpu.device));
   device_name =
       fmt::format("{} (sm_{}{}, {})", prop.name, prop.major, prop.minor, gib(prop.totalGlobalMem));
-  device_total = prop.totalGlobalMem;
   EXPERTD_CUDA_TRY(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
   EXPERTD_CUDA_TRY(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
   EXPERTD_CUBLAS_TRY(cublasCreate(&blas));
@@ -243,7 +240,7 @@ Status GpuEngine::Impl::init() {
   EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas, CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
   EXPERTD_CUDA_TRY(cudaEventCreate(&copy_start));
   EXPERTD_CUDA_TRY(cudaEventCreate(&copy_end));
-  if (p.n_expert > 1024 || p.n_expert_used > 64 || 2 * p.n_expert_used > kernels::kMaxBatch * 8) {
+  if (p.n_expert > 1024 || p.n_expert_used > 64) {
     return make_error(EINVAL, fmt::format("the GPU engine routes at most top-64 of 1024 experts; "
                                           "the model has top-{} of {}",
                                           p.n_expert_used, p.n_expert));
@@ -793,14 +790,14 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
   return Ok{};
 }
 
-Status GpuEngine::Impl::prefetch_into_vram() {
+Status GpuEngine::Impl::prefetch_into_vram(uint32_t layer) {
   if (!tier) return Ok{};
   // The experts hinted for the next layers that the daemon holds READY: acquire (a host hit)
   // and copy ahead of their layer, on the copy stream, behind this layer's demand copies.
   const uint32_t k = p.n_expert_used;
   uint32_t budget = tier->capacity() > 2 * k ? tier->capacity() - 2 * k : 0;
-  for (uint32_t j = 1; j <= opts.prefetch_depth && pos_layer_ + j < p.n_layer && budget > 0; ++j) {
-    const uint32_t next = pos_layer_ + j;
+  for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer && budget > 0; ++j) {
+    const uint32_t next = layer + j;
     candidates.clear();
     for (const ExpertHint& hint : last_hints) {
       if (hint.layer == next && !tier->contains(next, hint.expert))
@@ -870,11 +867,7 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                                      const EngineOptions& options,
                                                      const GpuOptions& gpu) {
   const ModelParams& p = model.params();
-  if (options.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
-  if (options.prefetch_width > p.n_expert) {
-    return make_error(EINVAL, fmt::format("prefetch width {} exceeds the {} experts per layer",
-                                          options.prefetch_width, p.n_expert));
-  }
+  EXPERTD_TRY(check_engine_options(p, options));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());
   return std::unique_ptr<GpuEngine>(new GpuEngine(std::move(impl)));
@@ -883,18 +876,7 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
 Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   Impl& m = *impl_;
   const ModelParams& p = m.p;
-  if (token >= p.n_vocab) {
-    return make_error(EINVAL,
-                      fmt::format("token {} is outside the vocabulary of {}", token, p.n_vocab));
-  }
-  if (m.pos >= m.opts.max_context) {
-    return make_error(ENOSPC,
-                      fmt::format("the KV cache is full ({} positions)", m.opts.max_context));
-  }
-  if (logits.size() < p.n_vocab) {
-    return make_error(
-        EINVAL, fmt::format("room for {} logits, the vocabulary has {}", logits.size(), p.n_vocab));
-  }
+  EXPERTD_TRY(check_decode(p, m.opts, m.pos, token, logits.size()));
   const uint64_t t0 = monotonic_ns();
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.x, m.embd + uint64_t{token} * p.n_embd, uint64_t{p.n_embd} * 4,
                                    cudaMemcpyDeviceToDevice, m.compute));
@@ -904,8 +886,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(m.attention(layer));
     EXPERTD_TRY(m.route_and_hint(layer));
     EXPERTD_TRY(m.moe(layer));
-    m.pos_layer_ = layer;
-    EXPERTD_TRY(m.prefetch_into_vram());
+    EXPERTD_TRY(m.prefetch_into_vram(layer));
   }
   EXPERTD_CUDA_TRY(kernels::rms_norm(m.x, m.output_norm, m.xn, 1, p.n_embd, p.rms_eps, m.compute));
   EXPERTD_TRY(m.gemv(m.output, p.n_vocab, p.n_embd, m.xn, m.d_logits, 0.0f));
