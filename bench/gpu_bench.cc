@@ -34,15 +34,15 @@
 #include <utility>
 #include <vector>
 
+#include "base/half.h"
 #include "bench/bench_util.h"
+#include "expertd/result.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
 #include "kernels/dequant.cuh"
 #include "kernels/membench.cuh"
 #include "kernels/swiglu.cuh"
 #include "storage/ggml_types.h"
-#include "storage/half.h"
-#include "storage/result.h"
 
 namespace expertd::bench {
 namespace {

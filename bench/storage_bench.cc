@@ -39,10 +39,11 @@
 
 #include "bench/bench_util.h"
 #include "bench/commands.h"
-#include "daemon/shm.h"
-#include "daemon/store.h"
+#include "cache/shm.h"
+#include "cache/store.h"
+#include "forge/content.h"
+#include "forge/verifier.h"
 #include "storage/read_probe.h"
-#include "tools/forge/content.h"
 
 namespace expertd::bench {
 namespace {

@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "base/size.h"
+#include "expertd/result.h"
 #include "storage/reader.h"
-#include "storage/result.h"
 
 namespace expertd {
 
@@ -37,10 +38,6 @@ struct DaemonConfig {
   uint32_t max_sessions = 64;
 };
 
-// Parses "4GiB", "512MiB", "1.5G", "4096", "2GB" (powers of 1000 for KB/MB/GB/TB, of 1024
-// otherwise) or "25%" of `total_bytes`. The error names `what` and the value.
-Result<uint64_t> parse_size(const std::string& what, const std::string& value,
-                            uint64_t total_bytes);
 // "uring" or "pread".
 Result<BackendKind> parse_backend(const std::string& what, const std::string& value);
 const char* backend_kind_name(BackendKind kind);
@@ -49,7 +46,5 @@ const char* backend_kind_name(BackendKind kind);
 Status load_config_file(const std::string& path, DaemonConfig& config);
 // Validates the whole configuration (models present and named uniquely, sizes parse, ...).
 Status validate_config(const DaemonConfig& config);
-
-uint64_t physical_memory_bytes();
 
 }  // namespace expertd

@@ -53,7 +53,7 @@ struct DaemonCore::Model {
   std::string name;
   std::unique_ptr<Sink> sink;
   std::unique_ptr<ExpertStore> store;
-  std::unique_ptr<ForgeVerifier> verifier;
+  std::unique_ptr<LoadChecker> verifier;
   uint32_t first_file = 0;
   uint32_t file_count = 0;
   std::vector<uint64_t> layer_hits;
@@ -93,7 +93,8 @@ struct DaemonCore::Session {
 // ---------------------------------------------------------------------------------------------
 // Creation
 
-Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& config) {
+Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& config,
+                                                       const LoadCheckerFactory& make_checker) {
   EXPERTD_TRY(validate_config(config));
   std::unique_ptr<DaemonCore> core(new DaemonCore());
   core->config_ = config;
@@ -171,7 +172,11 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
     }
     m->store = std::move(*store);
     if (config.verify) {
-      auto v = ForgeVerifier::create(m->store->model(), m->store->slice_map(), m->store->layouts());
+      if (!make_checker) {
+        return make_error(EINVAL,
+                          fmt::format("model '{}': --verify: this build has no verifier", m->name));
+      }
+      auto v = make_checker(*m->store);
       if (!v) {
         return make_error(EINVAL,
                           fmt::format("model '{}': --verify: {}", m->name, v.error().message));

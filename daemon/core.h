@@ -30,10 +30,10 @@
 #include <thread>
 #include <vector>
 
+#include "cache/scheduler.h"
+#include "cache/shm.h"
+#include "cache/store.h"
 #include "daemon/config.h"
-#include "daemon/scheduler.h"
-#include "daemon/shm.h"
-#include "daemon/store.h"
 #include "storage/read_probe.h"
 
 namespace expertd {
@@ -126,11 +126,17 @@ struct ClientIdentity {
   std::string name;  // what the client calls itself (for stats and logs)
 };
 
+// Makes the checker of one model's loads in verify mode (main() passes expert-forge's verifier;
+// the core library does not link the forge).
+using LoadCheckerFactory = std::function<Result<std::unique_ptr<LoadChecker>>(const ExpertStore&)>;
+
 class DaemonCore {
  public:
   // Opens every model, chooses (or probes) the backend's read settings, creates the arenas.
-  // Errors name the model and file. Does not start the reactor.
-  static Result<std::unique_ptr<DaemonCore>> create(const DaemonConfig& config);
+  // Errors name the model and file. Does not start the reactor. `make_checker` serves
+  // config.verify (an error names the model when verify is on without one).
+  static Result<std::unique_ptr<DaemonCore>> create(const DaemonConfig& config,
+                                                    const LoadCheckerFactory& make_checker = {});
   ~DaemonCore();
 
   // Starts / stops the reactor thread. stop() drains reads in flight, then returns.

@@ -20,6 +20,7 @@
 #include "daemon/config.h"
 #include "daemon/core.h"
 #include "daemon/rpc.h"
+#include "forge/verifier.h"
 
 namespace {
 
@@ -116,7 +117,16 @@ int run(const Flags& flags) {
     spdlog::critical("{}", config.error().message);
     return 1;
   }
-  auto core = expertd::DaemonCore::create(*config);
+  // --verify checks every load against expert-forge's content function; the forge is linked
+  // here, into the binary, not into the daemon's core library.
+  auto core = expertd::DaemonCore::create(
+      *config,
+      [](const expertd::ExpertStore& store)
+          -> expertd::Result<std::unique_ptr<expertd::LoadChecker>> {
+        auto v = expertd::ForgeVerifier::create(store.model(), store.slice_map(), store.layouts());
+        if (!v) return v.take_error();
+        return std::unique_ptr<expertd::LoadChecker>(std::move(*v));
+      });
   if (!core) {
     spdlog::critical("{}", core.error().message);
     return 1;

@@ -23,7 +23,7 @@
 
 #include "daemon/config.h"
 #include "daemon/core.h"
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd {
 

@@ -3,10 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cassert>
 #include <cmath>
 #include <numeric>
 
+#include "base/check.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 
@@ -192,7 +192,8 @@ Status CpuEngine::moe(uint32_t layer) {
   std::fill(acc_.begin(), acc_.begin() + p_.n_embd, 0.0);
   for (uint32_t i = 0; i < k; ++i) {
     const ExpertView& ev = views_[i];
-    assert(ev.layer == layer && ev.expert == selected_[i]);
+    EXPERTD_CHECK_EQ(ev.layer, layer);
+    EXPERTD_CHECK_EQ(ev.expert, selected_[i]);
     matvec(ev.gate, xn_.data(), gate_.data(), row_.data());
     matvec(ev.up, xn_.data(), up_.data(), row_.data());
     for (uint32_t j = 0; j < p_.n_ff_exp; ++j) gate_[j] = silu(gate_[j]) * up_[j];

@@ -1,10 +1,10 @@
 #include "engine/dequant.h"
 
-#include <cassert>
 #include <cstring>
 #include <string>
 
-#include "storage/half.h"
+#include "base/check.h"
+#include "base/half.h"
 
 namespace expertd::engine {
 namespace {
@@ -51,7 +51,7 @@ void dequantize_bf16(const uint8_t* src, float* dst, size_t n) {
 }
 
 void dequantize_q8_0(const uint8_t* src, float* dst, size_t n) {
-  assert(n % kQk8 == 0);
+  EXPERTD_CHECK_EQ(n % kQk8, 0);
   for (size_t b = 0; b < n / kQk8; ++b) {
     const uint8_t* x = src + b * kQ8Bytes;
     const float d = load_f16(x);
@@ -62,7 +62,7 @@ void dequantize_q8_0(const uint8_t* src, float* dst, size_t n) {
 }
 
 void dequantize_q4_k(const uint8_t* src, float* dst, size_t n) {
-  assert(n % kQkK == 0);
+  EXPERTD_CHECK_EQ(n % kQkK, 0);
   for (size_t b = 0; b < n / kQkK; ++b) {
     const uint8_t* x = src + b * kQ4KBytes;
     const float d = load_f16(x);
@@ -86,7 +86,7 @@ void dequantize_q4_k(const uint8_t* src, float* dst, size_t n) {
 }
 
 void dequantize_q6_k(const uint8_t* src, float* dst, size_t n) {
-  assert(n % kQkK == 0);
+  EXPERTD_CHECK_EQ(n % kQkK, 0);
   for (size_t b = 0; b < n / kQkK; ++b) {
     const uint8_t* x = src + b * kQ6KBytes;
     const uint8_t* ql = x;
@@ -157,7 +157,7 @@ void dequantize_row(GgmlType type, const uint8_t* src, float* dst, size_t n) {
     case GgmlType::Q6_K:
       return dequantize_q6_k(src, dst, n);
     default:
-      assert(false && "dequantize_row: unchecked type");
+      EXPERTD_UNREACHABLE("dequantize_row: unchecked type");
   }
 }
 

@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <span>
 
+#include "expertd/result.h"
 #include "storage/ggml_types.h"
-#include "storage/result.h"
 
 namespace expertd::engine {
 

@@ -86,12 +86,6 @@ void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
   pending_.push_back(ExpertHint{next, expert, score});
 }
 
-uint64_t monotonic_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
-
 template <typename T>
 void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
   std::iota(order.begin(), order.end(), 0u);

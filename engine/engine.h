@@ -10,9 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
 #include "engine/expert_source.h"
 #include "engine/model.h"
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd::engine {
 
@@ -184,9 +185,6 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);
 Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,
                     size_t logits);
-
-// Steady-clock nanoseconds (stall and decode timing).
-uint64_t monotonic_ns();
 
 // Writes the indices of the `count` largest of probs into order[0, count) (order holds
 // probs.size() entries), largest first; equal values keep the lower index first, as the router

@@ -11,7 +11,7 @@
 #include <span>
 
 #include "engine/model.h"
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd::engine {
 

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
-#include "storage/result.h"
 
 namespace expertd::engine {
 

@@ -1,14 +1,15 @@
 #include "engine/sampler.h"
 
 #include <algorithm>
-#include <cassert>
 #include <cmath>
 #include <numeric>
+
+#include "base/check.h"
 
 namespace expertd::engine {
 
 uint32_t argmax(std::span<const float> logits) {
-  assert(!logits.empty());
+  EXPERTD_CHECK(!logits.empty());
   uint32_t best = 0;
   for (uint32_t i = 1; i < logits.size(); ++i) {
     if (logits[i] > logits[best]) best = i;
@@ -20,7 +21,7 @@ Sampler::Sampler(const SamplerOptions& options, uint32_t n_vocab)
     : opts_(options), rng_(options.seed), probs_(n_vocab), order_(n_vocab) {}
 
 uint32_t Sampler::sample(std::span<const float> logits) {
-  assert(logits.size() == probs_.size());
+  EXPERTD_CHECK_EQ(logits.size(), probs_.size());
   if (!(opts_.temperature > 0.0f)) return argmax(logits);
   const double inv_t = 1.0 / static_cast<double>(opts_.temperature);
   const double mx = logits[argmax(logits)];

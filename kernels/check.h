@@ -14,7 +14,7 @@
 #include <cerrno>
 #include <string>
 
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd::cuda {
 

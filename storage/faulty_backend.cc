@@ -10,7 +10,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cassert>
 #include <cerrno>
 #include <memory>
 #include <random>
@@ -18,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/check.h"
 #include "storage/reader.h"
 
 namespace expertd {
@@ -154,7 +154,7 @@ Tracked FaultyBackendImpl::decide(ReadOp* op) {
 }
 
 bool FaultyBackendImpl::submit(ReadOp* op) {
-  assert(op->result != kReadPending && "op submitted twice");
+  EXPERTD_CHECK_NE(op->result, kReadPending);  // op submitted twice
   if (owned_ >= inner_->queue_depth()) return false;
   const Tracked t = decide(op);
   if (t.fault == Fault::Eio || t.fault == Fault::Eagain) {
@@ -164,7 +164,7 @@ bool FaultyBackendImpl::submit(ReadOp* op) {
   } else if (!inner_->submit(op)) {
     return false;  // the decision is not consumed: decided_ is unchanged
   } else if (t.fault != Fault::None) {
-    assert(tracked_.size() < tracked_.capacity());
+    EXPERTD_CHECK_LT(tracked_.size(), tracked_.capacity());
     tracked_.push_back(t);
   }
   ++decided_;
@@ -213,7 +213,7 @@ void FaultyBackendImpl::apply(const IoEvent& event) {
     cut_short(event.op, t);
     ready_.push_back(event);
   } else {
-    assert(t.fault == Fault::Delay);
+    EXPERTD_CHECK_EQ(t.fault, Fault::Delay);
     held_.push_back({event.op, t.waits});
     ++faults_.delayed;
   }
@@ -256,7 +256,8 @@ size_t FaultyBackendImpl::hand_out(std::span<IoEvent> out) {
     out[i] = ready_[i];
     if (out[i].kind != IoEvent::Kind::Read) continue;
     const ReadOp& op = *out[i].op;
-    assert(op.result != kReadPending && owned_ > 0);
+    EXPERTD_CHECK_NE(op.result, kReadPending);
+    EXPERTD_CHECK_GT(owned_, 0);
     --owned_;
     if (op.result >= 0) {
       stats_.bytes_read += static_cast<uint64_t>(op.result);
@@ -269,7 +270,7 @@ size_t FaultyBackendImpl::hand_out(std::span<IoEvent> out) {
 }
 
 int FaultyBackendImpl::wait(std::span<IoEvent> out, int timeout_ms) {
-  assert(!out.empty());
+  EXPERTD_CHECK(!out.empty());
   tick_held();
   for (const Tracked& t : injected_) {
     t.op->result = t.fault == Fault::Eio ? -EIO : -EAGAIN;
@@ -289,7 +290,7 @@ int FaultyBackendImpl::wait(std::span<IoEvent> out, int timeout_ms) {
 
 std::unique_ptr<FaultyBackend> make_faulty_backend(std::unique_ptr<ReadBackend> inner,
                                                    const FaultOptions& options) {
-  assert(inner != nullptr);
+  EXPERTD_CHECK_NE(inner, nullptr);
   return std::make_unique<FaultyBackendImpl>(std::move(inner), options);
 }
 

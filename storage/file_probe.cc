@@ -16,18 +16,6 @@
 
 namespace expertd {
 
-UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
-  if (this != &other) {
-    UniqueFd dying(std::exchange(fd_, std::exchange(other.fd_, -1)));
-  }
-  return *this;
-}
-
-UniqueFd::~UniqueFd() {
-  // close() is not retried on EINTR: on Linux the fd is released either way.
-  if (fd_ >= 0) ::close(fd_);
-}
-
 namespace {
 
 bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }

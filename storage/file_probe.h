@@ -9,29 +9,13 @@
 #include <string>
 #include <utility>
 
+#include "base/fd.h"
+#include "expertd/result.h"
 #include "storage/reader.h"
-#include "storage/result.h"
 
 namespace expertd {
 
 // An owned file descriptor: move-only, closed exactly once by the destructor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept;
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd();
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
-
 struct DioAlignment {
   uint32_t bytes = 4096;           // a power of two
   const char* source = "default";  // "statx", "logical block size" or "default"

@@ -1,9 +1,10 @@
 #include "storage/ggml_types.h"
 
 #include <array>
-#include <cassert>
 #include <cctype>
 #include <string>
+
+#include "base/check.h"
 
 namespace expertd {
 namespace {
@@ -50,7 +51,8 @@ std::optional<GgmlTypeTraits> ggml_type_traits(uint32_t id) {
 
 const GgmlTypeTraits& ggml_traits(GgmlType type) {
   const auto id = static_cast<uint32_t>(type);
-  assert(id < kTypes.size() && !kTypes[id].removed);
+  EXPERTD_CHECK_LT(id, kTypes.size());
+  EXPERTD_CHECK(!kTypes[id].removed);
   return kTypes[id];
 }
 

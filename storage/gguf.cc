@@ -13,6 +13,8 @@
 #include <regex>
 #include <set>
 
+#include "base/check.h"
+
 namespace expertd {
 
 // ---------------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ GgufValue decode_scalar(GgufValueType type, const uint8_t* p) {
       break;
     case GgufValueType::STRING:
     case GgufValueType::ARRAY:
-      assert(false && "not a scalar");
+      EXPERTD_UNREACHABLE("not a scalar");
       break;
   }
   return v;
@@ -245,7 +247,8 @@ GgufValue decode_scalar(GgufValueType type, const uint8_t* p) {
 }  // namespace
 
 std::string_view GgufArray::string_at(uint64_t i) const {
-  assert(elem_type == GgufValueType::STRING && i < count);
+  EXPERTD_CHECK_EQ(elem_type, GgufValueType::STRING);
+  EXPERTD_CHECK_LT(i, count);
   const uint64_t begin = i == 0 ? 0 : string_ends[i - 1];
   return std::string_view(chars).substr(begin, string_ends[i] - begin);
 }

@@ -22,8 +22,8 @@
 #include <variant>
 #include <vector>
 
+#include "expertd/result.h"
 #include "storage/ggml_types.h"
-#include "storage/result.h"
 
 namespace expertd {
 

@@ -10,10 +10,11 @@
 
 #include <algorithm>
 #include <bit>
-#include <cassert>
 #include <cstring>
 #include <new>
 #include <utility>
+
+#include "base/check.h"
 
 namespace expertd {
 namespace {
@@ -49,7 +50,9 @@ std::string dir_of(const std::string& path) {
 }  // namespace
 
 GgufWriter::GgufWriter(uint64_t alignment) : alignment_(alignment) {
-  assert(alignment >= 1 && alignment <= (1ull << 30) && (alignment & (alignment - 1)) == 0);
+  EXPERTD_CHECK_GE(alignment, 1);
+  EXPERTD_CHECK_LE(alignment, (1ull << 30));
+  EXPERTD_CHECK_EQ((alignment & (alignment - 1)), 0);
   if (alignment != kGgufDefaultAlignment) {
     put_scalar(kAlignmentKey, GgufValueType::UINT32, static_cast<uint32_t>(alignment));
   }
@@ -85,7 +88,7 @@ GgufWriter::GgufWriter(GgufWriter&& other) noexcept
 // Metadata
 
 void GgufWriter::put_kv(std::string_view key, GgufValueType type, std::vector<uint8_t> payload) {
-  assert(state_ == State::kCollecting);
+  EXPERTD_CHECK_EQ(state_, State::kCollecting);
   const auto it = kv_index_.find(std::string(key));
   if (it != kv_index_.end()) {
     kvs_[it->second].type = type;
@@ -122,7 +125,7 @@ void GgufWriter::put_array(std::string_view key, GgufValueType elem, std::span<c
 }
 
 // general.alignment decides the layout, so only the constructor may set it.
-#define EXPERTD_ASSERT_NOT_ALIGNMENT(key) assert((key) != kAlignmentKey)
+#define EXPERTD_ASSERT_NOT_ALIGNMENT(key) EXPERTD_CHECK((key) != kAlignmentKey)
 
 void GgufWriter::set_u8(std::string_view k, uint8_t v) {
   EXPERTD_ASSERT_NOT_ALIGNMENT(k);
@@ -197,7 +200,7 @@ EXPERTD_SET_ARRAY(std::string_view, STRING)
 #undef EXPERTD_ASSERT_NOT_ALIGNMENT
 
 Status GgufWriter::set_value(std::string_view key, const GgufValue& value) {
-  assert(key != kAlignmentKey);
+  EXPERTD_CHECK_NE(key, kAlignmentKey);
   auto bad = [&](std::string_view what) {
     return make_error(EINVAL, fmt::format("key '{}': {}", key, what));
   };
@@ -281,7 +284,7 @@ Status GgufWriter::set_value(std::string_view key, const GgufValue& value) {
 }
 
 Status GgufWriter::add_tensor(std::string_view name, GgmlType type, std::span<const uint64_t> ne) {
-  assert(state_ == State::kCollecting);
+  EXPERTD_CHECK_EQ(state_, State::kCollecting);
   auto bad = [&](std::string_view what) {
     return make_error(EINVAL, fmt::format("tensor '{}': {}", name, what));
   };
@@ -359,7 +362,7 @@ std::vector<uint8_t> GgufWriter::serialize_metadata() const {
     put_le<uint32_t>(out, static_cast<uint32_t>(t.type));
     put_le<uint64_t>(out, t.rel_offset);
   }
-  assert(out.size() == metadata_bytes());
+  EXPERTD_CHECK_EQ(out.size(), metadata_bytes());
   out.resize(data_offset(), 0);
   return out;
 }
@@ -430,8 +433,9 @@ Status GgufWriter::fail(Error error) {
 }
 
 Status GgufWriter::begin(const std::string& path, const GgufWriterOptions& options) {
-  assert(state_ == State::kCollecting);
-  assert(options.buffer_bytes > 0 && options.buffer_bytes <= (1u << 30));
+  EXPERTD_CHECK_EQ(state_, State::kCollecting);
+  EXPERTD_CHECK_GT(options.buffer_bytes, 0);
+  EXPERTD_CHECK_LE(options.buffer_bytes, (1u << 30));
   options_ = options;
   path_ = path;
   struct stat st {};
@@ -487,7 +491,7 @@ Status GgufWriter::begin(const std::string& path, const GgufWriterOptions& optio
 }
 
 Status GgufWriter::flush_with(std::span<const uint8_t> tail) {
-  assert(!direct_);
+  EXPERTD_CHECK(!direct_);
   iovec iov[2] = {{stage_, buffered_}, {const_cast<uint8_t*>(tail.data()), tail.size()}};
   int first = buffered_ == 0 ? 1 : 0;
   const int last = tail.empty() ? 1 : 2;
@@ -515,7 +519,7 @@ Status GgufWriter::flush_with(std::span<const uint8_t> tail) {
       iov[first].iov_len -= left;
     }
   }
-  assert(done == total);
+  EXPERTD_CHECK_EQ(done, total);
   file_pos_ += tail.size();
   buffered_ = 0;
   return Ok{};
@@ -550,13 +554,14 @@ Status GgufWriter::submit_direct() {
   DirectIo& d = *dio_;
   const uint64_t at = file_pos_ - buffered_;
   const uint64_t bytes = align_up(buffered_, kDirectAlign);
-  assert(at % kDirectAlign == 0 && bytes <= buffer_cap_);
+  EXPERTD_CHECK_EQ(at % kDirectAlign, 0);
+  EXPERTD_CHECK_LE(bytes, buffer_cap_);
   if (bytes == 0) return Ok{};
   std::memset(stage_ + buffered_, 0, bytes - buffered_);  // only the last block is partial
   EXPERTD_TRY(wait_direct());  // the other stage's write: it is about to be filled
   if (d.ring_ok) {
     io_uring_sqe* sqe = io_uring_get_sqe(&d.ring);
-    assert(sqe != nullptr);  // depth 2, at most 1 in flight
+    EXPERTD_CHECK_NE(sqe, nullptr);  // depth 2, at most 1 in flight
     io_uring_prep_write(sqe, fd_, stage_, static_cast<unsigned>(bytes), at);
     int rc = 0;
     while ((rc = io_uring_submit(&d.ring)) == -EINTR) {
@@ -621,7 +626,7 @@ Status GgufWriter::append_zeros(uint64_t n) {
 }
 
 Status GgufWriter::write(std::span<const uint8_t> data) {
-  assert(state_ == State::kWriting);
+  EXPERTD_CHECK_EQ(state_, State::kWriting);
   while (!data.empty()) {
     if (cur_tensor_ >= tensors_.size()) {
       return fail(make_error(EINVAL, fmt::format("{}: {} bytes of tensor data past the last "
@@ -643,14 +648,14 @@ Status GgufWriter::write(std::span<const uint8_t> data) {
 }
 
 Status GgufWriter::finish() {
-  assert(state_ == State::kWriting);
+  EXPERTD_CHECK_EQ(state_, State::kWriting);
   if (cur_tensor_ != tensors_.size()) {
     const GgufTensorInfo& t = tensors_[cur_tensor_];
     return fail(make_error(EINVAL, fmt::format("{}: tensor '{}' received {} of its {} bytes",
                                                temp_path(), t.name, cur_written_, t.bytes)));
   }
   EXPERTD_TRY(direct_ ? flush_direct_tail() : flush_with({}));
-  assert(file_pos_ == file_bytes());
+  EXPERTD_CHECK_EQ(file_pos_, file_bytes());
   dio_.reset();
   buffer_.reset();
   stage_ = nullptr;
@@ -668,7 +673,7 @@ Status GgufWriter::finish() {
 }
 
 Status GgufWriter::commit() {
-  assert(state_ == State::kFinished);
+  EXPERTD_CHECK_EQ(state_, State::kFinished);
   const std::string tmp = temp_path();
   int rc = 0;
   if (options_.overwrite) {

@@ -24,9 +24,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
-#include "storage/result.h"
 
 namespace expertd {
 

@@ -11,7 +11,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <cassert>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -21,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/check.h"
+#include "base/clock.h"
 #include "storage/file_probe.h"
 #include "storage/reader.h"
 
@@ -34,11 +35,11 @@ class PtrQueue {
   bool empty() const { return head_ == tail_; }
   uint32_t size() const { return tail_ - head_; }
   void push(ReadOp* op) {
-    assert(size() < slots_.size() && "queue bounded by queue_depth");
+    EXPERTD_CHECK_LT(size(), slots_.size());  // queue bounded by queue_depth
     slots_[tail_++ % slots_.size()] = op;
   }
   ReadOp* pop() {
-    assert(!empty());
+    EXPERTD_CHECK(!empty());
     return slots_[head_++ % slots_.size()];
   }
   // Removes `op` if queued (keeping the order of the others); returns whether it was.
@@ -64,12 +65,6 @@ struct WatchedFd {
   int fd = -1;
   uint64_t tag = 0;
 };
-
-int64_t now_ms() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1'000'000;
-}
 
 class PreadBackend final : public ReadBackend {
  public:
@@ -102,7 +97,7 @@ class PreadBackend final : public ReadBackend {
   }
   Status open_files(std::span<const std::string> paths) override;
   const FileInfo& file(uint32_t index) const override {
-    assert(index < files_.size());
+    EXPERTD_CHECK_LT(index, files_.size());
     return files_[index].info;
   }
   Status register_buffers(std::span<const iovec>) override { return Ok{}; }
@@ -157,7 +152,8 @@ PreadBackend::~PreadBackend() {
 }
 
 Status PreadBackend::open_files(std::span<const std::string> paths) {
-  assert(files_.empty() && in_flight_ == 0 && "open_files is called once");
+  EXPERTD_CHECK(files_.empty());
+  EXPERTD_CHECK_EQ(in_flight_, 0);  // open_files is called once
   files_.reserve(paths.size());
   for (const std::string& path : paths) {
     EXPERTD_TRY_ASSIGN(OpenedFile f, open_data_file(path));
@@ -198,17 +194,22 @@ void PreadBackend::work() {
     if (was_empty) {
       const uint64_t one = 1;
       [[maybe_unused]] ssize_t n = ::write(event_fd_.get(), &one, sizeof(one));
-      assert(n == sizeof(one) || errno == EAGAIN);  // EAGAIN: the counter is at its maximum
+      EXPERTD_CHECK(n == sizeof(one) || errno == EAGAIN);  // EAGAIN: the counter is at its maximum
     }
   }
 }
 
 bool PreadBackend::submit(ReadOp* op) {
-  assert(op->file < files_.size() && op->len > 0 && op->len <= INT32_MAX);
-  assert(op->result != kReadPending && "op submitted twice");
+  EXPERTD_CHECK_LT(op->file, files_.size());
+  EXPERTD_CHECK_GT(op->len, 0);
+  EXPERTD_CHECK_LE(op->len, INT32_MAX);
+  EXPERTD_CHECK_NE(op->result, kReadPending);  // op submitted twice
   [[maybe_unused]] const uint32_t align = files_[op->file].info.dio_alignment;
-  assert(!op->direct || (op->offset % align == 0 && op->len % align == 0 &&
-                         reinterpret_cast<uintptr_t>(op->dst) % align == 0));
+  if (op->direct) {  // O_DIRECT: offset, length and buffer aligned
+    EXPERTD_CHECK_EQ(op->offset % align, 0);
+    EXPERTD_CHECK_EQ(op->len % align, 0);
+    EXPERTD_CHECK_EQ(reinterpret_cast<uintptr_t>(op->dst) % align, 0);
+  }
   if (in_flight_ >= queue_depth_) return false;
   op->result = kReadPending;
   {
@@ -252,10 +253,10 @@ Status PreadBackend::unwatch(int fd) {
 }
 
 void PreadBackend::account(const ReadOp& op) {
-  assert(in_flight_ > 0);
+  EXPERTD_CHECK_GT(in_flight_, 0);
   --in_flight_;
   if (op.result >= 0) {
-    assert(static_cast<uint32_t>(op.result) <= op.len);
+    EXPERTD_CHECK_LE(static_cast<uint32_t>(op.result), op.len);
     stats_.bytes_read += static_cast<uint64_t>(op.result);
   } else {
     ++stats_.errors;
@@ -272,7 +273,7 @@ size_t PreadBackend::drain(std::span<IoEvent> out) {
   std::lock_guard lock(mu_);
   while (n < out.size() && !done_.empty()) {
     ReadOp* op = done_.pop();
-    assert(op->result != kReadPending && "op completed without a result");
+    EXPERTD_CHECK_NE(op->result, kReadPending);  // op completed without a result
     account(*op);
     out[n++] = IoEvent{IoEvent::Kind::Read, op, 0};
   }
@@ -294,12 +295,15 @@ size_t PreadBackend::report_fds(std::span<IoEvent> out) {
 }
 
 int PreadBackend::wait(std::span<IoEvent> out, int timeout_ms) {
-  assert(!out.empty());
-  const int64_t deadline_ms = timeout_ms < 0 ? 0 : now_ms() + timeout_ms;
+  EXPERTD_CHECK(!out.empty());
+  const int64_t deadline_ms =
+      timeout_ms < 0 ? 0 : static_cast<int64_t>(monotonic_ms()) + timeout_ms;
   for (;;) {
     if (const size_t n = drain(out); n > 0) return static_cast<int>(n);
     int left_ms = -1;
-    if (timeout_ms >= 0) left_ms = static_cast<int>(std::max<int64_t>(0, deadline_ms - now_ms()));
+    if (timeout_ms >= 0)
+      left_ms = static_cast<int>(
+          std::max<int64_t>(0, deadline_ms - static_cast<int64_t>(monotonic_ms())));
     const int rc = ::poll(pollfds_.data(), pollfds_.size(), left_ms);
     if (rc < 0 && errno != EINTR) return -errno;
     if (rc > 0) {
@@ -311,12 +315,13 @@ int PreadBackend::wait(std::span<IoEvent> out, int timeout_ms) {
       n += drain(out.subspan(n));
       if (n > 0) return static_cast<int>(n);
     }
-    if (timeout_ms >= 0 && now_ms() >= deadline_ms) return 0;
+    if (timeout_ms >= 0 && static_cast<int64_t>(monotonic_ms()) >= deadline_ms) return 0;
   }
 }
 
 Result<std::unique_ptr<ReadBackend>> make_pread(const BackendOptions& options, std::string note) {
-  assert(options.queue_depth > 0 && options.pread_threads > 0);
+  EXPERTD_CHECK_GT(options.queue_depth, 0);
+  EXPERTD_CHECK_GT(options.pread_threads, 0);
   auto backend = std::make_unique<PreadBackend>(options, std::move(note));
   if (const int rc = backend->start(); rc < 0) {
     return make_error(-rc, fmt::format("pread backend: eventfd: {}", std::strerror(-rc)));

@@ -10,12 +10,15 @@
 
 #include <algorithm>
 #include <array>
-#include <cassert>
 #include <cerrno>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <utility>
+
+#include "base/check.h"
+#include "base/clock.h"
+#include "base/fd.h"
 
 namespace expertd {
 namespace {
@@ -24,12 +27,6 @@ constexpr uint64_t kPageBytes = 4096;
 constexpr uint32_t kMaxQueueDepth = 4096;
 // One read's length must fit the CQE's int32 result; keep well inside it.
 constexpr uint64_t kMaxReadBytes = uint64_t{1} << 30;
-
-uint64_t now_ns() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
 
 uint64_t align_down(uint64_t v, uint64_t a) { return v / a * a; }
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -71,15 +68,15 @@ class MappedBuffer {
 class BudgetClock {
  public:
   explicit BudgetClock(const ProbeBudget& b)
-      : start_ns_(now_ns()),
+      : start_ns_(monotonic_ns()),
         deadline_ns_(b.seconds > 0.0 ? start_ns_ + static_cast<uint64_t>(b.seconds * 1e9)
                                      : std::numeric_limits<uint64_t>::max()),
         byte_limit_(b.bytes > 0 ? b.bytes : std::numeric_limits<uint64_t>::max()) {}
   // May a new range start after `bytes_started` bytes?
   bool more(uint64_t bytes_started) const {
-    return bytes_started < byte_limit_ && now_ns() < deadline_ns_;
+    return bytes_started < byte_limit_ && monotonic_ns() < deadline_ns_;
   }
-  double elapsed_s() const { return static_cast<double>(now_ns() - start_ns_) / 1e9; }
+  double elapsed_s() const { return static_cast<double>(monotonic_ns() - start_ns_) / 1e9; }
 
  private:
   uint64_t start_ns_;
@@ -217,7 +214,7 @@ Result<ReadProbe> ReadProbe::open(std::span<const std::string> paths) {
 }
 
 void ReadProbe::set_destination(uint8_t* base, uint64_t bytes) {
-  assert(base == nullptr || reinterpret_cast<uintptr_t>(base) % kPageBytes == 0);
+  EXPERTD_CHECK(base == nullptr || reinterpret_cast<uintptr_t>(base) % kPageBytes == 0);
   dest_ = base;
   dest_bytes_ = base == nullptr ? 0 : bytes;
 }
@@ -354,7 +351,7 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
   auto prep = [&](uint32_t s) {
     const Slot& sl = slots[s];
     io_uring_sqe* sqe = ::io_uring_get_sqe(r);
-    assert(sqe != nullptr);  // at most qd reads in flight on a ring of qd entries
+    EXPERTD_CHECK_NE(sqe, nullptr);  // at most qd reads in flight on a ring of qd entries
     const int fd = fixed_files ? static_cast<int>(sl.file) : fds[sl.file];
     if (fixed_bufs) {
       const int index = own ? static_cast<int>(s) : placer.piece_of(sl.dst);
@@ -471,37 +468,24 @@ Result<ProbeResult> ReadProbe::mmap_fault(std::span<const ProbeRange> ranges,
                                           const ProbeBudget& budget, size_t first) {
   EXPERTD_TRY(check_budget(budget));
   EXPERTD_TRY(check_ranges(ranges));
-  struct Mapping {
-    uint8_t* base = nullptr;
-    uint64_t size = 0;
-  };
-  std::vector<Mapping> maps(files_.size());
-  // Unmaps whatever was mapped, on every way out.
-  struct Unmapper {
-    std::vector<Mapping>& maps;
-    ~Unmapper() {
-      for (const Mapping& m : maps) {
-        if (m.base != nullptr) ::munmap(m.base, m.size);
-      }
-    }
-  } unmapper{maps};
+  std::vector<Mapping> maps(files_.size());  // unmapped on every way out
   for (const ProbeRange& r : ranges) {
     Mapping& m = maps[r.file];
-    if (m.base != nullptr) continue;
-    m.size = files_[r.file].info.size_bytes;
-    void* p = ::mmap(nullptr, m.size, PROT_READ, MAP_PRIVATE, files_[r.file].buffered.get(), 0);
-    if (p == MAP_FAILED) {
-      return make_error(
-          errno, fmt::format("{}: mmap: {}", files_[r.file].info.path, std::strerror(errno)));
+    if (m.valid()) continue;
+    m = Mapping::map(files_[r.file].info.size_bytes, PROT_READ, MAP_PRIVATE,
+                     files_[r.file].buffered.get(), 0);
+    if (!m.valid()) {
+      const int err = errno;
+      return make_error(err,
+                        fmt::format("{}: mmap: {}", files_[r.file].info.path, std::strerror(err)));
     }
-    m.base = static_cast<uint8_t*>(p);
   }
   // Makes the ranges cold: our own page table entries first (fadvise keeps mapped pages), then
   // the files' clean page-cache pages.
   auto drop = [&]() {
     for (uint32_t f = 0; f < maps.size(); ++f) {
-      if (maps[f].base == nullptr) continue;
-      (void)::madvise(maps[f].base, maps[f].size, MADV_DONTNEED);
+      if (!maps[f].valid()) continue;
+      (void)::madvise(maps[f].get(), maps[f].size(), MADV_DONTNEED);
       (void)::posix_fadvise(files_[f].buffered.get(), 0, 0, POSIX_FADV_DONTNEED);
     }
   };
@@ -515,7 +499,7 @@ Result<ProbeResult> ReadProbe::mmap_fault(std::span<const ProbeRange> ranges,
   for (; clock.more(res.bytes); i = (i + 1) % ranges.size()) {
     if (i == start && res.ranges > 0) drop();  // wrapped: what we read is cached now
     const ProbeRange& r = ranges[i];
-    const uint8_t* base = maps[r.file].base;
+    const uint8_t* base = maps[r.file].data();
     for (uint64_t p = align_down(r.offset, kPageBytes); p < r.offset + r.bytes; p += kPageBytes) {
       sink += *static_cast<const volatile uint8_t*>(base + std::max(p, r.offset));
       ++res.reads;
@@ -579,7 +563,7 @@ Result<ProbeChoice> probe_best_read_config(ReadProbe& probe, std::span<const Pro
       pick = &t;
     }
   }
-  assert(pick != nullptr);
+  EXPERTD_CHECK_NE(pick, nullptr);
   choice.config = pick->config;
   choice.gbps = pick->result.gbps();
   return choice;

@@ -29,9 +29,9 @@
 #include <string>
 #include <vector>
 
+#include "expertd/result.h"
 #include "storage/file_probe.h"
 #include "storage/reader.h"
-#include "storage/result.h"
 
 namespace expertd {
 

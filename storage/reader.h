@@ -30,7 +30,7 @@
 #include <string_view>
 #include <vector>
 
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd {
 

@@ -12,9 +12,9 @@
 #include <string_view>
 #include <vector>
 
+#include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
-#include "storage/result.h"
 
 namespace expertd {
 

@@ -1,13 +1,15 @@
 #include "storage/slot_layout.h"
 
 #include <algorithm>
-#include <cassert>
+
+#include "base/check.h"
 
 namespace expertd {
 
 SlotLayouts::SlotLayouts(const SliceMap& map, uint32_t alignment, uint64_t page_bytes)
     : map_(map), alignment_(alignment) {
-  assert(alignment > 0 && (alignment & (alignment - 1)) == 0);
+  EXPERTD_CHECK_GT(alignment, 0);
+  EXPERTD_CHECK_EQ((alignment & (alignment - 1)), 0);
   // The worst case of any expert: each slice may need up to A-1 extra bytes in front and behind.
   for (const auto& layer : map.layers()) {
     uint64_t bytes = 0;
@@ -33,7 +35,7 @@ uint32_t SlotLayouts::place(uint32_t layer, uint32_t expert, std::span<ExpertSli
     out[i].read_bytes = end - start;
     pos += end - start;
   }
-  assert(pos <= slot_bytes_);
+  EXPERTD_CHECK_LE(pos, slot_bytes_);
   return n;
 }
 

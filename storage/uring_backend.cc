@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cassert>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "base/check.h"
+#include "base/clock.h"
 #include "storage/file_probe.h"
 #include "storage/reader.h"
 
@@ -121,12 +122,6 @@ int forced_failure() {
   return 0;
 }
 
-uint64_t now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
-}
-
 class UringBackend final : public ReadBackend {
  public:
   UringBackend(const BackendOptions& options, const Features& features)
@@ -163,7 +158,7 @@ class UringBackend final : public ReadBackend {
   std::string describe() const override;
   Status open_files(std::span<const std::string> paths) override;
   const FileInfo& file(uint32_t index) const override {
-    assert(index < files_.size());
+    EXPERTD_CHECK_LT(index, files_.size());
     return files_[index].info;
   }
   Status register_buffers(std::span<const iovec> buffers) override;
@@ -230,9 +225,9 @@ void UringBackend::drain_for_exit() {
     const Watch::State st = watches_[i].state;
     if (st != Watch::State::Free && st != Watch::State::Removing) (void)unwatch(watches_[i].fd);
   }
-  const uint64_t deadline_ns = now_ns() + 10'000'000'000u;
+  const uint64_t deadline_ns = monotonic_ns() + 10'000'000'000u;
   std::array<IoEvent, 64> sink;
-  while (in_flight_ + polls_in_flight_ + internal_in_flight_ > 0 && now_ns() < deadline_ns) {
+  while (in_flight_ + polls_in_flight_ + internal_in_flight_ > 0 && monotonic_ns() < deadline_ns) {
     if (wait(sink, 100) < 0) break;
   }
 }
@@ -244,7 +239,7 @@ std::string UringBackend::describe() const {
 }
 
 Status UringBackend::open_files(std::span<const std::string> paths) {
-  assert(files_.empty() && "open_files is called once");
+  EXPERTD_CHECK(files_.empty());  // open_files is called once
   files_.reserve(paths.size());
   std::vector<int> fds;
   fds.reserve(2 * paths.size());
@@ -263,7 +258,7 @@ Status UringBackend::open_files(std::span<const std::string> paths) {
 }
 
 Status UringBackend::register_buffers(std::span<const iovec> buffers) {
-  assert(in_flight_ == 0 && "no fixed reads may be in flight while buffers change");
+  EXPERTD_CHECK_EQ(in_flight_, 0);  // no fixed reads may be in flight while buffers change
   if (!buffers_.empty()) (void)io_uring_unregister_buffers(&ring_);
   buffers_.clear();
   buffer_bytes_ = 0;
@@ -327,12 +322,17 @@ void UringBackend::prep_read(io_uring_sqe* sqe, ReadOp* op) {
 }
 
 bool UringBackend::submit(ReadOp* op) {
-  assert(op->file < files_.size() && op->len > 0 && op->len <= INT32_MAX);
-  assert(op->result != kReadPending && "op submitted twice");
-  assert((reinterpret_cast<uintptr_t>(op) & kTagMask) == 0);
+  EXPERTD_CHECK_LT(op->file, files_.size());
+  EXPERTD_CHECK_GT(op->len, 0);
+  EXPERTD_CHECK_LE(op->len, INT32_MAX);
+  EXPERTD_CHECK_NE(op->result, kReadPending);  // op submitted twice
+  EXPERTD_CHECK_EQ((reinterpret_cast<uintptr_t>(op) & kTagMask), 0);
   [[maybe_unused]] const uint32_t align = files_[op->file].info.dio_alignment;
-  assert(!op->direct || (op->offset % align == 0 && op->len % align == 0 &&
-                         reinterpret_cast<uintptr_t>(op->dst) % align == 0));
+  if (op->direct) {  // O_DIRECT: offset, length and buffer aligned
+    EXPERTD_CHECK_EQ(op->offset % align, 0);
+    EXPERTD_CHECK_EQ(op->len % align, 0);
+    EXPERTD_CHECK_EQ(reinterpret_cast<uintptr_t>(op->dst) % align, 0);
+  }
   if (in_flight_ >= queue_depth_) return false;
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   if (sqe == nullptr) return false;
@@ -434,7 +434,7 @@ bool UringBackend::handle_watch_cqe(Watch& w, const io_uring_cqe& cqe, IoEvent* 
     if (!more) w.state = Watch::State::Free;
     return false;
   }
-  assert(w.state == Watch::State::Armed);
+  EXPERTD_CHECK_EQ(w.state, Watch::State::Armed);
   if (cqe.res == -EINVAL && features_.multishot_poll && !more) {
     features_.multishot_poll = false;  // a kernel without multishot poll (< 5.13)
     w.state = Watch::State::NeedsArm;
@@ -455,7 +455,7 @@ bool UringBackend::handle_watch_cqe(Watch& w, const io_uring_cqe& cqe, IoEvent* 
 
 bool UringBackend::handle_cqe(const io_uring_cqe& cqe, IoEvent* event) {
   if (cqe.user_data == kInternalUserData) {
-    assert(internal_in_flight_ > 0);
+    EXPERTD_CHECK_GT(internal_in_flight_, 0);
     --internal_in_flight_;
     return false;
   }
@@ -463,12 +463,12 @@ bool UringBackend::handle_cqe(const io_uring_cqe& cqe, IoEvent* event) {
     return handle_watch_cqe(*reinterpret_cast<Watch*>(cqe.user_data & ~kTagMask), cqe, event);
   }
   auto* op = reinterpret_cast<ReadOp*>(cqe.user_data);
-  assert(op->result == kReadPending && "op completed twice");
-  assert(in_flight_ > 0);
+  EXPERTD_CHECK_EQ(op->result, kReadPending);  // op completed twice
+  EXPERTD_CHECK_GT(in_flight_, 0);
   op->result = cqe.res;
   --in_flight_;
   if (cqe.res >= 0) {
-    assert(static_cast<uint32_t>(cqe.res) <= op->len);
+    EXPERTD_CHECK_LE(static_cast<uint32_t>(cqe.res), op->len);
     stats_.bytes_read += static_cast<uint64_t>(cqe.res);
   } else {
     ++stats_.errors;
@@ -502,7 +502,7 @@ int UringBackend::enter(uint64_t deadline_ns, int timeout_ms) {
   if (timeout_ms < 0) {
     rc = io_uring_submit_and_wait(&ring_, 1);
   } else {
-    const uint64_t now = now_ns();
+    const uint64_t now = monotonic_ns();
     const uint64_t left_ns = deadline_ns > now ? deadline_ns - now : 0;
     __kernel_timespec ts{static_cast<long long>(left_ns / 1'000'000'000u),
                          static_cast<long long>(left_ns % 1'000'000'000u)};
@@ -513,15 +513,15 @@ int UringBackend::enter(uint64_t deadline_ns, int timeout_ms) {
 }
 
 int UringBackend::wait(std::span<IoEvent> out, int timeout_ms) {
-  assert(!out.empty());
+  EXPERTD_CHECK(!out.empty());
   arm_pending_watches();
   const uint64_t deadline_ns =
-      timeout_ms < 0 ? 0 : now_ns() + static_cast<uint64_t>(timeout_ms) * 1'000'000u;
+      timeout_ms < 0 ? 0 : monotonic_ns() + static_cast<uint64_t>(timeout_ms) * 1'000'000u;
   if (int rc = flush(); rc < 0 && rc != -EBUSY && rc != -EAGAIN && rc != -EINTR) return rc;
   for (;;) {
     const int n = reap(out);
     if (n > 0) return n;
-    if (timeout_ms == 0 || (timeout_ms > 0 && now_ns() >= deadline_ns)) return 0;
+    if (timeout_ms == 0 || (timeout_ms > 0 && monotonic_ns() >= deadline_ns)) return 0;
     if (int rc = enter(deadline_ns, timeout_ms); rc < 0) return rc;
   }
 }
@@ -547,7 +547,8 @@ Result<Features> probe_features() {
 }  // namespace
 
 Result<std::unique_ptr<ReadBackend>> make_uring_backend(const BackendOptions& options) {
-  assert(options.queue_depth > 0 && options.max_watches > 0);
+  EXPERTD_CHECK_GT(options.queue_depth, 0);
+  EXPERTD_CHECK_GT(options.max_watches, 0);
   if (const int err = forced_failure(); err != 0)
     return setup_error(err, options.queue_depth, true);
   EXPERTD_TRY_ASSIGN(Features features, probe_features());

@@ -19,9 +19,9 @@
 #include <tuple>
 #include <vector>
 
+#include "forge/content.h"
 #include "storage/gguf.h"
-#include "tests/client/expertd_fixture.h"
-#include "tools/forge/content.h"
+#include "testing/expertd_fixture.h"
 
 namespace expertd::client {
 namespace {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "expertd/client.h"
-#include "tests/client/expertctl_run.h"
-#include "tests/client/expertd_fixture.h"
+#include "testing/expertctl_run.h"
+#include "testing/expertd_fixture.h"
 
 namespace expertd::client {
 namespace {

@@ -11,7 +11,7 @@
 #include "engine/daemon_expert_source.h"
 #include "engine/sampler.h"
 #include "expertd/client.h"
-#include "tests/client/expertd_fixture.h"
+#include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 

@@ -17,7 +17,7 @@
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "expertd/client.h"
-#include "tests/client/expertd_fixture.h"
+#include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 

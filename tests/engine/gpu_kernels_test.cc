@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "base/half.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 #include "kernels/attention.cuh"
@@ -40,7 +41,6 @@
 #include "kernels/routing.cuh"
 #include "kernels/swiglu.cuh"
 #include "storage/ggml_types.h"
-#include "storage/half.h"
 
 namespace expertd::kernels {
 namespace {

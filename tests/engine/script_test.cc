@@ -7,10 +7,10 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
-#include "tests/client/expertd_fixture.h"
+#include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
-#include "tools/trace/trace.h"
+#include "trace/trace.h"
 
 namespace expertd::engine {
 namespace {

@@ -15,7 +15,7 @@
 
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
-#include "tests/storage/alloc_probe.h"
+#include "testing/alloc_probe.h"
 #include "tests/storage/gguf_bytes.h"
 
 namespace expertd {

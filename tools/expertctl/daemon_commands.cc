@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "daemon/config.h"
+#include "base/size.h"
 #include "tools/expertctl/commands.h"
 #include "tools/expertctl/daemon_util.h"
 

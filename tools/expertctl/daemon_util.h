@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "base/size.h"
+#include "client/report.h"
 #include "expertd/client.h"
-#include "tools/expertctl/report.h"
 
 namespace expertctl {
 
@@ -32,9 +33,9 @@ std::unique_ptr<expertd::client::Client> connect(const DaemonOptions& opts,
 // Prints one JSON document on stdout.
 void print_json(const nlohmann::ordered_json& j);
 
+using expertd::human_bytes;
 using expertd::report::depths_json;
 using expertd::report::depths_table;
-using expertd::report::human_bytes;
 using expertd::report::percent;
 std::string human_duration_ms(uint64_t ms);
 // hits / (hits + misses) in [0, 1]; -1 with no acquires.

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "expertd/protocol.h"
-#include "storage/result.h"
+#include "expertd/result.h"
 
 namespace expertd::client {
 

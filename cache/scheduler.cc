@@ -1,0 +1,665 @@
+#include "cache/scheduler.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "base/check.h"
+
+namespace expertd {
+
+namespace {
+constexpr uint64_t pack_target(uint32_t token, uint32_t layer) {
+  return (static_cast<uint64_t>(token) << 32) | layer;
+}
+}  // namespace
+
+Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& layouts,
+                     std::span<const uint32_t> files, ExpertCache& cache, ExpertCache& staging,
+                     uint8_t* arena, const SchedulerOptions& options, CompletionSink& sink,
+                     LoadObserver* observer)
+    : io_(io),
+      map_(map),
+      layouts_(layouts),
+      files_(files.begin(), files.end()),
+      cache_(cache),
+      staging_(staging),
+      arena_(arena),
+      options_(options),
+      sink_(sink),
+      observer_(observer) {
+  const uint32_t slots = cache.slot_count() + staging.slot_count();
+  loads_.resize(options_.max_loads);
+  free_loads_.reserve(options_.max_loads);
+  for (uint32_t i = options_.max_loads; i-- > 0;) free_loads_.push_back(i);
+  slot_load_.assign(slots, -1);
+  prefetched_.assign(slots, PrefetchedSlot{});
+  hinted_.assign(static_cast<size_t>(map.block_count()) * map.expert_count(), HintMark{});
+  waiters_.resize(options_.max_waiters);
+  for (uint32_t i = 0; i < options_.max_waiters; ++i) {
+    waiters_[i].next = i + 1 < options_.max_waiters ? i + 1 : kNil;
+  }
+  free_waiter_ = options_.max_waiters ? 0 : kNil;
+  // Chunks: queue_depth in flight at most, but the depth is tunable at runtime up to this bound.
+  const uint32_t max_chunks = std::max<uint32_t>(options_.queue_depth, 256);
+  chunks_.resize(max_chunks);
+  for (uint32_t i = 0; i < max_chunks; ++i)
+    chunks_[i].next_free = i + 1 < max_chunks ? i + 1 : kNil;
+  free_chunk_ = 0;
+  requeued_.reserve(max_chunks);
+  // A load enters the prefetch queue once and the demand queue at most once more (when someone
+  // starts waiting for it): twice max_loads bounds both, so pushes never reallocate.
+  demand_queue_.reserve(2 * options_.max_loads);
+  prefetch_queue_.reserve(2 * options_.max_loads);
+  hints_.resize(options_.max_prefetches);
+  pending_.reserve(options_.max_waiters);
+  cursors_.resize(options_.max_sessions);
+  session_depths_.assign(options_.max_sessions, PrefetchDepths{});
+  EXPERTD_CHECK_LE(options_.max_sessions, kNoSession);
+  cache_.set_eviction_listener(this);
+  staging_.set_eviction_listener(this);
+}
+
+void Scheduler::set_queue_depth(uint32_t depth) {
+  options_.queue_depth = std::clamp<uint32_t>(depth, 1, static_cast<uint32_t>(chunks_.size()));
+}
+
+bool Scheduler::valid(ExpertKey key) const {
+  return key.expert < map_.expert_count() && map_.find_layer(key.layer) != nullptr;
+}
+
+int32_t Scheduler::find_slot(ExpertKey key, ExpertCache** owner) {
+  int32_t s = cache_.lookup(key);
+  if (s >= 0) {
+    *owner = &cache_;
+    return s;
+  }
+  s = staging_.lookup(key);
+  *owner = &staging_;
+  return s;
+}
+
+bool Scheduler::add_waiter(uint32_t load, uint32_t session, uint64_t tag) {
+  if (free_waiter_ == kNil) return false;
+  const uint32_t w = free_waiter_;
+  free_waiter_ = waiters_[w].next;
+  waiters_[w] = Waiter{session, tag, kNil};
+  Load& l = loads_[load];
+  if (l.waiters_tail == kNil) {
+    l.waiters = w;
+  } else {
+    waiters_[l.waiters_tail].next = w;
+  }
+  l.waiters_tail = w;
+  if (!l.demand) {
+    l.demand = true;
+    --prefetch_loads_active_;
+    // A prefetch someone now waits for jumps ahead of the other prefetches.
+    if (l.next_slice < l.slice_count) demand_queue_.push_back(load);
+  }
+  return true;
+}
+
+int Scheduler::acquire(uint32_t session, ExpertKey key, uint64_t tag) {
+  if (!valid(key) || session >= cursors_.size()) return -EINVAL;
+  ++stats_.acquires;
+  count_recall(session, key);
+  cache_.access(key);
+  if (serve(session, key, tag)) return 0;
+  if (pending_.size() >= options_.max_waiters) {
+    ++stats_.busy;
+    sink_.complete(Completion{session, tag, -EBUSY, 0, key});
+    return 0;
+  }
+  pending_.push_back(PendingDemand{session, tag, key});
+  return 0;
+}
+
+bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
+  ExpertCache* owner = nullptr;
+  const int32_t slot = find_slot(key, &owner);
+  if (slot >= 0 && owner->state(static_cast<uint32_t>(slot)) == SlotState::Ready) {
+    ++stats_.hits;
+    const auto s = static_cast<uint32_t>(slot);
+    if (prefetched_[s].pending) {
+      const PrefetchedSlot p = prefetched_[s];
+      prefetched_[s] = PrefetchedSlot{};
+      ++stats_.prefetch_useful;
+      count_outcome(p.session, p.bucket, p.bytes, true);
+    }
+    owner->hold(s);
+    sink_.complete(Completion{session, tag, slot, owner->generation(s), key});
+    return true;
+  }
+  uint32_t load = kNil;
+  if (slot >= 0) {
+    load = static_cast<uint32_t>(slot_load_[static_cast<uint32_t>(slot)]);
+    // A cancelled prefetch owns the slot until its reads return: wait for it to free.
+    if (loads_[load].cancelled) return false;
+    ++stats_.coalesced;
+    const Load& l = loads_[load];
+    if (l.prefetched && !l.demand) {
+      ++stats_.prefetch_useful;
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_planned, true);
+    }
+  } else {
+    load = start_load(key, false, true);
+    if (load == kNil) return false;
+    ++stats_.misses;
+  }
+  if (!add_waiter(load, session, tag)) {
+    ++stats_.busy;
+    sink_.complete(Completion{session, tag, -EBUSY, 0, key});
+  }
+  return true;
+}
+
+uint32_t Scheduler::start_load(ExpertKey key, bool to_staging, bool demand) {
+  if (free_loads_.empty()) return kNil;
+  std::optional<ExpertKey> evicted;
+  std::optional<uint32_t> slot;
+  bool staged = to_staging || cache_.slot_count() == 0;
+  if (!staged) {
+    slot = cache_.reserve(key, &evicted);
+    if (!slot) staged = true;
+  }
+  if (!slot && staging_.slot_count() > 0) slot = staging_.reserve(key, &evicted);
+  if (!slot && demand && cache_.slot_count() > 0) {
+    // Someone waits and staging is full of held slots: admit despite the policy.
+    slot = cache_.reserve(key, &evicted, true);
+    staged = false;
+  }
+  if (!slot) return kNil;
+  if (staged) ++stats_.staged_loads;
+  const uint32_t id = free_loads_.back();
+  free_loads_.pop_back();
+  Load& l = loads_[id];
+  l = Load{};
+  l.key = key;
+  l.slot = *slot;
+  l.active = true;
+  l.demand = demand;
+  l.slice_count = layouts_.place(key.layer, key.expert, l.slices, l.place);
+  for (uint32_t i = 0; i < l.slice_count; ++i) l.bytes_planned += l.place[i].read_bytes;
+  EXPERTD_CHECK(!prefetched_[*slot].pending);  // evicted() settled it when the slot was freed
+  slot_load_[*slot] = static_cast<int32_t>(id);
+  (demand ? demand_queue_ : prefetch_queue_).push_back(id);
+  return id;
+}
+
+bool Scheduler::submit_chunk_of(uint32_t load) {
+  Load& l = loads_[load];
+  if (l.next_slice >= l.slice_count || free_chunk_ == kNil) return false;
+  const uint32_t c = free_chunk_;
+  free_chunk_ = chunks_[c].next_free;
+  const ExpertSlice& s = l.slices[l.next_slice];
+  const SlicePlacement& p = l.place[l.next_slice];
+  const uint64_t a = layouts_.alignment();
+  const uint64_t aligned_start = s.offset / a * a;
+  const uint64_t chunk = options_.chunk_bytes == 0
+                             ? p.read_bytes
+                             : std::max<uint64_t>(options_.chunk_bytes / a * a, a);
+  const uint64_t len = std::min(chunk, p.read_bytes - l.next_offset);
+  // Bytes of this chunk up to the slice's last data byte must arrive; the widened tail may not
+  // exist when the slice ends at the end of the file.
+  const uint64_t data_end = (s.offset - aligned_start) + s.bytes;
+  const uint64_t needed = std::min(len, data_end - std::min(data_end, l.next_offset));
+
+  Chunk& ch = chunks_[c];
+  ch.load = load;
+  ch.needed = static_cast<uint32_t>(needed);
+  ch.op = ReadOp{};
+  ch.op.file = files_[s.shard];
+  ch.op.direct = true;
+  ch.op.offset = aligned_start + l.next_offset;
+  ch.op.len = static_cast<uint32_t>(len);
+  ch.op.dst = slot_data(l.slot) + p.read_slot_offset + l.next_offset;
+  ch.op.cookie = c;
+  EXPERTD_CHECK_EQ(ch.op.offset % a, 0);
+  EXPERTD_CHECK_EQ(ch.op.len % a, 0);
+  EXPERTD_CHECK_EQ(reinterpret_cast<uintptr_t>(ch.op.dst) % a, 0);
+
+  if (!io_.submit(&ch.op)) {
+    ch.load = kNil;
+    ch.next_free = free_chunk_;
+    free_chunk_ = c;
+    return false;
+  }
+  if (l.next_slice == 0 && l.next_offset == 0) l.start_ns = monotonic_ns();  // first read
+  ++l.ops;
+  ++ops_in_flight_;
+  ++stats_.reads;
+  l.next_offset += len;
+  if (l.next_offset == p.read_bytes) {
+    ++l.next_slice;
+    l.next_offset = 0;
+  }
+  return true;
+}
+
+bool Scheduler::submit_next_chunk() {
+  if (ops_in_flight_ >= options_.queue_depth) return false;
+  if (!requeued_.empty()) {
+    const uint32_t c = requeued_.back();
+    if (!io_.submit(&chunks_[c].op)) return false;
+    requeued_.pop_back();
+    ++ops_in_flight_;
+    ++stats_.reads;
+    return true;
+  }
+  for (auto* queue : {&demand_queue_, &prefetch_queue_}) {
+    while (!queue->empty()) {
+      const uint32_t id = queue->front();
+      Load& l = loads_[id];
+      const bool stale = !l.active || l.cancelled || l.error != 0 ||
+                         l.next_slice >= l.slice_count || (queue == &prefetch_queue_ && l.demand);
+      if (stale) {
+        queue->erase(queue->begin());  // bounded by max_loads; cheap at these sizes
+        continue;
+      }
+      return submit_chunk_of(id);
+    }
+  }
+  return false;
+}
+
+void Scheduler::requeue(uint32_t chunk) {
+  --ops_in_flight_;
+  requeued_.push_back(chunk);
+}
+
+void Scheduler::on_read(ReadOp* op) {
+  const auto c = static_cast<uint32_t>(op->cookie);
+  EXPERTD_CHECK_LT(c, chunks_.size());
+  EXPERTD_CHECK_EQ(&chunks_[c].op, op);
+  Chunk& ch = chunks_[c];
+  Load& l = loads_[ch.load];
+  const int32_t res = op->result;
+  if (res > 0) {
+    stats_.bytes_read += static_cast<uint64_t>(res);
+    l.bytes_done += static_cast<uint64_t>(res);
+  }
+
+  bool done = true;
+  if (l.cancelled) {
+    // Nothing more to do for a cancelled load; let the read go.
+  } else if (res == -EAGAIN) {
+    ++stats_.eagain_retries;
+    done = false;
+  } else if (res < 0) {
+    if (l.error == 0) l.error = res;
+  } else if (static_cast<uint32_t>(res) < ch.needed) {
+    if (res == 0) {
+      if (l.error == 0) l.error = -EIO;  // the file ended before the slice did
+    } else {
+      ++stats_.short_reads;
+      op->offset += static_cast<uint32_t>(res);
+      op->dst += res;
+      op->len -= static_cast<uint32_t>(res);
+      ch.needed -= static_cast<uint32_t>(res);
+      const uint64_t a = layouts_.alignment();
+      if (op->direct && (op->offset % a != 0 || op->len % a != 0)) {
+        // O_DIRECT cannot resume mid-block: read exactly the rest through the buffered fd.
+        op->direct = false;
+        op->len = ch.needed;
+        ++stats_.buffered_requeues;
+      }
+      done = false;
+    }
+  }
+  if (!done) {
+    requeue(c);
+    return;
+  }
+  --ops_in_flight_;
+  --l.ops;
+  const uint32_t load = ch.load;
+  ch.load = kNil;
+  ch.next_free = free_chunk_;
+  free_chunk_ = c;
+  const bool all_submitted = l.next_slice >= l.slice_count || l.error != 0 || l.cancelled;
+  if (l.ops == 0 && all_submitted) finish_load(load);
+}
+
+void Scheduler::finish_load(uint32_t id) {
+  Load& l = loads_[id];
+  ExpertCache& owner = owner_of(l.slot);
+  const int err = l.cancelled ? -ECANCELED : l.error;
+  slot_load_[l.slot] = -1;
+  if (err != 0) {
+    owner.failed(l.slot);
+    if (!l.cancelled) ++stats_.loads_failed;
+    // A cancelled prefetch is never one somebody waits for (cancel_load() skips those).
+    if (l.cancelled && l.prefetched) {
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_done, false);
+    }
+    if (observer_ != nullptr && !l.cancelled) observer_->failed(l.key, err);
+  } else {
+    owner.loaded(l.slot);
+    ++stats_.loads_done;
+    if (l.prefetched && !l.demand) {
+      prefetched_[l.slot] = PrefetchedSlot{true, static_cast<uint16_t>(l.prefetch_session),
+                                           static_cast<uint8_t>(l.prefetch_bucket), l.bytes_done};
+    }
+    if (observer_ != nullptr) {
+      observer_->loaded(l.key, l.slot, slot_data(l.slot), monotonic_ns() - l.start_ns);
+    }
+  }
+  for (uint32_t w = l.waiters; w != kNil;) {
+    const Waiter wt = waiters_[w];
+    if (err == 0) {
+      owner.hold(l.slot);
+      sink_.complete(Completion{wt.session, wt.tag, static_cast<int32_t>(l.slot),
+                                owner.generation(l.slot), l.key});
+    } else {
+      sink_.complete(Completion{wt.session, wt.tag, err, 0, l.key});
+    }
+    waiters_[w].next = free_waiter_;
+    free_waiter_ = w;
+    w = wt.next;
+  }
+  if (!l.demand) --prefetch_loads_active_;
+  l.active = false;
+  free_loads_.push_back(id);
+  retry_pending_demands();
+}
+
+int Scheduler::release(uint32_t session, uint32_t slot) {
+  (void)session;  // ownership of holds is checked by the session layer
+  if (slot >= slot_load_.size()) return -EINVAL;
+  ExpertCache& owner = owner_of(slot);
+  if (owner.state(slot) != SlotState::Ready || owner.refs(slot) == 0) return -EINVAL;
+  owner.unhold(slot);
+  if (owner.refs(slot) == 0) retry_pending_demands();
+  return 0;
+}
+
+void Scheduler::retry_pending_demands() {
+  // Oldest first; one that still finds no slot stays (later ones may be hits). Bounded by the
+  // number pending.
+  for (size_t i = 0; i < pending_.size();) {
+    const PendingDemand p = pending_[i];
+    if (serve(p.session, p.key, p.tag)) {
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+}
+
+uint64_t Scheduler::target_of(uint32_t session, uint32_t layer) const {
+  const Cursor& c = cursors_[session];
+  if (!c.set || layer > c.layer) return pack_target(c.token, layer);
+  return pack_target(c.token + 1, layer);  // the cursor's layer or an earlier one: the next token's
+}
+
+uint32_t Scheduler::depth_bucket(uint32_t session, uint64_t target) const {
+  const Cursor& c = cursors_[session];
+  const uint64_t layers = map_.block_count();
+  const uint64_t now = c.set ? static_cast<uint64_t>(c.token) * layers + c.layer : 0;
+  const uint64_t then = (target >> 32) * layers + (target & 0xffffffffu);
+  const uint64_t depth = then > now ? then - now : 1;  // before any cursor, layer 0 counts as 1
+  return static_cast<uint32_t>(std::min<uint64_t>(depth, kPrefetchDepthBuckets) - 1);
+}
+
+void Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket) {
+  HintMark& m = hinted_[key_index(key)];
+  const auto token = static_cast<uint32_t>(target >> 32);
+  const auto bit = static_cast<uint8_t>(1u << bucket);
+  if (m.buckets != 0 && m.session == session && m.token == token) {
+    m.buckets |= bit;
+    return;
+  }
+  // A mark for an earlier token this session has not reached yet stays: a hint a whole layer
+  // cycle ahead must not hide the nearer ones. Anything else (passed, or another session's) goes.
+  if (m.buckets != 0 && m.session == session && m.token < token) {
+    const Cursor& c = cursors_[session];
+    if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return;
+  }
+  m = HintMark{token, static_cast<uint16_t>(session), bit};
+}
+
+void Scheduler::count_recall(uint32_t session, ExpertKey key) {
+  const Cursor& c = cursors_[session];
+  const HintMark& m = hinted_[key_index(key)];
+  if (!c.set || m.buckets == 0 || m.session != session || m.token != c.token) return;
+  for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
+    if ((m.buckets >> b & 1u) == 0) continue;
+    ++stats_.depths[b].hinted_acquires;
+    ++session_depths_[session][b].hinted_acquires;
+  }
+}
+
+void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful) {
+  auto add = [&](PrefetchDepthCounters& c) {
+    if (useful) {
+      ++c.useful;
+      c.useful_bytes += bytes;
+    } else {
+      ++c.wasted;
+      c.wasted_bytes += bytes;
+    }
+  };
+  add(stats_.depths[bucket]);
+  if (session < session_depths_.size()) add(session_depths_[session][bucket]);
+}
+
+void Scheduler::evicted(uint32_t slot, ExpertKey) {
+  ++stats_.evictions;
+  PrefetchedSlot& p = prefetched_[slot];
+  if (!p.pending) return;
+  count_outcome(p.session, p.bucket, p.bytes, false);
+  p = PrefetchedSlot{};
+}
+
+bool Scheduler::hint_passed(const Hint& h) const {
+  const Cursor& c = cursors_[h.session];
+  return c.set && h.target < pack_target(c.token, c.layer);
+}
+
+uint64_t Scheduler::hint_distance(const Hint& h) const {
+  const Cursor& c = cursors_[h.session];
+  const uint64_t tt = h.target >> 32;
+  const uint64_t tl = h.target & 0xffffffffu;
+  const uint64_t now = static_cast<uint64_t>(c.token) * map_.block_count() + c.layer;
+  const uint64_t then = tt * map_.block_count() + tl;
+  return then >= now ? then - now : 0;
+}
+
+int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
+  if (!valid(key) || session >= cursors_.size() || !(score >= 0.0f && score <= 1.0f)) {
+    return -EINVAL;
+  }
+  ++stats_.prefetch_hints;
+  const uint64_t target = target_of(session, key.layer);
+  const uint32_t bucket = depth_bucket(session, target);
+  ++stats_.depths[bucket].hints;
+  ++session_depths_[session][bucket].hints;
+  mark_hinted(session, key, target, bucket);
+  ExpertCache* owner = nullptr;
+  if (find_slot(key, &owner) >= 0) return 0;  // already cached or loading
+  // Merge with a queued hint for the same expert, else take a free entry, else replace the
+  // farthest queued hint if this one is nearer.
+  uint32_t free_entry = kNil;
+  uint32_t farthest = kNil;
+  for (uint32_t i = 0; i < hints_.size(); ++i) {
+    Hint& h = hints_[i];
+    if (!h.live) {
+      if (free_entry == kNil) free_entry = i;
+      continue;
+    }
+    if (h.key == key) {
+      h.score = std::max(h.score, score);
+      if (target < h.target) {
+        h.target = target;
+        h.session = session;
+        h.bucket = bucket;
+      }
+      return 0;
+    }
+    if (farthest == kNil || h.target > hints_[farthest].target) farthest = i;
+  }
+  uint32_t entry = free_entry;
+  if (entry == kNil) {
+    if (farthest == kNil || hints_[farthest].target <= target) {
+      ++stats_.prefetch_dropped;
+      return 0;
+    }
+    ++stats_.prefetch_dropped;
+    entry = farthest;
+  } else {
+    ++hint_count_;
+  }
+  hints_[entry] = Hint{session, key, score, target, bucket, true};
+  return 0;
+}
+
+void Scheduler::set_cursor(uint32_t session, uint32_t token, uint32_t layer) {
+  if (session >= cursors_.size()) return;
+  cursors_[session] = Cursor{token, layer, true};
+  for (Hint& h : hints_) {
+    if (h.live && h.session == session && hint_passed(h)) {
+      h.live = false;
+      --hint_count_;
+      ++stats_.prefetch_dropped;
+    }
+  }
+  cancel_passed_prefetch_loads();
+}
+
+void Scheduler::cancel_passed_prefetch_loads() {
+  for (uint32_t id = 0; id < loads_.size(); ++id) {
+    const Load& l = loads_[id];
+    if (!l.active || l.demand || l.cancelled || !l.prefetched) continue;
+    const Cursor& c = cursors_[l.prefetch_session];
+    if (!c.set || l.prefetch_target >= pack_target(c.token, c.layer)) continue;
+    cancel_load(id);
+  }
+}
+
+void Scheduler::cancel_load(uint32_t id) {
+  Load& l = loads_[id];
+  EXPERTD_CHECK(l.active);
+  EXPERTD_CHECK(!l.demand);
+  EXPERTD_CHECK(!l.cancelled);
+  EXPERTD_CHECK(l.prefetched);
+  l.cancelled = true;
+  ++stats_.prefetch_cancelled;
+  if (l.ops == 0) {
+    finish_load(id);
+    return;
+  }
+  for (Chunk& ch : chunks_) {
+    if (ch.load == id) io_.cancel(&ch.op);  // free chunks have load == kNil
+  }
+}
+
+void Scheduler::start_prefetches() {
+  while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
+    uint32_t best = kNil;
+    for (uint32_t i = 0; i < hints_.size(); ++i) {
+      const Hint& h = hints_[i];
+      if (!h.live || hint_distance(h) > options_.prefetch_depth) continue;
+      if (best == kNil) {
+        best = i;
+        continue;
+      }
+      const Hint& b = hints_[best];
+      const uint64_t dh = hint_distance(h);
+      const uint64_t db = hint_distance(b);
+      if (dh < db || (dh == db && h.score > b.score)) best = i;
+    }
+    if (best == kNil) return;
+    Hint h = hints_[best];
+    ExpertCache* owner = nullptr;
+    if (find_slot(h.key, &owner) >= 0) {
+      hints_[best].live = false;
+      --hint_count_;
+      continue;
+    }
+    const uint32_t load = start_load(h.key, h.score < options_.staging_score, false);
+    if (load == kNil) return;  // no slot now; try again after something frees
+    hints_[best].live = false;
+    --hint_count_;
+    Load& l = loads_[load];
+    l.prefetched = true;
+    l.prefetch_session = h.session;
+    l.prefetch_bucket = h.bucket;
+    l.prefetch_target = h.target;
+    ++stats_.prefetch_loads;
+    ++stats_.depths[h.bucket].loads;
+    ++session_depths_[h.session][h.bucket].loads;
+    ++prefetch_loads_active_;
+  }
+}
+
+void Scheduler::drop_session(uint32_t session) {
+  // Waiting acquires: unlink them so no hold is ever taken for a dead session.
+  for (Load& l : loads_) {
+    if (!l.active) continue;
+    uint32_t prev = kNil;
+    for (uint32_t w = l.waiters; w != kNil;) {
+      const uint32_t next = waiters_[w].next;
+      if (waiters_[w].session == session) {
+        if (prev == kNil) {
+          l.waiters = next;
+        } else {
+          waiters_[prev].next = next;
+        }
+        if (l.waiters_tail == w) l.waiters_tail = prev;
+        waiters_[w].next = free_waiter_;
+        free_waiter_ = w;
+      } else {
+        prev = w;
+      }
+      w = next;
+    }
+  }
+  std::erase_if(pending_, [&](const PendingDemand& p) { return p.session == session; });
+  for (Hint& h : hints_) {
+    if (h.live && h.session == session) {
+      h.live = false;
+      --hint_count_;
+    }
+  }
+  if (session >= cursors_.size()) return;
+  // Its prefetches nobody waits for are wasted now; their outcome no longer counts for the session
+  // (a new session may get its id).
+  for (uint32_t id = 0; id < loads_.size(); ++id) {
+    Load& l = loads_[id];
+    if (!l.active || !l.prefetched || l.prefetch_session != session) continue;
+    const bool cancel = !l.demand && !l.cancelled;
+    l.prefetch_session = kNoSession;
+    if (cancel) cancel_load(id);
+  }
+  for (PrefetchedSlot& p : prefetched_) {
+    if (p.session == session) p.session = kNoSession;
+  }
+  for (HintMark& m : hinted_) {
+    if (m.session == session) m = HintMark{};
+  }
+  session_depths_[session] = PrefetchDepths{};
+  cursors_[session] = Cursor{};
+}
+
+void Scheduler::pump() {
+  start_prefetches();
+  while (submit_next_chunk()) {
+  }
+  io_.flush();
+}
+
+bool Scheduler::idle() const {
+  if (ops_in_flight_ != 0 || !requeued_.empty() || free_loads_.size() != loads_.size() ||
+      !pending_.empty()) {
+    return false;
+  }
+  // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.
+  for (const Hint& h : hints_) {
+    if (h.live && hint_distance(h) <= options_.prefetch_depth) return false;
+  }
+  return true;
+}
+
+}  // namespace expertd

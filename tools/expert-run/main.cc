@@ -1,0 +1,444 @@
+// expert-run: generates tokens with a Qwen3-MoE model whose routed experts come from a running
+// expertd. The dense weights are read from the model's GGUF (--gguf); every expert byte arrives
+// through libexpertd-client. The CUDA engine runs when this build has it and a device is present
+// (else, or with --cpu, the CPU reference engine, and the output says which and why).
+//
+// Benchmark mode (--routing-trace): a recorded trace's expert choices replace the computed router,
+// for realistic expert locality with generated weights; the output says so on every report.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "engine/cpu_engine.h"
+#include "engine/daemon_expert_source.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/vocab.h"
+#include "expertd/client.h"
+#include "trace/trace.h"
+#ifdef EXPERTD_HAVE_CUDA
+#include "engine/gpu_engine.h"
+#endif
+
+namespace {
+
+using expertd::Error;
+using expertd::Result;
+using expertd::Status;
+using namespace expertd::engine;
+
+struct Options {
+  std::string socket = expertd::client::default_socket();
+  std::string model;
+  std::string gguf;
+  std::string prompt_tokens;
+  uint32_t max_tokens = 16;
+  bool cpu = false;
+  std::string vram_experts = "auto";
+  uint32_t prefetch_depth = 1;
+  uint32_t prefetch_width = 0;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  std::string record_trace;
+  std::string routing_trace;
+  std::string hints;  // router | trace; default: trace with --routing-trace, else router
+  bool json = false;
+};
+
+Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
+  std::vector<uint32_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    uint32_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size()) {
+      return expertd::make_error(EINVAL,
+                                 fmt::format("--prompt-tokens: '{}' is not a token id", item));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return expertd::make_error(EINVAL, "--prompt-tokens: no tokens");
+  return out;
+}
+
+#ifdef EXPERTD_HAVE_CUDA
+// --vram-experts: "auto", a count of experts ("0" = in place) or a size with a unit (8G, 512M).
+Result<GpuOptions> parse_vram(const std::string& text) {
+  GpuOptions g;
+  if (text == "auto") return g;
+  uint64_t v = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || text.empty()) {
+    return expertd::make_error(EINVAL, fmt::format("--vram-experts: '{}' is not a number of "
+                                                   "experts, a size (8G, 512M) or auto",
+                                                   text));
+  }
+  const std::string unit(rest, end);
+  if (unit.empty()) {
+    g.tier = v == 0 ? GpuOptions::Tier::InPlace : GpuOptions::Tier::Experts;
+    g.value = v;
+    return g;
+  }
+  const std::string units = "KMGT";
+  const size_t u =
+      unit.size() <= 3 ? units.find(static_cast<char>(std::toupper(unit[0]))) : std::string::npos;
+  if (u == std::string::npos ||
+      (unit.size() > 1 && unit.substr(1) != "B" && unit.substr(1) != "iB")) {
+    return expertd::make_error(EINVAL, fmt::format("--vram-experts: unknown unit '{}' in '{}' "
+                                                   "(use K, M, G or T)",
+                                                   unit, text));
+  }
+  g.tier = GpuOptions::Tier::Bytes;
+  g.value = v << (10 * (u + 1));
+  return g;
+}
+#endif
+
+// The daemon's scheduler counters for one model (zeros when the model is not listed).
+expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
+                                               const std::string& model) {
+  auto stats = client.stats();
+  if (stats) {
+    for (const auto& m : stats->models) {
+      if (m.name == model) return m.scheduler;
+    }
+  }
+  return {};
+}
+
+double seconds(uint64_t ns) { return static_cast<double>(ns) / 1e9; }
+
+// A trace's routes by position: the trace's i-th distinct token is position i.
+Result<RoutingScript> load_script(const std::string& path, const ModelParams& p) {
+  EXPERTD_TRY_ASSIGN(const expertd::Trace trace, expertd::load_trace(path));
+  if (trace.layers > p.n_layer || trace.experts > p.n_expert) {
+    return expertd::make_error(
+        EINVAL, fmt::format("{}: the trace has {} layers and {} experts; the model has {} and {}",
+                            path, trace.layers, trace.experts, p.n_layer, p.n_expert));
+  }
+  RoutingScript script(trace.tokens, p.n_layer);
+  uint32_t pos = 0;
+  bool first = true;
+  uint32_t last_token = 0;
+  for (const expertd::TraceRecord& r : trace.records) {
+    if (!first && r.token != last_token) ++pos;
+    first = false;
+    last_token = r.token;
+    ScriptedRoute route{r.experts, r.weights, r.predicted};
+    if (auto st = script.set(pos, r.layer, std::move(route), p); !st) {
+      return expertd::make_error(EINVAL, fmt::format("{}: {}", path, st.error().message));
+    }
+  }
+  return script;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+int fail(const Error& e) {
+  std::fprintf(stderr, "expert-run: %s\n", e.message.c_str());
+  return 1;
+}
+
+int run(Options o) {
+  auto prompt = parse_tokens(o.prompt_tokens);
+  if (!prompt) return fail(prompt.error());
+  auto model = DenseModel::load(o.gguf);
+  if (!model) return fail(model.error());
+  const ModelParams& p = model->params();
+
+  std::optional<RoutingScript> script;
+  if (!o.routing_trace.empty()) {
+    auto s = load_script(o.routing_trace, p);
+    if (!s) return fail(s.error());
+    script = std::move(*s);
+    if (prompt->size() >= script->tokens()) {
+      return fail(Error{EINVAL, fmt::format("--routing-trace {} has {} tokens; the prompt alone "
+                                            "has {}",
+                                            o.routing_trace, script->tokens(), prompt->size())});
+    }
+    o.max_tokens =
+        std::min<uint32_t>(o.max_tokens, script->tokens() - static_cast<uint32_t>(prompt->size()));
+  }
+  if (o.hints.empty()) o.hints = script ? "trace" : "router";
+  if (o.hints != "router" && o.hints != "trace") {
+    return fail(Error{EINVAL, fmt::format("--hints: '{}' is not router or trace", o.hints)});
+  }
+  if (o.hints == "trace" && !script) {
+    return fail(Error{EINVAL, "--hints trace needs --routing-trace"});
+  }
+
+  auto source = DaemonExpertSource::connect(o.socket, o.model, *model, "expert-run");
+  if (!source) return fail(source.error());
+  expertd::client::Client& client = *(*source)->client();
+  EngineOptions eo;
+  eo.max_context = static_cast<uint32_t>(prompt->size()) + o.max_tokens;
+  eo.prefetch_depth = o.prefetch_depth;
+  eo.prefetch_width = o.prefetch_width;
+  eo.script = script ? &*script : nullptr;
+  eo.hints = o.hints == "trace" ? HintSource::Script : HintSource::Router;
+
+  std::unique_ptr<Engine> engine;
+  std::string why_cpu = "--cpu";
+#ifdef EXPERTD_HAVE_CUDA
+  if (!o.cpu && cuda_device_available(&why_cpu)) {
+    auto gpu = parse_vram(o.vram_experts);
+    if (!gpu) return fail(gpu.error());
+    auto e = GpuEngine::create(*model, **source, eo, *gpu);
+    if (!e) return fail(e.error());
+    engine = std::move(*e);
+  }
+#else
+  if (!o.cpu) why_cpu = "this build has no CUDA engine";
+#endif
+  if (!engine) {
+    auto e = CpuEngine::create(*model, **source, eo);
+    if (!e) return fail(e.error());
+    engine = std::move(*e);
+  }
+  const std::string engine_note = engine->name() == "cpu"
+                                      ? fmt::format("{} ({})", engine->description(), why_cpu)
+                                      : engine->description();
+  const std::string mode_note =
+      script ? fmt::format(
+                   "BENCHMARK MODE: routing replayed from {} (not the model's router); "
+                   "hints from {}",
+                   o.routing_trace,
+                   o.hints == "router"
+                       ? "the model's routers"
+                       : (script->has_predictions() ? "the trace's predicted lists"
+                                                    : "the trace's own future (oracle)"))
+             : std::string();
+
+  std::vector<RoutingRecord> log;
+  if (!o.record_trace.empty()) engine->set_routing_log(&log);
+  const std::optional<Vocab> vocab = Vocab::from_gguf(model->gguf());
+  // A benchmark runs its full length; otherwise generation stops at the end-of-sequence token.
+  uint64_t eos = UINT64_MAX;
+  if (const auto* v = model->gguf().meta().find("tokenizer.ggml.eos_token_id"); v && !script) {
+    eos = v->as_u64().value_or(UINT64_MAX);
+  }
+
+  if (!o.json) {
+    std::printf("expert-run: %s\n", engine_note.c_str());
+    if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
+    std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s\n",
+                o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
+                static_cast<double>(model->dense_bytes()) / (1 << 20), o.gguf.c_str());
+  }
+
+  std::fflush(stdout);  // the header before any progress line on stderr
+  const auto before = model_counters(client, o.model);
+  std::vector<float> logits(p.n_vocab);
+  Sampler sampler(SamplerOptions{o.temperature, o.top_p, o.seed}, p.n_vocab);
+  std::vector<double> stall_ms_each;  // per generated token
+  // A progress line for long benchmark runs, on a terminal only.
+  const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
+  const auto t0 = expertd::monotonic_ns();
+  for (const uint32_t t : *prompt) {
+    if (auto st = engine->decode(t, logits); !st) return fail(st.error());
+  }
+  const auto t1 = expertd::monotonic_ns();
+  const EngineStats at_prompt = engine->stats();
+  const auto mid = model_counters(client, o.model);
+  std::vector<uint32_t> generated;
+  while (generated.size() < o.max_tokens) {
+    const uint32_t next = sampler.sample(logits);
+    generated.push_back(next);
+    if (next == eos && !o.ignore_eos) break;
+    if (generated.size() == o.max_tokens) break;
+    const uint64_t stall0 = engine->stats().stall_ns;
+    if (auto st = engine->decode(next, logits); !st) return fail(st.error());
+    stall_ms_each.push_back(static_cast<double>(engine->stats().stall_ns - stall0) / 1e6);
+    if (progress && generated.size() % 8 == 0) {
+      std::fprintf(stderr, "\rexpert-run: token %zu/%u", generated.size(), o.max_tokens);
+    }
+  }
+  if (progress) std::fprintf(stderr, "\r\033[K");
+  const auto t2 = expertd::monotonic_ns();
+  const auto after = model_counters(client, o.model);
+  if (!o.record_trace.empty()) {
+    if (auto st = write_routing_jsonl(o.record_trace, log); !st) return fail(st.error());
+  }
+
+  const EngineStats& s = engine->stats();
+  const double decode_s = seconds(t2 - t1);
+  // Generated tokens over the time after the prompt: the first comes from the prompt's logits.
+  const double tokens_per_s = decode_s > 0 ? generated.size() / decode_s : 0.0;
+  const double prompt_tokens_per_s = seconds(t1 - t0) > 0 ? prompt->size() / seconds(t1 - t0) : 0;
+  const double stall_ms = s.tokens ? static_cast<double>(s.stall_ns) / 1e6 / s.tokens : 0.0;
+  const uint64_t gen_steps = s.tokens - at_prompt.tokens;
+  const double gen_stall_ms =
+      gen_steps ? static_cast<double>(s.stall_ns - at_prompt.stall_ns) / 1e6 / gen_steps : 0.0;
+  const double gen_decode_ms =
+      gen_steps ? static_cast<double>(s.decode_ns - at_prompt.decode_ns) / 1e6 / gen_steps : 0.0;
+  const double bytes_per_token =
+      gen_steps ? static_cast<double>(after.bytes_read - mid.bytes_read) / gen_steps : 0.0;
+  // The VRAM tier's prefetch acquires are daemon hits too; the tiers count routed experts only.
+  const uint64_t daemon_hits = after.hits - before.hits;
+  const uint64_t host = daemon_hits - std::min(daemon_hits, s.vram_prefetches);
+  const uint64_t coalesced = after.coalesced - before.coalesced;
+  const uint64_t disk = (after.misses - before.misses) + coalesced;
+  const double copy_gbps =
+      s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
+  const std::string text = vocab ? vocab->decode(generated) : std::string();
+
+  nlohmann::json by_depth = nlohmann::json::array();
+  for (size_t d = 0; d < s.by_depth.size(); ++d) {
+    const DepthStats& ds = s.by_depth[d];
+    by_depth.push_back({{"depth", d + 1},
+                        {"predicted", ds.predicted},
+                        {"correct", ds.correct},
+                        {"routed", ds.routed},
+                        {"precision", ds.precision()},
+                        {"recall", ds.recall()}});
+  }
+  if (o.json) {
+    nlohmann::json j = {
+        {"engine", engine->name()},
+        {"engine_note", engine_note},
+        {"benchmark_mode", static_cast<bool>(script)},
+        {"model", o.model},
+        {"prompt_tokens", *prompt},
+        {"generated", generated},
+        {"tokens_per_s", tokens_per_s},
+        {"prompt_tokens_per_s", prompt_tokens_per_s},
+        {"stall_ms_per_token", stall_ms},
+        {"generation",
+         {{"steps", gen_steps},
+          {"stall_ms_per_token", gen_stall_ms},
+          {"stall_ms_p50", percentile(stall_ms_each, 0.5)},
+          {"stall_ms_p99", percentile(stall_ms_each, 0.99)},
+          {"decode_ms_per_token", gen_decode_ms},
+          {"compute_ms_per_token", gen_decode_ms - gen_stall_ms},
+          {"bytes_read_per_token", bytes_per_token}}},
+        {"hits", {{"vram", s.vram_hits}, {"host", host}, {"disk", disk}}},
+        {"daemon",
+         {{"hits", daemon_hits},
+          {"coalesced", coalesced},
+          {"misses", after.misses - before.misses},
+          {"bytes_read", after.bytes_read - before.bytes_read},
+          {"prefetch_loads", after.prefetch_loads - before.prefetch_loads},
+          {"prefetch_useful", after.prefetch_useful - before.prefetch_useful}}},
+        {"vram",
+         {{"hits", s.vram_hits},
+          {"misses", s.vram_misses},
+          {"prefetches", s.vram_prefetches},
+          {"prefetch_used", s.vram_prefetch_used},
+          {"copy_bytes", s.copy_bytes},
+          {"demand_copy_bytes", s.demand_copy_bytes},
+          {"demand_copy_gb_per_s", copy_gbps}}},
+        {"prefetch_by_depth", by_depth},
+        {"prefetch_depth", o.prefetch_depth},
+        {"prefetch_hints", s.hints_sent},
+        {"prefetch_precision", s.prefetch_precision()},
+        {"prefetch_recall", s.prefetch_recall()},
+        {"experts_used", s.experts_used},
+        {"decode_steps", s.tokens},
+    };
+    if (script) {
+      j["routing_trace"] = o.routing_trace;
+      j["mode_note"] = mode_note;
+      j["scripted_routes"] = s.scripted_routes;
+    }
+    if (vocab) j["text"] = text;
+    if (!o.record_trace.empty()) j["trace"] = o.record_trace;
+    // Generated text need not be valid UTF-8: invalid bytes become U+FFFD in the JSON.
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    return 0;
+  }
+  std::string ids;
+  for (const uint32_t t : generated) ids += (ids.empty() ? "" : " ") + std::to_string(t);
+  std::printf("prompt: %zu tokens, %.1f tokens/s\n", prompt->size(), prompt_tokens_per_s);
+  std::printf("generated: %s\n", ids.c_str());
+  if (vocab) {
+    const std::string quoted =
+        nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    std::printf("text: %s\n", quoted.c_str());
+  }
+  std::printf(
+      "speed: %.2f tokens/s, stall %.3f ms/token waiting for experts (p50 %.3f, p99 %.3f "
+      "while generating), compute %.3f ms/token\n",
+      tokens_per_s, stall_ms, percentile(stall_ms_each, 0.5), percentile(stall_ms_each, 0.99),
+      gen_decode_ms - gen_stall_ms);
+  std::printf(
+      "hits: vram %llu, host %llu, disk %llu (%llu joined a read in flight); %.1f MiB read "
+      "per generated token\n",
+      static_cast<unsigned long long>(s.vram_hits), static_cast<unsigned long long>(host),
+      static_cast<unsigned long long>(disk), static_cast<unsigned long long>(coalesced),
+      bytes_per_token / (1 << 20));
+  if (s.copy_bytes > 0) {
+    std::printf(
+        "vram: %llu copied in on demand at %.1f GB/s, %.1f GiB copied in all, %llu "
+        "prefetched ahead (%llu used)\n",
+        static_cast<unsigned long long>(s.vram_misses), copy_gbps,
+        static_cast<double>(s.copy_bytes) / (1 << 30),
+        static_cast<unsigned long long>(s.vram_prefetches),
+        static_cast<unsigned long long>(s.vram_prefetch_used));
+  }
+  std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
+              static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),
+              s.prefetch_recall());
+  for (size_t d = 0; d < s.by_depth.size(); ++d) {
+    std::printf("  predicted %zu layer%s ahead: precision %.3f, recall %.3f\n", d + 1,
+                d == 0 ? "" : "s", s.by_depth[d].precision(), s.by_depth[d].recall());
+  }
+  if (script) std::printf("%s\n", mode_note.c_str());
+  if (!o.record_trace.empty()) std::printf("trace: %s\n", o.record_trace.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"expert-run: generate tokens with a MoE model whose experts stream from expertd"};
+  Options o;
+  app.add_option("--socket", o.socket, "expertd's control socket");
+  app.add_option("--model", o.model, "The model's name in expertd")->required();
+  app.add_option("--gguf", o.gguf, "The model's GGUF file (dense weights are read from it)")
+      ->required();
+  app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated")
+      ->required();
+  app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
+  app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
+  app.add_option("--vram-experts", o.vram_experts,
+                 "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
+                 "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
+  app.add_option("--prefetch-depth", o.prefetch_depth,
+                 "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
+  app.add_option("--prefetch-width", o.prefetch_width,
+                 "Candidates hinted per predicted layer (0 = the model's top-k)");
+  app.add_option("--temperature", o.temperature, "Sampling temperature (0 = greedy)");
+  app.add_option("--top-p", o.top_p, "Nucleus sampling mass (1)");
+  app.add_option("--seed", o.seed, "Sampling seed (0)");
+  app.add_flag("--ignore-eos", o.ignore_eos, "Keep generating past the end-of-sequence token");
+  app.add_option("--record-trace", o.record_trace,
+                 "Write the routing decisions as canonical JSONL to this file");
+  app.add_option("--routing-trace", o.routing_trace,
+                 "BENCHMARK MODE: replay this trace's expert choices instead of the router "
+                 "(canonical JSONL or .etrace); generation stops at the trace's end");
+  app.add_option("--hints", o.hints,
+                 "Where prefetch hints come from: router (the next layers' routers) or trace (the "
+                 "trace's predicted lists, else its future: an oracle); default trace with "
+                 "--routing-trace");
+  app.add_flag("--json", o.json, "Print one JSON object");
+  CLI11_PARSE(app, argc, argv);
+  return run(o);
+}

@@ -1,0 +1,322 @@
+// expert-tune: storage tuning from routing traces.
+//   simulate  offline cache simulation of a trace: a policy's hits against Belady's optimum
+//   replay    replays a trace against a running expertd (real reads), printing hit rate and GB/s
+//   sweep     replays it once per prefetch depth x queue depth x cache size, with the compute time
+//             between layers, and reports stalls, tokens/s and the bandwidth bound (sweep.h)
+//   import    converts a raw routing log (vLLM hooks) into a canonical trace
+//   convert   converts a trace between JSON Lines and the binary form (.etrace)
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cache/policy.h"
+#include "cache/scheduler.h"
+#include "expertd/client.h"
+#include "trace/trace.h"
+#include "tune/replay.h"
+#include "tune/sweep.h"
+
+namespace {
+
+using expertd::ExpertKey;
+using expertd::Trace;
+
+// The trace to use: a file, or the shared Mixtral trace when present, or a generated one.
+expertd::Result<Trace> load_or_generate(const std::string& path, uint32_t layers, uint32_t experts,
+                                        uint32_t top_k, uint32_t tokens, std::string* label) {
+  if (!path.empty()) {
+    *label = path;
+    return expertd::load_trace(path);
+  }
+  *label = fmt::format("generated ({} tokens, {} layers, {} experts, top-{}, 40% reuse)", tokens,
+                       layers, experts, top_k);
+  return expertd::make_synthetic_trace(tokens, layers, experts, top_k, 1);
+}
+
+std::vector<uint32_t> parse_list(const std::string& s) {
+  std::vector<uint32_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(static_cast<uint32_t>(std::stoul(item)));
+  return out;
+}
+
+struct SimulateOptions {
+  std::string trace;
+  std::string cache_experts = "64";
+  std::string policy = "cyclic";
+  bool json = false;
+};
+
+int run_simulate(const SimulateOptions& o) {
+  auto trace = expertd::load_trace(o.trace);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune simulate: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  std::vector<uint32_t> sizes;
+  try {
+    sizes = parse_list(o.cache_experts);
+  } catch (...) {
+    std::fprintf(stderr, "expert-tune simulate: --cache-experts '%s': expected N or N,N,...\n",
+                 o.cache_experts.c_str());
+    return 2;
+  }
+  const auto acc = trace->accesses();
+  if (!o.json) {
+    fmt::print("trace {}: {} tokens, {} layers, {} experts, {} accesses\n", o.trace, trace->tokens,
+               trace->layers, trace->experts, acc.size());
+    fmt::print("{:>12} {:>10} {:>10} {:>9} {:>12} {:>10}\n", "cache", "accesses", "hits",
+               "hit rate", "belady hits", "belady");
+  }
+  for (const uint32_t n : sizes) {
+    const auto r = expertd::simulate_policy(o.policy, {n, trace->layers, trace->experts}, acc);
+    if (!r) {
+      std::fprintf(stderr, "expert-tune simulate: %s\n", r.error().message.c_str());
+      return 2;
+    }
+    const auto b = expertd::simulate_belady(n, acc);
+    if (o.json) {
+      fmt::print(
+          "{{\"cache_experts\":{},\"policy\":\"{}\",\"accesses\":{},\"hits\":{},"
+          "\"hit_rate\":{:.6f},\"belady_hits\":{},\"belady_hit_rate\":{:.6f}}}\n",
+          n, o.policy, r->accesses, r->hits, r->hit_rate(), b.hits, b.hit_rate());
+    } else {
+      fmt::print("{:>12} {:>10} {:>10} {:>8.1f}% {:>12} {:>9.1f}%\n", n, r->accesses, r->hits,
+                 100 * r->hit_rate(), b.hits, 100 * b.hit_rate());
+    }
+  }
+  return 0;
+}
+
+struct ReplayOptions {
+  std::string socket = expertd::client::default_socket();
+  std::string model;
+  std::string trace;
+  uint32_t depth = 2;
+  uint32_t tokens = 0;  // 0: all
+  bool json = false;
+};
+
+int run_replay(const ReplayOptions& o) {
+  auto fail = [](const std::string& m) {
+    std::fprintf(stderr, "expert-tune replay: %s\n", m.c_str());
+    return 1;
+  };
+  auto client = expertd::client::Client::connect(o.socket);
+  if (!client) return fail(client.error().message);
+  auto session = (*client)->attach(o.model, "expert-tune replay");
+  if (!session) return fail(session.error().message);
+  const auto& layout = (*session)->layout();
+  auto mapping = expertd::tune::TraceMapping::make(layout);
+  if (!mapping) return fail(mapping.error().message);
+  std::string label;
+  auto loaded = load_or_generate(o.trace, mapping->moe_layers(), layout.expert_count,
+                                 std::max(layout.top_k, 1u), o.tokens ? o.tokens : 64, &label);
+  if (!loaded) return fail(loaded.error().message);
+  const expertd::tune::IndexedTrace trace(std::move(*loaded));
+  auto oracle = expertd::tune::make_predictor("oracle", trace, label, 0);
+  if (!oracle) return fail(oracle.error().message);
+  auto before = (*client)->stats();
+  if (!before) return fail(before.error().message);
+  expertd::tune::ReplayOptions ro;
+  ro.depth = o.depth;
+  ro.max_tokens = o.tokens;
+  ro.predictor = oracle->get();
+  auto r = expertd::tune::replay_trace(**session, trace, *mapping, ro);
+  if (!r) return fail(r.error().message);
+  auto after = (*client)->stats();
+  if (!after) return fail(after.error().message);
+  const auto& m0 = before->models;
+  const auto& m1 = after->models;
+  uint64_t acquires = 0, hits = 0, bytes = 0, useful = 0, loads = 0;
+  for (size_t i = 0; i < m1.size() && i < m0.size(); ++i) {
+    if (m1[i].name != o.model) continue;
+    acquires = m1[i].scheduler.acquires - m0[i].scheduler.acquires;
+    hits = m1[i].scheduler.hits - m0[i].scheduler.hits;
+    bytes = m1[i].scheduler.bytes_read - m0[i].scheduler.bytes_read;
+    useful = m1[i].scheduler.prefetch_useful - m0[i].scheduler.prefetch_useful;
+    loads = m1[i].scheduler.prefetch_loads - m0[i].scheduler.prefetch_loads;
+  }
+  const double seconds = static_cast<double>(r->wall_ns) / 1e9;
+  const uint64_t stall_ns = std::accumulate(r->stall_ns.begin(), r->stall_ns.end(), uint64_t{0});
+  const uint32_t tokens = r->tokens;
+  const double hit_rate = acquires ? static_cast<double>(hits) / acquires : 0.0;
+  const double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+  const double stall_ms = tokens ? static_cast<double>(stall_ns) / 1e6 / tokens : 0.0;
+  if (o.json) {
+    fmt::print(
+        "{{\"trace\":\"{}\",\"tokens\":{},\"acquires\":{},\"hits\":{},\"hit_rate\":{:.6f},"
+        "\"bytes_read\":{},\"seconds\":{:.6f},\"gbps\":{:.4f},\"stall_ms_per_token\":{:.4f},"
+        "\"prefetch_depth\":{},\"prefetch_loads\":{},\"prefetch_useful\":{}}}\n",
+        label, tokens, acquires, hits, hit_rate, bytes, seconds, gbps, stall_ms, o.depth, loads,
+        useful);
+  } else {
+    fmt::print("replayed {} tokens of {} against model '{}' (prefetch depth {})\n", tokens, label,
+               o.model, o.depth);
+    fmt::print("  acquires {}, hits {} ({:.1f}%: READY when asked)\n", acquires, hits,
+               100 * hit_rate);
+    fmt::print("  read {:.1f} MB in {:.2f} s: {:.2f} GB/s; stall {:.2f} ms/token\n",
+               static_cast<double>(bytes) / 1e6, seconds, gbps, stall_ms);
+    fmt::print("  prefetch loads {}, useful {}\n", loads, useful);
+  }
+  return 0;
+}
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+struct ImportOptions {
+  std::string raw;
+  std::string out;
+  bool binary = false;
+};
+
+int run_import(const ImportOptions& o) {
+  auto trace = expertd::import_raw_log(o.raw);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune import: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  const bool binary = o.binary || ends_with(o.out, ".etrace");
+  const auto st = binary ? expertd::write_trace_binary(o.out, *trace)
+                         : expertd::write_trace_jsonl(o.out, *trace);
+  if (!st) {
+    std::fprintf(stderr, "expert-tune import: %s\n", st.error().message.c_str());
+    return 1;
+  }
+  fmt::print("{}: {} records, {} tokens, {} layers, {} experts -> {} ({})\n", o.raw,
+             trace->records.size(), trace->tokens, trace->layers, trace->experts, o.out,
+             binary ? "binary" : "JSON Lines");
+  return 0;
+}
+
+struct ConvertOptions {
+  std::string in;
+  std::string out;
+};
+
+int run_convert(const ConvertOptions& o) {
+  const bool binary = ends_with(o.out, ".etrace");
+  if (!binary && !ends_with(o.out, ".jsonl")) {
+    std::fprintf(stderr,
+                 "expert-tune convert: %s: the output's extension picks the form: .etrace "
+                 "(binary) or .jsonl (JSON Lines)\n",
+                 o.out.c_str());
+    return 2;
+  }
+  auto trace = expertd::load_trace(o.in);
+  if (!trace) {
+    std::fprintf(stderr, "expert-tune convert: %s\n", trace.error().message.c_str());
+    return 1;
+  }
+  const auto st = binary ? expertd::write_trace_binary(o.out, *trace)
+                         : expertd::write_trace_jsonl(o.out, *trace);
+  if (!st) {
+    std::fprintf(stderr, "expert-tune convert: %s\n", st.error().message.c_str());
+    return 1;
+  }
+  fmt::print("{}: {} records -> {} ({})\n", o.in, trace->records.size(), o.out,
+             binary ? "binary" : "JSON Lines");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"expert-tune: tune expertd's cache and prefetch from routing traces"};
+  app.require_subcommand(1);
+  std::function<int()> run;
+
+  SimulateOptions sim;
+  auto* s = app.add_subcommand("simulate",
+                               "Offline cache simulation of a trace (no daemon): a policy's hits "
+                               "against Belady's optimum");
+  s->add_option("--trace", sim.trace, "Trace: canonical JSON Lines or binary (.etrace)")
+      ->required();
+  s->add_option("--cache-experts", sim.cache_experts, "Capacity in experts: N or N,N,...");
+  s->add_option("--policy", sim.policy, "cyclic (default), lru or fifo");
+  s->add_flag("--json", sim.json, "One JSON object per capacity");
+  s->callback([&] { run = [&] { return run_simulate(sim); }; });
+
+  ReplayOptions rep;
+  auto* r = app.add_subcommand("replay", "Replay a trace against a running expertd (real reads)");
+  r->add_option("--socket", rep.socket, "expertd's control socket");
+  r->add_option("--model", rep.model, "Model name as configured in expertd")->required();
+  r->add_option(
+      "--trace", rep.trace,
+      "Trace (JSON Lines or binary .etrace); without it a trace with realistic locality is "
+      "generated");
+  r->add_option("--depth", rep.depth, "Oracle prefetch depth in layers ahead (2)");
+  r->add_option("--tokens", rep.tokens, "Replay only the first N tokens");
+  r->add_flag("--json", rep.json, "One JSON object");
+  r->callback([&] { run = [&] { return run_replay(rep); }; });
+
+  expertd::tune::SweepOptions sw;
+  sw.socket = expertd::client::default_socket();
+  auto* w = app.add_subcommand(
+      "sweep",
+      "Replay a trace against a running expertd for every prefetch depth x queue depth x cache "
+      "size, with compute time between layers: stalls, tokens/s, bandwidth bound, best setting");
+  w->add_option("--socket", sw.socket, "expertd's control socket");
+  w->add_option("--model", sw.model, "Model name as configured in expertd")->required();
+  w->add_option("--trace", sw.trace, "Trace: canonical JSON Lines or binary (.etrace)")->required();
+  w->add_option("--depths", sw.depths, "Prefetch depths in layers ahead (default 0,1,2,3)")
+      ->delimiter(',');
+  w->add_option("--queue-depths", sw.queue_depths,
+                "Reads in flight to try, e.g. 8,32 (default: the daemon's)")
+      ->delimiter(',');
+  w->add_option("--cache", sw.caches,
+                "Cache sizes to try, e.g. 256MiB,1GiB or 50% of the model's cache (default: the "
+                "daemon's whole cache); needs expertd started with at least the largest")
+      ->delimiter(',');
+  w->add_option("--compute-us-per-layer", sw.compute_us_per_layer,
+                "GPU time per layer the experts are held, in microseconds (default 100)");
+  w->add_option("--predictor", sw.predictor,
+                "Hints: oracle (default), noisy:RECALL (e.g. noisy:0.7) or recorded (the trace's "
+                "\"predicted\" lists)");
+  w->add_option("--seed", sw.seed, "Seed of the noisy predictor (default 1)");
+  w->add_option("--max-tokens", sw.max_tokens, "Replay only the first N tokens of the trace");
+  w->add_option("--repeat", sw.repeat,
+                "Run every setting N times, in N rounds over all settings, and report the run "
+                "with the median tokens/s (for noisy machines; default 1)");
+  w->add_option("--disk-gbps", sw.disk_gbps,
+                "Disk bandwidth for the bound in GB/s (default: measured through expertd first)");
+  w->add_option("--plot", sw.plot, "Write an SVG plot of stall and tokens/s against depth");
+  w->add_flag("--json", sw.json, "One JSON document");
+  w->callback([&] { run = [&] { return expertd::tune::run_sweep(sw); }; });
+
+  ImportOptions imp;
+  auto* i = app.add_subcommand("import", "Convert a raw routing log into a canonical trace");
+  i->add_option("--raw", imp.raw,
+                "Raw log: JSON Lines of {layer, token_idx|token_pos, experts, gating_probs}")
+      ->required();
+  i->add_option("-o,--output", imp.out, "Output trace (.jsonl, or binary with --binary/.etrace)")
+      ->required();
+  i->add_flag("--binary", imp.binary, "Write the binary form (.etrace)");
+  i->callback([&] { run = [&] { return run_import(imp); }; });
+
+  ConvertOptions conv;
+  auto* c = app.add_subcommand("convert", "Convert a trace between JSON Lines and binary");
+  c->add_option("input", conv.in, "Input trace (either form; binary is recognised by its magic)")
+      ->required();
+  c->add_option("-o,--output", conv.out, "Output trace: .etrace (binary) or .jsonl (JSON Lines)")
+      ->required();
+  c->callback([&] { run = [&] { return run_convert(conv); }; });
+
+  CLI11_PARSE(app, argc, argv);
+  return run ? run() : 2;
+}
