@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +22,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "base/clock.h"
 #include "client/expertd.capnp.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -44,12 +44,6 @@ constexpr uint kMaxFdsPerMessage = 8;
 constexpr uint64_t kCallTimeoutMs = 30'000;      // a control call the daemon never answers
 constexpr int kSleepSliceMs = 100;               // a sleeping waiter re-checks liveness this often
 constexpr uint64_t kRingFullTimeoutMs = 10'000;  // the daemon stopped consuming requests
-
-uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
 
 std::string str(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
 kj::StringPtr text(const std::string& s) { return kj::StringPtr(s.c_str(), s.size()); }
@@ -755,11 +749,11 @@ Status Session::push(const abi::Request& r) {
   if (req_tail_ - head >= request_capacity_) {
     // Full: the daemon is behind. Make sure it is awake, then wait for room.
     ring_daemon();
-    const uint64_t deadline = now_ns() + kRingFullTimeoutMs * 1'000'000;
+    const uint64_t deadline = monotonic_ns() + kRingFullTimeoutMs * 1'000'000;
     while (req_tail_ - (head = req_->head.value.load(std::memory_order_acquire)) >=
            request_capacity_) {
       EXPERTD_TRY(check_open());
-      if (now_ns() > deadline) {
+      if (monotonic_ns() > deadline) {
         return gone(
             fmt::format("expertd went away: session {}'s request ring stayed full for "
                         "{} s",
@@ -788,7 +782,7 @@ bool Session::poll_completion(abi::CompletionEntry* out) {
 
 Status Session::wait_completion(abi::CompletionEntry* out) {
   if (poll_completion(out)) return Ok{};
-  const uint64_t spin_until = now_ns() + spin_ns_;
+  const uint64_t spin_until = monotonic_ns() + spin_ns_;
   uint32_t spins = 0;
   while (true) {
     for (int i = 0; i < 64; ++i) {
@@ -796,7 +790,7 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
       EXPERTD_CPU_PAUSE();
     }
     if (++spins % 16 == 0) EXPERTD_TRY(check_open());
-    if (now_ns() >= spin_until) break;
+    if (monotonic_ns() >= spin_until) break;
   }
   // Sleep: announce it, then re-check (the daemon's fence pairs with ours), then block.
   while (true) {

@@ -1,6 +1,6 @@
 // What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe` model
 // and, from it, one GgufWriter per shard holding the model's metadata and tensor infos. The
-// tensor data comes from tools/forge/content.h.
+// tensor data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 // its identity (the io_uring user_data), so nothing is allocated per I/O. A submitted op belongs
 // to the backend until it comes back from wait(); the owner must not touch or free it before.
 // Every submitted op comes back exactly once, with `result` set to the bytes read (possibly fewer
-// than asked: short reads are the caller's to requeue, see SliceReader) or -errno
+// than asked: short reads are the caller's to requeue, as the Scheduler does) or -errno
 // (-ECANCELED after cancel()). Ops on the direct fd must have offset, len and dst aligned to
 // the file's dio_alignment(); ops on the buffered fd need no alignment. While the backend owns an
 // op its `result` reads kReadPending; submitting an op that is still pending is a bug (asserted).

@@ -1,5 +1,5 @@
 // expert-tune sweep: its predictors and trace index (unit), its SVG plot (rendered, then parsed by
-// tests/tools/check_svg.py with Python's XML parser), malformed traces and arguments (clear errors
+// tests/tune/check_svg.py with Python's XML parser), malformed traces and arguments (clear errors
 // naming the file and line, before any daemon is touched), and a real sweep against the real
 // expertd on a forged, disk-read-bound model: the stall per token falls from depth 0 to depth 1
 // under the oracle predictor.

@@ -1,5 +1,5 @@
 // expert-forge: writes a synthetic llama.cpp `qwen3moe` GGUF model whose every byte is derived
-// from a seed (tools/forge/content.h), fast enough to make tens-of-GB models at disk speed.
+// from a seed (forge/content.h), fast enough to make tens-of-GB models at disk speed.
 //
 // Generator threads fill fixed 8 MiB chunk buffers in parallel; the main thread writes the chunks
 // in file order, so the disk is never idle while content is computed. Nothing appears under an

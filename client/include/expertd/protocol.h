@@ -28,7 +28,7 @@ namespace expertd::abi {
 inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kSlotTableMagic = 0x54535845;  // "EXST"
 
-// Slot states as clients see them. The daemon's state machine (daemon/cache.h) has more detail;
+// Slot states as clients see them. The daemon's state machine (cache/cache.h) has more detail;
 // a client only ever uses a slot it holds, which is Ready for as long as it holds it.
 enum SlotState : uint32_t {
   kSlotFree = 0,
