@@ -4,6 +4,7 @@
 #include <toml++/toml.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <set>
@@ -89,16 +90,16 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
                               : fmt::format("{}:{}:{}: {}", path, e.source().begin.line,
                                             e.source().begin.column, e.description()));
   }
-  static const std::set<std::string> known = {
-      "socket",       "cache",        "staging",      "prefetch_depth", "queue_depth",
-      "chunk",        "backend",      "policy",       "lock_memory",    "verify",
-      "allowed_uids", "allowed_gids", "max_sessions", "models"};
   for (const auto& [k, v] : t) {
-    if (known.count(std::string(k.str())) == 0) {
-      return key_error(path, v, std::string(k.str()),
-                       "unknown key (known: socket, cache, staging, prefetch_depth, queue_depth, "
-                       "chunk, backend, policy, lock_memory, verify, allowed_uids, allowed_gids, "
-                       "max_sessions, [models])");
+    const auto known = std::find_if(std::begin(kConfigKeys), std::end(kConfigKeys),
+                                    [&](const ConfigKey& key) { return key.key == k.str(); });
+    if (known == std::end(kConfigKeys)) {
+      std::string names;
+      for (const auto& key : kConfigKeys) {
+        names += fmt::format("{}{}", names.empty() ? "" : ", ",
+                             key.key == "models" ? "[models]" : key.key);
+      }
+      return key_error(path, v, std::string(k.str()), "unknown key (known: " + names + ")");
     }
   }
   c.config_path = path;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/size.h"
@@ -36,6 +37,30 @@ struct DaemonConfig {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t max_sessions = 64;
+};
+
+// Every key the configuration file may hold, and the flag that overrides it. The loader accepts
+// exactly these keys; tests/daemon/config_keys_test.cc fails when one lacks its flag in
+// `expertd --help` or its documented entry in systemd/expertd.toml.
+struct ConfigKey {
+  std::string_view key;
+  std::string_view flag;
+};
+inline constexpr ConfigKey kConfigKeys[] = {
+    {"socket", "--socket"},
+    {"cache", "--cache"},
+    {"staging", "--staging"},
+    {"prefetch_depth", "--prefetch-depth"},
+    {"queue_depth", "--queue-depth"},
+    {"chunk", "--chunk"},
+    {"backend", "--backend"},
+    {"policy", "--policy"},
+    {"lock_memory", "--lock-memory"},
+    {"verify", "--verify"},
+    {"allowed_uids", "--allow-uid"},
+    {"allowed_gids", "--allow-gid"},
+    {"max_sessions", "--max-sessions"},
+    {"models", "--model"},  // the [models] table: NAME = "PATH"
 };
 
 // "uring" or "pread".

@@ -30,12 +30,13 @@ struct Flags {
   std::string config_path;
   bool config_given = false;
   std::vector<std::string> models;
-  std::string socket, cache, staging, backend, policy;
-  int64_t prefetch_depth = -1;
+  std::string socket, cache, staging, chunk, backend, policy;
+  int64_t prefetch_depth = -1;  // -1: not given (the flags' checks refuse negative values)
   int64_t queue_depth = -1;
-  std::vector<int64_t> allow_uids;
-  bool verify = false;
-  bool no_mlock = false;
+  int64_t max_sessions = -1;
+  std::vector<int64_t> allow_uids, allow_gids;
+  bool verify = false, verify_given = false;           // --verify[=false]
+  bool lock_memory = true, lock_memory_given = false;  // --lock-memory[=false], --no-mlock
   std::string log_level = "info";
 };
 
@@ -72,14 +73,21 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   if (!f.cache.empty()) c.cache = f.cache;
   if (!f.staging.empty()) c.staging = f.staging;
   if (!f.policy.empty()) c.policy = f.policy;
+  if (f.chunk == "auto") {
+    c.chunk_bytes = 0;
+  } else if (!f.chunk.empty()) {
+    EXPERTD_TRY_ASSIGN(c.chunk_bytes, expertd::parse_size("--chunk", f.chunk, 0));
+  }
   if (!f.backend.empty()) {
     EXPERTD_TRY_ASSIGN(c.backend, expertd::parse_backend("--backend", f.backend));
   }
   if (f.prefetch_depth >= 0) c.prefetch_depth = static_cast<uint32_t>(f.prefetch_depth);
   if (f.queue_depth >= 0) c.queue_depth = static_cast<uint32_t>(f.queue_depth);
+  if (f.max_sessions >= 0) c.max_sessions = static_cast<uint32_t>(f.max_sessions);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
-  if (f.verify) c.verify = true;
-  if (f.no_mlock) c.lock_memory = false;
+  for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
+  if (f.verify_given) c.verify = f.verify;
+  if (f.lock_memory_given) c.lock_memory = f.lock_memory;
   return expertd::Ok{};
 }
 
@@ -194,8 +202,11 @@ int run(const Flags& flags) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"expertd: out-of-core expert streaming daemon for Mixture-of-Experts models"};
+  CLI::App app{
+      "expertd: out-of-core expert streaming daemon for Mixture-of-Experts models. Each flag "
+      "overrides its key in the configuration file (systemd/expertd.toml documents them)"};
   Flags f;
+  const auto u32 = CLI::Range(int64_t{0}, int64_t{0xffffffff});
   app.add_option("--config", f.config_path,
                  "TOML configuration (default /etc/expertd/expertd.toml when it exists)");
   app.add_option("--model", f.models,
@@ -204,17 +215,30 @@ int main(int argc, char** argv) {
   app.add_option("--socket", f.socket, "Control socket path (default /run/expertd/expertd.sock)");
   app.add_option("--cache", f.cache, "Expert cache size, e.g. 4GiB or 25% of RAM (default 25%)");
   app.add_option("--staging", f.staging, "Staging ring size for streamed experts (default 64MiB)");
-  app.add_option("--prefetch-depth", f.prefetch_depth, "Layers ahead prefetches may cover (2)");
-  app.add_option("--queue-depth", f.queue_depth, "Reads in flight (0 = probe the disk at start)");
+  app.add_option("--prefetch-depth", f.prefetch_depth, "Layers ahead prefetches may cover (2)")
+      ->check(u32);
+  app.add_option("--queue-depth", f.queue_depth, "Reads in flight (0 = probe the disk at start)")
+      ->check(u32);
+  app.add_option("--chunk", f.chunk,
+                 "Read chunk size, e.g. 1MiB (auto = probe with the queue depth; default auto)");
   app.add_option("--backend", f.backend, "I/O backend: uring (default) or pread");
   app.add_option("--policy", f.policy, "Cache policy: cyclic (default), lru or fifo");
-  app.add_option("--allow-uid", f.allow_uids, "Also allow this uid on the socket; repeatable");
+  app.add_option("--allow-uid", f.allow_uids, "Also allow this uid on the socket; repeatable")
+      ->check(u32);
+  app.add_option("--allow-gid", f.allow_gids, "Also allow this gid on the socket; repeatable")
+      ->check(u32);
+  app.add_option("--max-sessions", f.max_sessions, "Sessions attached at once, 1..4096 (64)")
+      ->check(u32);
   app.add_flag("--verify", f.verify,
-               "Check every expert read from a forged model against its content (tests)");
-  app.add_flag("--no-mlock", f.no_mlock, "Do not mlock the arena");
+               "Check every expert read from a forged model against its content (tests); "
+               "--verify=false turns it off");
+  app.add_flag("--lock-memory,!--no-mlock", f.lock_memory,
+               "mlock the arena (default); --no-mlock or --lock-memory=false does not");
   app.add_option("--log-level", f.log_level, "trace, debug, info (default), warn, error");
   CLI11_PARSE(app, argc, argv);
   f.config_given = app.count("--config") > 0;
+  f.verify_given = app.count("--verify") > 0;
+  f.lock_memory_given = app.count("--lock-memory") > 0;
 
   // Block the signals before any thread starts so only the signalfd sees them.
   sigset_t mask;

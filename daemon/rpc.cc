@@ -467,10 +467,14 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   Loop(DaemonCore& c, const DaemonConfig& config) : core(c) {
     allowed_uids = config.allowed_uids;
     allowed_gids = config.allowed_gids;
+#if EXPERTD_TEST_HOOKS  // expertd-test only (daemon/CMakeLists.txt); never in expertd
     if (const char* hook = std::getenv("EXPERTD_TEST_PEER_UID"); hook != nullptr && *hook) {
       test_uid = static_cast<uid_t>(std::strtoul(hook, nullptr, 10));
       has_test_uid = true;
+      spdlog::warn("rpc: test hook EXPERTD_TEST_PEER_UID is set: every peer is treated as uid {}",
+                   test_uid);
     }
+#endif
   }
 
   void taskFailed(kj::Exception&& e) override {
@@ -696,10 +700,6 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   server->socket_dev_ = st.st_dev;
   server->socket_ino_ = st.st_ino;
   server->loop_ = std::make_shared<Loop>(core, config);
-  if (server->loop_->has_test_uid) {
-    spdlog::warn("rpc: test hook EXPERTD_TEST_PEER_UID is set: every peer is treated as uid {}",
-                 server->loop_->test_uid);
-  }
   std::promise<std::string> started;
   auto started_future = started.get_future();
   server->thread_ = std::thread([loop = server->loop_, fd, &started] { loop->run(fd, started); });

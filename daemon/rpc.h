@@ -8,7 +8,8 @@
 // Peers. Each connection's SO_PEERCRED is checked once: uid 0, the daemon's own uid, a uid in
 // allowed_uids or a primary gid in allowed_gids may talk; anyone else gets a bootstrap capability
 // on which every call fails with "permission denied: ...", and the connection is closed a few
-// seconds later. The test hook EXPERTD_TEST_PEER_UID=N (environment) makes every peer uid N.
+// seconds later. In the expertd-test binary only (built with EXPERTD_TEST_HOOKS=1, for tests),
+// the environment variable EXPERTD_TEST_PEER_UID=N makes every peer uid N.
 //
 // Sessions. attach() returns a Session capability and the session's file descriptors, each in an
 // Fd capability that owns it (passed with SCM_RIGHTS). The Session's server object detaches the

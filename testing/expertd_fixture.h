@@ -133,12 +133,14 @@ class Daemon {
 
   const std::string& socket() const { return socket_; }
   pid_t pid() const { return pid_; }
+  // Runs another build of the daemon, e.g. EXPERTD_TEST_BIN (expertd-test, with the test hooks).
+  void set_binary(std::string path) { binary_ = std::move(path); }
 
   // Starts expertd and waits (up to 20 s) until its socket accepts connections.
   ::testing::AssertionResult start() {
     log_ = dir_ + "/expertd-" + std::to_string(++starts_) + ".log";
     const int log_fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    std::vector<std::string> argv{EXPERTD_BIN};
+    std::vector<std::string> argv{binary_};
     argv.insert(argv.end(), args_.begin(), args_.end());
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
@@ -203,6 +205,7 @@ class Daemon {
   }
 
  private:
+  std::string binary_ = EXPERTD_BIN;
   std::string dir_;
   std::vector<std::string> args_;
   std::vector<std::string> env_;

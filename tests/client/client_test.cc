@@ -559,6 +559,7 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   Daemon d(dir.path(),
            {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock"},
            {"EXPERTD_TEST_PEER_UID=4242"});
+  d.set_binary(EXPERTD_TEST_BIN);  // the hook exists only in expertd-test
   ASSERT_TRUE(d.start());
   auto c = Client::connect(sock);
   ASSERT_FALSE(c);
@@ -575,11 +576,28 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
                  {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock",
                   "--allow-uid", "4242"},
                  {"EXPERTD_TEST_PEER_UID=4242"});
+  allowed.set_binary(EXPERTD_TEST_BIN);
   ASSERT_TRUE(allowed.start());
   auto ok = Client::connect(sock);
   ASSERT_TRUE(ok) << ok.error().message;
   ok->reset();
   EXPECT_EQ(allowed.stop(), 0);
+}
+
+TEST(ClientPeer, TheShippedExpertdHasNoTestHook) {
+  TempDir dir;
+  const std::string model = test::forge(dir.path(), "m", kSmallModel);
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(),
+           {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock"},
+           {"EXPERTD_TEST_PEER_UID=4242"});
+  ASSERT_TRUE(d.start());
+  auto c = Client::connect(sock);  // our own uid, whatever the environment says
+  ASSERT_TRUE(c) << c.error().message;
+  c->reset();
+  const std::string log = d.log();
+  EXPECT_EQ(log.find("EXPERTD_TEST_PEER_UID"), std::string::npos) << log;
+  EXPECT_EQ(d.stop(), 0);
 }
 
 }  // namespace

@@ -180,6 +180,28 @@ TEST(ExpertdProcess, SighupReloadsTunablesFromTheFile) {
   EXPECT_EQ(d.wait_exit(15000), 0);
 }
 
+TEST(ExpertdProcess, FlagsOverrideTheFile) {
+  TempDir dir;
+  const std::string model = forge(dir);
+  const std::string conf = dir.path + "/expertd.toml";
+  // Each of these keys alone would fail the start (max_sessions) or show in the log.
+  std::ofstream(conf) << "socket = \"" << dir.path << "/s.sock\"\ncache = \"16MiB\"\n"
+                      << "lock_memory = true\nverify = true\nmax_sessions = 0\nchunk = \"4MiB\"\n"
+                      << "[models]\nm = \"" << model << "\"\n";
+  Daemon d(dir,
+           {"--config", conf, "--max-sessions", "8", "--lock-memory=false", "--verify=false",
+            "--chunk", "auto"},
+           false);
+  ASSERT_TRUE(contains(d.messages(15000, "READY=1"), "READY=1")) << d.log();
+  ASSERT_EQ(::kill(d.pid(), SIGTERM), 0);
+  EXPECT_EQ(d.wait_exit(15000), 0);
+  const std::string log = d.log();
+  // Not asked to lock: neither locked nor a warning that locking failed.
+  EXPECT_EQ(log.find("arena mlocked"), std::string::npos) << log;
+  EXPECT_EQ(log.find("arena not locked:"), std::string::npos) << log;
+  EXPECT_EQ(log.find("verify:"), std::string::npos) << log;  // no verifier
+}
+
 struct BadStart {
   std::string name;
   std::vector<std::string> args;
@@ -198,6 +220,11 @@ TEST(ExpertdProcess, BadConfigurationFailsTheStartWithOneClearMessage) {
       {"missing file", {"--model", "x=" + dir.path + "/nope.gguf"}, "", "nope.gguf"},
       {"bad size", {"--model", "m=" + model, "--cache", "lots"}, "", "cache 'lots'"},
       {"bad policy", {"--model", "m=" + model, "--policy", "mru"}, "", "policy 'mru'"},
+      {"bad chunk", {"--model", "m=" + model, "--chunk", "lots"}, "", "--chunk 'lots'"},
+      {"bad max sessions",
+       {"--model", "m=" + model, "--max-sessions", "0"},
+       "",
+       "max_sessions 0: must be 1..4096"},
       {"bad key", {}, "cache = \"1GiB\"\nprefetch = 3\n", "prefetch: unknown key"},
       {"bad type", {}, "queue_depth = \"many\"\n", "queue_depth: must be a non-negative"},
       {"bad toml", {}, "cache = \n", "expertd.toml:1"},
