@@ -36,6 +36,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/combine.cuh"
 #include "kernels/dequant.cuh"
+#include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/routing.cuh"
@@ -870,8 +871,8 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   too_many.count = kMaxBatch + 1;
   EXPECT_EQ(matvec_batched(GgmlType::Q4_K, too_many, 144, 1, 256, s), bad);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call left an error behind";
-  EXPECT_TRUE(supported(GgmlType::Q6_K));
-  EXPECT_FALSE(supported(GgmlType::IQ2_XXS));
+  EXPECT_TRUE(expert_type_supported(GgmlType::Q6_K));
+  EXPECT_FALSE(expert_type_supported(GgmlType::IQ2_XXS));
 }
 
 }  // namespace
