@@ -109,8 +109,8 @@ class CudaEvent {
   cudaEvent_t e_ = nullptr;
 };
 
-// cudaMalloc'ed bytes. cudaFree waits for the device's work in flight, but only the holder knows
-// whether that work may still need the bytes: synchronise its streams before this goes.
+// cudaMalloc'ed bytes. Only the holder knows whether work in flight still reads or writes them:
+// synchronise its streams before this goes.
 class DeviceBytes {
  public:
   static Result<DeviceBytes> alloc(uint64_t bytes) {
