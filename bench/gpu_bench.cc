@@ -34,12 +34,15 @@
 #include <utility>
 #include <vector>
 
+#include "base/fd.h"
 #include "base/half.h"
 #include "bench/bench_util.h"
 #include "expertd/result.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
+#include "kernels/cuda_raii.h"
 #include "kernels/dequant.cuh"
+#include "kernels/matvec.cuh"
 #include "kernels/membench.cuh"
 #include "kernels/swiglu.cuh"
 #include "storage/ggml_types.h"
@@ -65,128 +68,13 @@ struct Flags {
   uint64_t seed = 1;
 };
 
-// ---- RAII holders (move-only; each destructor does its one cleanup) -------------------------
-
-class DeviceMem {
- public:
-  static Result<DeviceMem> alloc(uint64_t bytes) {
-    DeviceMem m;
-    EXPERTD_CUDA_TRY(cudaMalloc(&m.p_, bytes));
-    m.size_ = bytes;
-    return m;
-  }
-  DeviceMem() = default;
-  DeviceMem(DeviceMem&& o) noexcept : p_(std::exchange(o.p_, nullptr)), size_(o.size_) {}
-  DeviceMem& operator=(DeviceMem&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  ~DeviceMem() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
-  template <typename T = uint8_t>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-  uint64_t size() const { return size_; }
-
- private:
-  void* p_ = nullptr;
-  uint64_t size_ = 0;
-};
-
-class PinnedMem {
- public:
-  static Result<PinnedMem> alloc(uint64_t bytes) {
-    PinnedMem m;
-    EXPERTD_CUDA_TRY(cudaMallocHost(&m.p_, bytes));
-    m.size_ = bytes;
-    return m;
-  }
-  PinnedMem() = default;
-  PinnedMem(PinnedMem&& o) noexcept : p_(std::exchange(o.p_, nullptr)), size_(o.size_) {}
-  PinnedMem& operator=(PinnedMem&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  ~PinnedMem() {
-    if (p_ != nullptr) cudaFreeHost(p_);
-  }
-  uint8_t* get() const { return static_cast<uint8_t*>(p_); }
-
- private:
-  void* p_ = nullptr;
-  uint64_t size_ = 0;
-};
-
-class Stream {
- public:
-  static Result<Stream> create() {
-    Stream s;
-    EXPERTD_CUDA_TRY(cudaStreamCreateWithFlags(&s.s_, cudaStreamNonBlocking));
-    return s;
-  }
-  Stream() = default;
-  Stream(Stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  Stream& operator=(Stream&& o) noexcept {
-    std::swap(s_, o.s_);
-    return *this;
-  }
-  ~Stream() {
-    if (s_ != nullptr) cudaStreamDestroy(s_);
-  }
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
-
-class Event {
- public:
-  static Result<Event> create() {
-    Event e;
-    EXPERTD_CUDA_TRY(cudaEventCreate(&e.e_));
-    return e;
-  }
-  Event() = default;
-  Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  Event& operator=(Event&& o) noexcept {
-    std::swap(e_, o.e_);
-    return *this;
-  }
-  ~Event() {
-    if (e_ != nullptr) cudaEventDestroy(e_);
-  }
-  cudaEvent_t get() const { return e_; }
-
- private:
-  cudaEvent_t e_ = nullptr;
-};
-
-class Cublas {
- public:
-  static Result<Cublas> create(cudaStream_t stream) {
-    Cublas c;
-    EXPERTD_CUBLAS_TRY(cublasCreate(&c.h_));
-    EXPERTD_CUBLAS_TRY(cublasSetStream(c.h_, stream));
-    return c;
-  }
-  Cublas() = default;
-  Cublas(Cublas&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
-  Cublas& operator=(Cublas&& o) noexcept {
-    std::swap(h_, o.h_);
-    return *this;
-  }
-  ~Cublas() {
-    if (h_ != nullptr) cublasDestroy(h_);
-  }
-  cublasHandle_t get() const { return h_; }
-
- private:
-  cublasHandle_t h_ = nullptr;
-};
+// The CUDA owners are kernels/cuda_raii.h's; the memfd's fd and mappings are base/fd.h's.
+using cuda::CublasHandle;
+using cuda::CudaEvent;
+using cuda::CudaStream;
+using cuda::DeviceBytes;
+using cuda::HostRegistration;
+using cuda::PinnedBytes;
 
 Error sys_error(const std::string& what) {
   const int e = errno;
@@ -202,56 +90,46 @@ class SealedMemfd {
   static Result<SealedMemfd> create(uint64_t bytes, Fill fill) {
     SealedMemfd m;
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    m.size_ = (bytes + page - 1) / page * page;
-    m.fd_ = memfd_create("expert-gpu-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (m.fd_ < 0) return sys_error("memfd_create");
-    if (ftruncate(m.fd_, static_cast<off_t>(m.size_)) != 0) return sys_error("ftruncate");
-    if (fcntl(m.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    const uint64_t size = (bytes + page - 1) / page * page;
+    m.fd_ = UniqueFd(memfd_create("expert-gpu-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!m.fd_.valid()) return sys_error("memfd_create");
+    if (ftruncate(m.fd_.get(), static_cast<off_t>(size)) != 0) return sys_error("ftruncate");
+    if (fcntl(m.fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
       return sys_error("F_ADD_SEALS(shrink|grow)");
     }
-    void* w = mmap(nullptr, m.size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m.fd_, 0);
-    if (w == MAP_FAILED) return sys_error("mmap(PROT_WRITE)");
-    m.writable_ = static_cast<uint8_t*>(w);
-    fill(m.writable_);
-    if (fcntl(m.fd_, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    m.writable_ =
+        Mapping::map(size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m.fd_.get(), 0);
+    if (!m.writable_.valid()) return sys_error("mmap(PROT_WRITE)");
+    fill(m.writable_.data());
+    if (fcntl(m.fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
       return sys_error("F_ADD_SEALS(future_write|seal)");
     }
-    void* r = mmap(nullptr, m.size_, PROT_READ, MAP_SHARED | MAP_POPULATE, m.fd_, 0);
-    if (r == MAP_FAILED) return sys_error("mmap(PROT_READ)");
-    m.readable_ = static_cast<uint8_t*>(r);
-    EXPERTD_CUDA_TRY(
-        cudaHostRegister(m.readable_, m.size_, cudaHostRegisterReadOnly | cudaHostRegisterMapped));
-    m.registered_ = true;
+    m.readable_ = Mapping::map(size, PROT_READ, MAP_SHARED | MAP_POPULATE, m.fd_.get(), 0);
+    if (!m.readable_.valid()) return sys_error("mmap(PROT_READ)");
+    EXPERTD_TRY_ASSIGN(m.registration_,
+                       HostRegistration::create(m.readable_.data(), size,
+                                                cudaHostRegisterReadOnly | cudaHostRegisterMapped));
     void* d = nullptr;
-    EXPERTD_CUDA_TRY(cudaHostGetDevicePointer(&d, m.readable_, 0));
+    EXPERTD_CUDA_TRY(cudaHostGetDevicePointer(&d, m.readable_.data(), 0));
     m.device_ = static_cast<const uint8_t*>(d);
     return m;
   }
   SealedMemfd() = default;
-  SealedMemfd(SealedMemfd&& o) noexcept
-      : fd_(std::exchange(o.fd_, -1)),
-        size_(o.size_),
-        writable_(std::exchange(o.writable_, nullptr)),
-        readable_(std::exchange(o.readable_, nullptr)),
-        device_(std::exchange(o.device_, nullptr)),
-        registered_(std::exchange(o.registered_, false)) {}
+  SealedMemfd(SealedMemfd&&) = default;
+  // Member-wise assignment would unmap the old mapping before its registration went.
   SealedMemfd& operator=(SealedMemfd&&) = delete;
-  ~SealedMemfd() {
-    if (registered_) cudaHostUnregister(readable_);
-    if (readable_ != nullptr) munmap(readable_, size_);
-    if (writable_ != nullptr) munmap(writable_, size_);
-    if (fd_ >= 0) close(fd_);
-  }
-  const uint8_t* host() const { return readable_; }
+
+  const uint8_t* host() const { return readable_.data(); }
   const uint8_t* device() const { return device_; }
 
  private:
-  int fd_ = -1;
-  uint64_t size_ = 0;
-  uint8_t* writable_ = nullptr;
-  uint8_t* readable_ = nullptr;
-  const uint8_t* device_ = nullptr;
-  bool registered_ = false;
+  // Destroyed last to first: the registration goes before the mapping it pins, the mappings
+  // before the fd.
+  UniqueFd fd_;
+  Mapping writable_;  // the "daemon's" mapping, which filled the memfd
+  Mapping readable_;  // the engine's PROT_READ mapping, registered
+  HostRegistration registration_;
+  const uint8_t* device_ = nullptr;  // readable_ as the device addresses it
 };
 
 // ---- Timing -----------------------------------------------------------------------------
@@ -263,7 +141,8 @@ double median(std::vector<double> v) {
 
 // Milliseconds of one run of `op` (which enqueues its work on `stream`), between two events.
 template <typename Op>
-Result<double> time_once(cudaStream_t stream, const Event& start, const Event& stop, Op& op) {
+Result<double> time_once(cudaStream_t stream, const CudaEvent& start, const CudaEvent& stop,
+                         Op& op) {
   EXPERTD_CUDA_TRY(cudaEventRecord(start.get(), stream));
   EXPERTD_TRY(op());
   EXPERTD_CUDA_TRY(cudaEventRecord(stop.get(), stream));
@@ -276,8 +155,8 @@ Result<double> time_once(cudaStream_t stream, const Event& start, const Event& s
 // The median milliseconds of `iters` runs after `warmup` untimed ones.
 template <typename Op>
 Result<double> time_median(cudaStream_t stream, uint32_t warmup, uint32_t iters, Op op) {
-  EXPERTD_TRY_ASSIGN(Event start, Event::create());
-  EXPERTD_TRY_ASSIGN(Event stop, Event::create());
+  EXPERTD_TRY_ASSIGN(CudaEvent start, CudaEvent::create());
+  EXPERTD_TRY_ASSIGN(CudaEvent stop, CudaEvent::create());
   for (uint32_t i = 0; i < warmup; ++i) EXPERTD_TRY(op());
   EXPERTD_CUDA_TRY(cudaStreamSynchronize(stream));
   std::vector<double> ms;
@@ -423,15 +302,15 @@ Result<CopyResult> measure_copy(const Flags& f, uint64_t bytes) {
       std::memcpy(p + i, &v, 8);
     }
   };
-  EXPERTD_TRY_ASSIGN(PinnedMem pinned, PinnedMem::alloc(bytes));
+  EXPERTD_TRY_ASSIGN(PinnedBytes pinned, PinnedBytes::alloc(bytes));
   pattern(pinned.get(), bytes);
   EXPERTD_TRY_ASSIGN(SealedMemfd memfd,
                      SealedMemfd::create(bytes, [&](uint8_t* p) { pattern(p, bytes); }));
-  EXPERTD_TRY_ASSIGN(DeviceMem dst, DeviceMem::alloc(bytes));
-  EXPERTD_TRY_ASSIGN(Stream pinned_stream, Stream::create());
-  EXPERTD_TRY_ASSIGN(Stream memfd_stream, Stream::create());
-  EXPERTD_TRY_ASSIGN(Event start, Event::create());
-  EXPERTD_TRY_ASSIGN(Event stop, Event::create());
+  EXPERTD_TRY_ASSIGN(DeviceBytes dst, DeviceBytes::alloc(bytes));
+  EXPERTD_TRY_ASSIGN(CudaStream pinned_stream, CudaStream::create());
+  EXPERTD_TRY_ASSIGN(CudaStream memfd_stream, CudaStream::create());
+  EXPERTD_TRY_ASSIGN(CudaEvent start, CudaEvent::create());
+  EXPERTD_TRY_ASSIGN(CudaEvent stop, CudaEvent::create());
   auto copy_pinned = [&]() -> Status {
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(dst.get(), pinned.get(), bytes, cudaMemcpyHostToDevice,
                                      pinned_stream.get()));
@@ -466,23 +345,23 @@ Result<CopyResult> measure_copy(const Flags& f, uint64_t bytes) {
 }
 
 struct FfnBuffers {
-  DeviceMem x;        // n_embd
-  DeviceMem gu;       // gate outputs of every expert, then up outputs
-  DeviceMem h;        // swiglu outputs
-  DeviceMem eo;       // down outputs
-  DeviceMem weights;  // router weights
-  DeviceMem residual;
+  DeviceBytes x;        // n_embd
+  DeviceBytes gu;       // gate outputs of every expert, then up outputs
+  DeviceBytes h;        // swiglu outputs
+  DeviceBytes eo;       // down outputs
+  DeviceBytes weights;  // router weights
+  DeviceBytes residual;
 };
 
 Result<FfnBuffers> make_ffn_buffers(const ExpertLayout& l, cudaStream_t stream) {
   FfnBuffers b;
   const uint64_t e = l.experts;
-  EXPERTD_TRY_ASSIGN(b.x, DeviceMem::alloc(uint64_t{l.n_embd} * 4));
-  EXPERTD_TRY_ASSIGN(b.gu, DeviceMem::alloc(2 * e * l.n_ff * 4));
-  EXPERTD_TRY_ASSIGN(b.h, DeviceMem::alloc(e * l.n_ff * 4));
-  EXPERTD_TRY_ASSIGN(b.eo, DeviceMem::alloc(e * l.n_embd * 4));
-  EXPERTD_TRY_ASSIGN(b.weights, DeviceMem::alloc(e * 4));
-  EXPERTD_TRY_ASSIGN(b.residual, DeviceMem::alloc(uint64_t{l.n_embd} * 4));
+  EXPERTD_TRY_ASSIGN(b.x, DeviceBytes::alloc(uint64_t{l.n_embd} * 4));
+  EXPERTD_TRY_ASSIGN(b.gu, DeviceBytes::alloc(2 * e * l.n_ff * 4));
+  EXPERTD_TRY_ASSIGN(b.h, DeviceBytes::alloc(e * l.n_ff * 4));
+  EXPERTD_TRY_ASSIGN(b.eo, DeviceBytes::alloc(e * l.n_embd * 4));
+  EXPERTD_TRY_ASSIGN(b.weights, DeviceBytes::alloc(e * 4));
+  EXPERTD_TRY_ASSIGN(b.residual, DeviceBytes::alloc(uint64_t{l.n_embd} * 4));
   uint64_t s = 99;
   std::vector<float> x(l.n_embd);
   for (float& v : x) v = unit_float(s);
@@ -552,7 +431,7 @@ Status sgemv(cublasHandle_t h, const float* w, uint32_t rows, uint32_t cols, con
 // The same FFN as dequantise-to-f32 + cublasSgemv, one matrix at a time through `scratch`. With
 // `dequant` false only the GEMVs run (on whatever f32 scratch holds): their share of the time.
 Status cublas_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b,
-                  const DeviceMem& scratch, cublasHandle_t h, cudaStream_t stream, bool dequant,
+                  const DeviceBytes& scratch, cublasHandle_t h, cudaStream_t stream, bool dequant,
                   bool gemv) {
   const uint32_t e = l.experts;
   float* gu = b.gu.get<float>();
@@ -581,7 +460,7 @@ Status cublas_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& 
   return Ok{};
 }
 
-Result<std::vector<float>> download(const DeviceMem& m, uint64_t count) {
+Result<std::vector<float>> download(const DeviceBytes& m, uint64_t count) {
   std::vector<float> v(count);
   EXPERTD_CUDA_TRY(cudaMemcpy(v.data(), m.get(), count * 4, cudaMemcpyDeviceToHost));
   return v;
@@ -615,24 +494,24 @@ struct FfnResult {
 
 Result<FfnResult> measure_ffn(const Flags& f, const ExpertLayout& l) {
   FfnResult r;
-  EXPERTD_TRY_ASSIGN(Stream stream, Stream::create());
+  EXPERTD_TRY_ASSIGN(CudaStream stream, CudaStream::create());
   const cudaStream_t s = stream.get();
   std::vector<uint8_t> host(l.total());
   fill_experts(l, host.data(), f.seed);
-  EXPERTD_TRY_ASSIGN(DeviceMem weights, DeviceMem::alloc(l.total()));
+  EXPERTD_TRY_ASSIGN(DeviceBytes weights, DeviceBytes::alloc(l.total()));
   EXPERTD_CUDA_TRY(cudaMemcpy(weights.get(), host.data(), l.total(), cudaMemcpyHostToDevice));
   EXPERTD_TRY_ASSIGN(FfnBuffers b, make_ffn_buffers(l, s));
 
   // HBM yardsticks over the same bytes.
   {
-    EXPERTD_TRY_ASSIGN(DeviceMem copy, DeviceMem::alloc(l.total()));
+    EXPERTD_TRY_ASSIGN(DeviceBytes copy, DeviceBytes::alloc(l.total()));
     EXPERTD_TRY_ASSIGN(r.d2d_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
                          EXPERTD_CUDA_TRY(cudaMemcpyAsync(copy.get(), weights.get(), l.total(),
                                                           cudaMemcpyDeviceToDevice, s));
                          return Ok{};
                        }));
   }
-  EXPERTD_TRY_ASSIGN(DeviceMem sink, DeviceMem::alloc(16));
+  EXPERTD_TRY_ASSIGN(DeviceBytes sink, DeviceBytes::alloc(16));
   EXPERTD_TRY_ASSIGN(
       r.read_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
         EXPERTD_CUDA_TRY(kernels::read_bytes(weights.get(), l.total(), sink.get<uint32_t>(), s));
@@ -655,9 +534,9 @@ Result<FfnResult> measure_ffn(const Flags& f, const ExpertLayout& l) {
 
   // Dequantise + cuBLAS, and its two halves.
   {
-    EXPERTD_TRY_ASSIGN(DeviceMem scratch,
-                       DeviceMem::alloc(uint64_t{l.n_ff} * l.n_embd * sizeof(float)));
-    EXPERTD_TRY_ASSIGN(Cublas cublas, Cublas::create(s));
+    EXPERTD_TRY_ASSIGN(DeviceBytes scratch,
+                       DeviceBytes::alloc(uint64_t{l.n_ff} * l.n_embd * sizeof(float)));
+    EXPERTD_TRY_ASSIGN(CublasHandle cublas, CublasHandle::create(s));
     EXPERTD_TRY_ASSIGN(r.cublas_ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
                          return cublas_ffn(l, weights.get(), b, scratch, cublas.get(), s, true,
                                            true);
@@ -716,7 +595,7 @@ Result<DeviceInfo> describe_device(int dev) {
 
 Status run(const Flags& f) {
   const auto type = ggml_type_from_name(f.type);
-  if (!type || !kernels::supported(*type)) {
+  if (!type || !expert_type_supported(*type)) {
     return make_error(
         EINVAL, fmt::format("--type {}: not one of f32, f16, bf16, q8_0, q4_k, q6_k", f.type));
   }

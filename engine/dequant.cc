@@ -113,25 +113,25 @@ void dequantize_q6_k(const uint8_t* src, float* dst, size_t n) {
   }
 }
 
-bool dequant_supported(GgmlType type) {
-  switch (type) {
-    case GgmlType::F32:
-    case GgmlType::F16:
-    case GgmlType::BF16:
-    case GgmlType::Q8_0:
-    case GgmlType::Q4_K:
-    case GgmlType::Q6_K:
-      return true;
-    default:
-      return false;
+namespace {
+
+// "f32, f16, bf16, q8_0, q4_k, q6_k".
+std::string expert_type_names() {
+  std::string names;
+  for (const GgmlType t : kExpertTypes) {
+    if (!names.empty()) names += ", ";
+    names += ggml_type_name(t);
   }
+  return names;
 }
 
+}  // namespace
+
 Status dequant_check(GgmlType type, uint64_t ne0) {
-  if (!dequant_supported(type)) {
+  if (!expert_type_supported(type)) {
     return make_error(ENOTSUP, std::string(ggml_type_name(type)) +
-                                   ": the engine cannot dequantise this type (supported: f32, "
-                                   "f16, bf16, q8_0, q4_k, q6_k)");
+                                   ": the engine cannot dequantise this type (supported: " +
+                                   expert_type_names() + ")");
   }
   const uint32_t block = ggml_traits(type).block_elems;
   if (ne0 == 0 || ne0 % block != 0) {

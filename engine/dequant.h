@@ -24,9 +24,7 @@ void dequantize_bf16(const uint8_t* src, float* dst, size_t n);
 void dequantize_q8_0(const uint8_t* src, float* dst, size_t n);  // 32 per block of 34 bytes
 void dequantize_q4_k(const uint8_t* src, float* dst, size_t n);  // 256 per block of 144 bytes
 void dequantize_q6_k(const uint8_t* src, float* dst, size_t n);  // 256 per block of 210 bytes
-
-// True for the types above.
-bool dequant_supported(GgmlType type);
+// These are kExpertTypes (storage/ggml_types.h), the list dequant_check checks.
 
 // An error unless `type` is supported and a row of `ne0` elements is a whole number of blocks:
 // "q5_k: the engine cannot dequantise this type (supported: f32, f16, bf16, q8_0, q4_k, q6_k)".

@@ -14,11 +14,13 @@
 #include "kernels/attention.cuh"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
-#include "kernels/dequant.cuh"
+#include "kernels/cuda_raii.h"
+#include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/swiglu.cuh"
+#include "storage/ggml_types.h"
 #include "storage/slice_map.h"
 
 namespace expertd::engine {
@@ -32,27 +34,12 @@ std::string gib(uint64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
 }
 
-// Device memory freed on scope exit.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-};
-
-// Pinned host memory freed on scope exit.
-struct PinnedBuffer {
-  void* ptr = nullptr;
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (ptr != nullptr) cudaFreeHost(ptr);
-  }
-};
+using cuda::CublasHandle;
+using cuda::CudaEvent;
+using cuda::CudaStream;
+using cuda::DeviceBytes;
+using cuda::HostRegistration;
+using cuda::PinnedBytes;
 
 // Where one expert's projections sit in a device slot (or, in place, in the mapped arena).
 struct ExpertPtrs {
@@ -100,19 +87,25 @@ struct GpuEngine::Impl {
   std::string device_name;
   uint64_t dense_device_bytes = 0;
 
-  cudaStream_t compute = nullptr;
-  cudaStream_t copy = nullptr;
-  cublasHandle_t blas = nullptr;
-  cudaEvent_t copy_start = nullptr;
-  cudaEvent_t copy_end = nullptr;
+  // The CUDA resources. Members are destroyed last to first, after ~Impl's body has synchronised
+  // both streams and given the daemon's holds back, so this order is the teardown order, bottom
+  // up: the events; then the arena's registration (no copy or in-place kernel reads through it
+  // any more); then the cuBLAS handle and the streams (nothing is enqueued on them); then the
+  // pinned mirrors and the device memory the streams' work used.
+  DeviceBytes dense_mem;  // the dense weights, as f32
+  DeviceBytes work_mem;   // activations, the KV cache and the routing buffers
+  DeviceBytes tier_mem;   // the VRAM tier's slots
+  PinnedBytes host_mem;   // pinned mirrors of the routing results and logits
+  CudaStream copy;
+  CudaStream compute;
+  CublasHandle blas;       // on `compute`
+  HostRegistration arena;  // the source's host memory; empty when it could not be registered
+  CudaEvent copy_end;      // the copy timing of one step, on `copy`
+  CudaEvent copy_start;
+  std::vector<CudaEvent> use_event;    // per VRAM tier slot: its last reader completed
+  std::vector<CudaEvent> ready_event;  // per VRAM tier slot: its copy completed
   bool copy_timing = false;
 
-  // Device memory: one allocation for the dense weights, one for activations and caches, one
-  // for the VRAM tier.
-  DeviceBuffer dense_mem;
-  DeviceBuffer work_mem;
-  DeviceBuffer tier_mem;
-  PinnedBuffer host_mem;  // pinned mirrors of the routing results and logits
   std::vector<DevLayer> layers;
   float* embd = nullptr;    // [n_vocab][n_embd]
   float* output = nullptr;  // [n_vocab][n_embd] (== embd when tied)
@@ -137,18 +130,15 @@ struct GpuEngine::Impl {
   float* h_probs = nullptr;
   float* h_logits = nullptr;
 
-  // Host memory of the source, registered: device address = dev_base + (host - host_base).
+  // Host memory of the source, registered (arena): device address = dev_base + (host - host_base).
   const uint8_t* host_base = nullptr;
   uint64_t host_bytes = 0;
   uint8_t* dev_base = nullptr;
-  bool registered = false;
 
   // VRAM tier.
   std::unique_ptr<VramTier> tier;
   uint64_t slot_bytes = 0;
-  std::vector<cudaEvent_t> ready_event;  // per slot: its copy completed
-  std::vector<cudaEvent_t> use_event;    // per slot: its last reader completed
-  std::vector<ExpertPtrs> slot_ptrs;     // per slot: where the projections landed
+  std::vector<ExpertPtrs> slot_ptrs;  // per slot: where the projections landed
   // Holds to give back: demand holds (after the next compute sync) and prefetch holds (after
   // their slot's copy event).
   std::vector<ExpertView> demand_holds;
@@ -208,20 +198,16 @@ struct GpuEngine::Impl {
 };
 
 GpuEngine::Impl::~Impl() {
-  if (compute != nullptr) cudaStreamSynchronize(compute);
-  if (copy != nullptr) cudaStreamSynchronize(copy);
+  // The streams' work reads the held experts' bytes and every buffer: it must be done before a
+  // hold is given back or an owner goes. A failed sync is ignored: a destructor cannot report it,
+  // and it fails only on a sticky error, after which the device runs nothing more. The owners then
+  // go in member order (see the CUDA resources above).
+  if (compute.valid()) (void)cudaStreamSynchronize(compute.get());
+  if (copy.valid()) (void)cudaStreamSynchronize(copy.get());
   for (const ExpertView& v : demand_holds) (void)source.release(std::span<const ExpertView>(&v, 1));
   for (const PrefetchHold& held : prefetch_holds) {
     (void)source.release(std::span<const ExpertView>(&held.view, 1));
   }
-  for (cudaEvent_t e : ready_event) cudaEventDestroy(e);
-  for (cudaEvent_t e : use_event) cudaEventDestroy(e);
-  if (copy_start != nullptr) cudaEventDestroy(copy_start);
-  if (copy_end != nullptr) cudaEventDestroy(copy_end);
-  if (registered) cudaHostUnregister(const_cast<uint8_t*>(host_base));
-  if (blas != nullptr) cublasDestroy(blas);
-  if (compute != nullptr) cudaStreamDestroy(compute);
-  if (copy != nullptr) cudaStreamDestroy(copy);
 }
 
 Status GpuEngine::Impl::init() {
@@ -232,14 +218,13 @@ Status GpuEngine::Impl::init() {
   EXPERTD_CUDA_TRY(cudaGetDeviceProperties(&prop, gpu.device));
   device_name =
       fmt::format("{} (sm_{}{}, {})", prop.name, prop.major, prop.minor, gib(prop.totalGlobalMem));
-  EXPERTD_CUDA_TRY(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
-  EXPERTD_CUDA_TRY(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
-  EXPERTD_CUBLAS_TRY(cublasCreate(&blas));
-  EXPERTD_CUBLAS_TRY(cublasSetStream(blas, compute));
-  EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas, CUBLAS_POINTER_MODE_HOST));
-  EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas, CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
-  EXPERTD_CUDA_TRY(cudaEventCreate(&copy_start));
-  EXPERTD_CUDA_TRY(cudaEventCreate(&copy_end));
+  EXPERTD_TRY_ASSIGN(compute, CudaStream::create(cudaStreamNonBlocking));
+  EXPERTD_TRY_ASSIGN(copy, CudaStream::create(cudaStreamNonBlocking));
+  EXPERTD_TRY_ASSIGN(blas, CublasHandle::create(compute.get()));
+  EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
+  EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
+  EXPERTD_TRY_ASSIGN(copy_start, CudaEvent::create(cudaEventDefault));
+  EXPERTD_TRY_ASSIGN(copy_end, CudaEvent::create(cudaEventDefault));
   if (p.n_expert > 1024 || p.n_expert_used > 64) {
     return make_error(EINVAL, fmt::format("the GPU engine routes at most top-64 of 1024 experts; "
                                           "the model has top-{} of {}",
@@ -276,21 +261,22 @@ Status GpuEngine::Impl::init() {
   };
   uint64_t total = 0;
   for (const Part& part : parts) total += align_up(part.bytes, kAlign);
-  if (cudaMalloc(&work_mem.ptr, total) != cudaSuccess) {
-    cudaGetLastError();
+  Result<DeviceBytes> work = DeviceBytes::alloc(total);
+  if (!work) {
     return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the KV cache "
                                           "({} positions) and activations on {}",
                                           gib(total), opts.max_context, device_name));
   }
-  auto* base = static_cast<uint8_t*>(work_mem.ptr);
+  work_mem = std::move(*work);
+  uint8_t* base = work_mem.get();
   for (const Part& part : parts) {
     *part.dst = base;
     base += align_up(part.bytes, kAlign);
   }
   const uint64_t host_total =
       (uint64_t{1 + d} * k * 2 + uint64_t{1 + d} * p.n_expert + p.n_vocab) * 4;
-  EXPERTD_CUDA_TRY(cudaMallocHost(&host_mem.ptr, host_total));
-  h_experts = static_cast<uint32_t*>(host_mem.ptr);
+  EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_total));
+  h_experts = host_mem.get<uint32_t>();
   h_weights = reinterpret_cast<float*>(h_experts + uint64_t{1 + d} * k);
   h_probs = h_weights + uint64_t{1 + d} * k;
   h_logits = h_probs + uint64_t{1 + d} * p.n_expert;
@@ -298,18 +284,16 @@ Status GpuEngine::Impl::init() {
   // The source's host memory, registered once (read-only: the arena is mapped PROT_READ).
   const std::span<const uint8_t> hm = source.host_memory();
   if (!hm.empty()) {
-    const cudaError_t e = cudaHostRegister(const_cast<uint8_t*>(hm.data()), hm.size(),
-                                           cudaHostRegisterReadOnly | cudaHostRegisterMapped);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
+    Result<HostRegistration> reg = HostRegistration::create(
+        hm.data(), hm.size(), cudaHostRegisterReadOnly | cudaHostRegisterMapped);
+    if (!reg) {
       if (gpu.tier == GpuOptions::Tier::InPlace) {
-        return make_error(EIO,
-                          fmt::format("in-place mode: cudaHostRegister of the daemon's arena "
-                                      "({}) failed: {} ({})",
-                                      gib(hm.size()), cudaGetErrorName(e), cudaGetErrorString(e)));
+        return make_error(EIO, fmt::format("in-place mode: registering the daemon's arena ({}) "
+                                           "failed: {}",
+                                           gib(hm.size()), reg.error().message));
       }
     } else {
-      registered = true;
+      arena = std::move(*reg);
       host_base = hm.data();
       host_bytes = hm.size();
       void* dev = nullptr;
@@ -353,12 +337,13 @@ Status GpuEngine::Impl::upload_dense() {
                                   "{} is free on {}",
                                   model.path(), gib(dense_device_bytes), gib(free_b), device_name));
   }
-  if (cudaMalloc(&dense_mem.ptr, dense_device_bytes) != cudaSuccess) {
-    cudaGetLastError();
+  Result<DeviceBytes> dense = DeviceBytes::alloc(dense_device_bytes);
+  if (!dense) {
     return make_error(ENOMEM, fmt::format("cannot allocate {} for the dense weights on {}",
                                           gib(dense_device_bytes), device_name));
   }
-  auto* cursor = static_cast<uint8_t*>(dense_mem.ptr);
+  dense_mem = std::move(*dense);
+  uint8_t* cursor = dense_mem.get();
   auto take = [&](uint64_t bytes) {
     float* out = reinterpret_cast<float*>(cursor);
     cursor += align_up(bytes, kAlign);
@@ -431,7 +416,7 @@ Status GpuEngine::Impl::setup_tier() {
     uint64_t sum = 0;
     for (uint32_t i = 0; i < ml.slice_count; ++i) {
       const ExpertSlice& es = ml.expert0[i];
-      if (!kernels::supported(es.type)) {
+      if (!expert_type_supported(es.type)) {
         return make_error(EINVAL, fmt::format("{}: layer {} {} experts are {}, which the GPU "
                                               "kernels do not read",
                                               model.path(), ml.layer, slice_kind_name(es.kind),
@@ -487,8 +472,8 @@ Status GpuEngine::Impl::setup_tier() {
                                           "in-place mode",
                                           slots, p.n_expert_used, gib(slot_bytes)));
   }
-  if (cudaMalloc(&tier_mem.ptr, slots * slot_bytes) != cudaSuccess) {
-    cudaGetLastError();
+  Result<DeviceBytes> slots_mem = DeviceBytes::alloc(slots * slot_bytes);
+  if (!slots_mem) {
     size_t free_b = 0;
     size_t total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
@@ -496,13 +481,14 @@ Status GpuEngine::Impl::setup_tier() {
                       fmt::format("a VRAM tier of {} experts needs {}; {} is free on {}", slots,
                                   gib(slots * slot_bytes), gib(free_b), device_name));
   }
+  tier_mem = std::move(*slots_mem);
   tier = std::make_unique<VramTier>(static_cast<uint32_t>(slots), p.n_layer, p.n_expert);
   ready_event.resize(slots);
   use_event.resize(slots);
   slot_ptrs.resize(slots);
   for (uint64_t s = 0; s < slots; ++s) {
-    EXPERTD_CUDA_TRY(cudaEventCreateWithFlags(&ready_event[s], cudaEventDisableTiming));
-    EXPERTD_CUDA_TRY(cudaEventCreateWithFlags(&use_event[s], cudaEventDisableTiming));
+    EXPERTD_TRY_ASSIGN(ready_event[s], CudaEvent::create(cudaEventDisableTiming));
+    EXPERTD_TRY_ASSIGN(use_event[s], CudaEvent::create(cudaEventDisableTiming));
   }
   return Ok{};
 }
@@ -511,8 +497,9 @@ Status GpuEngine::Impl::gemv(const float* w, uint32_t rows, uint32_t cols, const
                              float* out, float beta) {
   // Row-major [rows][cols] is column-major [cols x rows]: y = A^T x.
   const float alpha = 1.0f;
-  EXPERTD_CUBLAS_TRY(cublasSgemv(blas, CUBLAS_OP_T, static_cast<int>(cols), static_cast<int>(rows),
-                                 &alpha, w, static_cast<int>(cols), in, 1, &beta, out, 1));
+  EXPERTD_CUBLAS_TRY(cublasSgemv(blas.get(), CUBLAS_OP_T, static_cast<int>(cols),
+                                 static_cast<int>(rows), &alpha, w, static_cast<int>(cols), in, 1,
+                                 &beta, out, 1));
   return Ok{};
 }
 
@@ -524,21 +511,21 @@ Status GpuEngine::Impl::attention(uint32_t layer) {
   float* q = qkv;
   float* k = qkv + q_dim;
   float* v = k + kv_dim;
-  EXPERTD_CUDA_TRY(kernels::rms_norm(x, w.attn_norm, xn, 1, p.n_embd, p.rms_eps, compute));
+  EXPERTD_CUDA_TRY(kernels::rms_norm(x, w.attn_norm, xn, 1, p.n_embd, p.rms_eps, compute.get()));
   EXPERTD_TRY(gemv(w.wqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), p.n_embd, xn, qkv, 0.0f));
-  EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute));
-  EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute));
+  EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute.get()));
+  EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute.get()));
   const float base = static_cast<float>(p.rope_base);
-  EXPERTD_CUDA_TRY(kernels::rope_neox(q, p.n_head, hd, p.n_rot, pos, base, compute));
-  EXPERTD_CUDA_TRY(kernels::rope_neox(k, p.n_head_kv, hd, p.n_rot, pos, base, compute));
+  EXPERTD_CUDA_TRY(kernels::rope_neox(q, p.n_head, hd, p.n_rot, pos, base, compute.get()));
+  EXPERTD_CUDA_TRY(kernels::rope_neox(k, p.n_head_kv, hd, p.n_rot, pos, base, compute.get()));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(k_cache + kv_index(layer, pos), k, kv_dim * 4,
-                                   cudaMemcpyDeviceToDevice, compute));
+                                   cudaMemcpyDeviceToDevice, compute.get()));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(v_cache + kv_index(layer, pos), v, kv_dim * 4,
-                                   cudaMemcpyDeviceToDevice, compute));
+                                   cudaMemcpyDeviceToDevice, compute.get()));
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   EXPERTD_CUDA_TRY(kernels::decode_attention(q, k_cache + kv_index(layer, 0),
                                              v_cache + kv_index(layer, 0), att, p.n_head,
-                                             p.n_head_kv, hd, pos + 1, scale, compute));
+                                             p.n_head_kv, hd, pos + 1, scale, compute.get()));
   // x += Wo att (beta = 1 accumulates into the residual stream).
   return gemv(w.wo, p.n_embd, static_cast<uint32_t>(q_dim), att, x, 1.0f);
 }
@@ -547,33 +534,33 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
   const uint32_t k = p.n_expert_used;
   const uint32_t d = lookahead(layer);
   EXPERTD_CUDA_TRY(
-      kernels::rms_norm(x, layers[layer].ffn_norm, xn, 1, p.n_embd, p.rms_eps, compute));
+      kernels::rms_norm(x, layers[layer].ffn_norm, xn, 1, p.n_embd, p.rms_eps, compute.get()));
   EXPERTD_TRY(gemv(layers[layer].router, p.n_expert, p.n_embd, xn, rlogits, 0.0f));
   for (uint32_t j = 1; j <= d; ++j) {
     float* in = pxn + uint64_t{j - 1} * p.n_embd;
-    EXPERTD_CUDA_TRY(
-        kernels::rms_norm(x, layers[layer + j].ffn_norm, in, 1, p.n_embd, p.rms_eps, compute));
+    EXPERTD_CUDA_TRY(kernels::rms_norm(x, layers[layer + j].ffn_norm, in, 1, p.n_embd, p.rms_eps,
+                                       compute.get()));
     EXPERTD_TRY(gemv(layers[layer + j].router, p.n_expert, p.n_embd, in,
                      rlogits + uint64_t{j} * p.n_expert, 0.0f));
   }
   EXPERTD_CUDA_TRY(kernels::router_topk(rlogits, 1 + d, p.n_expert, k, p.norm_topk, d_experts,
-                                        d_weights, d_probs, compute));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_experts, d_experts, uint64_t{k} * 4, cudaMemcpyDeviceToHost, compute));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_weights, d_weights, uint64_t{k} * 4, cudaMemcpyDeviceToHost, compute));
+                                        d_weights, d_probs, compute.get()));
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_experts, d_experts, uint64_t{k} * 4, cudaMemcpyDeviceToHost,
+                                   compute.get()));
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_weights, d_weights, uint64_t{k} * 4, cudaMemcpyDeviceToHost,
+                                   compute.get()));
   if (d > 0) {
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_probs, d_probs + p.n_expert, uint64_t{d} * p.n_expert * 4,
-                                     cudaMemcpyDeviceToHost, compute));
+                                     cudaMemcpyDeviceToHost, compute.get()));
   }
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
   // Everything launched before (the previous layer's experts among it) has finished.
   EXPERTD_TRY(release_demand_holds());
   EXPERTD_TRY(release_finished_prefetch_holds(false));
   if (copy_timing) {
     float ms = 0.0f;
-    if (cudaEventQuery(copy_end) == cudaSuccess) {
-      EXPERTD_CUDA_TRY(cudaEventElapsedTime(&ms, copy_start, copy_end));
+    if (cudaEventQuery(copy_end.get()) == cudaSuccess) {
+      EXPERTD_CUDA_TRY(cudaEventElapsedTime(&ms, copy_start.get(), copy_end.get()));
       stats.copy_ns += static_cast<uint64_t>(static_cast<double>(ms) * 1e6);
       copy_timing = false;
     }
@@ -603,8 +590,8 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
     std::copy(scripted->experts.begin(), scripted->experts.end(), selected.begin());
     std::copy(scripted->weights.begin(), scripted->weights.end(), weights.begin());
     std::memcpy(h_weights, weights.data(), uint64_t{k} * 4);
-    EXPERTD_CUDA_TRY(
-        cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, compute));
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice,
+                                     compute.get()));
     ++stats.scripted_routes;
   } else {
     for (uint32_t i = 0; i < k; ++i) {
@@ -632,7 +619,7 @@ Result<ExpertPtrs> GpuEngine::Impl::in_place(const ExpertView& v) const {
   for (int i = 0; i < 3; ++i) {
     const uint8_t* ptr = parts[i]->data;
     const uint64_t bytes = parts[i]->rows * parts[i]->row_bytes;
-    if (!registered || ptr < host_base || ptr + bytes > host_base + host_bytes) {
+    if (!arena.valid() || ptr < host_base || ptr + bytes > host_base + host_bytes) {
       return make_error(EINVAL, fmt::format("layer {} expert {}: the held expert lies outside the "
                                             "registered arena",
                                             v.layer, v.expert));
@@ -643,7 +630,7 @@ Result<ExpertPtrs> GpuEngine::Impl::in_place(const ExpertView& v) const {
 }
 
 Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot, bool demand) {
-  auto* dst = static_cast<uint8_t*>(tier_mem.ptr) + uint64_t{slot} * slot_bytes;
+  auto* dst = tier_mem.get() + uint64_t{slot} * slot_bytes;
   const WeightView* parts[3] = {&v.gate, &v.up, &v.down};
   const uint8_t* lo = parts[0]->data;
   const uint8_t* hi = lo;
@@ -652,13 +639,13 @@ Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot, bool dem
     hi = std::max(hi, w->data + w->rows * w->row_bytes);
   }
   // The copy may start only when the slot's previous readers are done.
-  EXPERTD_CUDA_TRY(cudaStreamWaitEvent(copy, use_event[slot], 0));
+  EXPERTD_CUDA_TRY(cudaStreamWaitEvent(copy.get(), use_event[slot].get(), 0));
   ExpertPtrs& sp = slot_ptrs[slot];
-  const bool in_arena = registered && lo >= host_base && hi <= host_base + host_bytes;
+  const bool in_arena = arena.valid() && lo >= host_base && hi <= host_base + host_bytes;
   if (in_arena && static_cast<uint64_t>(hi - lo) <= slot_bytes) {
     // One span: the expert's slices as they lie in the daemon's slot.
-    EXPERTD_CUDA_TRY(
-        cudaMemcpyAsync(dst, lo, static_cast<uint64_t>(hi - lo), cudaMemcpyHostToDevice, copy));
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(dst, lo, static_cast<uint64_t>(hi - lo),
+                                     cudaMemcpyHostToDevice, copy.get()));
     sp.gate = dst + (v.gate.data - lo);
     sp.up = dst + (v.up.data - lo);
     sp.down = dst + (v.down.data - lo);
@@ -670,14 +657,14 @@ Status GpuEngine::Impl::copy_expert(const ExpertView& v, uint32_t slot, bool dem
     for (int i = 0; i < 3; ++i) {
       const uint64_t bytes = parts[i]->rows * parts[i]->row_bytes;
       EXPERTD_CUDA_TRY(
-          cudaMemcpyAsync(dst + off, parts[i]->data, bytes, cudaMemcpyHostToDevice, copy));
+          cudaMemcpyAsync(dst + off, parts[i]->data, bytes, cudaMemcpyHostToDevice, copy.get()));
       *dsts[i] = dst + off;
       off += align_up(bytes, kAlign);
       stats.copy_bytes += bytes;
       if (demand) stats.demand_copy_bytes += bytes;
     }
   }
-  EXPERTD_CUDA_TRY(cudaEventRecord(ready_event[slot], copy));
+  EXPERTD_CUDA_TRY(cudaEventRecord(ready_event[slot].get(), copy.get()));
   return Ok{};
 }
 
@@ -711,7 +698,7 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
       tier->pin(slot);
       used_slots.push_back(slot);
       ptrs[i] = slot_ptrs[slot];
-      EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute, ready_event[slot], 0));
+      EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute.get(), ready_event[slot].get(), 0));
     }
     if (!missing.empty()) {
       stats.vram_misses += missing.size();
@@ -719,7 +706,7 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
       EXPERTD_TRY(source.get(layer, missing, std::span<ExpertView>(views.data(), missing.size())));
       stats.stall_ns += monotonic_ns() - t0;
       for (size_t j = 0; j < missing.size(); ++j) demand_holds.push_back(views[j]);
-      if (!copy_timing) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start, copy));
+      if (!copy_timing) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start.get(), copy.get()));
       for (size_t j = 0; j < missing.size(); ++j) {
         const uint32_t slot = tier->insert(layer, missing[j], false);
         if (slot == VramTier::kNone) {
@@ -731,10 +718,10 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
           tier->erase(slot);
           return st;
         }
-        EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute, ready_event[slot], 0));
+        EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute.get(), ready_event[slot].get(), 0));
         ptrs[missing_index[j]] = slot_ptrs[slot];
       }
-      EXPERTD_CUDA_TRY(cudaEventRecord(copy_end, copy));
+      EXPERTD_CUDA_TRY(cudaEventRecord(copy_end.get(), copy.get()));
       copy_timing = true;
     }
   }
@@ -757,18 +744,18 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
       b.y[k + i] = gu + (k + i) * ff;
     }
     EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes,
-                                             static_cast<uint32_t>(ff), p.n_embd, compute));
+                                             static_cast<uint32_t>(ff), p.n_embd, compute.get()));
   } else {
     for (uint32_t i = 0; i < k; ++i) {
       EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes,
                                        static_cast<uint32_t>(ff), p.n_embd, xn, gu + i * ff,
-                                       compute));
+                                       compute.get()));
       EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes,
                                        static_cast<uint32_t>(ff), p.n_embd, xn, gu + (k + i) * ff,
-                                       compute));
+                                       compute.get()));
     }
   }
-  EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + k * ff, h, k * ff, compute));
+  EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + k * ff, h, k * ff, compute.get()));
   for (uint32_t first = 0; first < k; first += per) {
     kernels::MatvecBatch b;
     b.count = std::min(per, k - first);
@@ -779,11 +766,11 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
       b.y[j] = eo + uint64_t{i} * p.n_embd;
     }
     EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, p.n_embd,
-                                             static_cast<uint32_t>(ff), compute));
+                                             static_cast<uint32_t>(ff), compute.get()));
   }
-  EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, compute));
+  EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, compute.get()));
   for (const uint32_t slot : used_slots) {
-    EXPERTD_CUDA_TRY(cudaEventRecord(use_event[slot], compute));
+    EXPERTD_CUDA_TRY(cudaEventRecord(use_event[slot].get(), compute.get()));
     tier->unpin(slot);
   }
   used_slots.clear();
@@ -842,7 +829,7 @@ Status GpuEngine::Impl::release_finished_prefetch_holds(bool all) {
   size_t kept = 0;
   for (size_t i = 0; i < prefetch_holds.size(); ++i) {
     PrefetchHold& held = prefetch_holds[i];
-    const cudaError_t q = all ? cudaSuccess : cudaEventQuery(ready_event[held.slot]);
+    const cudaError_t q = all ? cudaSuccess : cudaEventQuery(ready_event[held.slot].get());
     if (q == cudaErrorNotReady) {
       prefetch_holds[kept++] = held;
       continue;
@@ -879,7 +866,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   EXPERTD_TRY(check_decode(p, m.opts, m.pos, token, logits.size()));
   const uint64_t t0 = monotonic_ns();
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.x, m.embd + uint64_t{token} * p.n_embd, uint64_t{p.n_embd} * 4,
-                                   cudaMemcpyDeviceToDevice, m.compute));
+                                   cudaMemcpyDeviceToDevice, m.compute.get()));
   m.planner.begin_token();
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     if (!m.source.set_cursor(m.pos, layer)) ++m.stats.hint_errors;
@@ -888,11 +875,12 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(m.moe(layer));
     EXPERTD_TRY(m.prefetch_into_vram(layer));
   }
-  EXPERTD_CUDA_TRY(kernels::rms_norm(m.x, m.output_norm, m.xn, 1, p.n_embd, p.rms_eps, m.compute));
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(m.x, m.output_norm, m.xn, 1, p.n_embd, p.rms_eps, m.compute.get()));
   EXPERTD_TRY(m.gemv(m.output, p.n_vocab, p.n_embd, m.xn, m.d_logits, 0.0f));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.h_logits, m.d_logits, uint64_t{p.n_vocab} * 4,
-                                   cudaMemcpyDeviceToHost, m.compute));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(m.compute));
+                                   cudaMemcpyDeviceToHost, m.compute.get()));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(m.compute.get()));
   EXPERTD_TRY(m.release_demand_holds());
   EXPERTD_TRY(m.release_finished_prefetch_holds(false));
   std::memcpy(logits.data(), m.h_logits, uint64_t{p.n_vocab} * 4);
@@ -917,7 +905,7 @@ std::string GpuEngine::description() const {
              : std::string("in-place experts (kernels read the daemon's pinned arena over PCIe)");
   return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS), {}{}", m.device_name,
                      gib(m.dense_device_bytes), tier,
-                     m.registered ? "" : "; arena not registered: pageable copies");
+                     m.arena.valid() ? "" : "; arena not registered: pageable copies");
 }
 
 }  // namespace expertd::engine

@@ -1,22 +1,9 @@
-// ggml weight formats on the GPU: F32, F16, BF16, Q8_0, Q4_K and Q6_K, with the block layouts and
-// float operations of ggml's reference dequantize_row_* (engine/dequant.cc is the CPU twin).
+// dequantize on the GPU: the expert types (kExpertTypes: F32, F16, BF16, Q8_0, Q4_K, Q6_K) to f32,
+// bit-identical to the CPU's engine/dequant.cc (the block decoders are kernels/blocks.cuh).
 //
-// dequantize: n elements (whole rows, a whole number of blocks) from `src` to f32.
-//
-// matvec: y[r] = sum_c W[r][c] * x[c] for rows r < rows, where row r of W starts at
-// w + r * row_bytes and holds `cols` elements of `type` (cols a whole number of blocks). The
-// weight is dequantised in registers as it is read (fused); accumulation is in float.
-// `w` may be device memory or mapped pinned host memory (cudaHostRegisterMapped), which is how
-// the in-place mode reads the daemon's arena. `w` must be 2-byte aligned (4-byte for F32); the
-// widest loads (16 bytes) are used when every w and row_bytes are 16-byte aligned, narrower ones
-// otherwise. x is staged in shared memory, which bounds cols (about 54k for Q8_0 and Q6_K, 42k for
-// Q4_K, 58k for F32/F16/BF16 on an H200); a larger cols, a misaligned w, or row_bytes below the
-// row's data is cudaErrorInvalidValue. The device's occupancy and SM count are queried on the host
-// at a kernel's first call per device and shared-memory size, then cached.
-//
-// matvec_batched: up to kMaxBatch independent matvecs of the same type and shape in one launch
-// (the gate and up projections of all routed experts, then their down projections); job j reads
-// w[j] and x[j] and writes y[j].
+// dequantize: n elements (whole rows, a whole number of blocks) from `src` to f32. `src` may be
+// unaligned. A type outside kExpertTypes, a null pointer, n == 0 or n not a whole number of blocks
+// is cudaErrorInvalidValue.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,24 +14,6 @@
 
 namespace expertd::kernels {
 
-inline constexpr uint32_t kMaxBatch = 32;
-
-struct MatvecBatch {
-  uint32_t count = 0;
-  const void* w[kMaxBatch] = {};
-  const float* x[kMaxBatch] = {};
-  float* y[kMaxBatch] = {};
-};
-
-// True for the types these kernels read.
-bool supported(GgmlType type);
-
 cudaError_t dequantize(GgmlType type, const void* src, float* dst, uint64_t n, cudaStream_t stream);
-
-cudaError_t matvec(GgmlType type, const void* w, uint64_t row_bytes, uint32_t rows, uint32_t cols,
-                   const float* x, float* y, cudaStream_t stream);
-
-cudaError_t matvec_batched(GgmlType type, const MatvecBatch& batch, uint64_t row_bytes,
-                           uint32_t rows, uint32_t cols, cudaStream_t stream);
 
 }  // namespace expertd::kernels

@@ -4,6 +4,7 @@
 // gets an error naming the type rather than "unknown".
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -73,5 +74,18 @@ std::optional<uint64_t> ggml_row_bytes(GgmlType type, uint64_t ne0);
 
 // Number of ids (removed and valid) in the table, for iteration by tests.
 uint32_t ggml_type_id_limit();
+
+// The types the engines compute with: the CPU dequantisers (engine/dequant.cc, which also convert
+// the dense weights) and the GPU kernels (kernels/) implement exactly these, so a routed expert's
+// tensors must have one of them. The one list both check; adding a type means both implement it.
+inline constexpr std::array kExpertTypes = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
+                                            GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K};
+
+constexpr bool expert_type_supported(GgmlType type) {
+  for (const GgmlType t : kExpertTypes) {
+    if (t == type) return true;
+  }
+  return false;
+}
 
 }  // namespace expertd

@@ -61,7 +61,7 @@ TEST(Dequant, UnsupportedTypeIsAnErrorNamingIt) {
   EXPECT_EQ(st.error().message,
             "q5_k: the engine cannot dequantise this type (supported: f32, f16, bf16, q8_0, q4_k, "
             "q6_k)");
-  EXPECT_FALSE(dequant_supported(GgmlType::IQ2_XXS));
+  EXPECT_FALSE(expert_type_supported(GgmlType::IQ2_XXS));
 }
 
 TEST(Dequant, PartialBlocksAndWrongSizesAreErrors) {

@@ -28,14 +28,18 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "base/fd.h"
 #include "base/half.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 #include "kernels/attention.cuh"
 #include "kernels/combine.cuh"
+#include "kernels/cuda_raii.h"
 #include "kernels/dequant.cuh"
+#include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/routing.cuh"
@@ -870,8 +874,60 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   too_many.count = kMaxBatch + 1;
   EXPECT_EQ(matvec_batched(GgmlType::Q4_K, too_many, 144, 1, 256, s), bad);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call left an error behind";
-  EXPECT_TRUE(supported(GgmlType::Q6_K));
-  EXPECT_FALSE(supported(GgmlType::IQ2_XXS));
+  EXPECT_TRUE(expert_type_supported(GgmlType::Q6_K));
+  EXPECT_FALSE(expert_type_supported(GgmlType::IQ2_XXS));
+}
+
+// kernels/cuda_raii.h: a failed creation is reported once, by its Result, and leaves nothing for
+// the next launcher's cudaGetLastError(); an owner moves its resource and frees it once.
+TEST_F(GpuKernels, CudaOwnersReportAFailedCreationOnceAndMove) {
+  Result<cuda::DeviceBytes> huge = cuda::DeviceBytes::alloc(uint64_t{1} << 62);
+  ASSERT_FALSE(huge);
+  EXPECT_NE(huge.error().message.find("cudaMalloc"), std::string::npos) << huge.error().message;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+  Result<cuda::DeviceBytes> small = cuda::DeviceBytes::alloc(64);
+  ASSERT_TRUE(small) << small.error().message;
+  cuda::DeviceBytes a = std::move(*small);
+  ASSERT_TRUE(a.valid());
+  EXPECT_EQ(a.size(), 64u);
+  cuda::DeviceBytes b = std::move(a);
+  EXPECT_FALSE(a.valid());  // NOLINT(bugprone-use-after-move): moved-from holds nothing
+  ASSERT_TRUE(b.valid());
+  CUDA_OK(cudaMemsetAsync(b.get(), 0, b.size(), stream_));
+  CUDA_OK(sync());
+  b = cuda::DeviceBytes();
+  EXPECT_FALSE(b.valid());
+
+  // The same range registered twice: the second fails (already registered) and is cleared.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const Mapping m =
+      Mapping::map(4 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_TRUE(m.valid()) << std::strerror(errno);
+  Result<cuda::HostRegistration> first =
+      cuda::HostRegistration::create(m.data(), m.size(), cudaHostRegisterMapped);
+  ASSERT_TRUE(first) << first.error().message;
+  Result<cuda::HostRegistration> second =
+      cuda::HostRegistration::create(m.data(), m.size(), cudaHostRegisterMapped);
+  EXPECT_FALSE(second);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  {
+    // Unregistered when it goes: the range can be registered again.
+    const cuda::HostRegistration gone = std::move(*first);
+  }
+  Result<cuda::HostRegistration> again =
+      cuda::HostRegistration::create(m.data(), m.size(), cudaHostRegisterMapped);
+  EXPECT_TRUE(again) << again.error().message;
+
+  Result<cuda::CudaStream> s = cuda::CudaStream::create();
+  ASSERT_TRUE(s) << s.error().message;
+  Result<cuda::CudaEvent> e = cuda::CudaEvent::create(cudaEventDisableTiming);
+  ASSERT_TRUE(e) << e.error().message;
+  CUDA_OK(cudaEventRecord(e->get(), s->get()));
+  CUDA_OK(cudaEventSynchronize(e->get()));
+  Result<cuda::PinnedBytes> pinned = cuda::PinnedBytes::alloc(page);
+  ASSERT_TRUE(pinned) << pinned.error().message;
+  EXPECT_NE(pinned->get(), nullptr);
 }
 
 }  // namespace
