@@ -86,7 +86,15 @@ TEST_F(EngineDaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
     const EngineStats& s = (*engine)->stats();
     EXPECT_EQ(s.hint_errors, 0u);
     EXPECT_GT(s.hints_sent, 0u);
+    // Releases and hints are one-way ring entries, counted when the daemon's reactor takes them:
+    // wait for the last of them.
     auto ss = (*session)->stats();
+    expertd::test::wait_until(
+        [&] {
+          ss = (*session)->stats();
+          return !ss || (ss->releases == ss->acquires && ss->prefetches == s.hints_sent);
+        },
+        std::chrono::seconds(10));
     ASSERT_TRUE(ss) << ss.error().message;
     EXPECT_EQ(ss->acquires, fx_.tokens.size() * 3 * 2);
     EXPECT_EQ(ss->releases, ss->acquires);
