@@ -41,9 +41,16 @@ expertd::Result<Trace> load_or_generate(const std::string& path, uint32_t layers
     *label = path;
     return expertd::load_trace(path);
   }
-  *label = fmt::format("generated ({} tokens, {} layers, {} experts, top-{}, 40% reuse)", tokens,
-                       layers, experts, top_k);
-  return expertd::make_synthetic_trace(tokens, layers, experts, top_k, 1);
+  // The model's shape with the locality calibrated on real Mixtral traces (trace/synth.h).
+  expertd::SynthParams p = expertd::SynthParams::mixtral(tokens);
+  p.layers = layers;
+  p.experts = experts;
+  p.top_k = top_k;
+  *label = fmt::format(
+      "generated ({} tokens, {} layers, {} experts, top-{}, Mixtral-like locality: zipf {}, "
+      "keep {})",
+      tokens, layers, experts, top_k, p.zipf_s, p.keep);
+  return expertd::synthesize_trace(p, 1);
 }
 
 std::vector<uint32_t> parse_list(const std::string& s) {
