@@ -10,16 +10,11 @@
 // it forges with expert-forge in a temporary directory, and stops it (SIGTERM) at the end. The
 // two methods are measured in alternating rounds so that drift (frequency scaling, a noisy
 // neighbour) falls on both alike. Reports p50/p99 in microseconds and rpc p50 / shm p50.
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -33,8 +28,9 @@
 #include "bench/bench_util.h"
 #include "bench/commands.h"
 #include "expertd/client.h"
-
-extern char** environ;
+#include "testing/paths.h"
+#include "testing/process.h"
+#include "testing/temp_dir.h"
 
 namespace expertd::bench {
 namespace {
@@ -59,128 +55,40 @@ uint64_t now_ns() {
                                    .count());
 }
 
-std::string dir_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
-
-bool socket_listens(const std::string& path) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  ::close(fd);
-  return ok;
-}
-
-int spawn_wait(const std::vector<std::string>& argv, const std::string& log) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  pid_t pid = 0;
-  const int r = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (r != 0) return -1;
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-// An expertd of our own: forged model, temporary socket, stopped (SIGTERM) on destruction.
+// An expertd of our own (testing's DaemonProcess): forged model, temporary socket, stopped
+// (SIGTERM) at the end.
 class OwnDaemon {
  public:
-  ~OwnDaemon() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGTERM);
-      int st = 0;
-      ::waitpid(pid_, &st, 0);
-    }
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
-  }
-
   // Returns an empty string on success, else why not.
   std::string start() {
-    char self[4096];
-    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (n <= 0) return "cannot find my own binary (/proc/self/exe)";
-    self[n] = 0;
-    const std::string bin = dir_of(self);
-    const std::string expertd = bin + "/expertd";
-    const std::string forge = bin + "/expert-forge";
-    for (const auto& b : {expertd, forge}) {
-      if (::access(b.c_str(), X_OK) != 0) {
-        return fmt::format("{} not found (build it, or pass --socket)", b);
+    for (const char* b : {"expertd", "expert-forge"}) {
+      const std::string path = test::bin_path(b);
+      if (::access(path.c_str(), X_OK) != 0) {
+        return fmt::format("{} not found (build it, or pass --socket)", path);
       }
     }
-    char tmpl[] = "/tmp/expert-bench-ipc-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return fmt::format("mkdtemp: {}", std::strerror(errno));
-    dir_ = tmpl;
-    socket_ = dir_ + "/expertd.sock";
-    log_ = dir_ + "/expertd.log";
-    const std::string model = dir_ + "/bench.gguf";
-    if (spawn_wait(
-            {forge, "--layers", "4", "--experts", "8", "--embd", "256", "--ff", "512", "-o", model},
-            log_) != 0) {
-      return "expert-forge failed: " + slurp();
-    }
-    std::vector<std::string> argv{expertd, "--model", "bench=" + model, "--socket",
-                                  socket_, "--cache", "64MiB",          "--no-mlock"};
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 2, log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    const int r = posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (r != 0) return fmt::format("posix_spawn {}: {}", expertd, std::strerror(r));
-    for (int i = 0; i < 2000; ++i) {
-      if (socket_listens(socket_)) return "";
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        return "expertd exited at start:\n" + slurp();
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return "expertd's socket did not appear in 20 s:\n" + slurp();
+    if (dir_.path().empty()) return fmt::format("mkdtemp: {}", std::strerror(errno));
+    const auto model =
+        test::forge_model(dir_.path(), "bench", "--layers 4 --experts 8 --embd 256 --ff 512");
+    if (!model) return model.error().message;
+    daemon_ = std::make_unique<test::DaemonProcess>(
+        dir_.path(),
+        std::vector<std::string>{"--model", "bench=" + *model, "--socket",
+                                 dir_.file("expertd.sock"), "--cache", "64MiB", "--no-mlock"});
+    const Status st = daemon_->start();
+    return st ? "" : st.error().message;
   }
 
   // SIGTERM and the exit status.
-  int stop() {
-    if (pid_ <= 0) return -1;
-    ::kill(pid_, SIGTERM);
-    int st = 0;
-    ::waitpid(pid_, &st, 0);
-    pid_ = -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  }
+  int stop() { return daemon_ ? daemon_->stop() : -1; }
 
-  const std::string& socket() const { return socket_; }
+  const std::string& socket() const { return daemon_->socket(); }
   const std::string& model() const { return model_name_; }
 
  private:
-  std::string slurp() const {
-    std::string s;
-    if (FILE* f = std::fopen(log_.c_str(), "r")) {
-      char buf[4096];
-      size_t n = 0;
-      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, n);
-      std::fclose(f);
-    }
-    return s;
-  }
-
-  std::string dir_;
-  std::string socket_;
-  std::string log_;
+  test::TempDir dir_{"expert-bench-ipc"};
+  std::unique_ptr<test::DaemonProcess> daemon_;
   std::string model_name_ = "bench";
-  pid_t pid_ = -1;
 };
 
 struct Latencies {

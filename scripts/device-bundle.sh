@@ -2,7 +2,8 @@
 # Packs built binaries and the shared libraries they need (beyond glibc and libstdc++) into
 # .device/ so they run on a machine without liburing, Cap'n Proto or spdlog installed (the GPU
 # device machine; CUDA's own libraries are left to its toolkit: export
-# LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 there). Usage: scripts/device-bundle.sh [BUILD_DIR] [BIN...]
+# LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 there), with the tests' data in
+# .device/fixtures. Usage: scripts/device-bundle.sh [BUILD_DIR] [BIN...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -23,4 +24,6 @@ for b in "${bins[@]}"; do
     esac
   done
 done
+# The tests' data (build/fixtures), found by the test binaries at bin/../fixtures.
+if [ -d "$build/fixtures" ]; then cp -r "$build/fixtures" .device/fixtures; fi
 du -sh .device

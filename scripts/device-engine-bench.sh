@@ -11,7 +11,9 @@
 #   run:NAME:CACHE:VRAM:DEPTH:TOKENS
 #            a fresh expertd (cache CACHE) and expert-run replaying the Mixtral humaneval1 trace
 #            (benchmark mode) with --vram-experts VRAM and --prefetch-depth DEPTH for TOKENS tokens
-# Results land in $OUT (JSON per phase). Tests are compiled with /work/main paths: link them.
+# Results land in $OUT (JSON per phase). The tests find their binaries and fixtures relative to
+# themselves (testing/paths.h), so .device/ may lie anywhere; the traces come in
+# EXPERTD_SHARED_TRACES.
 set -euo pipefail
 root=$PWD
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -22,14 +24,8 @@ mkdir -p "$out" "$work"
 model=$work/mixtral-q4k.gguf
 trace=$root/.device/traces/mixtral-8x7b-humaneval1.trace.jsonl
 
-link_paths() {  # the tests' compiled-in paths: /work/main (sources, fixtures), build-me/bin, ../shared
-  if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
-  mkdir -p /work/main/build-me && ln -sfn "$bin" /work/main/build-me/bin
-  mkdir -p /work/shared && ln -sfn "$root/.device/traces" /work/shared/traces
-}
-
-phase_tests() {
-  link_paths
+phase_tests() {  # the tests find binaries and fixtures next to themselves (.device/bin, fixtures)
+  export EXPERTD_SHARED_TRACES=$root/.device/traces
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
   local rc=0
   for t in gpu_kernels_tests gpu_engine_tests engine_tests; do

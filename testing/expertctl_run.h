@@ -13,7 +13,7 @@
 namespace expertd::test {
 
 inline RunResult expertctl(const std::string& socket, std::vector<std::string> args) {
-  args.insert(args.begin(), EXPERTCTL_BIN);
+  args.insert(args.begin(), bin_path("expertctl"));
   args.push_back("--socket");
   args.push_back(socket);
   return run_command(args);

@@ -465,45 +465,4 @@ Result<Trace> import_raw_log(const std::string& path) {
   return t;
 }
 
-Trace make_synthetic_trace(uint32_t tokens, uint32_t layers, uint32_t experts, uint32_t top_k,
-                           uint64_t seed, double reuse) {
-  std::mt19937_64 rng(seed);
-  Trace t;
-  t.layers = layers;
-  t.experts = experts;
-  t.tokens = tokens;
-  top_k = std::min(top_k, experts);
-  // Per layer, a random permutation gives each expert its popularity rank; weight 1/(rank+1).
-  std::vector<std::vector<double>> weight(layers, std::vector<double>(experts));
-  for (auto& w : weight) {
-    std::vector<uint32_t> rank(experts);
-    std::iota(rank.begin(), rank.end(), 0u);
-    std::shuffle(rank.begin(), rank.end(), rng);
-    for (uint32_t e = 0; e < experts; ++e) w[e] = 1.0 / (rank[e] + 1.0);
-  }
-  std::vector<std::vector<uint32_t>> previous(layers);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (uint32_t tok = 0; tok < tokens; ++tok) {
-    for (uint32_t l = 0; l < layers; ++l) {
-      TraceRecord r;
-      r.token = tok;
-      r.layer = l;
-      for (const uint32_t e : previous[l]) {
-        if (r.experts.size() < top_k && u(rng) < reuse) r.experts.push_back(e);
-      }
-      std::discrete_distribution<uint32_t> pick(weight[l].begin(), weight[l].end());
-      while (r.experts.size() < top_k) {
-        const uint32_t e = pick(rng);
-        if (std::find(r.experts.begin(), r.experts.end(), e) == r.experts.end()) {
-          r.experts.push_back(e);
-        }
-      }
-      r.weights.assign(r.experts.size(), 1.0f / static_cast<float>(r.experts.size()));
-      previous[l] = r.experts;
-      t.records.push_back(std::move(r));
-    }
-  }
-  return t;
-}
-
 }  // namespace expertd

@@ -71,9 +71,9 @@ Status write_trace_binary(const std::string& path, const Trace& trace);
 // rounded to 6 decimals, as in the canonical files. Records missing from the log stay missing.
 Result<Trace> import_raw_log(const std::string& path);
 
-// A generated trace with locality like a real one, for machines without ../shared/traces: each
-// layer routes by a skewed (Zipf-like) popularity over its experts, and each expert chosen for
-// the previous token is kept with probability `reuse` (OLMoE and Mixtral keep about 40%).
+// A generated trace (trace/synth.h's synthesize_trace) with 1/(rank+1) popularity, uniform
+// weights, and each expert chosen for the previous token kept with probability `reuse`. The
+// calibrated shapes are in trace/synth.h (SynthParams::mixtral, ::wide).
 Trace make_synthetic_trace(uint32_t tokens, uint32_t layers, uint32_t experts, uint32_t top_k,
                            uint64_t seed, double reuse = 0.4);
 

@@ -1,40 +1,22 @@
-// Test support for the storage engine tests: a temporary directory, forged models, and a store
-// over one model with its own backend, driven inline on the test's thread.
+// Test support for the storage engine tests: a store over one model with its own backend, driven
+// inline on the test's thread (temporary directories and forged models come from testing/).
 #pragma once
 
 #include <gtest/gtest.h>
-#include <stdlib.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "forge/verifier.h"
+#include "testing/expertd_fixture.h"
 
 namespace expertd::test {
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/expertd-store-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
+// The forged model DIR/model.gguf.
 inline std::string forge(const std::string& dir, const std::string& args) {
-  const std::string out = dir + "/model.gguf";
-  const std::string cmd =
-      std::string(EXPERT_FORGE_BIN) + " -o " + out + " --force " + args + " >/dev/null 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  return out;
+  return forge(dir, "model", args);
 }
 
 struct Sink final : CompletionSink {

@@ -326,11 +326,8 @@ void raw_push(Session& s, const abi::Request& r) {
 
 bool wait_closed(Session& s, uint64_t timeout_ms) {
   auto* h = reinterpret_cast<abi::SessionHeader*>(s.session_region());
-  const uint64_t deadline = test::now_ms() + timeout_ms;
-  while (h->closed.load() == 0 && test::now_ms() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return h->closed.load() != 0;
+  return test::wait_until([&] { return h->closed.load() != 0; },
+                          std::chrono::milliseconds(timeout_ms));
 }
 
 struct HostileCase {
@@ -461,11 +458,12 @@ TEST_F(KilledClientTest, AClientKilledWhileHoldingLosesItsHoldsWithinASecond) {
   ASSERT_EQ(::kill(child, SIGKILL), 0);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);
   const uint64_t t0 = test::now_ms();
-  while (test::now_ms() - t0 < 5000) {
-    (void)holds_of(*c, child, &present);
-    if (!present) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  test::wait_until(
+      [&] {
+        (void)holds_of(*c, child, &present);
+        return !present;
+      },
+      std::chrono::seconds(5));
   const uint64_t freed_ms = test::now_ms() - t0;
   EXPECT_FALSE(present);
   EXPECT_LT(freed_ms, 1000u) << "the dead client's session lingered";
@@ -504,7 +502,13 @@ TEST_F(ClientTest, TheDaemonKilledUnderAClientIsAClearErrorThenReconnectWorks) {
     blocked = (*s)->acquire(3, cold);
     woke_ms = test::now_ms();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Until it sleeps on its completion doorbell (it sets the ring's `waiting` first).
+  const auto* hdr = reinterpret_cast<const abi::SessionHeader*>((*s)->session_region());
+  const auto* comp = reinterpret_cast<const abi::RingHeader*>((*s)->session_region() +
+                                                              hdr->completion_ring_offset);
+  EXPECT_TRUE(
+      test::wait_until([&] { return comp->waiting.value.load() != 0; }, std::chrono::seconds(10)))
+      << "the client never slept in acquire()";
   const uint64_t killed_ms = test::now_ms();
   daemon_->kill9();
   waiter.join();
@@ -559,7 +563,7 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   Daemon d(dir.path(),
            {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock"},
            {"EXPERTD_TEST_PEER_UID=4242"});
-  d.set_binary(EXPERTD_TEST_BIN);  // the hook exists only in expertd-test
+  d.set_binary("expertd-test");  // the hook exists only in expertd-test
   ASSERT_TRUE(d.start());
   auto c = Client::connect(sock);
   ASSERT_FALSE(c);
@@ -576,7 +580,7 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
                  {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock",
                   "--allow-uid", "4242"},
                  {"EXPERTD_TEST_PEER_UID=4242"});
-  allowed.set_binary(EXPERTD_TEST_BIN);
+  allowed.set_binary("expertd-test");
   ASSERT_TRUE(allowed.start());
   auto ok = Client::connect(sock);
   ASSERT_TRUE(ok) << ok.error().message;

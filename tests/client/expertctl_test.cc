@@ -92,7 +92,7 @@ TEST_F(ExpertctlTest, StatusModelsAndStatsAsJson) {
 
   // Text output too, and $EXPERTD_SOCKET as the default socket.
   ::setenv("EXPERTD_SOCKET", daemon_->socket().c_str(), 1);
-  const RunResult text = test::run_command({EXPERTCTL_BIN, "status"});
+  const RunResult text = test::run_command({test::bin_path("expertctl"), "status"});
   ::unsetenv("EXPERTD_SOCKET");
   EXPECT_EQ(text.status, 0) << text.err;
   EXPECT_NE(text.out.find("hit rate   50.0% of 16 acquires"), std::string::npos) << text.out;
@@ -177,7 +177,7 @@ TEST(ExpertctlNoDaemon, SaysSoClearly) {
   const std::vector<std::vector<std::string>> commands = {
       {"status"}, {"stats"}, {"models"}, {"top", "--once"}, {"evict", "m", "0", "0"}};
   for (const auto& cmd : commands) {
-    std::vector<std::string> argv{EXPERTCTL_BIN};
+    std::vector<std::string> argv{test::bin_path("expertctl")};
     argv.insert(argv.end(), cmd.begin(), cmd.end());
     argv.insert(argv.end(), {"--socket", sock});
     const RunResult r = test::run_command(argv);
@@ -187,10 +187,10 @@ TEST(ExpertctlNoDaemon, SaysSoClearly) {
   }
 }
 
-#ifdef EXPERT_BENCH_BIN
+#ifdef EXPERTD_HAVE_EXPERT_BENCH
 TEST(ExpertBenchIpc, StartsItsOwnDaemonAndReports) {
   const RunResult r = test::run_command(
-      {EXPERT_BENCH_BIN, "ipc", "--iterations", "2000", "--rounds", "2", "--json"});
+      {test::bin_path("expert-bench"), "ipc", "--iterations", "2000", "--rounds", "2", "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   const json j = json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;

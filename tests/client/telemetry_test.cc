@@ -47,10 +47,8 @@ class TelemetryTest : public ::testing::Test {
   }
   // Waits (up to 10 s) until the daemon finished `loads` loads.
   void wait_loads(uint64_t loads) {
-    const uint64_t deadline = test::now_ms() + 10'000;
-    while (model_stats().scheduler.loads_done < loads && test::now_ms() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    test::wait_until([&] { return model_stats().scheduler.loads_done >= loads; },
+                     std::chrono::seconds(10));
     ASSERT_GE(model_stats().scheduler.loads_done, loads);
   }
   void acquire_release(Session& s, uint32_t layer, std::vector<uint32_t> experts) {

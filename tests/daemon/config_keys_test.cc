@@ -14,15 +14,17 @@
 #include <vector>
 
 #include "daemon/config.h"
+#include "testing/paths.h"
 
 namespace expertd {
 namespace {
 
-const std::string kToml = std::string(EXPERTD_SOURCE_DIR) + "/systemd/expertd.toml";
+// The shipped file, copied into the build's test data (tests/CMakeLists.txt).
+const std::string kToml = test::data_path("expertd.toml");
 
 std::string help_text() {
   std::string out;
-  FILE* p = ::popen(EXPERTD_BIN " --help", "r");
+  FILE* p = ::popen((test::bin_path("expertd") + " --help").c_str(), "r");
   if (p == nullptr) return out;
   char buf[4096];
   for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);

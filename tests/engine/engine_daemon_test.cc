@@ -86,7 +86,15 @@ TEST_F(EngineDaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
     const EngineStats& s = (*engine)->stats();
     EXPECT_EQ(s.hint_errors, 0u);
     EXPECT_GT(s.hints_sent, 0u);
+    // Releases and hints are one-way ring entries, counted when the daemon's reactor takes them:
+    // wait for the last of them.
     auto ss = (*session)->stats();
+    expertd::test::wait_until(
+        [&] {
+          ss = (*session)->stats();
+          return !ss || (ss->releases == ss->acquires && ss->prefetches == s.hints_sent);
+        },
+        std::chrono::seconds(10));
     ASSERT_TRUE(ss) << ss.error().message;
     EXPECT_EQ(ss->acquires, fx_.tokens.size() * 3 * 2);
     EXPECT_EQ(ss->releases, ss->acquires);
@@ -137,9 +145,9 @@ std::string joined(const std::vector<uint32_t>& v) {
 TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
   const std::string trace_path = dir_.path() + "/trace.jsonl";
   const auto r = expertd::test::run_command(
-      {EXPERT_RUN_BIN, "--socket", socket_, "--model", "tiny-f32", "--gguf", fx_.gguf("f32"),
-       "--prompt-tokens", joined(fx_.tokens), "--max-tokens", "6", "--prefetch-depth", "2",
-       "--record-trace", trace_path, "--json", "--ignore-eos", "--cpu"});
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "tiny-f32", "--gguf",
+       fx_.gguf("f32"), "--prompt-tokens", joined(fx_.tokens), "--max-tokens", "6",
+       "--prefetch-depth", "2", "--record-trace", trace_path, "--json", "--ignore-eos", "--cpu"});
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out);
   const auto generated = j.at("generated").get<std::vector<uint32_t>>();
@@ -182,8 +190,8 @@ TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
 
 TEST_F(EngineDaemonTest, ExpertRunTextSaysWhichEngineRan) {
   const auto r = expertd::test::run_command(
-      {EXPERT_RUN_BIN, "--socket", socket_, "--model", "tiny-q8_0", "--gguf", fx_.gguf("q8_0"),
-       "--prompt-tokens", "72,101,108,108,111", "--max-tokens", "3", "--cpu"});
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "tiny-q8_0", "--gguf",
+       fx_.gguf("q8_0"), "--prompt-tokens", "72,101,108,108,111", "--max-tokens", "3", "--cpu"});
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("expert-run: CPU reference engine"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(--cpu)"), std::string::npos) << r.out;
@@ -195,9 +203,9 @@ TEST_F(EngineDaemonTest, ExpertRunTextSaysWhichEngineRan) {
 TEST(ExpertRun, NoDaemonSaysSo) {
   TempDir dir;
   const TinyFixture fx = TinyFixture::load();
-  const auto r = expertd::test::run_command({EXPERT_RUN_BIN, "--socket", dir.path() + "/none.sock",
-                                             "--model", "tiny", "--gguf", fx.gguf("f32"),
-                                             "--prompt-tokens", "1,2", "--max-tokens", "1"});
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", dir.path() + "/none.sock", "--model",
+       "tiny", "--gguf", fx.gguf("f32"), "--prompt-tokens", "1,2", "--max-tokens", "1"});
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("expert-run: cannot connect to expertd at"), std::string::npos) << r.err;
 }

@@ -13,11 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "testing/paths.h"
+
 namespace expertd::engine::test {
 
-inline std::string fixture_path(const std::string& rel) {
-  return std::string(EXPERTD_FIXTURE_DIR) + "/" + rel;
-}
+// The committed fixture REL, as the build copied it (testing's data_path: found relative to the
+// test binary, so a copied build folder finds it too).
+inline std::string fixture_path(const std::string& rel) { return expertd::test::data_path(rel); }
 
 inline std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -1,6 +1,6 @@
 // Benchmark mode and hint bookkeeping on the CPU engine: a RoutingScript replaces the router, its
 // oracle hints are exact, recorded traces carry "predicted", and expert-run --routing-trace
-// replays the shared Mixtral trace through a real expertd.
+// replays the shared Mixtral trace (and its generated twin) through a real expertd.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +10,7 @@
 #include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
+#include "trace/synth.h"
 #include "trace/trace.h"
 
 namespace expertd::engine {
@@ -18,7 +19,7 @@ namespace {
 using expertd::test::Daemon;
 using expertd::test::TempDir;
 
-const std::string kSharedTrace = EXPERTD_SHARED_DIR "/traces/mixtral-8x7b-humaneval1.trace.jsonl";
+using expertd::test::bin_path;
 
 std::string small_model(const TempDir& dir, const std::string& extra = "") {
   return expertd::test::forge(dir.path(), "m",
@@ -159,11 +160,10 @@ TEST(RecordedTrace, RoundTripsThroughTheTraceLoader) {
   EXPECT_EQ(with_pred, 6u);  // layers 1 and 2 of each token
 }
 
-TEST(ExpertRunBenchmarkMode, ReplaysTheSharedMixtralTrace) {
-  if (!std::ifstream(kSharedTrace).good()) {
-    GTEST_SKIP() << kSharedTrace << " is absent (the shared Mixtral traces are not checked out)";
-  }
-  TempDir dir;
+// expert-run --routing-trace TRACE (Mixtral's routing) through a real expertd: benchmark mode, said
+// so in both reports, every route scripted, oracle hints exact, and the recorded trace routes as
+// TRACE does.
+void check_benchmark_mode(const TempDir& dir, const std::string& trace_path) {
   // Mixtral's routing shape (32 layers, 8 experts, top-2) at toy width.
   const std::string path = expertd::test::forge(
       dir.path(), "mix",
@@ -175,9 +175,9 @@ TEST(ExpertRunBenchmarkMode, ReplaysTheSharedMixtralTrace) {
   ASSERT_TRUE(d.start());
   const std::string rec = dir.path() + "/rec.jsonl";
   const auto r = expertd::test::run_command(
-      {EXPERT_RUN_BIN, "--socket", sock, "--model", "mix", "--gguf", path, "--prompt-tokens",
-       "1,2,3", "--max-tokens", "6", "--prefetch-depth", "2", "--routing-trace", kSharedTrace,
-       "--record-trace", rec, "--json", "--cpu"});
+      {bin_path("expert-run"), "--socket", sock, "--model", "mix", "--gguf", path,
+       "--prompt-tokens", "1,2,3", "--max-tokens", "6", "--prefetch-depth", "2", "--routing-trace",
+       trace_path, "--record-trace", rec, "--json", "--cpu"});
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_TRUE(j.at("benchmark_mode").get<bool>());
@@ -186,22 +186,37 @@ TEST(ExpertRunBenchmarkMode, ReplaysTheSharedMixtralTrace) {
   EXPECT_EQ(steps, 3u + 5u);
   EXPECT_EQ(j.at("scripted_routes").get<uint64_t>(), steps * 32);
   EXPECT_DOUBLE_EQ(j.at("prefetch_recall").get<double>(), 1.0);  // oracle hints
-  auto shared = load_trace(kSharedTrace);
-  ASSERT_TRUE(shared);
+  auto want = load_trace(trace_path);
+  ASSERT_TRUE(want);
   auto recorded = load_trace(rec);
   ASSERT_TRUE(recorded) << recorded.error().message;
   ASSERT_EQ(recorded->records.size(), steps * 32);
   for (size_t i = 0; i < recorded->records.size(); ++i) {
-    EXPECT_EQ(recorded->records[i].experts, shared->records[i].experts) << "record " << i;
+    EXPECT_EQ(recorded->records[i].experts, want->records[i].experts) << "record " << i;
   }
   // The text report says it is a benchmark.
-  const auto t = expertd::test::run_command({EXPERT_RUN_BIN, "--socket", sock, "--model", "mix",
-                                             "--gguf", path, "--prompt-tokens", "1", "--max-tokens",
-                                             "2", "--routing-trace", kSharedTrace, "--cpu"});
+  const auto t = expertd::test::run_command(
+      {bin_path("expert-run"), "--socket", sock, "--model", "mix", "--gguf", path,
+       "--prompt-tokens", "1", "--max-tokens", "2", "--routing-trace", trace_path, "--cpu"});
   ASSERT_EQ(t.status, 0) << t.out << t.err;
   EXPECT_NE(t.out.find("BENCHMARK MODE"), std::string::npos) << t.out;
   const std::string log = d.log();
   EXPECT_EQ(d.stop(), 0) << log;
+}
+
+TEST(ExpertRunBenchmarkMode, ReplaysTheSharedMixtralTrace) {
+  const auto shared = expertd::test::shared_traces_dir();
+  if (!shared) GTEST_SKIP() << expertd::test::kNoSharedTraces;
+  TempDir dir;
+  check_benchmark_mode(dir, *shared + "/mixtral-8x7b-humaneval1.trace.jsonl");
+}
+
+// The twin on a generated Mixtral-shaped trace (trace/synth.h).
+TEST(ExpertRunBenchmarkMode, ReplaysAGeneratedMixtralTrace) {
+  TempDir dir;
+  const std::string trace = dir.path() + "/mixtral-synth.jsonl";
+  ASSERT_TRUE(write_trace_jsonl(trace, synthesize_trace(SynthParams::mixtral(83), 1)));
+  check_benchmark_mode(dir, trace);
 }
 
 TEST(ExpertRunBenchmarkMode, ATraceForAnotherShapeIsRefused) {
@@ -213,9 +228,9 @@ TEST(ExpertRunBenchmarkMode, ATraceForAnotherShapeIsRefused) {
     f << R"({"token": 0, "layer": 0, "experts": [9, 1], "weights": [0.5, 0.5]})"
       << "\n";
   }
-  const auto r = expertd::test::run_command({EXPERT_RUN_BIN, "--socket", dir.path() + "/none.sock",
-                                             "--model", "m", "--gguf", path, "--prompt-tokens", "1",
-                                             "--routing-trace", trace, "--cpu"});
+  const auto r = expertd::test::run_command(
+      {bin_path("expert-run"), "--socket", dir.path() + "/none.sock", "--model", "m", "--gguf",
+       path, "--prompt-tokens", "1", "--routing-trace", trace, "--cpu"});
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("t.jsonl: the trace has 1 layers and 10 experts; the model has 3 and 8"),
             std::string::npos)

@@ -12,12 +12,16 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "base/half.h"
 #include "forge/content.h"
 #include "storage/gguf.h"
+#include "testing/paths.h"
+#include "testing/process.h"
+#include "testing/temp_dir.h"
 #include "tests/forge/dequant.h"
 
 namespace expertd {
@@ -30,17 +34,13 @@ struct RunResult {
   std::string output;  // stdout and stderr together
 };
 
+// Runs expert-forge with `args` (separated by spaces).
 RunResult run_forge(const std::string& args) {
-  const std::string cmd = std::string(EXPERT_FORGE_BIN) + " " + args + " 2>&1";
-  RunResult r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  std::vector<std::string> argv{test::bin_path("expert-forge")};
+  std::istringstream words(args);
+  for (std::string w; words >> w;) argv.push_back(w);
+  const test::RunResult r = test::run_command(argv);
+  return RunResult{r.status, r.out + r.err};
 }
 
 std::vector<uint8_t> read_all(const std::string& path) {
@@ -66,13 +66,8 @@ std::vector<uint8_t> pread_bytes(const std::string& path, uint64_t offset, uint6
 
 class ForgeTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "forge_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()) << "mkdtemp failed"; }
+  std::string path(const std::string& name) const { return dir_.file(name); }
 
   // Every tensor of every shard holds forge_expected_bytes, zero padding follows it, and every
   // quantised block has finite positive scales. Returns the number of tensors checked.
@@ -105,7 +100,7 @@ class ForgeTest : public ::testing::Test {
     return checked;
   }
 
-  std::string dir_;
+  test::TempDir dir_{"expertd-forge"};
 };
 
 constexpr const char* kSmall =

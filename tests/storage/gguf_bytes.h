@@ -32,6 +32,7 @@
 
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
+#include "testing/temp_dir.h"  // TempDir, for the tests that write these images
 
 namespace expertd::test {
 
@@ -316,27 +317,5 @@ inline std::vector<GgufImage> split_model(uint32_t n) {
   }
   return shards;
 }
-
-// A directory from mkdtemp, removed with everything in it when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "expertd-gguf-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const std::string& path() const { return path_; }
-  std::string file(std::string_view name) const { return path_ + "/" + std::string(name); }
-
- private:
-  std::string path_;
-};
 
 }  // namespace expertd::test

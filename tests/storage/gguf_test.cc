@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "storage/ggml_types.h"
+#include "testing/paths.h"
 #include "tests/storage/gguf_bytes.h"
 
 namespace expertd {
@@ -603,7 +604,7 @@ TEST(GgmlTypesTest, RowBytes) {
 // The fuzzer's seed corpus stays valid: each seed parses (so mutations start from deep paths).
 
 TEST(GgufSeedCorpusTest, EverySeedParses) {
-  const std::filesystem::path corpus = EXPERTD_FUZZ_CORPUS_DIR;
+  const std::filesystem::path corpus = test::data_path("fuzz-corpus");
   ASSERT_TRUE(std::filesystem::is_directory(corpus)) << corpus;
   size_t seeds = 0;
   for (const auto& entry : std::filesystem::directory_iterator(corpus)) {

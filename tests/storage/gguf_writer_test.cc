@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "storage/gguf.h"
+#include "testing/temp_dir.h"
 
 namespace expertd {
 namespace {
@@ -20,15 +21,10 @@ namespace fs = std::filesystem;
 
 class GgufWriterTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "gguf_writer_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()) << "mkdtemp failed"; }
+  std::string path(const std::string& name) const { return dir_.file(name); }
 
-  std::string dir_;
+  test::TempDir dir_{"expertd-gguf-writer"};
 };
 
 std::vector<uint8_t> read_all(const std::string& path) {

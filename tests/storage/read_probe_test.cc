@@ -18,34 +18,25 @@
 
 #include "storage/gguf.h"
 #include "storage/slice_map.h"
+#include "testing/process.h"
+#include "testing/temp_dir.h"
 
 namespace expertd {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/expertd-probe-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::TempDir;
 
 // A forged model, its expert slices as ranges (in slice-map order) and an open probe.
 class ReadProbeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    path_ = dir_.path() + "/model.gguf";
-    const std::string cmd = std::string(EXPERT_FORGE_BIN) + " -o " + path_ +
-                            " --force --layers 3 --experts 6 --embd 256 --ff 320 "
-                            "--expert-type q8_0 --alignment 32 --seed 5 >/dev/null 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    auto forged = test::forge_model(
+        dir_.path(), "model",
+        "--layers 3 --experts 6 --embd 256 --ff 320 --expert-type q8_0 --alignment 32 --seed 5");
+    ASSERT_TRUE(forged) << forged.error().message;
+    path_ = *forged;
     auto model = GgufModel::open(path_);
     ASSERT_TRUE(model) << model.error().message;
     auto map = SliceMap::build(*model);

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "testing/temp_dir.h"
+
 namespace expertd {
 namespace {
 
@@ -71,15 +73,9 @@ class ScopedEnv {
 class DataFiles {
  public:
   DataFiles() {
-    char tmpl[] = "/tmp/expertd-reader-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) std::abort();
-    dir_ = tmpl;
+    if (dir_.path().empty()) std::abort();
     write(0, kFile0Bytes);
     write(1, kFile1Bytes);
-  }
-  ~DataFiles() {
-    for (const std::string& p : paths_) unlink(p.c_str());
-    rmdir(dir_.c_str());
   }
   const std::vector<std::string>& paths() const { return paths_; }
 
@@ -87,14 +83,14 @@ class DataFiles {
   void write(uint32_t file, uint64_t bytes) {
     std::vector<uint8_t> data(bytes);
     for (uint64_t i = 0; i < bytes; ++i) data[i] = content_byte(file, i);
-    paths_.push_back(dir_ + "/shard" + std::to_string(file) + ".bin");
+    paths_.push_back(dir_.file("shard" + std::to_string(file) + ".bin"));
     const int fd = open(paths_.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     ASSERT_GE(fd, 0);
     ASSERT_EQ(::write(fd, data.data(), data.size()), static_cast<ssize_t>(data.size()));
     close(fd);
   }
 
-  std::string dir_;
+  test::TempDir dir_{"expertd-reader"};
   std::vector<std::string> paths_;
 };
 

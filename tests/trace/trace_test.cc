@@ -1,7 +1,8 @@
 // Traces: the canonical JSON Lines form and the binary form round-trip; malformed files fail with
 // an error naming the line (JSONL) or record and byte (binary); the raw Mixtral logs import to the
 // shared canonical traces; and `expert-tune simulate --json`, run as a process, agrees with a small
-// LRU and Belady written here (not cache/policy.h).
+// LRU and Belady written here (not cache/policy.h). Each claim on the shared traces is checked on
+// a generated Mixtral-shaped trace too (trace/synth.h), so a fresh clone checks it.
 #include "trace/trace.h"
 
 #include <fmt/format.h>
@@ -18,34 +19,35 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "testing/expertd_fixture.h"
+#include "trace/synth.h"
 
 namespace expertd {
 namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kTraceDir = EXPERTD_SHARED_DIR "/traces";
-
 struct RunResult {
   int exit_code = -1;
   std::string out;  // stdout only
 };
 
-RunResult run_tune(const std::string& args) {
-  const std::string cmd = std::string(EXPERT_TUNE_BIN) + " " + args;
-  RunResult r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+// Runs expert-tune with `args` (separated by spaces); a trailing "2>&1" appends its stderr to out.
+RunResult run_tune(std::string args) {
+  const std::string merge = " 2>&1";
+  const bool with_err = args.ends_with(merge);
+  if (with_err) args.resize(args.size() - merge.size());
+  std::vector<std::string> argv{test::bin_path("expert-tune")};
+  std::istringstream words(args);
+  for (std::string w; words >> w;) argv.push_back(w);
+  const test::RunResult r = test::run_command(argv);
+  return RunResult{r.status, with_err ? r.out + r.err : r.out};
 }
 
 std::string read_all(const std::string& path) {
@@ -127,13 +129,8 @@ uint64_t belady_hits(uint32_t cap, const std::vector<uint64_t>& acc) {
 
 class TraceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "trace_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()) << "mkdtemp failed"; }
+  std::string path(const std::string& name) const { return dir_.file(name); }
 
   // A generated trace with lookahead predictions (some right, some wrong) and a few records
   // without weights.
@@ -178,7 +175,7 @@ class TraceTest : public ::testing::Test {
     EXPECT_EQ(n, caps.size());
   }
 
-  std::string dir_;
+  test::TempDir dir_{"expertd-trace"};
 };
 
 TEST_F(TraceTest, JsonlRoundTripKeepsEveryField) {
@@ -358,6 +355,9 @@ TEST_F(TraceTest, ImportNumbersDecodeTokensAfterThePrompt) {
 }
 
 TEST_F(TraceTest, ImportOfSharedRawLogsGivesTheCanonicalTraces) {
+  const auto dir = test::shared_traces_dir();
+  if (!dir) GTEST_SKIP() << test::kNoSharedTraces;
+  const std::string kTraceDir = *dir;
   for (const char* name : {"mixtral-8x7b-humaneval0", "mixtral-8x7b-humaneval1"}) {
     SCOPED_TRACE(name);
     const std::string raw = kTraceDir + "/" + name + ".jsonl";
@@ -391,8 +391,85 @@ TEST_F(TraceTest, ImportOfSharedRawLogsGivesTheCanonicalTraces) {
   }
 }
 
+// Writes `t` as the vLLM hooks log it (the shared raw logs' two forms): prefill records layer-major
+// with their positions ("token_pos" or "token_idx"), then, for the tokens from `prompt` on, decode
+// records in time order all at position 0; gating_probs as full-precision floats. Records whose
+// index is in `drop` are left out, as the collector left some out.
+void write_raw_log(const std::string& file, const Trace& t, uint32_t prompt, const char* pos_key,
+                   const std::set<size_t>& drop) {
+  std::ofstream out(file);
+  auto emit = [&](size_t i, uint32_t pos) {
+    if (drop.count(i) != 0) return;
+    const TraceRecord& r = t.records[i];
+    nlohmann::ordered_json j;
+    j["dataset"] = "synthetic";
+    j["problem_id"] = 0;
+    j["layer"] = r.layer;
+    j[pos_key] = pos;
+    j["experts"] = r.experts;
+    std::vector<double> probs;
+    for (const float w : r.weights) probs.push_back(static_cast<double>(w) + 2e-8);
+    j["gating_probs"] = probs;
+    out << j.dump() << "\n";
+  };
+  for (uint32_t l = 0; l < t.layers; ++l) {
+    for (size_t i = 0; i < t.records.size(); ++i) {
+      if (t.records[i].layer == l && t.records[i].token < prompt) emit(i, t.records[i].token);
+    }
+  }
+  for (size_t i = 0; i < t.records.size(); ++i) {
+    if (t.records[i].token >= prompt) emit(i, 0);
+  }
+}
+
+// The twin of the import of the shared raw logs: generated logs of both forms, some records
+// missing, import to the generated trace they were written from, and `expert-tune import` writes
+// it byte for byte as the library does.
+TEST_F(TraceTest, ImportOfGeneratedRawLogsGivesTheirCanonicalTraces) {
+  struct Form {
+    const char* pos_key;
+    uint32_t prompt;  // all tokens: prefill only, like humaneval1
+  };
+  for (const Form f : {Form{"token_pos", 40}, Form{"token_idx", 83}}) {
+    SCOPED_TRACE(f.pos_key);
+    const Trace full = synthesize_trace(SynthParams::mixtral(83), f.prompt);
+    std::set<size_t> drop;
+    Trace want = full;
+    want.records.clear();
+    for (size_t i = 0; i < full.records.size(); ++i) {
+      // Every 97th record is missing, but never the last of the prefill (it marks where the
+      // prefill ends).
+      const auto& r = full.records[i];
+      if (i % 97 == 5 && !(r.token + 1 == f.prompt && r.layer + 1 == full.layers)) {
+        drop.insert(i);
+      } else {
+        want.records.push_back(r);
+      }
+    }
+    ASSERT_GT(drop.size(), 20u);
+    write_raw_log(path("raw.jsonl"), full, f.prompt, f.pos_key, drop);
+    const auto got = import_raw_log(path("raw.jsonl"));
+    ASSERT_TRUE(got) << got.error().message;
+    ASSERT_EQ(got->records.size(), want.records.size());
+    for (size_t i = 0; i < got->records.size(); ++i) {
+      ASSERT_EQ(got->records[i], want.records[i]) << "record " << i;
+    }
+    EXPECT_EQ(got->tokens, 83u);
+    EXPECT_EQ(got->layers, 32u);
+    EXPECT_EQ(got->experts, 8u);
+    ASSERT_TRUE(write_trace_jsonl(path("want.jsonl"), want));
+    ASSERT_TRUE(write_trace_jsonl(path("lib.jsonl"), *got));
+    EXPECT_EQ(read_all(path("lib.jsonl")), read_all(path("want.jsonl")));
+    const auto r = run_tune("import --raw " + path("raw.jsonl") + " -o " + path("cli.jsonl"));
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    EXPECT_EQ(read_all(path("cli.jsonl")), read_all(path("want.jsonl")));
+  }
+}
+
 TEST_F(TraceTest, SimulateOnSharedTraceMatchesReferenceLruAndBelady) {
-  const std::string canonical = kTraceDir + "/mixtral-8x7b-humaneval0.trace.jsonl";
+  const auto dir = test::shared_traces_dir();
+  if (!dir) GTEST_SKIP() << test::kNoSharedTraces;
+  const std::string canonical = *dir + "/mixtral-8x7b-humaneval0.trace.jsonl";
   if (!fs::exists(canonical)) {
     GTEST_SKIP() << canonical << " is absent: the shared Mixtral traces live beside the checkout";
   }
@@ -405,6 +482,18 @@ TEST_F(TraceTest, SimulateOnSharedTraceMatchesReferenceLruAndBelady) {
   ValidateSimulate(path("he0.etrace"), acc);
 }
 
+// The twin on a generated trace of humaneval0's shape (218 tokens, Mixtral's routing).
+TEST_F(TraceTest, SimulateOnGeneratedMixtralTraceMatchesReferenceLruAndBelady) {
+  const Trace t = synthesize_trace(SynthParams::mixtral(218), 0);
+  ASSERT_TRUE(write_trace_jsonl(path("mix.jsonl"), t));
+  const auto acc = accesses_of_jsonl(path("mix.jsonl"));
+  ASSERT_EQ(acc.size(), 218u * 32 * 2);
+  ValidateSimulate(path("mix.jsonl"), acc);
+  const auto r = run_tune("convert " + path("mix.jsonl") + " -o " + path("mix.etrace"));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  ValidateSimulate(path("mix.etrace"), acc);
+}
+
 TEST_F(TraceTest, SimulateOnGeneratedTracesMatchesReferenceLruAndBelady) {
   for (const uint64_t seed : {1u, 2u, 3u}) {
     const Trace t = make_synthetic_trace(60, 8, 16, 2 + seed % 2, seed);
@@ -415,6 +504,100 @@ TEST_F(TraceTest, SimulateOnGeneratedTracesMatchesReferenceLruAndBelady) {
     ASSERT_TRUE(write_trace_binary(path("gen.etrace"), t));
     ValidateSimulate(path("gen.etrace"), acc);
   }
+}
+
+// --- The generator (trace/synth.h) ----------------------------------------------------------
+
+// Deterministic, well-formed, and as local as the real Mixtral traces it is calibrated to: 36-38%
+// of a token's experts reused from the previous token, per-layer popularity from ~0.19 down to
+// ~0.07 (trace/synth.h). Over 218 tokens, seeds 1..8 measured reuse 0.36-0.37, top share
+// 0.19-0.20 and bottom share 0.08; the bounds below leave room around those.
+TEST_F(TraceTest, GeneratedMixtralTraceHasTheLocalityOfTheRealOnes) {
+  for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u}) {
+    SCOPED_TRACE(seed);
+    const Trace t = synthesize_trace(SynthParams::mixtral(218), seed);
+    EXPECT_EQ(t.records, synthesize_trace(SynthParams::mixtral(218), seed).records)
+        << "not deterministic";
+    EXPECT_NE(t.records, synthesize_trace(SynthParams::mixtral(218), seed + 100).records);
+    ASSERT_EQ(t.records.size(), 218u * 32);
+    EXPECT_EQ(t.tokens, 218u);
+    for (const TraceRecord& r : t.records) {
+      ASSERT_EQ(r.experts.size(), 2u);
+      ASSERT_NE(r.experts[0], r.experts[1]);
+      ASSERT_LT(std::max(r.experts[0], r.experts[1]), 8u);
+      ASSERT_EQ(r.weights.size(), 2u);
+      EXPECT_GE(r.weights[0], r.weights[1]);
+      EXPECT_NEAR(r.weights[0] + r.weights[1], 1.0, 2e-6);
+    }
+    const TraceLocality m = measure_locality(t);
+    EXPECT_GT(m.reuse, 0.32);
+    EXPECT_LT(m.reuse, 0.43);
+    EXPECT_GT(m.top_share, 0.16);
+    EXPECT_LT(m.top_share, 0.24);
+    EXPECT_GT(m.bottom_share, 0.04);
+    EXPECT_LT(m.bottom_share, 0.11);
+    // Written and read back, both forms.
+    ASSERT_TRUE(write_trace_binary(path("g.etrace"), t));
+    const auto back = load_trace(path("g.etrace"));
+    ASSERT_TRUE(back) << back.error().message;
+    EXPECT_EQ(back->records, t.records);
+  }
+}
+
+// The calibration holds against the shared traces themselves, where they are.
+TEST_F(TraceTest, GeneratedMixtralLocalityMatchesTheSharedTraces) {
+  const auto dir = test::shared_traces_dir();
+  if (!dir) GTEST_SKIP() << test::kNoSharedTraces;
+  const TraceLocality gen = measure_locality(synthesize_trace(SynthParams::mixtral(218), 1));
+  for (const char* name : {"mixtral-8x7b-humaneval0", "mixtral-8x7b-humaneval1"}) {
+    SCOPED_TRACE(name);
+    const auto real = load_trace(*dir + "/" + name + ".trace.jsonl");
+    ASSERT_TRUE(real) << real.error().message;
+    const TraceLocality m = measure_locality(*real);
+    std::printf("%s: reuse %.3f, popularity %.3f .. %.3f; generated %.3f, %.3f .. %.3f\n", name,
+                m.reuse, m.top_share, m.bottom_share, gen.reuse, gen.top_share, gen.bottom_share);
+    EXPECT_NEAR(gen.reuse, m.reuse, 0.05);
+    EXPECT_NEAR(gen.top_share, m.top_share, 0.04);
+    EXPECT_NEAR(gen.bottom_share, m.bottom_share, 0.04);
+  }
+}
+
+// The 128-expert top-8 shape: eight distinct experts per record, and far more reuse than chance
+// (8 / 128 = 6%; keep 0.3 gives about a third).
+TEST_F(TraceTest, GeneratedWideTraceRoutesTopEightOf128WithReuse) {
+  const Trace t = synthesize_trace(SynthParams::wide(64), 7);
+  ASSERT_EQ(t.records.size(), 64u * 48);
+  EXPECT_EQ(t.layers, 48u);
+  EXPECT_EQ(t.experts, 128u);
+  for (const TraceRecord& r : t.records) {
+    std::set<uint32_t> ids(r.experts.begin(), r.experts.end());
+    ASSERT_EQ(ids.size(), 8u);
+    ASSERT_LT(*ids.rbegin(), 128u);
+  }
+  const TraceLocality m = measure_locality(t);
+  EXPECT_GT(m.reuse, 0.25);
+  EXPECT_LT(m.reuse, 0.5);
+  EXPECT_GT(m.top_share, 3.0 / 128) << "popularity is skewed";
+}
+
+// `expert-tune synth` writes what the library generates, in either form, and refuses bad shapes.
+TEST_F(TraceTest, TuneSynthWritesTheGeneratedTrace) {
+  auto r = run_tune("synth --tokens 50 --seed 3 -o " + path("cli.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("50 tokens x 32 layers, top-2 of 8 experts"), std::string::npos) << r.out;
+  ASSERT_TRUE(write_trace_jsonl(path("lib.jsonl"), synthesize_trace(SynthParams::mixtral(50), 3)));
+  EXPECT_EQ(read_all(path("cli.jsonl")), read_all(path("lib.jsonl")));
+  r = run_tune("synth --shape wide --tokens 5 --seed 2 -o " + path("w.etrace"));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto w = load_trace(path("w.etrace"));
+  ASSERT_TRUE(w) << w.error().message;
+  EXPECT_EQ(w->records, synthesize_trace(SynthParams::wide(5), 2).records);
+  r = run_tune("synth --shape tall -o " + path("x.jsonl") + " 2>&1");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--shape tall: must be mixtral or wide"), std::string::npos) << r.out;
+  r = run_tune("synth --top-k 9 -o " + path("x.jsonl") + " 2>&1");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_FALSE(fs::exists(path("x.jsonl")));
 }
 
 TEST_F(TraceTest, CliErrorsAreClear) {

@@ -31,7 +31,7 @@ void write_file(const std::string& path, const std::string& text) {
 }
 
 RunResult tune(std::vector<std::string> args) {
-  args.insert(args.begin(), EXPERT_TUNE_BIN);
+  args.insert(args.begin(), test::bin_path("expert-tune"));
   return test::run_command(args);
 }
 
@@ -154,10 +154,17 @@ TEST(SweepPlot, NiceTicks) {
   EXPECT_NEAR(nice_ticks(3, 3, 5).front(), 3, 1e-9);
 }
 
+// python3 and the SVG checker (copied into the build's test data), or empty when python3 is not on
+// $PATH.
+std::vector<std::string> check_svg() {
+  const std::string python = test::find_in_path("python3");
+  if (python.empty()) return {};
+  return {python, test::data_path("check_svg.py")};
+}
+
 TEST(SweepPlot, ParsesAsSvgWithEverySeries) {
-#ifndef PYTHON3_BIN
-  GTEST_SKIP() << "python3 was not found at configure time: the SVG is not parsed";
-#else
+  std::vector<std::string> check = check_svg();
+  if (check.empty()) GTEST_SKIP() << "python3 is not on $PATH: the SVG is not parsed";
   TempDir dir;
   PlotSpec spec{"title <&> \"quoted\"", "subtitle", {}, "dashed: bound"};
   for (const char* name : {"stall", "speed"}) {
@@ -172,10 +179,9 @@ TEST(SweepPlot, ParsesAsSvgWithEverySeries) {
   }
   const std::string path = dir.path() + "/plot.svg";
   ASSERT_TRUE(write_svg(path, spec));
-  const RunResult r = test::run_command(
-      {PYTHON3_BIN, CHECK_SVG_PY, path, "--panels", "2", "--series", "3", "--points", "4"});
+  check.insert(check.end(), {path, "--panels", "2", "--series", "3", "--points", "4"});
+  const RunResult r = test::run_command(check);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
-#endif
 }
 
 // --- Malformed traces and arguments: errors before any daemon is touched ---------------------
@@ -330,11 +336,11 @@ TEST_F(SweepDaemonTest, StallsFallFromDepthZeroToOneUnderTheOracle) {
   EXPECT_EQ(st->queue_depth, 8u);
   EXPECT_EQ(st->models[0].cache_limit, st->models[0].cache_slots);
   // The plot: one series per queue depth, a point per depth, in both panels.
-#ifdef PYTHON3_BIN
-  const RunResult check = test::run_command(
-      {PYTHON3_BIN, CHECK_SVG_PY, plot, "--panels", "2", "--series", "2", "--points", "2"});
-  EXPECT_EQ(check.status, 0) << check.out << check.err;
-#endif
+  if (std::vector<std::string> argv = check_svg(); !argv.empty()) {
+    argv.insert(argv.end(), {plot, "--panels", "2", "--series", "2", "--points", "2"});
+    const RunResult check = test::run_command(argv);
+    EXPECT_EQ(check.status, 0) << check.out << check.err;
+  }
 }
 
 TEST_F(SweepDaemonTest, CacheSizesNoisyAndRecordedPredictorsAndTheTextReport) {

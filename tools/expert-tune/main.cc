@@ -5,6 +5,7 @@
 //             between layers, and reports stalls, tokens/s and the bandwidth bound (sweep.h)
 //   import    converts a raw routing log (vLLM hooks) into a canonical trace
 //   convert   converts a trace between JSON Lines and the binary form (.etrace)
+//   synth     writes a generated trace with realistic locality (trace/synth.h)
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -23,6 +24,7 @@
 #include "cache/policy.h"
 #include "cache/scheduler.h"
 #include "expertd/client.h"
+#include "trace/synth.h"
 #include "trace/trace.h"
 #include "tune/replay.h"
 #include "tune/sweep.h"
@@ -39,9 +41,16 @@ expertd::Result<Trace> load_or_generate(const std::string& path, uint32_t layers
     *label = path;
     return expertd::load_trace(path);
   }
-  *label = fmt::format("generated ({} tokens, {} layers, {} experts, top-{}, 40% reuse)", tokens,
-                       layers, experts, top_k);
-  return expertd::make_synthetic_trace(tokens, layers, experts, top_k, 1);
+  // The model's shape with the locality calibrated on real Mixtral traces (trace/synth.h).
+  expertd::SynthParams p = expertd::SynthParams::mixtral(tokens);
+  p.layers = layers;
+  p.experts = experts;
+  p.top_k = top_k;
+  *label = fmt::format(
+      "generated ({} tokens, {} layers, {} experts, top-{}, Mixtral-like locality: zipf {}, "
+      "keep {})",
+      tokens, layers, experts, top_k, p.zipf_s, p.keep);
+  return expertd::synthesize_trace(p, 1);
 }
 
 std::vector<uint32_t> parse_list(const std::string& s) {
@@ -234,6 +243,63 @@ int run_convert(const ConvertOptions& o) {
   return 0;
 }
 
+struct SynthOptions {
+  std::string shape = "mixtral";
+  std::string out;
+  uint32_t tokens = 256;
+  uint64_t seed = 1;
+  uint32_t layers = 0;  // 0: the shape's
+  uint32_t experts = 0;
+  uint32_t top_k = 0;
+  double zipf = -1;  // < 0: the shape's
+  double keep = -1;
+};
+
+int run_synth(const SynthOptions& o) {
+  expertd::SynthParams p;
+  if (o.shape == "mixtral") {
+    p = expertd::SynthParams::mixtral(o.tokens);
+  } else if (o.shape == "wide") {
+    p = expertd::SynthParams::wide(o.tokens);
+  } else {
+    std::fprintf(stderr, "expert-tune synth: --shape %s: must be mixtral or wide\n",
+                 o.shape.c_str());
+    return 2;
+  }
+  if (o.layers > 0) p.layers = o.layers;
+  if (o.experts > 0) p.experts = o.experts;
+  if (o.top_k > 0) p.top_k = o.top_k;
+  if (o.zipf >= 0) p.zipf_s = o.zipf;
+  if (o.keep >= 0) p.keep = o.keep;
+  if (p.tokens == 0 || p.top_k > p.experts || p.keep > 1) {
+    std::fprintf(stderr,
+                 "expert-tune synth: need --tokens > 0, --top-k <= --experts and --keep <= 1\n");
+    return 2;
+  }
+  const bool binary = ends_with(o.out, ".etrace");
+  if (!binary && !ends_with(o.out, ".jsonl")) {
+    std::fprintf(stderr,
+                 "expert-tune synth: %s: the output's extension picks the form: .etrace "
+                 "(binary) or .jsonl (JSON Lines)\n",
+                 o.out.c_str());
+    return 2;
+  }
+  const Trace t = expertd::synthesize_trace(p, o.seed);
+  const auto st =
+      binary ? expertd::write_trace_binary(o.out, t) : expertd::write_trace_jsonl(o.out, t);
+  if (!st) {
+    std::fprintf(stderr, "expert-tune synth: %s\n", st.error().message.c_str());
+    return 1;
+  }
+  const expertd::TraceLocality m = expertd::measure_locality(t);
+  fmt::print(
+      "{}: {} tokens x {} layers, top-{} of {} experts (zipf {}, keep {}, seed {}): {:.0f}% of "
+      "experts reused from the previous token, layer popularity {:.2f} .. {:.2f}\n",
+      o.out, p.tokens, p.layers, p.top_k, p.experts, p.zipf_s, p.keep, o.seed, 100 * m.reuse,
+      m.top_share, m.bottom_share);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -316,6 +382,25 @@ int main(int argc, char** argv) {
   c->add_option("-o,--output", conv.out, "Output trace: .etrace (binary) or .jsonl (JSON Lines)")
       ->required();
   c->callback([&] { run = [&] { return run_convert(conv); }; });
+
+  SynthOptions syn;
+  auto* y = app.add_subcommand(
+      "synth",
+      "Write a generated trace with realistic locality (per-layer Zipf-like popularity, "
+      "reuse between consecutive tokens), deterministic for a seed");
+  y->add_option("-o,--output", syn.out, "Output trace: .etrace (binary) or .jsonl (JSON Lines)")
+      ->required();
+  y->add_option("--shape", syn.shape,
+                "mixtral (32 layers, top-2 of 8, calibrated to real Mixtral traces; default) or "
+                "wide (48 layers, top-8 of 128)");
+  y->add_option("--tokens", syn.tokens, "Tokens (default 256)");
+  y->add_option("--seed", syn.seed, "Seed (default 1)");
+  y->add_option("--layers", syn.layers, "Override the shape's layers");
+  y->add_option("--experts", syn.experts, "Override the shape's experts per layer");
+  y->add_option("--top-k", syn.top_k, "Override the shape's experts per token");
+  y->add_option("--zipf", syn.zipf, "Popularity exponent: rank r weighs 1/(r+1)^zipf");
+  y->add_option("--keep", syn.keep, "Chance that each of the previous token's experts is kept");
+  y->callback([&] { run = [&] { return run_synth(syn); }; });
 
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
