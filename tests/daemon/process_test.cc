@@ -144,9 +144,9 @@ TEST(ExpertdProcess, SighupReloadsTunablesFromTheFile) {
 TEST(ExpertdProcess, FlagsOverrideTheFile) {
   TempDir dir;
   const std::string model = forge(dir);
-  const std::string conf = dir.path + "/expertd.toml";
+  const std::string conf = dir.path() + "/expertd.toml";
   // Each of these keys alone would fail the start (max_sessions) or show in the log.
-  std::ofstream(conf) << "socket = \"" << dir.path << "/s.sock\"\ncache = \"16MiB\"\n"
+  std::ofstream(conf) << "socket = \"" << dir.path() << "/s.sock\"\ncache = \"16MiB\"\n"
                       << "lock_memory = true\nverify = true\nmax_sessions = 0\nchunk = \"4MiB\"\n"
                       << "[models]\nm = \"" << model << "\"\n";
   Daemon d(dir,
