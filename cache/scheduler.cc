@@ -278,6 +278,7 @@ void Scheduler::on_read(ReadOp* op) {
   const int32_t res = op->result;
   if (res > 0) {
     stats_.bytes_read += static_cast<uint64_t>(res);
+    if (!l.prefetched) stats_.demand_bytes += static_cast<uint64_t>(res);
     l.bytes_done += static_cast<uint64_t>(res);
   }
 

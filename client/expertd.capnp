@@ -68,6 +68,7 @@ struct SchedulerStats {
   shortReads @16 :UInt64;        # reads that returned fewer bytes than asked
   eagainRetries @17 :UInt64;     # reads resubmitted after EAGAIN
   bufferedRequeues @18 :UInt64;  # unaligned remainders read through the buffered fd
+  demandBytes @19 :UInt64;       # bytes read for loads an acquire started (not prefetches)
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
