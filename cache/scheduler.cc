@@ -55,7 +55,7 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   hints_.resize(options_.max_prefetches);
   pending_.reserve(options_.max_waiters);
   cursors_.resize(options_.max_sessions);
-  session_depths_.assign(options_.max_sessions, PrefetchDepths{});
+  session_depths_.assign(options_.max_sessions, empty_prefetch_depths());
   EXPERTD_CHECK_LE(options_.max_sessions, kNoSession);
   cache_.set_eviction_listener(this);
   staging_.set_eviction_listener(this);
@@ -278,6 +278,7 @@ void Scheduler::on_read(ReadOp* op) {
   const int32_t res = op->result;
   if (res > 0) {
     stats_.bytes_read += static_cast<uint64_t>(res);
+    if (!l.prefetched) stats_.demand_bytes += static_cast<uint64_t>(res);
     l.bytes_done += static_cast<uint64_t>(res);
   }
 
@@ -426,13 +427,13 @@ void Scheduler::count_recall(uint32_t session, ExpertKey key) {
   if (!c.set || m.buckets == 0 || m.session != session || m.token != c.token) return;
   for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
     if ((m.buckets >> b & 1u) == 0) continue;
-    ++stats_.depths[b].hinted_acquires;
+    ++depths_[b].hinted_acquires;
     ++session_depths_[session][b].hinted_acquires;
   }
 }
 
 void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful) {
-  auto add = [&](PrefetchDepthCounters& c) {
+  auto add = [&](PrefetchDepthStats& c) {
     if (useful) {
       ++c.useful;
       c.useful_bytes += bytes;
@@ -441,7 +442,7 @@ void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes,
       c.wasted_bytes += bytes;
     }
   };
-  add(stats_.depths[bucket]);
+  add(depths_[bucket]);
   if (session < session_depths_.size()) add(session_depths_[session][bucket]);
 }
 
@@ -474,7 +475,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   ++stats_.prefetch_hints;
   const uint64_t target = target_of(session, key.layer);
   const uint32_t bucket = depth_bucket(session, target);
-  ++stats_.depths[bucket].hints;
+  ++depths_[bucket].hints;
   ++session_depths_[session][bucket].hints;
   mark_hinted(session, key, target, bucket);
   ExpertCache* owner = nullptr;
@@ -588,7 +589,7 @@ void Scheduler::start_prefetches() {
     l.prefetch_bucket = h.bucket;
     l.prefetch_target = h.target;
     ++stats_.prefetch_loads;
-    ++stats_.depths[h.bucket].loads;
+    ++depths_[h.bucket].loads;
     ++session_depths_[h.session][h.bucket].loads;
     ++prefetch_loads_active_;
   }
@@ -639,7 +640,7 @@ void Scheduler::drop_session(uint32_t session) {
   for (HintMark& m : hinted_) {
     if (m.session == session) m = HintMark{};
   }
-  session_depths_[session] = PrefetchDepths{};
+  session_depths_[session] = empty_prefetch_depths();
   cursors_[session] = Cursor{};
 }
 

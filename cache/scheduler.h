@@ -30,6 +30,7 @@
 
 #include "base/clock.h"
 #include "cache/cache.h"
+#include "client/include/expertd/control_types.h"
 #include "storage/reader.h"
 #include "storage/slice_map.h"
 #include "storage/slot_layout.h"
@@ -78,40 +79,17 @@ class LoadObserver {
 // more.
 inline constexpr uint32_t kPrefetchDepthBuckets = 8;
 
-// Prefetch outcomes for one depth (see docs/CACHE.md for precision and recall).
-struct PrefetchDepthCounters {
-  uint64_t hints = 0;            // hints received at this depth (resident experts included)
-  uint64_t loads = 0;            // prefetch loads those hints started
-  uint64_t useful = 0;           // loads whose expert was acquired before it left the cache
-  uint64_t wasted = 0;           // loads evicted, cancelled or dropped before any acquire
-  uint64_t useful_bytes = 0;     // bytes those loads read
-  uint64_t wasted_bytes = 0;     // bytes those loads read
-  uint64_t hinted_acquires = 0;  // acquires of an expert hinted at this depth for that token
-};
-using PrefetchDepths = std::array<PrefetchDepthCounters, kPrefetchDepthBuckets>;
+// The counters (one definition, shared with the control plane: client/expertd.capnp lists them).
+using SchedulerStats = client::SchedulerStats;
+using PrefetchDepthStats = client::PrefetchDepthStats;  // outcomes for one depth (docs/CACHE.md)
+using PrefetchDepths = std::array<PrefetchDepthStats, kPrefetchDepthBuckets>;
 
-struct SchedulerStats {
-  uint64_t acquires = 0;
-  uint64_t hits = 0;       // acquire found the expert READY
-  uint64_t coalesced = 0;  // acquire joined a load in progress
-  uint64_t misses = 0;     // acquire started a load
-  uint64_t busy = 0;       // acquire refused: no slot and the wait queue full
-  uint64_t prefetch_hints = 0;
-  uint64_t prefetch_loads = 0;
-  uint64_t prefetch_dropped = 0;    // passed by the cursor before submission
-  uint64_t prefetch_cancelled = 0;  // passed by the cursor while reading
-  uint64_t prefetch_useful = 0;     // prefetched experts later acquired
-  uint64_t loads_done = 0;
-  uint64_t loads_failed = 0;
-  uint64_t staged_loads = 0;  // loads that went to the staging ring
-  uint64_t evictions = 0;     // READY experts dropped: to make room, by a limit or on request
-  uint64_t bytes_read = 0;    // bytes the backend delivered (widened reads included)
-  uint64_t reads = 0;
-  uint64_t short_reads = 0;
-  uint64_t eagain_retries = 0;
-  uint64_t buffered_requeues = 0;  // unaligned remainders read through the buffered fd
-  PrefetchDepths depths{};
-};
+// Zero counters for every bucket, each labelled with its depth (1..8).
+constexpr PrefetchDepths empty_prefetch_depths() {
+  PrefetchDepths d{};
+  for (uint32_t i = 0; i < kPrefetchDepthBuckets; ++i) d[i].depth = i + 1;
+  return d;
+}
 
 class Scheduler final : private EvictionListener {
  public:
@@ -146,6 +124,8 @@ class Scheduler final : private EvictionListener {
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }
+  // The prefetch telemetry by depth: the model's, and one session's.
+  const PrefetchDepths& depths() const { return depths_; }
   // The prefetch telemetry of one session (zero for a session id not in use).
   const PrefetchDepths& session_depths(uint32_t session) const { return session_depths_[session]; }
   uint32_t reads_in_flight() const { return ops_in_flight_; }
@@ -255,6 +235,7 @@ class Scheduler final : private EvictionListener {
   CompletionSink& sink_;
   LoadObserver* observer_;
   SchedulerStats stats_;
+  PrefetchDepths depths_ = empty_prefetch_depths();
 
   std::vector<Load> loads_;
   std::vector<uint32_t> free_loads_;

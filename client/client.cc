@@ -24,6 +24,7 @@
 
 #include "base/clock.h"
 #include "client/expertd.capnp.h"
+#include "client/wire.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -54,99 +55,6 @@ void wake(int eventfd) {
   [[maybe_unused]] const ssize_t n = ::write(eventfd, &one, sizeof(one));
 }
 
-ModelLayout to_layout(rpc::ModelLayout::Reader r) {
-  ModelLayout l;
-  l.name = str(r.getName());
-  l.architecture = str(r.getArchitecture());
-  l.block_count = r.getBlockCount();
-  l.expert_count = r.getExpertCount();
-  l.top_k = r.getTopK();
-  l.alignment = r.getAlignment();
-  l.slot_bytes = r.getSlotBytes();
-  l.slot_count = r.getSlotCount();
-  for (auto s : r.getSlices()) {
-    l.slices.push_back(ModelLayout::Slice{s.getLayer(), str(s.getKind()), s.getShard(),
-                                          s.getOffset(), s.getStride(), s.getBytes(),
-                                          str(s.getType()), s.getNe0(), s.getNe1()});
-  }
-  return l;
-}
-
-SchedulerStats to_scheduler(rpc::SchedulerStats::Reader r) {
-  SchedulerStats s;
-  s.acquires = r.getAcquires();
-  s.hits = r.getHits();
-  s.coalesced = r.getCoalesced();
-  s.misses = r.getMisses();
-  s.busy = r.getBusy();
-  s.prefetch_hints = r.getPrefetchHints();
-  s.prefetch_loads = r.getPrefetchLoads();
-  s.prefetch_dropped = r.getPrefetchDropped();
-  s.prefetch_cancelled = r.getPrefetchCancelled();
-  s.prefetch_useful = r.getPrefetchUseful();
-  s.loads_done = r.getLoadsDone();
-  s.loads_failed = r.getLoadsFailed();
-  s.staged_loads = r.getStagedLoads();
-  s.evictions = r.getEvictions();
-  s.bytes_read = r.getBytesRead();
-  s.reads = r.getReads();
-  s.short_reads = r.getShortReads();
-  s.eagain_retries = r.getEagainRetries();
-  s.buffered_requeues = r.getBufferedRequeues();
-  return s;
-}
-
-std::vector<PrefetchDepthStats> to_depths(capnp::List<rpc::PrefetchDepthStats>::Reader r) {
-  std::vector<PrefetchDepthStats> out;
-  out.reserve(r.size());
-  for (auto d : r) {
-    out.push_back(PrefetchDepthStats{d.getDepth(), d.getHints(), d.getLoads(), d.getUseful(),
-                                     d.getWasted(), d.getUsefulBytes(), d.getWastedBytes(),
-                                     d.getHintedAcquires()});
-  }
-  return out;
-}
-
-SessionStats to_session(rpc::SessionStats::Reader r) {
-  return SessionStats{r.getSession(),     str(r.getModel()),
-                      str(r.getClient()), r.getPid(),
-                      r.getUid(),         r.getAcquires(),
-                      r.getPrefetches(),  r.getReleases(),
-                      r.getHolds(),       to_depths(r.getPrefetchDepths())};
-}
-
-Stats to_stats(rpc::Stats::Reader r) {
-  Stats s;
-  s.backend = str(r.getBackend());
-  s.backend_detail = str(r.getBackendDetail());
-  s.uptime_ms = r.getUptimeMs();
-  s.reactor_loops = r.getReactorLoops();
-  s.queue_depth = r.getQueueDepth();
-  s.chunk_bytes = r.getChunkBytes();
-  s.prefetch_depth = r.getPrefetchDepth();
-  s.policy = str(r.getPolicy());
-  s.bytes_read = r.getBytesRead();
-  s.sessions_closed_hostile = r.getSessionsClosedHostile();
-  for (auto m : r.getModels()) {
-    ModelStats ms;
-    ms.name = str(m.getName());
-    ms.scheduler = to_scheduler(m.getScheduler());
-    ms.cache_slots = m.getCacheSlots();
-    ms.cache_ready = m.getCacheReady();
-    ms.staging_slots = m.getStagingSlots();
-    ms.slot_bytes = m.getSlotBytes();
-    for (auto v : m.getLayerHits()) ms.layer_hits.push_back(v);
-    for (auto v : m.getLayerMisses()) ms.layer_misses.push_back(v);
-    ms.reads_in_flight = m.getReadsInFlight();
-    // A daemon before the field existed sends 0: the whole cache.
-    ms.cache_limit = m.getCacheLimit() ? m.getCacheLimit() : ms.cache_slots;
-    ms.prefetch_depths = to_depths(m.getPrefetchDepths());
-    s.models.push_back(std::move(ms));
-  }
-  for (auto x : r.getSessions()) s.sessions.push_back(to_session(x));
-  return s;
-}
-
 // What attach() gets back from the RPC thread: the session's numbers and dup()ed fds.
 struct AttachReply {
   uint64_t key = 0;
@@ -164,44 +72,6 @@ struct AttachReply {
 std::string default_socket() {
   const char* env = std::getenv("EXPERTD_SOCKET");
   return env != nullptr && *env ? std::string(env) : std::string(kDefaultSocket);
-}
-
-bool ModelLayout::has_experts(uint32_t layer) const {
-  for (const auto& s : slices) {
-    if (s.layer == layer) return true;
-  }
-  return false;
-}
-
-double PrefetchDepthStats::precision() const {
-  const uint64_t decided = useful + wasted;
-  return decided ? static_cast<double>(useful) / static_cast<double>(decided) : -1.0;
-}
-
-double PrefetchDepthStats::recall(uint64_t acquires) const {
-  return acquires ? static_cast<double>(hinted_acquires) / static_cast<double>(acquires) : -1.0;
-}
-
-PrefetchDepthStats& PrefetchDepthStats::operator+=(const PrefetchDepthStats& o) {
-  hints += o.hints;
-  loads += o.loads;
-  useful += o.useful;
-  wasted += o.wasted;
-  useful_bytes += o.useful_bytes;
-  wasted_bytes += o.wasted_bytes;
-  hinted_acquires += o.hinted_acquires;
-  return *this;
-}
-
-PrefetchDepthStats& PrefetchDepthStats::operator-=(const PrefetchDepthStats& o) {
-  hints -= o.hints;
-  loads -= o.loads;
-  useful -= o.useful;
-  wasted -= o.wasted;
-  useful_bytes -= o.useful_bytes;
-  wasted_bytes -= o.wasted_bytes;
-  hinted_acquires -= o.hinted_acquires;
-  return *this;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -408,13 +278,13 @@ Result<ModelLayout> Client::open_model(const std::string& name) {
   return conn_->call<ModelLayout>([&name](Connection::State& s) {
     auto req = s.bootstrap.openModelRequest();
     req.setName(text(name));
-    return req.send().then([](auto r) { return to_layout(r.getLayout()); });
+    return req.send().then([](auto r) { return wire::read(r.getLayout()); });
   });
 }
 
 Result<Stats> Client::stats() {
   return conn_->call<Stats>([](Connection::State& s) {
-    return s.bootstrap.statsRequest().send().then([](auto r) { return to_stats(r.getStats()); });
+    return s.bootstrap.statsRequest().send().then([](auto r) { return wire::read(r.getStats()); });
   });
 }
 
@@ -715,7 +585,7 @@ Result<SessionStats> Session::stats() {
   return conn_->call<SessionStats>([key](Connection::State& s) -> kj::Promise<SessionStats> {
     auto it = s.sessions.find(key);
     if (it == s.sessions.end()) return KJ_EXCEPTION(FAILED, "session is detached");
-    return it->second.statsRequest().send().then([](auto r) { return to_session(r.getStats()); });
+    return it->second.statsRequest().send().then([](auto r) { return wire::read(r.getStats()); });
   });
 }
 

@@ -5,6 +5,11 @@
 # talking to new ones. The data plane (acquire / release / prefetch / cursor) is not here: it runs
 # over shared-memory rings (client/include/expertd/protocol.h) that attach() hands out.
 #
+# Every C++ type of these structs (client/include/expertd/control_types.h) is declared from this
+# file: at build time client/gen_fields.cmake lists each struct's plain fields (numbers and Text)
+# in expertd/stats_fields.h, with a field's trailing comment as its description (expertctl stats
+# prints it). A new counter is a line here and the line in the scheduler that counts it.
+#
 # Errors: a failed call carries the daemon's one-line message as the exception's description
 # ("model 'x' is not served by this daemon (models: a, b)").
 
@@ -44,25 +49,26 @@ struct ModelLayout {
 }
 
 struct SchedulerStats {
-  acquires @0 :UInt64;
-  hits @1 :UInt64;
-  coalesced @2 :UInt64;
-  misses @3 :UInt64;
-  busy @4 :UInt64;
-  prefetchHints @5 :UInt64;
-  prefetchLoads @6 :UInt64;
-  prefetchDropped @7 :UInt64;
-  prefetchCancelled @8 :UInt64;
-  prefetchUseful @9 :UInt64;
-  loadsDone @10 :UInt64;
-  loadsFailed @11 :UInt64;
-  stagedLoads @12 :UInt64;
-  evictions @13 :UInt64;
-  bytesRead @14 :UInt64;
-  reads @15 :UInt64;
-  shortReads @16 :UInt64;
-  eagainRetries @17 :UInt64;
-  bufferedRequeues @18 :UInt64;
+  acquires @0 :UInt64;           # acquires of an expert
+  hits @1 :UInt64;               # acquires that found the expert READY
+  coalesced @2 :UInt64;          # acquires that joined a load in progress
+  misses @3 :UInt64;             # acquires that started a load
+  busy @4 :UInt64;               # acquires refused: no slot and the wait queue full
+  prefetchHints @5 :UInt64;      # prefetch hints received (resident experts included)
+  prefetchLoads @6 :UInt64;      # loads the hints started
+  prefetchDropped @7 :UInt64;    # hints passed by the cursor or pushed out of a full queue
+  prefetchCancelled @8 :UInt64;  # prefetch loads passed by the cursor while reading
+  prefetchUseful @9 :UInt64;     # prefetched experts later acquired
+  loadsDone @10 :UInt64;         # loads that completed
+  loadsFailed @11 :UInt64;       # loads that ended in an error
+  stagedLoads @12 :UInt64;       # loads that went to the staging ring
+  evictions @13 :UInt64;         # READY experts dropped: to make room, by a limit or on request
+  bytesRead @14 :UInt64;         # bytes the backend delivered (widened reads included)
+  reads @15 :UInt64;             # reads submitted (resubmissions included)
+  shortReads @16 :UInt64;        # reads that returned fewer bytes than asked
+  eagainRetries @17 :UInt64;     # reads resubmitted after EAGAIN
+  bufferedRequeues @18 :UInt64;  # unaligned remainders read through the buffered fd
+  demandBytes @19 :UInt64;       # bytes read for loads an acquire started (not prefetches)
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -74,8 +80,8 @@ struct PrefetchDepthStats {
   loads @2 :UInt64;           # prefetch loads they started
   useful @3 :UInt64;          # loads acquired before their expert left the cache
   wasted @4 :UInt64;          # loads evicted, cancelled or dropped before any acquire
-  usefulBytes @5 :UInt64;
-  wastedBytes @6 :UInt64;
+  usefulBytes @5 :UInt64;     # bytes the useful loads read
+  wastedBytes @6 :UInt64;     # bytes the wasted loads read
   hintedAcquires @7 :UInt64;  # acquires of an expert hinted at this depth for that token
 }
 

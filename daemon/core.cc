@@ -643,6 +643,7 @@ DaemonStats DaemonCore::stats() const {
     ModelStats ms;
     ms.name = m->name;
     ms.scheduler = sched.stats();
+    ms.prefetch_depths.assign(sched.depths().begin(), sched.depths().end());
     ms.cache_slots = m->store->cache().slot_count();
     ms.cache_limit = m->store->cache().limit();
     ms.cache_ready = m->store->cache().ready_count();
@@ -655,10 +656,11 @@ DaemonStats DaemonCore::stats() const {
   }
   for (const auto& s : sessions_) {
     if (!s) continue;
-    d.sessions.push_back(SessionStats{s->id, models_[s->model]->name, s->who.name, s->who.pid,
-                                      s->who.uid, s->acquires, s->prefetches, s->releases,
-                                      s->hold_count,
-                                      models_[s->model]->store->scheduler().session_depths(s->id)});
+    const PrefetchDepths& depths = models_[s->model]->store->scheduler().session_depths(s->id);
+    d.sessions.push_back(
+        SessionStats{s->id, models_[s->model]->name, s->who.name, s->who.pid, s->who.uid,
+                     s->acquires, s->prefetches, s->releases, s->hold_count,
+                     std::vector<PrefetchDepthStats>(depths.begin(), depths.end())});
   }
   return d;
 }

@@ -33,34 +33,18 @@
 #include "cache/scheduler.h"
 #include "cache/shm.h"
 #include "cache/store.h"
+#include "client/include/expertd/control_types.h"
 #include "daemon/config.h"
 #include "storage/read_probe.h"
 
 namespace expertd {
 
-// What a client needs to know about a model to use its slots: returned by open_model().
-struct ModelLayout {
-  std::string name;
-  std::string architecture;
-  uint32_t block_count = 0;
-  uint32_t expert_count = 0;
-  uint32_t top_k = 0;
-  uint32_t alignment = 0;  // DIO alignment the slots were laid out with
-  uint64_t slot_bytes = 0;
-  uint32_t slot_count = 0;
-  struct Slice {  // expert 0's slices of one MoE layer; expert e is at offset + e * stride
-    uint32_t layer = 0;
-    std::string kind;  // gate, up, down, gate_up
-    uint32_t shard = 0;
-    uint64_t offset = 0;
-    uint64_t stride = 0;
-    uint64_t bytes = 0;
-    std::string type;  // ggml type name
-    uint64_t ne0 = 0;
-    uint64_t ne1 = 0;
-  };
-  std::vector<Slice> slices;
-};
+// What open_model() and stats() return: the control plane's types, one definition with the client's
+// (client/include/expertd/control_types.h, declared from client/expertd.capnp).
+using ModelLayout = client::ModelLayout;
+using ModelStats = client::ModelStats;
+using SessionStats = client::SessionStats;
+using DaemonStats = client::Stats;
 
 // File descriptors handed to an attached client (the caller passes them on and closes its
 // copies). Ring capacities and the session id are also in the session region's header.
@@ -76,47 +60,6 @@ struct Attachment {
   uint64_t session_bytes = 0;
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
-};
-
-struct ModelStats {
-  std::string name;
-  SchedulerStats scheduler;
-  uint32_t cache_slots = 0;
-  uint32_t cache_limit = 0;  // slots the cache may use now (set_cache_limit; else cache_slots)
-  uint32_t cache_ready = 0;
-  uint32_t staging_slots = 0;
-  uint64_t slot_bytes = 0;
-  std::vector<uint64_t> layer_hits;    // per block layer: acquires served READY
-  std::vector<uint64_t> layer_misses;  // per block layer: acquires that waited for a read
-  uint32_t reads_in_flight = 0;
-};
-
-struct SessionStats {
-  uint32_t session = 0;
-  std::string model;
-  std::string client;
-  pid_t pid = 0;
-  uid_t uid = 0;
-  uint64_t acquires = 0;
-  uint64_t prefetches = 0;
-  uint64_t releases = 0;
-  uint32_t holds = 0;
-  PrefetchDepths prefetch_depths{};  // this session's hints and their outcomes, by depth
-};
-
-struct DaemonStats {
-  std::string backend;
-  std::string backend_detail;
-  uint64_t uptime_ms = 0;
-  uint64_t reactor_loops = 0;
-  uint32_t queue_depth = 0;
-  uint64_t chunk_bytes = 0;
-  uint32_t prefetch_depth = 0;
-  std::string policy;
-  uint64_t bytes_read = 0;
-  std::vector<ModelStats> models;
-  std::vector<SessionStats> sessions;
-  uint64_t sessions_closed_hostile = 0;
 };
 
 struct ClientIdentity {

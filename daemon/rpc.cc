@@ -23,6 +23,7 @@
 
 #include "client/expertd.capnp.h"
 #include "client/include/expertd/protocol.h"
+#include "client/wire.h"
 
 #ifndef EXPERTD_VERSION
 #define EXPERTD_VERSION "0.0.0"
@@ -115,34 +116,6 @@ class OwnedAttachment {
   Attachment a_;
 };
 
-void fill_depths(const PrefetchDepths& d, capnp::List<rpc::PrefetchDepthStats>::Builder o) {
-  for (uint i = 0; i < d.size(); ++i) {
-    const PrefetchDepthCounters& c = d[i];
-    auto b = o[i];
-    b.setDepth(i + 1);
-    b.setHints(c.hints);
-    b.setLoads(c.loads);
-    b.setUseful(c.useful);
-    b.setWasted(c.wasted);
-    b.setUsefulBytes(c.useful_bytes);
-    b.setWastedBytes(c.wasted_bytes);
-    b.setHintedAcquires(c.hinted_acquires);
-  }
-}
-
-void fill_session(const SessionStats& s, rpc::SessionStats::Builder o) {
-  o.setSession(s.session);
-  o.setModel(text(s.model));
-  o.setClient(text(s.client));
-  o.setPid(s.pid);
-  o.setUid(s.uid);
-  o.setAcquires(s.acquires);
-  o.setPrefetches(s.prefetches);
-  o.setReleases(s.releases);
-  o.setHolds(s.holds);
-  fill_depths(s.prefetch_depths, o.initPrefetchDepths(kPrefetchDepthBuckets));
-}
-
 class SessionImpl final : public rpc::Session::Server {
  public:
   SessionImpl(DaemonCore& core, uint32_t id) : core_(core), id_(id) {}
@@ -165,7 +138,7 @@ class SessionImpl final : public rpc::Session::Server {
                                       return make_error(ENOENT, "session is gone");
                                     })
         .then([context](kj::Own<SessionStats> p) mutable {
-          fill_session(*p, context.getResults().initStats());
+          wire::fill(*p, context.getResults().initStats());
         });
   }
 
@@ -186,98 +159,6 @@ class SessionImpl final : public rpc::Session::Server {
   uint32_t id_;
   bool detached_ = false;
 };
-
-void fill_layout(const ModelLayout& l, rpc::ModelLayout::Builder o) {
-  o.setName(text(l.name));
-  o.setArchitecture(text(l.architecture));
-  o.setBlockCount(l.block_count);
-  o.setExpertCount(l.expert_count);
-  o.setTopK(l.top_k);
-  o.setAlignment(l.alignment);
-  o.setSlotBytes(l.slot_bytes);
-  o.setSlotCount(l.slot_count);
-  auto slices = o.initSlices(static_cast<uint>(l.slices.size()));
-  for (uint i = 0; i < l.slices.size(); ++i) {
-    const auto& s = l.slices[i];
-    auto b = slices[i];
-    b.setLayer(s.layer);
-    b.setKind(text(s.kind));
-    b.setShard(s.shard);
-    b.setOffset(s.offset);
-    b.setStride(s.stride);
-    b.setBytes(s.bytes);
-    b.setType(text(s.type));
-    b.setNe0(s.ne0);
-    b.setNe1(s.ne1);
-  }
-}
-
-void fill_scheduler(const SchedulerStats& s, rpc::SchedulerStats::Builder o) {
-  o.setAcquires(s.acquires);
-  o.setHits(s.hits);
-  o.setCoalesced(s.coalesced);
-  o.setMisses(s.misses);
-  o.setBusy(s.busy);
-  o.setPrefetchHints(s.prefetch_hints);
-  o.setPrefetchLoads(s.prefetch_loads);
-  o.setPrefetchDropped(s.prefetch_dropped);
-  o.setPrefetchCancelled(s.prefetch_cancelled);
-  o.setPrefetchUseful(s.prefetch_useful);
-  o.setLoadsDone(s.loads_done);
-  o.setLoadsFailed(s.loads_failed);
-  o.setStagedLoads(s.staged_loads);
-  o.setEvictions(s.evictions);
-  o.setBytesRead(s.bytes_read);
-  o.setReads(s.reads);
-  o.setShortReads(s.short_reads);
-  o.setEagainRetries(s.eagain_retries);
-  o.setBufferedRequeues(s.buffered_requeues);
-}
-
-void fill_list(const std::vector<uint64_t>& v, capnp::List<uint64_t>::Builder o) {
-  for (uint i = 0; i < v.size(); ++i) o.set(i, v[i]);
-}
-
-// Reads in flight once the core's ModelStats reports them (0 until it has the field).
-template <typename M>
-uint32_t reads_in_flight_of(const M& m) {
-  if constexpr (requires { m.reads_in_flight; }) {
-    return static_cast<uint32_t>(m.reads_in_flight);
-  } else {
-    return 0;
-  }
-}
-
-void fill_stats(const DaemonStats& d, rpc::Stats::Builder o) {
-  o.setBackend(text(d.backend));
-  o.setBackendDetail(text(d.backend_detail));
-  o.setUptimeMs(d.uptime_ms);
-  o.setReactorLoops(d.reactor_loops);
-  o.setQueueDepth(d.queue_depth);
-  o.setChunkBytes(d.chunk_bytes);
-  o.setPrefetchDepth(d.prefetch_depth);
-  o.setPolicy(text(d.policy));
-  o.setBytesRead(d.bytes_read);
-  o.setSessionsClosedHostile(d.sessions_closed_hostile);
-  auto models = o.initModels(static_cast<uint>(d.models.size()));
-  for (uint i = 0; i < d.models.size(); ++i) {
-    const ModelStats& m = d.models[i];
-    auto b = models[i];
-    b.setName(text(m.name));
-    fill_scheduler(m.scheduler, b.initScheduler());
-    b.setCacheSlots(m.cache_slots);
-    b.setCacheReady(m.cache_ready);
-    b.setStagingSlots(m.staging_slots);
-    b.setSlotBytes(m.slot_bytes);
-    fill_list(m.layer_hits, b.initLayerHits(static_cast<uint>(m.layer_hits.size())));
-    fill_list(m.layer_misses, b.initLayerMisses(static_cast<uint>(m.layer_misses.size())));
-    b.setReadsInFlight(reads_in_flight_of(m));
-    b.setCacheLimit(m.cache_limit);
-    fill_depths(m.scheduler.depths, b.initPrefetchDepths(kPrefetchDepthBuckets));
-  }
-  auto sessions = o.initSessions(static_cast<uint>(d.sessions.size()));
-  for (uint i = 0; i < d.sessions.size(); ++i) fill_session(d.sessions[i], sessions[i]);
-}
 
 // The bootstrap capability of one allowed connection.
 class ExpertdImpl final : public rpc::Expertd::Server {
@@ -310,7 +191,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
     std::string name = str(context.getParams().getName());
     return on_reactor<ModelLayout>(core_, [name](DaemonCore& c) { return c.open_model(name); })
         .then([context](kj::Own<ModelLayout> l) mutable {
-          fill_layout(*l, context.getResults().initLayout());
+          wire::fill(*l, context.getResults().initLayout());
         });
   }
 
@@ -347,7 +228,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
     return on_reactor<DaemonStats>(core_,
                                    [](DaemonCore& c) -> Result<DaemonStats> { return c.stats(); })
         .then([context](kj::Own<DaemonStats> d) mutable {
-          fill_stats(*d, context.getResults().initStats());
+          wire::fill(*d, context.getResults().initStats());
         });
   }
 

@@ -21,8 +21,8 @@ using test::small_cache;
 using test::TempDir;
 
 // Bucket of depth d (1..8; 8 and more share the last).
-const PrefetchDepthCounters& at(const SchedulerStats& s, uint32_t depth) {
-  return s.depths[std::min(depth, kPrefetchDepthBuckets) - 1];
+const PrefetchDepthStats& at(const Scheduler& s, uint32_t depth) {
+  return s.depths()[std::min(depth, kPrefetchDepthBuckets) - 1];
 }
 
 class PrefetchTelemetry : public ::testing::TestWithParam<BackendKind> {
@@ -62,7 +62,7 @@ TEST_P(PrefetchTelemetry, DepthsUsefulWastedAndRecallFollowTheHints) {
   ASSERT_EQ(h.sched().prefetch(0, {0, 3}, 0.9f), 0);
   ASSERT_TRUE(h.drain());
   {
-    const SchedulerStats& s = h.sched().stats();
+    const Scheduler& s = h.sched();
     for (uint32_t d = 1; d <= 3; ++d) {
       EXPECT_EQ(at(s, d).hints, 1u) << "depth " << d;
       EXPECT_EQ(at(s, d).loads, 1u) << "depth " << d;
@@ -84,8 +84,8 @@ TEST_P(PrefetchTelemetry, DepthsUsefulWastedAndRecallFollowTheHints) {
   // Layer 3's prefetched expert is evicted before anyone wants it: wasted at depth 3.
   ASSERT_TRUE(h.store->cache().evict({3, 2}));
   {
-    const SchedulerStats& s = h.sched().stats();
-    EXPECT_EQ(s.acquires, 3u);
+    const Scheduler& s = h.sched();
+    EXPECT_EQ(s.stats().acquires, 3u);
     EXPECT_EQ(at(s, 1).useful, 1u);
     EXPECT_EQ(at(s, 1).useful_bytes, bytes);
     EXPECT_EQ(at(s, 1).hints, 2u);
@@ -96,24 +96,24 @@ TEST_P(PrefetchTelemetry, DepthsUsefulWastedAndRecallFollowTheHints) {
     EXPECT_EQ(at(s, 3).useful, 0u);
     EXPECT_EQ(at(s, 3).wasted, 1u);
     EXPECT_EQ(at(s, 3).wasted_bytes, read_bytes(h, {3, 2}));
-    EXPECT_EQ(s.prefetch_useful, 2u);
+    EXPECT_EQ(s.stats().prefetch_useful, 2u);
   }
 
   // The next token reaches layer 0: the depth-8 hint for it starts, lands, and is used there.
   h.sched().set_cursor(0, 1, 0);
   ASSERT_TRUE(h.drain());
   release(h, h.get({0, 3}));
-  EXPECT_EQ(at(h.sched().stats(), 8).loads, 1u);
-  EXPECT_EQ(at(h.sched().stats(), 8).useful, 1u);
-  EXPECT_EQ(at(h.sched().stats(), 8).hinted_acquires, 1u);
+  EXPECT_EQ(at(h.sched(), 8).loads, 1u);
+  EXPECT_EQ(at(h.sched(), 8).useful, 1u);
+  EXPECT_EQ(at(h.sched(), 8).hinted_acquires, 1u);
 
   // A hint recalls only the token it was for: hinted for token 1's layer 4, acquired at token 2's.
   ASSERT_EQ(h.sched().prefetch(0, {4, 6}, 0.9f), 0);  // depth 4, token 1
   ASSERT_TRUE(h.drain());
   h.sched().set_cursor(0, 2, 4);
   release(h, h.get({4, 6}));
-  EXPECT_EQ(at(h.sched().stats(), 4).hinted_acquires, 0u) << "hinted for token 1, used at 2";
-  EXPECT_EQ(at(h.sched().stats(), 4).useful, 1u) << "the read still served an acquire";
+  EXPECT_EQ(at(h.sched(), 4).hinted_acquires, 0u) << "hinted for token 1, used at 2";
+  EXPECT_EQ(at(h.sched(), 4).useful, 1u) << "the read still served an acquire";
 
   // A load the cursor passes while it reads is cancelled: wasted, with the bytes it read.
   ASSERT_EQ(h.sched().prefetch(0, {5, 7}, 0.9f), 0);  // depth 1
@@ -121,13 +121,13 @@ TEST_P(PrefetchTelemetry, DepthsUsefulWastedAndRecallFollowTheHints) {
   h.sched().set_cursor(0, 2, 6);
   ASSERT_TRUE(h.drain());
   EXPECT_EQ(h.sched().stats().prefetch_cancelled, 1u);
-  EXPECT_EQ(at(h.sched().stats(), 1).wasted, 1u);
-  EXPECT_LE(at(h.sched().stats(), 1).wasted_bytes, read_bytes(h, {5, 7}));
+  EXPECT_EQ(at(h.sched(), 1).wasted, 1u);
+  EXPECT_LE(at(h.sched(), 1).wasted_bytes, read_bytes(h, {5, 7}));
 
   // One session: its own counters are the model's.
   const PrefetchDepths& mine = h.sched().session_depths(0);
   for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
-    const PrefetchDepthCounters& m = h.sched().stats().depths[b];
+    const PrefetchDepthStats& m = h.sched().depths()[b];
     EXPECT_EQ(mine[b].hints, m.hints) << "bucket " << b;
     EXPECT_EQ(mine[b].loads, m.loads) << "bucket " << b;
     EXPECT_EQ(mine[b].useful, m.useful) << "bucket " << b;
@@ -149,7 +149,7 @@ TEST_P(PrefetchTelemetry, AGoneSessionsPrefetchesAreWastedAndItsCountersReset) {
   h.sched().pump();  // reading
   h.sched().drop_session(3);
   ASSERT_TRUE(h.drain());
-  const SchedulerStats& s = h.sched().stats();
+  const Scheduler& s = h.sched();
   EXPECT_EQ(at(s, 2).wasted, 1u) << "its load in flight was cancelled";
   EXPECT_EQ(h.sched().session_depths(3)[0].hints, 0u) << "the id may be reused: counters reset";
   EXPECT_EQ(h.sched().session_depths(3)[1].wasted, 0u);
@@ -172,11 +172,11 @@ TEST_P(PrefetchTelemetry, StagingRecyclingAnUnusedPrefetchIsWaste) {
   h.sched().set_cursor(0, 0, 0);
   for (uint32_t e = 0; e < 3; ++e) ASSERT_EQ(h.sched().prefetch(0, {1, e}, 0.9f), 0);
   ASSERT_TRUE(h.drain());
-  const SchedulerStats& s = h.sched().stats();
+  const Scheduler& s = h.sched();
   EXPECT_EQ(at(s, 1).loads, 3u);
   EXPECT_EQ(at(s, 1).wasted, 1u) << "two staging slots: the third load pushed one out";
   EXPECT_EQ(at(s, 1).wasted_bytes, read_bytes(h, {1, 0}));
-  EXPECT_EQ(s.evictions, 1u);
+  EXPECT_EQ(s.stats().evictions, 1u);
 }
 
 TEST_P(PrefetchTelemetry, CacheLimitAndEvictAll) {

@@ -163,6 +163,45 @@ TEST_F(TelemetryTest, PrecisionRecallAndBytesByDepthReachClientsAndExpertctl) {
   EXPECT_NE(top_text.out.find("precision  recall"), std::string::npos) << top_text.out;
 }
 
+// SchedulerStats.demand_bytes: what the loads acquires started read, prefetch loads excluded.
+TEST_F(TelemetryTest, DemandBytesCountWhatAcquiresReadNotWhatPrefetchesRead) {
+  auto s = client_->attach("m", "telemetry-test");
+  ASSERT_TRUE(s) << s.error().message;
+  Session& session = **s;
+  uint64_t expert_bytes = 0;  // one expert of layer 1 (its reads widen it to the DIO alignment)
+  for (const auto& slice : session.layout().slices)
+    expert_bytes += slice.layer == 1 ? slice.bytes : 0;
+
+  // Three misses: every byte read so far was read for an acquire.
+  acquire_release(session, 1, {0, 1, 2});
+  const json before = ctl_json({"stats"})["models"][0]["scheduler"];
+  ASSERT_TRUE(before.contains("demand_bytes")) << before.dump();
+  EXPECT_GE(before["demand_bytes"].get<uint64_t>(), 3 * expert_bytes) << before.dump();
+  EXPECT_EQ(before["demand_bytes"], before["bytes_read"]) << before.dump();
+
+  // A prefetched expert is read and then acquired (useful), but its bytes are not demand bytes.
+  ASSERT_TRUE(session.set_cursor(0, 0));
+  const std::vector<PrefetchHint> hint = {{1, 5, 0.9f}};
+  ASSERT_TRUE(session.prefetch(hint));
+  wait_loads(4);
+  ASSERT_TRUE(session.set_cursor(0, 1));
+  acquire_release(session, 1, {5});
+  const json after = ctl_json({"stats"})["models"][0]["scheduler"];
+  EXPECT_EQ(after["prefetch_useful"], 1) << after.dump();
+  EXPECT_EQ(after["demand_bytes"], before["demand_bytes"]) << after.dump();
+  EXPECT_GE(after["bytes_read"].get<uint64_t>(),
+            before["bytes_read"].get<uint64_t>() + expert_bytes)
+      << after.dump();
+
+  // Client::stats() has the same number; expertctl's text names it with the schema's comment.
+  EXPECT_EQ(model_stats().scheduler.demand_bytes, after["demand_bytes"].get<uint64_t>());
+  const test::RunResult text = ctl({"stats"});
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("demand_bytes"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("bytes read for loads an acquire started"), std::string::npos)
+      << text.out;
+}
+
 TEST_F(TelemetryTest, CacheLimitCapsTheCacheAndEvictAllEmptiesIt) {
   auto s = client_->attach("m", "telemetry-test");
   ASSERT_TRUE(s) << s.error().message;

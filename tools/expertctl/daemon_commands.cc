@@ -63,66 +63,22 @@ double hit_rate(uint64_t hits, uint64_t misses) {
 }
 
 json stats_json(const Stats& s) {
-  json j;
-  j["backend"] = s.backend;
-  j["backend_detail"] = s.backend_detail;
-  j["uptime_ms"] = s.uptime_ms;
-  j["reactor_loops"] = s.reactor_loops;
-  j["queue_depth"] = s.queue_depth;
-  j["chunk_bytes"] = s.chunk_bytes;
-  j["prefetch_depth"] = s.prefetch_depth;
-  j["policy"] = s.policy;
-  j["bytes_read"] = s.bytes_read;
-  j["sessions_closed_hostile"] = s.sessions_closed_hostile;
+  json j = fields_json(s);
   json models = json::array();
   for (const auto& m : s.models) {
-    const auto& x = m.scheduler;
-    json sched{{"acquires", x.acquires},
-               {"hits", x.hits},
-               {"coalesced", x.coalesced},
-               {"misses", x.misses},
-               {"busy", x.busy},
-               {"prefetch_hints", x.prefetch_hints},
-               {"prefetch_loads", x.prefetch_loads},
-               {"prefetch_dropped", x.prefetch_dropped},
-               {"prefetch_cancelled", x.prefetch_cancelled},
-               {"prefetch_useful", x.prefetch_useful},
-               {"loads_done", x.loads_done},
-               {"loads_failed", x.loads_failed},
-               {"staged_loads", x.staged_loads},
-               {"evictions", x.evictions},
-               {"bytes_read", x.bytes_read},
-               {"reads", x.reads},
-               {"short_reads", x.short_reads},
-               {"eagain_retries", x.eagain_retries},
-               {"buffered_requeues", x.buffered_requeues}};
-    json mj;
-    mj["name"] = m.name;
-    mj["scheduler"] = sched;
-    mj["cache_slots"] = m.cache_slots;
-    mj["cache_limit"] = m.cache_limit;
-    mj["cache_ready"] = m.cache_ready;
-    mj["staging_slots"] = m.staging_slots;
-    mj["slot_bytes"] = m.slot_bytes;
-    mj["reads_in_flight"] = m.reads_in_flight;
+    json mj = fields_json(m);
+    mj["scheduler"] = fields_json(m.scheduler);
     mj["layer_hits"] = m.layer_hits;
     mj["layer_misses"] = m.layer_misses;
-    mj["prefetch_depths"] = depths_json(m.prefetch_depths, x.acquires);
+    mj["prefetch_depths"] = depths_json(m.prefetch_depths, m.scheduler.acquires);
     models.push_back(std::move(mj));
   }
   j["models"] = std::move(models);
   json sessions = json::array();
   for (const auto& x : s.sessions) {
-    sessions.push_back(json{{"session", x.session},
-                            {"model", x.model},
-                            {"client", x.client},
-                            {"pid", x.pid},
-                            {"uid", x.uid},
-                            {"acquires", x.acquires},
-                            {"prefetches", x.prefetches},
-                            {"releases", x.releases},
-                            {"holds", x.holds},
-                            {"prefetch_depths", depths_json(x.prefetch_depths, x.acquires)}});
+    json sj = fields_json(x);
+    sj["prefetch_depths"] = depths_json(x.prefetch_depths, x.acquires);
+    sessions.push_back(std::move(sj));
   }
   j["sessions"] = std::move(sessions);
   return j;
@@ -210,15 +166,7 @@ int run_stats(const DaemonOptions& o) {
                m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes),
                m.cache_limit < m.cache_slots ? fmt::format("; limited to {}", m.cache_limit) : "",
                m.staging_slots);
-    fmt::print("  acquires {:>10}  hits {:>10}  coalesced {:>8}  misses {:>8}  busy {}\n",
-               x.acquires, x.hits, x.coalesced, x.misses, x.busy);
-    fmt::print("  prefetch hints {:>8}  loads {:>8}  useful {:>8}  dropped {:>6}  cancelled {}\n",
-               x.prefetch_hints, x.prefetch_loads, x.prefetch_useful, x.prefetch_dropped,
-               x.prefetch_cancelled);
-    fmt::print("  loads {:>8} done, {} failed, {} staged; {} evictions\n", x.loads_done,
-               x.loads_failed, x.staged_loads, x.evictions);
-    fmt::print("  reads {:>8} ({}), {} short, {} EAGAIN, {} buffered requeues\n", x.reads,
-               human_bytes(x.bytes_read), x.short_reads, x.eagain_retries, x.buffered_requeues);
+    for (const auto& line : counters_table(x, 2)) fmt::print("{}\n", line);
     fmt::print("  prefetch by depth (layers ahead of the cursor):\n");
     for (const auto& line : depths_table(m.prefetch_depths, x.acquires, 2)) {
       fmt::print("{}\n", line);
@@ -276,17 +224,11 @@ int run_models(const DaemonOptions& o) {
     uint32_t moe_layers = 0;
     for (uint32_t layer = 0; layer < l->block_count; ++layer) moe_layers += l->has_experts(layer);
     if (o.json) {
-      out.push_back(json{{"name", name},
-                         {"architecture", l->architecture},
-                         {"block_count", l->block_count},
-                         {"moe_layers", moe_layers},
-                         {"expert_count", l->expert_count},
-                         {"top_k", l->top_k},
-                         {"alignment", l->alignment},
-                         {"slot_bytes", l->slot_bytes},
-                         {"slot_count", l->slot_count},
-                         {"cache_slots", slots},
-                         {"cache_ready", ready}});
+      json lj = fields_json(*l);
+      lj["moe_layers"] = moe_layers;
+      lj["cache_slots"] = slots;
+      lj["cache_ready"] = ready;
+      out.push_back(std::move(lj));
     } else {
       fmt::print("{:<16} {:<12} {:>6} {:>8} {:>5} {:>12} {:>8}\n", name, l->architecture,
                  l->block_count, l->expert_count, l->top_k, human_bytes(l->slot_bytes),

@@ -34,8 +34,10 @@ std::unique_ptr<expertd::client::Client> connect(const DaemonOptions& opts,
 void print_json(const nlohmann::ordered_json& j);
 
 using expertd::human_bytes;
+using expertd::report::counters_table;
 using expertd::report::depths_json;
 using expertd::report::depths_table;
+using expertd::report::fields_json;
 using expertd::report::percent;
 std::string human_duration_ms(uint64_t ms);
 // hits / (hits + misses) in [0, 1]; -1 with no acquires.

@@ -122,14 +122,8 @@ std::vector<double> layer_rates(const expertd::client::ModelStats& m,
   return rates;
 }
 
-struct Totals {
-  uint64_t acquires = 0;
-  uint64_t hits = 0;
-  uint64_t prefetch_hints = 0;
-  uint64_t prefetch_loads = 0;
-  uint64_t prefetch_useful = 0;
-  uint64_t prefetch_dropped = 0;
-  uint64_t prefetch_cancelled = 0;
+// The scheduler's counters summed over the models, and what top shows besides.
+struct Totals : expertd::client::SchedulerStats {
   uint32_t reads_in_flight = 0;
   std::vector<expertd::client::PrefetchDepthStats> depths;  // summed over the models
 };
@@ -137,13 +131,7 @@ struct Totals {
 Totals totals(const Stats& s) {
   Totals t;
   for (const auto& m : s.models) {
-    t.acquires += m.scheduler.acquires;
-    t.hits += m.scheduler.hits;
-    t.prefetch_hints += m.scheduler.prefetch_hints;
-    t.prefetch_loads += m.scheduler.prefetch_loads;
-    t.prefetch_useful += m.scheduler.prefetch_useful;
-    t.prefetch_dropped += m.scheduler.prefetch_dropped;
-    t.prefetch_cancelled += m.scheduler.prefetch_cancelled;
+    static_cast<expertd::client::SchedulerStats&>(t) += m.scheduler;
     t.reads_in_flight += m.reads_in_flight;
     if (t.depths.size() < m.prefetch_depths.size()) t.depths.resize(m.prefetch_depths.size());
     for (size_t i = 0; i < m.prefetch_depths.size(); ++i) {

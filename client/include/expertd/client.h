@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "expertd/control_types.h"  // ModelLayout, Stats, ModelStats, SessionStats, ...
 #include "expertd/protocol.h"
 #include "expertd/result.h"
 
@@ -47,118 +48,6 @@ struct DaemonInfo {
   std::string backend;
   std::string backend_detail;
   std::vector<std::string> models;
-};
-
-struct ModelLayout {
-  std::string name;
-  std::string architecture;
-  uint32_t block_count = 0;
-  uint32_t expert_count = 0;
-  uint32_t top_k = 0;
-  uint32_t alignment = 0;  // DIO alignment the slots were laid out with
-  uint64_t slot_bytes = 0;
-  uint32_t slot_count = 0;
-  struct Slice {  // expert 0's slices of one MoE layer; expert e is at offset + e * stride
-    uint32_t layer = 0;
-    std::string kind;  // gate, up, down, gate_up
-    uint32_t shard = 0;
-    uint64_t offset = 0;
-    uint64_t stride = 0;
-    uint64_t bytes = 0;
-    std::string type;  // ggml type name
-    uint64_t ne0 = 0;
-    uint64_t ne1 = 0;
-  };
-  std::vector<Slice> slices;  // by layer; within a layer in slot placement order
-
-  // True when `layer` has routed experts (dense layers and layers past the end do not).
-  bool has_experts(uint32_t layer) const;
-};
-
-struct SchedulerStats {
-  uint64_t acquires = 0;
-  uint64_t hits = 0;
-  uint64_t coalesced = 0;
-  uint64_t misses = 0;
-  uint64_t busy = 0;
-  uint64_t prefetch_hints = 0;
-  uint64_t prefetch_loads = 0;
-  uint64_t prefetch_dropped = 0;
-  uint64_t prefetch_cancelled = 0;
-  uint64_t prefetch_useful = 0;
-  uint64_t loads_done = 0;
-  uint64_t loads_failed = 0;
-  uint64_t staged_loads = 0;
-  uint64_t evictions = 0;
-  uint64_t bytes_read = 0;
-  uint64_t reads = 0;
-  uint64_t short_reads = 0;
-  uint64_t eagain_retries = 0;
-  uint64_t buffered_requeues = 0;
-};
-
-// Prefetch telemetry for one lookahead depth (docs/CACHE.md): `depth` layers ahead of the
-// session's cursor when the hint arrived (a hint for the cursor's layer or an earlier one is for
-// the next token); depth 8 also counts every deeper hint.
-struct PrefetchDepthStats {
-  uint32_t depth = 0;
-  uint64_t hints = 0;            // hints received at this depth
-  uint64_t loads = 0;            // prefetch loads they started
-  uint64_t useful = 0;           // loads acquired before their expert left the cache
-  uint64_t wasted = 0;           // loads evicted, cancelled or dropped before any acquire
-  uint64_t useful_bytes = 0;     // bytes the useful loads read
-  uint64_t wasted_bytes = 0;     // bytes the wasted loads read
-  uint64_t hinted_acquires = 0;  // acquires of an expert hinted at this depth for that token
-
-  // useful / (useful + wasted); -1 before any load has an outcome.
-  double precision() const;
-  // hinted_acquires / acquires (the model's or the session's acquires); -1 without acquires.
-  double recall(uint64_t acquires) const;
-  // Counter by counter (depth stays): sums over models, differences of two snapshots.
-  PrefetchDepthStats& operator+=(const PrefetchDepthStats& o);
-  PrefetchDepthStats& operator-=(const PrefetchDepthStats& o);
-};
-
-struct ModelStats {
-  std::string name;
-  SchedulerStats scheduler;
-  uint32_t cache_slots = 0;
-  uint32_t cache_ready = 0;
-  uint32_t staging_slots = 0;
-  uint64_t slot_bytes = 0;
-  std::vector<uint64_t> layer_hits;    // per block layer
-  std::vector<uint64_t> layer_misses;  // per block layer
-  uint32_t reads_in_flight = 0;
-  uint32_t cache_limit = 0;  // slots the cache may use now (set_cache_limit); <= cache_slots
-  std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
-};
-
-struct SessionStats {
-  uint32_t session = 0;
-  std::string model;
-  std::string client;
-  int32_t pid = 0;
-  uint32_t uid = 0;
-  uint64_t acquires = 0;
-  uint64_t prefetches = 0;
-  uint64_t releases = 0;
-  uint32_t holds = 0;
-  std::vector<PrefetchDepthStats> prefetch_depths;  // this session's, depths 1..8
-};
-
-struct Stats {
-  std::string backend;
-  std::string backend_detail;
-  uint64_t uptime_ms = 0;
-  uint64_t reactor_loops = 0;
-  uint32_t queue_depth = 0;
-  uint64_t chunk_bytes = 0;
-  uint32_t prefetch_depth = 0;
-  std::string policy;
-  uint64_t bytes_read = 0;
-  std::vector<ModelStats> models;
-  std::vector<SessionStats> sessions;
-  uint64_t sessions_closed_hostile = 0;
 };
 
 // One slice of an acquired expert, inside the read-only arena mapping.
