@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/fd.h"
 #include "base/half.h"
 #include "bench/bench_util.h"
 #include "expertd/result.h"
@@ -203,53 +204,49 @@ class SealedMemfd {
     SealedMemfd m;
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     m.size_ = (bytes + page - 1) / page * page;
-    m.fd_ = memfd_create("expert-gpu-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (m.fd_ < 0) return sys_error("memfd_create");
-    if (ftruncate(m.fd_, static_cast<off_t>(m.size_)) != 0) return sys_error("ftruncate");
-    if (fcntl(m.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    m.fd_ = UniqueFd(memfd_create("expert-gpu-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!m.fd_.valid()) return sys_error("memfd_create");
+    if (ftruncate(m.fd_.get(), static_cast<off_t>(m.size_)) != 0) return sys_error("ftruncate");
+    if (fcntl(m.fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
       return sys_error("F_ADD_SEALS(shrink|grow)");
     }
-    void* w = mmap(nullptr, m.size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m.fd_, 0);
-    if (w == MAP_FAILED) return sys_error("mmap(PROT_WRITE)");
-    m.writable_ = static_cast<uint8_t*>(w);
-    fill(m.writable_);
-    if (fcntl(m.fd_, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    m.writable_ =
+        Mapping::map(m.size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m.fd_.get(), 0);
+    if (!m.writable_.valid()) return sys_error("mmap(PROT_WRITE)");
+    fill(m.writable_.data());
+    if (fcntl(m.fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
       return sys_error("F_ADD_SEALS(future_write|seal)");
     }
-    void* r = mmap(nullptr, m.size_, PROT_READ, MAP_SHARED | MAP_POPULATE, m.fd_, 0);
-    if (r == MAP_FAILED) return sys_error("mmap(PROT_READ)");
-    m.readable_ = static_cast<uint8_t*>(r);
-    EXPERTD_CUDA_TRY(
-        cudaHostRegister(m.readable_, m.size_, cudaHostRegisterReadOnly | cudaHostRegisterMapped));
+    m.readable_ = Mapping::map(m.size_, PROT_READ, MAP_SHARED | MAP_POPULATE, m.fd_.get(), 0);
+    if (!m.readable_.valid()) return sys_error("mmap(PROT_READ)");
+    EXPERTD_CUDA_TRY(cudaHostRegister(m.readable_.get(), m.size_,
+                                      cudaHostRegisterReadOnly | cudaHostRegisterMapped));
     m.registered_ = true;
     void* d = nullptr;
-    EXPERTD_CUDA_TRY(cudaHostGetDevicePointer(&d, m.readable_, 0));
+    EXPERTD_CUDA_TRY(cudaHostGetDevicePointer(&d, m.readable_.get(), 0));
     m.device_ = static_cast<const uint8_t*>(d);
     return m;
   }
   SealedMemfd() = default;
   SealedMemfd(SealedMemfd&& o) noexcept
-      : fd_(std::exchange(o.fd_, -1)),
+      : fd_(std::move(o.fd_)),
         size_(o.size_),
-        writable_(std::exchange(o.writable_, nullptr)),
-        readable_(std::exchange(o.readable_, nullptr)),
+        writable_(std::move(o.writable_)),
+        readable_(std::move(o.readable_)),
         device_(std::exchange(o.device_, nullptr)),
         registered_(std::exchange(o.registered_, false)) {}
   SealedMemfd& operator=(SealedMemfd&&) = delete;
   ~SealedMemfd() {
-    if (registered_) cudaHostUnregister(readable_);
-    if (readable_ != nullptr) munmap(readable_, size_);
-    if (writable_ != nullptr) munmap(writable_, size_);
-    if (fd_ >= 0) close(fd_);
+    if (registered_) cudaHostUnregister(readable_.get());  // before the members unmap and close
   }
-  const uint8_t* host() const { return readable_; }
+  const uint8_t* host() const { return readable_.data(); }
   const uint8_t* device() const { return device_; }
 
  private:
-  int fd_ = -1;
+  UniqueFd fd_;
   uint64_t size_ = 0;
-  uint8_t* writable_ = nullptr;
-  uint8_t* readable_ = nullptr;
+  Mapping writable_;  // the "daemon's" mapping
+  Mapping readable_;  // the engine's, registered with CUDA
   const uint8_t* device_ = nullptr;
   bool registered_ = false;
 };

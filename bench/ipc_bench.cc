@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/fd.h"
 #include "bench/bench_util.h"
 #include "bench/commands.h"
 #include "expertd/client.h"
@@ -65,13 +66,12 @@ std::string dir_of(const std::string& path) {
 }
 
 bool socket_listens(const std::string& path) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return false;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  ::close(fd);
-  return ok;
+  return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
 }
 
 int spawn_wait(const std::vector<std::string>& argv, const std::string& log) {

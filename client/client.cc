@@ -893,11 +893,11 @@ Status Session::push_release(uint32_t slot) {
   abi::Request r{};
   r.op = abi::kOpRelease;
   r.arg = slot;
-  EXPERTD_TRY(push(r));
   // Callers release only what this Session counted as held.
   EXPERTD_CHECK_LT(slot, held_.size());
   EXPERTD_CHECK_GT(held_[slot], 0);
   EXPERTD_CHECK_GT(holds_.load(std::memory_order_relaxed), 0);
+  EXPERTD_TRY(push(r));
   --held_[slot];
   holds_.fetch_sub(1, std::memory_order_relaxed);
   return Ok{};

@@ -68,9 +68,10 @@ struct DaemonCore::Session {
   uint32_t model = 0;
   ClientIdentity who;
   SharedRegion region;
-  UniqueFd request_fd;  // eventfd, the client's doorbell to us; watched while the session is open
-  UniqueFd completion_fd;                // eventfd, our doorbell to the client
-  abi::SessionHeader* header = nullptr;  // this and the ring pointers below point into `region`
+  UniqueFd request_fd;     // eventfd: the client rings us (watched while the session is open)
+  UniqueFd completion_fd;  // eventfd: we ring the client
+  // These point into `region`.
+  abi::SessionHeader* header = nullptr;
   abi::RingHeader* req = nullptr;
   abi::Request* req_entries = nullptr;
   abi::RingHeader* comp = nullptr;
@@ -441,7 +442,7 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
       return make_error(err, fmt::format("dup of a session fd: {}", std::strerror(err)));
     }
   }
-  // Last: the one step that must be undone (detach's unwatch) if a later one failed.
+  // Last: no failure after it can leave the fd of a session that never was watched.
   EXPERTD_TRY(io_->watch(s->request_fd.get(), kSessionTag | id));
   a.arena_bytes = store.arena().size();
   a.slot_table_bytes = store.slot_table().size();

@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/fd.h"
+
 extern char** environ;
 
 namespace expertd::test {
@@ -60,13 +62,12 @@ inline std::string forge(const std::string& dir, const std::string& name, const 
 
 // True when something accepts connections on `path`.
 inline bool socket_listens(const std::string& path) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return false;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  ::close(fd);
-  return ok;
+  return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
 }
 
 // Runs `argv` and returns its exit status and everything it wrote to stdout (stderr goes to
@@ -80,12 +81,12 @@ inline RunResult run_command(const std::vector<std::string>& argv) {
   RunResult r;
   char out_tmpl[] = "/tmp/expertd-run-out-XXXXXX";
   char err_tmpl[] = "/tmp/expertd-run-err-XXXXXX";
-  const int out_fd = ::mkstemp(out_tmpl);
-  const int err_fd = ::mkstemp(err_tmpl);
+  const UniqueFd out_fd(::mkstemp(out_tmpl));
+  const UniqueFd err_fd(::mkstemp(err_tmpl));
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
-  posix_spawn_file_actions_adddup2(&fa, err_fd, 2);
+  posix_spawn_file_actions_adddup2(&fa, out_fd.get(), 1);
+  posix_spawn_file_actions_adddup2(&fa, err_fd.get(), 2);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -96,8 +97,6 @@ inline RunResult run_command(const std::vector<std::string>& argv) {
     r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   }
   posix_spawn_file_actions_destroy(&fa);
-  ::close(out_fd);
-  ::close(err_fd);
   auto slurp = [](const char* path) {
     std::ifstream f(path);
     std::stringstream ss;
@@ -137,7 +136,7 @@ class Daemon {
   // Starts expertd and waits (up to 20 s) until its socket accepts connections.
   ::testing::AssertionResult start() {
     log_ = dir_ + "/expertd-" + std::to_string(++starts_) + ".log";
-    const int log_fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const UniqueFd log_fd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     std::vector<std::string> argv{EXPERTD_BIN};
     argv.insert(argv.end(), args_.begin(), args_.end());
     std::vector<char*> args;
@@ -151,10 +150,9 @@ class Daemon {
     envp.push_back(nullptr);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, log_fd, 2);
+    posix_spawn_file_actions_adddup2(&fa, log_fd.get(), 2);
     const int r = posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), envp.data());
     posix_spawn_file_actions_destroy(&fa);
-    ::close(log_fd);
     if (r != 0) return ::testing::AssertionFailure() << "posix_spawn expertd: " << strerror(r);
     const uint64_t deadline = now_ms() + 20'000;
     while (now_ms() < deadline) {
