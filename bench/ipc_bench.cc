@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/fd.h"
 #include "bench/bench_util.h"
 #include "bench/commands.h"
 #include "expertd/client.h"

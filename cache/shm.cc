@@ -16,62 +16,53 @@ size_t page_bytes() {
   return page;
 }
 
-SharedRegion::~SharedRegion() { reset(); }
-
-SharedRegion::SharedRegion(SharedRegion&& other) noexcept { *this = std::move(other); }
+SharedRegion::SharedRegion(SharedRegion&& other) noexcept
+    : fd_(std::move(other.fd_)),
+      map_(std::move(other.map_)),
+      locked_(std::exchange(other.locked_, false)),
+      lock_error_(std::move(other.lock_error_)) {}
 
 SharedRegion& SharedRegion::operator=(SharedRegion&& other) noexcept {
   if (this != &other) {
-    reset();
-    fd_ = std::exchange(other.fd_, -1);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
+    map_ = std::move(other.map_);
+    fd_ = std::move(other.fd_);
     locked_ = std::exchange(other.locked_, false);
     lock_error_ = std::move(other.lock_error_);
   }
   return *this;
 }
 
-void SharedRegion::reset() {
-  if (data_ != nullptr) ::munmap(data_, size_);  // also drops the lock
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-  data_ = nullptr;
-  size_ = 0;
-  locked_ = false;
-}
-
 Result<SharedRegion> SharedRegion::create(const std::string& name, size_t bytes, bool lock,
                                           bool client_writable) {
   const size_t page = page_bytes();
   SharedRegion r;
-  r.size_ = (bytes + page - 1) / page * page;
-  if (r.size_ == 0) r.size_ = page;
-  r.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  size_t size = (bytes + page - 1) / page * page;
+  if (size == 0) size = page;
+  // Called right after the failing call: errno is read before anything else runs.
   auto fail = [&](const char* what) {
     const int e = errno;
-    return make_error(e, fmt::format("shared region '{}' ({} bytes): {}: {}", name, r.size_, what,
+    return make_error(e, fmt::format("shared region '{}' ({} bytes): {}: {}", name, size, what,
                                      std::strerror(e)));
   };
-  if (r.fd_ < 0) return fail("memfd_create");
-  if (::ftruncate(r.fd_, static_cast<off_t>(r.size_)) != 0) return fail("ftruncate");
-  if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+  r.fd_ = UniqueFd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!r.fd_.valid()) return fail("memfd_create");
+  if (::ftruncate(r.fd_.get(), static_cast<off_t>(size)) != 0) return fail("ftruncate");
+  if (::fcntl(r.fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return fail("F_ADD_SEALS(shrink|grow)");
   }
-  void* p = ::mmap(nullptr, r.size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r.fd_, 0);
-  if (p == MAP_FAILED) return fail("mmap");
-  r.data_ = static_cast<uint8_t*>(p);
+  r.map_ = Mapping::map(size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r.fd_.get(), 0);
+  if (!r.map_.valid()) return fail("mmap");
   // From here on only this mapping can write; clients get EPERM for PROT_WRITE mappings.
   const int seals = client_writable ? F_SEAL_SEAL : F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
-  if (::fcntl(r.fd_, F_ADD_SEALS, seals) != 0) {
+  if (::fcntl(r.fd_.get(), F_ADD_SEALS, seals) != 0) {
     return fail("F_ADD_SEALS(future_write|seal)");
   }
   if (lock) {
-    if (::mlock(r.data_, r.size_) == 0) {
+    if (::mlock(r.map_.get(), size) == 0) {
       r.locked_ = true;
     } else {
       const int e = errno;
-      r.lock_error_ = fmt::format("mlock of {} bytes failed: {}{}", r.size_, std::strerror(e),
+      r.lock_error_ = fmt::format("mlock of {} bytes failed: {}{}", size, std::strerror(e),
                                   e == ENOMEM || e == EPERM
                                       ? " (raise RLIMIT_MEMLOCK, e.g. LimitMEMLOCK= in the unit)"
                                       : "");

@@ -4,13 +4,15 @@
 // Created with MFD_ALLOW_SEALING, sized once, sealed against shrink and grow, mapped shared, then
 // sealed with F_SEAL_FUTURE_WRITE: the daemon's mapping stays writable, any later writable
 // mapping (or write(2)) of the fd fails with EPERM. Optionally mlock()ed so expert bytes never hit
-// swap; a failed mlock is reported, not fatal (the caller decides what to log).
+// swap; a failed mlock is reported, not fatal (the caller decides what to log). Owns the memfd and
+// the daemon's mapping; move-only, and a moved-from region holds nothing.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
+#include "base/fd.h"
 #include "expertd/result.h"
 
 namespace expertd {
@@ -18,7 +20,6 @@ namespace expertd {
 class SharedRegion {
  public:
   SharedRegion() = default;
-  ~SharedRegion();
   SharedRegion(SharedRegion&& other) noexcept;
   SharedRegion& operator=(SharedRegion&& other) noexcept;
   SharedRegion(const SharedRegion&) = delete;
@@ -30,17 +31,15 @@ class SharedRegion {
   static Result<SharedRegion> create(const std::string& name, size_t bytes, bool lock,
                                      bool client_writable = false);
 
-  int fd() const { return fd_; }
-  uint8_t* data() const { return data_; }
-  size_t size() const { return size_; }
+  int fd() const { return fd_.get(); }
+  uint8_t* data() const { return map_.data(); }
+  size_t size() const { return map_.size(); }
   bool locked() const { return locked_; }
   const std::string& lock_error() const { return lock_error_; }  // why mlock failed, if it did
 
  private:
-  void reset();
-  int fd_ = -1;
-  uint8_t* data_ = nullptr;
-  size_t size_ = 0;
+  UniqueFd fd_;
+  Mapping map_;  // unmapping also drops the lock
   bool locked_ = false;
   std::string lock_error_;
 };

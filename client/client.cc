@@ -22,7 +22,9 @@
 #include <unordered_map>
 #include <utility>
 
+#include "base/check.h"
 #include "base/clock.h"
+#include "base/fd.h"
 #include "client/expertd.capnp.h"
 #include "client/wire.h"
 
@@ -64,7 +66,7 @@ struct AttachReply {
   uint64_t session_bytes = 0;
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
-  std::array<int, 5> fds{-1, -1, -1, -1, -1};  // arena, slot table, session, req, comp
+  std::array<UniqueFd, 5> fds;  // arena, slot table, session, req, comp
 };
 
 }  // namespace
@@ -80,7 +82,7 @@ std::string default_socket() {
 
 class Connection {
  public:
-  static Result<std::shared_ptr<Connection>> start(int fd, std::string socket);
+  static Result<std::shared_ptr<Connection>> start(UniqueFd fd, std::string socket);
   ~Connection();
 
   // Runs `fn(bootstrap) -> kj::Promise<T>` on the RPC thread and waits for its value.
@@ -114,7 +116,8 @@ class Connection {
     return make_error(ECONNRESET, "expertd went away: " + disconnect_reason());
   }
 
-  // Sleepers on these eventfds are woken when the connection drops.
+  // Sleepers on these eventfds are woken when the connection drops. The fds are borrowed: a
+  // Session unwatches its doorbell before it closes it.
   void watch_doorbell(int fd) {
     std::lock_guard<std::mutex> lock(mu_);
     doorbells_.push_back(fd);
@@ -135,7 +138,7 @@ class Connection {
 
  private:
   Connection() = default;
-  void run(int fd, std::promise<std::string>* started);
+  void run(UniqueFd fd, std::promise<std::string>* started);
   void mark_disconnected(std::string why);
   Error to_error(const kj::Exception& e) {
     std::string d(e.getDescription().cStr());
@@ -159,12 +162,14 @@ class Connection {
   std::vector<int> doorbells_;
 };
 
-Result<std::shared_ptr<Connection>> Connection::start(int fd, std::string socket) {
+Result<std::shared_ptr<Connection>> Connection::start(UniqueFd fd, std::string socket) {
   std::shared_ptr<Connection> c(new Connection());
   c->socket_ = std::move(socket);
   std::promise<std::string> started;
   auto future = started.get_future();
-  c->thread_ = std::thread([raw = c.get(), fd, &started] { raw->run(fd, &started); });
+  c->thread_ = std::thread([raw = c.get(), fd = std::move(fd), &started]() mutable {
+    raw->run(std::move(fd), &started);
+  });
   const std::string error = future.get();
   if (!error.empty()) {
     c->thread_.join();
@@ -173,13 +178,13 @@ Result<std::shared_ptr<Connection>> Connection::start(int fd, std::string socket
   return c;
 }
 
-void Connection::run(int fd, std::promise<std::string>* started) {
+void Connection::run(UniqueFd fd, std::promise<std::string>* started) {
   bool announced = false;
   try {
     auto io = kj::setupAsyncIo();
-    auto stream =
-        io.lowLevelProvider->wrapUnixSocketFd(fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
-                                                      kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC);
+    auto stream = io.lowLevelProvider->wrapUnixSocketFd(
+        fd.release(),
+        kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP | kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC);
     capnp::TwoPartyClient rpc(*stream, kMaxFdsPerMessage);
     State state{&io.provider->getTimer(), rpc.bootstrap().castAs<rpc::Expertd>(), {}, 1};
     state_ = &state;
@@ -232,11 +237,13 @@ Result<std::unique_ptr<Client>> Client::connect(const std::string& socket) {
                                                 socket, sizeof(addr.sun_path) - 1));
   }
   std::memcpy(addr.sun_path, socket.c_str(), socket.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return make_error(errno, fmt::format("socket: {}", std::strerror(errno)));
-  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) {
     const int e = errno;
-    ::close(fd);
+    return make_error(e, fmt::format("socket: {}", std::strerror(e)));
+  }
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int e = errno;
     const char* hint = e == EACCES || e == EPERM
                            ? " (is your user allowed to use expertd's socket?)"
                            : " (is expertd running?)";
@@ -245,7 +252,7 @@ Result<std::unique_ptr<Client>> Client::connect(const std::string& socket) {
   }
   std::unique_ptr<Client> c(new Client());
   c->socket_ = socket;
-  EXPERTD_TRY_ASSIGN(c->conn_, Connection::start(fd, socket));
+  EXPERTD_TRY_ASSIGN(c->conn_, Connection::start(std::move(fd), socket));
   // The first call also tells whether we may talk at all (permission) and the same protocol.
   DaemonInfo info;
   EXPERTD_TRY_ASSIGN(info, c->info());
@@ -365,25 +372,38 @@ Status Client::ping() {
   });
 }
 
+// Owned by a Session; the members' destructors unmap and close.
+struct Session::Resources {
+  UniqueFd arena_fd;
+  UniqueFd table_fd;
+  UniqueFd region_fd;
+  UniqueFd request_fd;     // we write it when the daemon sleeps
+  UniqueFd completion_fd;  // we sleep on it; watched by the connection while attached
+  Mapping arena;           // PROT_READ
+  Mapping table;           // PROT_READ
+  Mapping region;          // read-write: the rings
+};
+
 namespace {
 
 // Maps `bytes` of `fd` shared; checks the file is at least that large first (a short file would
 // SIGBUS on access).
-Result<void*> map_fd(int fd, uint64_t bytes, int prot, const char* what) {
+Result<Mapping> map_fd(const UniqueFd& fd, uint64_t bytes, int prot, const char* what) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    return make_error(errno, fmt::format("{}: fstat: {}", what, std::strerror(errno)));
+  if (::fstat(fd.get(), &st) != 0) {
+    const int e = errno;
+    return make_error(e, fmt::format("{}: fstat: {}", what, std::strerror(e)));
   }
   if (bytes == 0 || static_cast<uint64_t>(st.st_size) < bytes) {
     return make_error(EPROTO, fmt::format("{}: expertd announced {} bytes, the file has {}", what,
                                           bytes, st.st_size));
   }
-  void* p = ::mmap(nullptr, bytes, prot, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    return make_error(errno,
-                      fmt::format("{}: mmap of {} bytes: {}", what, bytes, std::strerror(errno)));
+  Mapping m = Mapping::map(bytes, prot, MAP_SHARED, fd.get(), 0);
+  if (!m.valid()) {
+    const int e = errno;
+    return make_error(e, fmt::format("{}: mmap of {} bytes: {}", what, bytes, std::strerror(e)));
   }
-  return p;
+  return m;
 }
 
 bool power_of_two(uint32_t x) { return x != 0 && (x & (x - 1)) == 0; }
@@ -420,14 +440,13 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
       // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
       // object would be dropped before the continuation runs).
       return kj::joinPromises(fds.finish())
-          .then([a, caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
+          .then([a = std::move(a), caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
             for (size_t i = 0; i < got.size(); ++i) {
               KJ_IF_MAYBE (fd, got[i]) {
-                // Keep a copy of our own.
-                a.fds[i] = ::fcntl(*fd, F_DUPFD_CLOEXEC, 0);
+                a.fds[i] = dup_fd(*fd);  // a copy of our own: the capability closes its fd
               }
             }
-            return a;
+            return std::move(a);
           });
     });
   }));
@@ -436,14 +455,17 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->conn_ = conn_;
   s->key_ = reply.key;
   s->id_ = reply.session;
-  s->arena_fd_ = reply.fds[0];
-  s->table_fd_ = reply.fds[1];
-  s->region_fd_ = reply.fds[2];
-  s->request_fd_ = reply.fds[3];
-  s->completion_fd_ = reply.fds[4];
+  s->res_ = std::make_unique<Session::Resources>();
+  Session::Resources& res = *s->res_;
+  res.arena_fd = std::move(reply.fds[0]);
+  res.table_fd = std::move(reply.fds[1]);
+  res.region_fd = std::move(reply.fds[2]);
+  res.request_fd = std::move(reply.fds[3]);
+  res.completion_fd = std::move(reply.fds[4]);
   // From here the Session's destructor detaches and cleans up whatever is set.
-  for (const int fd : reply.fds) {
-    if (fd < 0) {
+  for (const UniqueFd* fd :
+       {&res.arena_fd, &res.table_fd, &res.region_fd, &res.request_fd, &res.completion_fd}) {
+    if (!fd->valid()) {
       return make_error(EPROTO,
                         "attach: expertd sent no file descriptors (this client needs a "
                         "Unix socket with fd passing)");
@@ -456,14 +478,13 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->request_capacity_ = reply.request_capacity;
   s->completion_capacity_ = reply.completion_capacity;
 
-  void* p = nullptr;
-  EXPERTD_TRY_ASSIGN(p, map_fd(s->arena_fd_, s->arena_bytes_, PROT_READ, "arena"));
-  s->arena_ = static_cast<const uint8_t*>(p);
-  EXPERTD_TRY_ASSIGN(p, map_fd(s->table_fd_, s->table_bytes_, PROT_READ, "slot table"));
-  s->table_ = static_cast<const uint8_t*>(p);
-  EXPERTD_TRY_ASSIGN(
-      p, map_fd(s->region_fd_, s->region_bytes_, PROT_READ | PROT_WRITE, "session region"));
-  s->region_ = static_cast<uint8_t*>(p);
+  EXPERTD_TRY_ASSIGN(res.arena, map_fd(res.arena_fd, s->arena_bytes_, PROT_READ, "arena"));
+  s->arena_ = res.arena.data();
+  EXPERTD_TRY_ASSIGN(res.table, map_fd(res.table_fd, s->table_bytes_, PROT_READ, "slot table"));
+  s->table_ = res.table.data();
+  EXPERTD_TRY_ASSIGN(res.region, map_fd(res.region_fd, s->region_bytes_, PROT_READ | PROT_WRITE,
+                                        "session region"));
+  s->region_ = res.region.data();
 
   // The slot table: ours to trust only after its header matches.
   const ModelLayout& l = s->layout_;
@@ -544,7 +565,7 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
     ++ls.count;
   }
   s->held_.assign(l.slot_count, 0);
-  conn_->watch_doorbell(s->completion_fd_);
+  conn_->watch_doorbell(res.completion_fd.get());
   s->watching_ = true;
   return s;
 }
@@ -554,14 +575,14 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
 
 Session::~Session() {
   (void)detach();
-  if (watching_) conn_->unwatch_doorbell(completion_fd_);
-  if (arena_ != nullptr) ::munmap(const_cast<uint8_t*>(arena_), arena_bytes_);
-  if (table_ != nullptr) ::munmap(const_cast<uint8_t*>(table_), table_bytes_);
-  if (region_ != nullptr) ::munmap(region_, region_bytes_);
-  for (const int fd : {arena_fd_, table_fd_, region_fd_, request_fd_, completion_fd_}) {
-    if (fd >= 0) ::close(fd);
-  }
+  if (watching_) conn_->unwatch_doorbell(res_->completion_fd.get());  // before it closes
 }
+
+int Session::arena_fd() const { return res_->arena_fd.get(); }
+int Session::slot_table_fd() const { return res_->table_fd.get(); }
+int Session::session_fd() const { return res_->region_fd.get(); }
+int Session::request_doorbell_fd() const { return res_->request_fd.get(); }
+int Session::completion_doorbell_fd() const { return res_->completion_fd.get(); }
 
 Status Session::detach() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -611,7 +632,7 @@ void Session::ring_daemon() {
   // between setting waiting and re-reading our tail): either it sees the request or we see it
   // sleeping and wake it.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (req_->waiting.value.load(std::memory_order_relaxed) != 0) wake(request_fd_);
+  if (req_->waiting.value.load(std::memory_order_relaxed) != 0) wake(res_->request_fd.get());
 }
 
 Status Session::push(const abi::Request& r) {
@@ -674,15 +695,17 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
       comp_->waiting.value.store(0, std::memory_order_relaxed);
       return st;
     }
-    pollfd p{completion_fd_, POLLIN, 0};
+    const int doorbell = res_->completion_fd.get();
+    pollfd p{doorbell, POLLIN, 0};
     const int r = ::poll(&p, 1, kSleepSliceMs);
+    const int err = errno;
     if (r > 0) {
       uint64_t v = 0;
-      [[maybe_unused]] const ssize_t n = ::read(completion_fd_, &v, sizeof(v));
-    } else if (r < 0 && errno != EINTR) {
+      [[maybe_unused]] const ssize_t n = ::read(doorbell, &v, sizeof(v));
+    } else if (r < 0 && err != EINTR) {
       comp_->waiting.value.store(0, std::memory_order_relaxed);
-      return make_error(
-          errno, fmt::format("poll on session {}'s doorbell: {}", id_, std::strerror(errno)));
+      return make_error(err,
+                        fmt::format("poll on session {}'s doorbell: {}", id_, std::strerror(err)));
     }
   }
 }
@@ -734,6 +757,10 @@ Status Session::push_release(uint32_t slot) {
   abi::Request r{};
   r.op = abi::kOpRelease;
   r.arg = slot;
+  // Callers release only what this Session counted as held.
+  EXPERTD_CHECK_LT(slot, held_.size());
+  EXPERTD_CHECK_GT(held_[slot], 0);
+  EXPERTD_CHECK_GT(holds_.load(std::memory_order_relaxed), 0);
   EXPERTD_TRY(push(r));
   --held_[slot];
   holds_.fetch_sub(1, std::memory_order_relaxed);
@@ -795,10 +822,12 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
       ++in_flight_;
       pushed = true;
     }
+    EXPERTD_CHECK_LE(in_flight_, window);
     if (pushed) ring_daemon();
     if (done == sent) break;  // a push failed: nothing more to wait for
     abi::CompletionEntry c{};
     if (auto st = wait_completion(&c); !st) return st;  // the daemon dropped every hold
+    EXPERTD_CHECK_GT(in_flight_, 0);                    // a completion answers an acquire we sent
     --in_flight_;
     const uint64_t i = c.tag - tag0;
     if (c.tag < tag0 || i >= n || out[i].slot_data != nullptr || c.layer != layer ||
@@ -828,6 +857,7 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
       if (failed) failed = std::move(st);
       continue;
     }
+    EXPERTD_CHECK_LT(out[i].slot, held_.size());  // fill_view() checked it against the layout
     ++held_[out[i].slot];
     holds_.fetch_add(1, std::memory_order_relaxed);
   }

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <random>
 
+#include "base/check.h"
+
 namespace expertd {
 
 namespace {
@@ -66,8 +68,9 @@ struct DaemonCore::Session {
   uint32_t model = 0;
   ClientIdentity who;
   SharedRegion region;
-  int request_fd = -1;
-  int completion_fd = -1;
+  UniqueFd request_fd;     // eventfd: the client rings us (watched while the session is open)
+  UniqueFd completion_fd;  // eventfd: we ring the client
+  // These point into `region`.
   abi::SessionHeader* header = nullptr;
   abi::RingHeader* req = nullptr;
   abi::Request* req_entries = nullptr;
@@ -83,11 +86,6 @@ struct DaemonCore::Session {
   uint64_t acquires = 0;
   uint64_t prefetches = 0;
   uint64_t releases = 0;
-
-  ~Session() {
-    if (request_fd >= 0) ::close(request_fd);
-    if (completion_fd >= 0) ::close(completion_fd);
-  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -199,9 +197,13 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   }
   spdlog::info("backend: {}", core->io_->describe());
 
-  core->command_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (core->command_fd_ < 0) return make_error(errno, "eventfd for the command queue failed");
-  EXPERTD_TRY(core->io_->watch(core->command_fd_, kCommandTag));
+  core->command_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!core->command_fd_.valid()) {
+    const int err = errno;
+    return make_error(err, fmt::format("eventfd for the command queue: {}", std::strerror(err)));
+  }
+  EXPERTD_TRY(core->io_->watch(core->command_fd_.get(), kCommandTag));
+  core->commands_.resize(kMaxCommands);
   core->sessions_.resize(config.max_sessions);
   core->start_ns_ = monotonic_ns();
   core->refresh_status();
@@ -262,10 +264,7 @@ ReadConfig DaemonCore::choose_read_config(const std::vector<GgufModel>& models,
   return choice->config;
 }
 
-DaemonCore::~DaemonCore() {
-  stop();
-  if (command_fd_ >= 0) ::close(command_fd_);
-}
+DaemonCore::~DaemonCore() { stop(); }
 
 std::string DaemonCore::backend_name() const { return std::string(io_->name()); }
 
@@ -283,7 +282,7 @@ Status DaemonCore::start() {
 void DaemonCore::stop() {
   if (!running_.load()) return;
   stop_ = true;
-  ring_eventfd(command_fd_);
+  ring_eventfd(command_fd_.get());
   if (thread_.joinable()) thread_.join();
   running_ = false;
 }
@@ -291,20 +290,37 @@ void DaemonCore::stop() {
 bool DaemonCore::post(std::function<void(DaemonCore&)> fn) {
   {
     std::lock_guard<std::mutex> lock(command_mu_);
-    if (commands_.size() >= kMaxCommands || stop_.load()) return false;
-    commands_.push_back(std::move(fn));
+    const uint32_t queued = command_tail_ - command_head_;
+    EXPERTD_CHECK_LE(queued, kMaxCommands);
+    if (queued == kMaxCommands || stop_.load()) return false;
+    commands_[command_tail_ % kMaxCommands] = std::move(fn);  // a move: the slot allocates nothing
+    ++command_tail_;
+    commands_queued_.fetch_add(1, std::memory_order_relaxed);
   }
-  ring_eventfd(command_fd_);
+  ring_eventfd(command_fd_.get());
   return true;
 }
 
 void DaemonCore::run_commands() {
-  std::deque<std::function<void(DaemonCore&)>> batch;
-  {
-    std::lock_guard<std::mutex> lock(command_mu_);
-    batch.swap(commands_);
+  // Every loop: one load and no lock while nothing is queued. A post() after this load is seen
+  // next loop (its eventfd write makes the wait return at once).
+  uint32_t n = commands_queued_.load(std::memory_order_relaxed);
+  // Only the commands queued now: one that posts another does not keep the loop here. Each runs
+  // outside the lock, so it may post() itself.
+  for (; n > 0; --n) {
+    std::function<void(DaemonCore&)> fn;
+    {
+      std::lock_guard<std::mutex> lock(command_mu_);
+      EXPERTD_CHECK_NE(command_tail_, command_head_);  // commands_queued_ counted it
+      EXPERTD_CHECK_LE(command_tail_ - command_head_, kMaxCommands);
+      auto& slot = commands_[command_head_ % kMaxCommands];
+      fn = std::move(slot);
+      slot = nullptr;  // a moved-from std::function is only "valid but unspecified"
+      ++command_head_;
+      commands_queued_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    fn(*this);
   }
-  for (auto& fn : batch) fn(*this);
 }
 
 void DaemonCore::run() {
@@ -329,14 +345,17 @@ void DaemonCore::run() {
     for (int i = 0; i < n; ++i) {
       const uint64_t tag = fd_events[static_cast<size_t>(i)].tag;
       if (tag == kCommandTag) {
-        drain_eventfd(command_fd_);
+        drain_eventfd(command_fd_.get());
       } else if (tag & kSessionTag) {
         const uint64_t id = tag & ~kSessionTag;
-        if (id < sessions_.size() && sessions_[id]) drain_eventfd(sessions_[id]->request_fd);
+        EXPERTD_CHECK_LT(id, sessions_.size());  // our own tag (attach)
+        // A session detached in this loop may still have an event in this batch.
+        if (sessions_[id]) drain_eventfd(sessions_[id]->request_fd.get());
       }
     }
     flush_completions();
-    ++reactor_loops_;
+    reactor_loops_.store(reactor_loops_.load(std::memory_order_relaxed) + 1,
+                         std::memory_order_relaxed);
     const uint64_t ms = now_ms();
     last_progress_ms_.store(ms, std::memory_order_relaxed);
     if (ms - last_status_ms >= 1000) {
@@ -399,22 +418,32 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
   s->req->entry_bytes = sizeof(abi::Request);
   s->comp->capacity = kCompletionCapacity;
   s->comp->entry_bytes = sizeof(abi::CompletionEntry);
-  s->request_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  s->completion_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (s->request_fd < 0 || s->completion_fd < 0) {
-    return make_error(errno, fmt::format("eventfd: {}", std::strerror(errno)));
+  for (UniqueFd* fd : {&s->request_fd, &s->completion_fd}) {
+    *fd = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!fd->valid()) {
+      const int err = errno;
+      return make_error(err, fmt::format("eventfd: {}", std::strerror(err)));
+    }
   }
   s->holds.assign(models_[model]->store->slot_count(), 0);
-  EXPERTD_TRY(io_->watch(s->request_fd, kSessionTag | id));
 
   const ExpertStore& store = *models_[model]->store;
   Attachment a;
   a.session = id;
-  a.arena_fd = ::fcntl(store.arena().fd(), F_DUPFD_CLOEXEC, 0);
-  a.slot_table_fd = ::fcntl(store.slot_table().fd(), F_DUPFD_CLOEXEC, 0);
-  a.session_fd = ::fcntl(s->region.fd(), F_DUPFD_CLOEXEC, 0);
-  a.request_doorbell = ::fcntl(s->request_fd, F_DUPFD_CLOEXEC, 0);
-  a.completion_doorbell = ::fcntl(s->completion_fd, F_DUPFD_CLOEXEC, 0);
+  a.arena_fd = dup_fd(store.arena().fd());
+  a.slot_table_fd = dup_fd(store.slot_table().fd());
+  a.session_fd = dup_fd(s->region.fd());
+  a.request_doorbell = dup_fd(s->request_fd.get());
+  a.completion_doorbell = dup_fd(s->completion_fd.get());
+  for (const UniqueFd* fd : {&a.arena_fd, &a.slot_table_fd, &a.session_fd, &a.request_doorbell,
+                             &a.completion_doorbell}) {
+    if (!fd->valid()) {
+      const int err = errno;
+      return make_error(err, fmt::format("dup of a session fd: {}", std::strerror(err)));
+    }
+  }
+  // Last: no failure after it can leave the fd of a session that never was watched.
+  EXPERTD_TRY(io_->watch(s->request_fd.get(), kSessionTag | id));
   a.arena_bytes = store.arena().size();
   a.slot_table_bytes = store.slot_table().size();
   a.session_bytes = s->region.size();
@@ -438,7 +467,7 @@ void DaemonCore::detach(uint32_t id, const char* why) {
       ++released;
     }
   }
-  (void)io_->unwatch(s.request_fd);
+  if (!s.closed) (void)io_->unwatch(s.request_fd.get());  // close_session() unwatched it
   spdlog::info("session {}: detached ({}); {} holds released", id, why, released);
   sessions_[id].reset();
 }
@@ -449,7 +478,7 @@ void DaemonCore::close_session(Session& s, int reason, const std::string& why) {
   ++sessions_closed_hostile_;
   spdlog::warn("session {} (pid {}, {}): closed: {}", s.id, s.who.pid, s.who.name, why);
   s.header->closed.store(reason, std::memory_order_release);
-  ring_eventfd(s.completion_fd);  // wake a sleeping client so it sees the closure
+  ring_eventfd(s.completion_fd.get());  // wake a sleeping client so it sees the closure
   // Holds and waiting acquires go now; the region stays mapped until the client detaches.
   Scheduler& sched = models_[s.model]->store->scheduler();
   sched.drop_session(s.id);
@@ -457,7 +486,7 @@ void DaemonCore::close_session(Session& s, int reason, const std::string& why) {
     for (; s.holds[slot] > 0; --s.holds[slot]) (void)sched.release(s.id, slot);
   }
   s.hold_count = 0;
-  (void)io_->unwatch(s.request_fd);
+  (void)io_->unwatch(s.request_fd.get());
 }
 
 bool DaemonCore::poll_session(Session& s) {
@@ -471,6 +500,7 @@ bool DaemonCore::poll_session(Session& s) {
     return false;
   }
   const uint32_t n = std::min(available, kRequestBudget);
+  EXPERTD_CHECK_LE(n, kRequestCapacity);  // available was checked against it above
   for (uint32_t i = 0; i < n && !s.closed; ++i) {
     abi::Request r;
     // Copy once; the client may rewrite the entry while we look at it.
@@ -526,6 +556,7 @@ void DaemonCore::handle_request(Session& s, const abi::Request& r) {
         return close_session(
             s, -EINVAL, fmt::format("release of slot {}, which this session does not hold", r.arg));
       }
+      EXPERTD_CHECK_GT(s.hold_count, 0);  // holds[r.arg] > 0 is counted in it
       --s.holds[r.arg];
       --s.hold_count;
       ++s.releases;
@@ -545,20 +576,25 @@ void DaemonCore::handle_request(Session& s, const abi::Request& r) {
 }
 
 void DaemonCore::deliver(uint32_t model, const Completion& c) {
-  Session* s = c.session < sessions_.size() ? sessions_[c.session].get() : nullptr;
+  EXPERTD_CHECK_LT(c.session, sessions_.size());  // the scheduler only knows ids attach() gave
+  Session* s = sessions_[c.session].get();
   if (s == nullptr || s->closed || s->model != model) {
     // drop_session() unlinks waiting acquires, so this is only reachable for a session closed
     // between an acquire and its immediate completion; the hold is returned at once.
     if (c.slot >= 0) (void)models_[model]->store->scheduler().release(c.session, c.slot);
     return;
   }
-  if (s->outstanding > 0) --s->outstanding;
+  // One completion per acquire of an open session: handle_request() counted it, and admitted it
+  // only while outstanding + unread stayed below the ring's capacity.
+  EXPERTD_CHECK_GT(s->outstanding, 0);
+  EXPERTD_CHECK_LE(s->outstanding, kCompletionCapacity);
+  --s->outstanding;
   abi::CompletionEntry e{c.tag, c.slot, c.generation, c.key.layer, c.key.expert};
-  // handle_request() keeps outstanding + unread below the capacity, so the ring has room.
   s->comp_entries[s->comp_tail & (kCompletionCapacity - 1)] = e;
   ++s->comp_tail;
   s->comp->tail.value.store(s->comp_tail, std::memory_order_release);
   if (c.slot >= 0) {
+    EXPERTD_CHECK_LT(static_cast<uint32_t>(c.slot), s->holds.size());  // a slot of its model
     ++s->holds[static_cast<uint32_t>(c.slot)];
     ++s->hold_count;
   }
@@ -575,7 +611,8 @@ void DaemonCore::flush_completions() {
   for (auto& s : sessions_) {
     if (!s || !s->comp_dirty) continue;
     s->comp_dirty = false;
-    if (s->comp->waiting.value.load(std::memory_order_relaxed) != 0) ring_eventfd(s->completion_fd);
+    if (s->comp->waiting.value.load(std::memory_order_relaxed) != 0)
+      ring_eventfd(s->completion_fd.get());
   }
 }
 
@@ -631,7 +668,7 @@ DaemonStats DaemonCore::stats() const {
   d.backend_detail = io_->describe() + "; reads: " + read_choice_;
   if (!fallback_reason_.empty()) d.backend_detail += " [" + fallback_reason_ + "]";
   d.uptime_ms = (monotonic_ns() - start_ns_) / 1'000'000;
-  d.reactor_loops = reactor_loops_;
+  d.reactor_loops = reactor_loops();
   d.policy = config_.policy;
   d.sessions_closed_hostile = sessions_closed_hostile_;
   for (const auto& m : models_) {
@@ -747,6 +784,8 @@ Result<uint32_t> DaemonCore::evict_all(const std::string& model) {
 }
 
 void DaemonCore::refresh_status() {
+  // Verify mode only, and only when a load differed since the last refresh: a log line (which
+  // allocates) is worth it then.
   for (auto& m : models_) {
     if (!m->verifier) continue;
     const uint64_t failures = m->verifier->failures();
@@ -768,15 +807,21 @@ void DaemonCore::refresh_status() {
   uint32_t sessions = 0;
   for (const auto& s : sessions_) sessions += s ? 1 : 0;
   const double rate = acquires ? 100.0 * static_cast<double>(hits) / acquires : 0.0;
-  std::string line = fmt::format("backend {}, {} experts cached, hit rate {:.1f}%, {} sessions",
-                                 io_->name(), ready, rate, sessions);
+  // Formatted into a fixed buffer (truncated if it were ever longer): the reactor allocates
+  // nothing here.
+  std::array<char, sizeof(status_)> line;
+  const auto r = fmt::format_to_n(line.data(), line.size(),
+                                  "backend {}, {} experts cached, hit rate {:.1f}%, {} sessions",
+                                  io_->name(), ready, rate, sessions);
+  const size_t len = std::min(r.size, line.size());
   std::lock_guard<std::mutex> lock(status_mu_);
-  status_ = std::move(line);
+  std::memcpy(status_.data(), line.data(), len);
+  status_len_ = len;
 }
 
 std::string DaemonCore::status_line() const {
   std::lock_guard<std::mutex> lock(status_mu_);
-  return status_;
+  return std::string(status_.data(), status_len_);
 }
 
 }  // namespace expertd

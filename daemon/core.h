@@ -3,10 +3,12 @@
 //
 // Threads. The reactor thread owns all of it and sleeps only in the backend's wait (io_uring),
 // where client doorbells and the command eventfd are watched too. Other threads (the Cap'n Proto
-// control loop, signal handling) talk to it only through post(): a bounded, mutex-protected command
-// queue plus an eventfd. A command runs on the reactor thread and answers through its callback,
-// also on the reactor thread (the caller hands the answer back to its own thread, e.g. with a kj
-// cross-thread fulfiller). Nothing on the data path locks or allocates.
+// control loop, signal handling) talk to it only through post(): a bounded command ring (a mutex
+// for the posters, one atomic load for the reactor when it is empty) plus an eventfd. A command
+// runs on the reactor thread and answers through its callback, also on the reactor thread (the
+// caller hands the answer back to its own thread, e.g. with a kj cross-thread fulfiller). Nothing
+// on the data path locks or allocates: a reactor loop without commands does neither
+// (tests/daemon/reactor_alloc_test.cc counts its allocations).
 //
 // Sessions. attach() creates a session region (header + request ring + completion ring) and two
 // eventfds (client → daemon doorbell, daemon → client doorbell). The reactor copies every request
@@ -19,9 +21,9 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -30,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/fd.h"
 #include "cache/scheduler.h"
 #include "cache/shm.h"
 #include "cache/store.h"
@@ -46,15 +49,16 @@ using ModelStats = client::ModelStats;
 using SessionStats = client::SessionStats;
 using DaemonStats = client::Stats;
 
-// File descriptors handed to an attached client (the caller passes them on and closes its
-// copies). Ring capacities and the session id are also in the session region's header.
+// What an attached client gets: duplicates of the session's file descriptors, owned here until
+// the caller passes them on (move-only). Ring capacities and the session id are also in the
+// session region's header.
 struct Attachment {
   uint32_t session = 0;
-  int arena_fd = -1;             // sealed, read-only for the client
-  int slot_table_fd = -1;        // sealed, read-only for the client
-  int session_fd = -1;           // the session region, read-write
-  int request_doorbell = -1;     // client writes it when the daemon sleeps
-  int completion_doorbell = -1;  // daemon writes it when the client sleeps
+  UniqueFd arena_fd;             // sealed, read-only for the client
+  UniqueFd slot_table_fd;        // sealed, read-only for the client
+  UniqueFd session_fd;           // the session region, read-write
+  UniqueFd request_doorbell;     // client writes it when the daemon sleeps
+  UniqueFd completion_doorbell;  // daemon writes it when the client sleeps
   uint64_t arena_bytes = 0;
   uint64_t slot_table_bytes = 0;
   uint64_t session_bytes = 0;
@@ -111,6 +115,8 @@ class DaemonCore {
   std::string backend_name() const;
   // Milliseconds of monotonic time when the reactor last finished a loop (watchdog).
   uint64_t last_progress_ms() const { return last_progress_ms_.load(std::memory_order_relaxed); }
+  // Loops the reactor has finished (also in stats()).
+  uint64_t reactor_loops() const { return reactor_loops_.load(std::memory_order_relaxed); }
   // A short human status for systemd's STATUS=, refreshed by the reactor.
   std::string status_line() const;
 
@@ -142,20 +148,32 @@ class DaemonCore {
   std::unique_ptr<StoreReactor> reactor_;
   std::vector<std::unique_ptr<Session>> sessions_;  // index = session id; null when free
   uint64_t sessions_closed_hostile_ = 0;
-  uint64_t reactor_loops_ = 0;
+  std::atomic<uint64_t> reactor_loops_{0};  // written by the reactor only
   uint64_t start_ns_ = 0;
 
-  int command_fd_ = -1;  // eventfd
-  std::mutex command_mu_;
-  std::deque<std::function<void(DaemonCore&)>> commands_;
-  static constexpr size_t kMaxCommands = 1024;
+  // The command ring: kMaxCommands slots allocated once by create(), so taking a command moves it
+  // out of its slot and allocates nothing on the reactor. The commands are std::function because
+  // they come from the control plane (RPC, signals), never from the data path; the poster pays for
+  // building one. commands_queued_ is what the reactor reads every loop: while it is 0 the loop
+  // takes no lock.
+  static constexpr uint32_t kMaxCommands = 1024;
+  UniqueFd command_fd_;    // eventfd: a post() wakes the reactor
+  std::mutex command_mu_;  // the slots and both indices
+  std::vector<std::function<void(DaemonCore&)>> commands_;
+  uint32_t command_head_ = 0;  // the next to run (reactor); free-running, mod kMaxCommands
+  uint32_t command_tail_ = 0;  // the next free slot (posters)
+  std::atomic<uint32_t> commands_queued_{0};
 
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> last_progress_ms_{0};
+  // status_line()'s text. The reactor rewrites it once a second under status_mu_ (the main thread
+  // reads it for systemd's STATUS=): one lock a second, not one a loop, and a fixed buffer, so the
+  // refresh allocates nothing on the reactor.
   mutable std::mutex status_mu_;
-  std::string status_;
+  std::array<char, 192> status_{};
+  size_t status_len_ = 0;
 };
 
 }  // namespace expertd

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/fd.h"
 #include "daemon/config.h"
 #include "daemon/core.h"
 #include "daemon/rpc.h"
@@ -158,19 +159,27 @@ int run(const Flags& flags) {
   sigaddset(&mask, SIGTERM);
   sigaddset(&mask, SIGINT);
   sigaddset(&mask, SIGHUP);
-  const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
+  const expertd::UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC));
+  if (!sfd.valid()) {
+    // The signals are blocked: without the signalfd SIGTERM would never be seen.
+    const int e = errno;
+    spdlog::critical("signalfd: {}", std::strerror(e));
+    (*rpc)->stop();
+    (*core)->stop();
+    return 1;
+  }
   uint64_t watchdog_usec = 0;
   const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
   const uint64_t tick_ms = watchdog ? std::max<uint64_t>(watchdog_usec / 2000, 50) : 1000;
   std::string last_status;
   int exit_code = 0;
   while (true) {
-    pollfd p{sfd, POLLIN, 0};
+    pollfd p{sfd.get(), POLLIN, 0};
     const int r = ::poll(&p, 1, static_cast<int>(tick_ms));
     if (r < 0 && errno != EINTR) break;
     if (r > 0) {
       signalfd_siginfo si{};
-      if (::read(sfd, &si, sizeof(si)) == sizeof(si)) {
+      if (::read(sfd.get(), &si, sizeof(si)) == sizeof(si)) {
         if (si.ssi_signo == SIGHUP) {
           sd_notify(0, "RELOADING=1");
           reload(**core, flags);
@@ -194,7 +203,6 @@ int run(const Flags& flags) {
   sd_notify(0, "STOPPING=1");
   (*rpc)->stop();
   (*core)->stop();
-  ::close(sfd);
   spdlog::info("expertd stopped");
   return exit_code;
 }

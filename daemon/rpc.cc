@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/fd.h"
 #include "client/expertd.capnp.h"
 #include "client/include/expertd/protocol.h"
 #include "client/wire.h"
@@ -77,38 +78,31 @@ kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
 // An fd passed to the client; closed when the capability goes.
 class FdImpl final : public rpc::Fd::Server {
  public:
-  explicit FdImpl(int fd) : fd_(fd) {}
-  ~FdImpl() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  kj::Maybe<int> getFd() override { return fd_; }
+  explicit FdImpl(UniqueFd fd) : fd_(std::move(fd)) {}
+  kj::Maybe<int> getFd() override { return fd_.get(); }
 
  private:
-  int fd_;
+  UniqueFd fd_;
 };
 
-// The result of an attach while it travels from the reactor to the RPC thread. Owns the fds and
-// the session: if nobody takes them (the caller's connection closed meanwhile), the destructor
-// closes the fds and detaches the session.
+// The result of an attach while it travels from the reactor to the RPC thread. Owns the fds (in
+// the Attachment) and the session: if nobody takes them (the caller's connection closed
+// meanwhile), the fds close and the destructor detaches the session.
 class OwnedAttachment {
  public:
-  OwnedAttachment(DaemonCore& core, Attachment a) : core_(&core), a_(a) {}
+  OwnedAttachment(DaemonCore& core, Attachment a) : core_(&core), a_(std::move(a)) {}
   OwnedAttachment(OwnedAttachment&& o) noexcept
-      : core_(std::exchange(o.core_, nullptr)), a_(o.a_) {}
+      : core_(std::exchange(o.core_, nullptr)), a_(std::move(o.a_)) {}
   OwnedAttachment& operator=(OwnedAttachment&&) = delete;
   ~OwnedAttachment() {
     if (core_ == nullptr) return;
-    for (int fd : {a_.arena_fd, a_.slot_table_fd, a_.session_fd, a_.request_doorbell,
-                   a_.completion_doorbell}) {
-      if (fd >= 0) ::close(fd);
-    }
     const uint32_t id = a_.session;
     (void)core_->post([id](DaemonCore& c) { c.detach(id, "attach abandoned by the client"); });
   }
   // Hands over the fds and the session.
   Attachment release() {
     core_ = nullptr;
-    return a_;
+    return std::move(a_);
   }
 
  private:
@@ -204,10 +198,10 @@ class ExpertdImpl final : public rpc::Expertd::Server {
                                        [model, who](DaemonCore& c) -> Result<OwnedAttachment> {
                                          auto a = c.attach(model, who);
                                          if (!a) return a.take_error();
-                                         return OwnedAttachment(c, *a);
+                                         return OwnedAttachment(c, std::move(*a));
                                        })
         .then([this, context](kj::Own<OwnedAttachment> owned) mutable {
-          const Attachment a = owned->release();
+          Attachment a = owned->release();
           auto r = context.getResults();
           r.setSession(kj::heap<SessionImpl>(core_, a.session));
           r.setSessionId(a.session);
@@ -216,11 +210,11 @@ class ExpertdImpl final : public rpc::Expertd::Server {
           r.setSessionBytes(a.session_bytes);
           r.setRequestCapacity(a.request_capacity);
           r.setCompletionCapacity(a.completion_capacity);
-          r.setArena(kj::heap<FdImpl>(a.arena_fd));
-          r.setSlotTable(kj::heap<FdImpl>(a.slot_table_fd));
-          r.setSessionRegion(kj::heap<FdImpl>(a.session_fd));
-          r.setRequestDoorbell(kj::heap<FdImpl>(a.request_doorbell));
-          r.setCompletionDoorbell(kj::heap<FdImpl>(a.completion_doorbell));
+          r.setArena(kj::heap<FdImpl>(std::move(a.arena_fd)));
+          r.setSlotTable(kj::heap<FdImpl>(std::move(a.slot_table_fd)));
+          r.setSessionRegion(kj::heap<FdImpl>(std::move(a.session_fd)));
+          r.setRequestDoorbell(kj::heap<FdImpl>(std::move(a.request_doorbell)));
+          r.setCompletionDoorbell(kj::heap<FdImpl>(std::move(a.completion_doorbell)));
         });
   }
 
@@ -436,7 +430,7 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   }
 
   // The thread's body: serves `listen_fd` until stop is fulfilled.
-  void run(int listen_fd, std::promise<std::string>& started) {
+  void run(UniqueFd listen_fd, std::promise<std::string>& started) {
     bool announced = false;  // after that, `started` belongs to a returned start()
     try {
       auto io = kj::setupAsyncIo();
@@ -445,9 +439,9 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
       auto stop = kj::newPromiseAndCrossThreadFulfiller<void>();
       stop_fulfiller = kj::mv(stop.fulfiller);
       auto listener = io.lowLevelProvider->wrapListenSocketFd(
-          listen_fd, kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
-                         kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC |
-                         kj::LowLevelAsyncIoProvider::ALREADY_NONBLOCK);
+          listen_fd.release(), kj::LowLevelAsyncIoProvider::TAKE_OWNERSHIP |
+                                   kj::LowLevelAsyncIoProvider::ALREADY_CLOEXEC |
+                                   kj::LowLevelAsyncIoProvider::ALREADY_NONBLOCK);
       auto accepting = accept_loop(*listener).eagerlyEvaluate([](kj::Exception&& e) {
         spdlog::error("rpc: accepting connections failed: {}", e.getDescription().cStr());
       });
@@ -494,8 +488,10 @@ Error socket_error(const std::string& path, const char* what, int e) {
 Status make_parent_dirs(const std::string& path) {
   for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
     const std::string dir = path.substr(0, pos);
-    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      return socket_error(path, fmt::format("creating directory {}", dir).c_str(), errno);
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+      const int e = errno;  // before the format below
+      if (e != EEXIST)
+        return socket_error(path, fmt::format("creating directory {}", dir).c_str(), e);
     }
   }
   return Ok{};
@@ -511,11 +507,10 @@ Status remove_stale_socket(const std::string& path, const sockaddr_un& addr) {
     return make_error(EEXIST,
                       fmt::format("control socket {}: the path exists and is not a socket", path));
   }
-  const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (probe < 0) return socket_error(path, "socket", errno);
-  const int r = ::connect(probe, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) return socket_error(path, "socket", errno);
+  const int r = ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int e = errno;
-  ::close(probe);
   if (r == 0) {
     return make_error(EADDRINUSE,
                       fmt::format("control socket {}: another expertd is listening on it", path));
@@ -541,37 +536,33 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 
   // Socket activation (expertd.socket): systemd already bound and listens on the path.
-  int fd = -1;
+  UniqueFd fd;
   bool activated = false;
   if (sd_listen_fds(1) >= 1 &&
       sd_is_socket_unix(SD_LISTEN_FDS_START, SOCK_STREAM, 1, path.c_str(), 0) > 0) {
-    fd = SD_LISTEN_FDS_START;
+    fd = UniqueFd(SD_LISTEN_FDS_START);
     activated = true;
-    const int flags = ::fcntl(fd, F_GETFL);
-    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK);
+    ::fcntl(fd.get(), F_SETFD, FD_CLOEXEC);
     spdlog::info("rpc: using the socket systemd passed for {}", path);
   } else {
     EXPERTD_TRY(make_parent_dirs(path));
     EXPERTD_TRY(remove_stale_socket(path, addr));
-    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return socket_error(path, "socket", errno);
-    auto fail = [&](const char* what) {
-      const int e = errno;
-      ::close(fd);
-      return socket_error(path, what, e);
-    };
-    if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-      return fail("bind");
+    fd = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd.valid()) return socket_error(path, "socket", errno);
+    if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      return socket_error(path, "bind", errno);
     }
-    if (::chmod(path.c_str(), 0660) != 0) return fail("chmod 0660");
+    if (::chmod(path.c_str(), 0660) != 0) return socket_error(path, "chmod 0660", errno);
     // Members of the first allowed group reach the socket through its group permission.
     if (!config.allowed_gids.empty() &&
         ::chown(path.c_str(), static_cast<uid_t>(-1), config.allowed_gids.front()) != 0) {
+      const int e = errno;
       spdlog::warn("rpc: cannot give {} to group {}: {}", path, config.allowed_gids.front(),
-                   std::strerror(errno));
+                   std::strerror(e));
     }
-    if (::listen(fd, kListenBacklog) != 0) return fail("listen");
+    if (::listen(fd.get(), kListenBacklog) != 0) return socket_error(path, "listen", errno);
   }
   struct stat st {};
   if (!activated) (void)::stat(path.c_str(), &st);
@@ -583,7 +574,9 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   server->loop_ = std::make_shared<Loop>(core, config);
   std::promise<std::string> started;
   auto started_future = started.get_future();
-  server->thread_ = std::thread([loop = server->loop_, fd, &started] { loop->run(fd, started); });
+  server->thread_ = std::thread([loop = server->loop_, fd = std::move(fd), &started]() mutable {
+    loop->run(std::move(fd), started);
+  });
   const std::string error = started_future.get();
   if (!error.empty()) {
     server->thread_.join();

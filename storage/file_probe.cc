@@ -62,22 +62,23 @@ DioAlignment probe_dio_alignment(int fd) {
   return {};
 }
 
+namespace {
+Error open_error(const std::string& path, const char* what, int err) {
+  return make_error(err, fmt::format("{}: {}: {}", path, what, std::strerror(err)));
+}
+}  // namespace
+
 Result<OpenedFile> open_data_file(const std::string& path) {
   OpenedFile file;
   file.buffered = UniqueFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!file.buffered.valid()) {
-    return make_error(errno, fmt::format("{}: open: {}", path, std::strerror(errno)));
-  }
+  if (!file.buffered.valid()) return open_error(path, "open", errno);
   file.direct = UniqueFd(::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
   if (!file.direct.valid()) {
+    const int err = errno;
     // EINVAL: the file system has no O_DIRECT (tmpfs before 6.6, some FUSE). Keep serving.
-    if (errno != EINVAL) {
-      return make_error(errno, fmt::format("{}: open O_DIRECT: {}", path, std::strerror(errno)));
-    }
+    if (err != EINVAL) return open_error(path, "open O_DIRECT", err);
     file.direct = UniqueFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!file.direct.valid()) {
-      return make_error(errno, fmt::format("{}: open: {}", path, std::strerror(errno)));
-    }
+    if (!file.direct.valid()) return open_error(path, "open", errno);
     file.info.direct_io = false;
   }
   struct statx st;

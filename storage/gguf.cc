@@ -14,6 +14,7 @@
 #include <set>
 
 #include "base/check.h"
+#include "base/fd.h"
 
 namespace expertd {
 
@@ -24,11 +25,8 @@ namespace {
 
 class FileSource final : public ByteSource {
  public:
-  FileSource(std::string name, int fd, uint64_t size)
-      : name_(std::move(name)), fd_(fd), size_(size) {}
-  ~FileSource() override { ::close(fd_); }
-  FileSource(const FileSource&) = delete;
-  FileSource& operator=(const FileSource&) = delete;
+  FileSource(std::string name, UniqueFd fd, uint64_t size)
+      : name_(std::move(name)), fd_(std::move(fd)), size_(size) {}
 
   uint64_t size() const override { return size_; }
   const std::string& name() const override { return name_; }
@@ -36,8 +34,8 @@ class FileSource final : public ByteSource {
   Status read_exact(uint64_t offset, std::span<uint8_t> dst) const override {
     size_t done = 0;
     while (done < dst.size()) {
-      const ssize_t n =
-          ::pread(fd_, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      const ssize_t n = ::pread(fd_.get(), dst.data() + done, dst.size() - done,
+                                static_cast<off_t>(offset + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
         const int e = errno;
@@ -55,7 +53,7 @@ class FileSource final : public ByteSource {
 
  private:
   std::string name_;
-  int fd_;
+  UniqueFd fd_;
   uint64_t size_;
 };
 
@@ -81,23 +79,21 @@ class MemorySource final : public ByteSource {
 }  // namespace
 
 Result<std::unique_ptr<ByteSource>> open_file_source(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) {
     const int e = errno;
     return make_error(e, fmt::format("{}: cannot open: {}", path, std::strerror(e)));
   }
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd.get(), &st) != 0) {
     const int e = errno;
-    ::close(fd);
     return make_error(e, fmt::format("{}: cannot stat: {}", path, std::strerror(e)));
   }
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
-    ::close(fd);
     return make_error(EINVAL, fmt::format("{}: not a regular file", path));
   }
   return std::unique_ptr<ByteSource>(
-      std::make_unique<FileSource>(path, fd, static_cast<uint64_t>(st.st_size)));
+      std::make_unique<FileSource>(path, std::move(fd), static_cast<uint64_t>(st.st_size)));
 }
 
 std::unique_ptr<ByteSource> memory_source(std::string name, std::span<const uint8_t> bytes) {

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "base/check.h"
+#include "storage/owned_ring.h"
 
 namespace expertd {
 namespace {
@@ -70,7 +71,7 @@ GgufWriter::GgufWriter(GgufWriter&& other) noexcept
       data_bytes_(other.data_bytes_),
       options_(other.options_),
       path_(std::move(other.path_)),
-      fd_(std::exchange(other.fd_, -1)),
+      fd_(std::move(other.fd_)),
       temp_exists_(std::exchange(other.temp_exists_, false)),
       direct_(other.direct_),
       buffer_cap_(other.buffer_cap_),
@@ -390,21 +391,18 @@ AlignedBuffer aligned_buffer(uint64_t bytes) {
 struct GgufWriter::DirectIo {
   AlignedBuffer stage[2];
   int filling = 0;
-  bool ring_ok = false;
-  io_uring ring{};
+  OwnedRing ring;  // after the stages: it goes first (invalid when io_uring is refused)
   bool in_flight = false;
   uint64_t in_flight_at = 0;
   uint64_t in_flight_bytes = 0;
 
   ~DirectIo() {
-    if (!ring_ok) return;
     // The kernel may still be reading a stage: wait before the memory goes.
-    if (in_flight) {
+    if (ring.valid() && in_flight) {
       io_uring_cqe* cqe = nullptr;
-      while (io_uring_wait_cqe(&ring, &cqe) == -EINTR) {
+      while (io_uring_wait_cqe(ring.get(), &cqe) == -EINTR) {
       }
     }
-    io_uring_queue_exit(&ring);
   }
 };
 
@@ -414,10 +412,7 @@ Error GgufWriter::io_error(std::string_view what, int err) const {
 
 void GgufWriter::discard() {
   dio_.reset();  // first: waits for a write in flight
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
-  }
+  fd_.reset();
   if (temp_exists_) {
     ::unlink(temp_path().c_str());
     temp_exists_ = false;
@@ -447,11 +442,11 @@ Status GgufWriter::begin(const std::string& path, const GgufWriterOptions& optio
   constexpr int kFlags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
   direct_ = false;
   if (options.direct_io) {
-    fd_ = ::open(tmp.c_str(), kFlags | O_DIRECT, 0644);
-    direct_ = fd_ >= 0;
+    fd_ = UniqueFd(::open(tmp.c_str(), kFlags | O_DIRECT, 0644));
+    direct_ = fd_.valid();
   }
-  if (fd_ < 0) fd_ = ::open(tmp.c_str(), kFlags, 0644);
-  if (fd_ < 0) {
+  if (!fd_.valid()) fd_ = UniqueFd(::open(tmp.c_str(), kFlags, 0644));
+  if (!fd_.valid()) {
     const int e = errno;
     state_ = State::kFailed;
     return make_error(e, fmt::format("{}: cannot create: {}", tmp, std::strerror(e)));
@@ -461,7 +456,7 @@ Status GgufWriter::begin(const std::string& path, const GgufWriterOptions& optio
   // Reserving the whole file up front turns a full disk into an error now rather than after
   // minutes of writing. File systems without fallocate simply skip it.
   const uint64_t total = file_bytes();
-  if (total > 0 && ::fallocate(fd_, 0, 0, static_cast<off_t>(total)) != 0) {
+  if (total > 0 && ::fallocate(fd_.get(), 0, 0, static_cast<off_t>(total)) != 0) {
     const int e = errno;
     if (e != EOPNOTSUPP && e != ENOSYS && e != EINVAL) {
       return fail(io_error(fmt::format("cannot reserve {} bytes", total), e));
@@ -472,7 +467,8 @@ Status GgufWriter::begin(const std::string& path, const GgufWriterOptions& optio
     dio_ = std::make_unique<DirectIo>();
     dio_->stage[0] = aligned_buffer(buffer_cap_);
     dio_->stage[1] = aligned_buffer(buffer_cap_);
-    dio_->ring_ok = io_uring_queue_init(2, &dio_->ring, 0) == 0;
+    io_uring_params params{};
+    (void)dio_->ring.init(2, params);  // refused: plain pwrite
     stage_ = dio_->stage[0].get();
   } else {
     buffer_ = std::make_unique<uint8_t[]>(buffer_cap_);
@@ -499,7 +495,7 @@ Status GgufWriter::flush_with(std::span<const uint8_t> tail) {
   const uint64_t at = file_pos_ - buffered_;  // file offset of the stage's first byte
   uint64_t done = 0;
   while (first < last) {
-    const ssize_t n = ::writev(fd_, iov + first, last - first);
+    const ssize_t n = ::writev(fd_.get(), iov + first, last - first);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int e = errno;
@@ -530,11 +526,11 @@ Status GgufWriter::wait_direct() {
   if (!d.in_flight) return Ok{};
   io_uring_cqe* cqe = nullptr;
   int rc = 0;
-  while ((rc = io_uring_wait_cqe(&d.ring, &cqe)) == -EINTR) {
+  while ((rc = io_uring_wait_cqe(d.ring.get(), &cqe)) == -EINTR) {
   }
   if (rc < 0) return fail(io_error("io_uring_wait_cqe failed", -rc));
   const int res = cqe->res;
-  io_uring_cqe_seen(&d.ring, cqe);
+  io_uring_cqe_seen(d.ring.get(), cqe);
   d.in_flight = false;
   if (res < 0) {
     return fail(io_error(
@@ -559,12 +555,12 @@ Status GgufWriter::submit_direct() {
   if (bytes == 0) return Ok{};
   std::memset(stage_ + buffered_, 0, bytes - buffered_);  // only the last block is partial
   EXPERTD_TRY(wait_direct());  // the other stage's write: it is about to be filled
-  if (d.ring_ok) {
-    io_uring_sqe* sqe = io_uring_get_sqe(&d.ring);
+  if (d.ring.valid()) {
+    io_uring_sqe* sqe = io_uring_get_sqe(d.ring.get());
     EXPERTD_CHECK_NE(sqe, nullptr);  // depth 2, at most 1 in flight
-    io_uring_prep_write(sqe, fd_, stage_, static_cast<unsigned>(bytes), at);
+    io_uring_prep_write(sqe, fd_.get(), stage_, static_cast<unsigned>(bytes), at);
     int rc = 0;
-    while ((rc = io_uring_submit(&d.ring)) == -EINTR) {
+    while ((rc = io_uring_submit(d.ring.get())) == -EINTR) {
     }
     if (rc < 0) return fail(io_error("io_uring_submit failed", -rc));
     d.in_flight = true;
@@ -573,7 +569,8 @@ Status GgufWriter::submit_direct() {
   } else {
     uint64_t done = 0;
     while (done < bytes) {
-      const ssize_t n = ::pwrite(fd_, stage_ + done, bytes - done, static_cast<off_t>(at + done));
+      const ssize_t n =
+          ::pwrite(fd_.get(), stage_ + done, bytes - done, static_cast<off_t>(at + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         const int e = n < 0 ? errno : EIO;
@@ -593,7 +590,7 @@ Status GgufWriter::flush_direct_tail() {
   EXPERTD_TRY(submit_direct());
   EXPERTD_TRY(wait_direct());
   // The zero padding of the last block is not part of the file.
-  if (::ftruncate(fd_, static_cast<off_t>(file_pos_)) != 0) {
+  if (::ftruncate(fd_.get(), static_cast<off_t>(file_pos_)) != 0) {
     const int e = errno;
     return fail(io_error(fmt::format("truncate to {} bytes failed", file_pos_), e));
   }
@@ -659,12 +656,12 @@ Status GgufWriter::finish() {
   dio_.reset();
   buffer_.reset();
   stage_ = nullptr;
-  if (options_.sync && ::fsync(fd_) != 0) {
+  if (options_.sync && ::fsync(fd_.get()) != 0) {
     const int e = errno;
     return fail(io_error("fsync failed", e));
   }
-  const int fd = std::exchange(fd_, -1);
-  if (::close(fd) != 0) {
+  // Closed by hand, not by the owner: close(2) can report a write error the file system deferred.
+  if (::close(fd_.release()) != 0) {
     const int e = errno;
     return fail(io_error("close failed", e));
   }
@@ -692,11 +689,10 @@ Status GgufWriter::commit() {
   if (options_.sync) {
     // The rename is durable only once the directory entry is.
     const std::string dir = dir_of(path_);
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      const int src = ::fsync(dfd);
+    const UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (dfd.valid()) {
+      const int src = ::fsync(dfd.get());
       const int e = errno;
-      ::close(dfd);
       if (src != 0 && e != EINVAL) {
         return make_error(
             e, fmt::format("{}: fsync of directory {} failed: {}", path_, dir, std::strerror(e)));

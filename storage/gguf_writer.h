@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/fd.h"
 #include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
@@ -163,7 +164,7 @@ class GgufWriter {
   // Writing.
   GgufWriterOptions options_;
   std::string path_;
-  int fd_ = -1;
+  UniqueFd fd_;  // the temporary file
   bool temp_exists_ = false;
   struct DirectIo;  // O_DIRECT state: the second stage and the io_uring ring
   bool direct_ = false;

@@ -19,6 +19,7 @@
 #include "base/check.h"
 #include "base/clock.h"
 #include "base/fd.h"
+#include "storage/owned_ring.h"
 
 namespace expertd {
 namespace {
@@ -31,38 +32,18 @@ constexpr uint64_t kMaxReadBytes = uint64_t{1} << 30;
 uint64_t align_down(uint64_t v, uint64_t a) { return v / a * a; }
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-// Anonymous, page-aligned, pre-faulted memory; unmapped once by the destructor.
-class MappedBuffer {
- public:
-  MappedBuffer() = default;
-  MappedBuffer(MappedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  MappedBuffer& operator=(MappedBuffer&&) = delete;
-  MappedBuffer(const MappedBuffer&) = delete;
-  MappedBuffer& operator=(const MappedBuffer&) = delete;
-  ~MappedBuffer() {
-    if (data_ != nullptr) ::munmap(data_, size_);
+// Anonymous, page-aligned, pre-faulted memory.
+Result<Mapping> map_buffer(uint64_t bytes) {
+  const uint64_t size = align_up(std::max<uint64_t>(bytes, 1), kPageBytes);
+  Mapping m =
+      Mapping::map(size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (!m.valid()) {
+    const int err = errno;
+    return make_error(err, fmt::format("read probe: mmap of a {} MiB buffer: {}", size >> 20,
+                                       std::strerror(err)));
   }
-
-  static Result<MappedBuffer> create(uint64_t bytes) {
-    MappedBuffer b;
-    b.size_ = align_up(std::max<uint64_t>(bytes, 1), kPageBytes);
-    void* p = ::mmap(nullptr, b.size_, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) {
-      return make_error(errno, fmt::format("read probe: mmap of a {} MiB buffer: {}", b.size_ >> 20,
-                                           std::strerror(errno)));
-    }
-    b.data_ = static_cast<uint8_t*>(p);
-    return b;
-  }
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
-
- private:
-  uint8_t* data_ = nullptr;
-  uint64_t size_ = 0;
-};
+  return m;
+}
 
 // The budget as a deadline and a byte limit.
 class BudgetClock {
@@ -110,34 +91,19 @@ uint64_t max_widened_bytes(std::span<const ProbeRange> ranges, uint64_t a) {
   return m;
 }
 
-// An io_uring for one measurement, torn down by the destructor. The loops reap every read before
-// they return, except when the ring itself fails (io_uring_enter errors): the kernel then ends the
-// reads still in flight on its own, into pinned buffers.
-class Ring {
- public:
-  Ring() = default;
-  Ring(const Ring&) = delete;
-  Ring& operator=(const Ring&) = delete;
-  ~Ring() {
-    if (ok_) ::io_uring_queue_exit(&ring_);
+// An io_uring for one measurement. The loops reap every read before they return, except when the
+// ring itself fails (io_uring_enter errors): the kernel then ends the reads still in flight on its
+// own, into pinned buffers.
+int init_ring(OwnedRing& ring, uint32_t entries) {
+  io_uring_params p{};
+  p.flags = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER;
+  int rc = ring.init(entries, p);
+  if (rc == -EINVAL) {  // an older kernel without those flags
+    p = io_uring_params{};
+    rc = ring.init(entries, p);
   }
-  int init(uint32_t entries) {
-    io_uring_params p{};
-    p.flags = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER;
-    int rc = ::io_uring_queue_init_params(entries, &ring_, &p);
-    if (rc == -EINVAL) {  // an older kernel without those flags
-      p = io_uring_params{};
-      rc = ::io_uring_queue_init_params(entries, &ring_, &p);
-    }
-    ok_ = rc == 0;
-    return rc;
-  }
-  io_uring* get() { return &ring_; }
-
- private:
-  io_uring ring_{};
-  bool ok_ = false;
-};
+  return rc;
+}
 
 // Registered buffers are at most 1 GiB each (the kernel's limit): a destination region is
 // registered in pieces of this size, and no read crosses a piece.
@@ -252,9 +218,9 @@ Result<ProbeResult> ReadProbe::pread_whole(std::span<const ProbeRange> ranges,
   const uint64_t a = alignment_;
   const uint64_t widest = max_widened_bytes(ranges, a);
   EXPERTD_TRY(check_destination(widest, 1));
-  std::optional<MappedBuffer> own;
+  std::optional<Mapping> own;
   if (dest_ == nullptr) {
-    EXPERTD_TRY_ASSIGN(MappedBuffer b, MappedBuffer::create(widest));
+    EXPERTD_TRY_ASSIGN(Mapping b, map_buffer(widest));
     own.emplace(std::move(b));
   }
   Placer placer(dest_, dest_bytes_, a);
@@ -308,15 +274,15 @@ Result<ProbeResult> ReadProbe::uring(std::span<const ProbeRange> ranges, const R
                              : std::min(widest, std::max(a, align_down(config.chunk_bytes, a)));
   EXPERTD_TRY(check_destination(widest, qd));
   // Our own buffers: one chunk per read in flight. A destination: each range at its own place.
-  std::optional<MappedBuffer> own;
+  std::optional<Mapping> own;
   if (dest_ == nullptr) {
-    EXPERTD_TRY_ASSIGN(MappedBuffer b, MappedBuffer::create(chunk * qd));
+    EXPERTD_TRY_ASSIGN(Mapping b, map_buffer(chunk * qd));
     own.emplace(std::move(b));
   }
   Placer placer(dest_, dest_bytes_, a);
 
-  Ring ring;
-  if (const int rc = ring.init(qd); rc < 0) {
+  OwnedRing ring;
+  if (const int rc = init_ring(ring, qd); rc < 0) {
     return make_error(
         -rc, fmt::format("read probe: io_uring_queue_init({}): {}", qd, std::strerror(-rc)));
   }

@@ -29,6 +29,7 @@
 #include "base/check.h"
 #include "base/clock.h"
 #include "storage/file_probe.h"
+#include "storage/owned_ring.h"
 #include "storage/reader.h"
 
 namespace expertd {
@@ -139,18 +140,17 @@ class UringBackend final : public ReadBackend {
     // No COOP_TASKRUN: completions would then wait for our next syscall, and wait(0) only peeks.
     params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL;
     params.cq_entries = 2 * (queue_depth_ + max_internal_);
-    int rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
+    int rc = ring_.init(queue_depth_, params);
     if (rc == -EINVAL) {  // a kernel older than 5.18: no SUBMIT_ALL
       params = io_uring_params{};
       params.flags = IORING_SETUP_CQSIZE;
       params.cq_entries = 2 * (queue_depth_ + max_internal_);
-      rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
+      rc = ring_.init(queue_depth_, params);
     }
     if (rc < 0) return rc;
-    ring_ok_ = true;
     // The opcode probe cannot see flags; multishot poll came with 5.13, as did RSRC_TAGS. A kernel
     // that still refuses it answers -EINVAL, and the watches fall back to single-shot polls.
-    features_.multishot_poll = (ring_.features & IORING_FEAT_RSRC_TAGS) != 0;
+    features_.multishot_poll = (ring_.get()->features & IORING_FEAT_RSRC_TAGS) != 0;
     return 0;
   }
 
@@ -187,8 +187,7 @@ class UringBackend final : public ReadBackend {
   int enter(uint64_t deadline_ns, int timeout_ms);
   void drain_for_exit();
 
-  io_uring ring_{};
-  bool ring_ok_ = false;
+  OwnedRing ring_;  // first: it goes last, after drain_for_exit() reaped what used the rest
   const uint32_t queue_depth_;
   const uint32_t max_internal_;
   const uint32_t max_watches_;
@@ -207,9 +206,7 @@ class UringBackend final : public ReadBackend {
 };
 
 UringBackend::~UringBackend() {
-  if (!ring_ok_) return;
-  drain_for_exit();
-  io_uring_queue_exit(&ring_);
+  if (ring_.valid()) drain_for_exit();  // then ring_ exits the ring
 }
 
 // The kernel ends requests of a closed ring asynchronously, so reads still in flight could write
@@ -249,7 +246,8 @@ Status UringBackend::open_files(std::span<const std::string> paths) {
     fds.push_back(f.buffered.get());
     files_.push_back(std::move(f));
   }
-  const int rc = io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size()));
+  const int rc =
+      io_uring_register_files(ring_.get(), fds.data(), static_cast<unsigned>(fds.size()));
   files_registered_ = rc == 0;
   files_note_ =
       rc == 0 ? "registered files"
@@ -259,7 +257,7 @@ Status UringBackend::open_files(std::span<const std::string> paths) {
 
 Status UringBackend::register_buffers(std::span<const iovec> buffers) {
   EXPERTD_CHECK_EQ(in_flight_, 0);  // no fixed reads may be in flight while buffers change
-  if (!buffers_.empty()) (void)io_uring_unregister_buffers(&ring_);
+  if (!buffers_.empty()) (void)io_uring_unregister_buffers(ring_.get());
   buffers_.clear();
   buffer_bytes_ = 0;
   if (!features_.read_fixed) {
@@ -278,7 +276,7 @@ Status UringBackend::register_buffers(std::span<const iovec> buffers) {
                                           pieces.size(), kMaxRegisteredBuffers));
   }
   const int rc =
-      io_uring_register_buffers(&ring_, pieces.data(), static_cast<unsigned>(pieces.size()));
+      io_uring_register_buffers(ring_.get(), pieces.data(), static_cast<unsigned>(pieces.size()));
   if (rc < 0) {
     buffers_note_ = fmt::format(
         "unregistered buffers (io_uring_register_buffers: {}; "
@@ -334,7 +332,7 @@ bool UringBackend::submit(ReadOp* op) {
     EXPERTD_CHECK_EQ(reinterpret_cast<uintptr_t>(op->dst) % align, 0);
   }
   if (in_flight_ >= queue_depth_) return false;
-  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
   if (sqe == nullptr) return false;
   prep_read(sqe, op);
   op->result = kReadPending;
@@ -344,14 +342,14 @@ bool UringBackend::submit(ReadOp* op) {
 }
 
 int UringBackend::flush() {
-  const int rc = io_uring_submit(&ring_);
+  const int rc = io_uring_submit(ring_.get());
   return rc < 0 ? rc : 0;
 }
 
 // An SQE for a request of our own; makes room by submitting when the SQ is full.
 io_uring_sqe* UringBackend::internal_sqe() {
-  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-  if (sqe == nullptr && io_uring_submit(&ring_) >= 0) sqe = io_uring_get_sqe(&ring_);
+  io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
+  if (sqe == nullptr && io_uring_submit(ring_.get()) >= 0) sqe = io_uring_get_sqe(ring_.get());
   return sqe;
 }
 
@@ -485,12 +483,12 @@ int UringBackend::reap(std::span<IoEvent> out) {
   unsigned seen = 0;
   unsigned head;
   io_uring_cqe* cqe;
-  io_uring_for_each_cqe(&ring_, head, cqe) {
+  io_uring_for_each_cqe(ring_.get(), head, cqe) {
     if (n == out.size()) break;
     ++seen;
     if (handle_cqe(*cqe, &out[n])) ++n;
   }
-  io_uring_cq_advance(&ring_, seen);
+  io_uring_cq_advance(ring_.get(), seen);
   return static_cast<int>(n);
 }
 
@@ -500,13 +498,13 @@ int UringBackend::enter(uint64_t deadline_ns, int timeout_ms) {
   io_uring_cqe* cqe = nullptr;
   int rc;
   if (timeout_ms < 0) {
-    rc = io_uring_submit_and_wait(&ring_, 1);
+    rc = io_uring_submit_and_wait(ring_.get(), 1);
   } else {
     const uint64_t now = monotonic_ns();
     const uint64_t left_ns = deadline_ns > now ? deadline_ns - now : 0;
     __kernel_timespec ts{static_cast<long long>(left_ns / 1'000'000'000u),
                          static_cast<long long>(left_ns % 1'000'000'000u)};
-    rc = io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, &ts, nullptr);
+    rc = io_uring_submit_and_wait_timeout(ring_.get(), &cqe, 1, &ts, nullptr);
   }
   if (rc >= 0 || rc == -ETIME || rc == -EINTR || rc == -EBUSY || rc == -EAGAIN) return 0;
   return rc;

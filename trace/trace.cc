@@ -201,7 +201,10 @@ void put(std::string& out, T v) {
 
 Status write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return make_error(errno ? errno : EIO, fmt::format("{}: cannot create", path));
+  if (!out) {
+    const int e = errno;  // before the format below
+    return make_error(e ? e : EIO, fmt::format("{}: cannot create", path));
+  }
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   out.close();
   if (!out) return make_error(EIO, fmt::format("{}: write failed", path));

@@ -269,7 +269,10 @@ std::string render_svg(const PlotSpec& spec) {
 Status write_svg(const std::string& path, const PlotSpec& spec) {
   const std::string svg = render_svg(spec);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return make_error(errno ? errno : EIO, fmt::format("{}: cannot create the plot", path));
+  if (!f) {
+    const int e = errno;  // before the format below
+    return make_error(e ? e : EIO, fmt::format("{}: cannot create the plot", path));
+  }
   f.write(svg.data(), static_cast<std::streamsize>(svg.size()));
   f.close();
   if (!f) return make_error(EIO, fmt::format("{}: writing the plot failed", path));

@@ -111,11 +111,12 @@ class Session {
   const abi::SlotEntry* slot_entries() const { return table_entries_; }
   uint8_t* session_region() const { return region_; }
   uint64_t session_bytes() const { return region_bytes_; }
-  int arena_fd() const { return arena_fd_; }
-  int slot_table_fd() const { return table_fd_; }
-  int session_fd() const { return region_fd_; }
-  int request_doorbell_fd() const { return request_fd_; }
-  int completion_doorbell_fd() const { return completion_fd_; }
+  // The Session's own fds: valid while it lives, closed by it.
+  int arena_fd() const;
+  int slot_table_fd() const;
+  int session_fd() const;
+  int request_doorbell_fd() const;
+  int completion_doorbell_fd() const;
   uint32_t request_capacity() const { return request_capacity_; }
   uint32_t completion_capacity() const { return completion_capacity_; }
   // Slots this Session holds (acquired, not yet released).
@@ -149,11 +150,10 @@ class Session {
   ModelLayout layout_;
   std::vector<LayerSlices> layer_slices_;  // per block layer
 
-  int arena_fd_ = -1;
-  int table_fd_ = -1;
-  int region_fd_ = -1;
-  int request_fd_ = -1;
-  int completion_fd_ = -1;
+  // The fds and mappings the Session owns (move-only owners, client.cc); released last, after the
+  // destructor has detached. The pointers below are views into its mappings.
+  struct Resources;
+  std::unique_ptr<Resources> res_;
   const uint8_t* arena_ = nullptr;
   uint64_t arena_bytes_ = 0;
   const uint8_t* table_ = nullptr;
