@@ -42,160 +42,113 @@ inline Error creation_failed(cudaError_t e, const char* call, int line) {
   return cuda_error(e, call, __FILE__, line);
 }
 
+// A move-only owner of one handle H (a pointer type) that Free releases, with a byte count for
+// memory. The owners below add only how they are created and what they hand out.
+template <typename H, void (*Free)(H)>
+class Owner {
+ public:
+  Owner() = default;
+  Owner(Owner&& o) noexcept : h_(std::exchange(o.h_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Owner& operator=(Owner&& o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  Owner(const Owner&) = delete;
+  Owner& operator=(const Owner&) = delete;
+  ~Owner() { reset(); }
+
+  bool valid() const { return h_ != nullptr; }
+
+ protected:
+  H h_ = nullptr;
+  size_t size_ = 0;
+
+ private:
+  void reset() {
+    if (h_ != nullptr) Free(std::exchange(h_, nullptr));
+    size_ = 0;
+  }
+};
+
+inline void destroy_stream(cudaStream_t s) { ignore_cleanup(cudaStreamDestroy(s)); }
+inline void destroy_event(cudaEvent_t e) { ignore_cleanup(cudaEventDestroy(e)); }
+inline void free_device(void* p) { ignore_cleanup(cudaFree(p)); }
+inline void free_pinned(void* p) { ignore_cleanup(cudaFreeHost(p)); }
+inline void unregister_host(void* p) { ignore_cleanup(cudaHostUnregister(p)); }
+// Dropped on purpose, as above; cuBLAS keeps no last-error state to clear.
+inline void destroy_cublas(cublasHandle_t h) { (void)cublasDestroy(h); }
+
 }  // namespace detail
 
-class CudaStream {
+// Work still enqueued when a stream's owner goes completes; the stream's resources go when it has.
+class CudaStream : public detail::Owner<cudaStream_t, detail::destroy_stream> {
  public:
   // Non-blocking by default: the engine's and the bench's streams must not serialise with the
   // legacy default stream.
   static Result<CudaStream> create(unsigned flags = cudaStreamNonBlocking) {
     CudaStream s;
-    const cudaError_t e = cudaStreamCreateWithFlags(&s.s_, flags);
+    const cudaError_t e = cudaStreamCreateWithFlags(&s.h_, flags);
     if (e != cudaSuccess) return detail::creation_failed(e, "cudaStreamCreateWithFlags", __LINE__);
     return s;
   }
-  CudaStream() = default;
-  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  CudaStream& operator=(CudaStream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  // Work still enqueued completes; the stream's resources go when it has.
-  ~CudaStream() { reset(); }
-
-  cudaStream_t get() const { return s_; }
-  bool valid() const { return s_ != nullptr; }
-
- private:
-  void reset() {
-    if (s_ != nullptr) detail::ignore_cleanup(cudaStreamDestroy(std::exchange(s_, nullptr)));
-  }
-  cudaStream_t s_ = nullptr;
+  cudaStream_t get() const { return h_; }
 };
 
-class CudaEvent {
+class CudaEvent : public detail::Owner<cudaEvent_t, detail::destroy_event> {
  public:
   static Result<CudaEvent> create(unsigned flags = cudaEventDefault) {
     CudaEvent ev;
-    const cudaError_t e = cudaEventCreateWithFlags(&ev.e_, flags);
+    const cudaError_t e = cudaEventCreateWithFlags(&ev.h_, flags);
     if (e != cudaSuccess) return detail::creation_failed(e, "cudaEventCreateWithFlags", __LINE__);
     return ev;
   }
-  CudaEvent() = default;
-  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  CudaEvent& operator=(CudaEvent&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  ~CudaEvent() { reset(); }
-
-  cudaEvent_t get() const { return e_; }
-  bool valid() const { return e_ != nullptr; }
-
- private:
-  void reset() {
-    if (e_ != nullptr) detail::ignore_cleanup(cudaEventDestroy(std::exchange(e_, nullptr)));
-  }
-  cudaEvent_t e_ = nullptr;
+  cudaEvent_t get() const { return h_; }
 };
+
+namespace detail {
+
+// cudaMallocHost is overloaded (a template too): these give each allocator one address.
+inline cudaError_t malloc_device(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t malloc_pinned(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+inline constexpr char kCudaMalloc[] = "cudaMalloc";
+inline constexpr char kCudaMallocHost[] = "cudaMallocHost";
+
+// Bytes that Alloc allocates and Free frees.
+template <cudaError_t (*Alloc)(void**, size_t), void (*Free)(void*), const char* kCall>
+class Bytes : public Owner<void*, Free> {
+ public:
+  static Result<Bytes> alloc(uint64_t bytes) {
+    Bytes m;
+    const cudaError_t e = Alloc(&m.h_, bytes);
+    if (e != cudaSuccess) return creation_failed(e, kCall, __LINE__);
+    m.size_ = bytes;
+    return m;
+  }
+  template <typename T = uint8_t>
+  T* get() const {
+    return static_cast<T*>(this->h_);
+  }
+  uint64_t size() const { return this->size_; }
+};
+
+}  // namespace detail
 
 // cudaMalloc'ed bytes. Only the holder knows whether work in flight still reads or writes them:
 // synchronise its streams before this goes.
-class DeviceBytes {
- public:
-  static Result<DeviceBytes> alloc(uint64_t bytes) {
-    DeviceBytes m;
-    const cudaError_t e = cudaMalloc(&m.p_, bytes);
-    if (e != cudaSuccess) return detail::creation_failed(e, "cudaMalloc", __LINE__);
-    m.size_ = bytes;
-    return m;
-  }
-  DeviceBytes() = default;
-  DeviceBytes(DeviceBytes&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  DeviceBytes& operator=(DeviceBytes&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-    }
-    return *this;
-  }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  ~DeviceBytes() { reset(); }
-
-  template <typename T = uint8_t>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-  uint64_t size() const { return size_; }
-  bool valid() const { return p_ != nullptr; }
-
- private:
-  void reset() {
-    if (p_ != nullptr) detail::ignore_cleanup(cudaFree(std::exchange(p_, nullptr)));
-    size_ = 0;
-  }
-  void* p_ = nullptr;
-  uint64_t size_ = 0;
-};
+using DeviceBytes = detail::Bytes<detail::malloc_device, detail::free_device, detail::kCudaMalloc>;
 
 // cudaMallocHost'ed (pinned, mapped) bytes.
-class PinnedBytes {
- public:
-  static Result<PinnedBytes> alloc(uint64_t bytes) {
-    PinnedBytes m;
-    const cudaError_t e = cudaMallocHost(&m.p_, bytes);
-    if (e != cudaSuccess) return detail::creation_failed(e, "cudaMallocHost", __LINE__);
-    m.size_ = bytes;
-    return m;
-  }
-  PinnedBytes() = default;
-  PinnedBytes(PinnedBytes&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  PinnedBytes& operator=(PinnedBytes&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-    }
-    return *this;
-  }
-  PinnedBytes(const PinnedBytes&) = delete;
-  PinnedBytes& operator=(const PinnedBytes&) = delete;
-  ~PinnedBytes() { reset(); }
-
-  template <typename T = uint8_t>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-  uint64_t size() const { return size_; }
-  bool valid() const { return p_ != nullptr; }
-
- private:
-  void reset() {
-    if (p_ != nullptr) detail::ignore_cleanup(cudaFreeHost(std::exchange(p_, nullptr)));
-    size_ = 0;
-  }
-  void* p_ = nullptr;
-  uint64_t size_ = 0;
-};
+using PinnedBytes =
+    detail::Bytes<detail::malloc_pinned, detail::free_pinned, detail::kCudaMallocHost>;
 
 // Host memory someone else owns (a mapping), page-locked and known to CUDA by cudaHostRegister
 // until this goes. It must go before the memory is unmapped, and after the last copy or kernel
 // that reads through it has completed.
-class HostRegistration {
+class HostRegistration : public detail::Owner<void*, detail::unregister_host> {
  public:
   // `flags` as cudaHostRegister's, e.g. cudaHostRegisterReadOnly | cudaHostRegisterMapped for a
   // PROT_READ mapping the GPU reads in place.
@@ -205,40 +158,16 @@ class HostRegistration {
     void* p = const_cast<void*>(host);
     const cudaError_t e = cudaHostRegister(p, bytes, flags);
     if (e != cudaSuccess) return detail::creation_failed(e, "cudaHostRegister", __LINE__);
-    r.p_ = p;
+    r.h_ = p;
     r.size_ = bytes;
     return r;
   }
-  HostRegistration() = default;
-  HostRegistration(HostRegistration&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  HostRegistration& operator=(HostRegistration&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-    }
-    return *this;
-  }
-  HostRegistration(const HostRegistration&) = delete;
-  HostRegistration& operator=(const HostRegistration&) = delete;
-  ~HostRegistration() { reset(); }
-
-  const uint8_t* host() const { return static_cast<const uint8_t*>(p_); }
+  const uint8_t* host() const { return static_cast<const uint8_t*>(h_); }
   size_t size() const { return size_; }
-  bool valid() const { return p_ != nullptr; }
-
- private:
-  void reset() {
-    if (p_ != nullptr) detail::ignore_cleanup(cudaHostUnregister(std::exchange(p_, nullptr)));
-    size_ = 0;
-  }
-  void* p_ = nullptr;
-  size_t size_ = 0;
 };
 
 // A cuBLAS handle bound to one stream.
-class CublasHandle {
+class CublasHandle : public detail::Owner<cublasHandle_t, detail::destroy_cublas> {
  public:
   static Result<CublasHandle> create(cudaStream_t stream) {
     CublasHandle c;
@@ -246,28 +175,7 @@ class CublasHandle {
     EXPERTD_CUBLAS_TRY(cublasSetStream(c.h_, stream));
     return c;
   }
-  CublasHandle() = default;
-  CublasHandle(CublasHandle&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
-  CublasHandle& operator=(CublasHandle&& o) noexcept {
-    if (this != &o) {
-      reset();
-      h_ = std::exchange(o.h_, nullptr);
-    }
-    return *this;
-  }
-  CublasHandle(const CublasHandle&) = delete;
-  CublasHandle& operator=(const CublasHandle&) = delete;
-  ~CublasHandle() { reset(); }
-
   cublasHandle_t get() const { return h_; }
-  bool valid() const { return h_ != nullptr; }
-
- private:
-  void reset() {
-    // Dropped on purpose, as above; cuBLAS keeps no last-error state to clear.
-    if (h_ != nullptr) (void)cublasDestroy(std::exchange(h_, nullptr));
-  }
-  cublasHandle_t h_ = nullptr;
 };
 
 }  // namespace expertd::cuda
