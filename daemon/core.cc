@@ -24,8 +24,6 @@ constexpr uint64_t kCommandTag = 1ull << 40;
 constexpr uint64_t kSessionTag = 1ull << 41;  // | session id
 constexpr uint32_t kRequestBudget = 1024;     // entries taken from one ring per loop
 
-uint64_t now_ms() { return monotonic_ns() / 1'000'000; }
-
 void drain_eventfd(int fd) {
   uint64_t v = 0;
   while (::read(fd, &v, sizeof(v)) == sizeof(v)) {
@@ -274,7 +272,7 @@ std::string DaemonCore::backend_name() const { return std::string(io_->name()); 
 Status DaemonCore::start() {
   if (running_.exchange(true)) return Ok{};
   stop_ = false;
-  last_progress_ms_ = now_ms();
+  last_progress_ms_ = monotonic_ms();
   thread_ = std::thread([this] { run(); });
   return Ok{};
 }
@@ -356,7 +354,7 @@ void DaemonCore::run() {
     flush_completions();
     reactor_loops_.store(reactor_loops_.load(std::memory_order_relaxed) + 1,
                          std::memory_order_relaxed);
-    const uint64_t ms = now_ms();
+    const uint64_t ms = monotonic_ms();
     last_progress_ms_.store(ms, std::memory_order_relaxed);
     if (ms - last_status_ms >= 1000) {
       refresh_status();

@@ -126,7 +126,7 @@ void GgufWriter::put_array(std::string_view key, GgufValueType elem, std::span<c
 }
 
 // general.alignment decides the layout, so only the constructor may set it.
-#define EXPERTD_ASSERT_NOT_ALIGNMENT(key) EXPERTD_CHECK((key) != kAlignmentKey)
+#define EXPERTD_ASSERT_NOT_ALIGNMENT(key) EXPERTD_CHECK_NE((key), kAlignmentKey)
 
 void GgufWriter::set_u8(std::string_view k, uint8_t v) {
   EXPERTD_ASSERT_NOT_ALIGNMENT(k);

@@ -3,13 +3,11 @@
 #include <algorithm>
 #include <thread>
 
+#include "base/clock.h"
+
 namespace expertd::test {
 
-uint64_t now_ms() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
+uint64_t now_ms() { return monotonic_ms(); }
 
 bool wait_until(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
