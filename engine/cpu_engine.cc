@@ -9,6 +9,7 @@
 #include "base/check.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/ds4_cpu_engine.h"
 
 namespace expertd::engine {
 namespace {
@@ -20,6 +21,11 @@ float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
+  if (p.architecture != "qwen3moe") {
+    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, not '{}' (use "
+                                          "create_cpu_engine)",
+                                          model.path(), p.architecture));
+  }
   EXPERTD_TRY(check_engine_options(p, options));
   const uint64_t kv_values = uint64_t{p.n_layer} * options.max_context * p.n_head_kv * p.head_dim;
   if (kv_values > (uint64_t{1} << 34)) {  // 64 GiB per cache: a typo, not a plan
@@ -205,6 +211,16 @@ Status CpuEngine::moe(uint32_t layer) {
   EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), k)));
   for (uint32_t j = 0; j < p_.n_embd; ++j) x_[j] += static_cast<float>(acc_[j]);
   return Ok{};
+}
+
+Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
+                                                  const EngineOptions& options) {
+  if (model.params().is_ds4()) {
+    EXPERTD_TRY_ASSIGN(auto e, Ds4CpuEngine::create(model, source, options));
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+  EXPERTD_TRY_ASSIGN(auto e, CpuEngine::create(model, source, options));
+  return std::unique_ptr<Engine>(std::move(e));
 }
 
 }  // namespace expertd::engine

@@ -91,4 +91,8 @@ class CpuEngine final : public Engine {
   HintPlanner planner_;
 };
 
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe) or Ds4CpuEngine (deepseek4).
+Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
+                                                  const EngineOptions& options);
+
 }  // namespace expertd::engine

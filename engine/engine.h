@@ -68,6 +68,9 @@ struct EngineOptions {
   uint32_t prefetch_width = 0;            // candidates per predicted layer; 0 = the model's top-k
   const RoutingScript* script = nullptr;  // benchmark mode: routes replayed from a trace
   HintSource hints = HintSource::Router;
+  // deepseek4: hint every hash layer's experts (tid2eid[token]) as soon as the token is known,
+  // before layer 0 runs: exact prefetch.
+  bool hash_hints = true;
 };
 
 // One routing decision, in the canonical trace's terms (experts by descending probability).
@@ -109,6 +112,16 @@ struct EngineStats {
   uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied (demand and prefetch)
   uint64_t demand_copy_bytes = 0;   // of those, the copies a layer waited for
   uint64_t copy_ns = 0;             // copy-stream time of the demand copies (CUDA events)
+  // deepseek4: routed experts of hash layers (routed by tid2eid[token]) and of learned layers,
+  // how many were ready in host memory when the layer asked (ExpertSource::host_ready), and the
+  // time spent waiting for them.
+  uint64_t hash_hints = 0;  // exact hints sent for hash layers
+  uint64_t hash_experts = 0;
+  uint64_t hash_ready = 0;
+  uint64_t hash_stall_ns = 0;
+  uint64_t learned_experts = 0;
+  uint64_t learned_ready = 0;
+  uint64_t learned_stall_ns = 0;
 
   std::vector<DepthStats> by_depth;  // [d - 1] for lookahead depth d = 1..prefetch depth
 

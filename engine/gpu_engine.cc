@@ -854,6 +854,11 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                                      const EngineOptions& options,
                                                      const GpuOptions& gpu) {
   const ModelParams& p = model.params();
+  if (p.architecture != "qwen3moe") {
+    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe; '{}' runs on the "
+                                           "CPU engine (--cpu)",
+                                           model.path(), p.architecture));
+  }
   EXPERTD_TRY(check_engine_options(p, options));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "engine/dequant.h"
+#include "engine/model_read.h"
 
 namespace expertd::engine {
 namespace {
@@ -19,6 +20,10 @@ constexpr uint64_t kMaxHeads = 1024;
 constexpr uint64_t kMaxHeadDim = 1024;
 constexpr uint64_t kMaxExperts = 1 << 14;
 constexpr uint64_t kMaxExpertsUsed = 64;
+
+}  // namespace
+
+namespace detail {
 
 Result<uint64_t> get_u64(const GgufModel& g, std::string_view suffix,
                          std::optional<uint64_t> fallback, uint64_t lo, uint64_t hi) {
@@ -48,8 +53,14 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
   return *x;
 }
 
-// Shard readers, opened once for the load.
-using Sources = std::vector<std::unique_ptr<ByteSource>>;
+Result<Sources> open_sources(const GgufModel& g) {
+  Sources src;
+  for (const GgufFile& shard : g.shards()) {
+    EXPERTD_TRY_ASSIGN(auto s, open_file_source(shard.path()));
+    src.push_back(std::move(s));
+  }
+  return src;
+}
 
 Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
                            uint64_t rows, uint64_t cols) {
@@ -90,14 +101,31 @@ Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
   return v;
 }
 
-}  // namespace
+Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
+                                       const std::string& name, uint64_t rows, uint64_t cols) {
+  EXPERTD_TRY_ASSIGN(Matrix m, read_matrix(g, src, name, rows, cols));
+  std::vector<float> v(rows * cols);
+  for (uint64_t r = 0; r < rows; ++r) {
+    dequantize_row(m.type, m.bytes.data() + r * m.row_bytes, v.data() + r * cols, cols);
+  }
+  return v;
+}
+
+}  // namespace detail
+
+using detail::get_f64;
+using detail::get_u64;
+using detail::read_matrix;
+using detail::read_vector;
+using detail::Sources;
 
 Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
-  if (p.architecture != "qwen3moe") {
-    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe",
-                                           g.meta().path(), p.architecture));
+  if (p.architecture != "qwen3moe" && p.architecture != "deepseek4") {
+    return make_error(ENOTSUP,
+                      fmt::format("{}: architecture '{}': the engine runs qwen3moe and deepseek4",
+                                  g.meta().path(), p.architecture));
   }
   EXPERTD_TRY_ASSIGN(const uint64_t n_layer, get_u64(g, "block_count", {}, 1, kMaxLayers));
   EXPERTD_TRY_ASSIGN(const uint64_t n_embd, get_u64(g, "embedding_length", {}, 1, kMaxEmbd));
@@ -143,6 +171,7 @@ Result<ModelParams> read_params(const GgufModel& g) {
   p.rms_eps = static_cast<float>(eps);
   p.rope_base = base;
   p.norm_topk = true;  // llama.cpp's qwen3moe graph always renormalises the top-k weights
+  if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
   return p;
 }
 
@@ -155,11 +184,7 @@ Result<DenseModel> DenseModel::load(const std::string& path) {
   EXPERTD_TRY_ASSIGN(m.params_, read_params(gg));
   ModelParams& p = m.params_;
 
-  Sources src;
-  for (const GgufFile& shard : gg.shards()) {
-    EXPERTD_TRY_ASSIGN(auto s, open_file_source(shard.path()));
-    src.push_back(std::move(s));
-  }
+  EXPERTD_TRY_ASSIGN(Sources src, detail::open_sources(gg));
   const auto embd = gg.find_tensor("token_embd.weight");
   if (!embd)
     return make_error(ENOENT, fmt::format("{}: tensor token_embd.weight is missing", path));
@@ -175,6 +200,10 @@ Result<DenseModel> DenseModel::load(const std::string& path) {
   EXPERTD_TRY_ASSIGN(m.output_norm_, read_vector(gg, src, "output_norm.weight", e));
   if (gg.find_tensor("output.weight")) {
     EXPERTD_TRY_ASSIGN(m.output_, read_matrix(gg, src, "output.weight", p.n_vocab, e));
+  }
+  if (p.is_ds4()) {
+    EXPERTD_TRY(load_ds4(m));
+    return m;
   }
   m.layers_.resize(p.n_layer);
   for (uint32_t i = 0; i < p.n_layer; ++i) {
@@ -196,6 +225,7 @@ Result<DenseModel> DenseModel::load(const std::string& path) {
 uint64_t DenseModel::dense_bytes() const {
   uint64_t n = token_embd_.bytes.size() + output_norm_.size() * sizeof(float);
   if (output_) n += output_->bytes.size();
+  if (ds4_) n += ds4_dense_bytes(*ds4_);
   for (const LayerWeights& l : layers_) {
     for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += x->bytes.size();
     n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *

@@ -1,5 +1,5 @@
-// A Qwen3-MoE model's hyperparameters and dense weights, loaded from GGUF for the CPU reference
-// engine.
+// A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
+// (`qwen3moe`) or DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
@@ -22,8 +22,44 @@
 
 namespace expertd::engine {
 
+// DeepSeek-V4's own hyperparameters (llama.cpp's `deepseek4` keys; ModelParams holds the shared
+// ones: layers, widths, heads, head_dim, rope dimension count, experts).
+enum class Ds4Attention : uint8_t {
+  Sliding,     // compress ratio 0: the sliding window only
+  Compressed,  // CSA: overlapping windows of `ratio` tokens, the Lightning Indexer picks top-k
+  Heavy,       // HCA: non-overlapping windows of `ratio` tokens, every entry attended
+};
+
+struct Ds4Params {
+  uint32_t q_lora_rank = 0;  // attention.q_lora_rank
+  uint32_t o_groups = 0;     // attention.output_group_count
+  uint32_t o_lora_rank = 0;  // attention.output_lora_rank
+  uint32_t window = 0;       // attention.sliding_window (keys including the current one)
+  std::vector<uint32_t> compress_ratio;  // attention.compress_ratios, one per layer
+  std::vector<Ds4Attention> attention;   // per layer, from the ratio and the layer's tensors
+  double compress_rope_base = 0.0;       // attention.compress_rope_freq_base
+  // YaRN on the compressed layers' rope (rope.scaling.type "yarn"); factor 0 = none.
+  double yarn_factor = 0.0;
+  uint32_t yarn_orig_ctx = 0;
+  double yarn_beta_fast = 32.0;
+  double yarn_beta_slow = 1.0;
+  uint32_t hc = 0;                 // hyper_connection.count: residual streams
+  uint32_t hc_iters = 0;           // hyper_connection.sinkhorn_iterations
+  float hc_eps = 0.0f;             // hyper_connection.epsilon
+  uint32_t hash_layers = 0;        // hash_layer_count: the first layers route by tid2eid[token]
+  uint32_t index_heads = 0;        // attention.indexer.head_count
+  uint32_t index_dim = 0;          // attention.indexer.key_length
+  uint32_t index_topk = 0;         // attention.indexer.top_k
+  uint32_t n_shared = 0;           // expert_shared_count
+  float weights_scale = 1.0f;      // expert_weights_scale (routed_scaling_factor)
+  bool weights_norm = true;        // expert_weights_norm
+  std::vector<float> clamp_exp;    // swiglu_clamp_exp per layer (0 = none)
+  std::vector<float> clamp_shexp;  // swiglu_clamp_shexp per layer
+  uint32_t nextn_layers = 0;       // nextn_predict_layers (MTP, skipped)
+};
+
 struct ModelParams {
-  std::string architecture;    // "qwen3moe"
+  std::string architecture;    // "qwen3moe" or "deepseek4"
   uint32_t n_layer = 0;        // block_count
   uint32_t n_embd = 0;         // embedding_length
   uint32_t n_head = 0;         // attention.head_count
@@ -38,6 +74,8 @@ struct ModelParams {
   float rms_eps = 1e-6f;       // attention.layer_norm_rms_epsilon
   double rope_base = 10000.0;  // rope.freq_base
   bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
+  Ds4Params ds4;               // deepseek4 only
+  bool is_ds4() const { return architecture == "deepseek4"; }
 };
 
 // A 2-D weight in its GGUF encoding: `rows` rows (ne1, output features) of `cols` elements (ne0,
@@ -74,6 +112,49 @@ struct LayerWeights {
   Matrix gate_inp;               // router: [n_expert, n_embd]
 };
 
+// One DeepSeek-V4 compressor (the attention's, or the indexer's): `coff` = 2 for overlapping (CSA)
+// windows, 1 for HCA. Projections are [coff * dim rows, n_embd cols].
+struct Ds4Compressor {
+  Matrix wkv;
+  Matrix wgate;
+  std::vector<float> ape;   // [ratio][coff * dim] (position bias within a window)
+  std::vector<float> norm;  // dim
+  uint32_t coff = 0;
+  uint32_t dim = 0;
+};
+
+struct Ds4LayerWeights {
+  Matrix hc_attn_fn;  // [(2 + hc) * hc rows, hc * n_embd cols]
+  std::vector<float> hc_attn_base, hc_attn_scale;
+  Matrix hc_ffn_fn;
+  std::vector<float> hc_ffn_base, hc_ffn_scale;
+  std::vector<float> attn_norm;  // n_embd
+  std::vector<float> sinks;      // n_head
+  Matrix wq_a;                   // [q_lora_rank, n_embd]
+  std::vector<float> q_a_norm;   // q_lora_rank
+  Matrix wq_b;                   // [n_head * head_dim, q_lora_rank]
+  Matrix wkv;                    // [head_dim, n_embd]
+  std::vector<float> kv_norm;    // head_dim
+  Matrix wo_a;                   // [o_groups * o_lora_rank, n_head * head_dim / o_groups]
+  Matrix wo_b;                   // [n_embd, o_groups * o_lora_rank]
+  std::optional<Ds4Compressor> compressor;  // CSA and HCA layers
+  std::optional<Ds4Compressor> index_comp;  // CSA layers: the indexer's compressor
+  Matrix index_q_b;                         // CSA: [index_heads * index_dim, q_lora_rank]
+  Matrix index_proj;                        // CSA: [index_heads, n_embd]
+  std::vector<float> ffn_norm;              // n_embd
+  Matrix gate_inp;                          // [n_expert, n_embd]
+  std::vector<float> exp_bias;              // learned layers: e_score_correction_bias
+  std::vector<uint32_t> tid2eid;            // hash layers: [n_vocab][n_expert_used]
+  Matrix shexp_gate, shexp_up, shexp_down;  // the shared expert
+};
+
+struct Ds4Weights {
+  Matrix hc_head_fn;  // [hc, hc * n_embd]
+  std::vector<float> hc_head_base;
+  float hc_head_scale = 1.0f;
+  std::vector<Ds4LayerWeights> layers;
+};
+
 class DenseModel {
  public:
   DenseModel(DenseModel&&) = default;
@@ -94,6 +175,8 @@ class DenseModel {
   // The output head (token_embd when the model ties them).
   const Matrix& output() const { return output_ ? *output_ : token_embd_; }
   const LayerWeights& layer(uint32_t i) const { return layers_[i]; }
+  // DeepSeek-V4's weights (nullptr for other architectures).
+  const Ds4Weights* ds4() const { return ds4_.get(); }
   // Bytes of dense weights held (for the run summary).
   uint64_t dense_bytes() const;
 
@@ -107,10 +190,19 @@ class DenseModel {
   std::optional<Matrix> output_;
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
+  std::unique_ptr<Ds4Weights> ds4_;
+
+  friend Status load_ds4(DenseModel& m);
 };
 
 // The hyperparameters of a GGUF model (exposed for tests and tools). Errors name the missing or
 // invalid key.
 Result<ModelParams> read_params(const GgufModel& gguf);
+
+// deepseek4's hyperparameters into `p` (engine/ds4_model.cc).
+Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
+// deepseek4's dense weights into m (called by DenseModel::load), and their bytes.
+Status load_ds4(DenseModel& m);
+uint64_t ds4_dense_bytes(const Ds4Weights& w);
 
 }  // namespace expertd::engine

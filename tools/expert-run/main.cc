@@ -54,6 +54,7 @@ struct Options {
   std::string routing_trace;
   std::string hints;  // router | trace; default: trace with --routing-trace, else router
   bool json = false;
+  bool no_hash_hints = false;
 };
 
 Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
@@ -194,11 +195,14 @@ int run(Options o) {
   eo.prefetch_width = o.prefetch_width;
   eo.script = script ? &*script : nullptr;
   eo.hints = o.hints == "trace" ? HintSource::Script : HintSource::Router;
+  eo.hash_hints = !o.no_hash_hints;
 
   std::unique_ptr<Engine> engine;
   std::string why_cpu = "--cpu";
 #ifdef EXPERTD_HAVE_CUDA
-  if (!o.cpu && cuda_device_available(&why_cpu)) {
+  if (p.is_ds4() && !o.cpu) {
+    why_cpu = "the CUDA engine does not run deepseek4 yet";
+  } else if (!o.cpu && cuda_device_available(&why_cpu)) {
     auto gpu = parse_vram(o.vram_experts);
     if (!gpu) return fail(gpu.error());
     auto e = GpuEngine::create(*model, **source, eo, *gpu);
@@ -209,7 +213,7 @@ int run(Options o) {
   if (!o.cpu) why_cpu = "this build has no CUDA engine";
 #endif
   if (!engine) {
-    auto e = CpuEngine::create(*model, **source, eo);
+    auto e = create_cpu_engine(*model, **source, eo);
     if (!e) return fail(e.error());
     engine = std::move(*e);
   }
@@ -242,6 +246,18 @@ int run(Options o) {
     std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
                 static_cast<double>(model->dense_bytes()) / (1 << 20), o.gguf.c_str());
+    if (p.is_ds4()) {
+      std::printf("deepseek4: %u hash layers (%s), hc_mult %u\n", p.ds4.hash_layers,
+                  o.no_hash_hints ? "their experts are not hinted"
+                                  : "their experts are hinted exactly when the token is known",
+                  p.ds4.hc);
+    }
+    if (p.ds4.nextn_layers > 0) {
+      std::printf(
+          "deepseek4: the file's %u MTP (next-n) layer%s skipped: expert-run decodes one "
+          "token per step\n",
+          p.ds4.nextn_layers, p.ds4.nextn_layers == 1 ? " is" : "s are");
+    }
   }
 
   std::fflush(stdout);  // the header before any progress line on stderr
@@ -353,6 +369,22 @@ int run(Options o) {
         {"experts_used", s.experts_used},
         {"decode_steps", s.tokens},
     };
+    if (p.is_ds4()) {
+      auto cls = [](uint64_t experts, uint64_t ready, uint64_t stall_ns, uint64_t steps) {
+        return nlohmann::json{
+            {"experts", experts},
+            {"ready", ready},
+            {"hit_rate", experts ? static_cast<double>(ready) / experts : 0.0},
+            {"stall_ms_per_token", steps ? static_cast<double>(stall_ns) / 1e6 / steps : 0.0}};
+      };
+      j["deepseek4"] = {
+          {"hash_layers", p.ds4.hash_layers},
+          {"hash_hints", s.hash_hints},
+          {"hash_hints_enabled", !o.no_hash_hints},
+          {"mtp_layers_skipped", p.ds4.nextn_layers},
+          {"hash", cls(s.hash_experts, s.hash_ready, s.hash_stall_ns, s.tokens)},
+          {"learned", cls(s.learned_experts, s.learned_ready, s.learned_stall_ns, s.tokens)}};
+    }
     if (script) {
       j["routing_trace"] = o.routing_trace;
       j["mode_note"] = mode_note;
@@ -400,6 +432,18 @@ int run(Options o) {
     std::printf("  predicted %zu layer%s ahead: precision %.3f, recall %.3f\n", d + 1,
                 d == 0 ? "" : "s", s.by_depth[d].precision(), s.by_depth[d].recall());
   }
+  if (p.is_ds4()) {
+    auto rate = [](uint64_t ready, uint64_t n) {
+      return n ? 100.0 * static_cast<double>(ready) / static_cast<double>(n) : 0.0;
+    };
+    const double steps = s.tokens ? static_cast<double>(s.tokens) : 1.0;
+    std::printf(
+        "deepseek4: hash layers %.1f%% of experts ready in host memory when asked, stall %.3f "
+        "ms/token (%llu exact hints); learned layers %.1f%% ready, stall %.3f ms/token\n",
+        rate(s.hash_ready, s.hash_experts), static_cast<double>(s.hash_stall_ns) / 1e6 / steps,
+        static_cast<unsigned long long>(s.hash_hints), rate(s.learned_ready, s.learned_experts),
+        static_cast<double>(s.learned_stall_ns) / 1e6 / steps);
+  }
   if (script) std::printf("%s\n", mode_note.c_str());
   if (!o.record_trace.empty()) std::printf("trace: %s\n", o.record_trace.c_str());
   return 0;
@@ -438,6 +482,9 @@ int main(int argc, char** argv) {
                  "Where prefetch hints come from: router (the next layers' routers) or trace (the "
                  "trace's predicted lists, else its future: an oracle); default trace with "
                  "--routing-trace");
+  app.add_flag("--no-hash-hints", o.no_hash_hints,
+               "deepseek4: do not hint the hash layers' experts when the token is known (to "
+               "measure what the exact hints give)");
   app.add_flag("--json", o.json, "Print one JSON object");
   CLI11_PARSE(app, argc, argv);
   return run(o);

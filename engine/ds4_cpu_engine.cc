@@ -1,0 +1,581 @@
+#include "engine/ds4_cpu_engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <numeric>
+
+#include "base/check.h"
+#include "engine/cpu_ops.h"
+#include "engine/dequant.h"
+
+namespace expertd::engine {
+namespace {
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
+// torch's softplus (beta 1, threshold 20), then the square root: DeepSeek-V4's router score.
+double sqrt_softplus(double x) { return std::sqrt(x > 20.0 ? x : std::log1p(std::exp(x))); }
+
+// x / sqrt(mean(x^2) + eps), without a weight (transformers' DeepseekV4UnweightedRMSNorm).
+void rms_norm_plain(float* x, size_t n, float eps) {
+  double ss = 0.0;
+  for (size_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const double r = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(x[i] * r);
+}
+
+// Inverse frequencies of the rope pairs: base^(-2i/dim), or YaRN's blend of interpolated and
+// extrapolated frequencies (transformers' _compute_yarn_parameters with truncate; DeepSeek-V4
+// keeps the attention factor at 1).
+std::vector<double> inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
+  std::vector<double> f(dim / 2);
+  for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
+  if (yarn == nullptr || yarn->yarn_factor <= 0.0) return f;
+  const double orig = yarn->yarn_orig_ctx;
+  auto corr = [&](double rot) {
+    return dim * std::log(orig / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+  };
+  const double low = std::max(std::floor(corr(yarn->yarn_beta_fast)), 0.0);
+  double high = std::min(std::ceil(corr(yarn->yarn_beta_slow)), static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;
+  for (uint32_t i = 0; i < dim / 2; ++i) {
+    const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+    const double extrapolate = 1.0 - ramp;
+    const double interp = f[i] / yarn->yarn_factor;
+    f[i] = interp * (1.0 - extrapolate) + f[i] * extrapolate;
+  }
+  return f;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
+                                                           ExpertSource& source,
+                                                           const EngineOptions& options) {
+  const ModelParams& p = model.params();
+  if (!p.is_ds4() || model.ds4() == nullptr) {
+    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek4", model.path(),
+                                          p.architecture));
+  }
+  EXPERTD_TRY(check_engine_options(p, options));
+  if (uint64_t{p.n_layer} * options.max_context * p.head_dim > (uint64_t{1} << 34)) {
+    return make_error(EINVAL,
+                      fmt::format("a context of {} positions is too large", options.max_context));
+  }
+  return std::unique_ptr<Ds4CpuEngine>(new Ds4CpuEngine(model, source, options));
+}
+
+Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
+                           const EngineOptions& options)
+    : model_(model),
+      source_(source),
+      p_(model.params()),
+      d_(model.params().ds4),
+      w_(*model.ds4()),
+      opts_(options),
+      planner_(model.params(), options) {
+  if (opts_.prefetch_width == 0) opts_.prefetch_width = p_.n_expert_used;
+  const uint32_t hc = d_.hc;
+  const uint64_t e = p_.n_embd;
+  const uint64_t q_dim = uint64_t{p_.n_head} * p_.head_dim;
+  inv_freq_main_ = inv_freq(p_.n_rot, p_.rope_base, nullptr);
+  inv_freq_compress_ = inv_freq(p_.n_rot, d_.compress_rope_base, &d_);
+  uint32_t max_entries = 0;
+  uint32_t max_ratio = 1;
+  layers_.resize(p_.n_layer);
+  for (uint32_t i = 0; i < p_.n_layer; ++i) {
+    LayerState& s = layers_[i];
+    s.window.resize(uint64_t{d_.window} * p_.head_dim);
+    const Ds4LayerWeights& l = w_.layers[i];
+    const uint32_t ratio = d_.compress_ratio[i];
+    auto init = [&](CompState& c, const Ds4Compressor& w) {
+      c.coff = w.coff;
+      c.dim = w.dim;
+      c.kv.resize(uint64_t{ratio} * w.coff * w.dim);
+      c.gate.resize(c.kv.size());
+      c.prev_kv.resize(uint64_t{ratio} * w.dim);
+      c.prev_gate.resize(c.prev_kv.size());
+      c.entries.resize(uint64_t{opts_.max_context / ratio + 1} * w.dim);
+    };
+    if (l.compressor) {
+      init(s.comp, *l.compressor);
+      max_entries = std::max(max_entries, opts_.max_context / ratio + 1);
+      max_ratio = std::max(max_ratio, ratio);
+    }
+    if (l.index_comp) init(s.index, *l.index_comp);
+  }
+  const uint32_t cdim = std::max(p_.head_dim, d_.index_dim);
+  const uint64_t ff_sh = uint64_t{p_.n_ff_exp} * std::max(1u, d_.n_shared);
+  streams_.resize(hc * e);
+  flat_.resize(hc * e);
+  mixes_.resize(uint64_t{2 + hc} * hc);
+  pre_.resize(hc);
+  post_.resize(hc);
+  comb_.resize(uint64_t{hc} * hc);
+  collapsed_.resize(e);
+  xn_.resize(e);
+  qr_.resize(d_.q_lora_rank);
+  q_.resize(q_dim);
+  kv_.resize(p_.head_dim);
+  att_.resize(q_dim);
+  grouped_.resize(uint64_t{d_.o_groups} * d_.o_lora_rank);
+  out_.resize(e);
+  proj_.resize(2 * uint64_t{cdim});
+  entry_.resize(cdim);
+  slots_.resize(2 * uint64_t{max_ratio});
+  iq_.resize(uint64_t{d_.index_heads} * d_.index_dim);
+  iw_.resize(d_.index_heads);
+  iscore_.resize(max_entries);
+  iorder_.resize(max_entries);
+  chosen_.resize(max_entries);
+  scores_.resize(d_.window + max_entries);
+  acc_.resize(std::max<uint64_t>(e, p_.head_dim));
+  row_.resize(std::max<uint64_t>(
+      {hc * e, q_dim, d_.q_lora_rank, ff_sh, e, uint64_t{d_.o_groups} * d_.o_lora_rank}));
+  router_.resize(p_.n_expert);
+  probs_.resize(p_.n_expert);
+  sel_.resize(p_.n_expert);
+  order_.resize(p_.n_expert);
+  selected_.resize(p_.n_expert_used);
+  weights_.resize(p_.n_expert_used);
+  ready_.resize(p_.n_expert_used);
+  gate_.resize(ff_sh);
+  up_.resize(ff_sh);
+  tmp_.resize(e);
+  views_.resize(p_.n_expert_used);
+  hash_hints_.reserve(uint64_t{d_.hash_layers} * p_.n_expert_used);
+}
+
+std::string Ds4CpuEngine::description() const {
+  return "CPU reference engine, deepseek4 (f32, f64 accumulation)";
+}
+
+void Ds4CpuEngine::reset() {
+  pos_ = 0;
+  for (LayerState& s : layers_) {
+    s.comp.count = s.index.count = 0;
+    s.comp.has_prev = s.index.has_prev = false;
+  }
+}
+
+void Ds4CpuEngine::rope(float* v, uint32_t dim, uint32_t pos, bool compress, bool inverse) const {
+  const std::vector<double>& f = compress ? inv_freq_compress_ : inv_freq_main_;
+  float* r = v + (dim - p_.n_rot);  // heads are [nope | rope]
+  for (uint32_t i = 0; i < p_.n_rot / 2; ++i) {
+    const double a = static_cast<double>(pos) * f[i];
+    const double c = std::cos(a);
+    const double s = inverse ? -std::sin(a) : std::sin(a);
+    const double x0 = r[2 * i];
+    const double x1 = r[2 * i + 1];
+    r[2 * i] = static_cast<float>(x0 * c - x1 * s);
+    r[2 * i + 1] = static_cast<float>(x1 * c + x0 * s);
+  }
+}
+
+Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
+  EXPERTD_TRY(check_decode(p_, opts_, pos_, token, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  const uint64_t e = p_.n_embd;
+  const Matrix& embd = model_.token_embd();
+  dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, streams_.data(),
+                 e);
+  for (uint32_t i = 1; i < d_.hc; ++i) {
+    std::copy(streams_.begin(), streams_.begin() + static_cast<int64_t>(e),
+              streams_.begin() + static_cast<int64_t>(i * e));
+  }
+  planner_.begin_token();
+  hint_hash_layers(token);
+  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
+    if (!source_.set_cursor(pos_, layer)) ++stats_.hint_errors;
+    const Ds4LayerWeights& l = w_.layers[layer];
+    hc_mix(l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale);
+    attention(layer);
+    hc_expand(out_.data());
+    hc_mix(l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale);
+    send_hints(layer);
+    route(layer, token);
+    EXPERTD_TRY(moe(layer));
+    hc_expand(out_.data());
+  }
+  // HyperHead: collapse the streams, then the output norm and head.
+  std::copy(streams_.begin(), streams_.end(), flat_.begin());
+  rms_norm_plain(flat_.data(), flat_.size(), p_.rms_eps);
+  matvec(w_.hc_head_fn.view(), flat_.data(), mixes_.data(), row_.data());
+  std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
+  for (uint32_t i = 0; i < d_.hc; ++i) {
+    const double pre =
+        sigmoid(static_cast<double>(mixes_[i]) * w_.hc_head_scale + w_.hc_head_base[i]) + d_.hc_eps;
+    for (uint64_t j = 0; j < e; ++j) acc_[j] += pre * streams_[i * e + j];
+  }
+  for (uint64_t j = 0; j < e; ++j) collapsed_[j] = static_cast<float>(acc_[j]);
+  rms_norm(collapsed_.data(), model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
+  matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+  ++pos_;
+  ++stats_.tokens;
+  stats_.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+void Ds4CpuEngine::hc_mix(const Matrix& fn, const std::vector<float>& base,
+                          const std::vector<float>& scale) {
+  const uint32_t hc = d_.hc;
+  const uint64_t e = p_.n_embd;
+  std::copy(streams_.begin(), streams_.end(), flat_.begin());
+  rms_norm_plain(flat_.data(), flat_.size(), p_.rms_eps);
+  matvec(fn.view(), flat_.data(), mixes_.data(), row_.data());
+  for (uint32_t i = 0; i < hc; ++i) {
+    pre_[i] = sigmoid(static_cast<double>(mixes_[i]) * scale[0] + base[i]) + d_.hc_eps;
+    post_[i] = 2.0 * sigmoid(static_cast<double>(mixes_[hc + i]) * scale[1] + base[hc + i]);
+  }
+  // comb: a softmax over each row, then Sinkhorn-Knopp (columns first, then rows and columns).
+  for (uint32_t i = 0; i < hc; ++i) {
+    double* row = comb_.data() + uint64_t{i} * hc;
+    for (uint32_t j = 0; j < hc; ++j) {
+      const uint32_t k = 2 * hc + i * hc + j;
+      row[j] = static_cast<double>(mixes_[k]) * scale[2] + base[k];
+    }
+    softmax(row, hc);
+    for (uint32_t j = 0; j < hc; ++j) row[j] += d_.hc_eps;
+  }
+  auto normalise_columns = [&] {
+    for (uint32_t j = 0; j < hc; ++j) {
+      double s = 0.0;
+      for (uint32_t i = 0; i < hc; ++i) s += comb_[i * hc + j];
+      for (uint32_t i = 0; i < hc; ++i) comb_[i * hc + j] /= s + d_.hc_eps;
+    }
+  };
+  normalise_columns();
+  for (uint32_t it = 1; it < d_.hc_iters; ++it) {
+    for (uint32_t i = 0; i < hc; ++i) {
+      double s = 0.0;
+      for (uint32_t j = 0; j < hc; ++j) s += comb_[i * hc + j];
+      for (uint32_t j = 0; j < hc; ++j) comb_[i * hc + j] /= s + d_.hc_eps;
+    }
+    normalise_columns();
+  }
+  std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
+  for (uint32_t i = 0; i < hc; ++i) {
+    for (uint64_t j = 0; j < e; ++j) acc_[j] += pre_[i] * streams_[i * e + j];
+  }
+  for (uint64_t j = 0; j < e; ++j) collapsed_[j] = static_cast<float>(acc_[j]);
+}
+
+void Ds4CpuEngine::hc_expand(const float* out) {
+  const uint32_t hc = d_.hc;
+  const uint64_t e = p_.n_embd;
+  // flat_ is free here: the new streams are built in it, then copied back.
+  for (uint32_t i = 0; i < hc; ++i) {
+    for (uint64_t j = 0; j < e; ++j) {
+      double v = post_[i] * out[j];
+      for (uint32_t k = 0; k < hc; ++k) v += comb_[uint64_t{k} * hc + i] * streams_[k * e + j];
+      flat_[i * e + j] = static_cast<float>(v);
+    }
+  }
+  std::copy(flat_.begin(), flat_.end(), streams_.begin());
+}
+
+void Ds4CpuEngine::compress(const Ds4Compressor& w, CompState& s, uint32_t ratio) {
+  const uint32_t dim = s.dim;
+  const uint64_t width = uint64_t{s.coff} * dim;
+  const uint32_t j = pos_ % ratio;
+  float* kv = s.kv.data() + j * width;
+  float* gate = s.gate.data() + j * width;
+  matvec(w.wkv.view(), xn_.data(), kv, row_.data());
+  matvec(w.wgate.view(), xn_.data(), gate, row_.data());
+  for (uint64_t c = 0; c < width; ++c) gate[c] += w.ape[j * width + c];
+  if (j != ratio - 1) return;
+  // The window is complete: one entry, a softmax over the window (per channel) of the gates
+  // weighting the projections. Overlapping windows (coff 2) also take the previous window's first
+  // half; this window's second half is its own.
+  const uint64_t own = s.coff == 2 ? dim : 0;  // this window's half
+  const uint32_t n_prev = s.coff == 2 && s.has_prev ? ratio : 0;
+  for (uint32_t c = 0; c < dim; ++c) {
+    double mx = -INFINITY;
+    for (uint32_t t = 0; t < n_prev; ++t) mx = std::max(mx, double{s.prev_gate[t * dim + c]});
+    for (uint32_t t = 0; t < ratio; ++t) mx = std::max(mx, double{s.gate[t * width + own + c]});
+    double sum = 0.0;
+    double acc = 0.0;
+    for (uint32_t t = 0; t < n_prev; ++t) {
+      const double x = std::exp(s.prev_gate[t * dim + c] - mx);
+      sum += x;
+      acc += x * s.prev_kv[t * dim + c];
+    }
+    for (uint32_t t = 0; t < ratio; ++t) {
+      const double x = std::exp(s.gate[t * width + own + c] - mx);
+      sum += x;
+      acc += x * s.kv[t * width + own + c];
+    }
+    entry_[c] = static_cast<float>(acc / sum);
+  }
+  if (s.coff == 2) {  // keep this window's first half for the next entry
+    for (uint32_t t = 0; t < ratio; ++t) {
+      std::copy_n(s.kv.data() + t * width, dim, s.prev_kv.data() + uint64_t{t} * dim);
+      std::copy_n(s.gate.data() + t * width, dim, s.prev_gate.data() + uint64_t{t} * dim);
+    }
+    s.has_prev = true;
+  }
+  float* out = s.entries.data() + uint64_t{s.count} * dim;
+  rms_norm(entry_.data(), w.norm.data(), out, dim, p_.rms_eps);
+  rope(out, dim, s.count * ratio, /*compress=*/true, /*inverse=*/false);
+  ++s.count;
+}
+
+void Ds4CpuEngine::select_entries(uint32_t layer) {
+  // The Lightning Indexer: score every compressed entry with Σ_h w_h · relu(q_h · k) and keep the
+  // top index_topk.
+  const Ds4LayerWeights& l = w_.layers[layer];
+  CompState& s = layers_[layer].index;
+  const uint32_t di = d_.index_dim;
+  matvec(l.index_q_b.view(), qr_.data(), iq_.data(), row_.data());
+  for (uint32_t h = 0; h < d_.index_heads; ++h) {
+    rope(iq_.data() + uint64_t{h} * di, di, pos_, /*compress=*/true, /*inverse=*/false);
+  }
+  matvec(l.index_proj.view(), xn_.data(), iw_.data(), row_.data());
+  const double head_scale = 1.0 / std::sqrt(static_cast<double>(d_.index_heads));
+  const double softmax_scale = 1.0 / std::sqrt(static_cast<double>(di));
+  const uint32_t n = s.count;
+  for (uint32_t t = 0; t < n; ++t) {
+    const float* k = s.entries.data() + uint64_t{t} * di;
+    double score = 0.0;
+    for (uint32_t h = 0; h < d_.index_heads; ++h) {
+      const double qk = dot(iq_.data() + uint64_t{h} * di, k, di);
+      score += (qk > 0 ? qk * softmax_scale : 0.0) * (iw_[h] * head_scale);
+    }
+    iscore_[t] = score;
+  }
+  const uint32_t keep = std::min(n, d_.index_topk);
+  std::iota(iorder_.begin(), iorder_.begin() + n, 0u);
+  std::partial_sort(iorder_.begin(), iorder_.begin() + keep, iorder_.begin() + n,
+                    [&](uint32_t a, uint32_t b) {
+                      return iscore_[a] > iscore_[b] || (iscore_[a] == iscore_[b] && a < b);
+                    });
+  std::copy_n(iorder_.begin(), keep, chosen_.begin());
+}
+
+void Ds4CpuEngine::attention(uint32_t layer) {
+  const Ds4LayerWeights& l = w_.layers[layer];
+  LayerState& st = layers_[layer];
+  const uint32_t hd = p_.head_dim;
+  const Ds4Attention type = d_.attention[layer];
+  const bool compress = type != Ds4Attention::Sliding;
+  rms_norm(collapsed_.data(), l.attn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
+  matvec(l.wq_a.view(), xn_.data(), qr_.data(), row_.data());
+  rms_norm(qr_.data(), l.q_a_norm.data(), qr_.data(), d_.q_lora_rank, p_.rms_eps);
+  matvec(l.wq_b.view(), qr_.data(), q_.data(), row_.data());
+  for (uint32_t h = 0; h < p_.n_head; ++h) {
+    float* q = q_.data() + uint64_t{h} * hd;
+    rms_norm_plain(q, hd, p_.rms_eps);
+    rope(q, hd, pos_, compress, false);
+  }
+  matvec(l.wkv.view(), xn_.data(), kv_.data(), row_.data());
+  rms_norm(kv_.data(), l.kv_norm.data(), kv_.data(), hd, p_.rms_eps);
+  rope(kv_.data(), hd, pos_, compress, false);
+  std::copy(kv_.begin(), kv_.end(),
+            st.window.begin() + static_cast<int64_t>((pos_ % d_.window) * hd));
+
+  // The compressed entries this position attends: all of an HCA layer's, the indexer's choice of
+  // a CSA layer's.
+  uint32_t n_entries = 0;
+  const float* entries = nullptr;
+  if (compress) {
+    const uint32_t ratio = d_.compress_ratio[layer];
+    compress_into(layer, ratio);
+    entries = st.comp.entries.data();
+    if (type == Ds4Attention::Compressed) {
+      select_entries(layer);
+      n_entries = std::min(st.comp.count, d_.index_topk);
+    } else {
+      n_entries = st.comp.count;
+      std::iota(chosen_.begin(), chosen_.begin() + n_entries, 0u);
+    }
+  }
+  const uint32_t first = pos_ + 1 > d_.window ? pos_ + 1 - d_.window : 0;
+  const uint32_t n_window = pos_ + 1 - first;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (uint32_t h = 0; h < p_.n_head; ++h) {
+    const float* q = q_.data() + uint64_t{h} * hd;
+    auto key = [&](uint32_t i) -> const float* {
+      return i < n_window ? st.window.data() + uint64_t{(first + i) % d_.window} * hd
+                          : entries + uint64_t{chosen_[i - n_window]} * hd;
+    };
+    const uint32_t n = n_window + n_entries;
+    const double sink = l.sinks[h];
+    double mx = sink;
+    for (uint32_t i = 0; i < n; ++i) {
+      scores_[i] = dot(q, key(i), hd) * scale;
+      mx = std::max(mx, scores_[i]);
+    }
+    double sum = std::exp(sink - mx);
+    for (uint32_t i = 0; i < n; ++i) {
+      scores_[i] = std::exp(scores_[i] - mx);
+      sum += scores_[i];
+    }
+    std::fill(acc_.begin(), acc_.begin() + hd, 0.0);
+    for (uint32_t i = 0; i < n; ++i) {
+      const float* v = key(i);  // K = V
+      const double pr = scores_[i] / sum;
+      for (uint32_t c = 0; c < hd; ++c) acc_[c] += pr * v[c];
+    }
+    float* o = att_.data() + uint64_t{h} * hd;
+    for (uint32_t c = 0; c < hd; ++c) o[c] = static_cast<float>(acc_[c]);
+    rope(o, hd, pos_, compress, /*inverse=*/true);
+  }
+  // Grouped output projection: group g's heads through rows [g * o_lora_rank, ...) of wo_a.
+  const uint64_t gin = uint64_t{p_.n_head} * hd / d_.o_groups;
+  const WeightView wo_a = l.wo_a.view();
+  for (uint32_t g = 0; g < d_.o_groups; ++g) {
+    WeightView part = wo_a;
+    part.data += uint64_t{g} * d_.o_lora_rank * wo_a.row_bytes;
+    part.rows = d_.o_lora_rank;
+    matvec(part, att_.data() + g * gin, grouped_.data() + uint64_t{g} * d_.o_lora_rank,
+           row_.data());
+  }
+  matvec(l.wo_b.view(), grouped_.data(), out_.data(), row_.data());
+}
+
+void Ds4CpuEngine::compress_into(uint32_t layer, uint32_t ratio) {
+  const Ds4LayerWeights& l = w_.layers[layer];
+  LayerState& st = layers_[layer];
+  compress(*l.compressor, st.comp, ratio);
+  if (l.index_comp) compress(*l.index_comp, st.index, ratio);
+}
+
+void Ds4CpuEngine::hint_hash_layers(uint32_t token) {
+  if (!opts_.hash_hints || d_.hash_layers == 0) return;
+  hash_hints_.clear();
+  const uint32_t k = p_.n_expert_used;
+  for (uint32_t layer = 0; layer < d_.hash_layers; ++layer) {
+    const uint32_t* ex = w_.layers[layer].tid2eid.data() + uint64_t{token} * k;
+    for (uint32_t i = 0; i < k; ++i) hash_hints_.push_back(ExpertHint{layer, ex[i], 1.0f});
+  }
+  stats_.hash_hints += hash_hints_.size();
+  if (!source_.prefetch(hash_hints_)) ++stats_.hint_errors;
+}
+
+void Ds4CpuEngine::send_hints(uint32_t layer) {
+  planner_.from_layer(layer);
+  for (uint32_t j = 1; j <= opts_.prefetch_depth && layer + j < p_.n_layer; ++j) {
+    const uint32_t next = layer + j;
+    if (next < d_.hash_layers) continue;  // hinted exactly at the token
+    if (opts_.script != nullptr && opts_.hints == HintSource::Script) {
+      add_scripted_hints(*opts_.script, pos_, layer, next, planner_);
+      continue;
+    }
+    // The next layer's router on this layer's MoE input, through the next layer's norm.
+    const Ds4LayerWeights& w = w_.layers[next];
+    rms_norm(collapsed_.data(), w.ffn_norm.data(), tmp_.data(), p_.n_embd, p_.rms_eps);
+    matvec(w.gate_inp.view(), tmp_.data(), router_.data(), row_.data());
+    double sum = 0.0;
+    for (uint32_t e = 0; e < p_.n_expert; ++e) {
+      probs_[e] = std::max(0.0, sqrt_softplus(router_[e]) + w.exp_bias[e]);
+      sum += probs_[e];
+    }
+    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = sum > 0 ? probs_[e] / sum : 0.0;
+    planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
+  }
+  const std::span<const ExpertHint> hints = planner_.take(stats_);
+  if (hints.empty()) return;
+  if (!source_.prefetch(hints)) ++stats_.hint_errors;
+}
+
+void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
+  const Ds4LayerWeights& l = w_.layers[layer];
+  const uint32_t k = p_.n_expert_used;
+  const bool hash = layer < d_.hash_layers;
+  rms_norm(collapsed_.data(), l.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
+  const ScriptedRoute* scripted =
+      opts_.script != nullptr ? opts_.script->find(pos_, layer) : nullptr;
+  if (scripted != nullptr) {
+    std::copy(scripted->experts.begin(), scripted->experts.end(), selected_.begin());
+    std::copy(scripted->weights.begin(), scripted->weights.end(), weights_.begin());
+    ++stats_.scripted_routes;
+  } else {
+    matvec(l.gate_inp.view(), xn_.data(), router_.data(), row_.data());
+    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = sqrt_softplus(router_[e]);
+    if (hash) {
+      const uint32_t* ex = l.tid2eid.data() + uint64_t{token} * k;
+      std::copy_n(ex, k, order_.begin());
+    } else {
+      for (uint32_t e = 0; e < p_.n_expert; ++e) sel_[e] = probs_[e] + l.exp_bias[e];
+      top_indices(std::span<const double>(sel_), order_, k);
+    }
+    double sum = 0.0;
+    for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
+    // Experts by descending weight, as the canonical trace lists them.
+    std::stable_sort(order_.begin(), order_.begin() + k,
+                     [&](uint32_t a, uint32_t b) { return probs_[a] > probs_[b]; });
+    for (uint32_t i = 0; i < k; ++i) {
+      selected_[i] = order_[i];
+      const double pr = probs_[order_[i]];
+      weights_[i] =
+          static_cast<float>((d_.weights_norm ? pr / (sum + 1e-20) : pr) * d_.weights_scale);
+    }
+  }
+  RoutingRecord* rec = nullptr;
+  if (routing_log_ != nullptr) {
+    routing_log_->push_back(RoutingRecord{pos_,
+                                          layer,
+                                          std::vector<uint32_t>(selected_.begin(), selected_.end()),
+                                          std::vector<float>(weights_.begin(), weights_.end()),
+                                          {}});
+    rec = &routing_log_->back();
+  }
+  if (!hash) planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
+}
+
+Status Ds4CpuEngine::moe(uint32_t layer) {
+  const Ds4LayerWeights& l = w_.layers[layer];
+  const uint32_t k = p_.n_expert_used;
+  const bool hash = layer < d_.hash_layers;
+  const std::span<const uint32_t> experts(selected_.data(), k);
+  source_.host_ready(layer, experts, ready_);
+  const uint64_t t0 = monotonic_ns();
+  EXPERTD_TRY(source_.get(layer, experts, std::span<ExpertView>(views_.data(), k)));
+  const uint64_t waited = monotonic_ns() - t0;
+  stats_.stall_ns += waited;
+  stats_.experts_used += k;
+  const uint64_t ready = static_cast<uint64_t>(std::count(ready_.begin(), ready_.end(), 1));
+  (hash ? stats_.hash_experts : stats_.learned_experts) += k;
+  (hash ? stats_.hash_ready : stats_.learned_ready) += ready;
+  (hash ? stats_.hash_stall_ns : stats_.learned_stall_ns) += waited;
+
+  // SwiGLU with DeepSeek-V4's clamp: gate <= limit, up in [-limit, limit] (limit 0: none).
+  auto swiglu = [&](uint64_t n, float limit) {
+    for (uint64_t j = 0; j < n; ++j) {
+      float g = gate_[j];
+      float u = up_[j];
+      if (limit > 0) {
+        g = std::min(g, limit);
+        u = std::clamp(u, -limit, limit);
+      }
+      gate_[j] = silu(g) * u;
+    }
+  };
+  const uint64_t e = p_.n_embd;
+  std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
+  for (uint32_t i = 0; i < k; ++i) {
+    const ExpertView& ev = views_[i];
+    EXPERTD_CHECK_EQ(ev.layer, layer);
+    EXPERTD_CHECK_EQ(ev.expert, selected_[i]);
+    matvec(ev.gate, xn_.data(), gate_.data(), row_.data());
+    matvec(ev.up, xn_.data(), up_.data(), row_.data());
+    swiglu(p_.n_ff_exp, d_.clamp_exp[layer]);
+    matvec(ev.down, gate_.data(), tmp_.data(), row_.data());
+    for (uint64_t j = 0; j < e; ++j) acc_[j] += static_cast<double>(weights_[i]) * tmp_[j];
+  }
+  EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), k)));
+  if (d_.n_shared > 0) {
+    matvec(l.shexp_gate.view(), xn_.data(), gate_.data(), row_.data());
+    matvec(l.shexp_up.view(), xn_.data(), up_.data(), row_.data());
+    swiglu(l.shexp_gate.rows, d_.clamp_shexp[layer]);
+    matvec(l.shexp_down.view(), gate_.data(), tmp_.data(), row_.data());
+    for (uint64_t j = 0; j < e; ++j) acc_[j] += tmp_[j];
+  }
+  for (uint64_t j = 0; j < e; ++j) out_[j] = static_cast<float>(acc_[j]);
+  return Ok{};
+}
+
+}  // namespace expertd::engine

@@ -1,0 +1,144 @@
+// The CPU reference forward of DeepSeek-V4 (`deepseek4`), one token at a time, in transformers'
+// order of operations (models/deepseek_v4/modeling_deepseek_v4.py):
+//
+// - mHC: the residual is `hc` streams. Before each sublayer a HyperConnection mixes them:
+//   pre/post/comb from fn·rmsnorm(streams) with base and scale, comb projected by Sinkhorn-Knopp;
+//   the sublayer runs on Σ pre_i·stream_i, and the streams become post_i·out + Σ_j
+//   comb_ji·stream_j. The final HyperHead collapses the streams before the output norm.
+// - Attention: q LoRA (wq_a, q_a_norm, wq_b, a weightless per-head RMSNorm), one shared K=V head
+//   (wkv, kv_norm), interleaved RoPE on the trailing rope dims (main base on sliding layers, the
+//   compress base with YaRN on compressed layers), a per-head sink in the softmax, keys = the last
+//   `window` positions plus compressed entries, the inverse RoPE on the output, then the grouped
+//   output projection (wo_a per group, wo_b).
+//   CSA layers: a compressor emits one entry per `ratio` tokens over overlapping windows (the
+//   previous window's first half with this window's second half), and the Lightning Indexer (its
+//   own compressor, q from the LoRA residual, Σ_h w_h·relu(q_h·k)) picks the top-k entries.
+//   HCA layers: non-overlapping windows, every entry attended.
+// - MoE: sqrtsoftplus scores; hash layers take tid2eid[token], learned layers the top-k of
+//   scores + e_score_correction_bias; weights renormalised × routed_scaling_factor; SwiGLU with
+//   the clamp; plus the shared expert.
+//
+// Hash layers' experts are known from the token alone: decode() hints them all to the source
+// before layer 0 (EngineOptions::hash_hints). Learned layers get router lookahead as qwen3moe
+// does (the next layers' routers on the current collapsed stream).
+//
+// Owns every cache (sliding window, compressor buffers and entries) and scratch buffer, sized at
+// create(); decode() allocates nothing unless a routing log is attached. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/expert_source.h"
+#include "engine/model.h"
+
+namespace expertd::engine {
+
+class Ds4CpuEngine final : public Engine {
+ public:
+  // `model` (a deepseek4 model) and `source` must outlive the engine.
+  static Result<std::unique_ptr<Ds4CpuEngine>> create(const DenseModel& model, ExpertSource& source,
+                                                      const EngineOptions& options);
+
+  Status decode(uint32_t token, std::span<float> logits) override;
+  void reset() override;
+  uint32_t position() const override { return pos_; }
+  const EngineStats& stats() const override { return stats_; }
+  void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
+  std::string name() const override { return "cpu"; }
+  std::string description() const override;
+
+ private:
+  // One compressor's running state: the current window's projections, the previous window's
+  // first half (overlapping windows), and the entries emitted so far.
+  struct CompState {
+    uint32_t coff = 0;
+    uint32_t dim = 0;
+    std::vector<float> kv;         // [ratio][coff * dim] this window
+    std::vector<float> gate;       // [ratio][coff * dim] (position bias added)
+    std::vector<float> prev_kv;    // [ratio][dim] the previous window's first half
+    std::vector<float> prev_gate;  // [ratio][dim]
+    bool has_prev = false;
+    std::vector<float> entries;  // [max entries][dim]
+    uint32_t count = 0;          // entries emitted
+  };
+  struct LayerState {
+    std::vector<float> window;  // [window][head_dim]: K=V of the last positions (ring)
+    CompState comp;
+    CompState index;
+  };
+
+  Ds4CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
+
+  // HyperConnection of one site: fills pre_/post_/comb_ and collapsed_ (n_embd).
+  void hc_mix(const Matrix& fn, const std::vector<float>& base, const std::vector<float>& scale);
+  // streams = post ⊗ out + combᵀ · streams.
+  void hc_expand(const float* out);
+  void attention(uint32_t layer);
+  // Feeds position pos_'s normalised input to a compressor; emits an entry when a window closes.
+  void compress(const Ds4Compressor& w, CompState& s, uint32_t ratio);
+  // Both of a layer's compressors (the attention's and, on CSA layers, the indexer's).
+  void compress_into(uint32_t layer, uint32_t ratio);
+  void select_entries(uint32_t layer);
+  void send_hints(uint32_t layer);
+  void hint_hash_layers(uint32_t token);
+  void route(uint32_t layer, uint32_t token);
+  Status moe(uint32_t layer);
+  // Interleaved RoPE on the trailing n_rot of a `dim`-long head at `pos` (the compress base and
+  // YaRN when `compress`; the conjugate rotation when `inverse`).
+  void rope(float* v, uint32_t dim, uint32_t pos, bool compress, bool inverse) const;
+
+  const DenseModel& model_;
+  ExpertSource& source_;
+  const ModelParams& p_;
+  const Ds4Params& d_;
+  const Ds4Weights& w_;
+  EngineOptions opts_;
+  uint32_t pos_ = 0;
+  EngineStats stats_;
+  std::vector<RoutingRecord>* routing_log_ = nullptr;
+
+  std::vector<double> inv_freq_main_;      // n_rot / 2
+  std::vector<double> inv_freq_compress_;  // n_rot / 2 (YaRN when the file has it)
+  std::vector<LayerState> layers_;
+
+  std::vector<float> streams_;             // [hc][n_embd]
+  std::vector<float> flat_;                // hc * n_embd, normalised
+  std::vector<float> mixes_;               // (2 + hc) * hc
+  std::vector<double> pre_, post_, comb_;  // hc, hc, hc * hc
+  std::vector<float> collapsed_;           // n_embd
+  std::vector<float> xn_;                  // normalised sublayer input, n_embd
+  std::vector<float> qr_;                  // q LoRA residual, q_lora_rank
+  std::vector<float> q_;                   // n_head * head_dim
+  std::vector<float> kv_;                  // head_dim
+  std::vector<float> att_;                 // n_head * head_dim
+  std::vector<float> grouped_;             // o_groups * o_lora_rank
+  std::vector<float> out_;                 // n_embd
+  std::vector<float> proj_;                // compressor projections, 2 * max(head_dim, index_dim)
+  std::vector<float> entry_;               // one compressed entry, max(head_dim, index_dim)
+  std::vector<double> slots_;              // softmax over 2 * ratio slots
+  std::vector<float> iq_;                  // indexer queries, index_heads * index_dim
+  std::vector<float> iw_;                  // indexer head weights, index_heads
+  std::vector<double> iscore_;             // indexer scores, max entries
+  std::vector<uint32_t> iorder_;           // entry indices by score
+  std::vector<uint32_t> chosen_;           // compressed entries attended this layer
+  std::vector<double> scores_;             // attention logits (window + entries)
+  std::vector<double> acc_;                // accumulators, max(n_embd, head_dim)
+  std::vector<float> row_;                 // one dequantised weight row (the widest)
+  std::vector<float> router_;              // n_expert
+  std::vector<double> probs_;              // scores (+ bias for selection), n_expert
+  std::vector<double> sel_;                // n_expert
+  std::vector<uint32_t> order_;
+  std::vector<uint32_t> selected_;
+  std::vector<float> weights_;
+  std::vector<uint8_t> ready_;
+  std::vector<float> gate_, up_, tmp_;  // n_ff (shared: n_ff * n_shared), n_embd
+  std::vector<ExpertView> views_;
+  std::vector<ExpertHint> hash_hints_;
+  HintPlanner planner_;
+};
+
+}  // namespace expertd::engine

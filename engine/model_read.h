@@ -1,0 +1,41 @@
+// Reading hyperparameters and dense tensors from a GGUF model, checked: the helpers the model
+// loaders (engine/model.cc for qwen3moe, engine/ds4_model.cc for deepseek4) share. Every error
+// names the file and the key or tensor. Internal to the engine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/model.h"
+#include "expertd/result.h"
+#include "storage/gguf.h"
+
+namespace expertd::engine::detail {
+
+// `<arch>.<suffix>` as an unsigned integer in [lo, hi]; `fallback` when the key is absent (an
+// error when there is none).
+Result<uint64_t> get_u64(const GgufModel& g, std::string_view suffix,
+                         std::optional<uint64_t> fallback, uint64_t lo, uint64_t hi);
+// `<arch>.<suffix>` as a positive finite number.
+Result<double> get_f64(const GgufModel& g, std::string_view suffix, std::optional<double> fallback);
+
+// Shard readers, opened once for a load.
+using Sources = std::vector<std::unique_ptr<ByteSource>>;
+Result<Sources> open_sources(const GgufModel& g);
+
+// A 2-D tensor of `rows` x `cols` (GGUF ne [cols, rows]) in its file encoding, which must be one
+// the engine dequantises.
+Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
+                           uint64_t rows, uint64_t cols);
+// A tensor of `n` elements (ne [n]) as floats.
+Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
+                                       const std::string& name, uint64_t n);
+// A 2-D tensor of rows x cols as floats (small tensors: the hc mixes, position biases).
+Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
+                                       const std::string& name, uint64_t rows, uint64_t cols);
+
+}  // namespace expertd::engine::detail

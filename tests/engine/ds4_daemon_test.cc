@@ -1,0 +1,162 @@
+// DeepSeek-V4 on the product path: the real expertd serves the committed deepseek4 fixtures and
+// the CPU engine gets its experts through libexpertd-client; expert-run decodes them with --json.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/cpu_engine.h"
+#include "engine/daemon_expert_source.h"
+#include "expertd/client.h"
+#include "testing/expertd_fixture.h"
+#include "tests/engine/fixture.h"
+
+namespace expertd::engine {
+namespace {
+
+using expertd::test::Daemon;
+using expertd::test::TempDir;
+
+std::string ds4_gguf(const std::string& variant) {
+  return test::fixture_path("deepseek4-tiny/model-" + variant + ".gguf");
+}
+
+std::string joined(const std::vector<uint32_t>& v) {
+  std::string s;
+  for (const uint32_t x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+class Ds4DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    meta_ = test::read_json(test::fixture_path("deepseek4-tiny/fixture.json"));
+    tokens_ = meta_.at("tokens").get<std::vector<uint32_t>>();
+    prompt_ = meta_.at("prompt_tokens").get<uint32_t>();
+    socket_ = dir_.path() + "/expertd.sock";
+    daemon_ = std::make_unique<Daemon>(
+        dir_.path(), std::vector<std::string>{"--model", "v4-f32=" + ds4_gguf("f32"), "--model",
+                                              "v4-q8_0=" + ds4_gguf("q8_0"), "--socket", socket_,
+                                              "--cache", "16MiB", "--no-mlock"});
+    ASSERT_TRUE(daemon_->start());
+  }
+  void TearDown() override {
+    const std::string log = daemon_->log();
+    EXPECT_EQ(daemon_->stop(), 0) << log;
+  }
+
+  TempDir dir_;
+  nlohmann::json meta_;
+  std::vector<uint32_t> tokens_;
+  uint32_t prompt_ = 0;
+  std::string socket_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+TEST_F(Ds4DaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
+  for (const std::string variant : {"f32", "q8_0"}) {
+    SCOPED_TRACE(variant);
+    auto model = DenseModel::load(ds4_gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    const ModelParams& p = model->params();
+    auto client = client::Client::connect(socket_);
+    ASSERT_TRUE(client) << client.error().message;
+    auto session = (*client)->attach("v4-" + variant, "engine_tests");
+    ASSERT_TRUE(session) << session.error().message;
+    auto source = DaemonExpertSource::create(**session, *model);
+    ASSERT_TRUE(source) << source.error().message;
+    auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 1, 0});
+    ASSERT_TRUE(engine) << engine.error().message;
+    const std::vector<float> expected =
+        test::read_f32(test::fixture_path("deepseek4-tiny/logits-" + variant + ".bin"));
+    const uint32_t vocab = p.n_vocab;
+    std::vector<float> logits(vocab);
+    double worst = 0.0;
+    for (size_t t = 0; t < tokens_.size(); ++t) {
+      const Status st = (*engine)->decode(tokens_[t], logits);
+      ASSERT_TRUE(st) << st.error().message;
+      const double err = test::rel_err(logits.data(), expected.data() + t * vocab, vocab);
+      EXPECT_LE(err, 1e-4) << "position " << t;
+      worst = std::max(worst, err);
+    }
+    std::printf("[ deepseek4 %s via expertd ] max relative error over %zu positions: %.3e\n",
+                variant.c_str(), tokens_.size(), worst);
+    const EngineStats& s = (*engine)->stats();
+    EXPECT_EQ(s.hint_errors, 0u);
+    EXPECT_EQ(s.hash_hints, tokens_.size() * p.ds4.hash_layers * p.n_expert_used);
+    // Every hint (exact hash-layer hints and router lookahead) reached the daemon.
+    auto ss = (*session)->stats();
+    expertd::test::wait_until(
+        [&] {
+          ss = (*session)->stats();
+          return !ss ||
+                 (ss->releases == ss->acquires && ss->prefetches == s.hints_sent + s.hash_hints);
+        },
+        std::chrono::seconds(10));
+    ASSERT_TRUE(ss) << ss.error().message;
+    EXPECT_EQ(ss->acquires, tokens_.size() * p.n_layer * p.n_expert_used);
+    EXPECT_EQ(ss->releases, ss->acquires);
+    EXPECT_EQ(ss->prefetches, s.hints_sent + s.hash_hints);
+    EXPECT_EQ((*session)->holds(), 0u);
+  }
+}
+
+TEST_F(Ds4DaemonTest, ExpertRunDecodesADeepseek4ModelWithJson) {
+  const std::vector<uint32_t> prompt(tokens_.begin(), tokens_.begin() + prompt_);
+  const uint32_t n = static_cast<uint32_t>(tokens_.size()) - prompt_;
+  for (const bool hints : {true, false}) {
+    SCOPED_TRACE(hints ? "hash hints" : "no hash hints");
+    std::vector<std::string> args{expertd::test::bin_path("expert-run"),
+                                  "--socket",
+                                  socket_,
+                                  "--model",
+                                  "v4-f32",
+                                  "--gguf",
+                                  ds4_gguf("f32"),
+                                  "--prompt-tokens",
+                                  joined(prompt),
+                                  "--max-tokens",
+                                  std::to_string(n),
+                                  "--json",
+                                  "--ignore-eos",
+                                  "--cpu"};
+    if (!hints) args.push_back("--no-hash-hints");
+    const auto r = expertd::test::run_command(args);
+    ASSERT_EQ(r.status, 0) << r.out << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    // transformers' greedy continuation.
+    EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(),
+              std::vector<uint32_t>(tokens_.begin() + prompt_, tokens_.end()));
+    EXPECT_EQ(j.at("engine").get<std::string>(), "cpu");
+    for (const char* key : {"tokens_per_s", "stall_ms_per_token", "generation", "hits", "daemon",
+                            "prefetch_precision", "experts_used", "decode_steps"}) {
+      EXPECT_TRUE(j.contains(key)) << key;
+    }
+    const auto& v4 = j.at("deepseek4");
+    EXPECT_EQ(v4.at("hash_layers").get<uint32_t>(), 2u);
+    EXPECT_EQ(v4.at("hash_hints_enabled").get<bool>(), hints);
+    const uint64_t steps = j.at("decode_steps").get<uint64_t>();
+    EXPECT_EQ(v4.at("hash_hints").get<uint64_t>(), hints ? steps * 2 * 2 : 0u);
+    EXPECT_EQ(v4.at("hash").at("experts").get<uint64_t>(), steps * 2 * 2);
+    EXPECT_EQ(v4.at("learned").at("experts").get<uint64_t>(), steps * 3 * 2);
+    for (const char* cls : {"hash", "learned"}) {
+      const double rate = v4.at(cls).at("hit_rate").get<double>();
+      EXPECT_GE(rate, 0.0) << cls;
+      EXPECT_LE(rate, 1.0) << cls;
+    }
+  }
+}
+
+TEST_F(Ds4DaemonTest, ExpertRunTextReportsHashAndLearnedLayers) {
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-q8_0", "--gguf",
+       ds4_gguf("q8_0"), "--prompt-tokens", "68,101,101,112", "--max-tokens", "3", "--cpu"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("deepseek4: 2 hash layers (their experts are hinted exactly"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("deepseek4: hash layers "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; learned layers "), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace expertd::engine

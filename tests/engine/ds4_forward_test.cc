@@ -1,0 +1,351 @@
+// The DeepSeek-V4 CPU forward against Hugging Face transformers (tests/fixtures/deepseek4-tiny,
+// written by tools/reference/make_deepseek4_fixture.py: llama.cpp's converter made the GGUF),
+// with experts read straight from the GGUF by the test-only source; the hash-layer hints; and the
+// loader's errors on malformed deepseek4 files.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <set>
+
+#include "engine/cpu_engine.h"
+#include "engine/ds4_cpu_engine.h"
+#include "storage/gguf_writer.h"
+#include "testing/temp_dir.h"
+#include "tests/engine/file_expert_source.h"
+#include "tests/engine/fixture.h"
+
+namespace expertd::engine {
+namespace {
+
+using test::FileExpertSource;
+
+constexpr double kMaxRelErr = 1e-4;
+
+struct Ds4Fixture {
+  nlohmann::json meta;
+  std::vector<uint32_t> tokens;
+  uint32_t prompt = 0;
+  uint32_t vocab = 0;
+
+  static Ds4Fixture load() {
+    Ds4Fixture f;
+    f.meta = test::read_json(test::fixture_path("deepseek4-tiny/fixture.json"));
+    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
+    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
+    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
+    return f;
+  }
+  static std::string gguf(const std::string& variant) {
+    return test::fixture_path("deepseek4-tiny/model-" + variant + ".gguf");
+  }
+  // The mxfp4 and f32 files hold the same numbers (the f32 experts are the mxfp4 ones expanded).
+  static std::string reference(const std::string& variant) {
+    return variant == "q8_0" ? "q8_0" : "f32";
+  }
+  std::vector<float> logits(const std::string& variant) const {
+    return test::read_f32(
+        test::fixture_path("deepseek4-tiny/logits-" + reference(variant) + ".bin"));
+  }
+  std::vector<test::TraceEntry> trace(const std::string& variant) const {
+    return test::read_trace(
+        test::fixture_path("deepseek4-tiny/trace-" + reference(variant) + ".jsonl"));
+  }
+};
+
+class Ds4Forward : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Ds4Forward, LogitsRoutingAndGreedyTokensMatchTransformers) {
+  const std::string variant = GetParam();
+  const Ds4Fixture fx = Ds4Fixture::load();
+  auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+  ASSERT_TRUE(model) << model.error().message;
+  ASSERT_TRUE(model->params().is_ds4());
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source) << source.error().message;
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 0, 0});
+  ASSERT_TRUE(engine) << engine.error().message;
+  std::vector<RoutingRecord> routing;
+  (*engine)->set_routing_log(&routing);
+
+  const std::vector<float> expected = fx.logits(variant);
+  ASSERT_EQ(expected.size(), fx.tokens.size() * fx.vocab);
+  std::vector<float> logits(fx.vocab);
+  double worst = 0.0;
+  for (size_t t = 0; t < fx.tokens.size(); ++t) {
+    ASSERT_TRUE((*engine)->decode(fx.tokens[t], logits));
+    const double err = test::rel_err(logits.data(), expected.data() + t * fx.vocab, fx.vocab);
+    EXPECT_LE(err, kMaxRelErr) << variant << " position " << t;
+    worst = std::max(worst, err);
+    // Greedy: every generated token is the argmax after the previous one.
+    if (t + 1 >= fx.prompt && t + 1 < fx.tokens.size() && variant != "q8_0") {
+      const auto best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      EXPECT_EQ(static_cast<uint32_t>(best), fx.tokens[t + 1]) << "position " << t;
+    }
+  }
+  RecordProperty("max_rel_err", std::to_string(worst));
+  std::printf("[ %s ] max relative error of the logits over %zu positions: %.3e\n", variant.c_str(),
+              fx.tokens.size(), worst);
+
+  const std::vector<test::TraceEntry> trace = fx.trace(variant);
+  ASSERT_EQ(routing.size(), trace.size());
+  for (size_t i = 0; i < trace.size(); ++i) {
+    EXPECT_EQ(routing[i].token, trace[i].token);
+    EXPECT_EQ(routing[i].layer, trace[i].layer);
+    EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
+    for (size_t k = 0; k < trace[i].weights.size(); ++k) {
+      EXPECT_NEAR(routing[i].weights[k], trace[i].weights[k], 1e-5) << "record " << i;
+    }
+  }
+  EXPECT_EQ((*source)->gets(), (*source)->releases());
+  const ModelParams& p = model->params();
+  EXPECT_EQ((*engine)->stats().experts_used, fx.tokens.size() * p.n_layer * p.n_expert_used);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Ds4Forward, ::testing::Values("f32", "q8_0"),
+                         [](const auto& p) { return std::string(p.param); });
+
+TEST(Ds4Forward, TheGreedyQ8_0TokensMatchTransformersOnTheDequantisedWeights) {
+  const Ds4Fixture fx = Ds4Fixture::load();
+  const auto greedy = fx.meta.at("greedy_q8_0").get<std::vector<uint32_t>>();
+  auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 0, 0});
+  ASSERT_TRUE(engine);
+  std::vector<float> logits(fx.vocab);
+  std::vector<uint32_t> seq(greedy.begin(), greedy.begin() + fx.prompt);
+  for (uint32_t t = 0; t < fx.prompt; ++t) ASSERT_TRUE((*engine)->decode(seq[t], logits));
+  while (seq.size() < greedy.size()) {
+    seq.push_back(
+        static_cast<uint32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    ASSERT_TRUE((*engine)->decode(seq.back(), logits));
+  }
+  EXPECT_EQ(seq, greedy);
+}
+
+// The q8_0 reference differs from the f32 one far beyond the tolerance, so a test cannot pass
+// on the wrong file.
+TEST(Ds4Forward, VariantsAreDistinguishable) {
+  const Ds4Fixture fx = Ds4Fixture::load();
+  const auto a = fx.logits("f32");
+  const auto b = fx.logits("q8_0");
+  EXPECT_GT(test::rel_err(a.data(), b.data(), a.size()), 20 * kMaxRelErr);
+}
+
+TEST(Ds4Forward, ReadsTheV4StructureFromTheFile) {
+  auto model = DenseModel::load(Ds4Fixture::gguf("mxfp4"));
+  ASSERT_TRUE(model) << model.error().message;
+  const ModelParams& p = model->params();
+  EXPECT_EQ(p.n_layer, 5u);
+  EXPECT_EQ(p.ds4.hash_layers, 2u);
+  EXPECT_EQ(p.ds4.hc, 4u);
+  EXPECT_EQ(p.ds4.compress_ratio, (std::vector<uint32_t>{8, 4, 0, 4, 8}));
+  EXPECT_EQ(p.ds4.attention,
+            (std::vector<Ds4Attention>{Ds4Attention::Heavy, Ds4Attention::Compressed,
+                                       Ds4Attention::Sliding, Ds4Attention::Compressed,
+                                       Ds4Attention::Heavy}));
+  EXPECT_DOUBLE_EQ(p.ds4.yarn_factor, 4.0);
+  EXPECT_EQ(p.ds4.nextn_layers, 0u);
+}
+
+// Hash layers route by tid2eid[token]: their experts are hinted, exactly, as soon as the token is
+// known and before layer 0 runs; learned layers are never hinted by that path.
+TEST(Ds4Forward, HashLayersAreHintedExactlyBeforeLayerZero) {
+  const Ds4Fixture fx = Ds4Fixture::load();
+  auto model = DenseModel::load(Ds4Fixture::gguf("f32"));
+  ASSERT_TRUE(model) << model.error().message;
+  const ModelParams& p = model->params();
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 0, 0});
+  ASSERT_TRUE(engine);
+  std::vector<RoutingRecord> routing;
+  (*engine)->set_routing_log(&routing);
+  std::vector<float> logits(fx.vocab);
+  for (uint32_t t = 0; t < 6; ++t) {
+    const size_t before = (*source)->hints().size();
+    ASSERT_TRUE((*engine)->decode(fx.tokens[t], logits));
+    const std::vector<ExpertHint> hints((*source)->hints().begin() + before,
+                                        (*source)->hints().end());
+    ASSERT_EQ(hints.size(), uint64_t{p.ds4.hash_layers} * p.n_expert_used) << "token " << t;
+    for (uint32_t layer = 0; layer < p.ds4.hash_layers; ++layer) {
+      const auto& rec = routing[t * p.n_layer + layer];
+      ASSERT_EQ(rec.layer, layer);
+      std::set<uint32_t> hinted;
+      for (const ExpertHint& h : hints) {
+        if (h.layer == layer) hinted.insert(h.expert);
+      }
+      EXPECT_EQ(hinted, std::set<uint32_t>(rec.experts.begin(), rec.experts.end()))
+          << "token " << t << " layer " << layer;
+    }
+  }
+  EXPECT_EQ((*engine)->stats().hash_hints, 6u * p.ds4.hash_layers * p.n_expert_used);
+  EXPECT_EQ((*engine)->stats().hash_experts, 6u * p.ds4.hash_layers * p.n_expert_used);
+  EXPECT_EQ((*engine)->stats().learned_experts,
+            6u * (p.n_layer - p.ds4.hash_layers) * p.n_expert_used);
+
+  // Turned off, no hint names a hash layer.
+  auto source2 = FileExpertSource::open(*model);
+  ASSERT_TRUE(source2);
+  EngineOptions off{64, 0, 0};
+  off.hash_hints = false;
+  auto engine2 = create_cpu_engine(*model, **source2, off);
+  ASSERT_TRUE(engine2);
+  ASSERT_TRUE((*engine2)->decode(fx.tokens[0], logits));
+  EXPECT_TRUE((*source2)->hints().empty());
+  EXPECT_EQ((*engine2)->stats().hash_hints, 0u);
+}
+
+TEST(Ds4Forward, ResetStartsTheSequenceAgain) {
+  const Ds4Fixture fx = Ds4Fixture::load();
+  auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
+  ASSERT_TRUE(model);
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 0, 0});
+  ASSERT_TRUE(engine);
+  const std::vector<float> expected = fx.logits("q8_0");
+  std::vector<float> logits(fx.vocab);
+  for (int round = 0; round < 2; ++round) {
+    for (size_t t = 0; t < 20; ++t) ASSERT_TRUE((*engine)->decode(fx.tokens[t], logits));
+    EXPECT_LE(test::rel_err(logits.data(), expected.data() + 19 * fx.vocab, fx.vocab), kMaxRelErr)
+        << "round " << round;
+    (*engine)->reset();
+  }
+}
+
+// --- Malformed files: a copy of the fixture with one thing changed must fail to load with an
+// error that names the tensor or key.
+
+struct Edit {
+  std::string drop_tensor;                   // leave this tensor out
+  std::string key;                           // replace this key's value ...
+  std::function<void(GgufWriter&)> set_key;  // ... with this
+  std::string reshape_tensor;                // write this tensor with ne ...
+  std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
+};
+
+std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
+  auto file = GgufFile::open(src);
+  EXPECT_TRUE(file) << file.error().message;
+  GgufWriter w(file->alignment());
+  for (const GgufKv& kv : file->kvs()) {
+    if (kv.key == edit.key) {
+      edit.set_key(w);
+    } else if (kv.key != "general.alignment") {
+      EXPECT_TRUE(w.set_value(kv.key, kv.value));
+    }
+  }
+  if (!edit.key.empty() && !w.has_key(edit.key)) edit.set_key(w);
+  std::vector<const GgufTensorInfo*> kept;
+  std::vector<uint64_t> sizes;
+  for (const GgufTensorInfo& t : file->tensors()) {
+    if (t.name == edit.drop_tensor) continue;
+    std::vector<uint64_t> ne(t.ne.begin(), t.ne.begin() + t.n_dims);
+    if (t.name == edit.reshape_tensor) ne = edit.new_ne;
+    EXPECT_TRUE(w.add_tensor(t.name, t.type, ne)) << t.name;
+    kept.push_back(&t);
+    sizes.push_back(w.tensors().back().bytes);
+  }
+  EXPECT_TRUE(
+      w.begin(dst, GgufWriterOptions{.overwrite = true, .sync = false, .direct_io = false}));
+  std::ifstream in(src, std::ios::binary);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    std::vector<uint8_t> bytes(sizes[i], 0);
+    in.seekg(static_cast<std::streamoff>(kept[i]->offset));
+    in.read(reinterpret_cast<char*>(bytes.data()),
+            static_cast<std::streamsize>(std::min(sizes[i], kept[i]->bytes)));
+    EXPECT_TRUE(w.write(bytes));
+  }
+  EXPECT_TRUE(w.finish());
+  EXPECT_TRUE(w.commit());
+  return dst;
+}
+
+std::string load_error(const std::string& path) {
+  auto model = DenseModel::load(path);
+  if (model) return "(loaded)";
+  return model.error().message;
+}
+
+TEST(Ds4Malformed, TheUnchangedCopyLoads) {
+  expertd::test::TempDir dir;
+  const std::string copy = rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/same.gguf", Edit{});
+  EXPECT_EQ(load_error(copy), "(loaded)");
+}
+
+TEST(Ds4Malformed, AMissingTid2eidNamesTheTensor) {
+  expertd::test::TempDir dir;
+  Edit e;
+  e.drop_tensor = "blk.1.ffn_gate_tid2eid.weight";
+  const std::string msg = load_error(rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/m.gguf", e));
+  EXPECT_NE(msg.find("blk.1.ffn_gate_tid2eid.weight is missing"), std::string::npos) << msg;
+}
+
+TEST(Ds4Malformed, CompressRatiosShorterThanTheBlockCountNameTheKey) {
+  expertd::test::TempDir dir;
+  Edit e;
+  e.key = "deepseek4.attention.compress_ratios";
+  e.set_key = [](GgufWriter& w) {
+    const std::vector<uint32_t> three{8, 4, 0};
+    w.set_array("deepseek4.attention.compress_ratios", std::span<const uint32_t>(three));
+  };
+  const std::string msg = load_error(rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/m.gguf", e));
+  EXPECT_NE(msg.find("deepseek4.attention.compress_ratios has 3 entries, shorter than "
+                     "block_count 5"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(Ds4Malformed, AnHcTensorOfTheWrongShapeNamesTheTensorAndBothShapes) {
+  expertd::test::TempDir dir;
+  Edit e;
+  e.reshape_tensor = "blk.2.hc_ffn_fn.weight";
+  e.new_ne = {256, 20};  // 20 mixes instead of (2 + 4) * 4
+  const std::string msg = load_error(rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/m.gguf", e));
+  EXPECT_NE(msg.find("tensor blk.2.hc_ffn_fn.weight: shape [256, 20, 1, 1], expected [256, 24]"),
+            std::string::npos)
+      << msg;
+  Edit head;
+  head.reshape_tensor = "output_hc_fn.weight";
+  head.new_ne = {128, 4};
+  const std::string msg2 =
+      load_error(rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/h.gguf", head));
+  EXPECT_NE(msg2.find("tensor output_hc_fn.weight: shape [128, 4, 1, 1], expected [256, 4]"),
+            std::string::npos)
+      << msg2;
+}
+
+TEST(Ds4Malformed, ATid2eidEntryOutsideTheExpertsNamesTokenAndExpert) {
+  expertd::test::TempDir dir;
+  // Rewrite with every byte of blk.0's table set to 0xff (-1 as i32).
+  const std::string src = Ds4Fixture::gguf("q8_0");
+  const std::string dst = rewrite(src, dir.path() + "/t.gguf", Edit{});
+  auto file = GgufFile::open(dst);
+  ASSERT_TRUE(file);
+  const GgufTensorInfo* t = file->find_tensor("blk.0.ffn_gate_tid2eid.weight");
+  ASSERT_NE(t, nullptr);
+  std::fstream f(dst, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekp(static_cast<std::streamoff>(t->offset));
+  const std::vector<char> bad(8, static_cast<char>(0xff));
+  f.write(bad.data(), static_cast<std::streamsize>(bad.size()));
+  f.close();
+  const std::string msg = load_error(dst);
+  EXPECT_NE(msg.find("tensor blk.0.ffn_gate_tid2eid.weight: token 0 maps to expert -1"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(Ds4Malformed, AnotherGatingFunctionNamesTheKey) {
+  expertd::test::TempDir dir;
+  Edit e;
+  e.key = "deepseek4.expert_gating_func";
+  e.set_key = [](GgufWriter& w) { w.set_u32("deepseek4.expert_gating_func", 1); };
+  const std::string msg = load_error(rewrite(Ds4Fixture::gguf("q8_0"), dir.path() + "/m.gguf", e));
+  EXPECT_NE(msg.find("deepseek4.expert_gating_func = 1"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace expertd::engine
