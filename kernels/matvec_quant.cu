@@ -123,7 +123,8 @@ __device__ __forceinline__ void prepare_quad(const float* v, uint32_t qd, uint32
 // Fills the x slots of `units` units. Thread t of a pass takes positions 4k..4k+3 of one unit
 // (k = t % 16), so the kScaleGroup/4 threads of a scale group are adjacent lanes of one warp.
 // Position 4k + i is element F::element(u, 4k) + F::quad_offset(i) of x.
-// Elements past `cols` (the second half of a Q8_0 row's last unit) get zero digits, scale and sum.
+// Elements past `cols` (the second half of a Q8_0 or MXFP4 row's last unit) get zero digits, scale
+// and sum.
 template <class F>
 __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t* xs) {
   const uint32_t quads = units * 16;
