@@ -226,6 +226,9 @@ void fill_matrix(GgmlType type, uint8_t* dst, uint64_t rows, uint64_t cols, uint
           h = float_to_f16(scale / 2000.0f);
           std::memcpy(blk + 208, &h, 2);
           break;
+        case GgmlType::MXFP4:  // e8m0 exponent: scales 2^-8 .. 2^-5, values up to 12 * 2^-5
+          blk[0] = static_cast<uint8_t>(120 + (xorshift(s) & 3));
+          break;
         default:
           break;
       }
@@ -597,7 +600,8 @@ Status run(const Flags& f) {
   const auto type = ggml_type_from_name(f.type);
   if (!type || !expert_type_supported(*type)) {
     return make_error(
-        EINVAL, fmt::format("--type {}: not one of f32, f16, bf16, q8_0, q4_k, q6_k", f.type));
+        EINVAL,
+        fmt::format("--type {}: not one of f32, f16, bf16, q8_0, q4_k, q6_k, mxfp4", f.type));
   }
   if (f.experts == 0 || 2 * f.experts > kernels::kMaxBatch) {
     return make_error(EINVAL, fmt::format("--experts must be 1..{}", kernels::kMaxBatch / 2));
@@ -741,7 +745,7 @@ int main(int argc, char** argv) {
   app.add_option("--cols", f.cols, "model width n_embd: gate/up columns, down rows")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 20));
-  app.add_option("--type", f.type, "weight type: f32, f16, bf16, q8_0, q4_k, q6_k")
+  app.add_option("--type", f.type, "weight type: f32, f16, bf16, q8_0, q4_k, q6_k, mxfp4")
       ->capture_default_str();
   app.add_option("--experts", f.experts, "experts per token (the batched matvec's jobs / 2)")
       ->capture_default_str();

@@ -31,6 +31,20 @@ constexpr size_t kQ8Bytes = 34;  // f16 d, int8 qs[32]
 constexpr size_t kQkK = 256;
 constexpr size_t kQ4KBytes = 144;  // f16 d, f16 dmin, u8 scales[12], u8 qs[128]
 constexpr size_t kQ6KBytes = 210;  // u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+constexpr size_t kQkMxfp4 = 32;
+constexpr size_t kMxfp4Bytes = 17;  // u8 e (e8m0), u8 qs[16]
+
+// The e2m1 values doubled (ggml's kvalues_mxfp4), paired with half the e8m0 scale below.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) built from bits (e = 0 and 1 are subnormals, e = 255
+// is 2^127, not NaN), exactly as ggml-impl.h and gguf-py compute it.
+float e8m0_to_float_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : uint32_t{e - 1u} << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 }  // namespace
 
@@ -113,9 +127,23 @@ void dequantize_q6_k(const uint8_t* src, float* dst, size_t n) {
   }
 }
 
+void dequantize_mxfp4(const uint8_t* src, float* dst, size_t n) {
+  EXPERTD_CHECK_EQ(n % kQkMxfp4, 0);
+  for (size_t b = 0; b < n / kQkMxfp4; ++b) {
+    const uint8_t* x = src + b * kMxfp4Bytes;
+    const float d = e8m0_to_float_half(x[0]);
+    const uint8_t* qs = x + 1;
+    for (size_t j = 0; j < kQkMxfp4 / 2; ++j) {
+      dst[j] = static_cast<float>(kMxfp4Values[qs[j] & 0xf]) * d;
+      dst[j + kQkMxfp4 / 2] = static_cast<float>(kMxfp4Values[qs[j] >> 4]) * d;
+    }
+    dst += kQkMxfp4;
+  }
+}
+
 namespace {
 
-// "f32, f16, bf16, q8_0, q4_k, q6_k".
+// "f32, f16, bf16, q8_0, q4_k, q6_k, mxfp4".
 std::string expert_type_names() {
   std::string names;
   for (const GgmlType t : kExpertTypes) {
@@ -156,6 +184,8 @@ void dequantize_row(GgmlType type, const uint8_t* src, float* dst, size_t n) {
       return dequantize_q4_k(src, dst, n);
     case GgmlType::Q6_K:
       return dequantize_q6_k(src, dst, n);
+    case GgmlType::MXFP4:
+      return dequantize_mxfp4(src, dst, n);
     default:
       EXPERTD_UNREACHABLE("dequantize_row: unchecked type");
   }

@@ -3,8 +3,8 @@
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
-// GGUF encoding (f32, f16, bf16, q8_0, q4_k or q6_k) and are dequantised a row at a time while
-// multiplying, so a quantised model costs its file size in memory, not four bytes per weight;
+// GGUF encoding (f32, f16, bf16, q8_0, q4_k, q6_k or mxfp4) and are dequantised a row at a time
+// while multiplying, so a quantised model costs its file size in memory, not four bytes per weight;
 // norm vectors are dequantised once at load. Tensor bytes are read with pread (ByteSource) and
 // every tensor's type and shape is checked against the hyperparameters before it is used. Routed
 // expert data is never read here: the engine gets experts from an ExpertSource (the daemon).

@@ -188,6 +188,24 @@ void gen_q6_k(const Gen& g, uint64_t first, uint64_t count, uint8_t* out) {
   }
 }
 
+// block_mxfp4 { u8 e; u8 qs[16]; }: values kvalue * 2^(e - 128), kvalue in +-{0, 1, 2, 3, 4, 6,
+// 8, 12} (ggml's kvalues_mxfp4 with its half e8m0 scale). e makes 2^(e - 128) the power of two at
+// or below qamp * jitter / 12, so the largest |value| is at most 1.25 qamp and above 0.375 qamp;
+// qs is random (every nibble is a valid e2m1 value, 8 being -0).
+void gen_mxfp4(const Gen& g, uint64_t first, uint64_t count, uint8_t* out) {
+  const float base = g.qamp / 12.0f;
+  for (uint64_t b = 0; b < count; ++b) {
+    uint8_t* blk = out + b * 17;
+    BlockRng rng(g.key, first + b);
+    const float v = base * scale_jitter(rng.next());
+    uint32_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(bits));
+    // floor(log2 v) + 128 for a normal v; kept within 2..254, ggml's normal, finite scales.
+    blk[0] = static_cast<uint8_t>(std::clamp<uint32_t>(((bits >> 23) & 0xffu) + 1, 2, 254));
+    rng.fill(blk + 1, 2);
+  }
+}
+
 // Bytes of one generation block: a quantized block, or kPlainBlockElems plain elements.
 uint64_t unit_bytes(GgmlType type) {
   const GgmlTypeTraits& t = ggml_traits(type);
@@ -226,6 +244,9 @@ void gen_units(const Gen& g, uint64_t first, uint64_t count, uint8_t* out) {
     case GgmlType::Q6_K:
       gen_q6_k(g, first, count, out);
       break;
+    case GgmlType::MXFP4:
+      gen_mxfp4(g, first, count, out);
+      break;
     default:
       EXPERTD_UNREACHABLE("checked by forge_supports_type");
       break;
@@ -247,6 +268,7 @@ bool forge_supports_type(GgmlType type) {
     case GgmlType::Q4_0:
     case GgmlType::Q4_K:
     case GgmlType::Q6_K:
+    case GgmlType::MXFP4:
       return true;
     default:
       return false;

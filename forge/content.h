@@ -8,8 +8,9 @@
 //
 // Values are meant for a real forward pass: matrices are noise of amplitude ~sqrt(3/ne0) (unit
 // variance outputs for unit variance inputs), tensors named *norm.weight are 1 + noise of
-// amplitude 1/16. Quantized blocks carry finite, positive f16 scales chosen so the dequantised
-// values land within about +-1.25 x amplitude. docs/forge.md specifies the function exactly.
+// amplitude 1/16. Quantized blocks carry finite, positive f16 scales (mxfp4: e8m0 exponents) chosen
+// so the dequantised values land within about +-1.25 x amplitude. docs/forge.md specifies the
+// function exactly.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +39,7 @@ struct ForgeInfo {
 Result<ForgeInfo> forge_info(const GgufFile& file);
 Result<ForgeInfo> forge_info(const GgufModel& model);
 
-// Types the content function can generate: f32, f16, bf16, q4_0, q8_0, q4_k, q6_k.
+// Types the content function can generate: f32, f16, bf16, q4_0, q8_0, q4_k, q6_k, mxfp4.
 bool forge_supports_type(GgmlType type);
 
 // What a tensor's values look like: center + noise in [-amplitude, +amplitude].

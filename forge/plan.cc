@@ -11,9 +11,9 @@
 namespace expertd {
 namespace {
 
-constexpr std::array<GgmlType, 7> kForgeTypes = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
+constexpr std::array<GgmlType, 8> kForgeTypes = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
                                                  GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K,
-                                                 GgmlType::Q6_K};
+                                                 GgmlType::Q6_K, GgmlType::MXFP4};
 
 // Bounds that keep every product below 2^63 and every count inside what GgufFile accepts.
 constexpr uint64_t kMaxDim = 1u << 20;
@@ -56,6 +56,8 @@ uint32_t llama_file_type(GgmlType t) {
       return 15;  // Q4_K_M
     case GgmlType::Q6_K:
       return 18;
+    case GgmlType::MXFP4:
+      return 38;  // MXFP4_MOE
     case GgmlType::BF16:
       return 32;
     default:
@@ -105,7 +107,7 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k"; }
+std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"; }
 
 Result<GgmlType> parse_forge_type(std::string_view flag, std::string_view value) {
   const auto t = ggml_type_from_name(value);

@@ -35,7 +35,7 @@ struct ForgeConfig {
 };
 
 // The types the forge offers on its command line, in the order its help lists them.
-std::string_view forge_type_names();  // "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k"
+std::string_view forge_type_names();  // "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"
 // Parses a --expert-type / --dense-type value; the error names the flag and the value.
 Result<GgmlType> parse_forge_type(std::string_view flag, std::string_view value);
 

@@ -128,6 +128,36 @@ __device__ inline void dequant8_q6_k(const uint8_t* src, uint64_t e0, float* out
   }
 }
 
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), e = 0 and 1 subnormal, e = 255 2^127 (not NaN).
+__device__ __forceinline__ float e8m0_to_float_half(uint32_t e) {
+  return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1u) << 23);
+}
+
+// kvalues_mxfp4, the e2m1 values doubled: magnitudes 0, 1, 2, 3, 4, 6, 8, 12 as the bytes of a
+// word pair (nibble bits 0-2), bit 3 the sign.
+inline constexpr uint32_t kE2m1Lo = 0x03020100u;
+inline constexpr uint32_t kE2m1Hi = 0x0c080604u;
+
+__device__ __forceinline__ int e2m1_value(uint32_t nibble) {
+  const uint32_t m = nibble & 7u;
+  const int mag = static_cast<int>(((m < 4 ? kE2m1Lo : kE2m1Hi) >> (8 * (m & 3u))) & 0xffu);
+  return nibble & 8u ? -mag : mag;
+}
+
+// block_mxfp4 { u8 e; u8 qs[16]; }: element j < 16 is the low nibble of qs[j], element j + 16 the
+// high nibble of qs[j]; value kvalue * 2^(e - 128) (dequantize_row_mxfp4).
+__device__ inline void dequant8_mxfp4(const uint8_t* src, uint64_t e0, float* out) {
+  const uint8_t* blk = src + (e0 / 32) * 17;
+  const uint32_t l0 = static_cast<uint32_t>(e0 % 32);
+  const float d = e8m0_to_float_half(blk[0]);
+  const uint8_t* qs = blk + 1 + l0 % 16;
+  const uint32_t shift = l0 >= 16 ? 4 : 0;
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    out[i] = __fmul_rn(static_cast<float>(e2m1_value(qs[i] >> shift)), d);
+  }
+}
+
 // Element i (0 or 1) of a word of two 16-bit values, or the word itself for f32.
 template <GgmlType T>
 __device__ __forceinline__ float plain_elem(uint32_t word, uint32_t i) {

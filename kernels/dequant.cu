@@ -7,6 +7,7 @@
 namespace expertd::kernels {
 namespace {
 
+using detail::dequant8_mxfp4;
 using detail::dequant8_plain;
 using detail::dequant8_q4_k;
 using detail::dequant8_q6_k;
@@ -28,6 +29,8 @@ __global__ void __launch_bounds__(kThreads)
       dequant8_q4_k(src, e0, out);
     } else if constexpr (T == GgmlType::Q6_K) {
       dequant8_q6_k(src, e0, out);
+    } else if constexpr (T == GgmlType::MXFP4) {
+      dequant8_mxfp4(src, e0, out);
     } else {
       dequant8_plain<T>(src, e0, n, out);
     }
@@ -67,8 +70,12 @@ cudaError_t dequantize(GgmlType type, const void* src, float* dst, uint64_t n,
       return launch_dequantize<GgmlType::Q8_0>(src, dst, n, stream);
     case GgmlType::Q4_K:
       return launch_dequantize<GgmlType::Q4_K>(src, dst, n, stream);
-    default:
+    case GgmlType::Q6_K:
       return launch_dequantize<GgmlType::Q6_K>(src, dst, n, stream);
+    case GgmlType::MXFP4:
+      return launch_dequantize<GgmlType::MXFP4>(src, dst, n, stream);
+    default:
+      return cudaErrorInvalidValue;  // not in kExpertTypes: rejected above
   }
 }
 

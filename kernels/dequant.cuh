@@ -1,5 +1,5 @@
-// dequantize on the GPU: the expert types (kExpertTypes: F32, F16, BF16, Q8_0, Q4_K, Q6_K) to f32,
-// bit-identical to the CPU's engine/dequant.cc (the block decoders are kernels/blocks.cuh).
+// dequantize on the GPU: the expert types (kExpertTypes: F32, F16, BF16, Q8_0, Q4_K, Q6_K, MXFP4)
+// to f32, bit-identical to the CPU's engine/dequant.cc (the block decoders are kernels/blocks.cuh).
 //
 // dequantize: n elements (whole rows, a whole number of blocks) from `src` to f32. `src` may be
 // unaligned. A type outside kExpertTypes, a null pointer, n == 0 or n not a whole number of blocks

@@ -34,6 +34,10 @@ template <>
 struct VecOf<2> {
   using type = uint16_t;
 };
+template <>
+struct VecOf<1> {
+  using type = uint8_t;
+};
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
@@ -102,7 +106,8 @@ cudaError_t plan_launch(Kernel kernel, LaunchCache* cache, size_t smem, uint32_t
   return cudaSuccess;
 }
 
-// The widest of 16, 4, 2 bytes dividing every value or'ed into `bits`; 0 if none does.
+// The widest of 16, 4, 2 bytes dividing every value or'ed into `bits`; 0 if none does (the
+// quantised family then takes single bytes for MXFP4, whose 17-byte blocks allow any address).
 inline uint32_t vec_bytes(uint64_t bits) {
   if (bits % 16 == 0) return 16;
   if (bits % 4 == 0) return 4;

@@ -1,11 +1,12 @@
 // The matvec of the quantised ggml formats. docs/KERNELS.md explains the shape of the matvec
 // kernels; in short:
 //
-// Quantised types (Q8_0, Q4_K, Q6_K): a group of L lanes (4..32) per R rows (1, or 4 for Q4_K).
-// The group copies its rows in tiles of whole blocks from global memory to shared memory with the
-// widest loads the alignment allows (Q8_0 and Q6_K blocks are only 2-byte aligned, so the data
-// cannot be read in place with wide loads), the next tile in flight (in registers, or by cp.async
-// for Q4_K) while it computes the current one. Each lane then handles "units" of 64 weights: the
+// Quantised types (Q8_0, Q4_K, Q6_K, MXFP4): a group of L lanes (4..32) per R rows (1, or 4 for
+// Q4_K and MXFP4). The group copies its rows in tiles of whole blocks from global memory to shared
+// memory with the widest loads the alignment allows (Q8_0 and Q6_K blocks are only 2-byte aligned,
+// MXFP4's 17-byte blocks 1-byte aligned, so the data cannot be read in place with wide loads), the
+// next tile in flight (in registers, or by cp.async for Q4_K and MXFP4) while it computes the
+// current one. Each lane then handles "units" of 64 weights: the
 // integer quants are multiplied with x by __dp4a, x having been split once per block into three
 // int8 digit planes,
 //     x = s * (a + b / 254 + c / 254^2),   s = max|x| / 127 over 16 or 32 elements,
@@ -121,7 +122,9 @@ __device__ __forceinline__ void prepare_quad(const float* v, uint32_t qd, uint32
 
 // Fills the x slots of `units` units. Thread t of a pass takes positions 4k..4k+3 of one unit
 // (k = t % 16), so the kScaleGroup/4 threads of a scale group are adjacent lanes of one warp.
-// Elements past `cols` (the second half of a Q8_0 row's last unit) get zero digits, scale and sum.
+// Position 4k + i is element F::element(u, 4k) + F::quad_offset(i) of x.
+// Elements past `cols` (the second half of a Q8_0 or MXFP4 row's last unit) get zero digits, scale
+// and sum.
 template <class F>
 __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t* xs) {
   const uint32_t quads = units * 16;
@@ -139,7 +142,7 @@ __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t
         const uint32_t e = F::element(qd / 16, 4 * (qd % 16));
         if (e < cols) {
 #pragma unroll
-          for (uint32_t i = 0; i < 4; ++i) vb[j][i] = x[e + i];
+          for (uint32_t i = 0; i < 4; ++i) vb[j][i] = x[e + F::quad_offset(i)];
         }
       }
     }
@@ -210,6 +213,7 @@ struct Q4K {
   static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
   static constexpr uint32_t units(uint32_t blocks) { return blocks * 4; }
   static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
+  static constexpr __device__ uint32_t quad_offset(uint32_t i) { return i; }
 
   static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
                                                    const Planes& p, const uint8_t* slot,
@@ -263,6 +267,7 @@ struct Q80 {
   static constexpr uint32_t tile_blocks(uint32_t lanes) { return 2 * kUnitsPerLane * lanes; }
   static constexpr uint32_t units(uint32_t blocks) { return (blocks + 1) / 2; }
   static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) { return 64 * u + p; }
+  static constexpr __device__ uint32_t quad_offset(uint32_t i) { return i; }
 
   static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
                                                    const Planes& p, const uint8_t* slot,
@@ -306,6 +311,7 @@ struct Q6K {
   static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) {
     return 256 * (u / 4) + 128 * ((u >> 1) & 1u) + 32 * (p / 16) + 16 * (u & 1u) + p % 16;
   }
+  static constexpr __device__ uint32_t quad_offset(uint32_t i) { return i; }
 
   // Four words at byte offset 4 * wi of a block whose first byte is `shift` / 8 bytes past the
   // aligned word `base`.
@@ -357,6 +363,82 @@ struct Q6K {
   }
 };
 
+// prmt.b32 in its default mode: byte n of the result is byte (sel >> 4n) & 7 of {hi, lo}, or, when
+// bit 3 of that selector nibble is set, that byte's sign bit repeated over the byte.
+__device__ __forceinline__ uint32_t permute_bytes(uint32_t lo, uint32_t hi, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
+
+// The int8 kvalues of the four MXFP4 nibbles in selector bits 0..15 of `sel`; `flipped` is sel
+// with every sign bit (bit 3 of each nibble) inverted. The magnitude table has no byte with its top
+// bit set, so a permute with a nibble's sign bit set yields 0 there: `pos` holds the magnitudes of
+// the positive nibbles, `neg` those of the negative ones, and 0x80 - m, xor 0x80, is -m in each
+// byte without a borrow between bytes (m <= 12).
+__device__ __forceinline__ uint32_t e2m1_quads(uint32_t sel, uint32_t flipped) {
+  const uint32_t pos = permute_bytes(detail::kE2m1Lo, detail::kE2m1Hi, sel);
+  const uint32_t neg = permute_bytes(detail::kE2m1Lo, detail::kE2m1Hi, flipped);
+  return ((0x80808080u - neg) ^ 0x80808080u) | pos;
+}
+
+// block_mxfp4 { u8 e; u8 qs[16]; }: element j < 16 of a block is the low nibble of qs[j], j + 16
+// the high nibble, value kvalue * 2^(e - 128). A unit is two blocks (34 bytes, 2-byte aligned in
+// the tile, as Q8_0's 68). The nibbles of a qs word k, in selector order (low and high nibble of
+// byte 0, then byte 1, ...), are elements 4k, 4k+16, 4k+1, 4k+17, 4k+2, 4k+18, 4k+3, 4k+19, and
+// one permute turns four of them into int8 quants: so position 8k + 4h + i of a block's 32 is
+// element 4k + 2h + {0, 16, 1, 17}[i], and x's digit planes are built in that order. The last unit
+// of a row with an odd block count has only the first block. Four rows per group share each unit's
+// planes, as for Q4_K (the same shared-memory traffic per weight byte).
+struct Mxfp4 {
+  static constexpr uint32_t kBlockElems = 32;
+  static constexpr uint32_t kBlockBytes = 17;
+  static constexpr uint32_t kScaleGroup = 32;
+  static constexpr uint32_t kUnitsPerLane = 1;
+  static constexpr uint32_t kRows = 4;
+  static constexpr uint32_t kStages = 2;
+  static constexpr uint32_t kMinCtasPerSm = 2;
+  static constexpr uint32_t tile_blocks(uint32_t lanes) { return 2 * kUnitsPerLane * lanes; }
+  static constexpr uint32_t units(uint32_t blocks) { return (blocks + 1) / 2; }
+  static __device__ __forceinline__ uint32_t element(uint32_t u, uint32_t p) {
+    return 64 * u + 32 * (p / 32) + (p % 32) / 2;
+  }
+  static constexpr __device__ uint32_t quad_offset(uint32_t i) { return (i & 1u) * 16 + i / 2; }
+
+  static __device__ __forceinline__ float unit_dot(const uint8_t* tile, uint32_t uu,
+                                                   const Planes& p, const uint8_t* slot,
+                                                   uint32_t ur, uint32_t blocks) {
+    const uint32_t off = uu * 2 * kBlockBytes;
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(tile + (off & ~3u));
+    // Byte b of the unit is byte b + lag of the aligned words t (lag 0 or 2). t[8] ends at the
+    // unit's end or 2 bytes past it, inside the tile's 16-byte padding.
+    const uint32_t lag = off & 2u;
+    uint32_t t[9];
+#pragma unroll
+    for (uint32_t i = 0; i < 9; ++i) t[i] = base[i];
+    const float d0 = detail::e8m0_to_float_half((t[0] >> (8 * lag)) & 0xffu);      // byte 0
+    const float d1 = detail::e8m0_to_float_half((t[4] >> (8 * lag + 8)) & 0xffu);  // byte 17
+    DigitSums first;
+    DigitSums second;
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      // qs word k of each block: unit bytes 1 + 4k.. and 18 + 4k.. (a shift of 32 is t[5 + k]).
+      const uint32_t w0 = __funnelshift_r(t[k], t[k + 1], 8 * lag + 8);
+      const uint32_t w1 = __funnelshift_rc(t[4 + k], t[5 + k], 8 * lag + 16);
+      const uint32_t f0 = w0 ^ 0x88888888u;
+      const uint32_t f1 = w1 ^ 0x88888888u;
+      first.add(e2m1_quads(w0, f0), p, 2 * k);
+      first.add(e2m1_quads(w0 >> 16, f0 >> 16), p, 2 * k + 1);
+      second.add(e2m1_quads(w1, f1), p, 8 + 2 * k);
+      second.add(e2m1_quads(w1 >> 16, f1 >> 16), p, 9 + 2 * k);
+    }
+    const float4 s = *reinterpret_cast<const float4*>(slot + kSlotScales);
+    float r = d0 * (s.x * first.total());
+    if (2 * ur + 1 < blocks) r += d1 * (s.z * second.total());
+    return r;
+  }
+};
+
 struct QuantArgs {
   MatvecBatch batch;
   uint64_t row_bytes;
@@ -374,7 +456,7 @@ struct QuantArgs {
 //   0: a register double buffer: the next tile is loaded into registers while the current one is
 //      computed, then stored (Q8_0, Q6_K: one row of 2-byte-aligned blocks per group);
 //   S >= 2: a ring of S tiles per group filled by cp.async, S - 1 in flight while one is computed
-//      (Q4_K, whose R = 4 rows would not fit in registers).
+//      (Q4_K and MXFP4, whose R = 4 rows would not fit in registers).
 template <class F, int L, int R>
 struct QuantShape {
   static constexpr uint32_t kGroupsPerWarp = 32 / L;
@@ -388,7 +470,7 @@ struct QuantShape {
 };
 
 // Copies V bytes from global to shared memory: asynchronously (cp.async, completed by
-// async_wait) for 16 and 4, synchronously for 2 (cp.async has no 2-byte form).
+// async_wait) for 16 and 4, synchronously for 2 and 1 (cp.async has no such form).
 template <int V>
 __device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -396,8 +478,10 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const uint8_t* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
   } else if constexpr (V == 4) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-  } else {
+  } else if constexpr (V == 2) {
     *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
+  } else {
+    *dst = *src;
   }
 }
 
@@ -583,11 +667,18 @@ cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t 
   return cudaGetLastError();
 }
 
+// A format with odd-sized blocks (MXFP4) can have rows at any address; the others need 2 bytes.
+template <class F>
+inline constexpr bool kByteAligned = F::kBlockBytes % 2 == 1;
+
 template <class F, int L>
 cudaError_t launch_quant_vec(uint32_t vec, const MatvecBatch& batch, uint64_t row_bytes,
                              uint32_t rows, uint32_t cols, cudaStream_t stream) {
   if (vec == 16) return launch_quant<F, L, 16>(batch, row_bytes, rows, cols, stream);
   if (vec == 4) return launch_quant<F, L, 4>(batch, row_bytes, rows, cols, stream);
+  if constexpr (kByteAligned<F>) {
+    if (vec == 1) return launch_quant<F, L, 1>(batch, row_bytes, rows, cols, stream);
+  }
   return launch_quant<F, L, 2>(batch, row_bytes, rows, cols, stream);
 }
 
@@ -605,9 +696,12 @@ cudaError_t dispatch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_
     }
   }
   const uint64_t tile_bytes = uint64_t{F::tile_blocks(lanes)} * F::kBlockBytes;
-  const uint32_t vec =
+  uint32_t vec =
       vec_bytes(pointer_bits(batch) | row_bytes | tile_bytes | uint64_t{blocks} * F::kBlockBytes);
-  if (vec == 0) return cudaErrorInvalidValue;  // an odd address
+  if (vec == 0) {
+    if constexpr (!kByteAligned<F>) return cudaErrorInvalidValue;  // an odd address
+    vec = 1;
+  }
   switch (lanes) {
     case 32:
       return launch_quant_vec<F, 32>(vec, batch, row_bytes, rows, cols, stream);
@@ -631,6 +725,8 @@ cudaError_t matvec_quant(GgmlType type, const MatvecBatch& batch, uint64_t row_b
       return dispatch_quant<Q4K>(batch, row_bytes, rows, cols, stream);
     case GgmlType::Q6_K:
       return dispatch_quant<Q6K>(batch, row_bytes, rows, cols, stream);
+    case GgmlType::MXFP4:
+      return dispatch_quant<Mxfp4>(batch, row_bytes, rows, cols, stream);
     default:
       return cudaErrorInvalidValue;  // another family's
   }

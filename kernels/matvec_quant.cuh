@@ -1,4 +1,4 @@
-// The quantised matvec family (Q8_0, Q4_K, Q6_K): x split into int8 digit planes, the quants
+// The quantised matvec family (Q8_0, Q4_K, Q6_K, MXFP4): x split into int8 digit planes, the quants
 // multiplied by __dp4a (matvec_quant.cu explains the shape). matvec_batched (kernels/matvec.cuh)
 // checks the arguments and calls this; it does not check them again, except that a type of
 // another family is cudaErrorInvalidValue.

@@ -37,11 +37,12 @@ phase_tests() {  # the tests find binaries and fixtures next to themselves (.dev
   return $rc
 }
 
-phase_gpubench() {  # Mixtral's expert (q4_k, and q6_k / q8_0 encodings), Qwen3-30B-A3B's (top-8)
+phase_gpubench() {  # Mixtral's expert (q4_k, and q6_k / q8_0 / mxfp4 encodings), Qwen3-30B-A3B's (top-8)
   "$bin/expert-gpu-bench" | tee "$out/gpubench-q4k.txt"
   "$bin/expert-gpu-bench" --json > "$out/gpubench-q4k.json"
   "$bin/expert-gpu-bench" --type q6_k --json > "$out/gpubench-q6k.json"
   "$bin/expert-gpu-bench" --type q8_0 --json > "$out/gpubench-q8.json"
+  "$bin/expert-gpu-bench" --type mxfp4 --json > "$out/gpubench-mxfp4.json"
   "$bin/expert-gpu-bench" --rows 768 --cols 2048 --experts 8 | tee "$out/gpubench-qwen30b.txt"
 }
 

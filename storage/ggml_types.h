@@ -79,7 +79,8 @@ uint32_t ggml_type_id_limit();
 // the dense weights) and the GPU kernels (kernels/) implement exactly these, so a routed expert's
 // tensors must have one of them. The one list both check; adding a type means both implement it.
 inline constexpr std::array kExpertTypes = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
-                                            GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K};
+                                            GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K,
+                                            GgmlType::MXFP4};
 
 constexpr bool expert_type_supported(GgmlType type) {
   for (const GgmlType t : kExpertTypes) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cmath>
 #include <cstring>
 
 #include "tests/engine/fixture.h"
@@ -52,7 +53,7 @@ TEST_P(DequantVectors, MatchesGgufPy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, DequantVectors,
-                         ::testing::Values("f32", "f16", "bf16", "q8_0", "q4_k", "q6_k"),
+                         ::testing::Values("f32", "f16", "bf16", "q8_0", "q4_k", "q6_k", "mxfp4"),
                          [](const auto& p) { return std::string(p.param); });
 
 TEST(Dequant, UnsupportedTypeIsAnErrorNamingIt) {
@@ -60,7 +61,7 @@ TEST(Dequant, UnsupportedTypeIsAnErrorNamingIt) {
   ASSERT_FALSE(st);
   EXPECT_EQ(st.error().message,
             "q5_k: the engine cannot dequantise this type (supported: f32, f16, bf16, q8_0, q4_k, "
-            "q6_k)");
+            "q6_k, mxfp4)");
   EXPECT_FALSE(expert_type_supported(GgmlType::IQ2_XXS));
 }
 
@@ -74,6 +75,32 @@ TEST(Dequant, PartialBlocksAndWrongSizesAreErrors) {
   const Status size = dequantize(GgmlType::Q8_0, raw, out);
   ASSERT_FALSE(size);
   EXPECT_EQ(size.error().message, "q8_0: 64 elements need 68 bytes, got 34");
+  EXPECT_TRUE(dequantize(GgmlType::MXFP4, raw, out));  // two 17-byte blocks
+  const std::vector<uint8_t> odd(35);
+  const Status mx = dequantize(GgmlType::MXFP4, odd, out);
+  ASSERT_FALSE(mx);
+  EXPECT_EQ(mx.error().message, "mxfp4: 64 elements need 34 bytes, got 35");
+}
+
+// The MXFP4 layout by hand: e8m0 exponent first, element j the low nibble of qs[j] and element
+// j + 16 its high nibble, value kvalue * 2^(e - 128) with kvalues the e2m1 values doubled.
+TEST(Dequant, Mxfp4BlockLayout) {
+  std::vector<uint8_t> raw(17, 0);
+  raw[0] = 130;                // 2^(130 - 128) = 4
+  raw[1] = 0x1 | (0xf << 4);   // element 0: kvalue 1, element 16: kvalue -12
+  raw[16] = 0x7 | (0x9 << 4);  // element 15: 12, element 31: -1
+  raw[8] = 0x8;                // element 7: kvalue 0 ("-0")
+  std::vector<float> out(32);
+  ASSERT_TRUE(dequantize(GgmlType::MXFP4, raw, out));
+  EXPECT_EQ(out[0], 4.0f);
+  EXPECT_EQ(out[16], -48.0f);
+  EXPECT_EQ(out[15], 48.0f);
+  EXPECT_EQ(out[31], -4.0f);
+  EXPECT_EQ(std::bit_cast<uint32_t>(out[7]), 0u);
+  EXPECT_EQ(out[1], 0.0f);
+  raw[0] = 0;  // ggml: 2^-128, a subnormal
+  ASSERT_TRUE(dequantize(GgmlType::MXFP4, raw, out));
+  EXPECT_EQ(out[0], std::ldexp(1.0f, -128));
 }
 
 }  // namespace

@@ -210,9 +210,9 @@ TEST(ExpertRun, NoDaemonSaysSo) {
   EXPECT_NE(r.err.find("expert-run: cannot connect to expertd at"), std::string::npos) << r.err;
 }
 
-// Forged models exercise what the tiny fixture does not: q4_k experts, q6_k and f16 dense weights,
-// a split model. Whatever the numbers, experts through expertd must give exactly the logits of
-// experts read from the file.
+// Forged models exercise what the tiny fixture does not: q4_k and mxfp4 experts, q6_k, f16 and
+// mxfp4 dense weights, a split model. Whatever the numbers, experts through expertd must give
+// exactly the logits of experts read from the file.
 TEST(EngineForged, DaemonAndFileGiveIdenticalLogits) {
   TempDir dir;
   expertd::test::forge(dir.path(), "split",
@@ -224,11 +224,17 @@ TEST(EngineForged, DaemonAndFileGiveIdenticalLogits) {
       dir.path(), "plain",
       "--layers 2 --experts 4 --top-k 2 --embd 256 --ff 256 --heads 2 --kv-heads 1 "
       "--head-dim 128 --vocab 300 --expert-type q6_k --dense-type f16 --seed 6");
+  // 800 and 480 are odd multiples of 32: rows of an odd number of 17-byte blocks.
+  const std::string mx = expertd::test::forge(
+      dir.path(), "mx",
+      "--layers 2 --experts 4 --top-k 2 --embd 800 --ff 480 --heads 4 --kv-heads 2 "
+      "--head-dim 64 --vocab 300 --expert-type mxfp4 --dense-type mxfp4 --seed 7");
   const std::string sock = dir.path() + "/expertd.sock";
-  Daemon d(dir.path(), {"--model", "split=" + split, "--model", "plain=" + plain, "--socket", sock,
-                        "--cache", "32MiB", "--no-mlock"});
+  Daemon d(dir.path(), {"--model", "split=" + split, "--model", "plain=" + plain, "--model",
+                        "mx=" + mx, "--socket", sock, "--cache", "32MiB", "--no-mlock"});
   ASSERT_TRUE(d.start());
-  for (const auto& [name, path] : {std::pair{"split", split}, std::pair{"plain", plain}}) {
+  for (const auto& [name, path] :
+       {std::pair{"split", split}, std::pair{"plain", plain}, std::pair{"mx", mx}}) {
     SCOPED_TRACE(name);
     auto model = DenseModel::load(path);
     ASSERT_TRUE(model) << model.error().message;

@@ -86,8 +86,8 @@ TEST(GpuEngine, DaemonModesMatchTheCpuEngine) {
     const char* type;
     const char* dense;
   };
-  const Case cases[] = {{"f32", "f32"},   {"f16", "bf16"},  {"bf16", "f16"},
-                        {"q8_0", "q8_0"}, {"q4_k", "q4_k"}, {"q6_k", "q6_k"}};
+  const Case cases[] = {{"f32", "f32"},   {"f16", "bf16"},  {"bf16", "f16"},   {"q8_0", "q8_0"},
+                        {"q4_k", "q4_k"}, {"q6_k", "q6_k"}, {"mxfp4", "mxfp4"}};
   std::vector<std::string> args;
   std::vector<std::pair<std::string, std::string>> models;
   for (const Case& c : cases) {

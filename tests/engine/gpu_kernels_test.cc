@@ -231,6 +231,9 @@ std::vector<uint8_t> random_weights(GgmlType type, uint64_t rows, uint64_t cols,
         case GgmlType::Q6_K:
           put_u16(blk + 208, f16_scale(rng, 1.0f / 2000.0f, true));
           break;
+        case GgmlType::MXFP4:  // e8m0 scales 2^-8 .. 2^-1: values up to 6 in magnitude
+          blk[0] = static_cast<uint8_t>(120 + rng() % 8);
+          break;
         default:
           ADD_FAILURE() << "no generator for " << ggml_type_name(type);
       }
@@ -528,8 +531,12 @@ TEST_F(GpuKernels, CombineAndAddAreBitIdenticalToCpu) {
   }
 }
 
-constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16,
-                                  GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K};
+constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
+                                  GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4};
+
+// The quantised types, each with its own matvec kernel.
+constexpr GgmlType kQuantTypes[] = {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0,
+                                    GgmlType::MXFP4};
 
 TEST_F(GpuKernels, DequantizeIsBitIdenticalToCpu) {
   std::mt19937_64 rng(7);
@@ -542,7 +549,12 @@ TEST_F(GpuKernels, DequantizeIsBitIdenticalToCpu) {
         SCOPED_TRACE(testing::Message()
                      << ggml_type_name(type) << " n " << n << " offset " << offset);
         const uint64_t bytes = data_bytes(type, n);
-        const std::vector<uint8_t> w = random_weights(type, 1, n, bytes, rng);
+        std::vector<uint8_t> w = random_weights(type, 1, n, bytes, rng);
+        if (type == GgmlType::MXFP4) {
+          // Every e8m0 exponent, the subnormal scales (0, 1) and the overflowing ones (254, 255,
+          // whose large quants are infinite) included.
+          for (uint64_t b = 0; b < n / 32; ++b) w[b * 17] = static_cast<uint8_t>(b * 37 + 11);
+        }
         std::vector<float> want(n);
         engine::dequantize_row(type, w.data(), want.data(), n);
         std::vector<uint8_t> padded(offset, 0);
@@ -573,6 +585,9 @@ std::vector<MatvecShape> matvec_shapes(GgmlType type) {
     case GgmlType::Q8_0:
       return {{1, 32},     {37, 96},    {100, 800},  {300, 2048}, {1000, 4096},
               {64, 14336}, {129, 1056}, {2048, 768}, {5, 4064},   {2049, 64}};
+    case GgmlType::MXFP4:  // odd block counts (odd row bytes: byte loads) and gpt-oss's 2880
+      return {{1, 32},     {37, 96},    {100, 800}, {300, 2048}, {1000, 4096}, {64, 14336},
+              {129, 1056}, {2048, 768}, {5, 4064},  {2049, 64},  {768, 2880},  {2880, 2880}};
     default:
       return {{1, 1},      {37, 33},    {300, 1000}, {129, 2048},
               {500, 4097}, {64, 14336}, {1000, 64},  {3, 7}};
@@ -634,13 +649,20 @@ TEST_F(GpuKernels, MatvecMatchesCpuForEveryTypeAndShape) {
 TEST_F(GpuKernels, MatvecHandlesNarrowAlignmentAndRowPadding) {
   // 16-byte loads need 16-byte aligned rows; these take the 4- and 2-byte paths.
   std::mt19937_64 rng(9);
-  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
+  for (const GgmlType type : kQuantTypes) {
     for (const MatvecShape s : {MatvecShape{70, 512}, MatvecShape{33, 4096}}) {
       check_matvec(type, s, 0, 4, rng, stream_);   // 4-byte aligned base
       check_matvec(type, s, 0, 2, rng, stream_);   // 2-byte aligned base
       check_matvec(type, s, 16, 0, rng, stream_);  // padded rows, still 16-byte aligned
       check_matvec(type, s, 6, 0, rng, stream_);   // padded rows, 2-byte aligned
     }
+  }
+  // MXFP4 rows may start anywhere: odd bases and odd row lengths take byte loads.
+  for (const MatvecShape s : {MatvecShape{70, 512}, MatvecShape{33, 4096}, MatvecShape{9, 800}}) {
+    check_matvec(GgmlType::MXFP4, s, 0, 1, rng, stream_);
+    check_matvec(GgmlType::MXFP4, s, 0, 3, rng, stream_);
+    check_matvec(GgmlType::MXFP4, s, 1, 0, rng, stream_);
+    check_matvec(GgmlType::MXFP4, s, 3, 2, rng, stream_);
   }
   for (const GgmlType type : {GgmlType::F16, GgmlType::BF16}) {
     check_matvec(type, MatvecShape{41, 1024}, 0, 2, rng, stream_);
@@ -654,7 +676,7 @@ TEST_F(GpuKernels, MatvecHandlesNarrowAlignmentAndRowPadding) {
 TEST_F(GpuKernels, MatvecMixtralExpertShapes) {
   // One Mixtral-8x7B expert's gate (14336 x 4096) and down (4096 x 14336) in each quantised type.
   std::mt19937_64 rng(10);
-  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
+  for (const GgmlType type : kQuantTypes) {
     check_matvec(type, MatvecShape{14336, 4096}, 0, 0, rng, stream_);
     check_matvec(type, MatvecShape{4096, 14336}, 0, 0, rng, stream_);
   }
@@ -794,7 +816,8 @@ TEST_F(GpuKernels, MatvecBatchedMixesDeviceAndMappedHostWeights) {
   // The engine's gate+up batch: some experts resident in VRAM, others read from the arena in
   // place; all jobs share x.
   std::mt19937_64 rng(14);
-  for (const GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::F16}) {
+  for (const GgmlType type :
+       {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F16}) {
     SCOPED_TRACE(ggml_type_name(type));
     const MatvecShape s{768, 2048};
     const uint32_t count = 8;
@@ -865,7 +888,10 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   EXPECT_EQ(matvec(GgmlType::Q4_K, w, 100, 1, 256, p, p, s), bad);  // row_bytes < one block
   EXPECT_EQ(matvec(GgmlType::Q5_K, w, 176, 1, 256, p, p, s), bad);
   EXPECT_EQ(matvec(GgmlType::Q4_K, nullptr, 144, 1, 256, p, p, s), bad);
-  EXPECT_EQ(matvec(GgmlType::Q4_K, w + 1, 144, 1, 256, p, p, s), bad);       // odd address
+  EXPECT_EQ(matvec(GgmlType::Q4_K, w + 1, 144, 1, 256, p, p, s), bad);  // odd address
+  EXPECT_EQ(dequantize(GgmlType::MXFP4, w, p, 48, s), bad);             // 1.5 blocks
+  EXPECT_EQ(matvec(GgmlType::MXFP4, w, 16, 1, 32, p, p, s), bad);       // row_bytes < 17
+  EXPECT_EQ(matvec(GgmlType::MXFP4, w, 17, 1, 48, p, p, s), bad);
   EXPECT_EQ(matvec(GgmlType::F32, w + 2, 4096, 1, 1024, p, p, s), bad);      // f32 not 4-aligned
   EXPECT_EQ(matvec(GgmlType::F32, w, 4u << 20, 1, 1u << 20, p, p, s), bad);  // x > shared mem
   MatvecBatch none;
@@ -875,6 +901,7 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   EXPECT_EQ(matvec_batched(GgmlType::Q4_K, too_many, 144, 1, 256, s), bad);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a rejected call left an error behind";
   EXPECT_TRUE(expert_type_supported(GgmlType::Q6_K));
+  EXPECT_TRUE(expert_type_supported(GgmlType::MXFP4));
   EXPECT_FALSE(expert_type_supported(GgmlType::IQ2_XXS));
 }
 

@@ -35,7 +35,7 @@ std::vector<uint8_t> expected(uint64_t seed, const GgufTensorInfo& t, uint64_t o
 }
 
 const GgmlType kTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                           GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K};
+                           GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4};
 
 // Any byte range gives the bytes of the whole tensor at that place: block boundaries, partial
 // blocks at both ends, ranges inside one block, empty ranges.

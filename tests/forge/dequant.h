@@ -43,9 +43,20 @@ inline Status dequantize(GgmlType type, std::span<const uint8_t> in, std::vector
   return Ok{};
 }
 
-// Every f16 scale (d, and dmin for q4_k) of every block is finite and > 0.
+// Every f16 scale (d, and dmin for q4_k) of every block is finite and > 0; every mxfp4 exponent is
+// one of ggml's normal, finite scales (2..254).
 inline Status check_scales(GgmlType type, std::span<const uint8_t> in) {
   const auto& tr = ggml_traits(type);
+  if (type == GgmlType::MXFP4) {
+    for (size_t b = 0; b * tr.block_bytes < in.size(); ++b) {
+      const uint8_t e = in[b * tr.block_bytes];
+      if (e < 2 || e > 254) {
+        return make_error(EINVAL,
+                          "block " + std::to_string(b) + " exponent is " + std::to_string(e));
+      }
+    }
+    return Ok{};
+  }
   std::vector<size_t> at;  // byte offsets of the f16 scales inside a block
   switch (type) {
     case GgmlType::Q8_0:

@@ -81,7 +81,7 @@ def value_range(name, ne0):
 
 
 PLAIN = {"F32": 4, "F16": 2, "BF16": 2}
-QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q6_K": 210}
+QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q6_K": 210, "MXFP4": 17}
 
 
 def block(type_name, key, i, c, a):
@@ -125,6 +125,11 @@ def block(type_name, key, i, c, a):
         qlh = rng.words(24)
         scales = bytes(64 + (b & 63) for b in rng.words(2))
         return qlh + scales + struct.pack("<H", d)
+    if type_name == "MXFP4":
+        v = f32(qa / f32(12)) * jitter(w0)
+        e = min(max(((int(np.array([v], dtype=np.float32).view(np.uint32)[0]) >> 23) & 0xFF) + 1,
+                    2), 254)
+        return bytes([e]) + rng.words(2)
     raise ValueError(type_name)
 
 
@@ -161,7 +166,7 @@ def main():
     small = ["--layers", "2", "--experts", "4", "--embd", "256", "--ff", "256", "--heads", "4",
              "--kv-heads", "2", "--head-dim", "64", "--vocab", "300"]
     cases = [("q8_0", "f16"), ("q4_0", "bf16"), ("q4_k", "f32"), ("q6_k", "q8_0"),
-             ("f16", "q4_k"), ("bf16", "q6_k"), ("f32", "q4_0")]
+             ("f16", "q4_k"), ("bf16", "q6_k"), ("f32", "q4_0"), ("mxfp4", "mxfp4")]
     for i, (experts, dense) in enumerate(cases):
         out = os.path.join(args.workdir, f"spec{i}.gguf")
         seed = 1000 + i

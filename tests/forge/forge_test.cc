@@ -174,8 +174,8 @@ INSTANTIATE_TEST_SUITE_P(Types, ForgeTypes,
                                            TypeCase{"bf16", "q8_0", 32},
                                            TypeCase{"q8_0", "f16", 32},
                                            TypeCase{"q4_k", "q6_k", 4096},
-                                           TypeCase{"q6_k", "q4_k", 32},
-                                           TypeCase{"q4_0", "f32", 1}),
+                                           TypeCase{"q6_k", "q4_k", 32}, TypeCase{"q4_0", "f32", 1},
+                                           TypeCase{"mxfp4", "q8_0", 32}),
                          [](const auto& p) { return std::string(p.param.expert); });
 
 TEST_F(ForgeTest, WritesQwen3MoeMetadata) {

@@ -192,6 +192,7 @@ def main():
         ("single q8_0", ["--expert-type", "q8_0"], 1),
         ("single q4_k, alignment 64", ["--expert-type", "q4_k", "--alignment", "64"], 1),
         ("single q6_k bf16 dense", ["--expert-type", "q6_k", "--dense-type", "bf16"], 1),
+        ("single mxfp4, alignment 1", ["--expert-type", "mxfp4", "--alignment", "1"], 1),
         ("single f16", ["--expert-type", "f16", "--dense-type", "f32"], 1),
         ("split 3 q4_k", ["--expert-type", "q4_k", "--layers", "5"], 3),
         ("split 2 f32", ["--expert-type", "f32", "--layers", "3"], 2),

@@ -5,7 +5,10 @@ raw little-endian float32), with vectors.json describing them. Needs only gguf a
 
 Types gguf-py can quantise (f16, bf16, q8_0) start from random floats; the k-quants (q4_k, q6_k),
 which it can only dequantise, start from random bytes with every f16 scale set to a finite value,
-so every bit pattern of the packed scales and quants is exercised.
+so every bit pattern of the packed scales and quants is exercised. mxfp4 has both: blocks gguf-py
+quantises from random floats of many magnitudes, and random blocks whose e8m0 exponents include
+the extremes (0 and 1, which ggml maps to subnormal scales, 127, 128, 254, and 255, which ggml
+maps to 2^127 rather than NaN, so large quants overflow to infinity).
 """
 
 import argparse
@@ -50,6 +53,17 @@ def make(rng):
 
     out["q4_k"] = kquant(T.Q4_K, (0, 2))
     out["q6_k"] = kquant(T.Q6_K, (208,))
+
+    # mxfp4: 8 blocks quantised by gguf-py (magnitudes from 2^-130 to 2^100), then 16 random
+    # blocks with chosen exponents; the first random block has every nibble 0..15 in order.
+    mags = np.exp2(rng.integers(-130, 101, size=(8, 1))).astype(np.float32)
+    quantised = gguf.quants.quantize(
+        (rng.standard_normal((8, 32)) * mags).astype(np.float32).reshape(-1), T.MXFP4)
+    raw = rng.integers(0, 256, size=(16, 17), dtype=np.uint8)
+    raw[:, 0] = [0, 1, 2, 127, 128, 254, 255, 126, 100, 150, 3, 253, 120, 135, 64, 200]
+    raw[0, 1:] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    out["mxfp4"] = np.concatenate([np.asarray(quantised, dtype=np.uint8).reshape(-1),
+                                   raw.reshape(-1)])
     return out
 
 
@@ -67,7 +81,8 @@ def main():
                 "gguf": importlib.metadata.version("gguf"), "numpy": np.__version__, "types": {}}
     for name, raw in make(rng).items():
         qtype = T[name.upper()]
-        expected = gguf.quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype)
+        with np.errstate(over="ignore"):  # mxfp4's e = 255 overflows to infinity, as in ggml
+            expected = gguf.quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype)
         expected = np.asarray(expected, dtype="<f4").reshape(-1)
         files[f"{name}.raw"] = raw.tobytes()
         files[f"{name}.f32"] = expected.tobytes()
