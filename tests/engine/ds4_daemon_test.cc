@@ -35,7 +35,8 @@ class Ds4DaemonTest : public ::testing::Test {
     socket_ = dir_.path() + "/expertd.sock";
     daemon_ = std::make_unique<Daemon>(
         dir_.path(), std::vector<std::string>{"--model", "v4-f32=" + ds4_gguf("f32"), "--model",
-                                              "v4-q8_0=" + ds4_gguf("q8_0"), "--socket", socket_,
+                                              "v4-q8_0=" + ds4_gguf("q8_0"), "--model",
+                                              "v4-mxfp4=" + ds4_gguf("mxfp4"), "--socket", socket_,
                                               "--cache", "16MiB", "--no-mlock"});
     ASSERT_TRUE(daemon_->start());
   }
@@ -53,7 +54,7 @@ class Ds4DaemonTest : public ::testing::Test {
 };
 
 TEST_F(Ds4DaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
-  for (const std::string variant : {"f32", "q8_0"}) {
+  for (const std::string variant : {"f32", "mxfp4", "q8_0"}) {
     SCOPED_TRACE(variant);
     auto model = DenseModel::load(ds4_gguf(variant));
     ASSERT_TRUE(model) << model.error().message;
@@ -66,8 +67,8 @@ TEST_F(Ds4DaemonTest, LogitsMatchTransformersWithExpertsFromExpertd) {
     ASSERT_TRUE(source) << source.error().message;
     auto engine = create_cpu_engine(*model, **source, EngineOptions{64, 1, 0});
     ASSERT_TRUE(engine) << engine.error().message;
-    const std::vector<float> expected =
-        test::read_f32(test::fixture_path("deepseek4-tiny/logits-" + variant + ".bin"));
+    const std::vector<float> expected = test::read_f32(test::fixture_path(
+        "deepseek4-tiny/logits-" + std::string(variant == "q8_0" ? "q8_0" : "f32") + ".bin"));
     const uint32_t vocab = p.n_vocab;
     std::vector<float> logits(vocab);
     double worst = 0.0;

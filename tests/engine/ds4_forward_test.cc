@@ -102,7 +102,7 @@ TEST_P(Ds4Forward, LogitsRoutingAndGreedyTokensMatchTransformers) {
   EXPECT_EQ((*engine)->stats().experts_used, fx.tokens.size() * p.n_layer * p.n_expert_used);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Ds4Forward, ::testing::Values("f32", "q8_0"),
+INSTANTIATE_TEST_SUITE_P(Fixtures, Ds4Forward, ::testing::Values("f32", "mxfp4", "q8_0"),
                          [](const auto& p) { return std::string(p.param); });
 
 TEST(Ds4Forward, TheGreedyQ8_0TokensMatchTransformersOnTheDequantisedWeights) {
