@@ -109,6 +109,13 @@ LLAMA_CPP = pathlib.Path(os.environ.get(
     "LLAMA_CPP", "/tmp/llsd/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
+def set_hca_rate(rate):
+    global HCA_RATE, COMPRESS_RATIOS
+    COMPRESS_RATIOS = [rate if r == HCA_RATE else r for r in COMPRESS_RATIOS]
+    HCA_RATE = rate
+    ORIG["compress_ratios"] = COMPRESS_RATIOS
+
+
 def hf_config():
     legacy = {k: v for k, v in ORIG.items() if k not in ("architectures", "model_type", "torch_dtype",
                                                          "rope_scaling", "compress_ratios",
@@ -117,7 +124,7 @@ def hf_config():
     rs["rope_type"] = rs.pop("type")
     cfg = DeepseekV4Config(
         **legacy,
-        compress_ratios=[{8: 128}.get(r, r) for r in COMPRESS_RATIOS],  # layer types (0/4/128)
+        compress_ratios=[{HCA_RATE: 128}.get(r, r) for r in COMPRESS_RATIOS],  # types (0/4/128)
         compress_rates={"compressed_sparse_attention": CSA_RATE,
                         "heavily_compressed_attention": HCA_RATE},
         num_hash_layers=NUM_HASH_LAYERS,
@@ -394,9 +401,9 @@ def gguf_module():
     return gguf
 
 
-def rewrite_gguf(gguf, src, dst, recode):
+def rewrite_gguf(gguf, src, dst, recode, extra=None):
     """Copies src to dst with each tensor passed through recode(name, type, array) -> (array,
-    raw_dtype or None)."""
+    raw_dtype or None), adding the string-array keys in `extra`."""
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"]
     arch = bytes(arch.parts[arch.data[0]]).decode()
@@ -416,6 +423,8 @@ def rewrite_gguf(gguf, src, dst, recode):
             w.add_key_value(field.name, bytes(field.parts[field.data[0]]).decode("utf-8"), vt)
         else:
             w.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], vt)
+    for key, val in (extra or {}).items():
+        w.add_key_value(key, val, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
     for t in r.tensors:
         a = np.array(t.data)
         new, raw = recode(t.name, t.tensor_type, a)
@@ -532,7 +541,11 @@ def main():
                                          "tests/fixtures/deepseek4-tiny"))
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--keep", help="keep the checkpoint in this folder (default: a temp dir)")
+    ap.add_argument("--hca-rate", type=int, default=HCA_RATE,
+                    help="the HCA layers' compress ratio (8; llama.cpp loads only 128, which a "
+                         "47-token sequence never fills: check_deepseek4_llama_cpp.py uses it)")
     args = ap.parse_args()
+    set_hca_rate(args.hca_rate)
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         raise SystemExit(f"{LLAMA_CPP}: no convert_hf_to_gguf.py (set LLAMA_CPP to the sdist's "
                          "vendor/llama.cpp)")
