@@ -157,13 +157,7 @@ void CpuEngine::route(uint32_t layer) {
   const LayerWeights& w = model_.layer(layer);
   const uint32_t k = p_.n_expert_used;
   rms_norm(x_.data(), w.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
-  const ScriptedRoute* scripted =
-      opts_.script != nullptr ? opts_.script->find(pos_, layer) : nullptr;
-  if (scripted != nullptr) {
-    std::copy(scripted->experts.begin(), scripted->experts.end(), selected_.begin());
-    std::copy(scripted->weights.begin(), scripted->weights.end(), weights_.begin());
-    ++stats_.scripted_routes;
-  } else {
+  if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
     for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
     softmax(probs_.data(), p_.n_expert);
@@ -176,15 +170,7 @@ void CpuEngine::route(uint32_t layer) {
       weights_[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
     }
   }
-  RoutingRecord* rec = nullptr;
-  if (routing_log_ != nullptr) {
-    routing_log_->push_back(RoutingRecord{pos_,
-                                          layer,
-                                          std::vector<uint32_t>(selected_.begin(), selected_.end()),
-                                          std::vector<float>(weights_.begin(), weights_.end()),
-                                          {}});
-    rec = &routing_log_->back();
-  }
+  RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
   planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
 }
 

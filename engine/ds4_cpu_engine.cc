@@ -486,13 +486,7 @@ void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
   const uint32_t k = p_.n_expert_used;
   const bool hash = layer < d_.hash_layers;
   rms_norm(collapsed_.data(), l.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
-  const ScriptedRoute* scripted =
-      opts_.script != nullptr ? opts_.script->find(pos_, layer) : nullptr;
-  if (scripted != nullptr) {
-    std::copy(scripted->experts.begin(), scripted->experts.end(), selected_.begin());
-    std::copy(scripted->weights.begin(), scripted->weights.end(), weights_.begin());
-    ++stats_.scripted_routes;
-  } else {
+  if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(l.gate_inp.view(), xn_.data(), router_.data(), row_.data());
     for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = sqrt_softplus(router_[e]);
     if (hash) {
@@ -514,15 +508,7 @@ void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
           static_cast<float>((d_.weights_norm ? pr / (sum + 1e-20) : pr) * d_.weights_scale);
     }
   }
-  RoutingRecord* rec = nullptr;
-  if (routing_log_ != nullptr) {
-    routing_log_->push_back(RoutingRecord{pos_,
-                                          layer,
-                                          std::vector<uint32_t>(selected_.begin(), selected_.end()),
-                                          std::vector<float>(weights_.begin(), weights_.end()),
-                                          {}});
-    rec = &routing_log_->back();
-  }
+  RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
   if (!hash) planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
 }
 

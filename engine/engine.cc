@@ -86,6 +86,28 @@ void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
   pending_.push_back(ExpertHint{next, expert, score});
 }
 
+bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
+                         std::span<uint32_t> selected, std::span<float> weights,
+                         EngineStats& stats) {
+  const ScriptedRoute* r = o.script != nullptr ? o.script->find(pos, layer) : nullptr;
+  if (r == nullptr) return false;
+  std::copy(r->experts.begin(), r->experts.end(), selected.begin());
+  std::copy(r->weights.begin(), r->weights.end(), weights.begin());
+  ++stats.scripted_routes;
+  return true;
+}
+
+RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
+                         std::span<const uint32_t> experts, std::span<const float> weights) {
+  if (log == nullptr) return nullptr;
+  log->push_back(RoutingRecord{pos,
+                               layer,
+                               std::vector<uint32_t>(experts.begin(), experts.end()),
+                               std::vector<float>(weights.begin(), weights.end()),
+                               {}});
+  return &log->back();
+}
+
 template <typename T>
 void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
   std::iota(order.begin(), order.end(), 0u);

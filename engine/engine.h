@@ -193,6 +193,15 @@ class HintPlanner {
 void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from, uint32_t next,
                         HintPlanner& planner);
 
+// Benchmark mode: when the script has a route for (pos, layer), copies it into selected/weights,
+// counts it and returns true.
+bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
+                         std::span<uint32_t> selected, std::span<float> weights,
+                         EngineStats& stats);
+// Appends a routing decision to `log` (nothing when log is null); returns the new record.
+RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
+                         std::span<const uint32_t> experts, std::span<const float> weights);
+
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);

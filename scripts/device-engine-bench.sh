@@ -11,6 +11,14 @@
 #   run:NAME:CACHE:VRAM:DEPTH:TOKENS
 #            a fresh expertd (cache CACHE) and expert-run replaying the Mixtral humaneval1 trace
 #            (benchmark mode) with --vram-experts VRAM and --prefetch-depth DEPTH for TOKENS tokens
+#   forge4   a DeepSeek-V4-shaped deepseek4 GGUF (DeepseekV4Config widths: 256 experts, top-6,
+#            hidden 4096, expert width 2048, 3 hash layers, q4_k experts; $DS4_LAYERS layers, 9 by
+#            default: ~32 GB of experts) on the device's disk, unless present
+#   disk4    expert-bench storage on it
+#   run4:NAME:CACHE:VRAM:DEPTH:TOKENS:HASH
+#            a fresh expertd (cache CACHE) and expert-run decoding the V4 model with its own
+#            routers (temperature 1, seed 1, so tokens and hash-layer experts vary), HASH = on|off
+#            for the exact hash-layer hints
 # Results land in $OUT (JSON per phase). The tests find their binaries and fixtures relative to
 # themselves (testing/paths.h), so .device/ may lie anywhere; the traces come in
 # EXPERTD_SHARED_TRACES.
@@ -77,6 +85,41 @@ phase_sweep() {  # issue 6's tuning sweep (docs/TUNING.md) on a 1.6 GB Mixtral-s
   return $rc
 }
 
+model4=$work/ds4-q4k.gguf
+
+phase_forge4() {
+  if [ -f "$model4" ]; then echo "forge4: $model4 exists"; return; fi
+  "$bin/expert-forge" --arch deepseek4 --layers "${DS4_LAYERS:-9}" --expert-type q4_k \
+    --seed 4 --threads 16 -o "$model4" --force
+  ls -l "$model4"
+}
+
+phase_disk4() {
+  "$bin/expert-bench" storage --model "$model4" --seconds 3 --json | tee "$out/disk4.json"
+}
+
+phase_run4() {  # NAME CACHE VRAM DEPTH TOKENS HASH
+  local name=$1 cache=$2 vram=$3 depth=$4 tokens=$5 hash=$6
+  local sock=$work/expertd4.sock
+  rm -f "$sock"
+  sync; echo 3 > /proc/sys/vm/drop_caches || true
+  "$bin/expertd" --model "v4=$model4" --socket "$sock" --cache "$cache" --staging 1GiB \
+    --queue-depth 32 2> "$work/expertd4-$name.log" &
+  local pid=$!
+  for _ in $(seq 600); do [ -S "$sock" ] && break; sleep 0.1; done
+  [ -S "$sock" ] || { cat "$work/expertd4-$name.log"; kill $pid; return 1; }
+  local rc=0 extra=()
+  [ "$hash" = off ] && extra+=(--no-hash-hints)
+  "$bin/expert-run" --socket "$sock" --model v4 --gguf "$model4" \
+    --prompt-tokens 9707,11,1879,0,16,8,30 --max-tokens "$tokens" --vram-experts "$vram" \
+    --prefetch-depth "$depth" --temperature 1 --seed 1 --ignore-eos "${extra[@]}" --json \
+    > "$out/run4-$name.json" || rc=$?
+  "$bin/expertctl" stats --socket "$sock" > "$out/stats4-$name.txt" 2>&1 || true
+  kill -TERM $pid; wait $pid || true
+  echo "run4 $name (cache $cache, vram $vram, depth $depth, hash hints $hash): $(head -c 900 "$out/run4-$name.json")"
+  return $rc
+}
+
 phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
   local name=$1 cache=$2 vram=$3 depth=$4 tokens=$5
   local sock=$work/expertd.sock
@@ -98,6 +141,7 @@ phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
 for p in "$@"; do
   case $p in
     run:*) IFS=: read -r _ n c v d t <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" ;;
+    run4:*) IFS=: read -r _ n c v d t h <<< "$p"; phase_run4 "$n" "$c" "$v" "$d" "$t" "$h" ;;
     *) "phase_$p" ;;
   esac
 done

@@ -47,6 +47,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from make_fixture import bytes_to_unicode  # noqa: E402  (GPT-2's byte alphabet)
+
 # The model: every layer type and both MLP types; rates and window small enough that the prompt
 # exercises the sliding window, CSA selection (more entries than index_topk) and HCA emits.
 LAYERS = 5
@@ -358,19 +361,6 @@ def read_checkpoint(d):
             t = t.view(torch.uint8)
         out[name] = t.numpy()
     return out
-
-
-def bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 CONVERT_WRAPPER = """
