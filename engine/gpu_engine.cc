@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "engine/dequant.h"
+#include "engine/ds4_gpu_engine.h"
 #include "engine/vram_tier.h"
 #include "kernels/attention.cuh"
 #include "kernels/check.h"
@@ -863,6 +864,18 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());
   return std::unique_ptr<GpuEngine>(new GpuEngine(std::move(impl)));
+}
+
+Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,
+                                                  const EngineOptions& options,
+                                                  const GpuOptions& gpu) {
+  if (model.params().is_ds4()) {
+    EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds4GpuEngine> e,
+                       Ds4GpuEngine::create(model, source, options, gpu));
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+  EXPERTD_TRY_ASSIGN(std::unique_ptr<GpuEngine> e, GpuEngine::create(model, source, options, gpu));
+  return std::unique_ptr<Engine>(std::move(e));
 }
 
 Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
