@@ -27,10 +27,12 @@ void rms_norm_plain(float* x, size_t n, float eps) {
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(x[i] * r);
 }
 
+}  // namespace
+
 // Inverse frequencies of the rope pairs: base^(-2i/dim), or YaRN's blend of interpolated and
 // extrapolated frequencies (transformers' _compute_yarn_parameters with truncate; DeepSeek-V4
 // keeps the attention factor at 1).
-std::vector<double> inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
+std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
   std::vector<double> f(dim / 2);
   for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
   if (yarn == nullptr || yarn->yarn_factor <= 0.0) return f;
@@ -50,7 +52,41 @@ std::vector<double> inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
   return f;
 }
 
-}  // namespace
+void ds4_route(const Ds4Params& d, const Ds4LayerWeights& l, bool hash, uint32_t token,
+               std::span<const float> logits, uint32_t k, std::span<double> probs,
+               std::span<double> sel, std::vector<uint32_t>& order, std::span<uint32_t> experts,
+               std::span<float> weights) {
+  const size_t n = logits.size();
+  for (size_t e = 0; e < n; ++e) probs[e] = sqrt_softplus(logits[e]);
+  if (hash) {
+    const uint32_t* ex = l.tid2eid.data() + uint64_t{token} * k;
+    std::copy_n(ex, k, order.begin());
+  } else {
+    for (size_t e = 0; e < n; ++e) sel[e] = probs[e] + l.exp_bias[e];
+    top_indices(std::span<const double>(sel.data(), n), order, k);
+  }
+  double sum = 0.0;
+  for (uint32_t i = 0; i < k; ++i) sum += probs[order[i]];
+  // Experts by descending weight, as the canonical trace lists them.
+  std::stable_sort(order.begin(), order.begin() + k,
+                   [&](uint32_t a, uint32_t b) { return probs[a] > probs[b]; });
+  for (uint32_t i = 0; i < k; ++i) {
+    experts[i] = order[i];
+    const double pr = probs[order[i]];
+    weights[i] = static_cast<float>((d.weights_norm ? pr / (sum + 1e-20) : pr) * d.weights_scale);
+  }
+}
+
+void ds4_hint_probs(const Ds4LayerWeights& l, std::span<const float> logits,
+                    std::span<double> probs) {
+  const size_t n = logits.size();
+  double sum = 0.0;
+  for (size_t e = 0; e < n; ++e) {
+    probs[e] = std::max(0.0, sqrt_softplus(logits[e]) + l.exp_bias[e]);
+    sum += probs[e];
+  }
+  for (size_t e = 0; e < n; ++e) probs[e] = sum > 0 ? probs[e] / sum : 0.0;
+}
 
 Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
                                                            ExpertSource& source,
@@ -81,8 +117,8 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   const uint32_t hc = d_.hc;
   const uint64_t e = p_.n_embd;
   const uint64_t q_dim = uint64_t{p_.n_head} * p_.head_dim;
-  inv_freq_main_ = inv_freq(p_.n_rot, p_.rope_base, nullptr);
-  inv_freq_compress_ = inv_freq(p_.n_rot, d_.compress_rope_base, &d_);
+  inv_freq_main_ = ds4_inv_freq(p_.n_rot, p_.rope_base, nullptr);
+  inv_freq_compress_ = ds4_inv_freq(p_.n_rot, d_.compress_rope_base, &d_);
   uint32_t max_entries = 0;
   uint32_t max_ratio = 1;
   layers_.resize(p_.n_layer);
@@ -468,12 +504,7 @@ void Ds4CpuEngine::send_hints(uint32_t layer) {
     const Ds4LayerWeights& w = w_.layers[next];
     rms_norm(collapsed_.data(), w.ffn_norm.data(), tmp_.data(), p_.n_embd, p_.rms_eps);
     matvec(w.gate_inp.view(), tmp_.data(), router_.data(), row_.data());
-    double sum = 0.0;
-    for (uint32_t e = 0; e < p_.n_expert; ++e) {
-      probs_[e] = std::max(0.0, sqrt_softplus(router_[e]) + w.exp_bias[e]);
-      sum += probs_[e];
-    }
-    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = sum > 0 ? probs_[e] / sum : 0.0;
+    ds4_hint_probs(w, router_, probs_);
     planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
   }
   const std::span<const ExpertHint> hints = planner_.take(stats_);
@@ -488,25 +519,7 @@ void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
   rms_norm(collapsed_.data(), l.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
   if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(l.gate_inp.view(), xn_.data(), router_.data(), row_.data());
-    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = sqrt_softplus(router_[e]);
-    if (hash) {
-      const uint32_t* ex = l.tid2eid.data() + uint64_t{token} * k;
-      std::copy_n(ex, k, order_.begin());
-    } else {
-      for (uint32_t e = 0; e < p_.n_expert; ++e) sel_[e] = probs_[e] + l.exp_bias[e];
-      top_indices(std::span<const double>(sel_), order_, k);
-    }
-    double sum = 0.0;
-    for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
-    // Experts by descending weight, as the canonical trace lists them.
-    std::stable_sort(order_.begin(), order_.begin() + k,
-                     [&](uint32_t a, uint32_t b) { return probs_[a] > probs_[b]; });
-    for (uint32_t i = 0; i < k; ++i) {
-      selected_[i] = order_[i];
-      const double pr = probs_[order_[i]];
-      weights_[i] =
-          static_cast<float>((d_.weights_norm ? pr / (sum + 1e-20) : pr) * d_.weights_scale);
-    }
+    ds4_route(d_, l, hash, token, router_, k, probs_, sel_, order_, selected_, weights_);
   }
   RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
   if (!hash) planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);

@@ -16,6 +16,8 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
+#include "engine/ds4_cpu_engine.h"
+#include "engine/ds4_gpu_engine.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
@@ -235,6 +237,277 @@ TEST(GpuEngine, ATierTooSmallForOneLayerIsRefused) {
       GpuEngine::create(*model, **source, EngineOptions{8, 0, 0}, tier(GpuOptions::Tier::InPlace));
   ASSERT_FALSE(in_place);  // a file source has no arena to register
   EXPECT_NE(in_place.error().message.find("in-place"), std::string::npos);
+}
+
+// --- deepseek4 (Ds4GpuEngine) ------------------------------------------------------------------
+
+struct Ds4Fixture {
+  std::vector<uint32_t> tokens;
+  uint32_t prompt = 0;
+  uint32_t vocab = 0;
+
+  static Ds4Fixture load() {
+    const nlohmann::json meta = test::read_json(test::fixture_path("deepseek4-tiny/fixture.json"));
+    Ds4Fixture f;
+    f.tokens = meta.at("tokens").get<std::vector<uint32_t>>();
+    f.prompt = meta.at("prompt_tokens").get<uint32_t>();
+    f.vocab = meta.at("logits_shape").at(1).get<uint32_t>();
+    return f;
+  }
+  static std::string gguf(const std::string& variant) {
+    return test::fixture_path("deepseek4-tiny/model-" + variant + ".gguf");
+  }
+  // The mxfp4 file holds the f32 file's numbers (its f32 experts are the mxfp4 ones expanded).
+  static std::string reference(const std::string& variant) {
+    return variant == "q8_0" ? "q8_0" : "f32";
+  }
+};
+
+// GpuEngine stays the qwen3moe engine: it refuses deepseek4 by name, device or not.
+TEST(Ds4GpuEngine, GpuEngineRefusesDeepseek4AndTheFactoryPicksTheDs4Engine) {
+  auto model = DenseModel::load(Ds4Fixture::gguf("f32"));
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto refused = GpuEngine::create(*model, **source, EngineOptions{16, 0, 0},
+                                   tier(GpuOptions::Tier::Experts, 8));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("the CUDA engine runs qwen3moe; 'deepseek4'"),
+            std::string::npos)
+      << refused.error().message;
+  std::string why;
+  auto picked = create_gpu_engine(*model, **source, EngineOptions{16, 0, 0},
+                                  tier(GpuOptions::Tier::Experts, 8));
+  if (!cuda_device_available(&why)) {
+    ASSERT_FALSE(picked);
+    EXPECT_EQ(picked.error().message, why);
+    GTEST_SKIP() << why;
+  }
+  ASSERT_TRUE(picked) << picked.error().message;
+  EXPECT_EQ((*picked)->name(), "gpu");
+  EXPECT_NE((*picked)->description().find("deepseek4"), std::string::npos);
+}
+
+// The fixture token by token through a VRAM tier that evicts (8 slots for 5 layers x 16 experts)
+// and one that holds every expert: logits against transformers, greedy tokens, the routing
+// against the fixture's trace, then reset() and the first positions again.
+TEST(Ds4GpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
+  REQUIRE_GPU();
+  const Ds4Fixture fx = Ds4Fixture::load();
+  for (const auto& [variant, tol] :
+       {std::pair{"f32", 1e-3}, std::pair{"mxfp4", 1e-3}, std::pair{"q8_0", 2e-2}}) {
+    for (const uint64_t slots : {8u, 80u}) {
+      SCOPED_TRACE(fmt::format("{} tier {}", variant, slots));
+      auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+      ASSERT_TRUE(model) << model.error().message;
+      const ModelParams& p = model->params();
+      auto source = test::FileExpertSource::open(*model);
+      ASSERT_TRUE(source) << source.error().message;
+      auto engine = Ds4GpuEngine::create(*model, **source, EngineOptions{64, 0, 0},
+                                         tier(GpuOptions::Tier::Experts, slots));
+      ASSERT_TRUE(engine) << engine.error().message;
+      EXPECT_EQ((*engine)->vram_slots(), slots);
+      std::vector<RoutingRecord> routing;
+      (*engine)->set_routing_log(&routing);
+      const std::vector<float> expected = test::read_f32(
+          test::fixture_path("deepseek4-tiny/logits-" + Ds4Fixture::reference(variant) + ".bin"));
+      ASSERT_EQ(expected.size(), fx.tokens.size() * fx.vocab);
+      std::vector<float> logits(fx.vocab);
+      double worst = 0.0;
+      for (size_t t = 0; t < fx.tokens.size(); ++t) {
+        auto st = (*engine)->decode(fx.tokens[t], logits);
+        ASSERT_TRUE(st) << st.error().message;
+        const double err = test::rel_err(logits.data(), expected.data() + t * fx.vocab, fx.vocab);
+        EXPECT_LE(err, tol) << "position " << t;
+        worst = std::max(worst, err);
+        if (t + 1 >= fx.prompt && t + 1 < fx.tokens.size() && std::string(variant) != "q8_0") {
+          const auto best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+          EXPECT_EQ(static_cast<uint32_t>(best), fx.tokens[t + 1]) << "position " << t;
+        }
+      }
+      std::printf(
+          "[ %s tier %llu ] deepseek4 GPU logits vs transformers: max relative error "
+          "%.3e over %zu positions\n",
+          variant, static_cast<unsigned long long>(slots), worst, fx.tokens.size());
+      const std::vector<test::TraceEntry> trace = test::read_trace(
+          test::fixture_path("deepseek4-tiny/trace-" + Ds4Fixture::reference(variant) + ".jsonl"));
+      ASSERT_EQ(routing.size(), trace.size());
+      for (size_t i = 0; i < trace.size(); ++i) {
+        EXPECT_EQ(routing[i].token, trace[i].token);
+        EXPECT_EQ(routing[i].layer, trace[i].layer);
+        EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
+        for (size_t k = 0; k < trace[i].weights.size(); ++k) {
+          EXPECT_NEAR(routing[i].weights[k], trace[i].weights[k], 1e-4) << "record " << i;
+        }
+      }
+      const EngineStats& s = (*engine)->stats();
+      EXPECT_EQ(s.experts_used, fx.tokens.size() * p.n_layer * p.n_expert_used);
+      EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+      if (slots == 8) {
+        EXPECT_GT(s.vram_misses, 80u);  // a tier this small evicts
+      }
+
+      (*engine)->reset();
+      EXPECT_EQ((*engine)->position(), 0u);
+      for (size_t t = 0; t < 20; ++t) {
+        auto st = (*engine)->decode(fx.tokens[t], logits);
+        ASSERT_TRUE(st) << st.error().message;
+        EXPECT_LE(test::rel_err(logits.data(), expected.data() + t * fx.vocab, fx.vocab), tol)
+            << "after reset, position " << t;
+      }
+      EXPECT_EQ((*source)->gets(), (*source)->releases());
+    }
+  }
+}
+
+// The GPU engine against the CPU engine on the same file, with router lookahead (depth 2): the
+// logits, the routing records, the hints the source received (the exact hash-layer hints before
+// layer 0, then the lookahead's) and the counters.
+TEST(Ds4GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
+  REQUIRE_GPU();
+  const Ds4Fixture fx = Ds4Fixture::load();
+  for (const char* variant : {"f32", "mxfp4", "q8_0"}) {
+    SCOPED_TRACE(variant);
+    auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    auto fs_cpu = test::FileExpertSource::open(*model);
+    auto fs_gpu = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(fs_cpu && fs_gpu);
+    const EngineOptions o{64, 2, 0};
+    auto cpu = Ds4CpuEngine::create(*model, **fs_cpu, o);
+    ASSERT_TRUE(cpu) << cpu.error().message;
+    auto gpu = Ds4GpuEngine::create(*model, **fs_gpu, o, tier(GpuOptions::Tier::Experts, 12));
+    ASSERT_TRUE(gpu) << gpu.error().message;
+    std::vector<RoutingRecord> rc;
+    std::vector<RoutingRecord> rg;
+    (*cpu)->set_routing_log(&rc);
+    (*gpu)->set_routing_log(&rg);
+    std::vector<float> a(fx.vocab);
+    std::vector<float> b(fx.vocab);
+    double worst = 0.0;
+    for (size_t t = 0; t < fx.tokens.size(); ++t) {
+      ASSERT_TRUE((*cpu)->decode(fx.tokens[t], a));
+      auto st = (*gpu)->decode(fx.tokens[t], b);
+      ASSERT_TRUE(st) << st.error().message;
+      const double err = test::rel_err(b.data(), a.data(), fx.vocab);
+      EXPECT_LE(err, 1e-3) << "position " << t;
+      worst = std::max(worst, err);
+    }
+    std::printf("[ %s ] deepseek4 GPU vs CPU engine: max relative error %.3e\n", variant, worst);
+    ASSERT_EQ(rc.size(), rg.size());
+    for (size_t i = 0; i < rc.size(); ++i) {
+      EXPECT_EQ(rg[i].experts, rc[i].experts) << "record " << i;
+      EXPECT_EQ(rg[i].predicted, rc[i].predicted) << "record " << i;
+      for (size_t k = 0; k < rc[i].weights.size(); ++k) {
+        EXPECT_NEAR(rg[i].weights[k], rc[i].weights[k], 1e-5) << "record " << i;
+      }
+    }
+    const std::vector<ExpertHint>& hc = (*fs_cpu)->hints();
+    const std::vector<ExpertHint>& hg = (*fs_gpu)->hints();
+    ASSERT_EQ(hg.size(), hc.size());
+    for (size_t i = 0; i < hc.size(); ++i) {
+      EXPECT_EQ(hg[i].layer, hc[i].layer) << "hint " << i;
+      EXPECT_EQ(hg[i].expert, hc[i].expert) << "hint " << i;
+      EXPECT_NEAR(hg[i].score, hc[i].score, 1e-5) << "hint " << i;
+    }
+    const EngineStats& sc = (*cpu)->stats();
+    const EngineStats& sg = (*gpu)->stats();
+    EXPECT_EQ(sg.hash_hints, sc.hash_hints);
+    EXPECT_GT(sg.hash_hints, 0u);
+    EXPECT_EQ(sg.hints_sent, sc.hints_sent);
+    EXPECT_EQ(sg.hash_experts, sc.hash_experts);
+    EXPECT_EQ(sg.learned_experts, sc.learned_experts);
+    EXPECT_EQ(sg.experts_used, sc.experts_used);
+    EXPECT_DOUBLE_EQ(sg.prefetch_precision(), sc.prefetch_precision());
+    EXPECT_DOUBLE_EQ(sg.prefetch_recall(), sc.prefetch_recall());
+    EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
+  }
+}
+
+// Through a real expertd: in place (the kernels read the registered arena), a VRAM tier that
+// evicts, and one that holds every expert with prefetch; each gives the CPU engine's logits and
+// routing on the same daemon, and gives every hold back.
+TEST(Ds4GpuEngine, DaemonModesMatchTheCpuEngine) {
+  REQUIRE_GPU();
+  const Ds4Fixture fx = Ds4Fixture::load();
+  TempDir dir;
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(), {"--model", "v4-f32=" + Ds4Fixture::gguf("f32"), "--model",
+                        "v4-mxfp4=" + Ds4Fixture::gguf("mxfp4"), "--model",
+                        "v4-q8_0=" + Ds4Fixture::gguf("q8_0"), "--socket", sock, "--cache", "16MiB",
+                        "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  const size_t n = 24;
+  for (const char* variant : {"f32", "mxfp4", "q8_0"}) {
+    const std::string name = std::string("v4-") + variant;
+    auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    std::vector<std::vector<float>> ref;
+    std::vector<RoutingRecord> ref_routing;
+    {
+      auto client = client::Client::connect(sock);
+      ASSERT_TRUE(client);
+      auto session = (*client)->attach(name, "gpu_engine_tests");
+      ASSERT_TRUE(session);
+      auto source = DaemonExpertSource::create(**session, *model);
+      ASSERT_TRUE(source) << source.error().message;
+      auto cpu = Ds4CpuEngine::create(*model, **source, EngineOptions{32, 0, 0});
+      ASSERT_TRUE(cpu);
+      (*cpu)->set_routing_log(&ref_routing);
+      std::vector<float> l(fx.vocab);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_TRUE((*cpu)->decode(fx.tokens[i], l));
+        ref.push_back(l);
+      }
+    }
+    for (const auto& [label, g, depth] :
+         {std::tuple{"in-place", tier(GpuOptions::Tier::InPlace), 0u},
+          std::tuple{"in-place+prefetch", tier(GpuOptions::Tier::InPlace), 2u},
+          std::tuple{"tier-3", tier(GpuOptions::Tier::Experts, 3), 0u},
+          std::tuple{"tier-all+prefetch", tier(GpuOptions::Tier::Experts, 80), 2u}}) {
+      SCOPED_TRACE(name + " " + label);
+      auto client = client::Client::connect(sock);
+      ASSERT_TRUE(client);
+      auto session = (*client)->attach(name, "gpu_engine_tests");
+      ASSERT_TRUE(session);
+      auto source = DaemonExpertSource::create(**session, *model);
+      ASSERT_TRUE(source) << source.error().message;
+      auto gpu = Ds4GpuEngine::create(*model, **source, EngineOptions{32, depth, 0}, g);
+      ASSERT_TRUE(gpu) << gpu.error().message;
+      std::vector<RoutingRecord> routing;
+      (*gpu)->set_routing_log(&routing);
+      std::vector<float> l(fx.vocab);
+      double worst = 0.0;
+      for (size_t i = 0; i < n; ++i) {
+        auto st = (*gpu)->decode(fx.tokens[i], l);
+        ASSERT_TRUE(st) << st.error().message;
+        const double err = test::rel_err(l.data(), ref[i].data(), fx.vocab);
+        EXPECT_LE(err, 1e-3) << "position " << i;
+        worst = std::max(worst, err);
+      }
+      ASSERT_EQ(routing.size(), ref_routing.size());
+      for (size_t i = 0; i < routing.size(); ++i) {
+        EXPECT_EQ(routing[i].experts, ref_routing[i].experts) << "record " << i;
+      }
+      const EngineStats& s = (*gpu)->stats();
+      std::printf(
+          "[ %s %s ] deepseek4 max rel err vs CPU %.3e; vram hits %llu misses %llu "
+          "prefetched %llu\n",
+          name.c_str(), label, worst, static_cast<unsigned long long>(s.vram_hits),
+          static_cast<unsigned long long>(s.vram_misses),
+          static_cast<unsigned long long>(s.vram_prefetches));
+      if ((*gpu)->vram_slots() > 0) {
+        EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+      }
+      if ((*gpu)->vram_slots() == 3) {
+        EXPECT_GT(s.vram_misses, 10u);
+      }
+      gpu->reset();
+      EXPECT_EQ((*session)->holds(), 0u) << "every hold is given back";
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
 }
 
 }  // namespace

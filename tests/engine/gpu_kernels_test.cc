@@ -39,6 +39,7 @@
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
 #include "kernels/dequant.cuh"
+#include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/rope.cuh"
@@ -955,6 +956,191 @@ TEST_F(GpuKernels, CudaOwnersReportAFailedCreationOnceAndMove) {
   Result<cuda::PinnedBytes> pinned = cuda::PinnedBytes::alloc(page);
   ASSERT_TRUE(pinned) << pinned.error().message;
   EXPECT_NE(pinned->get(), nullptr);
+}
+
+// --- deepseek4 (kernels/ds4.cuh) ---------------------------------------------------------------
+
+TEST_F(GpuKernels, Ds4RmsNormMatchesCpuWithAndWithoutWeight) {
+  std::mt19937_64 rng(21);
+  for (const uint32_t n : {16u, 64u, 1000u, 16384u}) {
+    SCOPED_TRACE(n);
+    const uint32_t rows = 3;
+    const std::vector<float> x = activations(size_t{rows} * n, rng);
+    const std::vector<float> w = uniform(n, rng, 0.5f, 1.5f);
+    const std::vector<float> ones(n, 1.0f);
+    for (const bool weighted : {false, true}) {
+      std::vector<float> want(x.size());
+      for (uint32_t r = 0; r < rows; ++r) {
+        engine::rms_norm(x.data() + size_t{r} * n, weighted ? w.data() : ones.data(),
+                         want.data() + size_t{r} * n, n, 1e-6f);
+      }
+      DeviceBuffer<float> dx(x);
+      DeviceBuffer<float> dw(w);
+      CUDA_OK(
+          ds4_rms_norm(dx.get(), weighted ? dw.get() : nullptr, dx.get(), rows, n, 1e-6f, stream_));
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      EXPECT_LE(normalised_error(dx.download(), want), 1e-6) << "weighted " << weighted;
+    }
+  }
+}
+
+// Interleaved pairs on the trailing n_rot dims: the leading (nope) dims are untouched, position 0
+// is the identity, and the inverse rotation undoes the forward one.
+TEST_F(GpuKernels, Ds4RopeRotatesTheTrailingPairsAndTheInverseUndoesIt) {
+  std::mt19937_64 rng(22);
+  const uint32_t heads = 5;
+  const uint32_t dim = 64;
+  const uint32_t n_rot = 16;
+  std::vector<double> freq(n_rot / 2);
+  for (uint32_t i = 0; i < n_rot / 2; ++i) freq[i] = std::pow(10000.0, -2.0 * i / n_rot);
+  const std::vector<float> v = uniform(size_t{heads} * dim, rng);
+  DeviceBuffer<double> df(freq);
+  DeviceBuffer<float> dv(v);
+  CUDA_OK(ds4_rope(dv.get(), heads, dim, n_rot, 0, df.get(), false, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(dv.download(), v);
+  CUDA_OK(ds4_rope(dv.get(), heads, dim, n_rot, 37, df.get(), false, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<float> rotated = dv.download();
+  for (uint32_t h = 0; h < heads; ++h) {
+    for (uint32_t c = 0; c < dim - n_rot; ++c) {
+      ASSERT_EQ(rotated[h * dim + c], v[h * dim + c]) << "head " << h << " dim " << c;
+    }
+    // Pair i of head h, by hand.
+    for (uint32_t i = 0; i < n_rot / 2; ++i) {
+      const size_t at = h * dim + dim - n_rot + 2 * i;
+      const double a = 37.0 * freq[i];
+      EXPECT_NEAR(rotated[at], v[at] * std::cos(a) - v[at + 1] * std::sin(a), 1e-6);
+      EXPECT_NEAR(rotated[at + 1], v[at + 1] * std::cos(a) + v[at] * std::sin(a), 1e-6);
+    }
+  }
+  CUDA_OK(ds4_rope(dv.get(), heads, dim, n_rot, 37, df.get(), true, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_LE(normalised_error(dv.download(), v), 1e-6);
+}
+
+TEST_F(GpuKernels, Ds4HcWeightsAreBoundedAndCombIsDoublyStochastic) {
+  std::mt19937_64 rng(23);
+  const uint32_t hc = 4;
+  const std::vector<float> mixes = uniform(size_t{2 + hc} * hc, rng, -3.0f, 3.0f);
+  const std::vector<float> scale = {0.7f, 1.3f, 2.0f};
+  const std::vector<float> base = uniform(size_t{2 + hc} * hc, rng);
+  DeviceBuffer<float> dm(mixes);
+  DeviceBuffer<float> ds(scale);
+  DeviceBuffer<float> db(base);
+  DeviceBuffer<double> pre(hc);
+  DeviceBuffer<double> post(hc);
+  DeviceBuffer<double> comb(hc * hc);
+  CUDA_OK(ds4_hc_weights(dm.get(), ds.get(), db.get(), hc, 20, 1e-6f, pre.get(), post.get(),
+                         comb.get(), stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<double> pr = pre.download();
+  const std::vector<double> po = post.download();
+  const std::vector<double> c = comb.download();
+  for (uint32_t i = 0; i < hc; ++i) {
+    const double want_pre = 1.0 / (1.0 + std::exp(-(double{mixes[i]} * scale[0] + base[i])));
+    EXPECT_NEAR(pr[i], want_pre + 1e-6, 1e-12);
+    const double want_post =
+        2.0 / (1.0 + std::exp(-(double{mixes[hc + i]} * scale[1] + base[hc + i])));
+    EXPECT_NEAR(po[i], want_post, 1e-12);
+  }
+  for (uint32_t i = 0; i < hc; ++i) {
+    double row = 0.0;
+    double col = 0.0;
+    for (uint32_t j = 0; j < hc; ++j) {
+      EXPECT_GT(c[i * hc + j], 0.0);
+      row += c[i * hc + j];
+      col += c[j * hc + i];
+    }
+    EXPECT_NEAR(col, 1.0, 1e-5) << "column " << i;
+    EXPECT_NEAR(row, 1.0, 1e-3) << "row " << i;
+  }
+}
+
+TEST_F(GpuKernels, Ds4TopEntriesRankByScoreThenLowerIndex) {
+  const std::vector<double> scores = {1.0, 3.0, 3.0, 2.0, 3.0, 0.5, -1.0};
+  DeviceBuffer<double> ds(scores);
+  DeviceBuffer<uint32_t> chosen(scores.size());
+  CUDA_OK(ds4_top_entries(ds.get(), 7, 4, chosen.get(), stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  std::vector<uint32_t> got = chosen.download();
+  got.resize(4);
+  EXPECT_EQ(got, (std::vector<uint32_t>{1, 2, 4, 3}));
+  CUDA_OK(ds4_top_entries(ds.get(), 7, 7, chosen.get(), stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(chosen.download(), (std::vector<uint32_t>{1, 2, 4, 3, 0, 5, 6}));
+}
+
+// Attention over a ring window (wrapped) and chosen compressed entries, with a per-head sink,
+// against the loop of Ds4CpuEngine::attention written out.
+TEST_F(GpuKernels, Ds4AttentionWithSinkMatchesCpu) {
+  std::mt19937_64 rng(24);
+  const uint32_t n_head = 6;
+  const uint32_t hd = 64;
+  const uint32_t ring = 8;
+  const uint32_t first = 13;  // positions 13..20 in a ring of 8: wrapped
+  const uint32_t n_window = 8;
+  const uint32_t n_stored = 9;
+  const std::vector<uint32_t> pick = {7, 2, 5};
+  const std::vector<float> q = uniform(size_t{n_head} * hd, rng, -2.0f, 2.0f);
+  const std::vector<float> window = uniform(size_t{ring} * hd, rng, -2.0f, 2.0f);
+  const std::vector<float> entries = uniform(size_t{n_stored} * hd, rng, -2.0f, 2.0f);
+  const std::vector<float> sinks = uniform(n_head, rng, -1.0f, 3.0f);
+  for (const bool chosen : {true, false}) {
+    SCOPED_TRACE(chosen ? "chosen entries" : "every entry");
+    const uint32_t n_entries = chosen ? static_cast<uint32_t>(pick.size()) : n_stored;
+    std::vector<float> want(size_t{n_head} * hd);
+    for (uint32_t h = 0; h < n_head; ++h) {
+      auto key = [&](uint32_t i) -> const float* {
+        if (i < n_window) return window.data() + size_t{(first + i) % ring} * hd;
+        const uint32_t e = chosen ? pick[i - n_window] : i - n_window;
+        return entries.data() + size_t{e} * hd;
+      };
+      const uint32_t n = n_window + n_entries;
+      std::vector<double> sc(n);
+      double mx = sinks[h];
+      for (uint32_t i = 0; i < n; ++i) {
+        sc[i] = engine::dot(q.data() + size_t{h} * hd, key(i), hd) / std::sqrt(double{hd});
+        mx = std::max(mx, sc[i]);
+      }
+      double sum = std::exp(sinks[h] - mx);
+      for (uint32_t i = 0; i < n; ++i) sum += sc[i] = std::exp(sc[i] - mx);
+      for (uint32_t c = 0; c < hd; ++c) {
+        double acc = 0.0;
+        for (uint32_t i = 0; i < n; ++i) acc += sc[i] / sum * key(i)[c];
+        want[size_t{h} * hd + c] = static_cast<float>(acc);
+      }
+    }
+    DeviceBuffer<float> dq(q);
+    DeviceBuffer<float> dwin(window);
+    DeviceBuffer<float> dent(entries);
+    DeviceBuffer<uint32_t> dpick(pick);
+    DeviceBuffer<float> dsinks(sinks);
+    const uint32_t stride = n_window + n_stored;
+    DeviceBuffer<double> scratch(size_t{n_head} * stride);
+    DeviceBuffer<float> out(size_t{n_head} * hd);
+    CUDA_OK(ds4_attention(dq.get(), dwin.get(), ring, first, n_window, dent.get(),
+                          chosen ? dpick.get() : nullptr, n_entries, dsinks.get(), n_head, hd,
+                          scratch.get(), stride, out.get(), stream_));
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    EXPECT_LE(normalised_error(out.download(), want), 1e-6);
+  }
+}
+
+TEST_F(GpuKernels, Ds4SwigluClampsGateAboveAndUpBothWays) {
+  const std::vector<float> gate = {-3.0f, 0.5f, 5.0f, 1.0f};
+  const std::vector<float> up = {4.0f, -5.0f, 1.0f, 0.25f};
+  DeviceBuffer<float> dg(gate);
+  DeviceBuffer<float> du(up);
+  DeviceBuffer<float> out(4);
+  CUDA_OK(ds4_swiglu(dg.get(), du.get(), out.get(), 4, 2.0f, stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  auto silu = [](float x) { return static_cast<float>(x / (1.0 + std::exp(-double{x}))); };
+  EXPECT_EQ(out.download(), (std::vector<float>{silu(-3.0f) * 2.0f, silu(0.5f) * -2.0f,
+                                                silu(2.0f) * 1.0f, silu(1.0f) * 0.25f}));
+  CUDA_OK(ds4_swiglu(dg.get(), du.get(), out.get(), 4, 0.0f, stream_));  // no clamp
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(out.download()[2], silu(5.0f) * 1.0f);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
-// expert-run: generates tokens with a Qwen3-MoE model whose routed experts come from a running
-// expertd. The dense weights are read from the model's GGUF (--gguf); every expert byte arrives
-// through libexpertd-client. The CUDA engine runs when this build has it and a device is present
-// (else, or with --cpu, the CPU reference engine, and the output says which and why).
+// expert-run: generates tokens with a Qwen3-MoE or DeepSeek-V4 model whose routed experts come from
+// a running expertd. The dense weights are read from the model's GGUF (--gguf); every expert byte
+// arrives through libexpertd-client. The CUDA engine runs when this build has it and a device is
+// present (else, or with --cpu, the CPU reference engine, and the output says which and why).
 //
 // Benchmark mode (--routing-trace): a recorded trace's expert choices replace the computed router,
 // for realistic expert locality with generated weights; the output says so on every report.
@@ -200,12 +200,10 @@ int run(Options o) {
   std::unique_ptr<Engine> engine;
   std::string why_cpu = "--cpu";
 #ifdef EXPERTD_HAVE_CUDA
-  if (p.is_ds4() && !o.cpu) {
-    why_cpu = "the CUDA engine does not run deepseek4 yet";
-  } else if (!o.cpu && cuda_device_available(&why_cpu)) {
+  if (!o.cpu && cuda_device_available(&why_cpu)) {
     auto gpu = parse_vram(o.vram_experts);
     if (!gpu) return fail(gpu.error());
-    auto e = GpuEngine::create(*model, **source, eo, *gpu);
+    auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error());
     engine = std::move(*e);
   }

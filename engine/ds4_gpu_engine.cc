@@ -1,0 +1,837 @@
+#include "engine/ds4_gpu_engine.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "base/clock.h"
+#include "engine/ds4_cpu_engine.h"
+#include "engine/gpu_experts.h"
+#include "kernels/check.h"
+#include "kernels/combine.cuh"
+#include "kernels/cuda_raii.h"
+#include "kernels/dequant.cuh"
+#include "kernels/ds4.cuh"
+#include "kernels/matvec.cuh"
+#include "storage/ggml_types.h"
+
+namespace expertd::engine {
+namespace {
+
+using cuda::CudaStream;
+using cuda::DeviceBytes;
+using cuda::PinnedBytes;
+using gpu::align_up;
+using gpu::ExpertPtrs;
+using gpu::gib;
+using gpu::GpuExperts;
+using gpu::kAlign;
+
+// A dense weight in VRAM, in its GGUF encoding.
+struct DevMat {
+  GgmlType type = GgmlType::F32;
+  const uint8_t* data = nullptr;
+  uint32_t rows = 0;
+  uint32_t cols = 0;
+  uint64_t row_bytes = 0;
+};
+
+struct DevComp {
+  DevMat wkv, wgate;
+  const float* ape = nullptr;   // [ratio][coff * dim]
+  const float* norm = nullptr;  // dim
+  uint32_t coff = 0;
+  uint32_t dim = 0;
+};
+
+struct DevLayer {
+  DevMat hc_attn_fn, hc_ffn_fn;
+  const float *hc_attn_base = nullptr, *hc_attn_scale = nullptr;
+  const float *hc_ffn_base = nullptr, *hc_ffn_scale = nullptr;
+  const float* attn_norm = nullptr;
+  const float* sinks = nullptr;
+  const float* q_a_norm = nullptr;
+  const float* kv_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  DevMat wq_a, wq_b, wkv, wo_a, wo_b;
+  bool has_comp = false;
+  bool has_index = false;
+  DevComp comp, index;
+  DevMat index_q_b, index_proj;
+  DevMat gate_inp;
+  bool has_shexp = false;
+  DevMat shexp_gate, shexp_up, shexp_down;
+};
+
+// One compressor's running state on the device; count and has_prev are known on the host.
+struct DevCompState {
+  float* kv = nullptr;         // [ratio][coff * dim] this window
+  float* gate = nullptr;       // [ratio][coff * dim] (position bias added)
+  float* prev_kv = nullptr;    // [ratio][dim] the previous window's first half
+  float* prev_gate = nullptr;  // [ratio][dim]
+  float* entries = nullptr;    // [max entries][dim]
+  bool has_prev = false;
+  uint32_t count = 0;
+};
+
+struct DevLayerState {
+  float* window = nullptr;  // [window][head_dim] ring
+  DevCompState comp, index;
+};
+
+// Sub-allocates one device buffer: a first pass (counting) sums the aligned sizes, a second
+// (after alloc) hands out the addresses and uploads.
+class Carver {
+ public:
+  bool counting() const { return base_ == nullptr; }
+  uint64_t total() const { return total_; }
+  void start(uint8_t* base) {
+    base_ = base;
+    total_ = 0;
+  }
+  // `bytes` of device memory, filled from `src` when it is not null.
+  uint8_t* take(uint64_t bytes, const void* src = nullptr) {
+    uint8_t* out = base_ == nullptr ? nullptr : base_ + total_;
+    total_ += align_up(std::max<uint64_t>(bytes, 1), kAlign);
+    if (out != nullptr && src != nullptr && error_ == cudaSuccess) {
+      error_ = cudaMemcpy(out, src, bytes, cudaMemcpyHostToDevice);
+    }
+    return out;
+  }
+  template <typename T>
+  T* take_n(uint64_t n, const T* src = nullptr) {
+    return reinterpret_cast<T*>(take(n * sizeof(T), src));
+  }
+  cudaError_t error() const { return error_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t total_ = 0;
+  cudaError_t error_ = cudaSuccess;
+};
+
+}  // namespace
+
+struct Ds4GpuEngine::Impl {
+  const DenseModel& model;
+  ExpertSource& source;
+  const ModelParams& p;
+  const Ds4Params& d;
+  const Ds4Weights& w;
+  EngineOptions opts;
+  GpuOptions gpu;
+  HintPlanner planner;
+  EngineStats stats;
+  std::vector<RoutingRecord>* routing_log = nullptr;
+  uint32_t pos = 0;
+  std::string device_name;
+  uint64_t dense_device_bytes = 0;
+
+  // The CUDA resources, destroyed last to first after ~Impl's body synchronised both streams:
+  // the experts' owner (gives back its holds, then its events, registration and tier memory),
+  // the streams (nothing is enqueued on them), then the pinned mirrors and device memory.
+  DeviceBytes dense_mem;  // the dense weights, as in the file
+  DeviceBytes work_mem;   // caches and activations
+  PinnedBytes host_mem;   // pinned mirrors of the router logits, the weights and the logits
+  CudaStream copy;
+  CudaStream compute;
+  std::unique_ptr<GpuExperts> experts;
+
+  // Dense weights.
+  std::vector<DevLayer> layers;
+  DevMat embd, output, hc_head_fn;
+  const float* output_norm = nullptr;
+  const float* hc_head_base = nullptr;
+  const double* freq_main = nullptr;      // n_rot / 2
+  const double* freq_compress = nullptr;  // n_rot / 2
+
+  // Caches and activations.
+  std::vector<DevLayerState> state;
+  float* streams = nullptr;  // [hc][n_embd]
+  float* flat = nullptr;     // hc * n_embd, normalised
+  float* mixes = nullptr;    // (2 + hc) * hc
+  double* pre = nullptr;     // hc
+  double* post = nullptr;    // hc
+  double* comb = nullptr;    // hc * hc
+  float* collapsed = nullptr;
+  float* xn = nullptr;
+  float* qr = nullptr;
+  float* q = nullptr;
+  float* kv = nullptr;
+  float* att = nullptr;
+  float* grouped = nullptr;
+  float* out = nullptr;
+  float* entry = nullptr;
+  float* iq = nullptr;
+  float* iw = nullptr;
+  double* iscore = nullptr;
+  uint32_t* chosen = nullptr;
+  double* scores = nullptr;  // [n_head][score_stride]
+  uint32_t score_stride = 0;
+  float* pxn = nullptr;      // [depth][n_embd]
+  float* rlogits = nullptr;  // [1 + depth][n_expert]
+  float* d_weights = nullptr;
+  float* gu = nullptr;  // [2k][n_ff]: gate outputs then up outputs
+  float* hbuf = nullptr;
+  float* eo = nullptr;  // [k][n_embd]
+  float* sg = nullptr;  // shared expert: gate, up (n_ff * n_shared)
+  float* su = nullptr;
+  float* sout = nullptr;  // n_embd
+  float* d_logits = nullptr;
+  float* h_rlogits = nullptr;  // pinned mirrors
+  float* h_weights = nullptr;
+  float* h_logits = nullptr;
+
+  // Host scratch.
+  std::vector<double> probs, sel;
+  std::vector<uint32_t> order;
+  std::vector<uint32_t> selected;
+  std::vector<float> weights;
+  std::vector<uint8_t> ready;
+  std::vector<ExpertPtrs> ptrs;
+  std::vector<ExpertHint> hash_hints;
+  std::vector<ExpertHint> last_hints;
+
+  Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
+      : model(m),
+        source(s),
+        p(m.params()),
+        d(m.params().ds4),
+        w(*m.ds4()),
+        opts(o),
+        gpu(g),
+        planner(m.params(), o) {
+    if (opts.prefetch_width == 0) opts.prefetch_width = p.n_expert_used;
+  }
+  ~Impl();
+
+  Status init();
+  Status carve_dense(Carver& c);
+  void carve_work(Carver& c);
+  Status mv(const DevMat& m, const float* x, float* y);
+  Status hc_mix(const DevMat& fn, const float* scale, const float* base);
+  Status hc_expand();
+  Status attention(uint32_t layer);
+  Status compress(const DevComp& cw, DevCompState& s, uint32_t ratio);
+  Status select_entries(uint32_t layer);
+  void hint_hash_layers(uint32_t token);
+  Status route(uint32_t layer, uint32_t token);
+  Status moe(uint32_t layer);
+  Status head(std::span<float> logits);
+};
+
+Ds4GpuEngine::Impl::~Impl() {
+  // The streams' work reads the held experts' bytes and every buffer: it must be done before a
+  // hold is given back (experts' destructor) or an owner goes. A failed sync is ignored: it fails
+  // only on a sticky error, after which the device runs nothing more.
+  if (compute.valid()) (void)cudaStreamSynchronize(compute.get());
+  if (copy.valid()) (void)cudaStreamSynchronize(copy.get());
+}
+
+Status Ds4GpuEngine::Impl::carve_dense(Carver& c) {
+  // Each matrix as read; the kernels read f32, f16, bf16, q8_0, q4_k, q6_k and mxfp4.
+  auto mat = [&](const Matrix& m, DevMat& dst) -> Status {
+    if (c.counting()) {
+      if (!expert_type_supported(m.type)) {
+        return make_error(EINVAL, fmt::format("{}: tensor {} is {}, which the GPU kernels do not "
+                                              "read",
+                                              model.path(), m.name, ggml_type_name(m.type)));
+      }
+      if (m.rows > UINT32_MAX || m.cols > UINT32_MAX) {
+        return make_error(EINVAL, fmt::format("{}: tensor {} is too large for the GPU kernels",
+                                              model.path(), m.name));
+      }
+    }
+    dst.type = m.type;
+    dst.rows = static_cast<uint32_t>(m.rows);
+    dst.cols = static_cast<uint32_t>(m.cols);
+    dst.row_bytes = m.row_bytes;
+    dst.data = c.take(m.bytes.size(), m.bytes.data());
+    return Ok{};
+  };
+  auto vec = [&](const std::vector<float>& v) -> const float* {
+    return c.take_n<float>(v.size(), v.data());
+  };
+  EXPERTD_TRY(mat(model.token_embd(), embd));
+  EXPERTD_TRY(mat(model.output(), output));
+  EXPERTD_TRY(mat(w.hc_head_fn, hc_head_fn));
+  output_norm = vec(model.output_norm());
+  hc_head_base = vec(w.hc_head_base);
+  const std::vector<double> fm = ds4_inv_freq(p.n_rot, p.rope_base, nullptr);
+  const std::vector<double> fc = ds4_inv_freq(p.n_rot, d.compress_rope_base, &d);
+  freq_main = c.take_n<double>(fm.size(), fm.data());
+  freq_compress = c.take_n<double>(fc.size(), fc.data());
+  layers.resize(p.n_layer);
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    const Ds4LayerWeights& l = w.layers[i];
+    DevLayer& dl = layers[i];
+    EXPERTD_TRY(mat(l.hc_attn_fn, dl.hc_attn_fn));
+    EXPERTD_TRY(mat(l.hc_ffn_fn, dl.hc_ffn_fn));
+    dl.hc_attn_base = vec(l.hc_attn_base);
+    dl.hc_attn_scale = vec(l.hc_attn_scale);
+    dl.hc_ffn_base = vec(l.hc_ffn_base);
+    dl.hc_ffn_scale = vec(l.hc_ffn_scale);
+    dl.attn_norm = vec(l.attn_norm);
+    dl.sinks = vec(l.sinks);
+    dl.q_a_norm = vec(l.q_a_norm);
+    dl.kv_norm = vec(l.kv_norm);
+    dl.ffn_norm = vec(l.ffn_norm);
+    EXPERTD_TRY(mat(l.wq_a, dl.wq_a));
+    EXPERTD_TRY(mat(l.wq_b, dl.wq_b));
+    EXPERTD_TRY(mat(l.wkv, dl.wkv));
+    EXPERTD_TRY(mat(l.wo_a, dl.wo_a));
+    EXPERTD_TRY(mat(l.wo_b, dl.wo_b));
+    auto comp = [&](const Ds4Compressor& cw, DevComp& dst) -> Status {
+      EXPERTD_TRY(mat(cw.wkv, dst.wkv));
+      EXPERTD_TRY(mat(cw.wgate, dst.wgate));
+      dst.ape = vec(cw.ape);
+      dst.norm = vec(cw.norm);
+      dst.coff = cw.coff;
+      dst.dim = cw.dim;
+      return Ok{};
+    };
+    dl.has_comp = l.compressor.has_value();
+    if (dl.has_comp) EXPERTD_TRY(comp(*l.compressor, dl.comp));
+    dl.has_index = l.index_comp.has_value();
+    if (dl.has_index) {
+      EXPERTD_TRY(comp(*l.index_comp, dl.index));
+      EXPERTD_TRY(mat(l.index_q_b, dl.index_q_b));
+      EXPERTD_TRY(mat(l.index_proj, dl.index_proj));
+    }
+    EXPERTD_TRY(mat(l.gate_inp, dl.gate_inp));
+    dl.has_shexp = d.n_shared > 0;
+    if (dl.has_shexp) {
+      EXPERTD_TRY(mat(l.shexp_gate, dl.shexp_gate));
+      EXPERTD_TRY(mat(l.shexp_up, dl.shexp_up));
+      EXPERTD_TRY(mat(l.shexp_down, dl.shexp_down));
+    }
+  }
+  return Ok{};
+}
+
+void Ds4GpuEngine::Impl::carve_work(Carver& c) {
+  const uint32_t hc = d.hc;
+  const uint64_t e = p.n_embd;
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint32_t k = p.n_expert_used;
+  const uint32_t depth = opts.prefetch_depth;
+  uint32_t max_entries = 0;
+  uint64_t ff_sh = p.n_ff_exp;
+  state.resize(p.n_layer);
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    DevLayerState& s = state[i];
+    const DevLayer& dl = layers[i];
+    const uint32_t ratio = d.compress_ratio[i];
+    s.window = c.take_n<float>(uint64_t{d.window} * p.head_dim);
+    auto comp = [&](const DevComp& cw, DevCompState& cs) {
+      cs.kv = c.take_n<float>(uint64_t{ratio} * cw.coff * cw.dim);
+      cs.gate = c.take_n<float>(uint64_t{ratio} * cw.coff * cw.dim);
+      cs.prev_kv = c.take_n<float>(uint64_t{ratio} * cw.dim);
+      cs.prev_gate = c.take_n<float>(uint64_t{ratio} * cw.dim);
+      cs.entries = c.take_n<float>(uint64_t{opts.max_context / ratio + 1} * cw.dim);
+    };
+    if (dl.has_comp) {
+      comp(dl.comp, s.comp);
+      max_entries = std::max(max_entries, opts.max_context / ratio + 1);
+    }
+    if (dl.has_index) comp(dl.index, s.index);
+    if (dl.has_shexp) ff_sh = std::max<uint64_t>(ff_sh, dl.shexp_gate.rows);
+  }
+  const uint32_t cdim = std::max(p.head_dim, d.index_dim);
+  streams = c.take_n<float>(hc * e);
+  flat = c.take_n<float>(hc * e);
+  mixes = c.take_n<float>(uint64_t{2 + hc} * hc);
+  pre = c.take_n<double>(hc);
+  post = c.take_n<double>(hc);
+  comb = c.take_n<double>(uint64_t{hc} * hc);
+  collapsed = c.take_n<float>(e);
+  xn = c.take_n<float>(e);
+  qr = c.take_n<float>(d.q_lora_rank);
+  q = c.take_n<float>(q_dim);
+  kv = c.take_n<float>(p.head_dim);
+  att = c.take_n<float>(q_dim);
+  grouped = c.take_n<float>(uint64_t{d.o_groups} * d.o_lora_rank);
+  out = c.take_n<float>(e);
+  entry = c.take_n<float>(cdim);
+  iq = c.take_n<float>(uint64_t{d.index_heads} * d.index_dim);
+  iw = c.take_n<float>(d.index_heads);
+  iscore = c.take_n<double>(max_entries);
+  chosen = c.take_n<uint32_t>(max_entries);
+  score_stride = d.window + max_entries;
+  scores = c.take_n<double>(uint64_t{p.n_head} * score_stride);
+  pxn = c.take_n<float>(uint64_t{std::max(depth, 1u)} * e);
+  rlogits = c.take_n<float>(uint64_t{1 + depth} * p.n_expert);
+  d_weights = c.take_n<float>(k);
+  gu = c.take_n<float>(2 * uint64_t{k} * p.n_ff_exp);
+  hbuf = c.take_n<float>(uint64_t{k} * p.n_ff_exp);
+  eo = c.take_n<float>(uint64_t{k} * e);
+  sg = c.take_n<float>(ff_sh);
+  su = c.take_n<float>(ff_sh);
+  sout = c.take_n<float>(e);
+  d_logits = c.take_n<float>(p.n_vocab);
+}
+
+Status Ds4GpuEngine::Impl::init() {
+  std::string why;
+  if (!cuda_device_available(&why)) return make_error(ENODEV, why);
+  EXPERTD_CUDA_TRY(cudaSetDevice(gpu.device));
+  cudaDeviceProp prop{};
+  EXPERTD_CUDA_TRY(cudaGetDeviceProperties(&prop, gpu.device));
+  device_name =
+      fmt::format("{} (sm_{}{}, {})", prop.name, prop.major, prop.minor, gib(prop.totalGlobalMem));
+  if (d.hc == 0 || d.hc > kernels::kDs4MaxHc) {
+    return make_error(EINVAL, fmt::format("{}: {} hyper-connection streams; the GPU engine runs "
+                                          "1 to {}",
+                                          model.path(), d.hc, kernels::kDs4MaxHc));
+  }
+  if (2 * p.n_expert_used > kernels::kMaxBatch || d.o_groups > kernels::kMaxBatch) {
+    return make_error(EINVAL, fmt::format("the GPU engine runs at most top-{} experts and {} "
+                                          "output groups; the model has top-{} and {}",
+                                          kernels::kMaxBatch / 2, kernels::kMaxBatch,
+                                          p.n_expert_used, d.o_groups));
+  }
+  EXPERTD_TRY_ASSIGN(compute, CudaStream::create(cudaStreamNonBlocking));
+  EXPERTD_TRY_ASSIGN(copy, CudaStream::create(cudaStreamNonBlocking));
+
+  // Dense weights: count, check the free memory, allocate, upload.
+  Carver dc;
+  EXPERTD_TRY(carve_dense(dc));
+  dense_device_bytes = dc.total();
+  size_t free_b = 0;
+  size_t total_b = 0;
+  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  if (dense_device_bytes + (uint64_t{256} << 20) > free_b) {
+    return make_error(ENOMEM,
+                      fmt::format("{}: the dense weights need {} of device memory, {} is "
+                                  "free on {}",
+                                  model.path(), gib(dense_device_bytes), gib(free_b), device_name));
+  }
+  Result<DeviceBytes> dense = DeviceBytes::alloc(dense_device_bytes);
+  if (!dense) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} for the dense weights on {}",
+                                          gib(dense_device_bytes), device_name));
+  }
+  dense_mem = std::move(*dense);
+  dc.start(dense_mem.get());
+  EXPERTD_TRY(carve_dense(dc));
+  EXPERTD_CUDA_TRY(dc.error());
+
+  // Caches and activations.
+  Carver wc;
+  carve_work(wc);
+  Result<DeviceBytes> work = DeviceBytes::alloc(wc.total());
+  if (!work) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the caches "
+                                          "({} positions) and activations on {}",
+                                          gib(wc.total()), opts.max_context, device_name));
+  }
+  work_mem = std::move(*work);
+  wc.start(work_mem.get());
+  carve_work(wc);
+  EXPERTD_CUDA_TRY(cudaMemset(work_mem.get(), 0, wc.total()));
+
+  const uint32_t k = p.n_expert_used;
+  const uint32_t depth = opts.prefetch_depth;
+  const uint64_t host_floats = uint64_t{1 + depth} * p.n_expert + k + p.n_vocab;
+  EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
+  h_rlogits = host_mem.get<float>();
+  h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
+  h_logits = h_weights + k;
+
+  experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
+  EXPERTD_TRY(experts->init(device_name));
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    if (!experts->shape(i).present) {
+      return make_error(EINVAL, fmt::format("{}: layer {} has no routed experts", model.path(), i));
+    }
+  }
+
+  probs.resize(p.n_expert);
+  sel.resize(p.n_expert);
+  order.resize(p.n_expert);
+  selected.resize(k);
+  weights.resize(k);
+  ready.resize(k);
+  ptrs.resize(k);
+  hash_hints.reserve(uint64_t{d.hash_layers} * k);
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::mv(const DevMat& m, const float* x, float* y) {
+  EXPERTD_CUDA_TRY(
+      kernels::matvec(m.type, m.data, m.row_bytes, m.rows, m.cols, x, y, compute.get()));
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::hc_mix(const DevMat& fn, const float* scale, const float* base) {
+  const uint32_t hc = d.hc;
+  const cudaStream_t s = compute.get();
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(streams, nullptr, flat, 1, hc * p.n_embd, p.rms_eps, s));
+  EXPERTD_TRY(mv(fn, flat, mixes));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_hc_weights(mixes, scale, base, hc, d.hc_iters, d.hc_eps, pre, post, comb, s));
+  EXPERTD_CUDA_TRY(kernels::ds4_hc_collapse(streams, pre, hc, p.n_embd, collapsed, s));
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::hc_expand() {
+  EXPERTD_CUDA_TRY(kernels::ds4_hc_expand(streams, out, post, comb, d.hc, p.n_embd, compute.get()));
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::compress(const DevComp& cw, DevCompState& s, uint32_t ratio) {
+  const cudaStream_t st = compute.get();
+  const uint32_t dim = cw.dim;
+  const uint64_t width = uint64_t{cw.coff} * dim;
+  const uint32_t j = pos % ratio;
+  float* kvj = s.kv + j * width;
+  float* gj = s.gate + j * width;
+  EXPERTD_TRY(mv(cw.wkv, xn, kvj));
+  EXPERTD_TRY(mv(cw.wgate, xn, gj));
+  EXPERTD_CUDA_TRY(kernels::add(gj, cw.ape + j * width, static_cast<uint32_t>(width), st));
+  if (j != ratio - 1) return Ok{};
+  const uint32_t n_prev = cw.coff == 2 && s.has_prev ? ratio : 0;
+  EXPERTD_CUDA_TRY(kernels::ds4_compress_entry(s.kv, s.gate, s.prev_kv, s.prev_gate, n_prev, ratio,
+                                               cw.coff, dim, entry, st));
+  if (cw.coff == 2) {  // keep this window's first half for the next entry
+    EXPERTD_CUDA_TRY(cudaMemcpy2DAsync(s.prev_kv, uint64_t{dim} * 4, s.kv, width * 4,
+                                       uint64_t{dim} * 4, ratio, cudaMemcpyDeviceToDevice, st));
+    EXPERTD_CUDA_TRY(cudaMemcpy2DAsync(s.prev_gate, uint64_t{dim} * 4, s.gate, width * 4,
+                                       uint64_t{dim} * 4, ratio, cudaMemcpyDeviceToDevice, st));
+    s.has_prev = true;
+  }
+  float* dst = s.entries + uint64_t{s.count} * dim;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(entry, cw.norm, dst, 1, dim, p.rms_eps, st));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_rope(dst, 1, dim, p.n_rot, s.count * ratio, freq_compress, false, st));
+  ++s.count;
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::select_entries(uint32_t layer) {
+  const DevLayer& dl = layers[layer];
+  const DevCompState& s = state[layer].index;
+  const cudaStream_t st = compute.get();
+  const uint32_t di = d.index_dim;
+  EXPERTD_TRY(mv(dl.index_q_b, qr, iq));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_rope(iq, d.index_heads, di, p.n_rot, pos, freq_compress, false, st));
+  EXPERTD_TRY(mv(dl.index_proj, xn, iw));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_index_scores(iq, iw, s.entries, s.count, d.index_heads, di, iscore, st));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_top_entries(iscore, s.count, std::min(s.count, d.index_topk), chosen, st));
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::attention(uint32_t layer) {
+  const DevLayer& dl = layers[layer];
+  DevLayerState& ls = state[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t hd = p.head_dim;
+  const Ds4Attention type = d.attention[layer];
+  const bool compressed = type != Ds4Attention::Sliding;
+  const double* freq = compressed ? freq_compress : freq_main;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(collapsed, dl.attn_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(mv(dl.wq_a, xn, qr));
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(qr, dl.q_a_norm, qr, 1, d.q_lora_rank, p.rms_eps, st));
+  EXPERTD_TRY(mv(dl.wq_b, qr, q));
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(q, nullptr, q, p.n_head, hd, p.rms_eps, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(q, p.n_head, hd, p.n_rot, pos, freq, false, st));
+  EXPERTD_TRY(mv(dl.wkv, xn, kv));
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(kv, dl.kv_norm, kv, 1, hd, p.rms_eps, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(kv, 1, hd, p.n_rot, pos, freq, false, st));
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(ls.window + uint64_t{pos % d.window} * hd, kv, uint64_t{hd} * 4,
+                                   cudaMemcpyDeviceToDevice, st));
+
+  // The compressed entries this position attends: all of an HCA layer's, the indexer's choice of
+  // a CSA layer's.
+  uint32_t n_entries = 0;
+  const float* entries = nullptr;
+  const uint32_t* pick = nullptr;
+  if (compressed) {
+    const uint32_t ratio = d.compress_ratio[layer];
+    EXPERTD_TRY(compress(dl.comp, ls.comp, ratio));
+    if (dl.has_index) EXPERTD_TRY(compress(dl.index, ls.index, ratio));
+    entries = ls.comp.entries;
+    if (type == Ds4Attention::Compressed) {
+      EXPERTD_TRY(select_entries(layer));
+      n_entries = std::min(ls.comp.count, d.index_topk);
+      pick = chosen;
+    } else {
+      n_entries = ls.comp.count;
+    }
+  }
+  const uint32_t first = pos + 1 > d.window ? pos + 1 - d.window : 0;
+  const uint32_t n_window = pos + 1 - first;
+  EXPERTD_CUDA_TRY(kernels::ds4_attention(q, ls.window, d.window, first, n_window, entries, pick,
+                                          n_entries, dl.sinks, p.n_head, hd, scores, score_stride,
+                                          att, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(att, p.n_head, hd, p.n_rot, pos, freq, true, st));
+  // Grouped output projection: group g's heads through rows [g * o_lora_rank, ...) of wo_a.
+  const uint64_t gin = uint64_t{p.n_head} * hd / d.o_groups;
+  kernels::MatvecBatch b;
+  b.count = d.o_groups;
+  for (uint32_t g = 0; g < d.o_groups; ++g) {
+    b.w[g] = dl.wo_a.data + uint64_t{g} * d.o_lora_rank * dl.wo_a.row_bytes;
+    b.x[g] = att + g * gin;
+    b.y[g] = grouped + uint64_t{g} * d.o_lora_rank;
+  }
+  EXPERTD_CUDA_TRY(
+      kernels::matvec_batched(dl.wo_a.type, b, dl.wo_a.row_bytes, d.o_lora_rank, dl.wo_a.cols, st));
+  return mv(dl.wo_b, grouped, out);
+}
+
+void Ds4GpuEngine::Impl::hint_hash_layers(uint32_t token) {
+  if (!opts.hash_hints || d.hash_layers == 0) return;
+  hash_hints.clear();
+  const uint32_t k = p.n_expert_used;
+  for (uint32_t layer = 0; layer < d.hash_layers; ++layer) {
+    const uint32_t* ex = w.layers[layer].tid2eid.data() + uint64_t{token} * k;
+    for (uint32_t i = 0; i < k; ++i) hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f});
+  }
+  stats.hash_hints += hash_hints.size();
+  if (!source.prefetch(hash_hints)) ++stats.hint_errors;
+}
+
+Status Ds4GpuEngine::Impl::route(uint32_t layer, uint32_t token) {
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const bool hash = layer < d.hash_layers;
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_rms_norm(collapsed, layers[layer].ffn_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  // The routers on the device: this layer's, and the lookahead layers' on the same collapsed
+  // stream through their own norms (learned layers only: hash layers were hinted at the token).
+  const ScriptedRoute* scripted = opts.script != nullptr ? opts.script->find(pos, layer) : nullptr;
+  if (scripted == nullptr) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rlogits));
+  uint32_t rows = 1;
+  for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
+    const uint32_t next = layer + j;
+    if (next >= p.n_layer || next < d.hash_layers || scripted_hints) continue;
+    float* in = pxn + uint64_t{j - 1} * p.n_embd;
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_rms_norm(collapsed, layers[next].ffn_norm, in, 1, p.n_embd, p.rms_eps, st));
+    EXPERTD_TRY(mv(layers[next].gate_inp, in, rlogits + uint64_t{j} * ne));
+    rows = j + 1;
+  }
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  // Everything launched before (the previous layer's experts among it) has finished.
+  EXPERTD_TRY(experts->release_demand_holds());
+  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  EXPERTD_TRY(experts->account_copy_time());
+
+  // Hints for the next layers, as Ds4CpuEngine::send_hints sends them.
+  planner.from_layer(layer);
+  for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
+    const uint32_t next = layer + j;
+    if (next < d.hash_layers) continue;  // hinted exactly at the token
+    if (scripted_hints) {
+      add_scripted_hints(*opts.script, pos, layer, next, planner);
+      continue;
+    }
+    ds4_hint_probs(w.layers[next], std::span<const float>(h_rlogits + uint64_t{j} * ne, ne), probs);
+    planner.add_ranked(next, std::span<const double>(probs.data(), ne));
+  }
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  last_hints.assign(hints.begin(), hints.end());
+  if (!hints.empty() && !source.prefetch(hints)) ++stats.hint_errors;
+
+  // The routing decision, as Ds4CpuEngine::route makes it.
+  if (scripted != nullptr) {
+    std::copy(scripted->experts.begin(), scripted->experts.end(), selected.begin());
+    std::copy(scripted->weights.begin(), scripted->weights.end(), weights.begin());
+    ++stats.scripted_routes;
+  } else {
+    ds4_route(d, w.layers[layer], hash, token, std::span<const float>(h_rlogits, ne), k, probs, sel,
+              order, selected, weights);
+  }
+  std::memcpy(h_weights, weights.data(), uint64_t{k} * 4);
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, st));
+  RoutingRecord* rec = nullptr;
+  if (routing_log != nullptr) {
+    routing_log->push_back(RoutingRecord{pos, layer, selected, weights, {}});
+    rec = &routing_log->back();
+  }
+  if (!hash) planner.routed(layer, std::span<const uint32_t>(selected.data(), k), stats, rec);
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::moe(uint32_t layer) {
+  const DevLayer& dl = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const bool hash = layer < d.hash_layers;
+  const std::span<const uint32_t> chosen_experts(selected.data(), k);
+  source.host_ready(layer, chosen_experts, ready);
+  uint64_t waited = 0;
+  EXPERTD_TRY(experts->acquire(layer, chosen_experts, ptrs, &waited));
+  stats.experts_used += k;
+  const uint64_t n_ready = static_cast<uint64_t>(std::count(ready.begin(), ready.end(), 1));
+  (hash ? stats.hash_experts : stats.learned_experts) += k;
+  (hash ? stats.hash_ready : stats.learned_ready) += n_ready;
+  (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
+
+  // gate and up of every expert, the clamped SwiGLU, down.
+  const GpuExperts::LayerShape& sh = experts->shape(layer);
+  const uint32_t ff = p.n_ff_exp;
+  const uint32_t e = p.n_embd;
+  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
+    kernels::MatvecBatch b;
+    b.count = 2 * k;
+    for (uint32_t i = 0; i < k; ++i) {
+      b.w[i] = ptrs[i].gate;
+      b.x[i] = xn;
+      b.y[i] = gu + uint64_t{i} * ff;
+      b.w[k + i] = ptrs[i].up;
+      b.x[k + i] = xn;
+      b.y[k + i] = gu + uint64_t{k + i} * ff;
+    }
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
+  } else {
+    for (uint32_t i = 0; i < k; ++i) {
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes, ff, e, xn,
+                                       gu + uint64_t{i} * ff, st));
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes, ff, e, xn,
+                                       gu + uint64_t{k + i} * ff, st));
+    }
+  }
+  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, hbuf, uint64_t{k} * ff,
+                                       d.clamp_exp[layer], st));
+  kernels::MatvecBatch b;
+  b.count = k;
+  for (uint32_t i = 0; i < k; ++i) {
+    b.w[i] = ptrs[i].down;
+    b.x[i] = hbuf + uint64_t{i} * ff;
+    b.y[i] = eo + uint64_t{i} * e;
+  }
+  EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  EXPERTD_TRY(experts->finish_layer());
+  if (dl.has_shexp) {
+    EXPERTD_TRY(mv(dl.shexp_gate, xn, sg));
+    EXPERTD_TRY(mv(dl.shexp_up, xn, su));
+    EXPERTD_CUDA_TRY(kernels::ds4_swiglu(sg, su, sg, dl.shexp_gate.rows, d.clamp_shexp[layer], st));
+    EXPERTD_TRY(mv(dl.shexp_down, sg, sout));
+  }
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_moe_sum(eo, d_weights, k, dl.has_shexp ? sout : nullptr, e, out, st));
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::head(std::span<float> logits) {
+  // HyperHead: collapse the streams, then the output norm and head.
+  const cudaStream_t st = compute.get();
+  const uint32_t hc = d.hc;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(streams, nullptr, flat, 1, hc * p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(mv(hc_head_fn, flat, mixes));
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_hc_head(mixes, w.hc_head_scale, hc_head_base, hc, d.hc_eps, pre, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_hc_collapse(streams, pre, hc, p.n_embd, collapsed, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(collapsed, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(mv(output, xn, d_logits));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  EXPERTD_TRY(experts->release_demand_holds());
+  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
+  return Ok{};
+}
+
+// --- Ds4GpuEngine ------------------------------------------------------------------------------
+
+Ds4GpuEngine::Ds4GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Ds4GpuEngine::~Ds4GpuEngine() = default;
+
+Result<std::unique_ptr<Ds4GpuEngine>> Ds4GpuEngine::create(const DenseModel& model,
+                                                           ExpertSource& source,
+                                                           const EngineOptions& options,
+                                                           const GpuOptions& gpu) {
+  const ModelParams& p = model.params();
+  if (!p.is_ds4() || model.ds4() == nullptr) {
+    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek4", model.path(),
+                                          p.architecture));
+  }
+  EXPERTD_TRY(check_engine_options(p, options));
+  if (uint64_t{p.n_layer} * options.max_context * p.head_dim > (uint64_t{1} << 34)) {
+    return make_error(EINVAL,
+                      fmt::format("a context of {} positions is too large", options.max_context));
+  }
+  auto impl = std::make_unique<Impl>(model, source, options, gpu);
+  EXPERTD_TRY(impl->init());
+  return std::unique_ptr<Ds4GpuEngine>(new Ds4GpuEngine(std::move(impl)));
+}
+
+Status Ds4GpuEngine::decode(uint32_t token, std::span<float> logits) {
+  Impl& m = *impl_;
+  const ModelParams& p = m.p;
+  EXPERTD_TRY(check_decode(p, m.opts, m.pos, token, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  const cudaStream_t st = m.compute.get();
+  const uint64_t e = p.n_embd;
+  EXPERTD_CUDA_TRY(kernels::dequantize(
+      m.embd.type, m.embd.data + uint64_t{token} * m.embd.row_bytes, m.streams, e, st));
+  for (uint32_t i = 1; i < m.d.hc; ++i) {
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(m.streams + i * e, m.streams, e * 4, cudaMemcpyDeviceToDevice, st));
+  }
+  m.planner.begin_token();
+  m.hint_hash_layers(token);
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    if (!m.source.set_cursor(m.pos, layer)) ++m.stats.hint_errors;
+    const DevLayer& l = m.layers[layer];
+    EXPERTD_TRY(m.hc_mix(l.hc_attn_fn, l.hc_attn_scale, l.hc_attn_base));
+    EXPERTD_TRY(m.attention(layer));
+    EXPERTD_TRY(m.hc_expand());
+    EXPERTD_TRY(m.hc_mix(l.hc_ffn_fn, l.hc_ffn_scale, l.hc_ffn_base));
+    EXPERTD_TRY(m.route(layer, token));
+    EXPERTD_TRY(m.moe(layer));
+    EXPERTD_TRY(m.hc_expand());
+    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.last_hints));
+  }
+  EXPERTD_TRY(m.head(logits));
+  ++m.pos;
+  ++m.stats.tokens;
+  m.stats.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+void Ds4GpuEngine::reset() {
+  Impl& m = *impl_;
+  m.pos = 0;
+  for (DevLayerState& s : m.state) {
+    s.comp.count = s.index.count = 0;
+    s.comp.has_prev = s.index.has_prev = false;
+  }
+}
+
+uint32_t Ds4GpuEngine::position() const { return impl_->pos; }
+const EngineStats& Ds4GpuEngine::stats() const { return impl_->stats; }
+void Ds4GpuEngine::set_routing_log(std::vector<RoutingRecord>* log) { impl_->routing_log = log; }
+uint32_t Ds4GpuEngine::vram_slots() const { return impl_->experts->slots(); }
+uint64_t Ds4GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_bytes(); }
+
+std::string Ds4GpuEngine::description() const {
+  const Impl& m = *impl_;
+  const GpuExperts& x = *m.experts;
+  std::string tier = x.has_tier()
+                         ? fmt::format("VRAM expert tier of {} experts ({})", x.slots(),
+                                       gib(uint64_t{x.slots()} * x.slot_bytes()))
+                         : std::string(
+                               "in-place experts (kernels read the daemon's pinned arena over "
+                               "PCIe)");
+  return fmt::format(
+      "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
+      "matvec), {}{}",
+      m.device_name, gib(m.dense_device_bytes), tier,
+      x.arena_registered() ? "" : "; arena not registered: pageable copies");
+}
+
+}  // namespace expertd::engine

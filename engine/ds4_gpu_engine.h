@@ -1,0 +1,60 @@
+// The CUDA engine for DeepSeek-V4 (`deepseek4`): the forward of Ds4CpuEngine (the specification,
+// engine/ds4_cpu_engine.h) on the GPU, one token per decode().
+//
+// Device: every dense weight in its GGUF encoding (the fused matvec kernels of kernels/matvec.cuh
+// read them as they read experts), the norm vectors and biases as f32, the sliding-window K=V
+// ring, the compressors' window buffers and entries, and every activation. The per-token work is
+// kernels/ds4.cuh (HyperConnection mixes and Sinkhorn, RMSNorm, interleaved RoPE, the compressor's
+// window softmax, the Lightning Indexer's scores and top-k, attention with sinks, clamped SwiGLU,
+// the MoE sum) and kernels/matvec.cuh (every projection, the routed and shared experts).
+//
+// Host: the routing decision. Each layer copies its router logits (and the lookahead layers') back
+// and synchronises once; sqrtsoftplus, hash or learned top-k, the weights and the hints are the
+// CPU engine's own code (ds4_route, ds4_hint_probs), so routing records, hint streams and stats
+// are those of Ds4CpuEngine. That sync is also where the previous layer's expert holds are given
+// back. Experts reach the device through GpuExperts (in place from the registered arena, or a VRAM
+// tier), as in GpuEngine.
+//
+// decode() allocates nothing unless a routing log is attached. Not thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+#include "engine/expert_source.h"
+#include "engine/gpu_engine.h"
+#include "engine/model.h"
+
+namespace expertd::engine {
+
+class Ds4GpuEngine final : public Engine {
+ public:
+  // `model` (a deepseek4 model) and `source` must outlive the engine. Uploads the dense weights
+  // (errors name the tensor whose type the kernels do not read, or the bytes wanted when VRAM is
+  // short) and registers the source's host memory.
+  static Result<std::unique_ptr<Ds4GpuEngine>> create(const DenseModel& model, ExpertSource& source,
+                                                      const EngineOptions& options,
+                                                      const GpuOptions& gpu);
+  ~Ds4GpuEngine() override;
+
+  Status decode(uint32_t token, std::span<float> logits) override;
+  void reset() override;
+  uint32_t position() const override;
+  const EngineStats& stats() const override;
+  void set_routing_log(std::vector<RoutingRecord>* log) override;
+  std::string name() const override { return "gpu"; }
+  std::string description() const override;
+
+  // Device slots of the VRAM tier (0 in the in-place mode) and the bytes of one.
+  uint32_t vram_slots() const;
+  uint64_t vram_slot_bytes() const;
+
+  struct Impl;
+
+ private:
+  explicit Ds4GpuEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expertd::engine

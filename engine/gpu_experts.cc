@@ -1,0 +1,379 @@
+#include "engine/gpu_experts.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/clock.h"
+#include "kernels/check.h"
+#include "storage/slice_map.h"
+
+namespace expertd::engine::gpu {
+
+using cuda::CudaEvent;
+using cuda::DeviceBytes;
+using cuda::HostRegistration;
+
+std::string gib(uint64_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
+}
+
+GpuExperts::GpuExperts(const DenseModel& model, ExpertSource& source, const GpuOptions& gpu,
+                       EngineStats& stats, cudaStream_t compute, cudaStream_t copy)
+    : model_(model),
+      source_(source),
+      p_(model.params()),
+      gpu_(gpu),
+      stats_(stats),
+      compute_(compute),
+      copy_(copy) {}
+
+GpuExperts::~GpuExperts() {
+  // The owner synchronised both streams: nothing reads the held bytes any more.
+  for (const ExpertView& v : demand_holds_) {
+    (void)source_.release(std::span<const ExpertView>(&v, 1));
+  }
+  for (const PrefetchHold& held : prefetch_holds_) {
+    (void)source_.release(std::span<const ExpertView>(&held.view, 1));
+  }
+}
+
+Status GpuExperts::init(const std::string& device_name) {
+  EXPERTD_TRY_ASSIGN(copy_start_, CudaEvent::create(cudaEventDefault));
+  EXPERTD_TRY_ASSIGN(copy_end_, CudaEvent::create(cudaEventDefault));
+  // The source's host memory, registered once (read-only: the arena is mapped PROT_READ).
+  const std::span<const uint8_t> hm = source_.host_memory();
+  if (!hm.empty()) {
+    Result<HostRegistration> reg = HostRegistration::create(
+        hm.data(), hm.size(), cudaHostRegisterReadOnly | cudaHostRegisterMapped);
+    if (!reg) {
+      if (gpu_.tier == GpuOptions::Tier::InPlace) {
+        return make_error(EIO, fmt::format("in-place mode: registering the daemon's arena ({}) "
+                                           "failed: {}",
+                                           gib(hm.size()), reg.error().message));
+      }
+    } else {
+      arena_ = std::move(*reg);
+      host_base_ = hm.data();
+      host_bytes_ = hm.size();
+      void* dev = nullptr;
+      EXPERTD_CUDA_TRY(cudaHostGetDevicePointer(&dev, const_cast<uint8_t*>(hm.data()), 0));
+      dev_base_ = static_cast<uint8_t*>(dev);
+    }
+  } else if (gpu_.tier == GpuOptions::Tier::InPlace) {
+    return make_error(EINVAL,
+                      "in-place mode needs an expert source with registrable host memory "
+                      "(the daemon's arena)");
+  }
+  EXPERTD_TRY(setup_tier(device_name));
+  const uint32_t k = p_.n_expert_used;
+  views_.resize(k);
+  missing_.reserve(k);
+  missing_index_.reserve(k);
+  ready_flags_.resize(p_.n_expert);
+  return Ok{};
+}
+
+Status GpuExperts::setup_tier(const std::string& device_name) {
+  // A device slot holds one expert's gate, up and down bytes, each 256-aligned, plus room for
+  // the padding a daemon slot may place between them (copied as one span when it fits).
+  EXPERTD_TRY_ASSIGN(const SliceMap map, SliceMap::build(model_.gguf()));
+  shapes_.resize(p_.n_layer);
+  uint64_t expert_bytes = 0;
+  for (const MoeLayer& ml : map.layers()) {
+    if (ml.layer >= p_.n_layer) continue;
+    LayerShape& sh = shapes_[ml.layer];
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < ml.slice_count; ++i) {
+      const ExpertSlice& es = ml.expert0[i];
+      if (!expert_type_supported(es.type)) {
+        return make_error(EINVAL, fmt::format("{}: layer {} {} experts are {}, which the GPU "
+                                              "kernels do not read",
+                                              model_.path(), ml.layer, slice_kind_name(es.kind),
+                                              ggml_type_name(es.type)));
+      }
+      const uint64_t rb = es.bytes / es.ne1;
+      switch (es.kind) {
+        case SliceKind::Gate:
+          sh.gate = {es.type, rb};
+          break;
+        case SliceKind::Up:
+          sh.up = {es.type, rb};
+          break;
+        case SliceKind::GateUp:
+          sh.gate = sh.up = {es.type, rb};
+          break;
+        case SliceKind::Down:
+          sh.down = {es.type, rb};
+          break;
+      }
+      sum += align_up(es.bytes, kAlign);
+    }
+    sh.present = true;
+    expert_bytes = std::max(expert_bytes, sum);
+  }
+  if (expert_bytes == 0) {
+    return make_error(EINVAL, fmt::format("{}: no routed expert tensors", model_.path()));
+  }
+  slot_bytes_ = align_up(expert_bytes + 3 * 4096, kAlign);
+  const uint64_t all = uint64_t{p_.n_layer} * p_.n_expert;
+  uint64_t slots = 0;
+  switch (gpu_.tier) {
+    case GpuOptions::Tier::InPlace:
+      return Ok{};
+    case GpuOptions::Tier::Experts:
+      slots = gpu_.value;
+      break;
+    case GpuOptions::Tier::Bytes:
+      slots = gpu_.value / slot_bytes_;
+      break;
+    case GpuOptions::Tier::Auto: {
+      size_t free_b = 0;
+      size_t total_b = 0;
+      EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+      slots = std::min<uint64_t>(all, free_b / 2 / slot_bytes_);
+      break;
+    }
+  }
+  slots = std::min(slots, all);
+  if (slots < p_.n_expert_used) {
+    return make_error(EINVAL, fmt::format("a VRAM tier of {} experts cannot hold one layer's "
+                                          "top-{} ({} per expert); use --vram-experts 0 for the "
+                                          "in-place mode",
+                                          slots, p_.n_expert_used, gib(slot_bytes_)));
+  }
+  Result<DeviceBytes> slots_mem = DeviceBytes::alloc(slots * slot_bytes_);
+  if (!slots_mem) {
+    size_t free_b = 0;
+    size_t total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    return make_error(ENOMEM,
+                      fmt::format("a VRAM tier of {} experts needs {}; {} is free on {}", slots,
+                                  gib(slots * slot_bytes_), gib(free_b), device_name));
+  }
+  tier_mem_ = std::move(*slots_mem);
+  tier_ = std::make_unique<VramTier>(static_cast<uint32_t>(slots), p_.n_layer, p_.n_expert);
+  ready_event_.resize(slots);
+  use_event_.resize(slots);
+  slot_ptrs_.resize(slots);
+  for (uint64_t s = 0; s < slots; ++s) {
+    EXPERTD_TRY_ASSIGN(ready_event_[s], CudaEvent::create(cudaEventDisableTiming));
+    EXPERTD_TRY_ASSIGN(use_event_[s], CudaEvent::create(cudaEventDisableTiming));
+  }
+  return Ok{};
+}
+
+Result<ExpertPtrs> GpuExperts::in_place(const ExpertView& v) const {
+  ExpertPtrs out;
+  const WeightView* parts[3] = {&v.gate, &v.up, &v.down};
+  const void** dst[3] = {&out.gate, &out.up, &out.down};
+  for (int i = 0; i < 3; ++i) {
+    const uint8_t* ptr = parts[i]->data;
+    const uint64_t bytes = parts[i]->rows * parts[i]->row_bytes;
+    if (!arena_.valid() || ptr < host_base_ || ptr + bytes > host_base_ + host_bytes_) {
+      return make_error(EINVAL, fmt::format("layer {} expert {}: the held expert lies outside the "
+                                            "registered arena",
+                                            v.layer, v.expert));
+    }
+    *dst[i] = dev_base_ + (ptr - host_base_);
+  }
+  return out;
+}
+
+Status GpuExperts::copy_expert(const ExpertView& v, uint32_t slot, bool demand) {
+  auto* dst = tier_mem_.get() + uint64_t{slot} * slot_bytes_;
+  const WeightView* parts[3] = {&v.gate, &v.up, &v.down};
+  const uint8_t* lo = parts[0]->data;
+  const uint8_t* hi = lo;
+  for (const WeightView* w : parts) {
+    lo = std::min(lo, w->data);
+    hi = std::max(hi, w->data + w->rows * w->row_bytes);
+  }
+  // The copy may start only when the slot's previous readers are done.
+  EXPERTD_CUDA_TRY(cudaStreamWaitEvent(copy_, use_event_[slot].get(), 0));
+  ExpertPtrs& sp = slot_ptrs_[slot];
+  const bool in_arena = arena_.valid() && lo >= host_base_ && hi <= host_base_ + host_bytes_;
+  if (in_arena && static_cast<uint64_t>(hi - lo) <= slot_bytes_) {
+    // One span: the expert's slices as they lie in the daemon's slot.
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(dst, lo, static_cast<uint64_t>(hi - lo), cudaMemcpyHostToDevice, copy_));
+    sp.gate = dst + (v.gate.data - lo);
+    sp.up = dst + (v.up.data - lo);
+    sp.down = dst + (v.down.data - lo);
+    stats_.copy_bytes += static_cast<uint64_t>(hi - lo);
+    if (demand) stats_.demand_copy_bytes += static_cast<uint64_t>(hi - lo);
+  } else {
+    uint64_t off = 0;
+    const void** dsts[3] = {&sp.gate, &sp.up, &sp.down};
+    for (int i = 0; i < 3; ++i) {
+      const uint64_t bytes = parts[i]->rows * parts[i]->row_bytes;
+      EXPERTD_CUDA_TRY(
+          cudaMemcpyAsync(dst + off, parts[i]->data, bytes, cudaMemcpyHostToDevice, copy_));
+      *dsts[i] = dst + off;
+      off += align_up(bytes, kAlign);
+      stats_.copy_bytes += bytes;
+      if (demand) stats_.demand_copy_bytes += bytes;
+    }
+  }
+  EXPERTD_CUDA_TRY(cudaEventRecord(ready_event_[slot].get(), copy_));
+  return Ok{};
+}
+
+Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
+                           std::span<ExpertPtrs> out, uint64_t* waited_ns) {
+  const uint32_t k = static_cast<uint32_t>(experts.size());
+  *waited_ns = 0;
+  if (k > views_.size() || out.size() < k) {
+    return make_error(
+        EINVAL, fmt::format("layer {}: {} experts asked, at most {}", layer, k, views_.size()));
+  }
+  // Pins left by a layer that failed half-way (a successful one leaves none).
+  for (const uint32_t slot : used_slots_) tier_->unpin(slot);
+  used_slots_.clear();
+  if (!tier_) {
+    const uint64_t t0 = monotonic_ns();
+    EXPERTD_TRY(source_.get(layer, experts, std::span<ExpertView>(views_.data(), k)));
+    *waited_ns = monotonic_ns() - t0;
+    stats_.stall_ns += *waited_ns;
+    for (uint32_t i = 0; i < k; ++i) {
+      demand_holds_.push_back(views_[i]);
+      auto pp = in_place(views_[i]);
+      if (!pp) return pp.error();
+      out[i] = *pp;
+    }
+    return Ok{};
+  }
+  missing_.clear();
+  missing_index_.clear();
+  for (uint32_t i = 0; i < k; ++i) {
+    const uint32_t slot = tier_->find(layer, experts[i]);
+    if (slot == VramTier::kNone) {
+      missing_.push_back(experts[i]);
+      missing_index_.push_back(i);
+      continue;
+    }
+    ++stats_.vram_hits;
+    if (tier_->take_prefetched(slot)) ++stats_.vram_prefetch_used;
+    tier_->pin(slot);
+    used_slots_.push_back(slot);
+    out[i] = slot_ptrs_[slot];
+    EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute_, ready_event_[slot].get(), 0));
+  }
+  if (missing_.empty()) return Ok{};
+  stats_.vram_misses += missing_.size();
+  const uint64_t t0 = monotonic_ns();
+  EXPERTD_TRY(source_.get(layer, missing_, std::span<ExpertView>(views_.data(), missing_.size())));
+  *waited_ns = monotonic_ns() - t0;
+  stats_.stall_ns += *waited_ns;
+  for (size_t j = 0; j < missing_.size(); ++j) demand_holds_.push_back(views_[j]);
+  if (!copy_timing_) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start_.get(), copy_));
+  for (size_t j = 0; j < missing_.size(); ++j) {
+    const uint32_t slot = tier_->insert(layer, missing_[j], false);
+    if (slot == VramTier::kNone) {
+      return make_error(EIO, fmt::format("layer {}: every VRAM slot is pinned", layer));
+    }
+    tier_->pin(slot);
+    used_slots_.push_back(slot);
+    if (auto st = copy_expert(views_[j], slot, true); !st) {
+      tier_->erase(slot);
+      return st;
+    }
+    EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute_, ready_event_[slot].get(), 0));
+    out[missing_index_[j]] = slot_ptrs_[slot];
+  }
+  EXPERTD_CUDA_TRY(cudaEventRecord(copy_end_.get(), copy_));
+  copy_timing_ = true;
+  return Ok{};
+}
+
+Status GpuExperts::finish_layer() {
+  for (const uint32_t slot : used_slots_) {
+    EXPERTD_CUDA_TRY(cudaEventRecord(use_event_[slot].get(), compute_));
+    tier_->unpin(slot);
+  }
+  used_slots_.clear();
+  return Ok{};
+}
+
+Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
+                            std::span<const ExpertHint> hints) {
+  if (!tier_) return Ok{};
+  // The experts hinted for the next layers that the daemon holds READY: acquire (a host hit)
+  // and copy ahead of their layer, on the copy stream, behind this layer's demand copies.
+  const uint32_t k = p_.n_expert_used;
+  uint32_t budget = tier_->capacity() > 2 * k ? tier_->capacity() - 2 * k : 0;
+  for (uint32_t j = 1; j <= depth && layer + j < n_layer && budget > 0; ++j) {
+    const uint32_t next = layer + j;
+    candidates_.clear();
+    for (const ExpertHint& hint : hints) {
+      if (hint.layer == next && !tier_->contains(next, hint.expert))
+        candidates_.push_back(hint.expert);
+    }
+    if (candidates_.empty()) continue;
+    source_.host_ready(next, candidates_,
+                       std::span<uint8_t>(ready_flags_.data(), candidates_.size()));
+    for (size_t i = 0; i < candidates_.size() && budget > 0; ++i) {
+      if (ready_flags_[i] == 0) continue;
+      ExpertView v;
+      if (!source_.get(next, std::span<const uint32_t>(&candidates_[i], 1),
+                       std::span<ExpertView>(&v, 1))) {
+        continue;  // evicted meanwhile: a hint, not a failure
+      }
+      const uint32_t slot = tier_->insert(next, candidates_[i], true);
+      if (slot == VramTier::kNone) {
+        EXPERTD_TRY(source_.release(std::span<const ExpertView>(&v, 1)));
+        return Ok{};
+      }
+      if (auto st = copy_expert(v, slot, false); !st) {
+        tier_->erase(slot);
+        (void)source_.release(std::span<const ExpertView>(&v, 1));
+        return st;
+      }
+      prefetch_holds_.push_back(PrefetchHold{v, slot});
+      ++stats_.vram_prefetches;
+      --budget;
+    }
+  }
+  return Ok{};
+}
+
+Status GpuExperts::release_demand_holds() {
+  if (demand_holds_.empty()) return Ok{};
+  Status st = source_.release(demand_holds_);
+  demand_holds_.clear();
+  return st;
+}
+
+Status GpuExperts::release_finished_prefetch_holds(bool all) {
+  Status result = Ok{};
+  size_t kept = 0;
+  for (size_t i = 0; i < prefetch_holds_.size(); ++i) {
+    PrefetchHold& held = prefetch_holds_[i];
+    const cudaError_t q = all ? cudaSuccess : cudaEventQuery(ready_event_[held.slot].get());
+    if (q == cudaErrorNotReady) {
+      prefetch_holds_[kept++] = held;
+      continue;
+    }
+    if (q != cudaSuccess) {
+      cudaGetLastError();
+      result = cuda::cuda_error(q, "cudaEventQuery(ready_event[slot])", __FILE__, __LINE__);
+    }
+    auto st = source_.release(std::span<const ExpertView>(&held.view, 1));
+    if (!st && result) result = std::move(st);
+  }
+  prefetch_holds_.resize(kept);
+  return result;
+}
+
+Status GpuExperts::account_copy_time() {
+  if (!copy_timing_) return Ok{};
+  float ms = 0.0f;
+  if (cudaEventQuery(copy_end_.get()) == cudaSuccess) {
+    EXPERTD_CUDA_TRY(cudaEventElapsedTime(&ms, copy_start_.get(), copy_end_.get()));
+    stats_.copy_ns += static_cast<uint64_t>(static_cast<double>(ms) * 1e6);
+    copy_timing_ = false;
+  }
+  return Ok{};
+}
+
+}  // namespace expertd::engine::gpu

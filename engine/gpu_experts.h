@@ -1,0 +1,148 @@
+// Internal to the CUDA engines (GpuEngine, Ds4GpuEngine): how routed experts reach the device.
+// Owns the registration of the source's host memory (the daemon's arena, read-only and mapped),
+// the VRAM tier's device slots with their copy/use events and LRU (VramTier), and the holds on
+// the source's experts that are still to be given back.
+//
+// In place (no tier): acquire() gets the experts from the source and hands out the mapped device
+// addresses of their bytes in the registered arena; the kernels read them over PCIe. With a tier:
+// a routed expert found in a slot is a VRAM hit (the compute stream waits on the slot's copy
+// event); a miss is acquired from the source and copied host->VRAM on the copy stream, and the
+// compute stream waits on that copy. A slot is overwritten only after the copy stream waited on
+// an event recorded behind its last reader (finish_layer()); the layer being computed pins its
+// slots, so it never evicts its own experts.
+//
+// Holds: demand holds are given back by release_demand_holds(), which the owner calls after a
+// sync of the compute stream (every kernel that read them has completed); prefetch holds when
+// their slot's copy event has completed. The owner must synchronise both streams before this
+// goes: the destructor gives back every hold still held.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/expert_source.h"
+#include "engine/gpu_engine.h"
+#include "engine/model.h"
+#include "engine/vram_tier.h"
+#include "kernels/cuda_raii.h"
+#include "storage/ggml_types.h"
+
+namespace expertd::engine::gpu {
+
+inline constexpr uint64_t kAlign = 256;  // device sub-allocation alignment
+
+inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string gib(uint64_t bytes);
+
+// Where one expert's projections sit in a device slot (or, in place, in the mapped arena).
+struct ExpertPtrs {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+};
+
+class GpuExperts {
+ public:
+  // The expert projections' types and row sizes of one layer (from the GGUF's slice map).
+  struct Proj {
+    GgmlType type = GgmlType::F32;
+    uint64_t row_bytes = 0;
+  };
+  struct LayerShape {
+    Proj gate, up, down;
+    bool present = false;
+  };
+
+  // `source` and `stats` must outlive this; `compute` and `copy` are the owner's streams.
+  GpuExperts(const DenseModel& model, ExpertSource& source, const GpuOptions& gpu,
+             EngineStats& stats, cudaStream_t compute, cudaStream_t copy);
+  ~GpuExperts();
+  GpuExperts(const GpuExperts&) = delete;
+  GpuExperts& operator=(const GpuExperts&) = delete;
+
+  // Registers the source's host memory, reads the experts' shapes and sizes the VRAM tier
+  // (errors name the cause: an unregistrable arena in place, a tier too small or too large).
+  Status init(const std::string& device_name);
+
+  // The device addresses of `experts` of `layer` (out[i] for experts[i]); the compute stream is
+  // made to wait for any copy they need. Time in the source's get() is added to stats.stall_ns
+  // and to *waited_ns. The tier slots used stay pinned until finish_layer().
+  Status acquire(uint32_t layer, std::span<const uint32_t> experts, std::span<ExpertPtrs> out,
+                 uint64_t* waited_ns);
+  // After the kernels reading the acquired experts were enqueued on the compute stream: records
+  // the slots' use events and unpins them.
+  Status finish_layer();
+  // The experts hinted for layers layer+1..layer+depth that the source holds ready in host
+  // memory: acquired and copied into the tier ahead of their layer (no-op in place).
+  Status prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
+                  std::span<const ExpertHint> hints);
+  // Gives back the demand holds: only after a compute-stream sync behind their readers.
+  Status release_demand_holds();
+  // Gives back the prefetch holds whose copies completed (all of them when `all`).
+  Status release_finished_prefetch_holds(bool all);
+  // Adds the last demand copies' time to stats.copy_ns once their end event has completed.
+  Status account_copy_time();
+
+  const LayerShape& shape(uint32_t layer) const { return shapes_[layer]; }
+  bool has_tier() const { return tier_ != nullptr; }
+  uint32_t slots() const { return tier_ ? tier_->capacity() : 0; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  bool arena_registered() const { return arena_.valid(); }
+
+ private:
+  Status setup_tier(const std::string& device_name);
+  Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
+  Result<ExpertPtrs> in_place(const ExpertView& v) const;
+
+  const DenseModel& model_;
+  ExpertSource& source_;
+  const ModelParams& p_;
+  GpuOptions gpu_;
+  EngineStats& stats_;
+  cudaStream_t compute_;
+  cudaStream_t copy_;
+
+  // Destroyed last to first after the destructor's body gave the holds back: the events, the
+  // registration (no copy or in-place kernel reads through it any more: the owner synchronised),
+  // then the tier's device memory.
+  cuda::DeviceBytes tier_mem_;
+  cuda::HostRegistration arena_;  // the source's host memory; empty when it was not registered
+  cuda::CudaEvent copy_end_;      // the copy timing of one step, on `copy`
+  cuda::CudaEvent copy_start_;
+  std::vector<cuda::CudaEvent> use_event_;    // per slot: its last reader completed
+  std::vector<cuda::CudaEvent> ready_event_;  // per slot: its copy completed
+  bool copy_timing_ = false;
+
+  // Host memory of the source, registered: device address = dev_base_ + (host - host_base_).
+  const uint8_t* host_base_ = nullptr;
+  uint64_t host_bytes_ = 0;
+  uint8_t* dev_base_ = nullptr;
+
+  std::unique_ptr<VramTier> tier_;
+  uint64_t slot_bytes_ = 0;
+  std::vector<ExpertPtrs> slot_ptrs_;  // per slot: where the projections landed
+  std::vector<LayerShape> shapes_;
+  std::vector<ExpertView> demand_holds_;
+  struct PrefetchHold {
+    ExpertView view;
+    uint32_t slot;
+  };
+  std::vector<PrefetchHold> prefetch_holds_;
+
+  // Per-layer scratch.
+  std::vector<ExpertView> views_;
+  std::vector<uint32_t> used_slots_;
+  std::vector<uint32_t> missing_;
+  std::vector<uint32_t> missing_index_;
+  std::vector<uint8_t> ready_flags_;
+  std::vector<uint32_t> candidates_;
+};
+
+}  // namespace expertd::engine::gpu
