@@ -393,6 +393,34 @@ TEST(ForgeDeepseek4Plan, DefaultsAreDeepseekV4Config) {
   EXPECT_EQ(by_name["blk.1.ffn_up_exps.weight"]->bytes * 3, per_layer);
 }
 
+// As transformers' config does, a model of fewer than 3 layers hash-routes all of them, unless
+// --hash-layers says otherwise; the default schedule is used without --compress-ratios.
+TEST(ForgeDeepseek4Flags, HashLayersDefaultToAtMostTheLayers) {
+  test::TempDir dir("expertd-forge-ds4-hash");
+  const std::string small =
+      "--arch deepseek4 --experts 8 --embd 256 --ff 256 --heads 4 --head-dim 128 --q-lora-rank 64 "
+      "--o-lora-rank 64 --index-heads 4 --index-head-dim 64 --rope-dim 32 --vocab 300";
+  for (const auto& [args, hash] : std::vector<std::pair<std::string, uint64_t>>{
+           {"--layers 2", 2}, {"--layers 5", 3}, {"--layers 5 --hash-layers 0", 0}}) {
+    SCOPED_TRACE(args);
+    const std::string out = dir.file("h.gguf");
+    const auto r = test::run_forge(small + " " + args + " --force -o " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto model = GgufModel::open(out);
+    ASSERT_TRUE(model) << model.error().message;
+    EXPECT_EQ(model->meta().find("deepseek4.hash_layer_count")->as_u64(), hash);
+    EXPECT_EQ(model->find_tensor(fmt::format("blk.{}.ffn_gate_tid2eid.weight", hash)),
+              std::nullopt);
+    if (hash > 0) {
+      EXPECT_TRUE(model->find_tensor(fmt::format("blk.{}.ffn_gate_tid2eid.weight", hash - 1)));
+    }
+    const GgufArray* ratios = model->meta().find("deepseek4.attention.compress_ratios")->as_array();
+    ASSERT_NE(ratios, nullptr);
+    EXPECT_EQ(*ratios->int_at(0), 128);
+    EXPECT_EQ(*ratios->int_at(1), 128);
+  }
+}
+
 TEST(ForgeDeepseek4Flags, BadFlagsAreRefusedNamingTheFlag) {
   test::TempDir dir("expertd-forge-ds4-flags");
   const std::string o = " -o " + dir.file("bad.gguf");

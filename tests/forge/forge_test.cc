@@ -285,9 +285,37 @@ TEST_F(ForgeTest, BadFlagsAreRefusedNamingTheFlag) {
 TEST_F(ForgeTest, HelpListsTheFlags) {
   const auto r = run_forge("--help");
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* flag : {"--layers", "--experts", "--top-k", "--embd", "--ff", "--heads",
-                           "--kv-heads", "--head-dim", "--vocab", "--expert-type", "--dense-type",
-                           "--alignment", "--split", "--seed", "--force", "--name", "-o"}) {
+  for (const char* flag : {"--layers",
+                           "--experts",
+                           "--top-k",
+                           "--embd",
+                           "--ff",
+                           "--heads",
+                           "--kv-heads",
+                           "--head-dim",
+                           "--vocab",
+                           "--expert-type",
+                           "--dense-type",
+                           "--alignment",
+                           "--split",
+                           "--seed",
+                           "--force",
+                           "--name",
+                           "-o",
+                           "--arch",
+                           "--compress-ratios",
+                           "--nextn",
+                           "--hash-layers",
+                           "--hc-mult",
+                           "--q-lora-rank",
+                           "--o-groups",
+                           "--o-lora-rank",
+                           "--index-heads",
+                           "--index-head-dim",
+                           "--index-topk",
+                           "--window",
+                           "--rope-dim",
+                           "--shared-experts"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   }
 }

@@ -276,6 +276,7 @@ int run(int argc, char** argv) {
   std::string arch = "qwen3moe";
   std::optional<uint32_t> experts, top_k, heads, kv_heads;
   std::optional<uint64_t> embd, ff, head_dim;
+  std::optional<uint32_t> hash_layers;
   std::string expert_type = "q8_0";
   std::optional<std::string> dense_type;
   std::string compress_ratios;
@@ -344,9 +345,10 @@ int run(int argc, char** argv) {
   app.add_option("--index-topk", c.index_topk, "compressed entries the indexer keeps")
       ->capture_default_str()
       ->group(ds4);
-  app.add_option("--hash-layers", c.hash_layers,
-                 "first blocks that route by token id (ffn_gate_tid2eid)")
-      ->capture_default_str()
+  app.add_option("--hash-layers", hash_layers,
+                 fmt::format("first blocks that route by token id (ffn_gate_tid2eid) (default: "
+                             "{}, at most --layers)",
+                             d.hash_layers))
       ->group(ds4);
   app.add_option("--hc-mult", c.hc_mult, "hyper-connection streams")
       ->capture_default_str()
@@ -382,6 +384,8 @@ int run(int argc, char** argv) {
   c.heads = heads.value_or(base.heads);
   c.kv_heads = kv_heads.value_or(base.kv_heads);
   c.head_dim = head_dim.value_or(base.head_dim);
+  // As transformers does: the first min(layers, 3) blocks hash-route unless told otherwise.
+  c.hash_layers = hash_layers.value_or(std::min(base.hash_layers, c.layers));
   auto et = parse_forge_type("--expert-type", expert_type);
   if (!et) return usage_error(et.error());
   c.expert_type = *et;
