@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/cpu_engine.h"
+#include "engine/model.h"
 #include "forge/content.h"
 #include "forge/plan.h"
 #include "forge/verifier.h"
@@ -19,6 +21,7 @@
 #include "storage/slice_map.h"
 #include "storage/slot_layout.h"
 #include "testing/temp_dir.h"
+#include "tests/engine/file_expert_source.h"
 #include "tests/forge/dequant.h"
 #include "tests/forge/forge_files.h"
 
@@ -336,6 +339,45 @@ TEST_F(ForgeDeepseek4, VerifierChecksExpertSlicesAndCatchesACorruptByte) {
                                             "slice offset 100"),
             std::string::npos)
       << (*verifier)->messages()[0];
+}
+
+// The engine's deepseek4 loader takes the forge (its checks: every key, tensor, shape and tid2eid
+// entry), and the CPU forward stays numerically sane over a sequence longer than the window and
+// several compression blocks: finite logits of moderate size that change with the token, and a
+// router that spreads tokens over the experts.
+TEST_F(ForgeDeepseek4, TheEngineLoadsItAndTheForwardStaysSane) {
+  const Shape s;
+  const std::string out = path("engine.gguf");
+  ASSERT_EQ(test::run_forge(forge_args(s, out, "--expert-type q4_k")).exit_code, 0);
+  auto model = engine::DenseModel::load(out);
+  ASSERT_TRUE(model) << model.error().message;
+  ASSERT_TRUE(model->params().is_ds4());
+  EXPECT_EQ(model->params().n_expert, s.experts);
+  auto source = engine::test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source) << source.error().message;
+  auto eng = engine::create_cpu_engine(*model, **source, engine::EngineOptions{64, 0, 0});
+  ASSERT_TRUE(eng) << eng.error().message;
+  std::vector<engine::RoutingRecord> routing;
+  (*eng)->set_routing_log(&routing);
+  std::vector<float> logits(s.vocab), previous;
+  std::set<uint32_t> used;
+  for (uint32_t t = 0; t < 40; ++t) {  // > window 16, > 8 CSA blocks of 4
+    const uint32_t token = (t * 37 + 11) % static_cast<uint32_t>(s.vocab);
+    ASSERT_TRUE((*eng)->decode(token, logits)) << "position " << t;
+    double sq = 0;
+    for (const float x : logits) {
+      ASSERT_TRUE(std::isfinite(x)) << "position " << t;
+      sq += double{x} * x;
+    }
+    const double rms = std::sqrt(sq / static_cast<double>(logits.size()));
+    EXPECT_GT(rms, 1e-3) << "position " << t;
+    EXPECT_LT(rms, 100.0) << "position " << t;
+    EXPECT_NE(logits, previous) << "position " << t;
+    previous = logits;
+  }
+  for (const auto& r : routing) used.insert(r.experts.begin(), r.experts.end());
+  EXPECT_EQ(routing.size(), 40u * (s.layers));
+  EXPECT_GE(used.size(), s.experts * 3 / 4);
 }
 
 // The defaults are DeepseekV4Config's, and the layer schedule is transformers' default.
