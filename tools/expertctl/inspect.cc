@@ -3,6 +3,8 @@
 // compress ratio, hyper-connections, the indexer, the LoRA ranks, shared experts and MTP layers.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <functional>
