@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "base/check.h"
 #include "base/half.h"
@@ -257,6 +258,39 @@ bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
+uint64_t tensor_key(uint64_t seed, std::string_view name) {
+  return mix64(mix64(seed + kGolden) ^ fnv1a64(name));
+}
+
+// A hash-routing table: row r (token r) is `per_row` distinct experts of `experts`, drawn from
+// the block generator of index r: e = (high 32 bits of a word) * experts >> 32, redrawn while it
+// repeats an earlier entry of the row. Stored as little-endian i32. Writes the bytes
+// [byte_offset, byte_offset + out.size()) of the table.
+void gen_hash_rows(uint64_t key, uint64_t per_row, uint32_t experts, uint64_t byte_offset,
+                   std::span<uint8_t> out) {
+  const uint64_t row_bytes = per_row * 4;
+  std::vector<int32_t> row(per_row);
+  uint64_t pos = byte_offset;
+  uint64_t done = 0;
+  while (done < out.size()) {
+    const uint64_t r = pos / row_bytes;
+    BlockRng rng(key, r);
+    for (uint64_t j = 0; j < per_row; ++j) {
+      int32_t e = 0;
+      do {
+        e = static_cast<int32_t>(((rng.next() >> 32) * experts) >> 32);
+      } while (std::find(row.begin(), row.begin() + static_cast<ptrdiff_t>(j), e) !=
+               row.begin() + static_cast<ptrdiff_t>(j));
+      row[j] = e;
+    }
+    const uint64_t skip = pos % row_bytes;
+    const uint64_t take = std::min(row_bytes - skip, out.size() - done);
+    std::memcpy(out.data() + done, reinterpret_cast<const uint8_t*>(row.data()) + skip, take);
+    pos += take;
+    done += take;
+  }
+}
+
 }  // namespace
 
 bool forge_supports_type(GgmlType type) {
@@ -275,15 +309,30 @@ bool forge_supports_type(GgmlType type) {
   }
 }
 
+bool forge_is_hash_table(std::string_view name) {
+  return name.starts_with("blk.") && ends_with(name, ".ffn_gate_tid2eid.weight");
+}
+
 ForgeValueRange forge_value_range(std::string_view name, uint64_t ne0) {
   if (ends_with(name, "norm.weight")) return {1.0f, 1.0f / 16.0f};
+  // deepseek4 (names no qwen3moe forge writes, so version 1's qwen3moe bytes are unchanged): the
+  // hyper-connection scales multiply the mixer logits, so they sit near 1; the mixers, their
+  // bases, the compressors' position embeddings, the attention sinks and the routing biases are
+  // additive terms that a sane forward keeps small.
+  const bool hc = name.find("hc_") != std::string_view::npos;
+  if (hc && ends_with(name, "scale.weight")) return {1.0f, 1.0f / 16.0f};
+  if (hc || ends_with(name, "compressor_ape.weight") || ends_with(name, "attn_sinks.weight") ||
+      ends_with(name, "exp_probs_b.bias")) {
+    return {0.0f, 1.0f / 128.0f};
+  }
   return {0.0f,
           static_cast<float>(std::sqrt(3.0 / static_cast<double>(std::max<uint64_t>(ne0, 1))))};
 }
 
 Status forge_expected_bytes(uint64_t seed, const GgufTensorInfo& t, uint64_t byte_offset,
-                            std::span<uint8_t> out) {
-  if (!forge_supports_type(t.type)) {
+                            std::span<uint8_t> out, uint32_t expert_count) {
+  const bool hash_table = t.type == GgmlType::I32 && forge_is_hash_table(t.name);
+  if (!forge_supports_type(t.type) && !hash_table) {
     return make_error(EINVAL, fmt::format("tensor '{}': the forge cannot generate type {}", t.name,
                                           ggml_type_name(t.type)));
   }
@@ -297,8 +346,18 @@ Status forge_expected_bytes(uint64_t seed, const GgufTensorInfo& t, uint64_t byt
     return make_error(EINVAL, fmt::format("tensor '{}': bytes [{}, +{}) are outside its {} bytes",
                                           t.name, byte_offset, out.size(), bytes));
   }
+  const uint64_t key = tensor_key(seed, t.name);
+  if (hash_table) {
+    if (expert_count == 0 || t.ne[0] > expert_count) {
+      return make_error(EINVAL, fmt::format("tensor '{}': a hash-routing table of {} experts per "
+                                            "token needs the model's expert count (got {})",
+                                            t.name, t.ne[0], expert_count));
+    }
+    gen_hash_rows(key, t.ne[0], expert_count, byte_offset, out);
+    return Ok{};
+  }
   const ForgeValueRange range = forge_value_range(t.name, t.ne[0]);
-  const Gen g{t.type, mix64(mix64(seed + kGolden) ^ fnv1a64(t.name)), range.center, range.amplitude,
+  const Gen g{t.type, key, range.center, range.amplitude,
               std::fabs(range.center) + range.amplitude};
   const uint64_t unit = unit_bytes(t.type);
   std::array<uint8_t, 256> tmp{};
@@ -347,7 +406,13 @@ Result<ForgeInfo> forge_info(const GgufFile& file) {
                                           "recomputes version {} only",
                                           file.path(), *v, kForgeVersion));
   }
-  return ForgeInfo{*s, static_cast<uint32_t>(*v)};
+  ForgeInfo info{*s, static_cast<uint32_t>(*v), 0};
+  if (const GgufValue* arch = file.find("general.architecture"); arch && arch->as_string()) {
+    if (const GgufValue* n = file.find(*arch->as_string() + ".expert_count")) {
+      info.expert_count = static_cast<uint32_t>(n->as_u64().value_or(0));
+    }
+  }
+  return info;
 }
 
 Result<ForgeInfo> forge_info(const GgufModel& model) { return forge_info(model.meta()); }

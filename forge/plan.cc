@@ -105,9 +105,119 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+Status validate_deepseek4(const ForgeConfig& c) {
+  EXPERTD_TRY(check_range("--q-lora-rank", c.q_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--o-groups", c.o_groups, 1, 4096));
+  EXPERTD_TRY(check_range("--o-lora-rank", c.o_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--window", c.window, 1, 1u << 24));
+  EXPERTD_TRY(check_range("--index-heads", c.index_heads, 1, 4096));
+  EXPERTD_TRY(check_range("--index-head-dim", c.index_head_dim, 2, 4096));
+  EXPERTD_TRY(check_range("--index-topk", c.index_topk, 1, 1u << 24));
+  EXPERTD_TRY(check_range("--hash-layers", c.hash_layers, 0, c.layers));
+  EXPERTD_TRY(check_range("--hc-mult", c.hc_mult, 1, 64));
+  EXPERTD_TRY(check_range("--shared-experts", c.shared_experts, 1, 64));
+  EXPERTD_TRY(check_range("--nextn", c.nextn, 0, 16));
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  if (q_dim % c.o_groups != 0) {
+    return flag_error("--o-groups", c.o_groups,
+                      fmt::format("must divide --heads x --head-dim ({})", q_dim));
+  }
+  if (c.rope_dim < 2 || c.rope_dim % 2 != 0 || c.rope_dim > c.head_dim ||
+      c.rope_dim > c.index_head_dim) {
+    return flag_error("--rope-dim", c.rope_dim,
+                      fmt::format("must be even, at least 2 and at most --head-dim ({}) and "
+                                  "--index-head-dim ({})",
+                                  c.head_dim, c.index_head_dim));
+  }
+  const uint64_t blocks = uint64_t{c.layers} + c.nextn;
+  if (!c.compress_ratios.empty() && c.compress_ratios.size() != blocks) {
+    return make_error(EINVAL, fmt::format("--compress-ratios: {} values for {} blocks (--layers "
+                                          "{} + --nextn {}); give one per block",
+                                          c.compress_ratios.size(), blocks, c.layers, c.nextn));
+  }
+  // Row lengths (ne0) of the dense tensors, each a whole number of --dense-type blocks.
+  const std::string why = "; it is a row length of the attention and shared-expert tensors";
+  EXPERTD_TRY(
+      check_block(fmt::format("--embd {}", c.embd), c.embd, c.dense_type, "--dense-type", why));
+  EXPERTD_TRY(check_block(fmt::format("--q-lora-rank {}", c.q_lora_rank), c.q_lora_rank,
+                          c.dense_type, "--dense-type", "; attn_q_b rows are q-lora-rank long"));
+  EXPERTD_TRY(check_block(fmt::format("--heads {} x --head-dim {} / --o-groups {} = {}", c.heads,
+                                      c.head_dim, c.o_groups, q_dim / c.o_groups),
+                          q_dim / c.o_groups, c.dense_type, "--dense-type",
+                          "; attn_output_a rows are that long"));
+  const uint64_t wo_b = uint64_t{c.o_groups} * c.o_lora_rank;
+  EXPERTD_TRY(check_block(
+      fmt::format("--o-groups {} x --o-lora-rank {} = {}", c.o_groups, c.o_lora_rank, wo_b), wo_b,
+      c.dense_type, "--dense-type", "; attn_output_b rows are that long"));
+  const uint64_t shexp = c.ff * c.shared_experts;
+  return check_block(
+      fmt::format("--ff {} x --shared-experts {} = {}", c.ff, c.shared_experts, shexp), shexp,
+      c.dense_type, "--dense-type", "; ffn_down_shexp rows are that long");
+}
+
 }  // namespace
 
 std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"; }
+
+std::string_view forge_arch_name(ForgeArch arch) {
+  return arch == ForgeArch::Deepseek4 ? "deepseek4" : "qwen3moe";
+}
+
+Result<ForgeArch> parse_forge_arch(std::string_view value) {
+  if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
+  if (value == "deepseek4") return ForgeArch::Deepseek4;
+  return flag_error("--arch", value, "must be qwen3moe or deepseek4");
+}
+
+ForgeConfig forge_defaults(ForgeArch arch) {
+  ForgeConfig c;
+  c.arch = arch;
+  if (arch == ForgeArch::Deepseek4) {
+    c.experts = 256;
+    c.top_k = 6;
+    c.embd = 4096;
+    c.ff = 2048;
+    c.heads = 64;
+    c.kv_heads = 1;
+    c.head_dim = 512;
+    c.dense_type = GgmlType::Q8_0;
+  }
+  return c;
+}
+
+std::vector<int32_t> deepseek4_default_compress_ratios(uint32_t layers, uint32_t nextn) {
+  std::vector<int32_t> r;
+  r.reserve(uint64_t{layers} + nextn);
+  for (uint32_t i = 0; i < layers; ++i) {
+    r.push_back(i >= 2 && (i - 2) % 2 == 1 ? kDs4RatioCsa : kDs4RatioHca);
+  }
+  for (uint32_t i = 0; i < nextn; ++i) r.push_back(kDs4RatioSliding);
+  return r;
+}
+
+Result<std::vector<int32_t>> parse_compress_ratios(std::string_view value) {
+  std::vector<int32_t> out;
+  size_t start = 0;
+  while (start <= value.size()) {
+    const size_t comma = std::min(value.find(',', start), value.size());
+    const std::string_view item = value.substr(start, comma - start);
+    if (item == "0" || item == "4" || item == "128") {
+      out.push_back(item == "0" ? kDs4RatioSliding : item == "4" ? kDs4RatioCsa : kDs4RatioHca);
+    } else {
+      return flag_error("--compress-ratios", value,
+                        fmt::format("'{}' is not 0, 4 or 128 (a comma-separated list, one per "
+                                    "block)",
+                                    item));
+    }
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::vector<int32_t> forge_compress_ratios(const ForgeConfig& c) {
+  if (!c.compress_ratios.empty()) return c.compress_ratios;
+  return deepseek4_default_compress_ratios(c.layers, c.nextn);
+}
 
 Result<GgmlType> parse_forge_type(std::string_view flag, std::string_view value) {
   const auto t = ggml_type_from_name(value);
@@ -130,6 +240,9 @@ Status validate_forge_config(const ForgeConfig& c) {
   EXPERTD_TRY(check_range("--ff", c.ff, 1, kMaxDim));
   EXPERTD_TRY(check_range("--heads", c.heads, 1, 4096));
   EXPERTD_TRY(check_range("--kv-heads", c.kv_heads, 1, 4096));
+  if (c.arch == ForgeArch::Deepseek4 && c.kv_heads != 1) {
+    return flag_error("--kv-heads", c.kv_heads, "must be 1 for deepseek4 (one shared KV head)");
+  }
   if (c.heads % c.kv_heads != 0) {
     return flag_error("--heads", c.heads,
                       fmt::format("must be a multiple of --kv-heads ({})", c.kv_heads));
@@ -156,11 +269,12 @@ Status validate_forge_config(const ForgeConfig& c) {
   if (c.alignment < 1 || c.alignment > (1u << 30) || (c.alignment & (c.alignment - 1)) != 0) {
     return flag_error("--alignment", c.alignment, "must be a power of two from 1 to 1073741824");
   }
-  if (c.split < 1 || c.split > c.layers || c.split > kMaxShards) {
+  const uint32_t blocks = c.layers + (c.arch == ForgeArch::Deepseek4 ? c.nextn : 0);
+  if (c.split < 1 || c.split > blocks || c.split > kMaxShards) {
     return flag_error("--split", c.split,
                       fmt::format("must be between 1 and --layers ({}): every shard holds at "
                                   "least one layer",
-                                  c.layers));
+                                  blocks));
   }
   if (c.output.empty()) return make_error(EINVAL, "-o: an output path is required");
 
@@ -170,6 +284,7 @@ Status validate_forge_config(const ForgeConfig& c) {
                           "; ffn_gate_exps and ffn_up_exps rows are embd long"));
   EXPERTD_TRY(check_block(fmt::format("--ff {}", c.ff), c.ff, c.expert_type, "--expert-type",
                           "; ffn_down_exps rows are ff long"));
+  if (c.arch == ForgeArch::Deepseek4) return validate_deepseek4(c);
   EXPERTD_TRY(check_block(embd, c.embd, c.dense_type, "--dense-type",
                           "; token_embd and attn_q/k/v rows are embd long"));
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
@@ -245,27 +360,107 @@ ForgeVocab make_forge_vocab(uint64_t vocab_size) {
   return v;
 }
 
-Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
-  const std::vector<std::string> paths = forge_shard_paths(c);
-  const uint32_t n = c.split;
+namespace {
+
+// A tensor the plan adds: llama.cpp's name, the type, ne (ne[0] the row length).
+struct TensorSpec {
+  std::string name;
+  GgmlType type;
+  std::vector<uint64_t> ne;
+};
+using TensorList = std::vector<TensorSpec>;
+
+std::string blk(uint32_t l, std::string_view t, std::string_view suffix = "weight") {
+  return fmt::format("blk.{}.{}.{}", l, t, suffix);
+}
+
+void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
   const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
+  const GgmlType dense = c.dense_type;
+  const GgmlType experts = c.expert_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q"), dense, {c.embd, q_dim}});
+  out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
+  out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
+  out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
+  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
+}
 
-  std::vector<ForgeShard> shards;
-  shards.reserve(n);
-  for (uint32_t s = 0; s < n; ++s) shards.push_back(ForgeShard{paths[s], GgufWriter(c.alignment)});
+// llama.cpp's deepseek4 load_arch_tensors, block l. Norms, hyper-connection, compressor position
+// embeddings, sinks, the router and its bias are f32 (as the converter keeps them); the
+// projections are --dense-type, the routed experts --expert-type.
+void deepseek4_layer(const ForgeConfig& c, uint32_t l, int32_t ratio, TensorList& out) {
+  const GgmlType dense = c.dense_type;
+  const GgmlType experts = c.expert_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t hc_dim = uint64_t{c.hc_mult} * c.embd;
+  const uint64_t hc_mix = (2 + uint64_t{c.hc_mult}) * c.hc_mult;
+  const uint64_t shexp = c.ff * c.shared_experts;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_sinks"), f32, {c.heads}});
+  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
+  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
+  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
+  out.push_back({blk(l, "attn_kv"), dense, {c.embd, c.head_dim}});
+  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.head_dim}});
+  out.push_back(
+      {blk(l, "attn_output_a"), dense, {q_dim / c.o_groups, uint64_t{c.o_lora_rank} * c.o_groups}});
+  out.push_back({blk(l, "attn_output_b"), dense, {uint64_t{c.o_groups} * c.o_lora_rank, c.embd}});
+  if (ratio != kDs4RatioSliding) {
+    const uint64_t coff = ratio == kDs4RatioCsa ? 2 : 1;  // CSA compresses overlapping windows
+    out.push_back({blk(l, "attn_compressor_kv"), dense, {c.embd, coff * c.head_dim}});
+    out.push_back({blk(l, "attn_compressor_gate"), dense, {c.embd, coff * c.head_dim}});
+    out.push_back(
+        {blk(l, "attn_compressor_ape"), f32, {coff * c.head_dim, static_cast<uint64_t>(ratio)}});
+    out.push_back({blk(l, "attn_compressor_norm"), f32, {c.head_dim}});
+  }
+  if (ratio == kDs4RatioCsa) {
+    const uint64_t idx = c.index_head_dim;
+    out.push_back({blk(l, "indexer.proj"), dense, {c.embd, c.index_heads}});
+    out.push_back({blk(l, "indexer.attn_q_b"), dense, {c.q_lora_rank, c.index_heads * idx}});
+    out.push_back({blk(l, "indexer_compressor_kv"), dense, {c.embd, 2 * idx}});
+    out.push_back({blk(l, "indexer_compressor_gate"), dense, {c.embd, 2 * idx}});
+    out.push_back({blk(l, "indexer_compressor_ape"), f32, {2 * idx, static_cast<uint64_t>(ratio)}});
+    out.push_back({blk(l, "indexer_compressor_norm"), f32, {idx}});
+  }
+  out.push_back({blk(l, "hc_attn_fn"), f32, {hc_dim, hc_mix}});
+  out.push_back({blk(l, "hc_attn_base"), f32, {hc_mix}});
+  out.push_back({blk(l, "hc_attn_scale"), f32, {3}});
+  out.push_back({blk(l, "hc_ffn_fn"), f32, {hc_dim, hc_mix}});
+  out.push_back({blk(l, "hc_ffn_base"), f32, {hc_mix}});
+  out.push_back({blk(l, "hc_ffn_scale"), f32, {3}});
+  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
+  if (l < c.hash_layers) {
+    out.push_back({blk(l, "ffn_gate_tid2eid"), GgmlType::I32, {c.top_k, c.vocab}});
+  } else {
+    out.push_back({blk(l, "exp_probs_b", "bias"), f32, {c.experts}});
+  }
+  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
+  out.push_back({blk(l, "ffn_gate_shexp"), dense, {c.embd, shexp}});
+  out.push_back({blk(l, "ffn_up_shexp"), dense, {c.embd, shexp}});
+  out.push_back({blk(l, "ffn_down_shexp"), dense, {shexp, c.embd}});
+  if (l >= c.layers) {  // an MTP block
+    out.push_back({blk(l, "nextn.eh_proj"), dense, {2 * c.embd, c.embd}});
+    out.push_back({blk(l, "nextn.enorm"), f32, {c.embd}});
+    out.push_back({blk(l, "nextn.hnorm"), f32, {c.embd}});
+    out.push_back({blk(l, "nextn.shared_head_norm"), f32, {c.embd}});
+  }
+}
 
-  // Model metadata, first shard only (as llama.cpp's gguf-split does).
-  GgufWriter& meta = shards[0].writer;
-  const std::string arch = "qwen3moe";
-  auto key = [&](std::string_view suffix) { return fmt::format("{}.{}", arch, suffix); };
-  meta.set_string("general.architecture", arch);
-  meta.set_string("general.name", c.name.empty()
-                                      ? fmt::format("forge-{}-{}L-{}x{}-{}", arch, c.layers,
-                                                    c.experts, c.ff, ggml_type_name(c.expert_type))
-                                      : c.name);
-  meta.set_u32("general.file_type", llama_file_type(c.expert_type));
-  meta.set_u32("general.quantization_version", 2);
+void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("qwen3moe.{}", suffix); };
   meta.set_u32(key("block_count"), c.layers);
   meta.set_u32(key("context_length"), c.context);
   meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
@@ -279,6 +474,115 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   meta.set_f32(key("rope.freq_base"), 1e6f);
   meta.set_u32(key("expert_count"), c.experts);
   meta.set_u32(key("expert_used_count"), c.top_k);
+}
+
+// The keys llama.cpp's converter writes for DeepSeek-V4 (conversion/deepseek.py), with
+// DeepseekV4Config's values where the forge has no flag.
+void set_deepseek4_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("deepseek4.{}", suffix); };
+  const uint32_t blocks = c.layers + c.nextn;
+  meta.set_u32(key("block_count"), blocks);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
+  meta.set_string(key("rope.scaling.type"), "yarn");
+  meta.set_f32(key("rope.scaling.factor"), 16.0f);
+  meta.set_u32(key("rope.scaling.original_context_length"), 65536);
+  meta.set_f32(key("rope.scaling.yarn_beta_fast"), 32.0f);
+  meta.set_f32(key("rope.scaling.yarn_beta_slow"), 1.0f);
+  meta.set_f32(key("rope.freq_base"), 10000.0f);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
+  meta.set_u32(key("expert_gating_func"), 4);  // LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+  meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("rope.dimension_count"), c.rope_dim);
+  meta.set_u32(key("attention.q_lora_rank"), c.q_lora_rank);
+  meta.set_u32(key("attention.sliding_window"), c.window);
+  meta.set_u32(key("expert_feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("expert_shared_count"), c.shared_experts);
+  meta.set_f32(key("expert_weights_scale"), 1.5f);
+  meta.set_bool(key("expert_weights_norm"), true);
+  const std::vector<float> clamp(blocks, 10.0f);  // swiglu_limit
+  meta.set_array(key("swiglu_clamp_exp"), std::span<const float>(clamp));
+  meta.set_array(key("swiglu_clamp_shexp"), std::span<const float>(clamp));
+  meta.set_u32(key("attention.indexer.head_count"), c.index_heads);
+  meta.set_u32(key("attention.indexer.key_length"), c.index_head_dim);
+  meta.set_u32(key("attention.indexer.top_k"), c.index_topk);
+  meta.set_u32(key("attention.output_group_count"), c.o_groups);
+  meta.set_u32(key("attention.output_lora_rank"), c.o_lora_rank);
+  const std::vector<int32_t> ratios = forge_compress_ratios(c);
+  meta.set_array(key("attention.compress_ratios"), std::span<const int32_t>(ratios));
+  meta.set_f32(key("attention.compress_rope_freq_base"), 160000.0f);
+  meta.set_u32(key("hyper_connection.count"), c.hc_mult);
+  meta.set_u32(key("hyper_connection.sinkhorn_iterations"), 20);
+  meta.set_f32(key("hyper_connection.epsilon"), 1e-6f);
+  meta.set_u32(key("hash_layer_count"), c.hash_layers);
+  meta.set_u32(key("embedding_length_out"), static_cast<uint32_t>(c.hc_mult * c.embd));
+  if (c.nextn > 0) meta.set_u32(key("nextn_predict_layers"), c.nextn);
+}
+
+}  // namespace
+
+Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
+  const std::vector<std::string> paths = forge_shard_paths(c);
+  const uint32_t n = c.split;
+  const bool ds4 = c.arch == ForgeArch::Deepseek4;
+  const uint32_t blocks = c.layers + (ds4 ? c.nextn : 0);
+  const std::vector<int32_t> ratios = ds4 ? forge_compress_ratios(c) : std::vector<int32_t>{};
+  EXPERTD_CHECK_EQ(ratios.size(), ds4 ? blocks : 0u);
+
+  // Tensors: token_embd, then the blocks in contiguous groups, then the output head.
+  const GgmlType dense = c.dense_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const TensorList head = {{"token_embd.weight", dense, {c.embd, c.vocab}}};
+  TensorList tail;
+  if (ds4) {
+    const uint64_t hc_dim = uint64_t{c.hc_mult} * c.embd;
+    tail.push_back({"output_hc_fn.weight", f32, {hc_dim, c.hc_mult}});
+    tail.push_back({"output_hc_base.weight", f32, {c.hc_mult}});
+    tail.push_back({"output_hc_scale.weight", f32, {1}});
+  }
+  tail.push_back({"output_norm.weight", f32, {c.embd}});
+  tail.push_back({"output.weight", dense, {c.embd, c.vocab}});
+  std::vector<TensorList> shard_tensors(n);
+  shard_tensors[0] = head;
+  for (uint32_t s = 0; s < n; ++s) {
+    const auto first = static_cast<uint32_t>(uint64_t{s} * blocks / n);
+    const auto end = static_cast<uint32_t>(uint64_t{s + 1} * blocks / n);
+    for (uint32_t l = first; l < end; ++l) {
+      if (ds4) {
+        deepseek4_layer(c, l, ratios[l], shard_tensors[s]);
+      } else {
+        qwen3moe_layer(c, l, shard_tensors[s]);
+      }
+    }
+  }
+  shard_tensors[n - 1].insert(shard_tensors[n - 1].end(), tail.begin(), tail.end());
+  uint64_t tensor_count = 0;
+  for (const TensorList& t : shard_tensors) tensor_count += t.size();
+
+  std::vector<ForgeShard> shards;
+  shards.reserve(n);
+  for (uint32_t s = 0; s < n; ++s) shards.push_back(ForgeShard{paths[s], GgufWriter(c.alignment)});
+
+  // Model metadata, first shard only (as llama.cpp's gguf-split does).
+  GgufWriter& meta = shards[0].writer;
+  const std::string_view arch = forge_arch_name(c.arch);
+  meta.set_string("general.architecture", arch);
+  meta.set_string("general.name", c.name.empty()
+                                      ? fmt::format("forge-{}-{}L-{}x{}-{}", arch, c.layers,
+                                                    c.experts, c.ff, ggml_type_name(c.expert_type))
+                                      : c.name);
+  meta.set_u32("general.file_type", llama_file_type(c.expert_type));
+  meta.set_u32("general.quantization_version", 2);
+  if (ds4) {
+    set_deepseek4_metadata(c, meta);
+  } else {
+    set_qwen3moe_metadata(c, meta);
+  }
 
   const ForgeVocab vocab = make_forge_vocab(c.vocab);
   meta.set_string("tokenizer.ggml.model", "gpt2");
@@ -291,8 +595,6 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   meta.set_u32("tokenizer.ggml.padding_token_id", static_cast<uint32_t>(vocab.bos));
   meta.set_bool("tokenizer.ggml.add_bos_token", false);
 
-  // Tensors: token_embd, then the layers in contiguous groups, then output_norm and output.
-  const uint64_t tensor_count = 3 + uint64_t{c.layers} * 12;
   for (uint32_t s = 0; s < n; ++s) {
     GgufWriter& w = shards[s].writer;
     w.set_u64(kForgeSeedKey, c.seed);
@@ -302,38 +604,10 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
       w.set_u16("split.count", static_cast<uint16_t>(n));
       w.set_i32("split.tensors.count", static_cast<int32_t>(tensor_count));
     }
-  }
-  auto add = [](GgufWriter& w, std::string_view name, GgmlType type,
-                std::initializer_list<uint64_t> ne) -> Status {
-    return w.add_tensor(name, type, std::span<const uint64_t>(ne.begin(), ne.size()));
-  };
-  const GgmlType dense = c.dense_type;
-  const GgmlType experts = c.expert_type;
-  constexpr GgmlType f32 = GgmlType::F32;
-  EXPERTD_TRY(add(shards[0].writer, "token_embd.weight", dense, {c.embd, c.vocab}));
-  for (uint32_t s = 0; s < n; ++s) {
-    GgufWriter& w = shards[s].writer;
-    const uint32_t first = static_cast<uint32_t>(uint64_t{s} * c.layers / n);
-    const uint32_t end = static_cast<uint32_t>(uint64_t{s + 1} * c.layers / n);
-    for (uint32_t l = first; l < end; ++l) {
-      auto blk = [l](std::string_view t) { return fmt::format("blk.{}.{}.weight", l, t); };
-      EXPERTD_TRY(add(w, blk("attn_norm"), f32, {c.embd}));
-      EXPERTD_TRY(add(w, blk("attn_q"), dense, {c.embd, q_dim}));
-      EXPERTD_TRY(add(w, blk("attn_k"), dense, {c.embd, kv_dim}));
-      EXPERTD_TRY(add(w, blk("attn_v"), dense, {c.embd, kv_dim}));
-      EXPERTD_TRY(add(w, blk("attn_output"), dense, {q_dim, c.embd}));
-      EXPERTD_TRY(add(w, blk("attn_q_norm"), f32, {c.head_dim}));
-      EXPERTD_TRY(add(w, blk("attn_k_norm"), f32, {c.head_dim}));
-      EXPERTD_TRY(add(w, blk("ffn_norm"), f32, {c.embd}));
-      EXPERTD_TRY(add(w, blk("ffn_gate_inp"), f32, {c.embd, c.experts}));
-      EXPERTD_TRY(add(w, blk("ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}));
-      EXPERTD_TRY(add(w, blk("ffn_up_exps"), experts, {c.embd, c.ff, c.experts}));
-      EXPERTD_TRY(add(w, blk("ffn_down_exps"), experts, {c.ff, c.embd, c.experts}));
+    for (const TensorSpec& t : shard_tensors[s]) {
+      EXPERTD_TRY(w.add_tensor(t.name, t.type, std::span<const uint64_t>(t.ne)));
     }
   }
-  GgufWriter& last = shards[n - 1].writer;
-  EXPERTD_TRY(add(last, "output_norm.weight", f32, {c.embd}));
-  EXPERTD_TRY(add(last, "output.weight", dense, {c.embd, c.vocab}));
   return shards;
 }
 

@@ -1,6 +1,6 @@
-// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe` model
-// and, from it, one GgufWriter per shard holding the model's metadata and tensor infos. The
-// tensor data comes from forge/content.h.
+// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe` or
+// `deepseek4` model and, from it, one GgufWriter per shard holding the model's metadata and
+// tensor infos (llama.cpp's names, types and shapes). The tensor data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,19 @@
 
 namespace expertd {
 
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4 };
+std::string_view forge_arch_name(ForgeArch arch);  // "qwen3moe", "deepseek4"
+Result<ForgeArch> parse_forge_arch(std::string_view value);
+
+// deepseek4's compressed-attention ratios per block (0 sliding window only, 4 CSA with the
+// indexer, 128 HCA).
+inline constexpr int32_t kDs4RatioSliding = 0;
+inline constexpr int32_t kDs4RatioCsa = 4;
+inline constexpr int32_t kDs4RatioHca = 128;
+
+// The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's.
 struct ForgeConfig {
+  ForgeArch arch = ForgeArch::Qwen3Moe;
   uint32_t layers = 4;
   uint32_t experts = 8;
   uint32_t top_k = 2;
@@ -32,7 +44,38 @@ struct ForgeConfig {
   uint64_t seed = 1;
   std::string name;    // general.name; a description of the shape when empty
   std::string output;  // -o: the file, or the base of the shard names when split > 1
+
+  // deepseek4 only (kv_heads must be 1: one shared KV head; head_dim is key and value length).
+  uint32_t q_lora_rank = 1024;
+  uint32_t o_groups = 8;
+  uint32_t o_lora_rank = 1024;
+  uint32_t rope_dim = 64;
+  uint32_t window = 128;  // sliding window
+  uint32_t index_heads = 64;
+  uint32_t index_head_dim = 128;
+  uint32_t index_topk = 512;
+  uint32_t hash_layers = 3;  // blocks 0 .. hash_layers-1 route by token id (ffn_gate_tid2eid)
+  uint32_t hc_mult = 4;      // hyper-connection streams
+  uint32_t shared_experts = 1;
+  uint32_t nextn = 0;  // MTP blocks after the `layers` main ones
+  // One per block (layers + nextn); empty: deepseek4_default_compress_ratios.
+  std::vector<int32_t> compress_ratios;
 };
+
+// The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
+// DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
+// the q8_0 dense type of llama.cpp's converter. Layers, vocab, context and the rest are shared.
+ForgeConfig forge_defaults(ForgeArch arch);
+
+// transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2
+// on (block i >= 2 is CSA when i - 2 is odd); the `nextn` MTP blocks after them sliding only.
+std::vector<int32_t> deepseek4_default_compress_ratios(uint32_t layers, uint32_t nextn);
+
+// Parses --compress-ratios: comma-separated, each 0, 4 or 128.
+Result<std::vector<int32_t>> parse_compress_ratios(std::string_view value);
+
+// The compress ratios the model gets: config.compress_ratios, or the default schedule.
+std::vector<int32_t> forge_compress_ratios(const ForgeConfig& config);
 
 // The types the forge offers on its command line, in the order its help lists them.
 std::string_view forge_type_names();  // "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"
@@ -54,8 +97,9 @@ struct ForgeShard {
 
 // The shards of the model (config must be valid): shard 1 holds the model metadata, the
 // tokenizer and token_embd; layers are spread over the shards in contiguous groups; the last
-// shard ends with output_norm and output. Every shard of a split model carries split.no,
-// split.count and split.tensors.count, and every shard carries the forge seed and version.
+// shard ends with output_norm and output (after output_hc_* for deepseek4). Every shard of a split
+// model carries split.no, split.count and split.tensors.count, and every shard carries the forge
+// seed and version.
 Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& config);
 
 // The byte-level GPT-2 tokenizer the forge writes: 256 byte tokens in GPT-2 order, synthetic

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -116,6 +117,76 @@ TEST(ForgeContent, ValuesAndScalesAreSensible) {
   }
 }
 
+// deepseek4's additive terms stay small and its hyper-connection scales near 1; qwen3moe's
+// names keep the fan-in amplitude (the deepseek4 rules touch no name a qwen3moe forge writes).
+TEST(ForgeContent, Deepseek4ValueRanges) {
+  const float small = 1.0f / 128;
+  for (const char* name :
+       {"blk.0.hc_attn_fn.weight", "blk.3.hc_ffn_base.weight", "output_hc_fn.weight",
+        "blk.1.attn_compressor_ape.weight", "blk.1.indexer_compressor_ape.weight",
+        "blk.2.attn_sinks.weight", "blk.5.exp_probs_b.bias"}) {
+    EXPECT_EQ(forge_value_range(name, 16384).center, 0.0f) << name;
+    EXPECT_EQ(forge_value_range(name, 16384).amplitude, small) << name;
+  }
+  for (const char* name :
+       {"blk.0.hc_attn_scale.weight", "blk.0.hc_ffn_scale.weight", "output_hc_scale.weight",
+        "blk.0.attn_compressor_norm.weight", "blk.0.attn_kv_a_norm.weight"}) {
+    EXPECT_EQ(forge_value_range(name, 3).center, 1.0f) << name;
+    EXPECT_EQ(forge_value_range(name, 3).amplitude, 1.0f / 16) << name;
+  }
+  for (const char* name : {"blk.0.attn_q.weight", "blk.0.ffn_gate_inp.weight",
+                           "blk.0.ffn_up_exps.weight", "output.weight", "token_embd.weight"}) {
+    EXPECT_NEAR(forge_value_range(name, 256).amplitude, std::sqrt(3.0 / 256), 1e-7) << name;
+  }
+  const auto hc = tensor("blk.0.hc_attn_fn.weight", GgmlType::F32, {16384, 24});
+  std::vector<float> v;
+  ASSERT_TRUE(test::dequantize(GgmlType::F32, expected(3, hc, 0, hc.bytes), v));
+  EXPECT_LE(test::stats(v).max_abs, small);
+  EXPECT_GT(test::stats(v).stddev, 0.5 * small / std::sqrt(3.0));
+}
+
+// A hash-routing table: any byte range equals the whole table there; rows are distinct experts.
+TEST(ForgeContent, HashTableRowsAnyRange) {
+  auto t = tensor("blk.1.ffn_gate_tid2eid.weight", GgmlType::I32, {6, 500});
+  const auto whole = [&] {
+    std::vector<uint8_t> out(t.bytes);
+    EXPECT_TRUE(forge_expected_bytes(4, t, 0, out, 256));
+    return out;
+  }();
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 200; ++i) {
+    const uint64_t off = rng() % (t.bytes + 1);
+    const uint64_t n = rng() % (t.bytes - off + 1) % 200;
+    std::vector<uint8_t> part(n);
+    ASSERT_TRUE(forge_expected_bytes(4, t, off, part, 256));
+    ASSERT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + off)) << off << "+" << n;
+  }
+  std::vector<int32_t> ids(t.bytes / 4);
+  std::memcpy(ids.data(), whole.data(), t.bytes);
+  for (uint64_t row = 0; row < 500; ++row) {
+    const std::set<int32_t> r(ids.begin() + row * 6, ids.begin() + row * 6 + 6);
+    ASSERT_EQ(r.size(), 6u) << row;
+    ASSERT_GE(*r.begin(), 0);
+    ASSERT_LT(*r.rbegin(), 256);
+  }
+  // All of a 6-of-6 table is a permutation; another seed or layer gives another table.
+  auto full = tensor("blk.0.ffn_gate_tid2eid.weight", GgmlType::I32, {6, 4});
+  std::vector<uint8_t> perm(full.bytes);
+  ASSERT_TRUE(forge_expected_bytes(4, full, 0, perm, 6));
+  std::vector<int32_t> p(24);
+  std::memcpy(p.data(), perm.data(), perm.size());
+  for (int row = 0; row < 4; ++row) {
+    EXPECT_EQ(std::set<int32_t>(p.begin() + row * 6, p.begin() + row * 6 + 6),
+              (std::set<int32_t>{0, 1, 2, 3, 4, 5}));
+  }
+  std::vector<uint8_t> other(t.bytes);
+  ASSERT_TRUE(forge_expected_bytes(5, t, 0, other, 256));
+  EXPECT_NE(other, whole);
+  // Only tables of that name are i32 content; any other i32 tensor is refused.
+  std::vector<uint8_t> out(8);
+  EXPECT_FALSE(forge_expected_bytes(4, tensor("blk.1.other.weight", GgmlType::I32, {2}), 0, out));
+}
+
 TEST(ForgeContent, ForgeInfoNeedsTheForgeKeys) {
   GgufWriter plain;
   plain.set_string("general.architecture", "qwen3moe");
@@ -138,6 +209,17 @@ TEST(ForgeContent, ForgeInfoNeedsTheForgeKeys) {
   ASSERT_TRUE(info) << info.error().message;
   EXPECT_EQ(info->seed, 77u);
   EXPECT_EQ(info->version, kForgeVersion);
+  EXPECT_EQ(info->expert_count, 0u);  // no architecture: no expert count
+
+  forged.set_string("general.architecture", "deepseek4");
+  forged.set_u32("deepseek4.expert_count", 256);
+  meta = forged.serialize_metadata();
+  src = memory_source("forged.gguf", meta);
+  f = GgufFile::parse(*src);
+  ASSERT_TRUE(f);
+  info = forge_info(*f);
+  ASSERT_TRUE(info) << info.error().message;
+  EXPECT_EQ(info->expert_count, 256u);
 
   GgufWriter future;
   future.set_u64(kForgeSeedKey, 77);

@@ -77,7 +77,23 @@ def scale(base, w):
 def value_range(name, ne0):
     if name.endswith("norm.weight"):
         return f32(1.0), f32(1.0 / 16)
+    hc = "hc_" in name
+    if hc and name.endswith("scale.weight"):
+        return f32(1.0), f32(1.0 / 16)
+    if hc or name.endswith(("compressor_ape.weight", "attn_sinks.weight", "exp_probs_b.bias")):
+        return f32(0.0), f32(1.0 / 128)
     return f32(0.0), f32(math.sqrt(3.0 / max(ne0, 1)))
+
+
+def hash_row(key, row, k, n):
+    """deepseek4's ffn_gate_tid2eid: row `row` is k distinct experts of n."""
+    rng = BlockRng(key, row)
+    out = []
+    while len(out) < k:
+        e = ((rng.next() >> 32) * n) >> 32
+        if e not in out:
+            out.append(e)
+    return struct.pack(f"<{k}i", *out)
 
 
 PLAIN = {"F32": 4, "F16": 2, "BF16": 2}
@@ -138,6 +154,8 @@ def check_model(path, seed_expected):
     seed = int(r.fields["expertd.forge.seed"].contents())
     assert seed == seed_expected, (seed, seed_expected)
     assert int(r.fields["expertd.forge.version"].contents()) == 1
+    arch = r.fields["general.architecture"].contents()
+    experts = int(r.fields[f"{arch}.expert_count"].contents())
     rnd = random.Random(1)
     blocks_checked = 0
     for t in r.tensors:
@@ -146,6 +164,14 @@ def check_model(path, seed_expected):
         ne0 = int(t.shape[0])
         c, a = value_range(t.name, ne0)
         key = mix64(mix64(seed + G) ^ fnv1a64(t.name))
+        if tn == "I32":
+            assert t.name.endswith(".ffn_gate_tid2eid.weight"), t.name
+            rows = len(raw) // (4 * ne0)
+            for i in sorted({0, rows - 1, *(rnd.randrange(rows) for _ in range(12))}):
+                if hash_row(key, i, ne0, experts) != raw[i * 4 * ne0:(i + 1) * 4 * ne0]:
+                    sys.exit(f"FAIL {path}: {t.name} row {i}: spec and file differ")
+                blocks_checked += 1
+            continue
         bb = 32 * PLAIN[tn] if tn in PLAIN else QUANT[tn]
         n = (len(raw) + bb - 1) // bb
         for i in sorted({0, 1 % n, n - 1, *(rnd.randrange(n) for _ in range(12))}):
@@ -177,6 +203,18 @@ def main():
         print(f"ok: {experts} experts, {dense} dense: {tensors} tensors, {blocks} blocks match "
               "the spec")
         os.remove(out)
+    ds4 = ["--arch", "deepseek4", "--layers", "4", "--nextn", "1", "--experts", "8", "--top-k",
+           "3", "--embd", "256", "--ff", "256", "--heads", "4", "--head-dim", "128",
+           "--q-lora-rank", "64", "--o-lora-rank", "64", "--o-groups", "2", "--index-heads", "4",
+           "--index-head-dim", "64", "--rope-dim", "32", "--compress-ratios", "0,4,128,4,0",
+           "--vocab", "300"]
+    out = os.path.join(args.workdir, "spec_ds4.gguf")
+    subprocess.run([args.forge, *ds4, "--expert-type", "q4_k", "--seed", "77", "--force", "-o",
+                    out], check=True, capture_output=True)
+    tensors, blocks = check_model(out, 77)
+    print(f"ok: deepseek4, q4_k experts, q8_0 dense: {tensors} tensors, {blocks} blocks and "
+          "hash rows match the spec")
+    os.remove(out)
     print("forge content matches docs/FORGE.md")
 
 

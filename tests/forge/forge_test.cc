@@ -23,81 +23,22 @@
 #include "testing/process.h"
 #include "testing/temp_dir.h"
 #include "tests/forge/dequant.h"
+#include "tests/forge/forge_files.h"
 
 namespace expertd {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct RunResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-// Runs expert-forge with `args` (separated by spaces).
-RunResult run_forge(const std::string& args) {
-  std::vector<std::string> argv{test::bin_path("expert-forge")};
-  std::istringstream words(args);
-  for (std::string w; words >> w;) argv.push_back(w);
-  const test::RunResult r = test::run_command(argv);
-  return RunResult{r.status, r.out + r.err};
-}
-
-std::vector<uint8_t> read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
-}
-
-// Reads `n` bytes at `offset` of `path` with pread.
-std::vector<uint8_t> pread_bytes(const std::string& path, uint64_t offset, uint64_t n) {
-  std::vector<uint8_t> out(n);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  EXPECT_GE(fd, 0) << path;
-  uint64_t done = 0;
-  while (fd >= 0 && done < n) {
-    const ssize_t r = ::pread(fd, out.data() + done, n - done, static_cast<off_t>(offset + done));
-    if (r <= 0) break;
-    done += static_cast<uint64_t>(r);
-  }
-  EXPECT_EQ(done, n) << path << " at " << offset;
-  if (fd >= 0) ::close(fd);
-  return out;
-}
+using test::read_all;
+using test::run_forge;
 
 class ForgeTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_FALSE(dir_.path().empty()) << "mkdtemp failed"; }
   std::string path(const std::string& name) const { return dir_.file(name); }
 
-  // Every tensor of every shard holds forge_expected_bytes, zero padding follows it, and every
-  // quantised block has finite positive scales. Returns the number of tensors checked.
   static uint64_t ValidateModel(const GgufModel& model) {
-    auto info = forge_info(model);
-    EXPECT_TRUE(info) << info.error().message;
-    if (!info) return 0;
-    uint64_t checked = 0;
-    for (const GgufFile& shard : model.shards()) {
-      EXPECT_EQ(shard.file_size() % shard.alignment(), 0u) << shard.path();
-      for (const GgufTensorInfo& t : shard.tensors()) {
-        SCOPED_TRACE(shard.path() + ": " + t.name);
-        EXPECT_EQ(t.offset % shard.alignment(), 0u);
-        const uint64_t padded =
-            (t.bytes + shard.alignment() - 1) / shard.alignment() * shard.alignment();
-        const auto got =
-            pread_bytes(shard.path(), t.offset, std::min(padded, shard.file_size() - t.offset));
-        std::vector<uint8_t> want(t.bytes);
-        auto st = forge_expected_bytes(info->seed, t, 0, want);
-        EXPECT_TRUE(st) << st.error().message;
-        EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin())) << "tensor bytes differ";
-        EXPECT_TRUE(std::all_of(got.begin() + static_cast<ptrdiff_t>(t.bytes), got.end(),
-                                [](uint8_t b) { return b == 0; }))
-            << "padding is not zero";
-        auto sc = test::check_scales(t.type, want);
-        EXPECT_TRUE(sc) << sc.error().message;
-        ++checked;
-      }
-    }
-    return checked;
+    return test::validate_forged_model(model);
   }
 
   test::TempDir dir_{"expertd-forge"};
@@ -344,9 +285,37 @@ TEST_F(ForgeTest, BadFlagsAreRefusedNamingTheFlag) {
 TEST_F(ForgeTest, HelpListsTheFlags) {
   const auto r = run_forge("--help");
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* flag : {"--layers", "--experts", "--top-k", "--embd", "--ff", "--heads",
-                           "--kv-heads", "--head-dim", "--vocab", "--expert-type", "--dense-type",
-                           "--alignment", "--split", "--seed", "--force", "--name", "-o"}) {
+  for (const char* flag : {"--layers",
+                           "--experts",
+                           "--top-k",
+                           "--embd",
+                           "--ff",
+                           "--heads",
+                           "--kv-heads",
+                           "--head-dim",
+                           "--vocab",
+                           "--expert-type",
+                           "--dense-type",
+                           "--alignment",
+                           "--split",
+                           "--seed",
+                           "--force",
+                           "--name",
+                           "-o",
+                           "--arch",
+                           "--compress-ratios",
+                           "--nextn",
+                           "--hash-layers",
+                           "--hc-mult",
+                           "--q-lora-rank",
+                           "--o-groups",
+                           "--o-lora-rank",
+                           "--index-heads",
+                           "--index-head-dim",
+                           "--index-topk",
+                           "--window",
+                           "--rope-dim",
+                           "--shared-experts"}) {
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   }
 }

@@ -1,5 +1,5 @@
-// expert-forge: writes a synthetic llama.cpp `qwen3moe` GGUF model whose every byte is derived
-// from a seed (forge/content.h), fast enough to make tens-of-GB models at disk speed.
+// expert-forge: writes a synthetic llama.cpp `qwen3moe` or `deepseek4` GGUF model whose every byte
+// is derived from a seed (forge/content.h), fast enough to make tens-of-GB models at disk speed.
 //
 // Generator threads fill fixed 8 MiB chunk buffers in parallel; the main thread writes the chunks
 // in file order, so the disk is never idle while content is computed. Nothing appears under an
@@ -113,8 +113,11 @@ struct Chunk {
 // chunk k - slots, so memory stays at slots x kChunkBytes.
 class ChunkPipeline {
  public:
-  ChunkPipeline(uint64_t seed, std::vector<Chunk> chunks, uint32_t threads)
-      : seed_(seed), chunks_(std::move(chunks)), slots_(2 * threads + 2) {
+  ChunkPipeline(uint64_t seed, uint32_t expert_count, std::vector<Chunk> chunks, uint32_t threads)
+      : seed_(seed),
+        expert_count_(expert_count),
+        chunks_(std::move(chunks)),
+        slots_(2 * threads + 2) {
     buffers_.reserve(slots_);
     ready_.assign(slots_, kNone);
     for (uint32_t i = 0; i < slots_; ++i)
@@ -169,7 +172,8 @@ class ChunkPipeline {
       }
       const Chunk& c = chunks_[k];
       auto st = forge_expected_bytes(seed_, *c.tensor, c.offset,
-                                     std::span<uint8_t>(buffers_[k % slots_].get(), c.bytes));
+                                     std::span<uint8_t>(buffers_[k % slots_].get(), c.bytes),
+                                     expert_count_);
       {
         std::lock_guard lock(mu_);
         if (!st) {
@@ -183,6 +187,7 @@ class ChunkPipeline {
   }
 
   const uint64_t seed_;
+  const uint32_t expert_count_;  // the range of hash-routing tables
   const std::vector<Chunk> chunks_;
   const uint32_t slots_;
   std::vector<std::unique_ptr<uint8_t[]>> buffers_;
@@ -233,7 +238,7 @@ Status check_outputs(const std::vector<ForgeShard>& shards, bool force, uint64_t
 // Writes every shard to its temporary file, then commits them all.
 Status forge(const ForgeConfig& config, std::vector<ForgeShard>& shards, bool force,
              uint32_t threads, Progress& progress) {
-  ChunkPipeline pipeline(config.seed, plan_chunks(shards), threads);
+  ChunkPipeline pipeline(config.seed, config.experts, plan_chunks(shards), threads);
   GgufWriterOptions options;
   options.overwrite = force;
   uint64_t done_bytes = 0;  // in finished shards
@@ -265,35 +270,48 @@ Status forge(const ForgeConfig& config, std::vector<ForgeShard>& shards, bool fo
 }
 
 int run(int argc, char** argv) {
-  ForgeConfig c;
+  const ForgeConfig q = forge_defaults(ForgeArch::Qwen3Moe);
+  const ForgeConfig d = forge_defaults(ForgeArch::Deepseek4);
+  ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
+  std::string arch = "qwen3moe";
+  std::optional<uint32_t> experts, top_k, heads, kv_heads;
+  std::optional<uint64_t> embd, ff, head_dim;
+  std::optional<uint32_t> hash_layers;
   std::string expert_type = "q8_0";
-  std::string dense_type = "f16";
+  std::optional<std::string> dense_type;
+  std::string compress_ratios;
   bool force = false;
   uint32_t threads = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
 
   CLI::App app{
-      "expert-forge: write a synthetic llama.cpp qwen3moe GGUF model whose every byte is derived "
-      "from --seed (and can be recomputed to verify a read)"};
+      "expert-forge: write a synthetic llama.cpp qwen3moe or deepseek4 GGUF model whose every "
+      "byte is derived from --seed (and can be recomputed to verify a read)"};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // "(qwen3moe Q, deepseek4 D)": the default of a flag that depends on --arch.
+  auto both = [](auto qv, auto dv) {
+    return fmt::format(" (default: qwen3moe {}, deepseek4 {})", qv, dv);
+  };
+  app.add_option("--arch", arch, "model architecture: qwen3moe or deepseek4 (DeepSeek-V4)")
+      ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
-  app.add_option("--experts", c.experts, "routed experts per layer")->capture_default_str();
-  app.add_option("--top-k", c.top_k, "experts used per token")->capture_default_str();
-  app.add_option("--embd", c.embd, "embedding length")->capture_default_str();
-  app.add_option("--ff", c.ff, "expert feed-forward length")->capture_default_str();
-  app.add_option("--heads", c.heads, "attention heads")->capture_default_str();
-  app.add_option("--kv-heads", c.kv_heads, "key/value heads")->capture_default_str();
-  app.add_option("--head-dim", c.head_dim, "head dimension")->capture_default_str();
+  app.add_option("--experts", experts, "routed experts per layer" + both(q.experts, d.experts));
+  app.add_option("--top-k", top_k, "experts used per token" + both(q.top_k, d.top_k));
+  app.add_option("--embd", embd, "embedding length" + both(q.embd, d.embd));
+  app.add_option("--ff", ff, "expert feed-forward length" + both(q.ff, d.ff));
+  app.add_option("--heads", heads, "attention heads" + both(q.heads, d.heads));
+  app.add_option("--kv-heads", kv_heads, "key/value heads" + both(q.kv_heads, d.kv_heads));
+  app.add_option("--head-dim", head_dim, "head dimension" + both(q.head_dim, d.head_dim));
   app.add_option("--vocab", c.vocab, "vocabulary size (>= 258)")->capture_default_str();
   app.add_option("--context", c.context, "context length (metadata)")->capture_default_str();
   app.add_option("--expert-type", expert_type,
                  fmt::format("type of the expert tensors: {}", forge_type_names()))
       ->capture_default_str();
   app.add_option("--dense-type", dense_type,
-                 fmt::format("type of embeddings, attention and output: {} (norms and routers are "
-                             "f32)",
-                             forge_type_names()))
-      ->capture_default_str();
+                 fmt::format("type of embeddings, attention, shared experts and output: {} "
+                             "(norms, routers and deepseek4's hyper-connections are f32)",
+                             forge_type_names()) +
+                     both(ggml_type_name(q.dense_type), ggml_type_name(d.dense_type)));
   app.add_option("--alignment", c.alignment, "data alignment in bytes, a power of two")
       ->capture_default_str();
   app.add_option("--split", c.split, "number of shards (NAME-0000i-of-0000N.gguf)")
@@ -304,6 +322,47 @@ int run(int argc, char** argv) {
   app.add_option("-o,--output", c.output, "output file (the base name when --split > 1)")
       ->required();
   app.add_flag("--force", force, "overwrite existing output files");
+  const std::string ds4 = "DeepSeek-V4 (--arch deepseek4)";
+  app.add_option("--q-lora-rank", c.q_lora_rank, "query LoRA rank")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--o-groups", c.o_groups, "output projection groups")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--o-lora-rank", c.o_lora_rank, "output LoRA rank per group")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--rope-dim", c.rope_dim, "rotary dimensions of a head")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--window", c.window, "sliding window")->capture_default_str()->group(ds4);
+  app.add_option("--index-heads", c.index_heads, "indexer heads")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--index-head-dim", c.index_head_dim, "indexer head dimension")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--index-topk", c.index_topk, "compressed entries the indexer keeps")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--hash-layers", hash_layers,
+                 fmt::format("first blocks that route by token id (ffn_gate_tid2eid) (default: "
+                             "{}, at most --layers)",
+                             d.hash_layers))
+      ->group(ds4);
+  app.add_option("--hc-mult", c.hc_mult, "hyper-connection streams")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--shared-experts", c.shared_experts, "shared experts per layer")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--nextn", c.nextn, "MTP (nextn) blocks after the --layers main ones")
+      ->capture_default_str()
+      ->group(ds4);
+  app.add_option("--compress-ratios", compress_ratios,
+                 "per block 0 (sliding), 4 (CSA) or 128 (HCA), comma-separated (default: "
+                 "transformers' schedule: 128, 128, then 128/4 alternating; MTP blocks 0)")
+      ->group(ds4);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -314,12 +373,36 @@ int run(int argc, char** argv) {
     fmt::print(stderr, "expert-forge: {}\n", e.message);
     return 2;
   };
+  auto parsed_arch = parse_forge_arch(arch);
+  if (!parsed_arch) return usage_error(parsed_arch.error());
+  c.arch = *parsed_arch;
+  const ForgeConfig& base = c.arch == ForgeArch::Deepseek4 ? d : q;
+  c.experts = experts.value_or(base.experts);
+  c.top_k = top_k.value_or(base.top_k);
+  c.embd = embd.value_or(base.embd);
+  c.ff = ff.value_or(base.ff);
+  c.heads = heads.value_or(base.heads);
+  c.kv_heads = kv_heads.value_or(base.kv_heads);
+  c.head_dim = head_dim.value_or(base.head_dim);
+  // As transformers does: the first min(layers, 3) blocks hash-route unless told otherwise.
+  c.hash_layers = hash_layers.value_or(std::min(base.hash_layers, c.layers));
   auto et = parse_forge_type("--expert-type", expert_type);
   if (!et) return usage_error(et.error());
-  auto dt = parse_forge_type("--dense-type", dense_type);
-  if (!dt) return usage_error(dt.error());
   c.expert_type = *et;
-  c.dense_type = *dt;
+  c.dense_type = base.dense_type;
+  if (dense_type) {
+    auto dt = parse_forge_type("--dense-type", *dense_type);
+    if (!dt) return usage_error(dt.error());
+    c.dense_type = *dt;
+  }
+  if (!compress_ratios.empty()) {
+    if (c.arch != ForgeArch::Deepseek4) {
+      return usage_error(make_error(EINVAL, "--compress-ratios: only with --arch deepseek4"));
+    }
+    auto r = parse_compress_ratios(compress_ratios);
+    if (!r) return usage_error(r.error());
+    c.compress_ratios = std::move(r).value();
+  }
   if (threads < 1 || threads > 256) {
     return usage_error(
         make_error(EINVAL, fmt::format("--threads {}: must be between 1 and 256", threads)));
@@ -340,11 +423,11 @@ int run(int argc, char** argv) {
     return 1;
   }
   fmt::print(stderr,
-             "expert-forge: qwen3moe {} layers x {} experts (top {}), embd {}, ff {}, experts "
+             "expert-forge: {} {} layers x {} experts (top {}), embd {}, ff {}, experts "
              "{}, dense {}, vocab {}: {:.3f} GB in {} file{}\n",
-             c.layers, c.experts, c.top_k, c.embd, c.ff, ggml_type_name(c.expert_type),
-             ggml_type_name(c.dense_type), c.vocab, gb(total_bytes), shards.size(),
-             shards.size() == 1 ? "" : "s");
+             forge_arch_name(c.arch), c.layers, c.experts, c.top_k, c.embd, c.ff,
+             ggml_type_name(c.expert_type), ggml_type_name(c.dense_type), c.vocab, gb(total_bytes),
+             shards.size(), shards.size() == 1 ? "" : "s");
 
   install_signal_handlers();
   const auto start = std::chrono::steady_clock::now();

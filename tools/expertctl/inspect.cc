@@ -1,13 +1,19 @@
-// `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon).
+// `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon); for a deepseek4
+// (DeepSeek-V4) model also its structure: hash-routed layers, each layer's attention type and
+// compress ratio, hyper-connections, the indexer, the LoRA ranks, shared experts and MTP layers.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "storage/gguf.h"
 #include "storage/slice_map.h"
@@ -126,6 +132,168 @@ std::string meta_string(const GgufModel& m, const std::string& key) {
   return "-";
 }
 
+// DeepSeek-V4's structure as llama.cpp's deepseek4 loader reads it from the `deepseek4.*` keys.
+// A key the file lacks stays empty (printed "-", null in JSON).
+struct Ds4Structure {
+  using U = std::optional<uint64_t>;
+  uint32_t blocks = 0;  // block_count: main layers, then the MTP (nextn) layers
+  U nextn, heads, kv_heads, head_dim, rope_dim, q_lora_rank, o_groups, o_lora_rank, window;
+  U index_heads, index_head_dim, index_top_k, hc_mult, hc_sinkhorn_iterations, hash_layers;
+  U shared_experts, expert_ff;
+  std::optional<double> hc_epsilon;
+  std::vector<int64_t> compress_ratios;  // one per block, as the file lists them
+};
+
+Ds4Structure read_deepseek4(const GgufModel& m) {
+  Ds4Structure d;
+  auto u = [&](std::string_view suffix) -> std::optional<uint64_t> {
+    const auto* v = m.find_arch(suffix);
+    return v != nullptr ? v->as_u64() : std::nullopt;
+  };
+  d.blocks = static_cast<uint32_t>(u("block_count").value_or(0));
+  d.nextn = u("nextn_predict_layers");
+  d.heads = u("attention.head_count");
+  d.kv_heads = u("attention.head_count_kv");
+  d.head_dim = u("attention.key_length");
+  d.rope_dim = u("rope.dimension_count");
+  d.q_lora_rank = u("attention.q_lora_rank");
+  d.o_groups = u("attention.output_group_count");
+  d.o_lora_rank = u("attention.output_lora_rank");
+  d.window = u("attention.sliding_window");
+  d.index_heads = u("attention.indexer.head_count");
+  d.index_head_dim = u("attention.indexer.key_length");
+  d.index_top_k = u("attention.indexer.top_k");
+  d.hc_mult = u("hyper_connection.count");
+  d.hc_sinkhorn_iterations = u("hyper_connection.sinkhorn_iterations");
+  d.hash_layers = u("hash_layer_count");
+  d.shared_experts = u("expert_shared_count");
+  d.expert_ff = u("expert_feed_forward_length");
+  if (const auto* v = m.find_arch("hyper_connection.epsilon")) d.hc_epsilon = v->as_f64();
+  if (const auto* v = m.find_arch("attention.compress_ratios")) {
+    if (const expertd::GgufArray* a = v->as_array()) {
+      for (uint64_t i = 0; i < a->count; ++i)
+        d.compress_ratios.push_back(a->int_at(i).value_or(-1));
+    }
+  }
+  return d;
+}
+
+// The attention of a block with compress ratio r: the sliding window alone (0), compressed sparse
+// attention with the indexer (4), heavily compressed attention (128).
+std::string ds4_attention(int64_t ratio) {
+  if (ratio == 0) return "sliding";
+  if (ratio == 4) return "CSA";
+  if (ratio == 128) return "HCA";
+  return fmt::format("ratio {}", ratio);
+}
+
+uint64_t ds4_main_layers(const Ds4Structure& d) {
+  const uint64_t nextn = d.nextn.value_or(0);
+  return nextn <= d.blocks ? d.blocks - nextn : 0;
+}
+
+std::string opt(const std::optional<uint64_t>& v) { return v ? fmt::format("{}", *v) : "-"; }
+
+// "0-2" / "5" / "none": a range of layers.
+std::string layer_range(uint64_t first, uint64_t end) {
+  if (end <= first) return "none";
+  return end - first == 1 ? fmt::format("{}", first) : fmt::format("{}-{}", first, end - 1);
+}
+
+void print_deepseek4(const GgufModel& m) {
+  const Ds4Structure d = read_deepseek4(m);
+  const uint64_t main_layers = ds4_main_layers(d);
+  const uint64_t hash = std::min<uint64_t>(d.hash_layers.value_or(0), main_layers);
+  fmt::print("deepseek4\n");
+  fmt::print(
+      "  attention    {} heads x {} ({} KV head), rope {}, q LoRA {}, output {} groups x "
+      "LoRA {}, window {}\n",
+      opt(d.heads), opt(d.head_dim), opt(d.kv_heads), opt(d.rope_dim), opt(d.q_lora_rank),
+      opt(d.o_groups), opt(d.o_lora_rank), opt(d.window));
+  fmt::print("  indexer      {} heads x {}, top-k {} (CSA layers)\n", opt(d.index_heads),
+             opt(d.index_head_dim), opt(d.index_top_k));
+  fmt::print("  hyper-conn.  {} streams, {} Sinkhorn iterations, eps {}\n", opt(d.hc_mult),
+             opt(d.hc_sinkhorn_iterations),
+             d.hc_epsilon ? fmt::format("{:g}", *d.hc_epsilon) : "-");
+  fmt::print("  shared exp.  {} (ff {})\n", opt(d.shared_experts), opt(d.expert_ff));
+  fmt::print("  hash layers  {}: {}\n", hash, layer_range(0, hash));
+  fmt::print("  MTP layers   {}: {}\n", d.blocks - main_layers, layer_range(main_layers, d.blocks));
+  uint64_t sliding = 0, csa = 0, hca = 0;
+  for (const int64_t r : d.compress_ratios) {
+    sliding += r == 0;
+    csa += r == 4;
+    hca += r == 128;
+  }
+  fmt::print("  attn types   sliding {}, CSA (ratio 4) {}, HCA (ratio 128) {}\n", sliding, csa,
+             hca);
+  // Each block as LAYER:TYPE, wrapped; hash-routed blocks marked #, MTP blocks +.
+  std::string line = "  layers      ";
+  for (uint64_t i = 0; i < d.compress_ratios.size(); ++i) {
+    const int64_t r = d.compress_ratios[i];
+    const std::string item = fmt::format(" {}:{}{}{}", i, r == 0 ? "SWA" : ds4_attention(r),
+                                         i < hash ? "#" : "", i >= main_layers ? "+" : "");
+    if (line.size() + item.size() > 100) {
+      fmt::print("{}\n", line);
+      line = "              ";
+    }
+    line += item;
+  }
+  fmt::print("{}\n", line);
+  fmt::print(
+      "               (SWA sliding window only, CSA ratio 4, HCA ratio 128; # hash-routed, "
+      "+ MTP)\n");
+}
+
+nlohmann::ordered_json deepseek4_json(const GgufModel& m) {
+  const Ds4Structure d = read_deepseek4(m);
+  const uint64_t main_layers = ds4_main_layers(d);
+  const uint64_t hash = std::min<uint64_t>(d.hash_layers.value_or(0), main_layers);
+  auto u = [](const std::optional<uint64_t>& v) -> nlohmann::ordered_json {
+    return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
+  };
+  nlohmann::ordered_json j;
+  j["blocks"] = d.blocks;
+  j["main_layers"] = main_layers;
+  j["heads"] = u(d.heads);
+  j["kv_heads"] = u(d.kv_heads);
+  j["head_dim"] = u(d.head_dim);
+  j["rope_dim"] = u(d.rope_dim);
+  j["q_lora_rank"] = u(d.q_lora_rank);
+  j["o_groups"] = u(d.o_groups);
+  j["o_lora_rank"] = u(d.o_lora_rank);
+  j["sliding_window"] = u(d.window);
+  j["indexer"] = {
+      {"heads", u(d.index_heads)}, {"head_dim", u(d.index_head_dim)}, {"top_k", u(d.index_top_k)}};
+  j["hc_mult"] = u(d.hc_mult);
+  j["hc_sinkhorn_iterations"] = u(d.hc_sinkhorn_iterations);
+  j["hc_epsilon"] = d.hc_epsilon ? nlohmann::ordered_json(*d.hc_epsilon) : nullptr;
+  j["shared_experts"] = u(d.shared_experts);
+  j["hash_layer_count"] = hash;
+  auto hash_layers = nlohmann::ordered_json::array();
+  for (uint64_t i = 0; i < hash; ++i) hash_layers.push_back(i);
+  j["hash_layers"] = hash_layers;
+  auto mtp = nlohmann::ordered_json::array();
+  for (uint64_t i = main_layers; i < d.blocks; ++i) mtp.push_back(i);
+  j["mtp_layers"] = mtp;
+  auto layers = nlohmann::ordered_json::array();
+  for (uint64_t i = 0; i < d.compress_ratios.size(); ++i) {
+    const int64_t r = d.compress_ratios[i];
+    std::string kind = ds4_attention(r);
+    for (char& ch : kind) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    nlohmann::ordered_json l;
+    l["layer"] = i;
+    l["attention"] = r == 0 || r == 4 || r == 128 ? kind : "unknown";
+    l["compress_ratio"] = r;
+    l["routing"] = i < hash ? "hash" : "score";
+    l["mtp"] = i >= main_layers;
+    layers.push_back(l);
+  }
+  j["layers"] = layers;
+  nlohmann::ordered_json out;
+  out["deepseek4"] = j;
+  return out;
+}
+
 void print_summary(const GgufModel& m, const SliceMap& map) {
   uint64_t file_bytes = 0;
   for (const auto& s : m.shards()) file_bytes += s.file_size();
@@ -177,6 +345,7 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
   for (const auto& [name, e] : by_type) {
     fmt::print("  {:<8} {:>5} tensors  {}\n", name, e.first, human_bytes(e.second));
   }
+  if (m.architecture() == "deepseek4") print_deepseek4(m);
 }
 
 void print_types_json() {
@@ -212,6 +381,7 @@ int run_inspect(const InspectOptions& opts) {
   } else if (opts.tensors) {
     print_tensors_json(*model);
   } else if (opts.json) {
+    if (model->architecture() == "deepseek4") std::puts(dump(deepseek4_json(*model)).c_str());
     print_slices_json(*map);
   } else {
     print_summary(*model, *map);
@@ -228,7 +398,8 @@ void add_inspect_command(CLI::App& app, std::function<int()>* run) {
   cmd->add_option("model", opts->model, "GGUF file, or the first shard NAME-00001-of-0000N.gguf");
   cmd->add_flag("--json", opts->json,
                 "One JSON object per expert slice (JSON Lines): shard, layer, expert, kind, "
-                "offset, bytes, type");
+                "offset, bytes, type; a deepseek4 model's structure comes first, as "
+                "{\"deepseek4\": {...}}");
   cmd->add_flag("--tensors", opts->tensors,
                 "One JSON object per tensor: shard, name, type, shape, offset, bytes");
   cmd->add_flag("--metadata", opts->metadata,
