@@ -89,7 +89,7 @@ model4=$work/ds4-q4k.gguf
 
 phase_forge4() {
   if [ -f "$model4" ]; then echo "forge4: $model4 exists"; return; fi
-  "$bin/expert-forge" --arch deepseek4 --layers "${DS4_LAYERS:-9}" --expert-type q4_k \
+  "$bin/expert-forge" --arch deepseek4 --layers "${DS4_LAYERS:-9}" --expert-type q4_k --vocab 129280 \
     --seed 4 --threads 16 -o "$model4" --force
   ls -l "$model4"
 }
@@ -111,7 +111,7 @@ phase_run4() {  # NAME CACHE VRAM DEPTH TOKENS HASH
   local rc=0 extra=()
   [ "$hash" = off ] && extra+=(--no-hash-hints)
   "$bin/expert-run" --socket "$sock" --model v4 --gguf "$model4" \
-    --prompt-tokens 9707,11,1879,0,16,8,30 --max-tokens "$tokens" --vram-experts "$vram" \
+    --prompt-tokens 9707,11,1879,0,16,8,30,101,4096,77 --max-tokens "$tokens" --vram-experts "$vram" \
     --prefetch-depth "$depth" --temperature 1 --seed 1 --ignore-eos "${extra[@]}" --json \
     > "$out/run4-$name.json" || rc=$?
   "$bin/expertctl" stats --socket "$sock" > "$out/stats4-$name.txt" 2>&1 || true
