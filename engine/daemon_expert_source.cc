@@ -57,19 +57,21 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
                                                                        const DenseModel& model) {
   const client::ModelLayout& l = session.layout();
   const ModelParams& p = model.params();
-  if (l.block_count != p.n_layer || l.expert_count != p.n_expert || l.top_k != p.n_expert_used) {
+  // Every block of the file has experts, deepseek4's MTP blocks too (the engine skips those).
+  const uint32_t n_layer = p.n_layer + p.ds4.nextn_layers;
+  if (l.block_count != n_layer || l.expert_count != p.n_expert || l.top_k != p.n_expert_used) {
     return make_error(EINVAL, fmt::format("model '{}': the daemon has {} layers, {} experts, top-k "
                                           "{}; {} has {}, {}, {}",
                                           l.name, l.block_count, l.expert_count, l.top_k,
-                                          model.path(), p.n_layer, p.n_expert, p.n_expert_used));
+                                          model.path(), n_layer, p.n_expert, p.n_expert_used));
   }
   EXPERTD_TRY_ASSIGN(const SliceMap map, SliceMap::build(model.gguf()));
   std::unique_ptr<DaemonExpertSource> src(new DaemonExpertSource(session));
-  src->layers_.resize(p.n_layer);
-  std::vector<uint32_t> seen(p.n_layer, 0);
+  src->layers_.resize(n_layer);
+  std::vector<uint32_t> seen(n_layer, 0);
   for (size_t i = 0; i < l.slices.size(); ++i) {
     const client::ModelLayout::Slice& s = l.slices[i];
-    if (s.layer >= p.n_layer) {
+    if (s.layer >= n_layer) {
       return make_error(EINVAL, fmt::format("model '{}': slice of layer {}", l.name, s.layer));
     }
     const MoeLayer* ours = map.find_layer(s.layer);
@@ -97,7 +99,7 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
       return make_error(EINVAL, fmt::format("layer {}: unknown slice kind {}", s.layer, s.kind));
     }
   }
-  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+  for (uint32_t layer = 0; layer < n_layer; ++layer) {
     const LayerParts& lp = src->layers_[layer];
     if (lp.gate.shape.rows == 0 || lp.up.shape.rows == 0 || lp.down.shape.rows == 0) {
       return make_error(EINVAL, fmt::format("model '{}' layer {}: {} expert slices, expected gate, "

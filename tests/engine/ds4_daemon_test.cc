@@ -161,3 +161,36 @@ TEST_F(Ds4DaemonTest, ExpertRunTextReportsHashAndLearnedLayers) {
 
 }  // namespace
 }  // namespace expertd::engine
+
+namespace expertd::engine {
+namespace {
+
+// A forged V4 with an MTP block: the engines run the main blocks only, and expert-run says so.
+TEST(Ds4Forged, MtpBlocksAreSkippedAndExpertRunSaysSo) {
+  TempDir dir;
+  auto path = expertd::test::forge_model(
+      dir.path(), "mtp.gguf",
+      "--arch deepseek4 --layers 3 --nextn 1 --experts 16 --top-k 4 --embd 256 --ff 256 "
+      "--heads 4 --head-dim 128 --q-lora-rank 64 --o-lora-rank 64 --o-groups 2 --index-heads 4 "
+      "--index-head-dim 64 --rope-dim 32 --index-topk 8 --window 8 --expert-type q8_0");
+  ASSERT_TRUE(path) << path.error().message;
+  auto model = DenseModel::load(*path);
+  ASSERT_TRUE(model) << model.error().message;
+  EXPECT_EQ(model->params().n_layer, 3u);
+  EXPECT_EQ(model->params().ds4.nextn_layers, 1u);
+
+  const std::string socket = dir.path() + "/expertd.sock";
+  Daemon daemon(dir.path(),
+                {"--model", "mtp=" + *path, "--socket", socket, "--cache", "64MiB", "--no-mlock"});
+  ASSERT_TRUE(daemon.start());
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket, "--model", "mtp", "--gguf", *path,
+       "--prompt-tokens", "5,6,7", "--max-tokens", "4", "--ignore-eos", "--cpu"});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("the file's 1 MTP (next-n) layer is skipped"), std::string::npos) << r.out;
+  const std::string log = daemon.log();
+  EXPECT_EQ(daemon.stop(), 0) << log;
+}
+
+}  // namespace
+}  // namespace expertd::engine
