@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -22,6 +23,7 @@
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "engine/stop.h"
 #include "engine/vocab.h"
 #include "expertd/client.h"
 #include "trace/trace.h"
@@ -49,6 +51,11 @@ struct Options {
   float temperature = 0.0f;
   float top_p = 1.0f;
   uint64_t seed = 0;
+  int32_t top_k = 0;
+  float min_p = 0.0f;
+  float repeat_penalty = 1.0f;
+  int32_t repeat_last_n = 64;
+  std::vector<std::string> stop;
   bool ignore_eos = false;
   std::string record_trace;
   std::string routing_trace;
@@ -158,7 +165,30 @@ int fail(const Error& e) {
   return 1;
 }
 
+// The flag that sets each SamplerOptions field, for validate()'s errors.
+std::string with_flag_names(std::string message) {
+  static const std::pair<const char*, const char*> names[] = {
+      {"temperature", "--temperature"},
+      {"top_p", "--top-p"},
+      {"top_k", "--top-k"},
+      {"min_p", "--min-p"},
+      {"repeat_penalty", "--repeat-penalty"},
+      {"repeat_last_n", "--repeat-last-n"}};
+  for (const auto& [field, flag] : names) {
+    if (message.starts_with(field) && message.size() > std::strlen(field) &&
+        message[std::strlen(field)] == ' ') {
+      return std::string(flag) + message.substr(std::strlen(field));
+    }
+  }
+  return message;
+}
+
 int run(Options o) {
+  const SamplerOptions so{o.temperature, o.top_p,          o.seed,         o.top_k,
+                          o.min_p,       o.repeat_penalty, o.repeat_last_n};
+  if (auto st = validate(so); !st) return fail(Error{EINVAL, with_flag_names(st.error().message)});
+  auto stops = StopMatcher::create(o.stop);
+  if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
   auto prompt = parse_tokens(o.prompt_tokens);
   if (!prompt) return fail(prompt.error());
   auto model = DenseModel::load(o.gguf);
@@ -232,11 +262,14 @@ int run(Options o) {
   std::vector<RoutingRecord> log;
   if (!o.record_trace.empty()) engine->set_routing_log(&log);
   const std::optional<Vocab> vocab = Vocab::from_gguf(model->gguf());
-  // A benchmark runs its full length; otherwise generation stops at the end-of-sequence token.
-  uint64_t eos = UINT64_MAX;
-  if (const auto* v = model->gguf().meta().find("tokenizer.ggml.eos_token_id"); v && !script) {
-    eos = v->as_u64().value_or(UINT64_MAX);
+  if (!o.stop.empty() && !vocab) {
+    return fail(Error{EINVAL, fmt::format("--stop needs the model's vocabulary, and {} has no "
+                                          "tokenizer.ggml.tokens",
+                                          o.gguf)});
   }
+  // A benchmark runs its full length; otherwise generation stops at an end token (EOS, EOT, EOM).
+  const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
+  const bool stop_at_end = !script && !o.ignore_eos;
 
   if (!o.json) {
     std::printf("expert-run: %s\n", engine_note.c_str());
@@ -261,8 +294,9 @@ int run(Options o) {
   std::fflush(stdout);  // the header before any progress line on stderr
   const auto before = model_counters(client, o.model);
   std::vector<float> logits(p.n_vocab);
-  Sampler sampler(SamplerOptions{o.temperature, o.top_p, o.seed}, p.n_vocab);
-  std::vector<double> stall_ms_each;  // per generated token
+  Sampler sampler(so, p.n_vocab);
+  for (const uint32_t t : *prompt) sampler.accept(t);  // the penalty's window starts in the prompt
+  std::vector<double> stall_ms_each;                   // per generated token
   // A progress line for long benchmark runs, on a terminal only.
   const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
   const auto t0 = expertd::monotonic_ns();
@@ -273,10 +307,24 @@ int run(Options o) {
   const EngineStats at_prompt = engine->stats();
   const auto mid = model_counters(client, o.model);
   std::vector<uint32_t> generated;
+  // The text shown: each token's text through the stop matcher, end tokens left out.
+  std::string text;
+  const char* stop_reason = "max_tokens";
   while (generated.size() < o.max_tokens) {
     const uint32_t next = sampler.sample(logits);
     generated.push_back(next);
-    if (next == eos && !o.ignore_eos) break;
+    if (stop_at_end && end_tokens.contains(next)) {
+      stop_reason = "eos";
+      break;
+    }
+    if (vocab) {
+      const StopMatcher::Step step = stops->push(vocab->decode(next));
+      text.append(step.emit);
+      if (step.stop) {
+        stop_reason = "stop";
+        break;
+      }
+    }
     if (generated.size() == o.max_tokens) break;
     const uint64_t stall0 = engine->stats().stall_ns;
     if (auto st = engine->decode(next, logits); !st) return fail(st.error());
@@ -286,6 +334,7 @@ int run(Options o) {
     }
   }
   if (progress) std::fprintf(stderr, "\r\033[K");
+  if (vocab) text.append(stops->finish());
   const auto t2 = expertd::monotonic_ns();
   const auto after = model_counters(client, o.model);
   if (!o.record_trace.empty()) {
@@ -312,7 +361,6 @@ int run(Options o) {
   const uint64_t disk = (after.misses - before.misses) + coalesced;
   const double copy_gbps =
       s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
-  const std::string text = vocab ? vocab->decode(generated) : std::string();
 
   nlohmann::json by_depth = nlohmann::json::array();
   for (size_t d = 0; d < s.by_depth.size(); ++d) {
@@ -332,6 +380,7 @@ int run(Options o) {
         {"model", o.model},
         {"prompt_tokens", *prompt},
         {"generated", generated},
+        {"stop_reason", stop_reason},
         {"tokens_per_s", tokens_per_s},
         {"prompt_tokens_per_s", prompt_tokens_per_s},
         {"stall_ms_per_token", stall_ms},
@@ -398,6 +447,7 @@ int run(Options o) {
   for (const uint32_t t : generated) ids += (ids.empty() ? "" : " ") + std::to_string(t);
   std::printf("prompt: %zu tokens, %.1f tokens/s\n", prompt->size(), prompt_tokens_per_s);
   std::printf("generated: %s\n", ids.c_str());
+  std::printf("stopped: %s\n", stop_reason);
   if (vocab) {
     const std::string quoted =
         nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -470,6 +520,17 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", o.temperature, "Sampling temperature (0 = greedy)");
   app.add_option("--top-p", o.top_p, "Nucleus sampling mass (1)");
   app.add_option("--seed", o.seed, "Sampling seed (0)");
+  app.add_option("--top-k", o.top_k, "Sample from the K most probable tokens only (0 = off)");
+  app.add_option("--min-p", o.min_p,
+                 "Drop tokens less probable than MIN_P times the most probable one (0 = off)");
+  app.add_option("--repeat-penalty", o.repeat_penalty,
+                 "Divide the positive logits (multiply the negative ones) of tokens seen in the "
+                 "last --repeat-last-n tokens, prompt included, by this (1 = off)");
+  app.add_option("--repeat-last-n", o.repeat_last_n,
+                 "Tokens the repetition penalty looks back over (64; 0 = off)");
+  app.add_option("--stop", o.stop,
+                 "Stop when the text ends with this string, which is not printed (repeatable)")
+      ->allow_extra_args(false);
   app.add_flag("--ignore-eos", o.ignore_eos, "Keep generating past the end-of-sequence token");
   app.add_option("--record-trace", o.record_trace,
                  "Write the routing decisions as canonical JSONL to this file");
@@ -484,6 +545,11 @@ int main(int argc, char** argv) {
                "deepseek4: do not hint the hash layers' experts when the token is known (to "
                "measure what the exact hints give)");
   app.add_flag("--json", o.json, "Print one JSON object");
+  app.footer(
+      "Sampling applies, in order: the repetition penalty, the temperature, top-k, top-p, "
+      "min-p, then one seeded draw (docs/ENGINE.md, \"Sampling and stopping\"). Generation "
+      "stops at an end token (EOS/EOT/EOM), a --stop string or --max-tokens; --json says which "
+      "in stop_reason.");
   CLI11_PARSE(app, argc, argv);
   return run(o);
 }
