@@ -400,21 +400,8 @@ Status Ds4GpuEngine::Impl::init() {
   Carver dc;
   EXPERTD_TRY(carve_dense(dc));
   dense_device_bytes = dc.total();
-  size_t free_b = 0;
-  size_t total_b = 0;
-  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  if (dense_device_bytes + (uint64_t{256} << 20) > free_b) {
-    return make_error(ENOMEM,
-                      fmt::format("{}: the dense weights need {} of device memory, {} is "
-                                  "free on {}",
-                                  model.path(), gib(dense_device_bytes), gib(free_b), device_name));
-  }
-  Result<DeviceBytes> dense = DeviceBytes::alloc(dense_device_bytes);
-  if (!dense) {
-    return make_error(ENOMEM, fmt::format("cannot allocate {} for the dense weights on {}",
-                                          gib(dense_device_bytes), device_name));
-  }
-  dense_mem = std::move(*dense);
+  EXPERTD_TRY_ASSIGN(
+      dense_mem, gpu::alloc_dense(dense_device_bytes, "as in the file", model.path(), device_name));
   dc.start(dense_mem.get());
   EXPERTD_TRY(carve_dense(dc));
   EXPERTD_CUDA_TRY(dc.error());

@@ -238,21 +238,8 @@ Status GpuEngine::Impl::upload_dense() {
                              align_up(uint64_t{p.n_expert} * e * 4, kAlign);
   const uint64_t table = align_up(uint64_t{p.n_vocab} * e * 4, kAlign);
   dense_device_bytes = per_layer * p.n_layer + table * (tied ? 1 : 2) + align_up(e * 4, kAlign);
-  size_t free_b = 0;
-  size_t total_b = 0;
-  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  if (dense_device_bytes + (uint64_t{256} << 20) > free_b) {
-    return make_error(ENOMEM,
-                      fmt::format("{}: the dense weights need {} of device memory as f32, "
-                                  "{} is free on {}",
-                                  model.path(), gib(dense_device_bytes), gib(free_b), device_name));
-  }
-  Result<DeviceBytes> dense = DeviceBytes::alloc(dense_device_bytes);
-  if (!dense) {
-    return make_error(ENOMEM, fmt::format("cannot allocate {} for the dense weights on {}",
-                                          gib(dense_device_bytes), device_name));
-  }
-  dense_mem = std::move(*dense);
+  EXPERTD_TRY_ASSIGN(dense_mem,
+                     gpu::alloc_dense(dense_device_bytes, "as f32", model.path(), device_name));
   uint8_t* cursor = dense_mem.get();
   auto take = [&](uint64_t bytes) {
     float* out = reinterpret_cast<float*>(cursor);

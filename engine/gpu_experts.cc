@@ -18,6 +18,25 @@ std::string gib(uint64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
 }
 
+Result<DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
+                                const std::string& model_path, const std::string& device_name) {
+  size_t free_b = 0;
+  size_t total_b = 0;
+  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  if (bytes + (uint64_t{256} << 20) > free_b) {
+    return make_error(ENOMEM,
+                      fmt::format("{}: the dense weights need {} of device memory {}, {} is "
+                                  "free on {}",
+                                  model_path, gib(bytes), what, gib(free_b), device_name));
+  }
+  Result<DeviceBytes> dense = DeviceBytes::alloc(bytes);
+  if (!dense) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} for the dense weights on {}",
+                                          gib(bytes), device_name));
+  }
+  return dense;
+}
+
 GpuExperts::GpuExperts(const DenseModel& model, ExpertSource& source, const GpuOptions& gpu,
                        EngineStats& stats, cudaStream_t compute, cudaStream_t copy)
     : model_(model),

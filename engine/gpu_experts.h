@@ -41,6 +41,12 @@ inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string gib(uint64_t bytes);
 
+// `bytes` of device memory for a model's dense weights (`what` says how they are stored), after
+// checking that they fit with 256 MiB to spare; errors name the model, both sizes and the device.
+Result<cuda::DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
+                                      const std::string& model_path,
+                                      const std::string& device_name);
+
 // Where one expert's projections sit in a device slot (or, in place, in the mapped arena).
 struct ExpertPtrs {
   const void* gate = nullptr;
