@@ -134,15 +134,131 @@ std::optional<uint32_t> id_of(const GgufFile& f, std::string_view key, size_t vo
 
 }  // namespace
 
+Status Tokenizer::load_tokens(const GgufFile& f) {
+  const GgufArray* tokens = array_of(f, "tokenizer.ggml.tokens", GgufValueType::STRING);
+  if (tokens == nullptr || tokens->count == 0) {
+    return make_error(EINVAL, fmt::format("{}: no tokenizer.ggml.tokens", f.path()));
+  }
+  if (tokens->count > UINT32_MAX) {
+    return make_error(EINVAL, fmt::format("{}: {} tokens", f.path(), tokens->count));
+  }
+  const GgufArray* types = array_of(f, "tokenizer.ggml.token_type", GgufValueType::INT32);
+  if (types != nullptr && types->count != tokens->count) {
+    return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.token_type has {} entries for {} "
+                                          "tokens",
+                                          f.path(), types->count, tokens->count));
+  }
+  const auto n = static_cast<uint32_t>(tokens->count);
+  tokens_.reserve(n);
+  types_.reserve(n);
+  specials_by_byte_.resize(256);
+  for (uint32_t i = 0; i < n; ++i) {
+    tokens_.emplace_back(tokens->string_at(i));
+    const int64_t ty = types != nullptr ? types->int_at(i).value_or(1) : 1;
+    const TokenType type = ty >= 0 && ty <= 6 ? static_cast<TokenType>(ty) : TokenType::kNormal;
+    types_.push_back(type);
+    if ((type == TokenType::kControl || type == TokenType::kUserDefined ||
+         type == TokenType::kUnknown) &&
+        !tokens_.back().empty()) {
+      specials_by_byte_[static_cast<uint8_t>(tokens_.back()[0])].push_back(i);
+    }
+    // The first id wins for a piece stored twice, as a JSON vocabulary's map would keep one.
+    ids_.emplace(tokens_.back(), i);
+  }
+  for (auto& list : specials_by_byte_) {
+    std::stable_sort(list.begin(), list.end(), [this](uint32_t a, uint32_t b) {
+      return tokens_[a].size() > tokens_[b].size();
+    });
+  }
+  return Ok{};
+}
+
+Status Tokenizer::load_bos_eos(const GgufFile& f) {
+  const auto n = static_cast<uint32_t>(tokens_.size());
+  bos_ = id_of(f, "tokenizer.ggml.bos_token_id", n);
+  eos_ = id_of(f, "tokenizer.ggml.eos_token_id", n);
+  const GgufValue* add_bos = f.find("tokenizer.ggml.add_bos_token");
+  add_bos_ = add_bos != nullptr && add_bos->as_bool().value_or(false);
+  if (add_bos_ && !bos_) {
+    return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.add_bos_token is set but there is "
+                                          "no valid tokenizer.ggml.bos_token_id",
+                                          f.path()));
+  }
+  return Ok{};
+}
+
+// SentencePiece BPE (Mistral, Mixtral) as transformers converts it for HF: the merges are every
+// split of a piece into two pieces, ranked by the piece's score (higher first; ties by piece id,
+// then the left and right ids), which is tokenizers' SentencePieceExtractor.
+Result<Tokenizer> Tokenizer::from_gguf_spm(const GgufFile& f) {
+  Tokenizer t;
+  t.spm_ = true;
+  t.pre_ = "default";
+  if (Status st = t.load_tokens(f); !st) return st.take_error();
+  const GgufArray* scores = array_of(f, "tokenizer.ggml.scores", GgufValueType::FLOAT32);
+  if (scores == nullptr || scores->count != t.tokens_.size()) {
+    return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.scores is missing or not one float "
+                                          "per token",
+                                          f.path()));
+  }
+  t.byte_ids_.resize(256);
+  for (uint32_t b = 0; b < 256; ++b) {
+    const auto it = t.ids_.find(fmt::format("<0x{:02X}>", b));
+    if (it == t.ids_.end() || t.types_[it->second] != TokenType::kByte) {
+      return make_error(EINVAL, fmt::format("{}: no byte token <0x{:02X}> (byte fallback needs all "
+                                            "256)",
+                                            f.path(), b));
+    }
+    t.byte_ids_[b] = it->second;
+  }
+  struct Merge {
+    float score;
+    uint32_t piece;
+    uint32_t left;
+    uint32_t right;
+  };
+  std::vector<Merge> merges;
+  for (uint32_t i = 0; i < t.tokens_.size(); ++i) {
+    const std::string& piece = t.tokens_[i];
+    if (t.ids_.at(piece) != i) continue;  // a duplicate piece: the vocabulary keeps the first
+    const float score = static_cast<float>(scores->float_at(i).value_or(0.0));
+    for (size_t k = utf8_len(piece, 0); k > 0 && k < piece.size();) {
+      const auto l = t.ids_.find(piece.substr(0, k));
+      const auto r = t.ids_.find(piece.substr(k));
+      if (l != t.ids_.end() && r != t.ids_.end())
+        merges.push_back({score, i, l->second, r->second});
+      const size_t step = utf8_len(piece, k);
+      if (step == 0) break;  // not UTF-8: no further split points
+      k += step;
+    }
+  }
+  std::stable_sort(merges.begin(), merges.end(), [](const Merge& a, const Merge& b) {
+    if (a.score != b.score) return a.score > b.score;
+    if (a.piece != b.piece) return a.piece < b.piece;
+    return a.left != b.left ? a.left < b.left : a.right < b.right;
+  });
+  t.merges_.reserve(merges.size());
+  for (uint32_t rank = 0; rank < merges.size(); ++rank) {
+    const Merge& m = merges[rank];
+    t.merges_.emplace((static_cast<uint64_t>(m.left) << 32) | m.right,
+                      std::make_pair(rank, m.piece));
+  }
+  const GgufValue* prefix = f.find("tokenizer.ggml.add_space_prefix");
+  t.add_space_prefix_ = prefix == nullptr || prefix->as_bool().value_or(true);
+  if (Status st = t.load_bos_eos(f); !st) return st.take_error();
+  return t;
+}
+
 Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
   const GgufValue* model = f.find("tokenizer.ggml.model");
   const std::string* model_name = model != nullptr ? model->as_string() : nullptr;
   if (model_name == nullptr) {
     return make_error(EINVAL, fmt::format("{}: no tokenizer.ggml.model", f.path()));
   }
+  if (*model_name == "llama") return from_gguf_spm(f);
   if (*model_name != "gpt2") {
     return make_error(ENOTSUP, fmt::format("{}: tokenizer.ggml.model \"{}\" is not supported "
-                                           "(supported: gpt2)",
+                                           "(supported: gpt2, llama)",
                                            f.path(), *model_name));
   }
   const GgufValue* pre = f.find("tokenizer.ggml.pre");
@@ -170,42 +286,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     t.regexes_->codes.push_back(std::move(*re));
   }
 
-  const GgufArray* tokens = array_of(f, "tokenizer.ggml.tokens", GgufValueType::STRING);
-  if (tokens == nullptr || tokens->count == 0) {
-    return make_error(EINVAL, fmt::format("{}: no tokenizer.ggml.tokens", f.path()));
-  }
-  if (tokens->count > UINT32_MAX) {
-    return make_error(EINVAL, fmt::format("{}: {} tokens", f.path(), tokens->count));
-  }
-  const GgufArray* types = array_of(f, "tokenizer.ggml.token_type", GgufValueType::INT32);
-  if (types != nullptr && types->count != tokens->count) {
-    return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.token_type has {} entries for {} "
-                                          "tokens",
-                                          f.path(), types->count, tokens->count));
-  }
-  const auto n = static_cast<uint32_t>(tokens->count);
-  t.tokens_.reserve(n);
-  t.types_.reserve(n);
-  t.specials_by_byte_.resize(256);
-  for (uint32_t i = 0; i < n; ++i) {
-    t.tokens_.emplace_back(tokens->string_at(i));
-    const int64_t ty = types != nullptr ? types->int_at(i).value_or(1) : 1;
-    const TokenType type = ty >= 0 && ty <= 6 ? static_cast<TokenType>(ty) : TokenType::kNormal;
-    t.types_.push_back(type);
-    if ((type == TokenType::kControl || type == TokenType::kUserDefined) &&
-        !t.tokens_.back().empty()) {
-      t.specials_by_byte_[static_cast<uint8_t>(t.tokens_.back()[0])].push_back(i);
-    } else {
-      // The first id wins for a piece stored twice, as a JSON vocabulary's map would keep one.
-      t.ids_.emplace(t.tokens_.back(), i);
-    }
-  }
-  for (auto& list : t.specials_by_byte_) {
-    std::stable_sort(list.begin(), list.end(), [&](uint32_t a, uint32_t b) {
-      return t.tokens_[a].size() > t.tokens_[b].size();
-    });
-  }
-
+  if (Status st = t.load_tokens(f); !st) return st.take_error();
   t.byte_ids_.resize(256);
   for (uint32_t b = 0; b < 256; ++b) {
     const auto it = t.ids_.find(byte_level_piece(static_cast<uint8_t>(b)));
@@ -245,15 +326,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     t.merges_.emplace(key, std::make_pair(static_cast<uint32_t>(r), merged->second));
   }
 
-  t.bos_ = id_of(f, "tokenizer.ggml.bos_token_id", n);
-  t.eos_ = id_of(f, "tokenizer.ggml.eos_token_id", n);
-  const GgufValue* add_bos = f.find("tokenizer.ggml.add_bos_token");
-  t.add_bos_ = add_bos != nullptr && add_bos->as_bool().value_or(false);
-  if (t.add_bos_ && !t.bos_) {
-    return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.add_bos_token is set but there is "
-                                          "no valid tokenizer.ggml.bos_token_id",
-                                          f.path()));
-  }
+  if (Status st = t.load_bos_eos(f); !st) return st.take_error();
   return t;
 }
 
@@ -294,6 +367,20 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, bool add_
 
 void Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out) const {
   if (text.empty()) return;
+  if (spm_) {
+    // HF's normalizer for these: Prepend("▁") then Replace(" ", "▁"), on each stretch of text
+    // between special tokens; no pre-tokenizer, so the whole stretch is one word.
+    std::string word = add_space_prefix_ ? "\u2581" : "";
+    for (const char c : text) {
+      if (c == ' ') {
+        word += "\u2581";
+      } else {
+        word += c;
+      }
+    }
+    encode_piece(word, out);
+    return;
+  }
   std::string normalized;
   if (nfc_) {
     utf8proc_uint8_t* mapped = nullptr;
@@ -363,9 +450,25 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out)
   };
   std::vector<Symbol> syms;
   syms.reserve(piece.size());
-  for (size_t i = 0; i < piece.size(); ++i) {
-    syms.push_back({byte_ids_[static_cast<uint8_t>(piece[i])], static_cast<int32_t>(i) - 1,
-                    i + 1 < piece.size() ? static_cast<int32_t>(i + 1) : -1, true});
+  const auto add = [&](uint32_t id) {
+    const auto n = static_cast<int32_t>(syms.size());
+    if (n > 0) syms.back().next = n;
+    syms.push_back({id, n - 1, -1, true});
+  };
+  if (spm_) {
+    // Each character that is a piece starts as that piece; any other is its UTF-8 bytes as byte
+    // tokens (byte fallback).
+    for (size_t i = 0; i < piece.size();) {
+      const size_t len = std::max<size_t>(1, utf8_len(piece, i));
+      if (const auto it = ids_.find(std::string(piece.substr(i, len))); it != ids_.end()) {
+        add(it->second);
+      } else {
+        for (size_t j = i; j < i + len; ++j) add(byte_ids_[static_cast<uint8_t>(piece[j])]);
+      }
+      i += len;
+    }
+  } else {
+    for (const char c : piece) add(byte_ids_[static_cast<uint8_t>(c)]);
   }
   struct Candidate {
     uint32_t rank;
@@ -408,13 +511,36 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out)
 std::string Tokenizer::decode(uint32_t token) const {
   if (token >= tokens_.size()) return {};
   const TokenType t = types_[token];
-  if (t == TokenType::kControl || t == TokenType::kUserDefined) return tokens_[token];
+  if (spm_) {
+    if (t == TokenType::kByte) {
+      for (uint32_t b = 0; b < 256; ++b) {
+        if (byte_ids_[b] == token) return std::string(1, static_cast<char>(b));
+      }
+    }
+    // HF's decoder replaces ▁ in every token, special ones included.
+    std::string out;
+    const std::string& piece = tokens_[token];
+    for (size_t i = 0; i < piece.size();) {
+      if (piece.compare(i, 3, "\u2581") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += piece[i++];
+      }
+    }
+    return out;
+  }
+  if (t == TokenType::kControl || t == TokenType::kUserDefined || t == TokenType::kUnknown) {
+    return tokens_[token];
+  }
   return decode_byte_level(tokens_[token]);
 }
 
 std::string Tokenizer::decode(const std::vector<uint32_t>& tokens) const {
   std::string out;
   for (const uint32_t t : tokens) out += decode(t);
+  // SentencePiece: HF's Strip(" ", 1, 0) takes the space the encoder put in front.
+  if (spm_ && add_space_prefix_ && !out.empty() && out[0] == ' ') out.erase(0, 1);
   return out;
 }
 

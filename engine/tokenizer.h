@@ -6,11 +6,13 @@
 // "gpt-2" (GPT-2's regex), "qwen2" (Qwen2's regex, NFC normalisation as its tokenizer.json
 // has it), "llama-bpe"/"llama3" (Llama 3's regex; a pre-token that is itself a token is not
 // merged: its tokenizer.json sets ignore_merges), "deepseek-v3" (DeepSeek-V3's three splits; also
-// what llama.cpp's converter writes for DeepSeek-V4). Anything else is refused by name.
+// what llama.cpp's converter writes for DeepSeek-V4). Also "llama" (SentencePiece BPE with byte
+// fallback, Mistral/Mixtral: tokens + scores, in HF's form as transformers converts them). Any
+// other model or pre-tokenizer is refused by name.
 //
-// Tokens of type CONTROL and USER_DEFINED (tokenizer.ggml.token_type; HF's added tokens) are found
-// in the text first, leftmost and then longest, and become their own id; the text between them
-// is normalised, pre-tokenized and merged. encode(text, add_special) puts BOS in front when
+// Tokens of type CONTROL, USER_DEFINED and UNKNOWN (tokenizer.ggml.token_type; HF's added tokens)
+// are found in the text first, leftmost and then longest, and become their own id; the text between
+// them is normalised, pre-tokenized and merged. encode(text, add_special) puts BOS in front when
 // add_special and tokenizer.ggml.add_bos_token say so.
 //
 // The pre-tokenizer regexes run on PCRE2 (UTF + Unicode properties), compiled once in
@@ -55,8 +57,10 @@ class Tokenizer {
   // The ids of `text`; add_special puts BOS first when the GGUF's add_bos_token is true. Text that
   // is not valid UTF-8 is an error (HF takes only Unicode strings).
   Result<std::vector<uint32_t>> encode(std::string_view text, bool add_special) const;
-  // The bytes of the tokens: byte-level pieces back to their bytes, CONTROL and USER_DEFINED
-  // tokens as their text; an id outside the vocabulary is "".
+  // The bytes of the tokens: byte-level pieces back to their bytes, CONTROL, USER_DEFINED and
+  // UNKNOWN tokens as their text; SentencePiece pieces with ▁ as a space and <0xXX> as the byte,
+  // and the sequence without the one leading space the encoder added (HF's Strip decoder; the
+  // single-token form keeps it). An id outside the vocabulary is "".
   std::string decode(uint32_t token) const;
   std::string decode(const std::vector<uint32_t>& tokens) const;
 
@@ -70,6 +74,9 @@ class Tokenizer {
  private:
   struct Regexes;  // the compiled PCRE2 patterns (tokenizer.cc)
   Tokenizer();
+  static Result<Tokenizer> from_gguf_spm(const GgufFile& file);
+  Status load_tokens(const GgufFile& file);
+  Status load_bos_eos(const GgufFile& file);
 
   void encode_segment(std::string_view text, std::vector<uint32_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
@@ -83,7 +90,9 @@ class Tokenizer {
   std::vector<uint32_t> byte_ids_;  // byte → its single-byte token
   // CONTROL and USER_DEFINED tokens by first byte, longest first.
   std::vector<std::vector<uint32_t>> specials_by_byte_;
-  std::unique_ptr<Regexes> regexes_;
+  std::unique_ptr<Regexes> regexes_;  // empty for SentencePiece
+  bool spm_ = false;                  // tokenizer.ggml.model "llama" (SentencePiece BPE)
+  bool add_space_prefix_ = true;      // SentencePiece: "▁" in front of each stretch of text
   bool nfc_ = false;
   bool ignore_merges_ = false;
   std::optional<uint32_t> bos_;

@@ -1,7 +1,7 @@
 // engine/tokenizer against Hugging Face `tokenizers`: the GGUFs and HF's encodings of a fixed
 // corpus of 10,000 strings come from tools/reference/make_tokenizer_fixtures.py (small byte-level
-// BPE vocabularies trained with each model family's pre-tokenizer, written as llama.cpp's converter
-// writes them).
+// BPE vocabularies trained with each model family's pre-tokenizer, and a Mixtral-style
+// SentencePiece BPE with byte fallback, written as llama.cpp's converter writes them).
 #include "engine/tokenizer.h"
 
 #include <gtest/gtest.h>
@@ -90,7 +90,7 @@ TEST_P(TokenizerVsHf, EveryCorpusStringEncodesAndDecodesAsHf) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TokenizerVsHf,
-                         ::testing::Values("gpt2", "qwen2", "llama3", "deepseek-v3"),
+                         ::testing::Values("gpt2", "qwen2", "llama3", "deepseek-v3", "mixtral"),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -167,10 +167,11 @@ TEST(Tokenizer, UnknownPreTokenizerOrModelIsRefusedByName) {
   EXPECT_NE(unknown.error().message.find("tokenizer.ggml.pre \"chameleon\" is not supported"),
             std::string::npos)
       << unknown.error().message;
-  auto spm = with_keys(dir.path(), "llama", "default");
-  ASSERT_FALSE(spm);
-  EXPECT_NE(spm.error().message.find("tokenizer.ggml.model \"llama\""), std::string::npos)
-      << spm.error().message;
+  auto rwkv = with_keys(dir.path(), "rwkv", "default");
+  ASSERT_FALSE(rwkv);
+  EXPECT_NE(rwkv.error().message.find("tokenizer.ggml.model \"rwkv\" is not supported"),
+            std::string::npos)
+      << rwkv.error().message;
 }
 
 TEST(Tokenizer, NoPreKeyIsDefaultWhichSplitsAsGpt2) {
@@ -184,6 +185,31 @@ TEST(Tokenizer, NoPreKeyIsDefaultWhichSplitsAsGpt2) {
     const std::string s = corpus[i].get<std::string>();
     EXPECT_EQ(*def->encode(s, false), *gpt2.encode(s, false)) << escaped(s);
   }
+}
+
+}  // namespace
+}  // namespace expertd::engine
+
+namespace expertd::engine {
+namespace {
+
+TEST(Tokenizer, SentencePieceFallsBackToBytesAndPrefixesEachStretch) {
+  const Tokenizer tok = load("mixtral");
+  EXPECT_TRUE(tok.add_bos());
+  EXPECT_EQ(tok.type(0), TokenType::kUnknown);
+  // A character the vocabulary does not have (U+16A0, runic) becomes its three UTF-8 bytes
+  // (HF: ▁ <0xE1> <0x9A> <0xA0>).
+  auto ids = tok.encode("\xe1\x9a\xa0", false);
+  ASSERT_TRUE(ids);
+  ASSERT_EQ(ids->size(), 4u) << show(*ids);
+  EXPECT_EQ(tok.decode((*ids)[0]), " ");
+  for (size_t i = 1; i < 4; ++i) EXPECT_EQ(tok.type((*ids)[i]), TokenType::kByte);
+  EXPECT_EQ(tok.decode(*ids), "\xe1\x9a\xa0");
+  // Text after a special token gets its own ▁ (HF's Prepend normaliser runs per stretch).
+  auto s = tok.encode("a</s>b", true);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->front(), 1u);
+  EXPECT_EQ(tok.decode(*s), "<s> a</s> b");
 }
 
 }  // namespace
