@@ -356,17 +356,17 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, bool add_
       ++i;
       continue;
     }
-    encode_segment(text.substr(start, i - start), out);
+    if (Status st = encode_segment(text.substr(start, i - start), out); !st) return st.take_error();
     out.push_back(found);
     i += tokens_[found].size();
     start = i;
   }
-  encode_segment(text.substr(start), out);
+  if (Status st = encode_segment(text.substr(start), out); !st) return st.take_error();
   return out;
 }
 
-void Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out) const {
-  if (text.empty()) return;
+Status Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out) const {
+  if (text.empty()) return Ok{};
   if (spm_) {
     // HF's normalizer for these: Prepend("▁") then Replace(" ", "▁"), on each stretch of text
     // between special tokens; no pre-tokenizer, so the whole stretch is one word.
@@ -379,7 +379,7 @@ void Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out
       }
     }
     encode_piece(word, out);
-    return;
+    return Ok{};
   }
   std::string normalized;
   if (nfc_) {
@@ -411,7 +411,13 @@ void Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out
         const int rc =
             pcre2_match(re.get(), subject, len, at, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
         if (rc == PCRE2_ERROR_NOMATCH) break;
-        EXPERTD_CHECK(rc > 0);  // a resource limit on a bounded pattern is a bug
+        if (rc <= 0) {  // PCRE2's match or depth limit: input, not a bug
+          PCRE2_UCHAR msg[256];
+          pcre2_get_error_message(rc, msg, sizeof msg);
+          return make_error(EOVERFLOW, fmt::format("tokenizer: the pre-tokenizer regex failed on "
+                                                   "a piece of {} bytes: {}",
+                                                   len, reinterpret_cast<const char*>(msg)));
+        }
         const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
         const size_t b = ov[0];
         const size_t e = ov[1];
@@ -429,6 +435,7 @@ void Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& out
     pieces.swap(next);
   }
   for (const Span p : pieces) encode_piece(text.substr(p.begin, p.end - p.begin), out);
+  return Ok{};
 }
 
 void Tokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out) const {

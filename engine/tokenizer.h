@@ -55,7 +55,8 @@ class Tokenizer {
   ~Tokenizer();
 
   // The ids of `text`; add_special puts BOS first when the GGUF's add_bos_token is true. Text that
-  // is not valid UTF-8 is an error (HF takes only Unicode strings).
+  // is not valid UTF-8 is an error (HF takes only Unicode strings), as is a piece on which PCRE2
+  // reaches its match limit.
   Result<std::vector<uint32_t>> encode(std::string_view text, bool add_special) const;
   // The bytes of the tokens: byte-level pieces back to their bytes, CONTROL, USER_DEFINED and
   // UNKNOWN tokens as their text; SentencePiece pieces with ▁ as a space and <0xXX> as the byte,
@@ -78,7 +79,7 @@ class Tokenizer {
   Status load_tokens(const GgufFile& file);
   Status load_bos_eos(const GgufFile& file);
 
-  void encode_segment(std::string_view text, std::vector<uint32_t>& out) const;
+  Status encode_segment(std::string_view text, std::vector<uint32_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
 
   std::string pre_;

@@ -120,6 +120,19 @@ TEST(Tokenizer, SpecialTokensAreWholeTokensAndBosFollowsAddBos) {
   EXPECT_EQ(no_bos->size(), gpt2.encode("hi", false)->size());
 }
 
+// Long runs (a pasted file, a whitespace block) are one pre-token each: they must neither hit
+// PCRE2's limits nor lose bytes.
+TEST(Tokenizer, LongRunsEncodeAndRoundTrip) {
+  const std::string text = std::string(200000, ' ') + "a" + std::string(200000, 'x') +
+                           std::string(100000, '7') + std::string(50000, '\n') + "\xe4\xbd\xa0";
+  for (const char* name : {"gpt2", "qwen2", "llama3", "deepseek-v3", "mixtral"}) {
+    const Tokenizer tok = load(name);
+    auto ids = tok.encode(text, false);
+    ASSERT_TRUE(ids) << name << ": " << ids.error().message;
+    EXPECT_EQ(tok.decode(*ids), text) << name;
+  }
+}
+
 TEST(Tokenizer, InvalidUtf8IsAnError) {
   const Tokenizer tok = load("gpt2");
   for (const std::string& bad : {std::string("a\xff"), std::string("\xc3"),
