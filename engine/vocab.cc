@@ -71,6 +71,19 @@ std::string decode_byte_level(const std::string& piece) {
   return out;
 }
 
+std::string byte_level_piece(uint8_t byte) {
+  static const std::array<uint8_t, kShifted> shifted = shifted_bytes();
+  std::string out;
+  if (printable(byte)) {
+    append_utf8(out, byte);
+    return out;
+  }
+  uint32_t n = 0;
+  while (shifted[n] != byte) ++n;
+  append_utf8(out, 256 + n);
+  return out;
+}
+
 std::optional<Vocab> Vocab::from_gguf(const GgufModel& model) {
   const GgufValue* tokens = model.meta().find("tokenizer.ggml.tokens");
   const GgufArray* arr = tokens != nullptr ? tokens->as_array() : nullptr;

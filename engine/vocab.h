@@ -33,5 +33,7 @@ class Vocab {
 // GPT-2's byte-level decoding of one piece: every character of bytes_to_unicode's alphabet back to
 // its byte; other characters are kept as their UTF-8.
 std::string decode_byte_level(const std::string& piece);
+// The other way for one byte: the UTF-8 of bytes_to_unicode's character for `byte`.
+std::string byte_level_piece(uint8_t byte);
 
 }  // namespace expertd::engine

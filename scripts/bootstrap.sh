@@ -9,6 +9,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   clang clang-format libclang-rt-14-dev
   liburing-dev capnproto libcapnp-dev
+  libpcre2-dev libutf8proc-dev
   libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libsystemd-dev systemd
   libgtest-dev libgmock-dev googletest libbenchmark-dev
