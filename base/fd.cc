@@ -8,15 +8,6 @@
 
 namespace expertd {
 
-void UniqueFd::reset(int fd) {
-  if (fd_ >= 0 && fd_ != fd) {
-    const int saved = errno;  // a cleanup on an error path must not change the error
-    ::close(fd_);             // not retried on EINTR: on Linux the fd is released either way
-    errno = saved;
-  }
-  fd_ = fd;
-}
-
 UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
 
 Mapping Mapping::map(size_t bytes, int prot, int flags, int fd, int64_t offset) {

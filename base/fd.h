@@ -8,31 +8,9 @@
 #include <cstdint>
 #include <utility>
 
+#include "expertd/unique_fd.h"  // UniqueFd (public: the client library returns it)
+
 namespace expertd {
-
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  // Gives the fd up without closing it.
-  [[nodiscard]] int release() { return std::exchange(fd_, -1); }
-  // Closes the held fd (errno is preserved) and holds `fd` instead.
-  void reset(int fd = -1);
-
- private:
-  int fd_ = -1;
-};
 
 // dup(2) with FD_CLOEXEC; an invalid UniqueFd (errno set) on failure.
 UniqueFd dup_fd(int fd);

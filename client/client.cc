@@ -366,6 +366,62 @@ Result<uint32_t> Client::evict_all(const std::string& model) {
   });
 }
 
+Result<std::vector<ModelFile>> Client::model_files(const std::string& model) {
+  std::vector<ModelFile> files;
+  // One call per message's worth of fds (the daemon sends at most kMaxFdsPerMessage).
+  for (uint32_t count = 1; files.size() < count;) {
+    const auto first = static_cast<uint32_t>(files.size());
+    uint32_t got_count = 0;
+    std::vector<ModelFile> part;
+    EXPERTD_TRY_ASSIGN(part, conn_->call<std::vector<ModelFile>>([&](Connection::State& s) {
+      auto req = s.bootstrap.modelFilesRequest();
+      req.setModel(text(model));
+      req.setFirst(first);
+      return req.send().then([&got_count](capnp::Response<rpc::Expertd::ModelFilesResults> r) {
+        got_count = r.getShardCount();
+        std::vector<ModelFile> out;
+        auto caps = kj::heapArrayBuilder<rpc::Fd::Client>(r.getFiles().size());
+        auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(r.getFiles().size());
+        for (auto f : r.getFiles()) {
+          ModelFile m;
+          m.shard = f.getShard();
+          m.name = str(f.getName());
+          m.path = str(f.getPath());
+          m.bytes = f.getBytes();
+          out.push_back(std::move(m));
+          caps.add(f.getFile());
+          fds.add(caps.back().getFd());
+        }
+        // The capabilities own their fds until the dup()s below (as in attach()).
+        return kj::joinPromises(fds.finish())
+            .then([out = std::move(out),
+                   caps = caps.finish()](kj::Array<kj::Maybe<int>> got) mutable {
+              for (size_t i = 0; i < got.size(); ++i) {
+                KJ_IF_MAYBE (fd, got[i]) {
+                  out[i].fd = dup_fd(*fd);
+                }
+              }
+              return std::move(out);
+            });
+      });
+    }));
+    count = got_count;
+    if (part.empty() || files.size() + part.size() > count) {
+      return make_error(EPROTO, fmt::format("model_files '{}': expertd sent {} files from {} of {}",
+                                            model, part.size(), first, count));
+    }
+    for (ModelFile& f : part) {
+      if (f.shard != files.size() || !f.fd.valid()) {
+        return make_error(EPROTO, fmt::format("model_files '{}': file {} ({}) came as shard {}{}",
+                                              model, files.size(), f.name, f.shard,
+                                              f.fd.valid() ? "" : " without its file descriptor"));
+      }
+      files.push_back(std::move(f));
+    }
+  }
+  return files;
+}
+
 Status Client::ping() {
   return conn_->call<Ok>([](Connection::State& s) {
     return s.bootstrap.pingRequest().send().then([](auto) { return Ok{}; });

@@ -127,6 +127,16 @@ struct Stats {
   sessionsClosedHostile @11 :UInt64;
 }
 
+# One file of a model (a shard of a split model), passed read-only so that a client needs only the
+# socket and the model's name to read its dense weights.
+struct ModelFile {
+  shard @0 :UInt32;  # 0-based shard index
+  name @1 :Text;     # the file's name without its directory (for messages)
+  path @2 :Text;     # where the daemon opened it (for messages; the client reads the fd)
+  bytes @3 :UInt64;  # the file's size
+  file @4 :Fd;       # opened O_RDONLY by the daemon: the same file it serves the experts from
+}
+
 # One attached client of one model. Dropping this capability (or the connection) detaches the
 # session: the daemon releases every slot it still holds.
 interface Session {
@@ -157,4 +167,8 @@ interface Expertd {
   # Drops every cached and staged expert of a model that nobody holds or pinned, and restarts its
   # policy's history.
   evictAll @12 (model :Text) -> (evicted :UInt32);
+  # The model's GGUF files, shards in order, each with a read-only fd. A reply carries at most 8
+  # (one message's fds): the files from `first` on; call again from `first + files.size()` until
+  # `shardCount`.
+  modelFiles @13 (model :Text, first :UInt32) -> (shardCount :UInt32, files :List(ModelFile));
 }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -103,7 +104,18 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
       return make_error(model.error().code,
                         fmt::format("model '{}': {}", m.name, model.error().message));
     }
-    for (const auto& s : model->shards()) paths.push_back(s.path());
+    std::vector<ShardFile> files;
+    for (const auto& s : model->shards()) {
+      struct stat st {};
+      if (::stat(s.path().c_str(), &st) != 0) {
+        const int e = errno;
+        return make_error(
+            e, fmt::format("model '{}': {}: stat: {}", m.name, s.path(), std::strerror(e)));
+      }
+      files.push_back(ShardFile{s.path(), st.st_dev, st.st_ino});
+      paths.push_back(s.path());
+    }
+    core->model_files_.push_back(std::move(files));
     opened.push_back(std::move(*model));
     core->model_names_.push_back(m.name);
   }
@@ -631,6 +643,45 @@ bool DaemonCore::arm_sleep() {
 
 // ---------------------------------------------------------------------------------------------
 // Control-plane queries (reactor thread)
+
+Result<std::vector<ModelFileFd>> DaemonCore::open_model_files(const std::string& model,
+                                                              uint32_t first, uint32_t max,
+                                                              uint32_t* shard_count) const {
+  const auto it = std::find(model_names_.begin(), model_names_.end(), model);
+  if (it == model_names_.end()) {
+    return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
+                                          model, fmt::join(model_names_, ", ")));
+  }
+  const std::vector<ShardFile>& files = model_files_[it - model_names_.begin()];
+  *shard_count = static_cast<uint32_t>(files.size());
+  if (first >= files.size()) {
+    return make_error(EINVAL, fmt::format("model '{}' has {} files: there is no file {}", model,
+                                          files.size(), first));
+  }
+  std::vector<ModelFileFd> out;
+  for (uint32_t i = first; i < files.size() && out.size() < max; ++i) {
+    const ShardFile& f = files[i];
+    ModelFileFd m;
+    m.shard = i;
+    m.path = f.path;
+    m.name = f.path.substr(f.path.find_last_of('/') + 1);  // npos + 1 == 0: no directory
+    m.fd = UniqueFd(::open(f.path.c_str(), O_RDONLY | O_CLOEXEC));
+    struct stat st {};
+    if (!m.fd.valid() || ::fstat(m.fd.get(), &st) != 0) {
+      const int e = errno;
+      return make_error(
+          e, fmt::format("model '{}': {}: cannot open: {}", model, f.path, std::strerror(e)));
+    }
+    if (st.st_dev != f.dev || st.st_ino != f.ino) {
+      return make_error(ESTALE, fmt::format("model '{}': {} was replaced since expertd opened it; "
+                                            "restart expertd to serve the new file",
+                                            model, f.path));
+    }
+    m.bytes = static_cast<uint64_t>(st.st_size);
+    out.push_back(std::move(m));
+  }
+  return out;
+}
 
 Result<ModelLayout> DaemonCore::open_model(const std::string& name) const {
   for (const auto& m : models_) {

@@ -66,6 +66,16 @@ struct Attachment {
   uint32_t completion_capacity = 0;
 };
 
+// One of a model's files (a shard of a split model) opened for a client: read-only, the same file
+// (device and inode) the daemon serves the experts from.
+struct ModelFileFd {
+  uint32_t shard = 0;
+  std::string name;  // the file's name without its directory
+  std::string path;
+  uint64_t bytes = 0;
+  UniqueFd fd;  // O_RDONLY | O_CLOEXEC, a file description of its own (not the backend's)
+};
+
 struct ClientIdentity {
   pid_t pid = 0;
   uid_t uid = 0;
@@ -112,6 +122,12 @@ class DaemonCore {
 
   // --- Any thread ---
   const std::vector<std::string>& model_names() const { return model_names_; }
+  // Opens up to `max` of `model`'s files from shard `first` on, read-only (a fresh file description
+  // each: no O_DIRECT, nothing the backend's fds share), and sets `*shard_count`. Errors: an
+  // unknown model (named), `first` past the last shard, a file that can no longer be opened or
+  // was replaced since the daemon opened it. Blocks on open(): call it off the reactor.
+  Result<std::vector<ModelFileFd>> open_model_files(const std::string& model, uint32_t first,
+                                                    uint32_t max, uint32_t* shard_count) const;
   std::string backend_name() const;
   // Milliseconds of monotonic time when the reactor last finished a loop (watchdog).
   uint64_t last_progress_ms() const { return last_progress_ms_.load(std::memory_order_relaxed); }
@@ -145,6 +161,14 @@ class DaemonCore {
   std::string read_choice_;
   std::vector<std::unique_ptr<Model>> models_;
   std::vector<std::string> model_names_;
+  // Per model (the order of model_names_), its shards as opened at create(): set once, then read
+  // from any thread.
+  struct ShardFile {
+    std::string path;
+    dev_t dev = 0;
+    ino_t ino = 0;
+  };
+  std::vector<std::vector<ShardFile>> model_files_;
   std::unique_ptr<StoreReactor> reactor_;
   std::vector<std::unique_ptr<Session>> sessions_;  // index = session id; null when free
   uint64_t sessions_closed_hostile_ = 0;

@@ -275,6 +275,28 @@ class ExpertdImpl final : public rpc::Expertd::Server {
 
   kj::Promise<void> ping(PingContext) override { return kj::READY_NOW; }
 
+  // On this thread: the shard paths are fixed at start and open() must not stall the reactor.
+  // The connection passed the permission check, so its peer may read the model's files.
+  kj::Promise<void> modelFiles(ModelFilesContext context) override {
+    const auto p = context.getParams();
+    uint32_t count = 0;
+    auto files = core_.open_model_files(str(p.getModel()), p.getFirst(), kMaxFdsPerMessage, &count);
+    if (!files) return to_kj(files.error());
+    auto r = context.getResults();
+    r.setShardCount(count);
+    auto list = r.initFiles(static_cast<uint>(files->size()));
+    for (uint i = 0; i < files->size(); ++i) {
+      ModelFileFd& f = (*files)[i];
+      auto b = list[i];
+      b.setShard(f.shard);
+      b.setName(text(f.name));
+      b.setPath(text(f.path));
+      b.setBytes(f.bytes);
+      b.setFile(kj::heap<FdImpl>(std::move(f.fd)));
+    }
+    return kj::READY_NOW;
+  }
+
  private:
   template <typename Fn>
   static kj::Promise<void> status(DaemonCore& core, Fn fn) {

@@ -116,6 +116,12 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::connect(
     const std::string& socket, const std::string& model_name, const DenseModel& model,
     const std::string& client_name) {
   EXPERTD_TRY_ASSIGN(auto client, client::Client::connect(socket));
+  return attach(std::move(client), model_name, model, client_name);
+}
+
+Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::attach(
+    std::unique_ptr<client::Client> client, const std::string& model_name, const DenseModel& model,
+    const std::string& client_name) {
   EXPERTD_TRY_ASSIGN(auto session, client->attach(model_name, client_name));
   EXPERTD_TRY_ASSIGN(auto source, create(*session, model));
   source->owned_client_ = std::move(client);

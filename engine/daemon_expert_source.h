@@ -5,7 +5,7 @@
 // layers, expert count and top-k, and for every MoE layer the same slices (kind, shard, offset,
 // stride, bytes, type, shape) as the GGUF's slice map, so a daemon serving a different file under
 // that name is refused before any expert is used. After that get() only converts slot views.
-// create() borrows a Session, which must outlive the source; connect() makes and owns the Client
+// create() borrows a Session, which must outlive the source; connect() and attach() own the Client
 // and the Session.
 #pragma once
 
@@ -28,6 +28,12 @@ class DaemonExpertSource final : public ExpertSource {
                                                              const std::string& model_name,
                                                              const DenseModel& model,
                                                              const std::string& client_name);
+  // The same over a Client already connected (e.g. the one DenseModel::load_from_daemon read the
+  // model's files through, so a model by name needs only the socket); the source owns it.
+  static Result<std::unique_ptr<DaemonExpertSource>> attach(std::unique_ptr<client::Client> client,
+                                                            const std::string& model_name,
+                                                            const DenseModel& model,
+                                                            const std::string& client_name);
 
   Status get(uint32_t layer, std::span<const uint32_t> experts, std::span<ExpertView> out) override;
   Status release(std::span<const ExpertView> views) override;
@@ -39,7 +45,7 @@ class DaemonExpertSource final : public ExpertSource {
                   std::span<uint8_t> out) const override;
 
   client::Session& session() { return *session_; }
-  // The Client connect() made (nullptr after create()): stats and tuning calls.
+  // The Client connect() or attach() owns (nullptr after create()): stats and tuning calls.
   client::Client* client() { return owned_client_.get(); }
 
  private:
@@ -57,8 +63,8 @@ class DaemonExpertSource final : public ExpertSource {
 
   explicit DaemonExpertSource(client::Session& session) : session_(&session) {}
 
-  std::unique_ptr<client::Client> owned_client_;    // connect() only
-  std::unique_ptr<client::Session> owned_session_;  // connect() only; destroyed before the client
+  std::unique_ptr<client::Client> owned_client_;    // connect() and attach() only
+  std::unique_ptr<client::Session> owned_session_;  // those only; destroyed before the client
   client::Session* session_;
   std::vector<LayerParts> layers_;       // per block layer
   std::vector<client::SlotView> slots_;  // get()'s buffer: room for every expert of a layer

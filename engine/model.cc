@@ -8,6 +8,7 @@
 
 #include "engine/dequant.h"
 #include "engine/model_read.h"
+#include "expertd/client.h"
 
 namespace expertd::engine {
 namespace {
@@ -54,6 +55,7 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
 }
 
 Result<Sources> open_sources(const GgufModel& g) {
+  if (!g.sources().empty()) return g.sources();
   Sources src;
   for (const GgufFile& shard : g.shards()) {
     EXPERTD_TRY_ASSIGN(auto s, open_file_source(shard.path()));
@@ -176,9 +178,27 @@ Result<ModelParams> read_params(const GgufModel& g) {
 }
 
 Result<DenseModel> DenseModel::load(const std::string& path) {
-  DenseModel m;
-  m.path_ = path;
   EXPERTD_TRY_ASSIGN(GgufModel g, GgufModel::open(path));
+  return load(std::move(g), path);
+}
+
+Result<DenseModel> DenseModel::load_from_daemon(client::Client& client, const std::string& name) {
+  EXPERTD_TRY_ASSIGN(std::vector<client::ModelFile> files, client.model_files(name));
+  std::vector<std::unique_ptr<ByteSource>> sources;
+  for (client::ModelFile& f : files) {
+    // Messages name the file as the daemon serves it: "expertd:NAME/FILE".
+    EXPERTD_TRY_ASSIGN(auto src,
+                       fd_source(fmt::format("expertd:{}/{}", name, f.name), std::move(f.fd)));
+    sources.push_back(std::move(src));
+  }
+  EXPERTD_TRY_ASSIGN(GgufModel g, GgufModel::from_sources(std::move(sources)));
+  std::string display = g.meta().path();
+  return load(std::move(g), std::move(display));
+}
+
+Result<DenseModel> DenseModel::load(GgufModel g, std::string path) {
+  DenseModel m;
+  m.path_ = std::move(path);
   m.gguf_ = std::make_unique<GgufModel>(std::move(g));
   const GgufModel& gg = *m.gguf_;
   EXPERTD_TRY_ASSIGN(m.params_, read_params(gg));
@@ -187,10 +207,10 @@ Result<DenseModel> DenseModel::load(const std::string& path) {
   EXPERTD_TRY_ASSIGN(Sources src, detail::open_sources(gg));
   const auto embd = gg.find_tensor("token_embd.weight");
   if (!embd)
-    return make_error(ENOENT, fmt::format("{}: tensor token_embd.weight is missing", path));
+    return make_error(ENOENT, fmt::format("{}: tensor token_embd.weight is missing", m.path_));
   if (embd->info->ne[1] == 0 || embd->info->ne[1] > (1u << 24)) {
     return make_error(EINVAL,
-                      fmt::format("{}: token_embd.weight has {} rows", path, embd->info->ne[1]));
+                      fmt::format("{}: token_embd.weight has {} rows", m.path_, embd->info->ne[1]));
   }
   p.n_vocab = static_cast<uint32_t>(embd->info->ne[1]);
   const uint64_t e = p.n_embd;

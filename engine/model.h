@@ -20,6 +20,10 @@
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
 
+namespace expertd::client {
+class Client;
+}  // namespace expertd::client
+
 namespace expertd::engine {
 
 // DeepSeek-V4's own hyperparameters (llama.cpp's `deepseek4` keys; ModelParams holds the shared
@@ -166,6 +170,12 @@ class DenseModel {
   // and every dense weight. Errors name the file and the tensor or key: "model.gguf: tensor
   // blk.3.attn_q.weight: shape [64, 32], expected [64, 64]".
   static Result<DenseModel> load(const std::string& path);
+  // The model expertd serves as `name`: its files come over the socket as read-only fds
+  // (Client::model_files), every shard in order, and the dense weights are read through them, so
+  // the caller needs no access to the files' paths. path() is then "expertd:NAME/FILE".
+  static Result<DenseModel> load_from_daemon(client::Client& client, const std::string& name);
+  // From an opened GGUF (by path or from fds); `path` names it in messages.
+  static Result<DenseModel> load(GgufModel gguf, std::string path);
 
   const ModelParams& params() const { return params_; }
   const GgufModel& gguf() const { return *gguf_; }

@@ -23,8 +23,9 @@ Result<uint64_t> get_u64(const GgufModel& g, std::string_view suffix,
 // `<arch>.<suffix>` as a positive finite number.
 Result<double> get_f64(const GgufModel& g, std::string_view suffix, std::optional<double> fallback);
 
-// Shard readers, opened once for a load.
-using Sources = std::vector<std::unique_ptr<ByteSource>>;
+// Shard readers for a load: the model's own when it came from open fds (GgufModel::sources(), e.g.
+// expertd's), else each shard opened once by path.
+using Sources = std::vector<std::shared_ptr<const ByteSource>>;
 Result<Sources> open_sources(const GgufModel& g);
 
 // A 2-D tensor of `rows` x `cols` (GGUF ne [cols, rows]) in its file encoding, which must be one

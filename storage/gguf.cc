@@ -84,16 +84,20 @@ Result<std::unique_ptr<ByteSource>> open_file_source(const std::string& path) {
     const int e = errno;
     return make_error(e, fmt::format("{}: cannot open: {}", path, std::strerror(e)));
   }
+  return fd_source(path, std::move(fd));
+}
+
+Result<std::unique_ptr<ByteSource>> fd_source(std::string name, UniqueFd fd) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
     const int e = errno;
-    return make_error(e, fmt::format("{}: cannot stat: {}", path, std::strerror(e)));
+    return make_error(e, fmt::format("{}: cannot stat: {}", name, std::strerror(e)));
   }
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
-    return make_error(EINVAL, fmt::format("{}: not a regular file", path));
+    return make_error(EINVAL, fmt::format("{}: not a regular file", name));
   }
-  return std::unique_ptr<ByteSource>(
-      std::make_unique<FileSource>(path, std::move(fd), static_cast<uint64_t>(st.st_size)));
+  return std::unique_ptr<ByteSource>(std::make_unique<FileSource>(
+      std::move(name), std::move(fd), static_cast<uint64_t>(st.st_size)));
 }
 
 std::unique_ptr<ByteSource> memory_source(std::string name, std::span<const uint8_t> bytes) {
@@ -798,17 +802,47 @@ Result<GgufModel> GgufModel::open(const std::string& path, const GgufLimits& lim
     EXPERTD_TRY_ASSIGN(shard, GgufFile::open(p, limits));
     model.shards_.push_back(std::move(shard));
   }
-
-  // Every shard must say which it is, agree on the count, and be a distinct file.
+  // Every shard must be a distinct file.
   std::set<std::pair<dev_t, ino_t>> seen;
-  uint64_t total_tensors = 0;
-  for (uint32_t i = 0; i < model.shards_.size(); ++i) {
-    const GgufFile& s = model.shards_[i];
+  for (const GgufFile& s : model.shards_) {
     struct stat st {};
     if (::stat(s.path().c_str(), &st) == 0 && !seen.insert({st.st_dev, st.st_ino}).second) {
       return make_error(
           EINVAL, fmt::format("{}: duplicate shard: the same file as an earlier shard", s.path()));
     }
+  }
+  EXPERTD_TRY(model.check_and_index(count_key.has_value()));
+  return model;
+}
+
+Result<GgufModel> GgufModel::from_sources(std::vector<std::unique_ptr<ByteSource>> sources,
+                                          const GgufLimits& limits) {
+  if (sources.empty()) return make_error(EINVAL, "a GGUF model needs at least one file");
+  GgufModel model;
+  for (const auto& src : sources) {
+    GgufFile shard;
+    EXPERTD_TRY_ASSIGN(shard, GgufFile::parse(*src, limits));
+    model.shards_.push_back(std::move(shard));
+  }
+  std::optional<uint64_t> count_key;
+  EXPERTD_TRY_ASSIGN(count_key, split_key(model.meta(), "split.count"));
+  if (count_key.value_or(1) != sources.size()) {
+    return model_error(model.meta(), "split.count", kv_offset(model.meta(), "split.count"),
+                       fmt::format("the model has {} shards but {} files were given",
+                                   count_key.value_or(1), sources.size()));
+  }
+  EXPERTD_TRY(model.check_and_index(count_key.has_value()));
+  for (auto& src : sources) model.sources_.push_back(std::move(src));
+  return model;
+}
+
+Status GgufModel::check_and_index(bool count_key) {
+  GgufModel& model = *this;  // the checks read as they did in open()
+  const auto n = static_cast<uint32_t>(model.shards_.size());
+  // Every shard must say which it is and agree on the count.
+  uint64_t total_tensors = 0;
+  for (uint32_t i = 0; i < model.shards_.size(); ++i) {
+    const GgufFile& s = model.shards_[i];
     total_tensors += s.tensors().size();
     if (n == 1 && !count_key) continue;
     std::optional<uint64_t> no;
@@ -888,7 +922,7 @@ Result<GgufModel> GgufModel::open(const std::string& path, const GgufLimits& lim
       }
     }
   }
-  return model;
+  return Ok{};
 }
 
 std::string GgufModel::arch_key(std::string_view suffix) const {

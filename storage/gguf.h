@@ -22,6 +22,7 @@
 #include <variant>
 #include <vector>
 
+#include "base/fd.h"
 #include "expertd/result.h"
 #include "storage/ggml_types.h"
 
@@ -39,6 +40,8 @@ class ByteSource {
 
 // Opens `path` read-only (buffered I/O; metadata is small). Error names the path and errno.
 Result<std::unique_ptr<ByteSource>> open_file_source(const std::string& path);
+// Reads an already-open fd (e.g. one expertd passed); `name` is used in error messages.
+Result<std::unique_ptr<ByteSource>> fd_source(std::string name, UniqueFd fd);
 // Wraps caller-owned bytes; they must outlive the source.
 std::unique_ptr<ByteSource> memory_source(std::string name, std::span<const uint8_t> bytes);
 
@@ -171,8 +174,15 @@ class GgufModel {
 
   // `path` is a single file or the first shard (NAME-00001-of-0000N.gguf).
   static Result<GgufModel> open(const std::string& path, const GgufLimits& limits = {});
+  // A model from already-open files, every shard in order (e.g. the fds expertd passes), with the
+  // same checks as open() but the file names'. The model keeps the sources: sources() reads the
+  // tensor data through them.
+  static Result<GgufModel> from_sources(std::vector<std::unique_ptr<ByteSource>> sources,
+                                        const GgufLimits& limits = {});
 
   const std::vector<GgufFile>& shards() const { return shards_; }
+  // The sources from_sources() kept, one per shard; empty for a model open() read by path.
+  const std::vector<std::shared_ptr<const ByteSource>>& sources() const { return sources_; }
   const GgufFile& meta() const { return shards_.front(); }
   const std::string& architecture() const { return architecture_; }
   // `<arch>.<suffix>`, e.g. arch_key("expert_count") == "qwen3moe.expert_count".
@@ -183,7 +193,11 @@ class GgufModel {
   uint64_t tensor_count() const;
 
  private:
+  // The shards' split keys, tensor index and expert shapes: open() and from_sources() share it.
+  Status check_and_index(bool count_key);
+
   std::vector<GgufFile> shards_;
+  std::vector<std::shared_ptr<const ByteSource>> sources_;
   std::string architecture_;
   std::unordered_map<std::string, GgufTensorRef> tensor_index_;
 };

@@ -584,6 +584,12 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   ASSERT_TRUE(allowed.start());
   auto ok = Client::connect(sock);
   ASSERT_TRUE(ok) << ok.error().message;
+  // A peer allowed to attach may read the model's files too.
+  auto files = (*ok)->model_files("m");
+  ASSERT_TRUE(files) << files.error().message;
+  ASSERT_EQ(files->size(), 1u);
+  EXPECT_EQ(files->front().path, model);
+  EXPECT_TRUE(files->front().fd.valid());
   ok->reset();
   EXPECT_EQ(allowed.stop(), 0);
 }

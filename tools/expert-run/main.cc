@@ -1,7 +1,8 @@
 // expert-run: generates tokens with a Qwen3-MoE or DeepSeek-V4 model whose routed experts come from
-// a running expertd. The dense weights are read from the model's GGUF (--gguf); every expert byte
-// arrives through libexpertd-client. The CUDA engine runs when this build has it and a device is
-// present (else, or with --cpu, the CPU reference engine, and the output says which and why).
+// a running expertd. The dense weights are read from the model's GGUF: through the read-only fds
+// the daemon passes for the model's name, or from --gguf (the same file, checked); every expert
+// byte arrives through libexpertd-client. The CUDA engine runs when this build has it and a device
+// is present (else, or with --cpu, the CPU reference engine, and the output says which and why).
 //
 // Benchmark mode (--routing-trace): a recorded trace's expert choices replace the computed router,
 // for realistic expert locality with generated weights; the output says so on every report.
@@ -191,7 +192,15 @@ int run(Options o) {
   if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
   auto prompt = parse_tokens(o.prompt_tokens);
   if (!prompt) return fail(prompt.error());
-  auto model = DenseModel::load(o.gguf);
+  // Without --gguf the daemon passes the model's files, and the same connection attaches later.
+  // With it, the model and the options are checked before expertd is asked for anything.
+  Result<std::unique_ptr<expertd::client::Client>> daemon(nullptr);
+  if (o.gguf.empty()) {
+    daemon = expertd::client::Client::connect(o.socket);
+    if (!daemon) return fail(daemon.error());
+  }
+  auto model =
+      o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
   if (!model) return fail(model.error());
   const ModelParams& p = model->params();
 
@@ -216,7 +225,11 @@ int run(Options o) {
     return fail(Error{EINVAL, "--hints trace needs --routing-trace"});
   }
 
-  auto source = DaemonExpertSource::connect(o.socket, o.model, *model, "expert-run");
+  if (!o.gguf.empty()) {
+    daemon = expertd::client::Client::connect(o.socket);
+    if (!daemon) return fail(daemon.error());
+  }
+  auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-run");
   if (!source) return fail(source.error());
   expertd::client::Client& client = *(*source)->client();
   EngineOptions eo;
@@ -276,7 +289,7 @@ int run(Options o) {
     if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
     std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
-                static_cast<double>(model->dense_bytes()) / (1 << 20), o.gguf.c_str());
+                static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str());
     if (p.is_ds4()) {
       std::printf("deepseek4: %u hash layers (%s), hc_mult %u\n", p.ds4.hash_layers,
                   o.no_hash_hints ? "their experts are not hinted"
@@ -504,8 +517,9 @@ int main(int argc, char** argv) {
   Options o;
   app.add_option("--socket", o.socket, "expertd's control socket");
   app.add_option("--model", o.model, "The model's name in expertd")->required();
-  app.add_option("--gguf", o.gguf, "The model's GGUF file (dense weights are read from it)")
-      ->required();
+  app.add_option("--gguf", o.gguf,
+                 "The model's GGUF file to read the dense weights from (default: the files "
+                 "expertd passes for --model)");
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated")
       ->required();
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");

@@ -34,6 +34,7 @@
 #include "expertd/control_types.h"  // ModelLayout, Stats, ModelStats, SessionStats, ...
 #include "expertd/protocol.h"
 #include "expertd/result.h"
+#include "expertd/unique_fd.h"
 
 namespace expertd::client {
 
@@ -72,6 +73,17 @@ struct PrefetchHint {
   uint32_t layer = 0;
   uint32_t expert = 0;
   float score = 0.0f;  // the router's probability, in [0, 1]
+};
+
+// One of a model's GGUF files (a shard of a split model) as the daemon passed it: an fd opened
+// read-only by the daemon on the very file it serves the experts from. Read it with pread(2); the
+// client needs no access to the file's path.
+struct ModelFile {
+  uint32_t shard = 0;  // 0-based, in the model's shard order
+  std::string name;    // the file's name without its directory (for messages)
+  std::string path;    // where the daemon opened it (for messages)
+  uint64_t bytes = 0;  // the file's size
+  UniqueFd fd;         // O_RDONLY: writes fail with EBADF
 };
 
 class Connection;  // the RPC thread and its state (client.cc)
@@ -196,6 +208,9 @@ class Client {
   Result<DaemonInfo> info();
   Result<ModelLayout> open_model(const std::string& name);
   Result<std::unique_ptr<Session>> attach(const std::string& model, const std::string& client_name);
+  // The model's GGUF files, every shard in order, each with its read-only fd (the dense weights of
+  // a model served by name). Errors: "model 'x' is not served by this daemon (models: a, b)".
+  Result<std::vector<ModelFile>> model_files(const std::string& model);
   Result<Stats> stats();
   Status set_prefetch_depth(uint32_t depth);
   Status set_queue_depth(uint32_t depth);
