@@ -2,6 +2,8 @@
 // and byte counts the bytes say. The malformed cases are in gguf_malformed_test.cc.
 #include "storage/gguf.h"
 
+#include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -538,6 +540,58 @@ TEST(GgufModelTest, MovedModelKeepsItsTensorIndex) {
   GgufModel a = open_model_ok(paths[0]);
   const GgufModel b = std::move(a);
   EXPECT_EQ(b.find_tensor("t1.a")->info->name, "t1.a");
+}
+
+// Open files named for messages, as the engine gets them from expertd.
+std::vector<std::unique_ptr<ByteSource>> fd_sources(const std::vector<std::string>& paths,
+                                                    const std::vector<uint32_t>& order) {
+  std::vector<std::unique_ptr<ByteSource>> out;
+  for (const uint32_t i : order) {
+    UniqueFd fd(::open(paths[i].c_str(), O_RDONLY | O_CLOEXEC));
+    auto src = fd_source(fmt::format("expertd:m/shard{}", i), std::move(fd));
+    EXPECT_TRUE(src) << src.error().message;
+    out.push_back(std::move(*src));
+  }
+  return out;
+}
+
+TEST(GgufModelTest, FromSourcesReadsEveryShardThroughItsFd) {
+  TempDir dir;
+  const auto paths = write_split(dir, 3);
+  auto m = GgufModel::from_sources(fd_sources(paths, {0, 1, 2}));
+  ASSERT_TRUE(m) << m.error().message;
+  ASSERT_EQ(m->shards().size(), 3u);
+  ASSERT_EQ(m->sources().size(), 3u);
+  EXPECT_EQ(m->shards()[2].path(), "expertd:m/shard2");
+  EXPECT_EQ(m->tensor_count(), 6u);
+  const auto ref = m->find_tensor("t2.b");
+  ASSERT_TRUE(ref.has_value());
+  EXPECT_EQ(ref->shard, 2u);
+  // The kept source reads the tensor's bytes, as a read by path does.
+  std::vector<uint8_t> by_fd(ref->info->bytes);
+  std::vector<uint8_t> by_path(ref->info->bytes);
+  ASSERT_TRUE(m->sources()[2]->read_exact(ref->info->offset, by_fd));
+  auto file = open_file_source(paths[2]);
+  ASSERT_TRUE(file);
+  ASSERT_TRUE((*file)->read_exact(ref->info->offset, by_path));
+  EXPECT_EQ(by_fd, by_path);
+  // A model opened by path keeps no sources.
+  EXPECT_TRUE(open_model_ok(paths[0]).sources().empty());
+}
+
+TEST(GgufModelTest, FromSourcesRefusesMissingAndMisorderedShards) {
+  TempDir dir;
+  const auto paths = write_split(dir, 3);
+  auto missing = GgufModel::from_sources(fd_sources(paths, {0, 1}));
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.error().message.find("the model has 3 shards but 2 files were given"),
+            std::string::npos)
+      << missing.error().message;
+  auto swapped = GgufModel::from_sources(fd_sources(paths, {0, 2, 1}));
+  ASSERT_FALSE(swapped);
+  EXPECT_NE(swapped.error().message.find("expertd:m/shard2: split.no"), std::string::npos)
+      << swapped.error().message;
+  EXPECT_FALSE(GgufModel::from_sources({}));
 }
 
 TEST(GgufSplitNameTest, ParseAndFormat) {
