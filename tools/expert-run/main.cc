@@ -278,7 +278,7 @@ int run(Options o) {
   if (!o.stop.empty() && !vocab) {
     return fail(Error{EINVAL, fmt::format("--stop needs the model's vocabulary, and {} has no "
                                           "tokenizer.ggml.tokens",
-                                          o.gguf)});
+                                          model->path())});
   }
   // A benchmark runs its full length; otherwise generation stops at an end token (EOS, EOT, EOM).
   const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
