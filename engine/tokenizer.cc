@@ -17,6 +17,9 @@
 namespace expertd::engine {
 namespace {
 
+// byte_ids_ of a byte the vocabulary has no piece for.
+constexpr uint32_t kNoToken = UINT32_MAX;
+
 // The pre-tokenizer patterns of each family's tokenizer.json, as written there: PCRE2 with UTF and
 // UCP reads them as HF's Oniguruma does (\s, \p{L}, \p{N}, \p{P}, \p{S}, \p{M}, (?i:) and the
 // lookahead); the corpus test (tests/engine/tokenizer_test.cc) covers NEL, NBSP, U+3000 and the
@@ -289,21 +292,22 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
   if (Status st = t.load_tokens(f); !st) return st.take_error();
   t.byte_ids_.resize(256);
   for (uint32_t b = 0; b < 256; ++b) {
+    // A vocabulary may lack a byte's piece (a converter that stored a special token's text in
+    // its place): text with that byte is refused by encode(), naming the byte.
     const auto it = t.ids_.find(byte_level_piece(static_cast<uint8_t>(b)));
-    if (it == t.ids_.end()) {
-      return make_error(EINVAL, fmt::format("{}: the byte-level vocabulary has no token for byte "
-                                            "0x{:02x}",
-                                            f.path(), b));
-    }
-    t.byte_ids_[b] = it->second;
+    t.byte_ids_[b] = it == t.ids_.end() ? kNoToken : it->second;
   }
 
+  // No merges key: a vocabulary of single pieces (HF allows an empty merge list; llama.cpp's
+  // converter omits the key then). A key of another type is an error.
   const GgufArray* merges = array_of(f, "tokenizer.ggml.merges", GgufValueType::STRING);
-  if (merges == nullptr) {
-    return make_error(EINVAL, fmt::format("{}: no tokenizer.ggml.merges", f.path()));
+  if (merges == nullptr && f.find("tokenizer.ggml.merges") != nullptr) {
+    return make_error(
+        EINVAL, fmt::format("{}: tokenizer.ggml.merges is not an array of strings", f.path()));
   }
-  t.merges_.reserve(merges->count);
-  for (uint64_t r = 0; r < merges->count; ++r) {
+  const uint64_t n_merges = merges != nullptr ? merges->count : 0;
+  t.merges_.reserve(n_merges);
+  for (uint64_t r = 0; r < n_merges; ++r) {
     const std::string_view m = merges->string_at(r);
     const size_t space = m.find(' ');
     if (space == std::string_view::npos || m.find(' ', space + 1) != std::string_view::npos) {
@@ -316,11 +320,9 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     const auto l = t.ids_.find(left);
     const auto rt = t.ids_.find(right);
     const auto merged = t.ids_.find(left + right);
-    if (l == t.ids_.end() || rt == t.ids_.end() || merged == t.ids_.end()) {
-      return make_error(EINVAL, fmt::format("{}: tokenizer.ggml.merges[{}] \"{}\" names a piece "
-                                            "that is not in the vocabulary",
-                                            f.path(), r, m));
-    }
+    // A merge naming a piece the vocabulary lacks can never apply (llama.cpp loads such files;
+    // a placeholder merge is how byte-only vocabularies satisfy its loader): skipped.
+    if (l == t.ids_.end() || rt == t.ids_.end() || merged == t.ids_.end()) continue;
     const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | rt->second;
     // A repeated pair keeps its first (best) rank, as HF's merge map does.
     t.merges_.emplace(key, std::make_pair(static_cast<uint32_t>(r), merged->second));
@@ -362,6 +364,15 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, bool add_
     start = i;
   }
   if (Status st = encode_segment(text.substr(start), out); !st) return st.take_error();
+  if (std::find(out.begin(), out.end(), kNoToken) != out.end()) {
+    for (const char c : text) {
+      if (byte_ids_[static_cast<uint8_t>(c)] == kNoToken) {
+        return make_error(EINVAL, fmt::format("tokenizer: the text has byte 0x{:02x}, which the "
+                                              "vocabulary has no token for",
+                                              static_cast<uint8_t>(c)));
+      }
+    }
+  }
   return out;
 }
 

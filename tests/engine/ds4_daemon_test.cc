@@ -2,6 +2,7 @@
 // the CPU engine gets its experts through libexpertd-client; expert-run decodes them with --json.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/cpu_engine.h"
@@ -145,6 +146,49 @@ TEST_F(Ds4DaemonTest, ExpertRunDecodesADeepseek4ModelWithJson) {
       EXPECT_LE(rate, 1.0) << cls;
     }
   }
+}
+
+// --prompt tokenises with the model's own vocabulary: the fixture's prompt text gives the
+// fixture's token ids and so transformers' greedy continuation, streamed before the summary.
+TEST_F(Ds4DaemonTest, ExpertRunTakesThePromptAsText) {
+  const std::string text = meta_.at("prompt").get<std::string>();
+  const uint32_t n = static_cast<uint32_t>(tokens_.size()) - prompt_;
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32", "--prompt",
+       text, "--max-tokens", std::to_string(n), "--ignore-eos", "--cpu", "--json"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("prompt_tokens").get<std::vector<uint32_t>>(),
+            std::vector<uint32_t>(tokens_.begin(), tokens_.begin() + prompt_));
+  EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(),
+            std::vector<uint32_t>(tokens_.begin() + prompt_, tokens_.end()));
+
+  const std::string file = dir_.path() + "/prompt.txt";
+  {
+    std::ofstream f(file, std::ios::binary);
+    f << text;
+  }
+  const auto t = expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket",
+                                             socket_, "--model", "v4-f32", "--prompt-file", file,
+                                             "--max-tokens", "3", "--ignore-eos", "--cpu"});
+  ASSERT_EQ(t.status, 0) << t.out << t.err;
+  // The answer streams first; the summary follows on its own lines.
+  EXPECT_LT(t.out.find("\n\nprompt: 39 tokens"), t.out.find("generated: ")) << t.out;
+
+  const auto both =
+      expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket", socket_,
+                                  "--model", "v4-f32", "--prompt", "x", "--prompt-tokens", "1,2"});
+  EXPECT_NE(both.status, 0);
+  EXPECT_NE(both.err.find("give exactly one of --prompt, --prompt-file and --prompt-tokens"),
+            std::string::npos)
+      << both.err;
+  const auto missing =
+      expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket", socket_,
+                                  "--model", "v4-f32", "--prompt-file", dir_.path() + "/none.txt"});
+  EXPECT_NE(missing.status, 0);
+  EXPECT_NE(missing.err.find("--prompt-file " + dir_.path() + "/none.txt: No such file"),
+            std::string::npos)
+      << missing.err;
 }
 
 TEST_F(Ds4DaemonTest, ExpertRunTextReportsHashAndLearnedLayers) {

@@ -188,6 +188,18 @@ TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
   }
 }
 
+// The qwen3moe fixture's vocabulary (byte-level, qwen2 pre-tokenizer, one placeholder merge)
+// tokenises its prompt text into the fixture's ids.
+TEST_F(EngineDaemonTest, ExpertRunPromptTextGivesTheFixtureTokens) {
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "tiny-f32",
+       "--prompt", "Hello, MoE!\n", "--max-tokens", "4", "--ignore-eos", "--cpu", "--json"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("prompt_tokens").get<std::vector<uint32_t>>(), fx_.tokens);
+  EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(), greedy_reference(fx_, "f32", 4));
+}
+
 TEST_F(EngineDaemonTest, ExpertRunTextSaysWhichEngineRan) {
   const auto r = expertd::test::run_command(
       {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "tiny-q8_0", "--gguf",

@@ -11,9 +11,12 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -25,6 +28,7 @@
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
+#include "engine/tokenizer.h"
 #include "engine/vocab.h"
 #include "expertd/client.h"
 #include "trace/trace.h"
@@ -44,6 +48,8 @@ struct Options {
   std::string model;
   std::string gguf;
   std::string prompt_tokens;
+  std::string prompt_text;  // --prompt
+  std::string prompt_file;  // --prompt-file
   uint32_t max_tokens = 16;
   bool cpu = false;
   std::string vram_experts = "auto";
@@ -190,8 +196,30 @@ int run(Options o) {
   if (auto st = validate(so); !st) return fail(Error{EINVAL, with_flag_names(st.error().message)});
   auto stops = StopMatcher::create(o.stop);
   if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
-  auto prompt = parse_tokens(o.prompt_tokens);
-  if (!prompt) return fail(prompt.error());
+  const int prompt_flags =
+      !o.prompt_tokens.empty() + !o.prompt_text.empty() + !o.prompt_file.empty();
+  if (prompt_flags != 1) {
+    return fail(Error{EINVAL, "give exactly one of --prompt, --prompt-file and --prompt-tokens"});
+  }
+  if (!o.prompt_file.empty()) {
+    std::ifstream f(o.prompt_file, std::ios::binary);
+    if (!f) {
+      return fail(
+          Error{errno, fmt::format("--prompt-file {}: {}", o.prompt_file, std::strerror(errno))});
+    }
+    o.prompt_text.assign(std::istreambuf_iterator<char>(f), {});
+    if (o.prompt_text.empty()) {
+      return fail(Error{EINVAL, fmt::format("--prompt-file {} is empty", o.prompt_file)});
+    }
+  }
+  // Text is tokenised once the model (its vocabulary) is loaded; ids are checked now.
+  std::vector<uint32_t> prompt_ids;
+  const std::vector<uint32_t>* prompt = &prompt_ids;
+  if (!o.prompt_tokens.empty()) {
+    auto ids = parse_tokens(o.prompt_tokens);
+    if (!ids) return fail(ids.error());
+    prompt_ids = std::move(*ids);
+  }
   // Without --gguf the daemon passes the model's files, and the same connection attaches later.
   // With it, the model and the options are checked before expertd is asked for anything.
   Result<std::unique_ptr<expertd::client::Client>> daemon(nullptr);
@@ -203,6 +231,16 @@ int run(Options o) {
       o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
   if (!model) return fail(model.error());
   const ModelParams& p = model->params();
+  if (!o.prompt_text.empty()) {
+    auto tok = Tokenizer::from_gguf(model->gguf().meta());
+    if (!tok) return fail(tok.error());  // names the file
+    auto ids = tok->encode(o.prompt_text, /*add_special=*/true);
+    if (!ids) return fail(Error{ids.error().code, "--prompt: " + ids.error().message});
+    if (ids->empty()) return fail(Error{EINVAL, "--prompt: the text encodes to no tokens"});
+    prompt_ids = std::move(*ids);
+  }
+  // A text prompt's answer streams to the terminal as it is generated.
+  const bool stream = !o.json && !o.prompt_text.empty();
 
   std::optional<RoutingScript> script;
   if (!o.routing_trace.empty()) {
@@ -333,6 +371,10 @@ int run(Options o) {
     if (vocab) {
       const StopMatcher::Step step = stops->push(vocab->decode(next));
       text.append(step.emit);
+      if (stream && !step.emit.empty()) {
+        std::fwrite(step.emit.data(), 1, step.emit.size(), stdout);
+        std::fflush(stdout);
+      }
       if (step.stop) {
         stop_reason = "stop";
         break;
@@ -347,7 +389,11 @@ int run(Options o) {
     }
   }
   if (progress) std::fprintf(stderr, "\r\033[K");
-  if (vocab) text.append(stops->finish());
+  if (vocab) {
+    const std::string held(stops->finish());  // held back for a stop string that never came
+    text.append(held);
+    if (stream) std::fwrite(held.data(), 1, held.size(), stdout);
+  }
   const auto t2 = expertd::monotonic_ns();
   const auto after = model_counters(client, o.model);
   if (!o.record_trace.empty()) {
@@ -458,6 +504,7 @@ int run(Options o) {
   }
   std::string ids;
   for (const uint32_t t : generated) ids += (ids.empty() ? "" : " ") + std::to_string(t);
+  if (stream) std::printf("\n\n");  // after the streamed answer
   std::printf("prompt: %zu tokens, %.1f tokens/s\n", prompt->size(), prompt_tokens_per_s);
   std::printf("generated: %s\n", ids.c_str());
   std::printf("stopped: %s\n", stop_reason);
@@ -520,8 +567,11 @@ int main(int argc, char** argv) {
   app.add_option("--gguf", o.gguf,
                  "The model's GGUF file to read the dense weights from (default: the files "
                  "expertd passes for --model)");
-  app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated")
-      ->required();
+  app.add_option("--prompt", o.prompt_text,
+                 "Prompt text, tokenised with the model's own vocabulary (BOS added when the model "
+                 "asks for it); the answer streams to the terminal");
+  app.add_option("--prompt-file", o.prompt_file, "Read the prompt text from this file");
+  app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
