@@ -88,9 +88,7 @@ void ds4_hint_probs(const Ds4LayerWeights& l, std::span<const float> logits,
   for (size_t e = 0; e < n; ++e) probs[e] = sum > 0 ? probs[e] / sum : 0.0;
 }
 
-Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
-                                                           ExpertSource& source,
-                                                           const EngineOptions& options) {
+Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {
   const ModelParams& p = model.params();
   if (!p.is_ds4() || model.ds4() == nullptr) {
     return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek4", model.path(),
@@ -101,6 +99,13 @@ Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& mod
     return make_error(EINVAL,
                       fmt::format("a context of {} positions is too large", options.max_context));
   }
+  return Ok{};
+}
+
+Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
+                                                           ExpertSource& source,
+                                                           const EngineOptions& options) {
+  EXPERTD_TRY(check_ds4_engine(model, options));
   return std::unique_ptr<Ds4CpuEngine>(new Ds4CpuEngine(model, source, options));
 }
 

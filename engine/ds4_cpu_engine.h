@@ -37,6 +37,10 @@
 
 namespace expertd::engine {
 
+// What both DeepSeek-V4 engines check at create(): a deepseek4 model, the options, a context
+// whose caches are not absurd.
+Status check_ds4_engine(const DenseModel& model, const EngineOptions& options);
+
 class Ds4CpuEngine final : public Engine {
  public:
   // `model` (a deepseek4 model) and `source` must outlive the engine.

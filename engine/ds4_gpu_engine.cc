@@ -741,16 +741,7 @@ Result<std::unique_ptr<Ds4GpuEngine>> Ds4GpuEngine::create(const DenseModel& mod
                                                            ExpertSource& source,
                                                            const EngineOptions& options,
                                                            const GpuOptions& gpu) {
-  const ModelParams& p = model.params();
-  if (!p.is_ds4() || model.ds4() == nullptr) {
-    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek4", model.path(),
-                                          p.architecture));
-  }
-  EXPERTD_TRY(check_engine_options(p, options));
-  if (uint64_t{p.n_layer} * options.max_context * p.head_dim > (uint64_t{1} << 34)) {
-    return make_error(EINVAL,
-                      fmt::format("a context of {} positions is too large", options.max_context));
-  }
+  EXPERTD_TRY(check_ds4_engine(model, options));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());
   return std::unique_ptr<Ds4GpuEngine>(new Ds4GpuEngine(std::move(impl)));
