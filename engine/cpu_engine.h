@@ -41,7 +41,8 @@ class CpuEngine final : public Engine {
   void reset() override { pos_ = 0; }
   uint32_t position() const override { return pos_; }
   const EngineStats& stats() const override { return stats_; }
-  const ModelParams& params() const { return p_; }
+  const ModelParams& params() const override { return p_; }
+  const EngineOptions& options() const override { return opts_; }
   // Appends every routing decision to `log` (nullptr: stop). Allocates per decision.
   void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
   std::string name() const override { return "cpu"; }
@@ -49,6 +50,7 @@ class CpuEngine final : public Engine {
 
  private:
   CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
+  EngineStats& mutable_stats() override { return stats_; }
 
   void attention(uint32_t layer);
   void route(uint32_t layer);

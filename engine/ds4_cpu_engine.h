@@ -51,11 +51,14 @@ class Ds4CpuEngine final : public Engine {
   void reset() override;
   uint32_t position() const override { return pos_; }
   const EngineStats& stats() const override { return stats_; }
+  const ModelParams& params() const override { return p_; }
+  const EngineOptions& options() const override { return opts_; }
   void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
   std::string name() const override { return "cpu"; }
   std::string description() const override;
 
  private:
+  EngineStats& mutable_stats() override { return stats_; }
   // One compressor's running state: the current window's projections, the previous window's
   // first half (overlapping windows), and the entries emitted so far.
   struct CompState {

@@ -792,6 +792,9 @@ void Ds4GpuEngine::reset() {
 
 uint32_t Ds4GpuEngine::position() const { return impl_->pos; }
 const EngineStats& Ds4GpuEngine::stats() const { return impl_->stats; }
+EngineStats& Ds4GpuEngine::mutable_stats() { return impl_->stats; }
+const ModelParams& Ds4GpuEngine::params() const { return impl_->p; }
+const EngineOptions& Ds4GpuEngine::options() const { return impl_->opts; }
 void Ds4GpuEngine::set_routing_log(std::vector<RoutingRecord>* log) { impl_->routing_log = log; }
 uint32_t Ds4GpuEngine::vram_slots() const { return impl_->experts->slots(); }
 uint64_t Ds4GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_bytes(); }

@@ -42,6 +42,8 @@ class Ds4GpuEngine final : public Engine {
   void reset() override;
   uint32_t position() const override;
   const EngineStats& stats() const override;
+  const ModelParams& params() const override;
+  const EngineOptions& options() const override;
   void set_routing_log(std::vector<RoutingRecord>* log) override;
   std::string name() const override { return "gpu"; }
   std::string description() const override;
@@ -53,6 +55,7 @@ class Ds4GpuEngine final : public Engine {
   struct Impl;
 
  private:
+  EngineStats& mutable_stats() override;
   explicit Ds4GpuEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -204,6 +204,51 @@ Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, 
   return Ok{};
 }
 
+Status check_prefill(const ModelParams& p, const EngineOptions& o, uint32_t pos,
+                     std::span<const uint32_t> tokens, size_t logits) {
+  if (tokens.empty()) return make_error(EINVAL, "an empty prompt: prefill needs a token at least");
+  if (o.prefill_chunk == 0) return make_error(EINVAL, "the prefill chunk must be at least 1");
+  if (uint64_t{pos} + tokens.size() > o.max_context) {
+    return make_error(ENOSPC, fmt::format("{} prompt tokens after position {} do not fit the KV "
+                                          "cache of {} positions",
+                                          tokens.size(), pos, o.max_context));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= p.n_vocab) {
+      return make_error(EINVAL, fmt::format("prompt token {} (at {}) is outside the vocabulary of "
+                                            "{}",
+                                            tokens[i], i, p.n_vocab));
+    }
+  }
+  if (logits < p.n_vocab) {
+    return make_error(EINVAL,
+                      fmt::format("room for {} logits, the vocabulary has {}", logits, p.n_vocab));
+  }
+  return Ok{};
+}
+
+Status Engine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
+  EXPERTD_TRY(check_prefill(params(), options(), position(), tokens, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  for (const uint32_t t : tokens) EXPERTD_TRY(decode(t, logits));
+  // decode() counted the positions, experts and time; the prefill counters say what part was the
+  // prompt.
+  EngineStats& s = mutable_stats();
+  s.prefill_tokens += tokens.size();
+  s.prefill_chunks += 1;
+  s.prefill_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+bool Engine::truncate(uint32_t n) {
+  if (n == position()) return true;
+  if (n == 0) {
+    reset();
+    return true;
+  }
+  return false;
+}
+
 Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log) {
   std::ofstream f(path);
   if (!f) return make_error(EIO, fmt::format("{}: cannot write the trace", path));

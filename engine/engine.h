@@ -71,6 +71,9 @@ struct EngineOptions {
   // deepseek4: hint every hash layer's experts (tid2eid[token]) as soon as the token is known,
   // before layer 0 runs: exact prefetch.
   bool hash_hints = true;
+  // prefill(): prompt positions processed together (attention as one GEMM per chunk, each routed
+  // expert acquired once per chunk and applied to all its tokens).
+  uint32_t prefill_chunk = 512;
 };
 
 // One routing decision, in the canonical trace's terms (experts by descending probability).
@@ -123,6 +126,13 @@ struct EngineStats {
   uint64_t learned_ready = 0;
   uint64_t learned_stall_ns = 0;
 
+  // prefill(): prompt positions fed, chunks, experts acquired (each distinct (layer, expert) of a
+  // chunk once) and time spent, stall included. The positions count in `tokens` too.
+  uint64_t prefill_tokens = 0;
+  uint64_t prefill_chunks = 0;
+  uint64_t prefill_experts = 0;
+  uint64_t prefill_ns = 0;
+
   std::vector<DepthStats> by_depth;  // [d - 1] for lookahead depth d = 1..prefetch depth
 
   double prefetch_precision() const {
@@ -139,15 +149,32 @@ class Engine {
   // Feeds `token` at the next position and writes the next token's logits (n_vocab floats).
   // Errors: a token outside the vocabulary, a full KV cache, an expert the source cannot give.
   virtual Status decode(uint32_t token, std::span<float> logits) = 0;
+  // Feeds `tokens` (at least one) at the next positions, in chunks of EngineOptions::prefill_chunk,
+  // and writes the logits of the last one (n_vocab floats): the same logits as decode() of each
+  // token in turn, up to rounding. Errors as decode(); a prompt that does not fit the KV cache is
+  // refused before anything runs. This default decodes one token at a time; engines override it
+  // with a batched forward that acquires each routed expert once per chunk.
+  virtual Status prefill(std::span<const uint32_t> tokens, std::span<float> logits);
   // Forgets the sequence (the KV cache is reused from position 0).
   virtual void reset() = 0;
+  // Keeps the first n positions (n <= position()) and forgets the rest, so a sequence that shares
+  // that prefix continues from there without feeding it again. Returns false, changing nothing,
+  // when the engine cannot cut its state at n (the caller then resets and feeds the prefix).
+  // The default supports only n == 0 and n == position().
+  virtual bool truncate(uint32_t n);
   virtual uint32_t position() const = 0;
   virtual const EngineStats& stats() const = 0;
+  virtual const ModelParams& params() const = 0;
+  // The options the engine was created with (prefill_chunk and prefetch_width filled in).
+  virtual const EngineOptions& options() const = 0;
   // Appends every routing decision to `log` (nullptr: stop). Allocates per decision.
   virtual void set_routing_log(std::vector<RoutingRecord>* log) = 0;
   // "cpu" or "gpu", and a line describing the engine (device, tier) for the run summary.
   virtual std::string name() const = 0;
   virtual std::string description() const = 0;
+
+ protected:
+  virtual EngineStats& mutable_stats() = 0;
 };
 
 // Chooses and tracks prefetch hints for one token at a time: at most `width` candidates per
@@ -207,6 +234,10 @@ RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);
 Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,
                     size_t logits);
+// prefill()'s checks before anything runs: a non-empty prompt that fits the KV cache from `pos`,
+// every token inside the vocabulary, room for the logits, and a prefill chunk of at least 1.
+Status check_prefill(const ModelParams& p, const EngineOptions& o, uint32_t pos,
+                     std::span<const uint32_t> tokens, size_t logits);
 
 // Writes the indices of the `count` largest of probs into order[0, count) (order holds
 // probs.size() entries), largest first; equal values keep the lower index first, as the router

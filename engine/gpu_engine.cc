@@ -529,6 +529,9 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
 void GpuEngine::reset() { impl_->pos = 0; }
 uint32_t GpuEngine::position() const { return impl_->pos; }
 const EngineStats& GpuEngine::stats() const { return impl_->stats; }
+EngineStats& GpuEngine::mutable_stats() { return impl_->stats; }
+const ModelParams& GpuEngine::params() const { return impl_->p; }
+const EngineOptions& GpuEngine::options() const { return impl_->opts; }
 void GpuEngine::set_routing_log(std::vector<RoutingRecord>* log) { impl_->routing_log = log; }
 uint32_t GpuEngine::vram_slots() const { return impl_->experts->slots(); }
 uint64_t GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_bytes(); }

@@ -51,6 +51,8 @@ class GpuEngine final : public Engine {
   void reset() override;
   uint32_t position() const override;
   const EngineStats& stats() const override;
+  const ModelParams& params() const override;
+  const EngineOptions& options() const override;
   void set_routing_log(std::vector<RoutingRecord>* log) override;
   std::string name() const override { return "gpu"; }
   std::string description() const override;
@@ -62,6 +64,7 @@ class GpuEngine final : public Engine {
   struct Impl;
 
  private:
+  EngineStats& mutable_stats() override;
   explicit GpuEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

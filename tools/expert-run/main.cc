@@ -51,6 +51,7 @@ struct Options {
   std::string prompt_text;  // --prompt
   std::string prompt_file;  // --prompt-file
   uint32_t max_tokens = 16;
+  uint32_t prefill_chunk = 512;
   bool cpu = false;
   std::string vram_experts = "auto";
   uint32_t prefetch_depth = 1;
@@ -277,6 +278,7 @@ int run(Options o) {
   eo.script = script ? &*script : nullptr;
   eo.hints = o.hints == "trace" ? HintSource::Script : HintSource::Router;
   eo.hash_hints = !o.no_hash_hints;
+  eo.prefill_chunk = o.prefill_chunk;
 
   std::unique_ptr<Engine> engine;
   std::string why_cpu = "--cpu";
@@ -351,9 +353,7 @@ int run(Options o) {
   // A progress line for long benchmark runs, on a terminal only.
   const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
   const auto t0 = expertd::monotonic_ns();
-  for (const uint32_t t : *prompt) {
-    if (auto st = engine->decode(t, logits); !st) return fail(st.error());
-  }
+  if (auto st = engine->prefill(*prompt, logits); !st) return fail(st.error());
   const auto t1 = expertd::monotonic_ns();
   const EngineStats at_prompt = engine->stats();
   const auto mid = model_counters(client, o.model);
@@ -442,6 +442,17 @@ int run(Options o) {
         {"stop_reason", stop_reason},
         {"tokens_per_s", tokens_per_s},
         {"prompt_tokens_per_s", prompt_tokens_per_s},
+        {"prefill",
+         {{"tokens", prompt->size()},
+          {"chunk", o.prefill_chunk},
+          {"chunks", at_prompt.prefill_chunks},
+          {"tokens_per_s", prompt_tokens_per_s},
+          {"time_to_first_token_ms", static_cast<double>(t1 - t0) / 1e6},
+          {"experts_acquired", at_prompt.prefill_experts},
+          {"stall_ms", static_cast<double>(at_prompt.stall_ns) / 1e6},
+          {"bytes_read", mid.bytes_read - before.bytes_read},
+          {"bytes_read_per_token",
+           static_cast<double>(mid.bytes_read - before.bytes_read) / prompt->size()}}},
         {"stall_ms_per_token", stall_ms},
         {"generation",
          {{"steps", gen_steps},
@@ -505,7 +516,11 @@ int run(Options o) {
   std::string ids;
   for (const uint32_t t : generated) ids += (ids.empty() ? "" : " ") + std::to_string(t);
   if (stream) std::printf("\n\n");  // after the streamed answer
-  std::printf("prompt: %zu tokens, %.1f tokens/s\n", prompt->size(), prompt_tokens_per_s);
+  std::printf(
+      "prompt: %zu tokens in %.1f ms (%.1f tokens/s, %zu chunk%s), %.1f MB read per token\n",
+      prompt->size(), static_cast<double>(t1 - t0) / 1e6, prompt_tokens_per_s,
+      static_cast<size_t>(at_prompt.prefill_chunks), at_prompt.prefill_chunks == 1 ? "" : "s",
+      static_cast<double>(mid.bytes_read - before.bytes_read) / 1e6 / prompt->size());
   std::printf("generated: %s\n", ids.c_str());
   std::printf("stopped: %s\n", stop_reason);
   if (vocab) {
@@ -573,6 +588,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-file", o.prompt_file, "Read the prompt text from this file");
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
+  app.add_option("--prefill-chunk", o.prefill_chunk,
+                 "Prompt positions processed together, each routed expert acquired once per "
+                 "chunk (512)")
+      ->check(CLI::Range(1u, 1u << 20));
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
