@@ -143,7 +143,8 @@ void reload(expertd::DaemonCore& core, const Flags& f) {
 }
 
 // The socket's problems, found before the models are opened (which can take a while): a path too
-// long for sockaddr_un, a directory that is missing or not writable, another daemon listening.
+// long for sockaddr_un, a directory that cannot be created or written (the RPC server creates
+// missing ones), a path that is not a socket, another daemon listening.
 expertd::Status check_socket(const std::string& path) {
   sockaddr_un a{};
   if (path.size() >= sizeof(a.sun_path)) {
@@ -152,20 +153,25 @@ expertd::Status check_socket(const std::string& path) {
                                            "is at most {}",
                                            path, path.size(), sizeof(a.sun_path) - 1));
   }
-  const auto slash = path.rfind('/');
-  const std::string dir =
-      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  std::string dir = path;
   struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return expertd::make_error(
-        ENOENT, fmt::format("socket {}: the directory {} does not exist", path, dir));
+  do {  // the nearest existing ancestor: where the first missing directory will be made
+    const auto slash = dir.rfind('/');
+    dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : dir.substr(0, slash));
+  } while (::stat(dir.c_str(), &st) != 0 && dir != "/" && dir != ".");
+  if (!S_ISDIR(st.st_mode)) {
+    return expertd::make_error(ENOTDIR, fmt::format("socket {}: {} is not a directory", path, dir));
   }
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     const int e = errno;
     return expertd::make_error(
-        e, fmt::format("socket {}: cannot create it in {}: {}", path, dir, std::strerror(e)));
+        e, fmt::format("socket {}: cannot create it under {}: {}", path, dir, std::strerror(e)));
   }
-  if (::stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return expertd::make_error(
+          EEXIST, fmt::format("socket {}: the path exists and is not a socket", path));
+    }
     const expertd::UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     a.sun_family = AF_UNIX;
     std::memcpy(a.sun_path, path.data(), path.size());
