@@ -755,8 +755,7 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
                                       std::span<float> logits) {
   const uint32_t rows = static_cast<uint32_t>(tokens.size());
   const uint64_t ck = uint64_t{chunk} * p.n_expert_used;
-  // The tokens sit after the row lists' room, so the layers' uploads never overwrite
-  // them.
+  // The tokens sit after the row lists' room, so the layers' uploads never overwrite them.
   uint32_t* h_tokens = h_rows + 3 * ck;
   uint32_t* d_tokens = d_rows + 3 * ck;
   std::copy(tokens.begin(), tokens.end(), h_tokens);
@@ -789,8 +788,7 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
   return Ok{};
 }
 
-// --- GpuEngine
-// ---------------------------------------------------------------------------------
+// --- GpuEngine ---------------------------------------------------------------------------------
 
 GpuEngine::GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GpuEngine::~GpuEngine() = default;

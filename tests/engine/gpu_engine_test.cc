@@ -386,7 +386,7 @@ TEST(GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
           EXPECT_EQ(routing[i].layer, cpu_routing[i].layer) << "record " << i;
           EXPECT_EQ(routing[i].experts, cpu_routing[i].experts) << "record " << i;
           for (size_t k = 0; k < routing[i].weights.size(); ++k) {
-            EXPECT_NEAR(routing[i].weights[k], cpu_routing[i].weights[k], 1e-5) << "record " << i;
+            EXPECT_NEAR(routing[i].weights[k], cpu_routing[i].weights[k], 1e-4) << "record " << i;
           }
         }
 
