@@ -1043,6 +1043,14 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   EXPECT_EQ(moe_combine(p, p, p, 0, 16, s), bad);
   EXPECT_EQ(moe_combine(p, p, p, 2, 0, s), bad);
   EXPECT_EQ(add(p, p, 0, s), bad);
+  EXPECT_EQ(rope_neox_rows(p, 0, 4, 16, 16, 0, 1e4f, s), bad);
+  EXPECT_EQ(rope_neox_rows(p, 2, 4, 16, 15, 0, 1e4f, s), bad);
+  EXPECT_EQ(causal_softmax(p, 0, 16, 0, s), bad);
+  EXPECT_EQ(causal_softmax(p, 8, 16, 9, s), bad);  // the chunk ends past the row
+  EXPECT_EQ(gather_rows(p, e, 0, 16, p, s), bad);
+  EXPECT_EQ(gather_rows(p, nullptr, 1, 16, p, s), bad);
+  EXPECT_EQ(scatter_rows(p, e, 1, 0, p, s), bad);
+  EXPECT_EQ(moe_combine_rows(p, p, p, 1, 0, 16, s), bad);
   EXPECT_EQ(dequantize(GgmlType::Q4_K, w, p, 100, s), bad);
   EXPECT_EQ(dequantize(GgmlType::Q5_K, w, p, 256, s), bad);
   EXPECT_EQ(dequantize(GgmlType::F32, w, p, 0, s), bad);
