@@ -140,7 +140,6 @@ TEST_F(PrefillTest, MatchesDecodeForEveryChunkSizeAndAcquiresEachExpertOncePerCh
     auto model = DenseModel::load(v.gguf);
     ASSERT_TRUE(model) << model.error().message;
     const ModelParams& p = model->params();
-    if (p.is_ds4()) continue;  // TODO(prefill): Ds4CpuEngine::prefill
     const auto n = static_cast<uint32_t>(v.prompt.size());
 
     // Token by token.
