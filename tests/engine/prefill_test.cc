@@ -102,18 +102,22 @@ class PrefillTest : public ::testing::Test {
     return r;
   }
 
-  // Every acquire the session made has been released (releases are one-way ring entries: wait).
-  static void expect_all_released(client::Session& s) {
-    auto ss = s.stats();
+  // Every acquire the session made has been released, and every hint the engine counted reached
+  // the daemon (releases and hints are one-way ring entries: wait for the last).
+  static void expect_settled(client::Session& session, const EngineStats& s) {
+    const uint64_t hints = s.hints_sent + s.hash_hints + s.prefill_hints;
+    auto ss = session.stats();
     expertd::test::wait_until(
         [&] {
-          ss = s.stats();
-          return !ss || ss->releases == ss->acquires;
+          ss = session.stats();
+          return !ss || (ss->releases == ss->acquires && ss->prefetches == hints);
         },
         std::chrono::seconds(10));
     ASSERT_TRUE(ss) << ss.error().message;
     EXPECT_EQ(ss->releases, ss->acquires);
-    EXPECT_EQ(s.holds(), 0u);
+    EXPECT_EQ(ss->acquires, s.experts_used);
+    EXPECT_EQ(ss->prefetches, hints);
+    EXPECT_EQ(session.holds(), 0u);
   }
 
   TempDir dir_;
@@ -197,13 +201,18 @@ TEST_F(PrefillTest, MatchesDecodeForEveryChunkSizeAndAcquiresEachExpertOncePerCh
         // One chunk: every (layer, expert) the prompt routed to, acquired once.
         EXPECT_EQ(s.prefill_experts, distinct.size());
         EXPECT_LT(s.prefill_experts, ref_experts);
+        // More experts than top-k per layer: hinted first, then acquired k at a time.
+        EXPECT_GT(s.prefill_hints, 0u);
         std::printf("[ %s ] experts acquired: %llu by prefill, %llu token by token\n",
                     v.name.c_str(), static_cast<unsigned long long>(s.prefill_experts),
                     static_cast<unsigned long long>(ref_experts));
       }
       EXPECT_EQ(s.experts_used, s.prefill_experts);
+      // Lookahead over a chunk counts each (layer, expert) once, as its hints are sent.
+      EXPECT_LE(s.hinted_routed, s.hints_sent);
+      EXPECT_LE(s.hinted_routed, s.routed_hintable);
       EXPECT_EQ(continue_greedy(*run.engine, logits), ref_next);
-      expect_all_released(*run.session);
+      expect_settled(*run.session, run.engine->stats());
     }
   }
 }
@@ -276,8 +285,41 @@ TEST_F(PrefillTest, TruncateThenDecodeContinuesAsAFreshSequence) {
     for (size_t i = keep + 1; i < keep + 4; ++i)
       ASSERT_TRUE(fresh.engine->decode(seq[i], expected));
     EXPECT_LE(max_rel_err(logits, expected), kMaxRelErr);
-    expect_all_released(*run.session);
+    expect_settled(*run.session, run.engine->stats());
   }
+}
+
+// A daemon with no cache and the smallest staging ring (two slots: top-k of the qwen3moe fixture)
+// can never hold a layer's experts at once: prefill acquires them k at a time, so it still runs,
+// and gives decode's logits.
+TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
+  const test::TinyFixture fx = test::TinyFixture::load();
+  TempDir dir;
+  const std::string socket = dir.path() + "/expertd.sock";
+  Daemon daemon(dir.path(), {"--model", "tiny=" + fx.gguf("f32"), "--socket", socket, "--cache",
+                             "0", "--staging", "1", "--no-mlock"});
+  ASSERT_TRUE(daemon.start());
+  auto model = DenseModel::load(fx.gguf("f32"));
+  ASSERT_TRUE(model) << model.error().message;
+  ASSERT_EQ(model->params().n_expert_used, 2u);
+  std::vector<float> expected(fx.vocab);
+  std::vector<float> logits(fx.vocab);
+  for (const uint32_t chunk : {1u, 512u}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    auto source = DaemonExpertSource::connect(socket, "tiny", *model, "prefill_test");
+    ASSERT_TRUE(source) << source.error().message;
+    EngineOptions o;
+    o.max_context = 16;
+    o.prefetch_depth = 1;
+    o.prefill_chunk = chunk;
+    auto engine = create_cpu_engine(*model, **source, o);
+    ASSERT_TRUE(engine) << engine.error().message;
+    const Status st = (*engine)->prefill(fx.tokens, chunk == 1 ? expected : logits);
+    ASSERT_TRUE(st) << st.error().message;
+  }
+  EXPECT_EQ(logits, expected);
+  const std::string log = daemon.log();
+  EXPECT_EQ(daemon.stop(), 0) << log;
 }
 
 }  // namespace
