@@ -212,7 +212,7 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   csel_.resize(c * k);
   cweights_.resize(c * k);
   cout_.resize(c * k * e);
-  cshared_.resize(c * e);
+  cmoe_.resize(c * e);
   groups_.reserve(p_.n_expert, c * k);
   exact_.resize(p_.n_expert);
   hash_mark_.resize(uint64_t{d_.hash_layers} * p_.n_expert);
@@ -709,7 +709,7 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
       std::copy_n(cstreams_.data() + i * se, se, streams_.data());
       std::copy_n(cpost_.data() + uint64_t{i} * hc, hc, post_.data());
       std::copy_n(ccomb_.data() + uint64_t{i} * hc * hc, uint64_t{hc} * hc, comb_.data());
-      hc_expand(cshared_.data() + i * e);
+      hc_expand(cmoe_.data() + i * e);
       std::copy_n(streams_.data(), se, cstreams_.data() + i * se);
     }
   }
@@ -792,7 +792,7 @@ Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
     matmul(l.shexp_down.view(), cgate_.data(), sff, cdown_.data(), e, n, row_.data());
   }
   // Each position sums its experts in its route's order, then the shared expert, as decode()
-  // does; the result replaces cshared_'s row.
+  // does.
   for (uint32_t i = 0; i < n; ++i) {
     std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
     for (uint32_t s = 0; s < k; ++s) {
@@ -803,7 +803,7 @@ Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
     if (d_.n_shared > 0) {
       for (uint64_t j = 0; j < e; ++j) acc_[j] += cdown_[i * e + j];
     }
-    for (uint64_t j = 0; j < e; ++j) cshared_[i * e + j] = static_cast<float>(acc_[j]);
+    for (uint64_t j = 0; j < e; ++j) cmoe_[i * e + j] = static_cast<float>(acc_[j]);
   }
   return Ok{};
 }

@@ -180,7 +180,7 @@ class Ds4CpuEngine final : public Engine {
   std::vector<uint32_t> csel_;      // routes, [C][k]
   std::vector<float> cweights_;     // [C][k]
   std::vector<float> cout_;         // each route slot's expert output, [C][k][n_embd]
-  std::vector<float> cshared_;      // the shared expert's output, [C][n_embd]
+  std::vector<float> cmoe_;         // each position's MoE output (routed + shared), [C][n_embd]
   ExpertGroups groups_;             // the chunk's layer's route slots by expert
   std::vector<ExpertHint> exact_;   // their hints, n_expert
   std::vector<uint8_t> hash_mark_;  // [hash layer][expert]: hinted this chunk
