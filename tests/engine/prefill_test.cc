@@ -13,6 +13,7 @@
 #include "engine/sampler.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
+#include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 
 namespace expertd::engine {
@@ -320,6 +321,59 @@ TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
   EXPECT_EQ(logits, expected);
   const std::string log = daemon.log();
   EXPECT_EQ(daemon.stop(), 0) << log;
+}
+
+// Benchmark mode: prefill takes the script's routes for every position, as decode does, on a
+// forged model (q8_0 experts, f16 dense weights) read through the file source.
+TEST(PrefillScripted, TakesTheScriptedRoutesAsDecodeDoes) {
+  TempDir dir;
+  auto model = DenseModel::load(expertd::test::forge(
+      dir.path(), "m",
+      "--layers 3 --experts 8 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
+      "--vocab 300 --expert-type q8_0 --dense-type f16 --seed 9"));
+  ASSERT_TRUE(model) << model.error().message;
+  const ModelParams& p = model->params();
+  const std::vector<uint32_t> prompt{5, 17, 250, 3, 99, 42, 7, 8, 9};
+  RoutingScript script(static_cast<uint32_t>(prompt.size()), 3);
+  for (uint32_t t = 0; t < prompt.size(); ++t) {
+    if (t == 4) continue;  // a position the trace lacks: the router decides
+    for (uint32_t l = 0; l < 3; ++l) {
+      ASSERT_TRUE(
+          script.set(t, l, ScriptedRoute{{(t + l) % 8, (t * 3 + l + 1) % 8}, {0.7f, 0.3f}, {}}, p));
+    }
+  }
+  EngineOptions o{16, 2, 0, &script, HintSource::Script};
+  o.prefill_chunk = 4;
+  std::vector<float> expected(p.n_vocab);
+  std::vector<float> logits(p.n_vocab);
+  std::vector<RoutingRecord> ref_log;
+  std::vector<RoutingRecord> log;
+  auto ref_source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(ref_source);
+  auto ref = CpuEngine::create(*model, **ref_source, o);
+  ASSERT_TRUE(ref);
+  (*ref)->set_routing_log(&ref_log);
+  for (const uint32_t t : prompt) ASSERT_TRUE((*ref)->decode(t, expected));
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto engine = CpuEngine::create(*model, **source, o);
+  ASSERT_TRUE(engine);
+  (*engine)->set_routing_log(&log);
+  ASSERT_TRUE((*engine)->prefill(prompt, logits));
+  EXPECT_EQ(logits, expected);
+  EXPECT_EQ((*engine)->stats().scripted_routes, (prompt.size() - 1) * 3);
+  EXPECT_EQ((*engine)->stats().scripted_routes, (*ref)->stats().scripted_routes);
+  ASSERT_EQ(log.size(), ref_log.size());
+  for (size_t i = 0; i < log.size(); ++i) {
+    EXPECT_EQ(log[i].token, ref_log[i].token);
+    EXPECT_EQ(log[i].experts, ref_log[i].experts) << "record " << i;
+    EXPECT_EQ(log[i].weights, ref_log[i].weights) << "record " << i;
+    const ScriptedRoute* r = script.find(log[i].token, log[i].layer);
+    if (r != nullptr) {
+      EXPECT_EQ(log[i].experts, r->experts) << "record " << i;
+    }
+  }
+  EXPECT_EQ((*engine)->stats().prefill_chunks, 3u);
 }
 
 }  // namespace
