@@ -65,6 +65,26 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   up_.resize(p_.n_ff_exp);
   views_.resize(p_.n_expert_used);
   pxn_.resize(p_.n_embd);
+  chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
+  const uint64_t c = chunk_;
+  const uint32_t k = p_.n_expert_used;
+  cx_.resize(c * p_.n_embd);
+  cxn_.resize(c * p_.n_embd);
+  cq_.resize(c * q_dim);
+  ck_.resize(c * kv_dim_);
+  cv_.resize(c * kv_dim_);
+  catt_.resize(c * q_dim);
+  ctmp_.resize(c * p_.n_embd);
+  clogits_.resize(c * p_.n_expert);
+  csel_.resize(c * k);
+  cweights_.resize(c * k);
+  cout_.resize(c * k * p_.n_embd);
+  groups_.reserve(p_.n_expert, c * k);
+  exact_.resize(p_.n_expert);
+  cgx_.resize(c * p_.n_embd);
+  cgate_.resize(c * p_.n_ff_exp);
+  cup_.resize(c * p_.n_ff_exp);
+  cdown_.resize(c * p_.n_embd);
 }
 
 std::string CpuEngine::description() const {
@@ -95,42 +115,52 @@ Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
 
 void CpuEngine::attention(uint32_t layer) {
   const LayerWeights& w = model_.layer(layer);
-  const uint32_t hd = p_.head_dim;
   rms_norm(x_.data(), w.attn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
   matvec(w.wq.view(), xn_.data(), q_.data(), row_.data());
   matvec(w.wk.view(), xn_.data(), k_.data(), row_.data());
   matvec(w.wv.view(), xn_.data(), v_.data(), row_.data());
+  place_qkv(layer, pos_, q_.data(), k_.data(), v_.data());
+  attend(layer, pos_, q_.data(), att_.data());
+  matvec(w.wo.view(), att_.data(), tmp_.data(), row_.data());
+  for (uint32_t i = 0; i < p_.n_embd; ++i) x_[i] += tmp_[i];
+}
+
+void CpuEngine::place_qkv(uint32_t layer, uint32_t pos, float* q_all, float* k_all,
+                          const float* v) {
+  const LayerWeights& w = model_.layer(layer);
+  const uint32_t hd = p_.head_dim;
   for (uint32_t h = 0; h < p_.n_head; ++h) {
-    float* q = q_.data() + uint64_t{h} * hd;
+    float* q = q_all + uint64_t{h} * hd;
     rms_norm(q, w.q_norm.data(), q, hd, p_.rms_eps);
-    rope_neox(q, p_.n_rot, pos_, p_.rope_base);
+    rope_neox(q, p_.n_rot, pos, p_.rope_base);
   }
   for (uint32_t h = 0; h < p_.n_head_kv; ++h) {
-    float* k = k_.data() + uint64_t{h} * hd;
+    float* k = k_all + uint64_t{h} * hd;
     rms_norm(k, w.k_norm.data(), k, hd, p_.rms_eps);
-    rope_neox(k, p_.n_rot, pos_, p_.rope_base);
+    rope_neox(k, p_.n_rot, pos, p_.rope_base);
   }
-  std::copy(k_.begin(), k_.end(), k_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos_)));
-  std::copy(v_.begin(), v_.end(), v_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos_)));
+  std::copy_n(k_all, kv_dim_, k_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
+  std::copy_n(v, kv_dim_, v_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
+}
 
+void CpuEngine::attend(uint32_t layer, uint32_t pos, const float* q_all, float* att) {
+  const uint32_t hd = p_.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint32_t group = p_.n_head / p_.n_head_kv;  // query heads sharing one kv head
   for (uint32_t h = 0; h < p_.n_head; ++h) {
-    const float* q = q_.data() + uint64_t{h} * hd;
+    const float* q = q_all + uint64_t{h} * hd;
     const uint64_t kv_off = uint64_t{h / group} * hd;
-    for (uint32_t t = 0; t <= pos_; ++t) {
+    for (uint32_t t = 0; t <= pos; ++t) {
       scores_[t] = dot(q, k_cache_.data() + kv_index(layer, t) + kv_off, hd) * scale;
     }
-    softmax(scores_.data(), pos_ + 1);
+    softmax(scores_.data(), pos + 1);
     std::fill(acc_.begin(), acc_.begin() + hd, 0.0);
-    for (uint32_t t = 0; t <= pos_; ++t) {
+    for (uint32_t t = 0; t <= pos; ++t) {
       const float* v = v_cache_.data() + kv_index(layer, t) + kv_off;
       for (uint32_t i = 0; i < hd; ++i) acc_[i] += scores_[t] * static_cast<double>(v[i]);
     }
-    for (uint32_t i = 0; i < hd; ++i) att_[uint64_t{h} * hd + i] = static_cast<float>(acc_[i]);
+    for (uint32_t i = 0; i < hd; ++i) att[uint64_t{h} * hd + i] = static_cast<float>(acc_[i]);
   }
-  matvec(w.wo.view(), att_.data(), tmp_.data(), row_.data());
-  for (uint32_t i = 0; i < p_.n_embd; ++i) x_[i] += tmp_[i];
 }
 
 void CpuEngine::send_hints(uint32_t layer) {
@@ -159,19 +189,24 @@ void CpuEngine::route(uint32_t layer) {
   rms_norm(x_.data(), w.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
   if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
-    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
-    softmax(probs_.data(), p_.n_expert);
-    top_indices(std::span<const double>(probs_), order_, k);
-    double sum = 0.0;
-    for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
-    for (uint32_t i = 0; i < k; ++i) {
-      selected_[i] = order_[i];
-      const double pr = probs_[order_[i]];
-      weights_[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
-    }
+    select(router_.data(), selected_.data(), weights_.data());
   }
   RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
   planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
+}
+
+void CpuEngine::select(const float* logits, uint32_t* selected, float* weights) {
+  const uint32_t k = p_.n_expert_used;
+  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
+  softmax(probs_.data(), p_.n_expert);
+  top_indices(std::span<const double>(probs_), order_, k);
+  double sum = 0.0;
+  for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
+  for (uint32_t i = 0; i < k; ++i) {
+    selected[i] = order_[i];
+    const double pr = probs_[order_[i]];
+    weights[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
+  }
 }
 
 Status CpuEngine::moe(uint32_t layer) {
@@ -196,6 +231,194 @@ Status CpuEngine::moe(uint32_t layer) {
   }
   EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), k)));
   for (uint32_t j = 0; j < p_.n_embd; ++j) x_[j] += static_cast<float>(acc_[j]);
+  return Ok{};
+}
+
+bool CpuEngine::truncate(uint32_t n) {
+  if (n > pos_) return false;
+  pos_ = n;
+  return true;
+}
+
+Status CpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
+  EXPERTD_TRY(check_prefill(p_, opts_, pos_, tokens, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  Status st = Ok{};
+  for (size_t s = 0; s < tokens.size() && st; s += chunk_) {
+    const size_t n = std::min<size_t>(chunk_, tokens.size() - s);
+    const bool last = s + n == tokens.size();
+    st = prefill_chunk(tokens.subspan(s, n), last ? logits : std::span<float>());
+  }
+  stats_.prefill_ns += monotonic_ns() - t0;
+  return st;
+}
+
+Status CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t e = p_.n_embd;
+  const Matrix& embd = model_.token_embd();
+  for (uint32_t i = 0; i < n; ++i) {
+    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes,
+                   cx_.data() + i * e, e);
+  }
+  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
+  // The chunk is one pass over the layers: the planner dedups its hints over the whole chunk, and
+  // the daemon's cursor names the chunk's last position. It starts at the position before's last
+  // layer, so hints for this chunk's layers (layer 0's included) target this pass, not the next.
+  planner_.begin_token();
+  const uint32_t last = pos_ + n - 1;
+  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
+    prefill_attention(layer, n);
+    prefill_hints(layer, n);
+    prefill_route(layer, n);
+    EXPERTD_TRY(prefill_moe(layer, n));
+  }
+  if (routing_log_ != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log_->begin() + static_cast<int64_t>(logged), routing_log_->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  if (!logits.empty()) {
+    rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
+    matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+  }
+  pos_ += n;
+  stats_.tokens += n;
+  stats_.prefill_tokens += n;
+  ++stats_.prefill_chunks;
+  return Ok{};
+}
+
+void CpuEngine::prefill_attention(uint32_t layer, uint32_t n) {
+  const LayerWeights& w = model_.layer(layer);
+  const uint64_t e = p_.n_embd;
+  const uint64_t q_dim = uint64_t{p_.n_head} * p_.head_dim;
+  for (uint32_t i = 0; i < n; ++i) {
+    rms_norm(cx_.data() + i * e, w.attn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
+  }
+  matmul(w.wq.view(), cxn_.data(), e, cq_.data(), q_dim, n, row_.data());
+  matmul(w.wk.view(), cxn_.data(), e, ck_.data(), kv_dim_, n, row_.data());
+  matmul(w.wv.view(), cxn_.data(), e, cv_.data(), kv_dim_, n, row_.data());
+  // Every position's k and v go into the cache first; position i then attends to [0, pos_ + i].
+  for (uint32_t i = 0; i < n; ++i) {
+    place_qkv(layer, pos_ + i, cq_.data() + i * q_dim, ck_.data() + i * kv_dim_,
+              cv_.data() + i * kv_dim_);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    attend(layer, pos_ + i, cq_.data() + i * q_dim, catt_.data() + i * q_dim);
+  }
+  matmul(w.wo.view(), catt_.data(), q_dim, ctmp_.data(), e, n, row_.data());
+  for (uint64_t j = 0; j < uint64_t{n} * e; ++j) cx_[j] += ctmp_[j];
+}
+
+void CpuEngine::prefill_hints(uint32_t layer, uint32_t n) {
+  // Decode's lookahead over the chunk: the union of every position's candidates, once each.
+  const uint64_t e = p_.n_embd;
+  planner_.from_layer(layer);
+  for (uint32_t j = 1; j <= opts_.prefetch_depth && layer + j < p_.n_layer; ++j) {
+    const uint32_t next = layer + j;
+    if (opts_.script != nullptr && opts_.hints == HintSource::Script) {
+      for (uint32_t i = 0; i < n; ++i)
+        add_scripted_hints(*opts_.script, pos_ + i, layer, next, planner_);
+      continue;
+    }
+    const LayerWeights& w = model_.layer(next);
+    for (uint32_t i = 0; i < n; ++i) {
+      rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
+    }
+    matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
+    for (uint32_t i = 0; i < n; ++i) {
+      for (uint32_t x = 0; x < p_.n_expert; ++x)
+        probs_[x] = clogits_[uint64_t{i} * p_.n_expert + x];
+      softmax(probs_.data(), p_.n_expert);
+      planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
+    }
+  }
+  const std::span<const ExpertHint> hints = planner_.take(stats_);
+  if (hints.empty()) return;
+  if (!source_.prefetch(hints)) ++stats_.hint_errors;
+}
+
+void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
+  const LayerWeights& w = model_.layer(layer);
+  const uint64_t e = p_.n_embd;
+  const uint32_t k = p_.n_expert_used;
+  for (uint32_t i = 0; i < n; ++i) {
+    rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
+  }
+  matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
+  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const std::span<uint32_t> sel(csel_.data() + uint64_t{i} * k, k);
+    const std::span<float> wts(cweights_.data() + uint64_t{i} * k, k);
+    if (!take_scripted_route(opts_, pos_ + i, layer, sel, wts, stats_)) {
+      select(clogits_.data() + uint64_t{i} * p_.n_expert, sel.data(), wts.data());
+    }
+    log_route(routing_log_, pos_ + i, layer, sel, wts);
+  }
+  groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
+  routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
+}
+
+Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
+  const uint32_t k = p_.n_expert_used;
+  const uint64_t e = p_.n_embd;
+  const uint64_t ff = p_.n_ff_exp;
+  const uint32_t last = pos_ + n - 1;
+  const std::span<const uint32_t> needed = groups_.needed();
+  const auto n_needed = static_cast<uint32_t>(needed.size());
+  // Every needed expert is hinted before any is acquired, so the daemon loads the later groups
+  // while the first ones compute (the cursor is still before this layer, so they target it).
+  if (n_needed > k) {
+    for (uint32_t i = 0; i < n_needed; ++i) exact_[i] = ExpertHint{layer, needed[i], 1.0f};
+    stats_.prefill_hints += n_needed;
+    if (!source_.prefetch(std::span<const ExpertHint>(exact_.data(), n_needed))) {
+      ++stats_.hint_errors;
+    }
+  }
+  if (!source_.set_cursor(last, layer)) ++stats_.hint_errors;
+
+  // Held at most top-k at a time: a daemon cache sized for decode never has to hold a layer.
+  for (uint32_t g = 0; g < n_needed; g += k) {
+    const uint32_t m = std::min(k, n_needed - g);
+    const std::span<const uint32_t> group = needed.subspan(g, m);
+    const uint64_t t0 = monotonic_ns();
+    EXPERTD_TRY(source_.get(layer, group, std::span<ExpertView>(views_.data(), m)));
+    stats_.stall_ns += monotonic_ns() - t0;
+    stats_.experts_used += m;
+    stats_.prefill_experts += m;
+    for (uint32_t v = 0; v < m; ++v) {
+      const ExpertView& ev = views_[v];
+      EXPERTD_CHECK_EQ(ev.layer, layer);
+      EXPERTD_CHECK_EQ(ev.expert, group[v]);
+      const std::span<const uint32_t> slots = groups_.slots(group[v]);
+      const auto count = static_cast<uint32_t>(slots.size());
+      for (uint32_t r = 0; r < count; ++r) {
+        std::copy_n(cxn_.data() + uint64_t{slots[r] / k} * e, e, cgx_.data() + r * e);
+      }
+      matmul(ev.gate, cgx_.data(), e, cgate_.data(), ff, count, row_.data());
+      matmul(ev.up, cgx_.data(), e, cup_.data(), ff, count, row_.data());
+      for (uint64_t j = 0; j < uint64_t{count} * ff; ++j) cgate_[j] = silu(cgate_[j]) * cup_[j];
+      matmul(ev.down, cgate_.data(), ff, cdown_.data(), e, count, row_.data());
+      for (uint32_t r = 0; r < count; ++r) {
+        std::copy_n(cdown_.data() + r * e, e, cout_.data() + uint64_t{slots[r]} * e);
+      }
+    }
+    EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), m)));
+  }
+  // Each position sums its experts in its route's order, as decode() does.
+  for (uint32_t i = 0; i < n; ++i) {
+    std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
+    for (uint32_t s = 0; s < k; ++s) {
+      const double wt = cweights_[uint64_t{i} * k + s];
+      const float* out = cout_.data() + (uint64_t{i} * k + s) * e;
+      for (uint64_t j = 0; j < e; ++j) acc_[j] += wt * static_cast<double>(out[j]);
+    }
+    float* x = cx_.data() + i * e;
+    for (uint64_t j = 0; j < e; ++j) x[j] += static_cast<float>(acc_[j]);
+  }
   return Ok{};
 }
 

@@ -11,8 +11,17 @@
 // each, not yet hinted for this token, are sent to the source as hints with their probabilities.
 // The cursor (token position, layer) is published at the start of every layer.
 //
-// Owns the KV cache and every scratch buffer, sized at create(); decode() allocates nothing
-// unless a routing log is attached. Not thread-safe.
+// prefill() runs a prompt in chunks of EngineOptions::prefill_chunk positions, layer by layer over
+// the whole chunk: the projections are matrix-matrix products (each weight row dequantised once
+// for every position), attention is causal per position over the cache, and the MoE is grouped by
+// expert: every expert the chunk's layer routed to is hinted, then acquired once (in groups of at
+// most top-k, so a small daemon cache never has to hold the whole layer) and applied to all its
+// positions. Each position's output is combined in its route's order, as decode() does, so the
+// logits are decode()'s to the bit.
+//
+// Owns the KV cache and every scratch buffer (the prefill ones sized by the chunk), sized at
+// create(); decode() and prefill() allocate nothing unless a routing log is attached. Not
+// thread-safe.
 #pragma once
 
 #include <chrono>
@@ -21,6 +30,7 @@
 #include <span>
 #include <vector>
 
+#include "engine/cpu_ops.h"
 #include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/model.h"
@@ -36,6 +46,11 @@ class CpuEngine final : public Engine {
   // Feeds `token` at the next position and writes the next token's logits (n_vocab floats).
   // Errors: a token outside the vocabulary, a full KV cache, an expert the source cannot give.
   Status decode(uint32_t token, std::span<float> logits) override;
+  // The batched forward of the prompt (see above). After an error the positions of the failed
+  // chunk are not kept; earlier chunks are.
+  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
+  // The KV cache is per position, so any prefix can be kept.
+  bool truncate(uint32_t n) override;
 
   // Forgets the sequence (the KV cache is reused from position 0).
   void reset() override { pos_ = 0; }
@@ -53,9 +68,21 @@ class CpuEngine final : public Engine {
   EngineStats& mutable_stats() override { return stats_; }
 
   void attention(uint32_t layer);
+  // Per-head q/k norms and RoPE at `pos`, then k and v into the cache.
+  void place_qkv(uint32_t layer, uint32_t pos, float* q, float* k, const float* v);
+  // Causal attention of `q` at `pos` over cache[0..pos] into `att` (n_head * head_dim).
+  void attend(uint32_t layer, uint32_t pos, const float* q, float* att);
   void route(uint32_t layer);
+  // Top-k of router logits (n_expert) into selected/weights (k each), renormalised as configured.
+  void select(const float* logits, uint32_t* selected, float* weights);
   void send_hints(uint32_t layer);
   Status moe(uint32_t layer);
+  // prefill() of one chunk (n <= prefill chunk positions from pos_); logits only when non-empty.
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  void prefill_attention(uint32_t layer, uint32_t n);
+  void prefill_hints(uint32_t layer, uint32_t n);
+  void prefill_route(uint32_t layer, uint32_t n);
+  Status prefill_moe(uint32_t layer, uint32_t n);
   uint64_t kv_index(uint32_t layer, uint32_t pos) const {
     return (uint64_t{layer} * opts_.max_context + pos) * kv_dim_;
   }
@@ -91,6 +118,26 @@ class CpuEngine final : public Engine {
   std::vector<ExpertView> views_;   // top-k held experts
   std::vector<float> pxn_;          // prefetch: normalised residual, n_embd
   HintPlanner planner_;
+
+  // prefill(): C = min(prefill_chunk, max_context) positions.
+  uint32_t chunk_ = 0;             // C
+  std::vector<float> cx_;          // residual streams, [C][n_embd]
+  std::vector<float> cxn_;         // normalised block inputs, [C][n_embd]
+  std::vector<float> cq_;          // [C][n_head * head_dim]
+  std::vector<float> ck_;          // [C][kv_dim]
+  std::vector<float> cv_;          // [C][kv_dim]
+  std::vector<float> catt_;        // [C][n_head * head_dim]
+  std::vector<float> ctmp_;        // [C][n_embd]
+  std::vector<float> clogits_;     // router logits, [C][n_expert]
+  std::vector<uint32_t> csel_;     // routes, [C][k]
+  std::vector<float> cweights_;    // [C][k]
+  std::vector<float> cout_;        // each route slot's expert output, [C][k][n_embd]
+  ExpertGroups groups_;            // the chunk's layer's route slots by expert
+  std::vector<ExpertHint> exact_;  // their hints
+  std::vector<float> cgx_;         // one expert's inputs, [C][n_embd]
+  std::vector<float> cgate_;       // [C][n_ff]
+  std::vector<float> cup_;         // [C][n_ff]
+  std::vector<float> cdown_;       // [C][n_embd]
 };
 
 // The CPU engine for `model`'s architecture: CpuEngine (qwen3moe) or Ds4CpuEngine (deepseek4).

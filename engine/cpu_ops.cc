@@ -14,6 +14,37 @@ void matvec(const WeightView& w, const float* x, float* y, float* row) {
   }
 }
 
+void matmul(const WeightView& w, const float* x, size_t x_stride, float* y, size_t y_stride,
+            size_t n, float* row) {
+  for (uint64_t r = 0; r < w.rows; ++r) {
+    dequantize_row(w.type, w.data + r * w.row_bytes, row, w.cols);
+    for (size_t i = 0; i < n; ++i) {
+      y[i * y_stride + r] = static_cast<float>(dot(row, x + i * x_stride, w.cols));
+    }
+  }
+}
+
+void ExpertGroups::reserve(uint32_t n_expert, uint64_t slots) {
+  by_expert_.resize(slots);
+  first_.resize(uint64_t{n_expert} + 1);
+  needed_.resize(n_expert);
+}
+
+void ExpertGroups::build(std::span<const uint32_t> routes) {
+  // A counting sort: count, prefix sums, place, then shift the starts back.
+  const auto n_expert = static_cast<uint32_t>(needed_.size());
+  std::fill(first_.begin(), first_.end(), 0u);
+  for (const uint32_t x : routes) ++first_[x + 1];
+  n_needed_ = 0;
+  for (uint32_t x = 0; x < n_expert; ++x) {
+    if (first_[x + 1] != 0) needed_[n_needed_++] = x;
+    first_[x + 1] += first_[x];
+  }
+  for (uint32_t s = 0; s < routes.size(); ++s) by_expert_[first_[routes[s]]++] = s;
+  for (uint32_t x = n_expert; x > 0; --x) first_[x] = first_[x - 1];
+  first_[0] = 0;
+}
+
 void rms_norm(const float* x, const float* weight, float* y, size_t n, float eps) {
   double ss = 0.0;
   for (size_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * static_cast<double>(x[i]);

@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "engine/model.h"
 
@@ -12,6 +14,12 @@ namespace expertd::engine {
 // y[r] = sum_c W[r][c] * x[c] for every row r of `w`, accumulated in double. Each row is
 // dequantised into `row` (w.cols floats) first. `w` must have passed dequant_check.
 void matvec(const WeightView& w, const float* x, float* y, float* row);
+
+// The batched form, the CPU "GEMM" of prefill: y[i][r] = sum_c W[r][c] * x[i][c] for n inputs
+// (rows x_stride / y_stride floats apart). Each row of `w` is dequantised once for all n inputs;
+// every output is the same double-accumulated dot matvec computes, so the results are identical.
+void matmul(const WeightView& w, const float* x, size_t x_stride, float* y, size_t y_stride,
+            size_t n, float* row);
 
 // y = x / sqrt(mean(x^2) + eps) * weight over n elements (y may alias x).
 void rms_norm(const float* x, const float* weight, float* y, size_t n, float eps);
@@ -22,6 +30,26 @@ void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base);
 
 // In place: p[i] = exp(p[i] - max) / sum over n elements, computed in double.
 void softmax(double* p, size_t n);
+
+// prefill(): a chunk's route slots (position * k + slot) grouped by expert: the experts routed to,
+// in index order, and each one's slots in position order. Sized by reserve(); build() does not
+// allocate.
+class ExpertGroups {
+ public:
+  void reserve(uint32_t n_expert, uint64_t slots);
+  // routes: [position][k] expert ids, each < n_expert.
+  void build(std::span<const uint32_t> routes);
+  std::span<const uint32_t> needed() const { return {needed_.data(), n_needed_}; }
+  std::span<const uint32_t> slots(uint32_t expert) const {
+    return {by_expert_.data() + first_[expert], first_[expert + 1] - first_[expert]};
+  }
+
+ private:
+  std::vector<uint32_t> by_expert_;  // slots, expert by expert
+  std::vector<uint32_t> first_;      // [n_expert + 1]: expert e's slots start at first_[e]
+  std::vector<uint32_t> needed_;
+  uint32_t n_needed_ = 0;
+};
 
 inline double dot(const float* a, const float* b, size_t n) {
   double s = 0.0;

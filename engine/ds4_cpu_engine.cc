@@ -27,6 +27,20 @@ void rms_norm_plain(float* x, size_t n, float eps) {
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(x[i] * r);
 }
 
+// SwiGLU with DeepSeek-V4's clamp, in place in `gate`: gate <= limit, up in [-limit, limit]
+// (limit 0: none).
+void swiglu(float* gate, const float* up, uint64_t n, float limit) {
+  for (uint64_t j = 0; j < n; ++j) {
+    float g = gate[j];
+    float u = up[j];
+    if (limit > 0) {
+      g = std::min(g, limit);
+      u = std::clamp(u, -limit, limit);
+    }
+    gate[j] = silu(g) * u;
+  }
+}
+
 }  // namespace
 
 // Inverse frequencies of the rope pairs: base^(-2i/dim), or YaRN's blend of interpolated and
@@ -187,7 +201,25 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   up_.resize(ff_sh);
   tmp_.resize(e);
   views_.resize(p_.n_expert_used);
-  hash_hints_.reserve(uint64_t{d_.hash_layers} * p_.n_expert_used);
+  hash_hints_.reserve(uint64_t{d_.hash_layers} * p_.n_expert);
+  chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
+  const uint64_t c = chunk_;
+  const uint32_t k = p_.n_expert_used;
+  cstreams_.resize(c * hc * e);
+  cpost_.resize(c * hc);
+  ccomb_.resize(c * hc * hc);
+  cxn_.resize(c * e);
+  csel_.resize(c * k);
+  cweights_.resize(c * k);
+  cout_.resize(c * k * e);
+  cmoe_.resize(c * e);
+  groups_.reserve(p_.n_expert, c * k);
+  exact_.resize(p_.n_expert);
+  hash_mark_.resize(uint64_t{d_.hash_layers} * p_.n_expert);
+  cgx_.resize(c * e);
+  cgate_.resize(c * ff_sh);
+  cup_.resize(c * ff_sh);
+  cdown_.resize(c * e);
 }
 
 std::string Ds4CpuEngine::description() const {
@@ -241,7 +273,16 @@ Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(moe(layer));
     hc_expand(out_.data());
   }
-  // HyperHead: collapse the streams, then the output norm and head.
+  head(logits);
+  ++pos_;
+  ++stats_.tokens;
+  stats_.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+void Ds4CpuEngine::head(std::span<float> logits) {
+  // Collapse the streams, then the output norm and head.
+  const uint64_t e = p_.n_embd;
   std::copy(streams_.begin(), streams_.end(), flat_.begin());
   rms_norm_plain(flat_.data(), flat_.size(), p_.rms_eps);
   matvec(w_.hc_head_fn.view(), flat_.data(), mixes_.data(), row_.data());
@@ -254,10 +295,6 @@ Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
   for (uint64_t j = 0; j < e; ++j) collapsed_[j] = static_cast<float>(acc_[j]);
   rms_norm(collapsed_.data(), model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
   matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
-  ++pos_;
-  ++stats_.tokens;
-  stats_.decode_ns += monotonic_ns() - t0;
-  return Ok{};
 }
 
 void Ds4CpuEngine::hc_mix(const Matrix& fn, const std::vector<float>& base,
@@ -497,6 +534,11 @@ void Ds4CpuEngine::hint_hash_layers(uint32_t token) {
 }
 
 void Ds4CpuEngine::send_hints(uint32_t layer) {
+  add_lookahead(layer);
+  flush_hints();
+}
+
+void Ds4CpuEngine::add_lookahead(uint32_t layer) {
   planner_.from_layer(layer);
   for (uint32_t j = 1; j <= opts_.prefetch_depth && layer + j < p_.n_layer; ++j) {
     const uint32_t next = layer + j;
@@ -512,12 +554,24 @@ void Ds4CpuEngine::send_hints(uint32_t layer) {
     ds4_hint_probs(w, router_, probs_);
     planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
   }
+}
+
+void Ds4CpuEngine::flush_hints() {
   const std::span<const ExpertHint> hints = planner_.take(stats_);
   if (hints.empty()) return;
   if (!source_.prefetch(hints)) ++stats_.hint_errors;
 }
 
 void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
+  const uint32_t k = p_.n_expert_used;
+  route_position(layer, token);
+  RoutingRecord* rec = routing_log_ != nullptr ? &routing_log_->back() : nullptr;
+  if (layer >= d_.hash_layers) {
+    planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
+  }
+}
+
+void Ds4CpuEngine::route_position(uint32_t layer, uint32_t token) {
   const Ds4LayerWeights& l = w_.layers[layer];
   const uint32_t k = p_.n_expert_used;
   const bool hash = layer < d_.hash_layers;
@@ -526,8 +580,7 @@ void Ds4CpuEngine::route(uint32_t layer, uint32_t token) {
     matvec(l.gate_inp.view(), xn_.data(), router_.data(), row_.data());
     ds4_route(d_, l, hash, token, router_, k, probs_, sel_, order_, selected_, weights_);
   }
-  RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
-  if (!hash) planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
+  log_route(routing_log_, pos_, layer, selected_, weights_);
 }
 
 Status Ds4CpuEngine::moe(uint32_t layer) {
@@ -546,18 +599,6 @@ Status Ds4CpuEngine::moe(uint32_t layer) {
   (hash ? stats_.hash_ready : stats_.learned_ready) += ready;
   (hash ? stats_.hash_stall_ns : stats_.learned_stall_ns) += waited;
 
-  // SwiGLU with DeepSeek-V4's clamp: gate <= limit, up in [-limit, limit] (limit 0: none).
-  auto swiglu = [&](uint64_t n, float limit) {
-    for (uint64_t j = 0; j < n; ++j) {
-      float g = gate_[j];
-      float u = up_[j];
-      if (limit > 0) {
-        g = std::min(g, limit);
-        u = std::clamp(u, -limit, limit);
-      }
-      gate_[j] = silu(g) * u;
-    }
-  };
   const uint64_t e = p_.n_embd;
   std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
   for (uint32_t i = 0; i < k; ++i) {
@@ -566,7 +607,7 @@ Status Ds4CpuEngine::moe(uint32_t layer) {
     EXPERTD_CHECK_EQ(ev.expert, selected_[i]);
     matvec(ev.gate, xn_.data(), gate_.data(), row_.data());
     matvec(ev.up, xn_.data(), up_.data(), row_.data());
-    swiglu(p_.n_ff_exp, d_.clamp_exp[layer]);
+    swiglu(gate_.data(), up_.data(), p_.n_ff_exp, d_.clamp_exp[layer]);
     matvec(ev.down, gate_.data(), tmp_.data(), row_.data());
     for (uint64_t j = 0; j < e; ++j) acc_[j] += static_cast<double>(weights_[i]) * tmp_[j];
   }
@@ -574,11 +615,196 @@ Status Ds4CpuEngine::moe(uint32_t layer) {
   if (d_.n_shared > 0) {
     matvec(l.shexp_gate.view(), xn_.data(), gate_.data(), row_.data());
     matvec(l.shexp_up.view(), xn_.data(), up_.data(), row_.data());
-    swiglu(l.shexp_gate.rows, d_.clamp_shexp[layer]);
+    swiglu(gate_.data(), up_.data(), l.shexp_gate.rows, d_.clamp_shexp[layer]);
     matvec(l.shexp_down.view(), gate_.data(), tmp_.data(), row_.data());
     for (uint64_t j = 0; j < e; ++j) acc_[j] += tmp_[j];
   }
   for (uint64_t j = 0; j < e; ++j) out_[j] = static_cast<float>(acc_[j]);
+  return Ok{};
+}
+
+Status Ds4CpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
+  EXPERTD_TRY(check_prefill(p_, opts_, pos_, tokens, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  Status st = Ok{};
+  for (size_t s = 0; s < tokens.size() && st; s += chunk_) {
+    const size_t n = std::min<size_t>(chunk_, tokens.size() - s);
+    const bool last = s + n == tokens.size();
+    st = prefill_chunk(tokens.subspan(s, n), last ? logits : std::span<float>());
+  }
+  stats_.prefill_ns += monotonic_ns() - t0;
+  return st;
+}
+
+void Ds4CpuEngine::prefill_hash_hints(std::span<const uint32_t> tokens) {
+  if (!opts_.hash_hints || d_.hash_layers == 0) return;
+  // Every hash layer's experts of the whole chunk, each (layer, expert) once.
+  hash_hints_.clear();
+  std::fill(hash_mark_.begin(), hash_mark_.end(), 0);
+  const uint32_t k = p_.n_expert_used;
+  for (const uint32_t token : tokens) {
+    for (uint32_t layer = 0; layer < d_.hash_layers; ++layer) {
+      const uint32_t* ex = w_.layers[layer].tid2eid.data() + uint64_t{token} * k;
+      for (uint32_t i = 0; i < k; ++i) {
+        uint8_t& mark = hash_mark_[uint64_t{layer} * p_.n_expert + ex[i]];
+        if (mark != 0) continue;
+        mark = 1;
+        hash_hints_.push_back(ExpertHint{layer, ex[i], 1.0f});
+      }
+    }
+  }
+  stats_.hash_hints += hash_hints_.size();
+  if (!source_.prefetch(hash_hints_)) ++stats_.hint_errors;
+}
+
+Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint32_t hc = d_.hc;
+  const uint64_t e = p_.n_embd;
+  const uint64_t se = hc * e;  // one position's streams
+  const uint32_t k = p_.n_expert_used;
+  const uint32_t p0 = pos_;
+  const uint32_t last = p0 + n - 1;
+  const Matrix& embd = model_.token_embd();
+  for (uint32_t i = 0; i < n; ++i) {
+    float* st = cstreams_.data() + i * se;
+    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes, st, e);
+    for (uint32_t h = 1; h < hc; ++h) std::copy_n(st, e, st + h * e);
+  }
+  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
+  // The chunk is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
+  // last position and starts before layer 0, so the hints below target this pass.
+  planner_.begin_token();
+  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  prefill_hash_hints(tokens);
+  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
+    const Ds4LayerWeights& l = w_.layers[layer];
+    // Position by position: the attention's running state (window, compressors) advances one
+    // position at a time. pos_ walks the chunk for the per-position code.
+    for (uint32_t i = 0; i < n; ++i) {
+      pos_ = p0 + i;
+      std::copy_n(cstreams_.data() + i * se, se, streams_.data());
+      hc_mix(l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale);
+      attention(layer);
+      hc_expand(out_.data());
+      hc_mix(l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale);
+      add_lookahead(layer);
+      route_position(layer, tokens[i]);
+      std::copy_n(streams_.data(), se, cstreams_.data() + i * se);
+      std::copy_n(post_.data(), hc, cpost_.data() + uint64_t{i} * hc);
+      std::copy_n(comb_.data(), uint64_t{hc} * hc, ccomb_.data() + uint64_t{i} * hc * hc);
+      std::copy_n(xn_.data(), e, cxn_.data() + i * e);
+      std::copy_n(selected_.data(), k, csel_.data() + uint64_t{i} * k);
+      std::copy_n(weights_.data(), k, cweights_.data() + uint64_t{i} * k);
+    }
+    pos_ = p0;
+    flush_hints();
+    groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
+    if (layer >= d_.hash_layers) {
+      routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
+    }
+    EXPERTD_TRY(prefill_moe(layer, n));
+    // Each position's MoE output (in out_) goes into its streams with its own post and comb.
+    for (uint32_t i = 0; i < n; ++i) {
+      std::copy_n(cstreams_.data() + i * se, se, streams_.data());
+      std::copy_n(cpost_.data() + uint64_t{i} * hc, hc, post_.data());
+      std::copy_n(ccomb_.data() + uint64_t{i} * hc * hc, uint64_t{hc} * hc, comb_.data());
+      hc_expand(cmoe_.data() + i * e);
+      std::copy_n(streams_.data(), se, cstreams_.data() + i * se);
+    }
+  }
+  if (routing_log_ != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log_->begin() + static_cast<int64_t>(logged), routing_log_->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  if (!logits.empty()) {
+    std::copy_n(cstreams_.data() + (n - 1) * se, se, streams_.data());
+    head(logits);
+  }
+  pos_ = p0 + n;
+  stats_.tokens += n;
+  stats_.prefill_tokens += n;
+  ++stats_.prefill_chunks;
+  return Ok{};
+}
+
+Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
+  const Ds4LayerWeights& l = w_.layers[layer];
+  const uint32_t k = p_.n_expert_used;
+  const uint64_t e = p_.n_embd;
+  const uint64_t ff = p_.n_ff_exp;
+  const bool hash = layer < d_.hash_layers;
+  const uint32_t last = pos_ + n - 1;
+  const std::span<const uint32_t> needed = groups_.needed();
+  const auto n_needed = static_cast<uint32_t>(needed.size());
+  // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted
+  // at the chunk's start).
+  if (!hash && n_needed > k) {
+    for (uint32_t i = 0; i < n_needed; ++i) exact_[i] = ExpertHint{layer, needed[i], 1.0f};
+    stats_.prefill_hints += n_needed;
+    if (!source_.prefetch(std::span<const ExpertHint>(exact_.data(), n_needed))) {
+      ++stats_.hint_errors;
+    }
+  }
+  if (!source_.set_cursor(last, layer)) ++stats_.hint_errors;
+
+  // Held at most top-k at a time, as in CpuEngine::prefill_moe.
+  for (uint32_t g = 0; g < n_needed; g += k) {
+    const uint32_t m = std::min(k, n_needed - g);
+    const std::span<const uint32_t> group = needed.subspan(g, m);
+    source_.host_ready(layer, group, std::span<uint8_t>(ready_.data(), m));
+    const uint64_t t0 = monotonic_ns();
+    EXPERTD_TRY(source_.get(layer, group, std::span<ExpertView>(views_.data(), m)));
+    const uint64_t waited = monotonic_ns() - t0;
+    stats_.stall_ns += waited;
+    stats_.experts_used += m;
+    stats_.prefill_experts += m;
+    const auto ready = static_cast<uint64_t>(std::count(ready_.begin(), ready_.begin() + m, 1));
+    (hash ? stats_.hash_experts : stats_.learned_experts) += m;
+    (hash ? stats_.hash_ready : stats_.learned_ready) += ready;
+    (hash ? stats_.hash_stall_ns : stats_.learned_stall_ns) += waited;
+    for (uint32_t v = 0; v < m; ++v) {
+      const ExpertView& ev = views_[v];
+      EXPERTD_CHECK_EQ(ev.layer, layer);
+      EXPERTD_CHECK_EQ(ev.expert, group[v]);
+      const std::span<const uint32_t> slots = groups_.slots(group[v]);
+      const auto count = static_cast<uint32_t>(slots.size());
+      for (uint32_t r = 0; r < count; ++r) {
+        std::copy_n(cxn_.data() + uint64_t{slots[r] / k} * e, e, cgx_.data() + r * e);
+      }
+      matmul(ev.gate, cgx_.data(), e, cgate_.data(), ff, count, row_.data());
+      matmul(ev.up, cgx_.data(), e, cup_.data(), ff, count, row_.data());
+      swiglu(cgate_.data(), cup_.data(), uint64_t{count} * ff, d_.clamp_exp[layer]);
+      matmul(ev.down, cgate_.data(), ff, cdown_.data(), e, count, row_.data());
+      for (uint32_t r = 0; r < count; ++r) {
+        std::copy_n(cdown_.data() + r * e, e, cout_.data() + uint64_t{slots[r]} * e);
+      }
+    }
+    EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), m)));
+  }
+  if (d_.n_shared > 0) {
+    const uint64_t sff = l.shexp_gate.rows;
+    matmul(l.shexp_gate.view(), cxn_.data(), e, cgate_.data(), sff, n, row_.data());
+    matmul(l.shexp_up.view(), cxn_.data(), e, cup_.data(), sff, n, row_.data());
+    swiglu(cgate_.data(), cup_.data(), uint64_t{n} * sff, d_.clamp_shexp[layer]);
+    matmul(l.shexp_down.view(), cgate_.data(), sff, cdown_.data(), e, n, row_.data());
+  }
+  // Each position sums its experts in its route's order, then the shared expert, as decode()
+  // does.
+  for (uint32_t i = 0; i < n; ++i) {
+    std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
+    for (uint32_t s = 0; s < k; ++s) {
+      const double wt = cweights_[uint64_t{i} * k + s];
+      const float* out = cout_.data() + (uint64_t{i} * k + s) * e;
+      for (uint64_t j = 0; j < e; ++j) acc_[j] += wt * out[j];
+    }
+    if (d_.n_shared > 0) {
+      for (uint64_t j = 0; j < e; ++j) acc_[j] += cdown_[i * e + j];
+    }
+    for (uint64_t j = 0; j < e; ++j) cmoe_[i * e + j] = static_cast<float>(acc_[j]);
+  }
   return Ok{};
 }
 

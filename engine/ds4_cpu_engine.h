@@ -22,8 +22,19 @@
 // before layer 0 (EngineOptions::hash_hints). Learned layers get router lookahead as qwen3moe
 // does (the next layers' routers on the current collapsed stream).
 //
-// Owns every cache (sliding window, compressor buffers and entries) and scratch buffer, sized at
-// create(); decode() allocates nothing unless a routing log is attached. Not thread-safe.
+// prefill() runs a prompt in chunks of EngineOptions::prefill_chunk positions, layer by layer over
+// the chunk, keeping every position's mHC streams. The attention sublayer runs position by position
+// in order (its sliding window, compressors and indexer are running state, fed one position at a
+// time); the MoE is grouped by expert as qwen3moe's prefill does: every expert a chunk's layer
+// routed to is hinted, then acquired once in groups of at most top-k and applied to all its
+// positions, and the shared expert is one matrix-matrix product over the chunk. The chunk's hash
+// layers are hinted exactly before layer 0. Each position combines its experts in decode()'s
+// order, so the logits are decode()'s to the bit. truncate() supports only what the default does:
+// the compressors' windows and emitted entries cannot be cut back to an earlier position.
+//
+// Owns every cache (sliding window, compressor buffers and entries) and scratch buffer (the
+// prefill ones sized by the chunk), sized at create(); decode() and prefill() allocate nothing
+// unless a routing log is attached. Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +42,7 @@
 #include <span>
 #include <vector>
 
+#include "engine/cpu_ops.h"
 #include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/model.h"
@@ -48,6 +60,8 @@ class Ds4CpuEngine final : public Engine {
                                                       const EngineOptions& options);
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // The batched forward of the prompt (see above). After an error, reset().
+  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
   uint32_t position() const override { return pos_; }
   const EngineStats& stats() const override { return stats_; }
@@ -91,9 +105,19 @@ class Ds4CpuEngine final : public Engine {
   void compress_into(uint32_t layer, uint32_t ratio);
   void select_entries(uint32_t layer);
   void send_hints(uint32_t layer);
+  // send_hints() in two steps: the candidates of position pos_, then sending what was added.
+  void add_lookahead(uint32_t layer);
+  void flush_hints();
   void hint_hash_layers(uint32_t token);
   void route(uint32_t layer, uint32_t token);
+  // route() without the planner: selected_/weights_ and the routing log.
+  void route_position(uint32_t layer, uint32_t token);
   Status moe(uint32_t layer);
+  // HyperHead, output norm and head on streams_.
+  void head(std::span<float> logits);
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  void prefill_hash_hints(std::span<const uint32_t> tokens);
+  Status prefill_moe(uint32_t layer, uint32_t n);
   // Interleaved RoPE on the trailing n_rot of a `dim`-long head at `pos` (the compress base and
   // YaRN when `compress`; the conjugate rotation when `inverse`).
   void rope(float* v, uint32_t dim, uint32_t pos, bool compress, bool inverse) const;
@@ -146,6 +170,24 @@ class Ds4CpuEngine final : public Engine {
   std::vector<ExpertView> views_;
   std::vector<ExpertHint> hash_hints_;
   HintPlanner planner_;
+
+  // prefill(): C = min(prefill_chunk, max_context) positions.
+  uint32_t chunk_ = 0;
+  std::vector<float> cstreams_;     // every position's mHC streams, [C][hc][n_embd]
+  std::vector<double> cpost_;       // the FFN site's post mix per position, [C][hc]
+  std::vector<double> ccomb_;       // and comb, [C][hc][hc]
+  std::vector<float> cxn_;          // normalised MoE inputs, [C][n_embd]
+  std::vector<uint32_t> csel_;      // routes, [C][k]
+  std::vector<float> cweights_;     // [C][k]
+  std::vector<float> cout_;         // each route slot's expert output, [C][k][n_embd]
+  std::vector<float> cmoe_;         // each position's MoE output (routed + shared), [C][n_embd]
+  ExpertGroups groups_;             // the chunk's layer's route slots by expert
+  std::vector<ExpertHint> exact_;   // their hints, n_expert
+  std::vector<uint8_t> hash_mark_;  // [hash layer][expert]: hinted this chunk
+  std::vector<float> cgx_;          // one expert's inputs, [C][n_embd]
+  std::vector<float> cgate_;        // [C][n_ff (shared: n_ff * n_shared)]
+  std::vector<float> cup_;          // [C][n_ff (shared: n_ff * n_shared)]
+  std::vector<float> cdown_;        // [C][n_embd]
 };
 
 // The host side of the deepseek4 forward, shared by Ds4CpuEngine and Ds4GpuEngine.

@@ -108,6 +108,14 @@ RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t
   return &log->back();
 }
 
+void routed_chunk(HintPlanner& planner, uint32_t layer, std::span<const uint32_t> experts,
+                  EngineStats& stats, std::vector<RoutingRecord>* log, size_t first) {
+  const bool logged = log != nullptr && first < log->size();
+  planner.routed(layer, experts, stats, logged ? &(*log)[first] : nullptr);
+  if (!logged) return;
+  for (size_t i = first + 1; i < log->size(); ++i) (*log)[i].predicted = (*log)[first].predicted;
+}
+
 template <typename T>
 void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
   std::iota(order.begin(), order.end(), 0u);

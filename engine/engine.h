@@ -132,6 +132,9 @@ struct EngineStats {
   uint64_t prefill_chunks = 0;
   uint64_t prefill_experts = 0;
   uint64_t prefill_ns = 0;
+  // Exact hints prefill sends for a chunk's layer once its routing is known, before acquiring its
+  // experts in groups of top-k (not in hints_sent: they are not predictions).
+  uint64_t prefill_hints = 0;
 
   std::vector<DepthStats> by_depth;  // [d - 1] for lookahead depth d = 1..prefetch depth
 
@@ -228,6 +231,13 @@ bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
 // Appends a routing decision to `log` (nothing when log is null); returns the new record.
 RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
                          std::span<const uint32_t> experts, std::span<const float> weights);
+
+// prefill(): layer `layer` of a chunk routed to the distinct `experts`, and logged one record per
+// position at log[first, log->size()) (nothing when log is null). Precision and recall count each
+// (layer, expert) once per chunk, as the chunk's hints are sent; every record gets the chunk's
+// predictions.
+void routed_chunk(HintPlanner& planner, uint32_t layer, std::span<const uint32_t> experts,
+                  EngineStats& stats, std::vector<RoutingRecord>* log, size_t first);
 
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.

@@ -4,6 +4,8 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
@@ -138,9 +140,24 @@ TEST_F(Ds4DaemonTest, ExpertRunDecodesADeepseek4ModelWithJson) {
     EXPECT_EQ(v4.at("hash_layers").get<uint32_t>(), 2u);
     EXPECT_EQ(v4.at("hash_hints_enabled").get<bool>(), hints);
     const uint64_t steps = j.at("decode_steps").get<uint64_t>();
-    EXPECT_EQ(v4.at("hash_hints").get<uint64_t>(), hints ? steps * 2 * 2 : 0u);
-    EXPECT_EQ(v4.at("hash").at("experts").get<uint64_t>(), steps * 2 * 2);
-    EXPECT_EQ(v4.at("learned").at("experts").get<uint64_t>(), steps * 3 * 2);
+    // The prompt is one prefill chunk: each (layer, expert) it routes to is hinted and acquired
+    // once; a hash layer's are tid2eid[token]. Then every generated token takes k per layer.
+    auto model = DenseModel::load(ds4_gguf("f32"));
+    ASSERT_TRUE(model) << model.error().message;
+    std::set<std::pair<uint32_t, uint32_t>> hashed;
+    for (const uint32_t t : prompt) {
+      for (uint32_t layer = 0; layer < 2; ++layer) {
+        for (uint32_t i = 0; i < 2; ++i) {
+          hashed.insert({layer, model->ds4()->layers[layer].tid2eid[t * 2 + i]});
+        }
+      }
+    }
+    const uint64_t gen = steps - prompt_;
+    const uint64_t acquired = j.at("prefill").at("experts_acquired").get<uint64_t>();
+    EXPECT_EQ(v4.at("hash_hints").get<uint64_t>(), hints ? hashed.size() + gen * 2 * 2 : 0u);
+    EXPECT_EQ(v4.at("hash").at("experts").get<uint64_t>(), hashed.size() + gen * 2 * 2);
+    EXPECT_EQ(v4.at("learned").at("experts").get<uint64_t>(),
+              acquired - hashed.size() + gen * 3 * 2);
     for (const char* cls : {"hash", "learned"}) {
       const double rate = v4.at(cls).at("hit_rate").get<double>();
       EXPECT_GE(rate, 0.0) << cls;
