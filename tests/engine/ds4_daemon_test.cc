@@ -7,6 +7,7 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
+#include "engine/tokenizer.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/fixture.h"
@@ -189,6 +190,71 @@ TEST_F(Ds4DaemonTest, ExpertRunTakesThePromptAsText) {
   EXPECT_NE(missing.err.find("--prompt-file " + dir_.path() + "/none.txt: No such file"),
             std::string::npos)
       << missing.err;
+}
+
+// --chat renders the prompt as a user turn with the model's own template (DeepSeek-V4's, thinking
+// off) and encodes it without adding a second BOS: the same tokens, and so the same answer, as
+// --prompt-tokens of that conversation encoded by hand.
+TEST_F(Ds4DaemonTest, ExpertRunChatRendersTheModelsTemplate) {
+  auto f = GgufFile::open(ds4_gguf("f32"));
+  ASSERT_TRUE(f) << f.error().message;
+  auto tok = Tokenizer::from_gguf(*f);
+  ASSERT_TRUE(tok) << tok.error().message;
+  const std::string bos = tok->decode(*tok->bos());
+  auto want = tok->encode(bos + "Be brief.<｜User｜>Hello, MoE!<｜Assistant｜></think>",
+                          /*add_special=*/false);
+  ASSERT_TRUE(want) << want.error().message;
+  ASSERT_EQ(want->front(), *tok->bos());
+
+  const auto chat = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32", "--chat",
+       "--system", "Be brief.", "--prompt", "Hello, MoE!", "--max-tokens", "4", "--ignore-eos",
+       "--cpu", "--json"});
+  ASSERT_EQ(chat.status, 0) << chat.out << chat.err;
+  const auto jc = nlohmann::json::parse(chat.out);
+  EXPECT_EQ(jc.at("prompt_tokens").get<std::vector<uint32_t>>(), *want);
+
+  const auto ids = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32",
+       "--prompt-tokens", joined(*want), "--max-tokens", "4", "--ignore-eos", "--cpu", "--json"});
+  ASSERT_EQ(ids.status, 0) << ids.out << ids.err;
+  const auto ji = nlohmann::json::parse(ids.out);
+  EXPECT_EQ(jc.at("generated"), ji.at("generated"));
+  EXPECT_EQ(jc.at("generated").size(), 4u);
+
+  // --chat-template overrides the model's: ChatML by name gives other tokens.
+  const auto chatml = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32", "--chat",
+       "--chat-template", "chatml", "--prompt", "Hello, MoE!", "--max-tokens", "1", "--cpu",
+       "--json"});
+  ASSERT_EQ(chatml.status, 0) << chatml.out << chatml.err;
+  auto want_chatml =
+      tok->encode("<|im_start|>user\nHello, MoE!<|im_end|>\n<|im_start|>assistant\n", false);
+  ASSERT_TRUE(want_chatml) << want_chatml.error().message;
+  EXPECT_EQ(nlohmann::json::parse(chatml.out).at("prompt_tokens").get<std::vector<uint32_t>>(),
+            *want_chatml);
+
+  // A template file it does not know is refused, naming the file and the template's first line.
+  const std::string jinja = dir_.path() + "/gemma.jinja";
+  {
+    std::ofstream out(jinja, std::ios::binary);
+    out << "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{% endfor %}";
+  }
+  const auto bad = expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket",
+                                               socket_, "--model", "v4-f32", "--chat",
+                                               "--chat-template", jinja, "--prompt", "x", "--cpu"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--chat-template " + jinja +
+                         ": chat template not supported (first line: '{{ bos_token }}{% for m in "
+                         "messages %}<start_of_turn>{{ m.role }}')"),
+            std::string::npos)
+      << bad.err;
+  const auto no_chat =
+      expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket", socket_,
+                                  "--model", "v4-f32", "--system", "s", "--prompt", "x", "--cpu"});
+  EXPECT_NE(no_chat.status, 0);
+  EXPECT_NE(no_chat.err.find("--system and --chat-template need --chat"), std::string::npos)
+      << no_chat.err;
 }
 
 TEST_F(Ds4DaemonTest, ExpertRunTextReportsHashAndLearnedLayers) {

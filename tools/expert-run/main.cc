@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "engine/chat_template.h"
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
@@ -48,8 +49,11 @@ struct Options {
   std::string model;
   std::string gguf;
   std::string prompt_tokens;
-  std::string prompt_text;  // --prompt
-  std::string prompt_file;  // --prompt-file
+  std::string prompt_text;    // --prompt
+  std::string prompt_file;    // --prompt-file
+  bool chat = false;          // the prompt text is one user message, through the chat template
+  std::string system;         // --system: a system message before it
+  std::string chat_template;  // --chat-template: a family name or a .jinja file
   uint32_t max_tokens = 16;
   uint32_t prefill_chunk = 512;
   bool cpu = false;
@@ -191,6 +195,21 @@ std::string with_flag_names(std::string message) {
   return message;
 }
 
+// --chat-template: a .jinja file when one exists at that path, else a family name; absent, the
+// model's own tokenizer.chat_template.
+Result<ChatTemplate> chat_template_for(const std::string& flag, const expertd::GgufFile& meta,
+                                       const Tokenizer& tok) {
+  if (flag.empty()) return ChatTemplate::from_gguf(meta, tok);
+  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
+  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
+  std::ifstream f(flag, std::ios::binary);
+  if (!f) return ChatTemplate::named(flag, bos, eos);
+  const std::string text(std::istreambuf_iterator<char>(f), {});
+  auto t = ChatTemplate::from_text(text, bos, eos);
+  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
+  return t;
+}
+
 int run(Options o) {
   const SamplerOptions so{o.temperature, o.top_p,          o.seed,         o.top_k,
                           o.min_p,       o.repeat_penalty, o.repeat_last_n};
@@ -212,6 +231,12 @@ int run(Options o) {
     if (o.prompt_text.empty()) {
       return fail(Error{EINVAL, fmt::format("--prompt-file {} is empty", o.prompt_file)});
     }
+  }
+  if (o.chat && o.prompt_text.empty()) {
+    return fail(Error{EINVAL, "--chat needs --prompt or --prompt-file"});
+  }
+  if (!o.chat && (!o.system.empty() || !o.chat_template.empty())) {
+    return fail(Error{EINVAL, "--system and --chat-template need --chat"});
   }
   // Text is tokenised once the model (its vocabulary) is loaded; ids are checked now.
   std::vector<uint32_t> prompt_ids;
@@ -235,7 +260,27 @@ int run(Options o) {
   if (!o.prompt_text.empty()) {
     auto tok = Tokenizer::from_gguf(model->gguf().meta());
     if (!tok) return fail(tok.error());  // names the file
-    auto ids = tok->encode(o.prompt_text, /*add_special=*/true);
+    std::string text = o.prompt_text;
+    if (o.chat) {
+      auto tmpl = chat_template_for(o.chat_template, model->gguf().meta(), *tok);
+      if (!tmpl) return fail(tmpl.error());
+      std::vector<ChatMessage> messages;
+      if (!o.system.empty()) messages.push_back({"system", o.system});
+      messages.push_back({"user", o.prompt_text});
+      auto rendered = tmpl->render(messages, /*add_generation_prompt=*/true);
+      if (!rendered)
+        return fail(Error{rendered.error().code, "--chat: " + rendered.error().message});
+      text = std::move(*rendered);
+      // The turn's end marker stops the answer where it is text rather than an end token.
+      for (const std::string& s : tmpl->stop_strings()) {
+        if (std::find(o.stop.begin(), o.stop.end(), s) == o.stop.end()) o.stop.push_back(s);
+      }
+      stops = StopMatcher::create(o.stop);
+      if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
+      if (!o.json) std::printf("expert-run: chat template %s\n", tmpl->family().c_str());
+    }
+    // The template writes the BOS itself where the model wants one (apply_chat_template's way).
+    auto ids = tok->encode(text, /*add_special=*/!o.chat);
     if (!ids) return fail(Error{ids.error().code, "--prompt: " + ids.error().message});
     if (ids->empty()) return fail(Error{EINVAL, "--prompt: the text encodes to no tokens"});
     prompt_ids = std::move(*ids);
@@ -586,6 +631,15 @@ int main(int argc, char** argv) {
                  "Prompt text, tokenised with the model's own vocabulary (BOS added when the model "
                  "asks for it); the answer streams to the terminal");
   app.add_option("--prompt-file", o.prompt_file, "Read the prompt text from this file");
+  app.add_flag("--chat", o.chat,
+               "The prompt text is one user message, rendered with the model's chat template "
+               "(tokenizer.chat_template; docs/ENGINE.md, \"Chat templates\") with the assistant's "
+               "turn opened; the template's end-of-turn texts join --stop");
+  app.add_option("--system", o.system, "With --chat: a system message before the prompt");
+  app.add_option("--chat-template", o.chat_template,
+                 "With --chat: a family name (chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
+                 "mistral, mistral-v0.1, llama3, llama3.1) or a .jinja file, instead of the "
+                 "model's template");
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
   app.add_option("--prefill-chunk", o.prefill_chunk,

@@ -1,0 +1,486 @@
+#include "engine/chat_template.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+
+#include "engine/tokenizer.h"
+
+namespace expertd::engine {
+namespace {
+
+constexpr std::string_view kKnown = "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3";
+
+// A family is recognised when its template contains every one of these fragments of the vendor
+// template (the expressions that decide the output for plain conversations) and none of `absent`.
+// Look-alikes that differ in those expressions (Qwen3.5, QwQ, DeepSeek-V3.2, Llama 3.2, ...) miss
+// a fragment and are refused; tests/fixtures/chat holds them to keep it so.
+struct Signature {
+  ChatTemplate::Kind kind;
+  std::string_view family;
+  std::vector<std::string_view> present;
+  std::vector<std::string_view> absent;
+};
+
+const std::vector<Signature>& signatures() {
+  using K = ChatTemplate::Kind;
+  static const std::vector<Signature> sigs = {
+      {K::kDeepseek4,
+       "deepseek4",
+       {"<｜User｜>", "set drop_thinking = true", "set state.in_user = true",
+        "{{- thinking_end_token -}}", "(message['content'] or '')"},
+       {}},
+      {K::kDeepseek3,
+       "deepseek3",
+       {"<｜User｜>", "ns.is_last_user", "{{'<think></think>'}}", "content.split('</think>', 1)[1]",
+        "ns.system_prompt + '\n\n' + message['content']"},
+       {}},
+      {K::kQwen3,
+       "qwen3",
+       {"<|im_start|>", "set ns.last_query_index = index",
+        R"('<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n'))",
+        "enable_thinking is defined and enable_thinking is false"},
+       {"image", "video"}},
+      {K::kQwen25,
+       "qwen2.5",
+       {"<|im_start|>", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+        R"((message.role == "assistant" and not message.tool_calls))"},
+       {"<think>"}},
+      {K::kMistral,
+       "mistral",
+       {"[INST]", R"(' [INST] ' + system_message + '\n\n' + message['content'] + ' [/INST]')",
+        "' ' + message['content'] + eos_token",
+        "(message['role'] == 'user') != (loop.index0 % 2 == 0)"},
+       {"[SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]"}},
+      {K::kMistralV01,
+       "mistral-v0.1",
+       {"[INST]", "'[INST] ' + message['content'] + ' [/INST]'", "message['content'] + eos_token",
+        "(message['role'] == 'user') != (loop.index0 % 2 == 0)",
+        "Only user and assistant roles are supported!"},
+       {"system", "[SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]"}},
+      {K::kLlama31,
+       "llama3.1",
+       {"<|start_header_id|>", "Cutting Knowledge Date: December 2023",
+        R"(set date_string = "26 Jul 2024")", "set system_message = messages[0]['content']|trim",
+        R"('<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>')"},
+       {"strftime_now"}},
+      {K::kLlama3,
+       "llama3",
+       {"<|start_header_id|>",
+        R"('<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>')",
+        "set content = bos_token + content"},
+       {"Cutting Knowledge", "system_message", "tools"}},
+  };
+  return sigs;
+}
+
+std::string strip_spaces(std::string_view s) {
+  std::string out;
+  for (const char c : s) {
+    if (c != ' ' && c != '\t' && c != '\n' && c != '\r') out += c;
+  }
+  return out;
+}
+
+// Plain ChatML has many spellings of one loop; it is recognised only whole (white space aside), as
+// the canonical template in either quoting, since ChatML-based templates that add a default system
+// prompt or thinking blocks render differently.
+bool is_plain_chatml(std::string_view text) {
+  static const std::array<std::string, 2> canonical = {
+      strip_spaces(
+          R"({% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %})"),
+      strip_spaces(
+          R"({% for message in messages %}{{'<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %})"),
+  };
+  const std::string s = strip_spaces(text);
+  return std::find(canonical.begin(), canonical.end(), s) != canonical.end();
+}
+
+bool contains(std::string_view s, std::string_view part) {
+  return s.find(part) != std::string_view::npos;
+}
+bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
+bool ends_with(std::string_view s, std::string_view p) {
+  return s.size() >= p.size() && s.substr(s.size() - p.size()) == p;
+}
+
+// Python's str.isspace() for one code point (what Jinja's trim filter strips).
+bool py_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x20) || cp == 0x85 || cp == 0xa0 ||
+         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 || cp == 0x2029 ||
+         cp == 0x202f || cp == 0x205f || cp == 0x3000;
+}
+
+// The code point at s[i] and its length in bytes (the text is the caller's UTF-8; a malformed
+// byte counts as one non-space code point).
+std::pair<uint32_t, size_t> decode_at(std::string_view s, size_t i) {
+  const auto b = static_cast<unsigned char>(s[i]);
+  size_t n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 1;
+  if (i + n > s.size()) return {0xfffd, 1};
+  uint32_t cp = n == 1 ? b : b & (0x7f >> n);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3f);
+  return {cp, n};
+}
+
+// Jinja's `trim`: Python's str.strip() with Unicode white space.
+std::string_view py_strip(std::string_view s) {
+  size_t b = 0;
+  while (b < s.size()) {
+    const auto [cp, n] = decode_at(s, b);
+    if (!py_space(cp)) break;
+    b += n;
+  }
+  size_t e = s.size();
+  while (e > b) {
+    size_t start = e - 1;  // back up to the first byte of the last code point
+    while (start > b && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+    const auto [cp, n] = decode_at(s, start);
+    if (!py_space(cp) || start + n != e) break;
+    e = start;
+  }
+  return s.substr(b, e - b);
+}
+
+std::string_view lstrip_nl(std::string_view s) {
+  while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
+  return s;
+}
+std::string_view rstrip_nl(std::string_view s) {
+  while (!s.empty() && s.back() == '\n') s.remove_suffix(1);
+  return s;
+}
+
+Error template_error(std::string message) { return make_error(EINVAL, std::move(message)); }
+
+// Qwen3-0.6B's template (and the Qwen3 MoE models'): reasoning kept only after the last real user
+// query, the final assistant turn always gets a <think> block.
+std::string render_qwen3(std::span<const ChatMessage> m, bool gen) {
+  std::string out;
+  const size_t n = m.size();
+  if (m[0].role == "system") out += "<|im_start|>system\n" + m[0].content + "<|im_end|>\n";
+  size_t last_query = n - 1;
+  for (size_t k = n; k-- > 0;) {
+    const std::string& c = m[k].content;
+    if (m[k].role == "user" &&
+        !(starts_with(c, "<tool_response>") && ends_with(c, "</tool_response>"))) {
+      last_query = k;
+      break;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const ChatMessage& msg = m[i];
+    if (msg.role == "user" || (msg.role == "system" && i != 0)) {
+      out += "<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n";
+    } else if (msg.role == "assistant") {
+      std::string_view content = msg.content;
+      std::string_view reasoning;
+      const size_t first_end = msg.content.find("</think>");
+      if (first_end != std::string::npos) {
+        content =
+            lstrip_nl(std::string_view(msg.content).substr(msg.content.rfind("</think>") + 8));
+        std::string_view before = rstrip_nl(std::string_view(msg.content).substr(0, first_end));
+        const size_t open = before.rfind("<think>");
+        if (open != std::string_view::npos) before = before.substr(open + 7);
+        reasoning = lstrip_nl(before);
+      }
+      if (i > last_query && (i == n - 1 || !reasoning.empty())) {
+        out += "<|im_start|>assistant\n<think>\n";
+        out += lstrip_nl(rstrip_nl(reasoning));
+        out += "\n</think>\n\n";
+        out += lstrip_nl(content);
+      } else {
+        out += "<|im_start|>assistant\n";
+        out += content;
+      }
+      out += "<|im_end|>\n";
+    }
+  }
+  if (gen) out += "<|im_start|>assistant\n";
+  return out;
+}
+
+std::string render_qwen25(std::span<const ChatMessage> m, bool gen) {
+  std::string out;
+  if (m[0].role == "system") {
+    out += "<|im_start|>system\n" + m[0].content + "<|im_end|>\n";
+  } else {
+    out +=
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n";
+  }
+  for (size_t i = 0; i < m.size(); ++i) {
+    if (m[i].role == "system" && i == 0) continue;
+    out += "<|im_start|>" + m[i].role + "\n" + m[i].content + "<|im_end|>\n";
+  }
+  if (gen) out += "<|im_start|>assistant\n";
+  return out;
+}
+
+std::string render_chatml(std::span<const ChatMessage> m, bool gen) {
+  std::string out;
+  for (const ChatMessage& msg : m) {
+    out += "<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n";
+  }
+  if (gen) out += "<|im_start|>assistant\n";
+  return out;
+}
+
+// Every system message, joined, goes first (both DeepSeek templates).
+std::string deepseek_system(std::span<const ChatMessage> m) {
+  std::string sys;
+  bool first = true;
+  for (const ChatMessage& msg : m) {
+    if (msg.role != "system") continue;
+    if (!first) sys += "\n\n";
+    sys += msg.content;
+    first = false;
+  }
+  return sys;
+}
+
+// DeepSeek-V3.1, thinking off (its default): an empty <think></think> opens each answer.
+std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
+  std::string out = bos + deepseek_system(m);
+  bool last_user = false;
+  for (const ChatMessage& msg : m) {
+    if (msg.role == "user") {
+      last_user = true;
+      out += "<｜User｜>" + msg.content;
+    } else if (msg.role == "assistant") {
+      if (last_user) out += "<｜Assistant｜><think></think>";
+      last_user = false;
+      std::string_view content = msg.content;
+      const size_t end = content.find("</think>");
+      if (end != std::string_view::npos) content = content.substr(end + 8);
+      out += content;
+      out += "<｜end▁of▁sentence｜>";
+    }
+  }
+  if (gen && last_user) out += "<｜Assistant｜><think></think>";
+  return out;
+}
+
+// DeepSeek-V4, thinking off (its default): consecutive user turns merge, answers open with
+// </think>.
+std::string render_deepseek4(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
+  std::string out = bos + deepseek_system(m);
+  bool in_user = false;
+  for (const ChatMessage& msg : m) {
+    if (msg.role == "user") {
+      out += in_user ? "\n\n" : "<｜User｜>";
+      in_user = true;
+      out += msg.content;
+    } else if (msg.role == "assistant") {
+      in_user = false;
+      out += "<｜Assistant｜></think>" + msg.content + "<｜end▁of▁sentence｜>";
+    }
+  }
+  if (gen) out += "<｜Assistant｜></think>";
+  return out;
+}
+
+// Mixtral-8x7B-Instruct's template: an optional first system message folds into the first user
+// turn; the rest must alternate user/assistant. It has no generation prompt ([/INST] is one).
+Result<std::string> render_mistral(std::span<const ChatMessage> m, const std::string& bos,
+                                   const std::string& eos) {
+  const bool has_system = m[0].role == "system";
+  const std::span<const ChatMessage> turns = has_system ? m.subspan(1) : m;
+  std::string out = bos;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    const ChatMessage& msg = turns[i];
+    if ((msg.role == "user") != (i % 2 == 0)) {
+      return template_error(
+          "After the optional system message, conversation roles must alternate "
+          "user/assistant/user/assistant/...");
+    }
+    if (msg.role == "user") {
+      out += " [INST] ";
+      if (i == 0 && has_system) out += m[0].content + "\n\n";
+      out += msg.content + " [/INST]";
+    } else if (msg.role == "assistant") {
+      out += " " + msg.content + eos;
+    } else {
+      return template_error(
+          "Only user and assistant roles are supported, with the exception of an initial optional "
+          "system message!");
+    }
+  }
+  return out;
+}
+
+// Mistral-7B-Instruct-v0.1's template: no system message at all.
+Result<std::string> render_mistral_v01(std::span<const ChatMessage> m, const std::string& bos,
+                                       const std::string& eos) {
+  std::string out = bos;
+  for (size_t i = 0; i < m.size(); ++i) {
+    if ((m[i].role == "user") != (i % 2 == 0)) {
+      return template_error("Conversation roles must alternate user/assistant/user/assistant/...");
+    }
+    if (m[i].role == "user") {
+      out += "[INST] " + m[i].content + " [/INST]";
+    } else if (m[i].role == "assistant") {
+      out += m[i].content + eos;
+    } else {
+      return template_error("Only user and assistant roles are supported!");
+    }
+  }
+  return out;
+}
+
+void llama3_turn(std::string& out, std::string_view role, std::string_view content) {
+  out += "<|start_header_id|>";
+  out += role;
+  out += "<|end_header_id|>\n\n";
+  out += py_strip(content);
+  out += "<|eot_id|>";
+}
+
+std::string render_llama3(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
+  std::string out = bos;
+  for (const ChatMessage& msg : m) llama3_turn(out, msg.role, msg.content);
+  if (gen) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+  return out;
+}
+
+// Llama 3.1/3.3: a system block with the fixed dates the template defaults to comes first always.
+std::string render_llama31(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
+  std::string out = bos;
+  std::string_view system;
+  std::span<const ChatMessage> rest = m;
+  if (m[0].role == "system") {
+    system = py_strip(m[0].content);
+    rest = m.subspan(1);
+  }
+  out +=
+      "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday "
+      "Date: 26 Jul 2024\n\n";
+  out += system;
+  out += "<|eot_id|>";
+  for (const ChatMessage& msg : rest) llama3_turn(out, msg.role, msg.content);
+  if (gen) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+  return out;
+}
+
+}  // namespace
+
+ChatTemplate::ChatTemplate(Kind kind, std::string family, std::string bos, std::string eos)
+    : kind_(kind), family_(std::move(family)), bos_(std::move(bos)), eos_(std::move(eos)) {
+  switch (kind_) {
+    case Kind::kChatml:
+    case Kind::kQwen3:
+    case Kind::kQwen25:
+      stop_strings_ = {"<|im_end|>"};
+      break;
+    case Kind::kDeepseek3:
+    case Kind::kDeepseek4:
+      stop_strings_ = {"<｜end▁of▁sentence｜>"};
+      break;
+    case Kind::kMistral:
+    case Kind::kMistralV01:
+      if (!eos_.empty()) stop_strings_ = {eos_};
+      break;
+    case Kind::kLlama3:
+    case Kind::kLlama31:
+      stop_strings_ = {"<|eot_id|>"};
+      break;
+  }
+}
+
+Result<ChatTemplate> ChatTemplate::from_gguf(const GgufFile& file, const Tokenizer& tok) {
+  std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
+  std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
+  const GgufValue* v = file.find("tokenizer.chat_template");
+  if (v == nullptr) {
+    return ChatTemplate(Kind::kChatml, "chatml (default: the model has no tokenizer.chat_template)",
+                        std::move(bos), std::move(eos));
+  }
+  const std::string* text = v->as_string();
+  if (text == nullptr) {
+    return make_error(EINVAL, file.path() + ": tokenizer.chat_template is a " +
+                                  std::string(gguf_value_type_name(v->type)) + ", not a string");
+  }
+  auto t = from_text(*text, std::move(bos), std::move(eos));
+  if (!t) return make_error(t.error().code, file.path() + ": " + t.error().message);
+  return t;
+}
+
+Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string bos,
+                                             std::string eos) {
+  if (is_plain_chatml(jinja)) {
+    return ChatTemplate(Kind::kChatml, "chatml", std::move(bos), std::move(eos));
+  }
+  for (const Signature& sig : signatures()) {
+    const bool all = std::all_of(sig.present.begin(), sig.present.end(),
+                                 [&](std::string_view p) { return contains(jinja, p); });
+    const bool none = std::none_of(sig.absent.begin(), sig.absent.end(),
+                                   [&](std::string_view p) { return contains(jinja, p); });
+    if (all && none) {
+      return ChatTemplate(sig.kind, std::string(sig.family), std::move(bos), std::move(eos));
+    }
+  }
+  // The first line that says something: templates often open with "{%- if ... %}" blocks.
+  std::string_view first = jinja;
+  while (!first.empty() && (first.front() == '\n' || first.front() == '\r')) first.remove_prefix(1);
+  first = first.substr(0, first.find('\n'));
+  if (first.size() > 120) first = first.substr(0, 120);
+  return make_error(EINVAL, "chat template not supported (first line: '" + std::string(first) +
+                                "'); " + std::string(kKnown));
+}
+
+Result<ChatTemplate> ChatTemplate::named(std::string_view family, std::string bos,
+                                         std::string eos) {
+  static const std::array<std::pair<std::string_view, Kind>, 9> names = {{
+      {"chatml", Kind::kChatml},
+      {"qwen3", Kind::kQwen3},
+      {"qwen2.5", Kind::kQwen25},
+      {"deepseek3", Kind::kDeepseek3},
+      {"deepseek4", Kind::kDeepseek4},
+      {"mistral", Kind::kMistral},
+      {"mistral-v0.1", Kind::kMistralV01},
+      {"llama3", Kind::kLlama3},
+      {"llama3.1", Kind::kLlama31},
+  }};
+  for (const auto& [name, kind] : names) {
+    if (name == family)
+      return ChatTemplate(kind, std::string(name), std::move(bos), std::move(eos));
+  }
+  return make_error(EINVAL, "chat template family '" + std::string(family) +
+                                "' unknown; known: chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
+                                "mistral, mistral-v0.1, llama3, llama3.1");
+}
+
+Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
+                                         bool add_generation_prompt) const {
+  if (messages.empty()) return make_error(EINVAL, "chat template: no messages");
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& r = messages[i].role;
+    if (r != "system" && r != "user" && r != "assistant") {
+      return make_error(EINVAL, "chat template: message " + std::to_string(i) + " has role '" + r +
+                                    "'; known: system, user, assistant");
+    }
+  }
+  switch (kind_) {
+    case Kind::kChatml:
+      return render_chatml(messages, add_generation_prompt);
+    case Kind::kQwen3:
+      return render_qwen3(messages, add_generation_prompt);
+    case Kind::kQwen25:
+      return render_qwen25(messages, add_generation_prompt);
+    case Kind::kDeepseek3:
+      return render_deepseek3(messages, add_generation_prompt, bos_);
+    case Kind::kDeepseek4:
+      return render_deepseek4(messages, add_generation_prompt, bos_);
+    case Kind::kMistral:
+      return render_mistral(messages, bos_, eos_);
+    case Kind::kMistralV01:
+      return render_mistral_v01(messages, bos_, eos_);
+    case Kind::kLlama3:
+      return render_llama3(messages, add_generation_prompt, bos_);
+    case Kind::kLlama31:
+      return render_llama31(messages, add_generation_prompt, bos_);
+  }
+  return make_error(EINVAL, "chat template: unknown family");
+}
+
+}  // namespace expertd::engine

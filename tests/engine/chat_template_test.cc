@@ -1,0 +1,173 @@
+// engine/chat_template against transformers' own renderer: tests/fixtures/chat/<name>.json (from
+// tools/reference/make_chat_fixtures.py) holds each vendor template, the family it must be detected
+// as (or null: it must be refused), and transformers' output or error for a fixed set of
+// conversations.
+#include "engine/chat_template.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/tokenizer.h"
+#include "tests/engine/fixture.h"
+
+namespace expertd::engine {
+namespace {
+
+using test::fixture_path;
+using test::read_json;
+
+std::vector<std::string> fixture_names() {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(fixture_path("chat"))) {
+    if (e.path().extension() == ".json") names.push_back(e.path().stem().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<ChatMessage> messages_of(const nlohmann::json& j) {
+  std::vector<ChatMessage> m;
+  for (const auto& msg : j) m.push_back({msg["role"], msg["content"]});
+  return m;
+}
+
+TEST(ChatTemplate, FixturesCoverEveryFamilyAndLookAlikes) {
+  const std::vector<std::string> names = fixture_names();
+  int supported = 0, refused = 0;
+  for (const std::string& n : names) {
+    const nlohmann::json f = read_json(fixture_path("chat/" + n + ".json"));
+    (f["family"].is_null() ? refused : supported) += 1;
+  }
+  EXPECT_GE(supported, 10);
+  EXPECT_GE(refused, 5);
+}
+
+class ChatTemplateVsTransformers : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAsTransformers) {
+  const nlohmann::json f = read_json(fixture_path("chat/" + GetParam() + ".json"));
+  const std::string text = f["template"];
+  auto t = ChatTemplate::from_text(text, f["bos"], f["eos"]);
+  if (f["family"].is_null()) {
+    ASSERT_FALSE(t) << GetParam() << " must be refused, was detected as " << t->family();
+    const std::string first = text.substr(0, text.find('\n')).substr(0, 120);
+    EXPECT_EQ(t.error().code, EINVAL);
+    EXPECT_EQ(t.error().message, "chat template not supported (first line: '" + first +
+                                     "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, "
+                                     "Llama 3");
+    return;
+  }
+  ASSERT_TRUE(t) << t.error().message;
+  EXPECT_EQ(t->family(), f["family"].get<std::string>());
+  ASSERT_GE(f["cases"].size(), 40u);
+  int i = 0;
+  for (const nlohmann::json& c : f["cases"]) {
+    const std::vector<ChatMessage> m = messages_of(c["messages"]);
+    const bool gen = c["add_generation_prompt"];
+    auto out = t->render(m, gen);
+    const std::string what = GetParam() + " case " + std::to_string(i++) + " " +
+                             c["messages"].dump() + (gen ? " +gen" : "");
+    if (c.contains("error")) {
+      ASSERT_FALSE(out) << what << " rendered " << nlohmann::json(*out).dump();
+      EXPECT_EQ(out.error().message, c["error"].get<std::string>()) << what;
+    } else {
+      ASSERT_TRUE(out) << what << ": " << out.error().message;
+      EXPECT_EQ(*out, c["output"].get<std::string>())
+          << what << "\n got " << nlohmann::json(*out).dump() << "\nwant " << c["output"].dump();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, ChatTemplateVsTransformers, ::testing::ValuesIn(fixture_names()),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           std::string s = p.param;
+                           for (char& ch : s) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return s;
+                         });
+
+TEST(ChatTemplate, NamedFamiliesRenderAsTheirTemplates) {
+  for (const char* n : {"chatml", "qwen3", "deepseek3", "deepseek4", "mistral", "llama3"}) {
+    const nlohmann::json f = read_json(fixture_path(std::string("chat/") + n + ".json"));
+    auto t = ChatTemplate::named(n, f["bos"], f["eos"]);
+    ASSERT_TRUE(t) << t.error().message;
+    EXPECT_EQ(t->family(), n);
+    const nlohmann::json& c = f["cases"][3];
+    auto out = t->render(messages_of(c["messages"]), c["add_generation_prompt"]);
+    ASSERT_TRUE(out) << out.error().message;
+    EXPECT_EQ(*out, c["output"].get<std::string>()) << n;
+  }
+  auto bad = ChatTemplate::named("gemma", "", "");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().message.find("'gemma'"), std::string::npos) << bad.error().message;
+}
+
+TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
+  auto t = ChatTemplate::from_text(
+      "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+      "{% endfor %}",
+      "<bos>", "<eos>");
+  ASSERT_FALSE(t);
+  EXPECT_EQ(t.error().message,
+            "chat template not supported (first line: '{{ bos_token }}{% for m in messages "
+            "%}<start_of_turn>{{ m.role }}'); known: ChatML/Qwen3, DeepSeek-V3/V4, "
+            "Mistral/Mixtral, Llama 3");
+}
+
+TEST(ChatTemplate, UnknownRoleAndEmptyConversationAreErrors) {
+  auto t = ChatTemplate::named("qwen3", "", "");
+  ASSERT_TRUE(t);
+  const std::vector<ChatMessage> tool = {{"user", "q"}, {"tool", "result"}};
+  auto out = t->render(tool, true);
+  ASSERT_FALSE(out);
+  EXPECT_EQ(out.error().message,
+            "chat template: message 1 has role 'tool'; known: system, user, assistant");
+  EXPECT_FALSE(t->render({}, true));
+}
+
+TEST(ChatTemplate, StopStringsEndEachFamilysAssistantTurn) {
+  EXPECT_EQ(ChatTemplate::named("qwen3", "", "")->stop_strings(),
+            std::vector<std::string>{"<|im_end|>"});
+  EXPECT_EQ(ChatTemplate::named("deepseek4", "", "")->stop_strings(),
+            std::vector<std::string>{"<｜end▁of▁sentence｜>"});
+  EXPECT_EQ(ChatTemplate::named("mistral", "<s>", "</s>")->stop_strings(),
+            std::vector<std::string>{"</s>"});
+  EXPECT_EQ(ChatTemplate::named("llama3", "", "")->stop_strings(),
+            std::vector<std::string>{"<|eot_id|>"});
+}
+
+TEST(ChatTemplate, FromGgufReadsTheDeepseek4TemplateAndItsBosFromTheTokenizer) {
+  auto f = GgufFile::open(fixture_path("deepseek4-tiny/model-f32.gguf"));
+  ASSERT_TRUE(f) << f.error().message;
+  auto tok = Tokenizer::from_gguf(*f);
+  ASSERT_TRUE(tok) << tok.error().message;
+  auto t = ChatTemplate::from_gguf(*f, *tok);
+  ASSERT_TRUE(t) << t.error().message;
+  EXPECT_EQ(t->family(), "deepseek4");
+  EXPECT_EQ(t->bos(), tok->decode(*tok->bos()));
+  const std::vector<ChatMessage> m = {{"system", "S"}, {"user", "Hi"}};
+  auto out = t->render(m, true);
+  ASSERT_TRUE(out) << out.error().message;
+  EXPECT_EQ(*out, t->bos() + "S<｜User｜>Hi<｜Assistant｜></think>");
+}
+
+TEST(ChatTemplate, FromGgufWithoutATemplateIsChatml) {
+  auto f = GgufFile::open(fixture_path("qwen3moe-tiny/model-f32.gguf"));
+  ASSERT_TRUE(f) << f.error().message;
+  auto tok = Tokenizer::from_gguf(*f);
+  ASSERT_TRUE(tok) << tok.error().message;
+  auto t = ChatTemplate::from_gguf(*f, *tok);
+  ASSERT_TRUE(t) << t.error().message;
+  EXPECT_EQ(t->family(), "chatml (default: the model has no tokenizer.chat_template)");
+  const std::vector<ChatMessage> m = {{"user", "Hi"}};
+  EXPECT_EQ(*t->render(m, true), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(t->stop_strings(), std::vector<std::string>{"<|im_end|>"});
+}
+
+}  // namespace
+}  // namespace expertd::engine
