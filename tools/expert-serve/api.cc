@@ -220,11 +220,10 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
     }
     Message msg{role->get<std::string>(), ""};
     if (msg.role == "developer") msg.role = "system";  // OpenAI's newer name for it
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
-        msg.role != "tool") {
-      return bad(where + ".role",
-                 fmt::format("{}.role '{}' is not system, developer, user, assistant or tool",
-                             where, msg.role));
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      return bad(
+          where + ".role",
+          fmt::format("{}.role '{}' is not system, developer, user or assistant", where, msg.role));
     }
     const json* content = field(m, "content");
     if (!content) {

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "api.h"
+#include "engine/chat_template.h"
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
@@ -100,6 +102,20 @@ Result<GpuOptions> parse_vram(const std::string& text) {
 }
 #endif
 
+// --chat-template: a .jinja file when one exists at that path, else a family name (as expert-run
+// reads it); absent, the model's own tokenizer.chat_template.
+Result<ChatTemplate> chat_template_for(const std::string& flag, const expertd::GgufFile& meta,
+                                       const Tokenizer& tok) {
+  if (flag.empty()) return ChatTemplate::from_gguf(meta, tok);
+  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
+  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
+  std::ifstream f(flag, std::ios::binary);
+  auto t = f ? ChatTemplate::from_text(std::string(std::istreambuf_iterator<char>(f), {}), bos, eos)
+             : ChatTemplate::named(flag, bos, eos);
+  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
+  return t;
+}
+
 void setup_logging(const std::string& level) {
   auto logger = spdlog::stderr_color_mt("expert-serve");
   spdlog::set_default_logger(logger);
@@ -150,8 +166,10 @@ ApiError api_error(int status, std::string message, std::string param = "") {
 // The HTTP side: reads requests, hands jobs to the Generator and writes the answers.
 class Service {
  public:
-  Service(const Options& o, const Tokenizer& tok, Generator& gen, std::string engine_note)
-      : o_(o), tok_(tok), gen_(gen), engine_note_(std::move(engine_note)) {}
+  // `chat` is the chat template, or why there is none (chat requests then get a 400 saying so).
+  Service(const Options& o, const Tokenizer& tok, Result<ChatTemplate> chat, Generator& gen,
+          std::string engine_note)
+      : o_(o), tok_(tok), chat_(std::move(chat)), gen_(gen), engine_note_(std::move(engine_note)) {}
 
   void install(httplib::Server& svr) {
     svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
@@ -251,9 +269,21 @@ class Service {
                                         std::vector<uint32_t>& out,
                                         std::vector<std::string>& stops) const {
     if (r.chat) {
-      return api_error(400, "chat completions need a chat template, and this build has none");
+      if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
+      std::vector<ChatMessage> messages;
+      for (const auto& m : r.messages) messages.push_back({m.role, m.content});
+      auto text = chat_->render(messages, /*add_generation_prompt=*/true);
+      if (!text) return api_error(400, "messages: " + text.error().message, "messages");
+      // The template writes the BOS itself where the model wants one.
+      auto ids = tok_.encode(*text, /*add_special=*/false);
+      if (!ids) return api_error(400, "messages: " + ids.error().message, "messages");
+      out = std::move(*ids);
+      // The turn's end marker stops the answer where it is text rather than an end token.
+      for (const std::string& s : chat_->stop_strings()) {
+        if (std::find(stops.begin(), stops.end(), s) == stops.end()) stops.push_back(s);
+      }
+      return std::nullopt;
     }
-    (void)stops;
     if (r.prompt_ids_given) {
       out = r.prompt_ids;
       return std::nullopt;
@@ -451,6 +481,7 @@ class Service {
 
   const Options& o_;
   const Tokenizer& tok_;
+  const Result<ChatTemplate> chat_;
   Generator& gen_;
   const std::string engine_note_;
   const int64_t started_ = std::time(nullptr);
@@ -490,6 +521,14 @@ int run(const Options& o) {
   auto tok = Tokenizer::from_gguf(model->gguf().meta());
   if (!tok) return fail(tok.error().message);
   const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
+  auto chat = chat_template_for(o.chat_template, model->gguf().meta(), *tok);
+  if (!chat) {
+    // The user asked for that template: no point serving without it.
+    if (!o.chat_template.empty()) return fail(chat.error().message);
+    spdlog::error("chat completions are off: {}", chat.error().message);
+  } else {
+    spdlog::info("chat template: {}", chat->family());
+  }
 
   auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-serve");
   if (!source) return fail(source.error().message);
@@ -528,7 +567,7 @@ int run(const Options& o) {
   }
 
   Generator gen(std::move(engine), *tok, end_tokens, o.queue);
-  Service service(o, *tok, gen, engine_note);
+  Service service(o, *tok, std::move(chat), gen, engine_note);
   service.install(svr);
   // Each waiting request holds a pool thread; a few more answer /health and refusals meanwhile.
   const size_t threads = o.queue + 5;
@@ -570,7 +609,8 @@ int main(int argc, char** argv) {
                  "Requests that may wait while one runs; more get 503 with Retry-After (8)")
       ->check(CLI::Range(1u, 4096u));
   app.add_option("--chat-template", o.chat_template,
-                 "Chat template: a family name or a Jinja file, instead of the model's own");
+                 "Chat template instead of the model's own: a family name (chatml, qwen3, "
+                 "deepseek3, deepseek4, mistral, llama3) or a .jinja file");
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
