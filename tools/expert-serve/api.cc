@@ -289,7 +289,7 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   if (chat) {
     if (auto e = get_int(body, "max_completion_tokens", 1, huge, max)) return e;
   }
-  if (max) out.max_tokens = static_cast<uint32_t>(std::min<int64_t>(*max, UINT32_MAX));
+  if (max) out.max_tokens = static_cast<uint64_t>(*max);
   if (auto e = get_bool(body, "ignore_eos", out.ignore_eos)) return e;
   if (auto e = read_sampling(body, out.sampling)) return e;
   if (auto e = read_stop(body, out.stops)) return e;

@@ -42,7 +42,7 @@ struct Request {
   std::vector<Message> messages;  // chat
   engine::SamplerOptions sampling;
   std::vector<std::string> stops;
-  std::optional<uint32_t> max_tokens;  // absent: completions 16, chat the rest of the context
+  std::optional<uint64_t> max_tokens;  // absent: completions 16, chat the rest of the context
   bool ignore_eos = false;             // an extension (vLLM's): generate past the end token
 };
 

@@ -339,7 +339,9 @@ class Service {
     job->id = next_id_.fetch_add(1) + 1;
     job->kind = chat ? "chat" : "completion";
     job->sampling = r.sampling;
-    job->max_tokens = r.max_tokens ? *r.max_tokens : chat ? room : std::min<uint32_t>(16, room);
+    job->max_tokens = r.max_tokens ? static_cast<uint32_t>(*r.max_tokens)
+                      : chat       ? room
+                                   : std::min<uint32_t>(16, room);
     job->ignore_eos = r.ignore_eos;
     if (!gen_.submit(job)) {
       spdlog::warn("request {}: refused, {} requests already wait (--queue)", job->id, o_.queue);
