@@ -271,6 +271,60 @@ def test_queue_and_disconnect(h, log_path):
           f"waiting request then completed")
 
 
+def run_briefly(argv):
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_startup_errors(args, sock, port):
+    serve = os.path.join(args.bin, "expert-serve")
+    rc, out = run_briefly([serve, "--socket", os.path.join(args.workdir, "none.sock"), "--model",
+                           MODEL, "--port", str(free_port())])
+    assert rc != 0 and "cannot connect to expertd at" in out, f"no daemon: {rc} {out}"
+    rc, out = run_briefly([serve, "--socket", sock, "--model", "nope", "--port", str(free_port())])
+    assert rc != 0 and "'nope'" in out, f"unknown model: {rc} {out}"
+    rc, out = run_briefly([serve, "--socket", sock, "--model", MODEL, "--port", str(port)])
+    assert rc != 0 and f"cannot listen on 127.0.0.1:{port}" in out, f"port in use: {rc} {out}"
+    rc, out = run_briefly([serve, "--help"])
+    for flag in ("--socket", "--model", "--host", "--port", "--ctx", "--queue", "--cpu",
+                 "--vram-experts", "--prefetch-depth", "--chat-template"):
+        assert flag in out, f"--help does not mention {flag}"
+    print("ok: startup errors name the socket, the model and the address in use")
+
+
+def test_unsupported_template(args, sock, procs):
+    """A model whose chat template no family matches: chat requests get a 400 naming it, and
+    completions still work."""
+    port = free_port()
+    log_path = os.path.join(args.workdir, "expert-serve-odd.log")
+    procs.append(subprocess.Popen(
+        [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", "odd", "--port",
+         str(port), "--ctx", "256", "--cpu"],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
+    h = Http(port)
+
+    def up():
+        if procs[-1].poll() is not None:
+            raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
+        try:
+            return h.health()["status"] == "ok"
+        except OSError:
+            return False
+    wait_for("expert-serve (odd)'s /health", up)
+    status, _, data = h.request("POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 400, f"chat with an unsupported template: {status} {data!r}"
+    message = json.loads(data)["error"]["message"]
+    assert "<<{{ m.content }}>>" in message, message
+    status, _, data = h.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, f"completion on the model with an odd template: {status} {data!r}"
+    assert "chat completions are off" in open(log_path).read()
+    p = procs.pop()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 0
+    print(f"ok: unsupported chat template: chat 400 ({message!r}), completions 200")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -280,12 +334,19 @@ def main():
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
     sock = os.path.join(args.workdir, "expertd.sock")
+    # The fixture with a chat template no family matches.
+    odd = os.path.join(args.workdir, "odd.gguf")
+    new_metadata = os.path.join(os.path.dirname(sys.executable), "gguf-new-metadata")
+    subprocess.run([new_metadata, "--chat-template",
+                    "{% for m in messages %}<<{{ m.content }}>>{% endfor %}", args.gguf, odd],
+                   check=True, capture_output=True, timeout=60)
     procs = []
     try:
         daemon_log = open(os.path.join(args.workdir, "expertd.log"), "w")
         procs.append(subprocess.Popen(
-            [os.path.join(args.bin, "expertd"), "--model", f"{MODEL}={args.gguf}", "--socket",
-             sock, "--cache", "16MiB", "--no-mlock"], stdout=daemon_log, stderr=daemon_log))
+            [os.path.join(args.bin, "expertd"), "--model", f"{MODEL}={args.gguf}", "--model",
+             f"odd={odd}", "--socket", sock, "--cache", "16MiB", "--no-mlock"],
+            stdout=daemon_log, stderr=daemon_log))
 
         def daemon_up():
             with socket.socket(socket.AF_UNIX) as s:
@@ -324,6 +385,8 @@ def main():
         test_chat(args, sock, client)
         test_bad_requests(h, client)
         test_queue_and_disconnect(h, log_path)
+        test_startup_errors(args, sock, port)
+        test_unsupported_template(args, sock, procs)
 
         # SIGTERM ends the server cleanly.
         serve = procs.pop()

@@ -507,6 +507,12 @@ int run(const Options& o) {
   if (o.ctx == 0) return fail("--ctx must be at least 1");
   if (o.queue == 0) return fail("--queue must be at least 1");
   httplib::Server svr;
+  // httplib's default also sets SO_REUSEPORT, which lets a second server share the port without a
+  // word: only SO_REUSEADDR (a restart may bind while old connections sit in TIME_WAIT).
+  svr.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   // The port first: a port in use is found before the model is loaded.
   errno = 0;
   if (!svr.bind_to_port(o.host, o.port)) {
