@@ -388,11 +388,23 @@ def main():
         test_startup_errors(args, sock, port)
         test_unsupported_template(args, sock, procs)
 
-        # SIGTERM ends the server cleanly.
+        # SIGTERM in the middle of a stream: the stream ends with an error event, the server
+        # exits 0 without generating the rest.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"prompt": "Once", "max_tokens": CTX - 16, "stream": True,
+                                      "ignore_eos": True}),
+                     headers={"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        wait_for("a stream's first chunk", lambda: stream.readline().startswith(b"data: "))
         serve = procs.pop()
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=20) == 0, f"expert-serve exited {serve.returncode}"
-        print("ok: expert-serve exits 0 on SIGTERM")
+        rest = stream.read()
+        conn.close()
+        assert b"the server is shutting down" in rest and rest.endswith(b"data: [DONE]\n\n"), \
+            rest[-300:]
+        print("ok: SIGTERM mid-stream: the stream ends with an error event, expert-serve exits 0")
     except BaseException:
         for name in ("expert-serve.log", "expertd.log"):
             path = os.path.join(args.workdir, name)

@@ -42,6 +42,7 @@ void Generator::stop() {
   for (auto& job : left) {
     std::lock_guard lock(job->mu);
     job->error = "the server is shutting down";
+    job->error_status = 503;
     job->done = true;
     job->cv.notify_all();
   }
@@ -191,8 +192,18 @@ void Generator::run(Job& job) {
   const uint64_t steps = s.tokens - at_prompt.tokens;
   const double gen_s = static_cast<double>(t2 - t1) / 1e9;
   if (cancelled) {
-    spdlog::info("request {}: the client left; stopped after {} of {} tokens", job.id, generated,
-                 job.max_tokens);
+    bool stopping = false;
+    {
+      std::lock_guard lock(mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      std::lock_guard lock(job.mu);
+      job.error = "the server is shutting down";
+      job.error_status = 503;
+    }
+    spdlog::info("request {}: {}; stopped after {} of {} tokens", job.id,
+                 stopping ? "shutting down" : "the client left", generated, job.max_tokens);
   }
   spdlog::info(
       "request {}: {} tokens in {:.3f} s ({:.1f} tokens/s), finish {}, expert stall {:.3f} "

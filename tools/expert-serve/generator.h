@@ -47,7 +47,8 @@ struct Job {
   std::string finish_reason;  // "stop" or "length" once done
   uint32_t completion_tokens = 0;
   uint32_t cached_tokens = 0;  // prompt positions reused from the previous sequence
-  std::string error;           // the engine failed: the request gets a 500 with this
+  std::string error;           // the request failed: its answer is error_status with this
+  int error_status = 500;      // 500: the engine failed; 503: the server is shutting down
 };
 
 class Generator {

@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -363,7 +364,7 @@ class Service {
               int64_t created, bool chat) {
     std::unique_lock lock(job->mu);
     job->cv.wait(lock, [&] { return job->done; });
-    if (!job->error.empty()) return send_error(res, api_error(500, job->error));
+    if (!job->error.empty()) return send_error(res, api_error(job->error_status, job->error));
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", job->finish_reason}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", job->text}};
@@ -421,6 +422,7 @@ class Service {
           std::string piece;
           bool done = false;
           std::string error;
+          int error_status = 500;
           {
             std::unique_lock lock(job->mu);
             job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
@@ -431,6 +433,7 @@ class Service {
             piece = job->text.substr(0, ready);
             job->text.erase(0, ready);
             error = job->error;
+            error_status = job->error_status;
           }
           auto leave = [&] {
             job->cancelled = true;
@@ -447,7 +450,7 @@ class Service {
           if (!piece.empty() && !event(chunk(piece_choice(piece, nullptr)))) return leave();
           if (done) {
             if (!error.empty()) {
-              event(expertd::serve::error_body(api_error(500, error)));
+              event(expertd::serve::error_body(api_error(error_status, error)));
             } else {
               std::unique_lock lock(job->mu);
               const json last = chunk(piece_choice("", job->finish_reason));
@@ -577,20 +580,31 @@ int run(const Options& o) {
   Generator gen(std::move(engine), *tok, end_tokens, o.queue);
   Service service(o, *tok, std::move(chat), gen, engine_note);
   service.install(svr);
-  // Each waiting request holds a pool thread; a few more answer /health and refusals meanwhile.
-  const size_t threads = o.queue + 5;
+  // Each waiting request holds a pool thread, and so does an idle keep-alive connection for a
+  // few seconds: enough more answer /health and refusals meanwhile.
+  const size_t threads = o.queue + 16;
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    if (res.status >= 400) {
+      spdlog::info("{} {}: {} {}", req.method, req.path, res.status, res.body.substr(0, 300));
+    }
+  });
 
+  std::atomic<bool> ended{false};
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
-    if (sig != 0) spdlog::info("{}: shutting down", strsignal(sig));
+    if (ended) return;
+    spdlog::info("{}: shutting down", strsignal(sig));
+    // The generation in progress stops and the queued requests are answered first, so the HTTP
+    // threads waiting for them can end.
+    gen.stop();
     svr.stop();
   });
   spdlog::info("listening on http://{}:{} (model {}, queue {})", o.host, o.port, o.model, o.queue);
   const bool ok = svr.listen_after_bind();
-  // Wake the signal thread when listening ended by itself.
-  pthread_kill(signal_thread.native_handle(), SIGTERM);
+  ended = true;
+  pthread_kill(signal_thread.native_handle(), SIGTERM);  // wakes it when listening ended by itself
   signal_thread.join();
   gen.stop();
   if (!ok) return fail(fmt::format("listening on {}:{} failed", o.host, o.port));
