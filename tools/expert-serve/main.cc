@@ -584,6 +584,8 @@ int run(const Options& o) {
   // few seconds: enough more answer /health and refusals meanwhile.
   const size_t threads = o.queue + 16;
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // A request is a prompt: far less than this even for a long context (413 past it).
+  svr.set_payload_max_length(size_t{64} << 20);
   svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
     if (res.status >= 400) {
       spdlog::info("{} {}: {} {}", req.method, req.path, res.status, res.body.substr(0, 300));
