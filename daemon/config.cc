@@ -36,7 +36,7 @@ template <typename T>
 Status read_uint(const std::string& path, const toml::table& t, const char* key, T& out) {
   const toml::node* n = t.get(key);
   if (n == nullptr) return Ok{};
-  const auto v = n->value<int64_t>();
+  const auto v = n->value_exact<int64_t>();
   if (!v || *v < 0 || static_cast<uint64_t>(*v) > std::numeric_limits<T>::max()) {
     return key_error(path, *n, key, "must be a non-negative integer");
   }
@@ -52,7 +52,7 @@ Status read_string(const std::string& path, const toml::table& t, const char* ke
     out = *v;
     return Ok{};
   }
-  if (const auto i = n->value<int64_t>(); i && *i >= 0) {  // sizes may be plain byte counts
+  if (const auto i = n->value_exact<int64_t>(); i && *i >= 0) {  // sizes may be plain byte counts
     out = std::to_string(*i);
     return Ok{};
   }
@@ -68,7 +68,7 @@ Status read_id_list(const std::string& path, const toml::table& t, const char* k
   if (a == nullptr) return key_error(path, *n, key, "must be an array of integers");
   out.clear();
   for (const auto& e : *a) {
-    const auto v = e.value<int64_t>();
+    const auto v = e.value_exact<int64_t>();
     if (!v || *v < 0 || *v > 0xffffffffll) {
       return key_error(path, e, key, "must hold non-negative integers (uids or gids)");
     }
@@ -122,7 +122,7 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_string(path, t, "policy", c.policy));
   for (const char* key : {"lock_memory", "verify"}) {
     if (const toml::node* n = t.get(key)) {
-      const auto b = n->value<bool>();
+      const auto b = n->value_exact<bool>();
       if (!b) return key_error(path, *n, key, "must be true or false");
       (std::string(key) == "verify" ? c.verify : c.lock_memory) = *b;
     }
@@ -164,6 +164,14 @@ Status validate_config(const DaemonConfig& c) {
   EXPERTD_TRY(parse_size("cache", c.cache, physical_memory_bytes()));
   EXPERTD_TRY(parse_size("staging", c.staging, physical_memory_bytes()));
   if (c.socket.empty()) return make_error(EINVAL, "socket: must be a path");
+  if (c.prefetch_depth > kMaxPrefetchDepth) {
+    return make_error(EINVAL, fmt::format("prefetch_depth {}: must be 0..{} (layers ahead)",
+                                          c.prefetch_depth, kMaxPrefetchDepth));
+  }
+  if (c.queue_depth > kMaxQueueDepth) {
+    return make_error(EINVAL, fmt::format("queue_depth {}: must be 0..{} (0 = probe the disk)",
+                                          c.queue_depth, kMaxQueueDepth));
+  }
   if (c.max_sessions == 0 || c.max_sessions > 4096) {
     return make_error(EINVAL, fmt::format("max_sessions {}: must be 1..4096", c.max_sessions));
   }

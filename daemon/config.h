@@ -16,6 +16,11 @@
 
 namespace expertd {
 
+// Bounds the loader and the flags enforce: deeper prefetch than this many layers is noise, and
+// io_uring rings beyond this many reads in flight only add latency on NVMe.
+inline constexpr uint32_t kMaxPrefetchDepth = 64;
+inline constexpr uint32_t kMaxQueueDepth = 4096;
+
 struct ModelConfig {
   std::string name;  // what clients open it by
   std::string path;  // a GGUF file or its first shard

@@ -128,8 +128,6 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   if (!core->fallback_reason_.empty()) spdlog::warn("{}", core->fallback_reason_);
   EXPERTD_TRY(core->io_->open_files(paths));
 
-  const ReadConfig read = core->choose_read_config(opened, paths);
-
   const uint64_t ram = physical_memory_bytes();
   uint64_t cache_bytes = 0;
   uint64_t staging_bytes = 0;
@@ -137,6 +135,34 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   EXPERTD_TRY_ASSIGN(staging_bytes, parse_size("staging", config.staging, ram));
   const uint64_t per_model_cache = cache_bytes / config.models.size();
   const uint64_t per_model_staging = staging_bytes / config.models.size();
+  {
+    // One token of one session needs its top-k experts of a layer held at once: a smaller cache
+    // could only stall. Checked before the read probe, which takes seconds.
+    uint32_t file = 0;
+    for (uint32_t i = 0; i < opened.size(); ++i) {
+      SliceMap map;
+      EXPERTD_TRY_ASSIGN(map, SliceMap::build(opened[i]));
+      uint32_t alignment = 512;
+      for (uint32_t s = 0; s < opened[i].shards().size(); ++s) {
+        alignment = std::max(alignment, core->io_->file(file + s).dio_alignment);
+      }
+      file += static_cast<uint32_t>(opened[i].shards().size());
+      const uint64_t slot_bytes = SlotLayouts(map, alignment, page_bytes()).slot_bytes();
+      const uint64_t experts = uint64_t{map.expert_count()} * map.layers().size();
+      const uint64_t need = std::max<uint64_t>(map.top_k(), 1);  // no key: one slot
+      if (slot_bytes != 0 && std::min(per_model_cache / slot_bytes, experts) < need) {
+        return make_error(EINVAL,
+                          fmt::format("model '{}': a cache of {} holds {} of its experts "
+                                      "({} a slot); one token needs {} (its top-k) at "
+                                      "once: give --cache at least {}",
+                                      config.models[i].name, human_bytes(per_model_cache),
+                                      per_model_cache / slot_bytes, human_bytes(slot_bytes), need,
+                                      human_bytes(need * slot_bytes * config.models.size())));
+      }
+    }
+  }
+
+  const ReadConfig read = core->choose_read_config(opened, paths);
 
   core->reactor_ = std::make_unique<StoreReactor>(*core->io_);
   uint32_t file = 0;

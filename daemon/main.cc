@@ -1,15 +1,20 @@
 // expertd: the expert streaming daemon. Reads its configuration (TOML, overridden by flags), opens
 // the models, starts the storage reactor and the Cap'n Proto control socket, tells systemd it is
 // ready, and runs until SIGTERM (drain, exit 0). SIGHUP reloads the tunables from the file.
+#include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -55,12 +60,19 @@ void setup_logging(const std::string& level) {
 
 // Applies the flags over the file's values.
 expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
+  std::vector<std::string> flag_names;  // a flag's model replaces the file's; two flags clash
   for (const auto& m : f.models) {
     const auto eq = m.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == m.size()) {
       return expertd::make_error(EINVAL, "--model '" + m + "': expected NAME=PATH");
     }
     const std::string name = m.substr(0, eq);
+    if (std::find(flag_names.begin(), flag_names.end(), name) != flag_names.end()) {
+      return expertd::make_error(EINVAL, fmt::format("--model: the name '{}' is given twice "
+                                                     "(each model needs its own name)",
+                                                     name));
+    }
+    flag_names.push_back(name);
     bool replaced = false;
     for (auto& existing : c.models) {
       if (existing.name == name) {
@@ -111,13 +123,67 @@ void reload(expertd::DaemonCore& core, const Flags& f) {
     return;
   }
   core.post([c = *c](expertd::DaemonCore& d) {
+    int rejected = 0;
     for (const auto& st :
          {d.set_prefetch_depth(c.prefetch_depth), d.set_policy(c.policy),
           c.queue_depth ? d.set_queue_depth(c.queue_depth) : expertd::Status(expertd::Ok{})}) {
-      if (!st) spdlog::error("reload: {}", st.error().message);
+      if (!st) {
+        spdlog::error("reload: {}", st.error().message);
+        ++rejected;
+      }
     }
-    spdlog::info("reload: tunables applied");
+    if (rejected == 0) {
+      spdlog::info("reload: tunables applied (prefetch_depth {}, policy {}, queue_depth {})",
+                   c.prefetch_depth, c.policy, c.queue_depth);
+    } else {
+      spdlog::warn("reload: {} tunable(s) rejected and kept as they were; the others applied",
+                   rejected);
+    }
   });
+}
+
+// The socket's problems, found before the models are opened (which can take a while): a path too
+// long for sockaddr_un, a directory that cannot be created or written (the RPC server creates
+// missing ones), a path that is not a socket, another daemon listening.
+expertd::Status check_socket(const std::string& path) {
+  sockaddr_un a{};
+  if (path.size() >= sizeof(a.sun_path)) {
+    return expertd::make_error(ENAMETOOLONG,
+                               fmt::format("socket {}: the path is {} bytes, a Unix socket's "
+                                           "is at most {}",
+                                           path, path.size(), sizeof(a.sun_path) - 1));
+  }
+  std::string dir = path;
+  struct stat st {};
+  do {  // the nearest existing ancestor: where the first missing directory will be made
+    const auto slash = dir.rfind('/');
+    dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : dir.substr(0, slash));
+  } while (::stat(dir.c_str(), &st) != 0 && dir != "/" && dir != ".");
+  if (!S_ISDIR(st.st_mode)) {
+    return expertd::make_error(ENOTDIR, fmt::format("socket {}: {} is not a directory", path, dir));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    const int e = errno;
+    return expertd::make_error(
+        e, fmt::format("socket {}: cannot create it under {}: {}", path, dir, std::strerror(e)));
+  }
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return expertd::make_error(
+          EEXIST, fmt::format("socket {}: the path exists and is not a socket", path));
+    }
+    const expertd::UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    a.sun_family = AF_UNIX;
+    std::memcpy(a.sun_path, path.data(), path.size());
+    if (probe.valid() &&
+        ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0) {
+      return expertd::make_error(EADDRINUSE,
+                                 fmt::format("socket {}: another process is listening on it "
+                                             "(another expertd?)",
+                                             path));
+    }
+  }
+  return expertd::Ok{};
 }
 
 int run(const Flags& flags) {
@@ -125,6 +191,13 @@ int run(const Flags& flags) {
   if (!config) {
     spdlog::critical("{}", config.error().message);
     return 1;
+  }
+  // Under socket activation systemd hands the socket over: nothing to check here.
+  if (std::getenv("LISTEN_FDS") == nullptr) {
+    if (auto st = check_socket(config->socket); !st) {
+      spdlog::critical("{}", st.error().message);
+      return 1;
+    }
   }
   // --verify checks every load against expert-forge's content function; the forge is linked
   // here, into the binary, not into the daemon's core library.
@@ -223,9 +296,13 @@ int main(int argc, char** argv) {
   app.add_option("--socket", f.socket, "Control socket path (default /run/expertd/expertd.sock)");
   app.add_option("--cache", f.cache, "Expert cache size, e.g. 4GiB or 25% of RAM (default 25%)");
   app.add_option("--staging", f.staging, "Staging ring size for streamed experts (default 64MiB)");
-  app.add_option("--prefetch-depth", f.prefetch_depth, "Layers ahead prefetches may cover (2)")
+  app.add_option(
+         "--prefetch-depth", f.prefetch_depth,
+         fmt::format("Layers ahead prefetches may cover, 0..{} (2)", expertd::kMaxPrefetchDepth))
       ->check(u32);
-  app.add_option("--queue-depth", f.queue_depth, "Reads in flight (0 = probe the disk at start)")
+  app.add_option("--queue-depth", f.queue_depth,
+                 fmt::format("Reads in flight, 0..{} (0 = probe the disk at start)",
+                             expertd::kMaxQueueDepth))
       ->check(u32);
   app.add_option("--chunk", f.chunk,
                  "Read chunk size, e.g. 1MiB (auto = probe with the queue depth; default auto)");
@@ -256,6 +333,14 @@ int main(int argc, char** argv) {
   sigaddset(&mask, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &mask, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  setup_logging(f.log_level);
+  // spdlog reads an unknown level as "off": refuse it rather than run silent.
+  const bool known_level =
+      spdlog::level::from_str(f.log_level) != spdlog::level::off || f.log_level == "off";
+  setup_logging(known_level ? f.log_level : "info");
+  if (!known_level) {
+    spdlog::critical("--log-level '{}': must be trace, debug, info, warn, error, critical or off",
+                     f.log_level);
+    return 1;
+  }
   return run(f);
 }

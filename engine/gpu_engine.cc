@@ -16,8 +16,10 @@
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
+#include "kernels/dequant.cuh"
 #include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
+#include "kernels/prefill.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/swiglu.cuh"
@@ -81,9 +83,11 @@ struct GpuEngine::Impl {
   // go: no copy or kernel reads through them any more); then the cuBLAS handle and the streams
   // (nothing is enqueued on them); then the pinned mirrors and the device memory the streams'
   // work used.
-  DeviceBytes dense_mem;  // the dense weights, as f32
-  DeviceBytes work_mem;   // activations, the KV cache and the routing buffers
-  PinnedBytes host_mem;   // pinned mirrors of the routing results and logits
+  DeviceBytes dense_mem;   // the dense weights, as f32
+  DeviceBytes work_mem;    // activations, the KV cache and the routing buffers
+  PinnedBytes host_mem;    // pinned mirrors of the routing results and logits
+  DeviceBytes chunk_mem;   // prefill's per-chunk activations and the dequantised expert
+  PinnedBytes chunk_host;  // prefill's routes (device -> host) and row lists (host -> device)
   CudaStream copy;
   CudaStream compute;
   CublasHandle blas;  // on `compute`
@@ -113,6 +117,32 @@ struct GpuEngine::Impl {
   float* h_probs = nullptr;
   float* h_logits = nullptr;
 
+  // prefill(): up to `chunk` positions at once. Row-major [row][...] buffers of the chunk.
+  uint32_t chunk = 0;
+  uint32_t chunk_asked = 0;  // options.prefill_chunk (capped at max_context), before clamping
+  uint64_t chunk_bytes = 0;
+  float* cx = nullptr;           // [chunk][n_embd] residual streams
+  float* cxn = nullptr;          // [chunk][n_embd] normalised inputs
+  float* cq = nullptr;           // [chunk][q_dim]
+  float* catt = nullptr;         // [chunk][q_dim] attention outputs
+  float* cscores = nullptr;      // [chunk][max_context] one head's scores, then probabilities
+  float* crl = nullptr;          // [chunk][n_expert] router logits
+  uint32_t* d_routes = nullptr;  // [rows][k] experts, then [rows][k] weights (floats)
+  uint32_t* d_rows = nullptr;    // [chunk][k] weights, rows by expert, slots by expert; tokens
+  float* cxe = nullptr;          // [chunk][n_embd] one expert's rows
+  float* chg = nullptr;          // [chunk][n_ff] gate, then SwiGLU
+  float* chu = nullptr;          // [chunk][n_ff] up
+  float* cdown = nullptr;        // [chunk][n_embd] one expert's outputs
+  float* ceo = nullptr;          // [chunk][k][n_embd] every route slot's expert output
+  float* cw = nullptr;           // [n_ff * n_embd] one projection of one expert, as f32
+  uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
+  uint32_t* h_rows = nullptr;
+  std::vector<uint32_t> expert_rows;   // [n_expert] rows routed to each expert this layer
+  std::vector<uint32_t> expert_first;  // [n_expert] its first entry in the row lists
+  std::vector<uint32_t> needed;        // the distinct experts of the layer, ascending
+  std::vector<ExpertHint> needed_hints;
+  std::vector<RoutingRecord> chunk_log;  // [row][layer], appended in decode's order
+
   // Per-layer scratch on the host.
   std::vector<uint32_t> selected;
   std::vector<float> weights;
@@ -125,6 +155,13 @@ struct GpuEngine::Impl {
 
   Status init();
   Status upload_dense();
+  Status init_prefill();
+  uint64_t prefill_scratch_bytes(uint32_t rows) const;
+  Status prefill_chunk(std::span<const uint32_t> tokens, bool last, std::span<float> logits);
+  Status chunk_attention(uint32_t layer, uint32_t rows);
+  Status chunk_moe(uint32_t layer, uint32_t rows);
+  Status gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in, uint32_t rows,
+              float* out, float beta);
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
   Status moe(uint32_t layer);
@@ -216,6 +253,9 @@ Status GpuEngine::Impl::init() {
   h_weights = reinterpret_cast<float*>(h_experts + uint64_t{1 + d} * k);
   h_probs = h_weights + uint64_t{1 + d} * k;
   h_logits = h_probs + uint64_t{1 + d} * p.n_expert;
+
+  // Before the tier: Tier::Auto sizes itself from what is left.
+  EXPERTD_TRY(init_prefill());
 
   // The source's host memory (registered once) and the VRAM tier.
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
@@ -464,6 +504,290 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
   return experts->finish_layer();
 }
 
+// --- prefill -----------------------------------------------------------------------------------
+
+uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
+  const uint64_t c = rows;
+  const uint64_t k = p.n_expert_used;
+  const uint64_t e = p.n_embd;
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint64_t ff = p.n_ff_exp;
+  const uint64_t floats = c * e * 5 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert +
+                          c * k * 2 + (c * k * 3 + c) + c * ff * 2 + c * k * e + ff * e;
+  return floats * 4 + 16 * kAlign;
+}
+
+Status GpuEngine::Impl::init_prefill() {
+  chunk_asked = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
+  chunk = chunk_asked;
+  size_t free_b = 0;
+  size_t total_b = 0;
+  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  // At most half of what is free (256 MiB kept back): the rest is the VRAM tier's. A chunk that
+  // does not fit is halved rather than refused: prefill is only slower for it.
+  const uint64_t reserve = uint64_t{256} << 20;
+  const uint64_t budget = free_b > reserve ? (free_b - reserve) / 2 : 0;
+  while (chunk > 1 && prefill_scratch_bytes(chunk) > budget) chunk = (chunk + 1) / 2;
+  chunk_bytes = prefill_scratch_bytes(chunk);
+  Result<DeviceBytes> mem = DeviceBytes::alloc(chunk_bytes);
+  if (!mem) {
+    return make_error(ENOMEM,
+                      fmt::format("cannot allocate {} ({} bytes) of device memory for the "
+                                  "prefill scratch of {} positions on {}; {} is free",
+                                  gib(chunk_bytes), chunk_bytes, chunk, device_name, gib(free_b)));
+  }
+  chunk_mem = std::move(*mem);
+  const uint64_t c = chunk;
+  const uint64_t k = p.n_expert_used;
+  const uint64_t e = p.n_embd;
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint64_t ff = p.n_ff_exp;
+  uint8_t* cursor = chunk_mem.get();
+  auto take = [&](uint64_t values) {
+    uint8_t* out = cursor;
+    cursor += align_up(values * 4, kAlign);
+    return out;
+  };
+  cx = reinterpret_cast<float*>(take(c * e));
+  cxn = reinterpret_cast<float*>(take(c * e));
+  cq = reinterpret_cast<float*>(take(c * q_dim));
+  catt = reinterpret_cast<float*>(take(c * q_dim));
+  cscores = reinterpret_cast<float*>(take(c * opts.max_context));
+  crl = reinterpret_cast<float*>(take(c * p.n_expert));
+  d_routes = reinterpret_cast<uint32_t*>(take(c * k * 2));
+  d_rows = reinterpret_cast<uint32_t*>(take(c * k * 3 + c));
+  cxe = reinterpret_cast<float*>(take(c * e));
+  chg = reinterpret_cast<float*>(take(c * ff));
+  chu = reinterpret_cast<float*>(take(c * ff));
+  cdown = reinterpret_cast<float*>(take(c * e));
+  ceo = reinterpret_cast<float*>(take(c * k * e));
+  cw = reinterpret_cast<float*>(take(ff * e));
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * k * 2 + c * k * 3 + c) * 4));
+  h_routes = chunk_host.get<uint32_t>();
+  h_rows = h_routes + c * k * 2;
+  expert_rows.resize(p.n_expert);
+  expert_first.resize(p.n_expert);
+  needed.reserve(p.n_expert);
+  needed_hints.reserve(p.n_expert);
+  return Ok{};
+}
+
+Status GpuEngine::Impl::gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in,
+                             uint32_t rows, float* out, float beta) {
+  // out[rows][out_cols] (= beta out +) in[rows][in_cols] w^T, w row-major [out_cols][in_cols]:
+  // column-major, out^T = w^T-as-stored^T in^T.
+  const float alpha = 1.0f;
+  EXPERTD_CUBLAS_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
+                                 static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
+                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta,
+                                 out, static_cast<int>(out_cols)));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t rows) {
+  const DevLayer& w = layers[layer];
+  const uint32_t hd = p.head_dim;
+  const uint32_t q_dim = p.n_head * hd;
+  const uint32_t kv_dim = p.n_head_kv * hd;
+  const uint64_t e = p.n_embd;
+  const uint32_t pos0 = pos;
+  const uint32_t n_ctx = pos0 + rows;
+  // K and V of the chunk go straight into the cache at its positions ([pos][kv_dim] rows).
+  float* kc = k_cache + kv_index(layer, pos0);
+  float* vc = v_cache + kv_index(layer, pos0);
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(cx, w.attn_norm, cxn, rows, p.n_embd, p.rms_eps, compute.get()));
+  EXPERTD_TRY(gemm(w.wqkv, q_dim, p.n_embd, cxn, rows, cq, 0.0f));
+  EXPERTD_TRY(gemm(w.wqkv + uint64_t{q_dim} * e, kv_dim, p.n_embd, cxn, rows, kc, 0.0f));
+  EXPERTD_TRY(gemm(w.wqkv + uint64_t{q_dim + kv_dim} * e, kv_dim, p.n_embd, cxn, rows, vc, 0.0f));
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(cq, w.q_norm, cq, rows * p.n_head, hd, p.rms_eps, compute.get()));
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(kc, w.k_norm, kc, rows * p.n_head_kv, hd, p.rms_eps, compute.get()));
+  const float base = static_cast<float>(p.rope_base);
+  EXPERTD_CUDA_TRY(
+      kernels::rope_neox_rows(cq, rows, p.n_head, hd, p.n_rot, pos0, base, compute.get()));
+  EXPERTD_CUDA_TRY(
+      kernels::rope_neox_rows(kc, rows, p.n_head_kv, hd, p.n_rot, pos0, base, compute.get()));
+  // Per query head: scores[row][t] = q_row . k_t * scale over the cache's positions 0..n_ctx-1
+  // (column-major: S^T[n_ctx x rows] = K^T-as-stored^T Q^T), the causal softmax, then
+  // att[row][head] = P V.
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const float one = 1.0f;
+  const float zero = 0.0f;
+  const uint32_t group = p.n_head / p.n_head_kv;
+  const float* k_layer = k_cache + kv_index(layer, 0);
+  const float* v_layer = v_cache + kv_index(layer, 0);
+  for (uint32_t head = 0; head < p.n_head; ++head) {
+    const uint64_t kv_off = uint64_t{head / group} * hd;
+    EXPERTD_CUBLAS_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_ctx),
+                                   static_cast<int>(rows), static_cast<int>(hd), &scale,
+                                   k_layer + kv_off, static_cast<int>(kv_dim),
+                                   cq + uint64_t{head} * hd, static_cast<int>(q_dim), &zero,
+                                   cscores, static_cast<int>(n_ctx)));
+    EXPERTD_CUDA_TRY(kernels::causal_softmax(cscores, rows, n_ctx, pos0, compute.get()));
+    EXPERTD_CUBLAS_TRY(cublasSgemm(
+        blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(hd), static_cast<int>(rows),
+        static_cast<int>(n_ctx), &one, v_layer + kv_off, static_cast<int>(kv_dim), cscores,
+        static_cast<int>(n_ctx), &zero, catt + uint64_t{head} * hd, static_cast<int>(q_dim)));
+  }
+  // x += att Wo^T (beta = 1 accumulates into the residual streams).
+  return gemm(w.wo, p.n_embd, q_dim, catt, rows, cx, 1.0f);
+}
+
+Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
+  const uint32_t k = p.n_expert_used;
+  const uint64_t rk = uint64_t{rows} * k;
+  const uint32_t pos0 = pos;
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(cx, layers[layer].ffn_norm, cxn, rows, p.n_embd, p.rms_eps, compute.get()));
+  EXPERTD_TRY(gemm(layers[layer].router, p.n_expert, p.n_embd, cxn, rows, crl, 0.0f));
+  EXPERTD_CUDA_TRY(kernels::router_topk(crl, rows, p.n_expert, k, p.norm_topk, d_routes,
+                                        reinterpret_cast<float*>(d_routes + rk), nullptr,
+                                        compute.get()));
+  // The chunk's routes: one copy, one sync per layer.
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_routes, d_routes, rk * 2 * 4, cudaMemcpyDeviceToHost, compute.get()));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+  EXPERTD_TRY(experts->release_demand_holds());
+  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  EXPERTD_TRY(experts->account_copy_time());
+
+  // The decisions (the script's where it has one), counted per expert; the log and the hint
+  // statistics per position, as decode() keeps them.
+  uint32_t* sel_all = h_routes;
+  float* w_all = reinterpret_cast<float*>(h_routes + rk);
+  float* up_w = reinterpret_cast<float*>(h_rows);
+  uint32_t* up_rows = h_rows + rk;
+  uint32_t* up_dest = h_rows + 2 * rk;
+  std::fill(expert_rows.begin(), expert_rows.end(), 0u);
+  for (uint32_t r = 0; r < rows; ++r) {
+    const std::span<uint32_t> sel(sel_all + uint64_t{r} * k, k);
+    const std::span<float> wts(w_all + uint64_t{r} * k, k);
+    if (!take_scripted_route(opts, pos0 + r, layer, sel, wts, stats)) {
+      for (const uint32_t ex : sel) {
+        if (ex >= p.n_expert) {
+          return make_error(EIO, fmt::format("layer {} position {}: the router kernel chose "
+                                             "expert {} of {}",
+                                             layer, pos0 + r, ex, p.n_expert));
+        }
+      }
+    }
+    std::copy(wts.begin(), wts.end(), up_w + uint64_t{r} * k);
+    for (const uint32_t ex : sel) ++expert_rows[ex];
+    RoutingRecord* rec = nullptr;
+    if (routing_log != nullptr) {
+      rec = &chunk_log[uint64_t{r} * p.n_layer + layer];
+      *rec = RoutingRecord{pos0 + r,
+                           layer,
+                           std::vector<uint32_t>(sel.begin(), sel.end()),
+                           std::vector<float>(wts.begin(), wts.end()),
+                           {}};
+    }
+    planner.routed(layer, sel, stats, rec);
+  }
+  needed.clear();
+  needed_hints.clear();
+  uint32_t first = 0;
+  for (uint32_t ex = 0; ex < p.n_expert; ++ex) {
+    expert_first[ex] = first;
+    first += expert_rows[ex];
+    if (expert_rows[ex] == 0) continue;
+    needed.push_back(ex);
+    needed_hints.push_back(ExpertHint{layer, ex, 1.0f});
+  }
+  // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
+  // slot, so the combine sums in decode's order.
+  std::fill(expert_rows.begin(), expert_rows.end(), 0u);
+  for (uint32_t r = 0; r < rows; ++r) {
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint32_t ex = sel_all[uint64_t{r} * k + j];
+      const uint32_t at = expert_first[ex] + expert_rows[ex]++;
+      up_rows[at] = r;
+      up_dest[at] = r * k + j;
+    }
+  }
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, compute.get()));
+  // Every expert the layer needs is asked for at once, so the daemon reads them in parallel
+  // while the first ones compute.
+  if (!source.prefetch(needed_hints)) ++stats.hint_errors;
+
+  // Acquired at most top-k at a time (what a daemon cache sized for decode can hold), each
+  // applied to all its rows as GEMMs, the holds given back once their kernels are done.
+  const GpuExperts::LayerShape& sh = experts->shape(layer);
+  if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
+  const uint32_t ff = p.n_ff_exp;
+  const uint64_t proj = uint64_t{ff} * p.n_embd;
+  const float* d_w = reinterpret_cast<const float*>(d_rows);
+  const uint32_t* d_gather = d_rows + rk;
+  const uint32_t* d_dest = d_rows + 2 * rk;
+  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
+    const uint32_t count = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
+    uint64_t waited = 0;
+    EXPERTD_TRY(experts->acquire(layer, std::span<const uint32_t>(needed.data() + g0, count), ptrs,
+                                 &waited));
+    for (uint32_t j = 0; j < count; ++j) {
+      const uint32_t ex = needed[g0 + j];
+      const uint32_t n = expert_rows[ex];
+      const uint32_t at = expert_first[ex];
+      EXPERTD_CUDA_TRY(kernels::gather_rows(cxn, d_gather + at, n, p.n_embd, cxe, compute.get()));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, cw, proj, compute.get()));
+      EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chg, 0.0f));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, cw, proj, compute.get()));
+      EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chu, 0.0f));
+      EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, compute.get()));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, cw, proj, compute.get()));
+      EXPERTD_TRY(gemm(cw, p.n_embd, ff, chg, n, cdown, 0.0f));
+      EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + at, n, p.n_embd, ceo, compute.get()));
+    }
+    EXPERTD_TRY(experts->finish_layer());
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+    EXPERTD_TRY(experts->release_demand_holds());
+  }
+  stats.experts_used += needed.size();
+  stats.prefill_experts += needed.size();
+  EXPERTD_CUDA_TRY(kernels::moe_combine_rows(ceo, d_w, cx, rows, k, p.n_embd, compute.get()));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool last,
+                                      std::span<float> logits) {
+  const uint32_t rows = static_cast<uint32_t>(tokens.size());
+  const uint64_t ck = uint64_t{chunk} * p.n_expert_used;
+  // The tokens sit after the row lists' room, so the layers' uploads never overwrite them.
+  uint32_t* h_tokens = h_rows + 3 * ck;
+  uint32_t* d_tokens = d_rows + 3 * ck;
+  std::copy(tokens.begin(), tokens.end(), h_tokens);
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_tokens, h_tokens, uint64_t{rows} * 4, cudaMemcpyHostToDevice,
+                                   compute.get()));
+  EXPERTD_CUDA_TRY(kernels::gather_rows(embd, d_tokens, rows, p.n_embd, cx, compute.get()));
+  planner.begin_token();
+  if (routing_log != nullptr) chunk_log.assign(uint64_t{rows} * p.n_layer, RoutingRecord{});
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    if (!source.set_cursor(pos, layer)) ++stats.hint_errors;
+    EXPERTD_TRY(chunk_attention(layer, rows));
+    EXPERTD_TRY(chunk_moe(layer, rows));
+  }
+  if (last) {
+    EXPERTD_CUDA_TRY(kernels::rms_norm(cx + uint64_t{rows - 1} * p.n_embd, output_norm, xn, 1,
+                                       p.n_embd, p.rms_eps, compute.get()));
+    EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4,
+                                     cudaMemcpyDeviceToHost, compute.get()));
+  }
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+  if (last) std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
+  if (routing_log != nullptr) {
+    for (RoutingRecord& rec : chunk_log) routing_log->push_back(std::move(rec));
+  }
+  pos += rows;
+  stats.tokens += rows;
+  stats.prefill_tokens += rows;
+  ++stats.prefill_chunks;
+  return Ok{};
+}
+
 // --- GpuEngine ---------------------------------------------------------------------------------
 
 GpuEngine::GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -526,6 +850,27 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
+Status GpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
+  Impl& m = *impl_;
+  EXPERTD_TRY(check_prefill(m.p, m.opts, m.pos, tokens, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  Status st = Ok{};
+  for (size_t at = 0; at < tokens.size() && st; at += m.chunk) {
+    const size_t n = std::min<size_t>(m.chunk, tokens.size() - at);
+    st = m.prefill_chunk(tokens.subspan(at, n), at + n == tokens.size(), logits);
+  }
+  m.stats.prefill_ns += monotonic_ns() - t0;
+  return st;
+}
+
+bool GpuEngine::truncate(uint32_t n) {
+  // The KV cache is per position: the first n stay valid, the rest are overwritten as
+  // fed again.
+  if (n > impl_->pos) return false;
+  impl_->pos = n;
+  return true;
+}
+
 void GpuEngine::reset() { impl_->pos = 0; }
 uint32_t GpuEngine::position() const { return impl_->pos; }
 const EngineStats& GpuEngine::stats() const { return impl_->stats; }
@@ -545,8 +890,13 @@ std::string GpuEngine::description() const {
                          : std::string(
                                "in-place experts (kernels read the daemon's pinned arena over "
                                "PCIe)");
-  return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS), {}{}", m.device_name,
-                     gib(m.dense_device_bytes), tier,
+  const std::string prefill =
+      m.chunk == m.chunk_asked
+          ? fmt::format("prefill in chunks of {} ({} scratch)", m.chunk, gib(m.chunk_bytes))
+          : fmt::format("prefill in chunks of {}, clamped from {} to fit its {} scratch", m.chunk,
+                        m.chunk_asked, gib(m.chunk_bytes));
+  return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS), {}, {}{}", m.device_name,
+                     gib(m.dense_device_bytes), tier, prefill,
                      x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

@@ -48,7 +48,14 @@ class GpuEngine final : public Engine {
   ~GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // Chunks of options().prefill_chunk positions (fewer when its scratch did not fit: see
+  // description()): per layer, attention as GEMMs over the chunk, the chunk's routes fetched
+  // once, every needed expert hinted, then acquired top-k at a time and applied to all its rows
+  // as GEMMs on a dequantised f32 copy. Only the last position's logits are computed.
+  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
+  // Any n <= position(): the KV cache is per position.
+  bool truncate(uint32_t n) override;
   uint32_t position() const override;
   const EngineStats& stats() const override;
   const ModelParams& params() const override;

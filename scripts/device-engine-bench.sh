@@ -19,6 +19,16 @@
 #            a fresh expertd (cache CACHE) and expert-run decoding the V4 model with its own
 #            routers (temperature 1, seed 1, so tokens and hash-layer experts vary), HASH = on|off
 #            for the exact hash-layer hints
+#   llbuild  starts building llama.cpp's llama-bench (CUDA, sm_90) in the background from
+#            .device/llama-src.tgz (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, trimmed)
+#   llwait   waits for that build
+#   prefill:NAME:CACHE:VRAM:CHUNK:LEN:CAP
+#            out-of-core prefill on the Mixtral-shaped model: a fresh expertd (cache CACHE) and
+#            expert-run (--vram-experts VRAM, --prefill-chunk CHUNK) on a LEN-token prompt of
+#            pseudo-random ids, both inside a cgroup v2 with memory.max CAP, page cache dropped first
+#   llprefill:NAME:LEN:UBATCH:NCMOE:CAP
+#            llama-bench -p LEN -n 0 on the same GGUF under the same cap: -ngl 99 -ncmoe NCMOE (layers
+#            whose experts stay on the CPU), -ub/-b UBATCH, mmap, --repack 0 (docs/PERFORMANCE.md)
 # Results land in $OUT (JSON per phase). The tests find their binaries and fixtures relative to
 # themselves (testing/paths.h), so .device/ may lie anywhere; the traces come in
 # EXPERTD_SHARED_TRACES.
@@ -138,10 +148,85 @@ phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
   return $rc
 }
 
+# Runs "$@" inside a fresh cgroup v2 whose memory.max (page cache included) is $1.
+in_cgroup() {
+  local cap=$1 cg=/sys/fs/cgroup/expertd-bench-$$
+  shift
+  rmdir "$cg" 2> /dev/null || true
+  mkdir -p "$cg"
+  echo "$cap" > "$cg/memory.max"
+  echo 0 > "$cg/memory.swap.max" 2> /dev/null || true
+  local rc=0
+  bash -c 'echo $$ > "$0/cgroup.procs" && shift && exec "$@"' "$cg" _ "$@" || rc=$?
+  echo "cgroup: memory.max $cap, peak $(cat "$cg/memory.peak" 2> /dev/null || echo ?), events: $(tr '\n' ' ' < "$cg/memory.events")"
+  rmdir "$cg" 2> /dev/null || true
+  return $rc
+}
+
+prompt_ids() {  # LEN pseudo-random token ids in [100, 31900), comma-separated
+  awk -v n="$1" 'BEGIN { srand(12); for (i = 0; i < n; ++i) printf "%s%d", (i ? "," : ""), 100 + int(rand() * 31800) }'
+}
+
+phase_llbuild() {
+  local src=$work/llama.cpp
+  if [ -x "$src/b/bin/llama-bench" ]; then echo "llbuild: built"; return; fi
+  rm -rf "$src" && tar xzf "$root/.device/llama-src.tgz" -C "$work"
+  (cd "$src" && setsid nohup bash -c 'cmake -S . -B b -G Ninja -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc > build.log 2>&1 &&
+      ninja -C b -j 14 llama-bench >> build.log 2>&1; echo $? > build.rc' > /dev/null 2>&1 &)
+  echo "llbuild: started in $src"
+}
+
+phase_llwait() {
+  local src=$work/llama.cpp
+  for _ in $(seq 900); do [ -f "$src/build.rc" ] && break; sleep 1; done
+  tail -3 "$src/build.log"
+  [ "$(cat "$src/build.rc" 2> /dev/null)" = 0 ]
+}
+
+phase_prefill() {  # NAME CACHE VRAM CHUNK LEN CAP
+  local name=$1 cache=$2 vram=$3 chunk=$4 len=$5 cap=$6
+  local sock=$work/expertd-pf.sock
+  rm -f "$sock"
+  sync; echo 3 > /proc/sys/vm/drop_caches || true
+  local rc=0
+  in_cgroup "$cap" bash -c '
+    "$0/expertd" --model "mix=$1" --socket "$2" --cache "$3" --staging 1GiB --queue-depth 32 \
+      2> "$7" &
+    pid=$!
+    for _ in $(seq 600); do [ -S "$2" ] && break; sleep 0.1; done
+    rc=0
+    "$0/expert-run" --socket "$2" --model mix --prompt-tokens "$4" --max-tokens 4 \
+      --vram-experts "$5" --prefill-chunk "$6" --ignore-eos --json || rc=$?
+    kill -TERM $pid; wait $pid
+    exit $rc' "$bin" "$model" "$sock" "$cache" "$(prompt_ids "$len")" "$vram" "$chunk" \
+    "$work/expertd-pf-$name.log" > "$out/prefill-$name.json" || rc=$?
+  echo "prefill $name (cache $cache, vram $vram, chunk $chunk, $len tokens, cap $cap): \
+$(grep -o '"prefill":{[^}]*}' "$out/prefill-$name.json")"
+  return $rc
+}
+
+phase_llprefill() {  # NAME LEN UBATCH NCMOE CAP
+  local name=$1 len=$2 ub=$3 ncmoe=$4 cap=$5
+  sync; echo 3 > /proc/sys/vm/drop_caches || true
+  local rc=0
+  in_cgroup "$cap" "$work/llama.cpp/b/bin/llama-bench" -m "$model" -p "$len" -n 0 -r 1 \
+    -b "$ub" -ub "$ub" -ngl 99 -ncmoe "$ncmoe" --repack 0 -o json > "$out/llprefill-$name.json" \
+    2> "$work/llprefill-$name.err" || rc=$?
+  echo "llprefill $name ($len tokens, ubatch $ub, ncmoe $ncmoe, cap $cap): \
+$(tr -d '\n ' < "$out/llprefill-$name.json" | grep -o '"avg_ts":[0-9.e+-]*')"
+  [ $rc = 0 ] || tail -5 "$work/llprefill-$name.err"
+  return $rc
+}
+
 for p in "$@"; do
   case $p in
     run:*) IFS=: read -r _ n c v d t <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" ;;
     run4:*) IFS=: read -r _ n c v d t h <<< "$p"; phase_run4 "$n" "$c" "$v" "$d" "$t" "$h" ;;
+    prefill:*) IFS=: read -r _ n c v k l m <<< "$p"; phase_prefill "$n" "$c" "$v" "$k" "$l" "$m" ;;
+    llprefill:*) IFS=: read -r _ n l u g m <<< "$p"; phase_llprefill "$n" "$l" "$u" "$g" "$m" ;;
     *) "phase_$p" ;;
   esac
 done

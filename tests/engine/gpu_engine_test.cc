@@ -11,7 +11,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 #include <tuple>
 
 #include "engine/cpu_engine.h"
@@ -237,6 +239,265 @@ TEST(GpuEngine, ATierTooSmallForOneLayerIsRefused) {
       GpuEngine::create(*model, **source, EngineOptions{8, 0, 0}, tier(GpuOptions::Tier::InPlace));
   ASSERT_FALSE(in_place);  // a file source has no arena to register
   EXPECT_NE(in_place.error().message.find("in-place"), std::string::npos);
+}
+
+// --- prefill -----------------------------------------------------------------------------------
+
+uint32_t argmax(const std::vector<float>& v) {
+  return static_cast<uint32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// The largest logit minus the second largest: how far a greedy choice is from a tie.
+double top2_margin(const std::vector<float>& v) {
+  std::vector<float> s = v;
+  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
+  return static_cast<double>(s[0]) - s[1];
+}
+
+// What prefill in chunks of `chunk` must acquire: the distinct (layer, expert) pairs of each
+// chunk of the first n positions of a token-by-token routing log, summed over the chunks.
+uint64_t chunk_experts(const std::vector<RoutingRecord>& log, uint32_t chunk, uint32_t n) {
+  std::set<std::tuple<uint32_t, uint32_t, uint32_t>> seen;
+  for (const RoutingRecord& r : log) {
+    if (r.token >= n) continue;
+    for (const uint32_t e : r.experts) seen.emplace(r.token / chunk, r.layer, e);
+  }
+  return seen.size();
+}
+
+struct DaemonConn {
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+  std::unique_ptr<DaemonExpertSource> source;
+
+  static DaemonConn open(const std::string& sock, const std::string& name,
+                         const DenseModel& model) {
+    DaemonConn c;
+    auto cl = client::Client::connect(sock);
+    EXPECT_TRUE(cl) << cl.error().message;
+    if (!cl) return c;
+    c.client = std::move(*cl);
+    auto s = c.client->attach(name, "gpu_engine_tests");
+    EXPECT_TRUE(s) << s.error().message;
+    if (!s) return c;
+    c.session = std::move(*s);
+    auto src = DaemonExpertSource::create(*c.session, model);
+    EXPECT_TRUE(src) << src.error().message;
+    if (src) c.source = std::move(*src);
+    return c;
+  }
+};
+
+// prefill() of the fixture's prompt in chunks of 1, 5 and 512 positions, in place, through a
+// 3-slot VRAM tier (it evicts within a chunk's layer) and a tier holding every expert, against the
+// CPU engine and the GPU engine fed token by token on the same daemon: the last position's logits,
+// the routing records, the greedy continuation, the counters (each distinct expert of a chunk's
+// layer acquired once), every hold given back; then truncate() and feeding the rest again gives
+// the fresh sequence's logits.
+TEST(GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
+  REQUIRE_GPU();
+  const TinyFixture fx = TinyFixture::load();
+  TempDir dir;
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(),
+           {"--model", "tiny-f32=" + fx.gguf("f32"), "--model", "tiny-q8_0=" + fx.gguf("q8_0"),
+            "--socket", sock, "--cache", "64MiB", "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  const std::vector<uint32_t>& prompt = fx.tokens;
+  const uint32_t n = static_cast<uint32_t>(prompt.size());
+  const uint32_t gen = 6;
+  for (const char* variant : {"f32", "q8_0"}) {
+    const std::string name = std::string("tiny-") + variant;
+    auto model = DenseModel::load(fx.gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    const ModelParams& p = model->params();
+    const uint32_t vocab = p.n_vocab;
+    const uint32_t all_experts = p.n_layer * p.n_expert;
+
+    // The CPU engine token by token: every position's logits, the routing, the greedy tokens.
+    std::vector<std::vector<float>> cpu_logits;
+    std::vector<RoutingRecord> cpu_routing;
+    std::vector<uint32_t> cpu_greedy;
+    {
+      DaemonConn c = DaemonConn::open(sock, name, *model);
+      ASSERT_TRUE(c.source);
+      auto cpu = CpuEngine::create(*model, *c.source, EngineOptions{32, 0, 0});
+      ASSERT_TRUE(cpu) << cpu.error().message;
+      (*cpu)->set_routing_log(&cpu_routing);
+      std::vector<float> l(vocab);
+      for (const uint32_t t : prompt) {
+        ASSERT_TRUE((*cpu)->decode(t, l));
+        cpu_logits.push_back(l);
+      }
+      for (uint32_t i = 0; i < gen; ++i) {
+        cpu_greedy.push_back(argmax(l));
+        ASSERT_TRUE((*cpu)->decode(cpu_greedy.back(), l));
+      }
+    }
+    // The GPU engine token by token (every expert in VRAM): its last logits and experts used.
+    std::vector<float> gpu_last(vocab);
+    uint64_t gpu_experts_used = 0;
+    {
+      DaemonConn c = DaemonConn::open(sock, name, *model);
+      ASSERT_TRUE(c.source);
+      auto gpu = GpuEngine::create(*model, *c.source, EngineOptions{32, 0, 0},
+                                   tier(GpuOptions::Tier::Experts, all_experts));
+      ASSERT_TRUE(gpu) << gpu.error().message;
+      for (const uint32_t t : prompt) {
+        auto st = (*gpu)->decode(t, gpu_last);
+        ASSERT_TRUE(st) << st.error().message;
+      }
+      gpu_experts_used = (*gpu)->stats().experts_used;
+      EXPECT_EQ(gpu_experts_used, uint64_t{n} * p.n_layer * p.n_expert_used);
+    }
+    std::printf("[ %s ] CPU greedy margin %.3e at the prompt's end\n", variant,
+                top2_margin(cpu_logits.back()));
+
+    for (const auto& [label, g] :
+         {std::pair{"in-place", tier(GpuOptions::Tier::InPlace)},
+          std::pair{"tier-3", tier(GpuOptions::Tier::Experts, 3)},
+          std::pair{"tier-all", tier(GpuOptions::Tier::Experts, all_experts)}}) {
+      for (const uint32_t chunk : {1u, 5u, 512u}) {
+        SCOPED_TRACE(fmt::format("{} {} chunk {}", name, label, chunk));
+        DaemonConn c = DaemonConn::open(sock, name, *model);
+        ASSERT_TRUE(c.source);
+        EngineOptions o{32, 0, 0};
+        o.prefill_chunk = chunk;
+        auto gpu = GpuEngine::create(*model, *c.source, o, g);
+        ASSERT_TRUE(gpu) << gpu.error().message;
+        EXPECT_NE((*gpu)->description().find("prefill in chunks of"), std::string::npos)
+            << (*gpu)->description();
+        std::vector<RoutingRecord> routing;
+        (*gpu)->set_routing_log(&routing);
+        std::vector<float> l(vocab);
+        auto st = (*gpu)->prefill(prompt, l);
+        ASSERT_TRUE(st) << st.error().message;
+        EXPECT_EQ((*gpu)->position(), n);
+        for (const float v : l) ASSERT_TRUE(std::isfinite(v));
+        const double err_cpu = test::rel_err(l.data(), cpu_logits.back().data(), vocab);
+        const double err_gpu = test::rel_err(l.data(), gpu_last.data(), vocab);
+        EXPECT_LE(err_cpu, 1e-3);
+        EXPECT_LE(err_gpu, 1e-3);
+
+        // The routing, in decode's order (position-major).
+        ASSERT_EQ(routing.size(), uint64_t{n} * p.n_layer);
+        for (size_t i = 0; i < routing.size(); ++i) {
+          EXPECT_EQ(routing[i].token, cpu_routing[i].token) << "record " << i;
+          EXPECT_EQ(routing[i].layer, cpu_routing[i].layer) << "record " << i;
+          EXPECT_EQ(routing[i].experts, cpu_routing[i].experts) << "record " << i;
+          for (size_t k = 0; k < routing[i].weights.size(); ++k) {
+            EXPECT_NEAR(routing[i].weights[k], cpu_routing[i].weights[k], 1e-4) << "record " << i;
+          }
+        }
+
+        const EngineStats s = (*gpu)->stats();
+        const uint32_t effective = std::min(chunk, 32u);  // the chunk is capped at max_context
+        EXPECT_EQ(s.prefill_tokens, n);
+        EXPECT_EQ(s.tokens, n);
+        EXPECT_EQ(s.prefill_chunks, (n + effective - 1) / effective);
+        EXPECT_EQ(s.prefill_experts, chunk_experts(cpu_routing, effective, n));
+        EXPECT_EQ(s.experts_used, s.prefill_experts);
+        EXPECT_GT(s.prefill_ns, 0u);
+        if (chunk == 1) {
+          EXPECT_EQ(s.prefill_experts, gpu_experts_used);
+        }
+        if (chunk == 512) {
+          EXPECT_LT(s.prefill_experts, gpu_experts_used);
+        }
+        if ((*gpu)->vram_slots() > 0) {
+          EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+        }
+        std::printf(
+            "[ %s %s chunk %u ] prefill vs CPU %.3e, vs GPU decode %.3e; experts acquired %llu "
+            "(token by token %llu); vram hits %llu misses %llu\n",
+            name.c_str(), label, chunk, err_cpu, err_gpu,
+            static_cast<unsigned long long>(s.prefill_experts),
+            static_cast<unsigned long long>(gpu_experts_used),
+            static_cast<unsigned long long>(s.vram_hits),
+            static_cast<unsigned long long>(s.vram_misses));
+        EXPECT_EQ(c.session->holds(), 0u) << "prefill gives every hold back";
+
+        // Greedy continuation from the prefilled cache: the CPU engine's tokens.
+        std::vector<uint32_t> greedy;
+        for (uint32_t i = 0; i < gen; ++i) {
+          greedy.push_back(argmax(l));
+          st = (*gpu)->decode(greedy.back(), l);
+          ASSERT_TRUE(st) << st.error().message;
+        }
+        EXPECT_EQ(greedy, cpu_greedy);
+
+        // truncate: back to position 7 (inside the prompt), then the rest of the prompt token by
+        // token gives the fresh sequence's last logits; then back to 4 and prefill the rest.
+        EXPECT_FALSE((*gpu)->truncate(n + gen + 1));
+        EXPECT_EQ((*gpu)->position(), n + gen);
+        ASSERT_TRUE((*gpu)->truncate(7));
+        EXPECT_EQ((*gpu)->position(), 7u);
+        for (uint32_t t = 7; t < n; ++t) {
+          st = (*gpu)->decode(prompt[t], l);
+          ASSERT_TRUE(st) << st.error().message;
+          EXPECT_LE(test::rel_err(l.data(), cpu_logits[t].data(), vocab), 1e-3)
+              << "after truncate(7), position " << t;
+        }
+        ASSERT_TRUE((*gpu)->truncate(4));
+        st = (*gpu)->prefill(std::span<const uint32_t>(prompt).subspan(4), l);
+        ASSERT_TRUE(st) << st.error().message;
+        EXPECT_EQ((*gpu)->position(), n);
+        EXPECT_LE(test::rel_err(l.data(), cpu_logits.back().data(), vocab), 1e-3)
+            << "truncate(4) and prefill of the rest";
+        (*gpu)->reset();
+        EXPECT_EQ(c.session->holds(), 0u) << "every hold is given back";
+      }
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
+}
+
+// Benchmark mode: the script's routes replace the router in prefill as in decode; a prompt
+// longer than one chunk crosses chunk boundaries.
+TEST(GpuEngine, PrefillFollowsARoutingScriptLikeDecode) {
+  REQUIRE_GPU();
+  const TinyFixture fx = TinyFixture::load();
+  auto model = DenseModel::load(fx.gguf("f32"));
+  ASSERT_TRUE(model) << model.error().message;
+  const ModelParams& p = model->params();
+  const uint32_t n = static_cast<uint32_t>(fx.tokens.size());
+  RoutingScript script(n, p.n_layer);
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t l = 0; l < p.n_layer; ++l) {
+      ASSERT_TRUE(
+          script.set(t, l, ScriptedRoute{{(t + l) % 8, (t * 3 + l + 1) % 8}, {0.7f, 0.3f}, {}}, p));
+    }
+  }
+  EngineOptions o{32, 0, 0, &script, HintSource::Script};
+  o.prefill_chunk = 5;
+  auto fs1 = test::FileExpertSource::open(*model);
+  auto fs2 = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(fs1 && fs2);
+  auto cpu = CpuEngine::create(*model, **fs1, o);
+  ASSERT_TRUE(cpu);
+  auto gpu = GpuEngine::create(*model, **fs2, o, tier(GpuOptions::Tier::Experts, 4));
+  ASSERT_TRUE(gpu) << gpu.error().message;
+  std::vector<RoutingRecord> rc;
+  std::vector<RoutingRecord> rg;
+  (*cpu)->set_routing_log(&rc);
+  (*gpu)->set_routing_log(&rg);
+  std::vector<float> a(fx.vocab);
+  std::vector<float> b(fx.vocab);
+  for (const uint32_t t : fx.tokens) ASSERT_TRUE((*cpu)->decode(t, a));
+  auto st = (*gpu)->prefill(fx.tokens, b);
+  ASSERT_TRUE(st) << st.error().message;
+  EXPECT_LE(test::rel_err(b.data(), a.data(), a.size()), 1e-3);
+  ASSERT_EQ(rc.size(), rg.size());
+  for (size_t i = 0; i < rc.size(); ++i) {
+    EXPECT_EQ(rg[i].token, rc[i].token);
+    EXPECT_EQ(rg[i].layer, rc[i].layer);
+    EXPECT_EQ(rg[i].experts, rc[i].experts);
+    EXPECT_EQ(rg[i].weights, rc[i].weights);
+  }
+  EXPECT_EQ((*gpu)->stats().scripted_routes, uint64_t{n} * p.n_layer);
+  EXPECT_EQ((*gpu)->stats().prefill_chunks, (n + 4) / 5);
+  EXPECT_EQ((*fs2)->gets(), (*fs2)->releases());
 }
 
 // --- deepseek4 (Ds4GpuEngine) ------------------------------------------------------------------

@@ -5,6 +5,9 @@
 //
 // Tolerances (normalised error):
 //   dequantize, moe_combine, add                    0 (bit-identical: same float operations)
+//   gather/scatter_rows, moe_combine_rows           0 (moves, and moe_combine's operations)
+//   rope_neox_rows                                  0 against rope_neox at each row's position
+//   causal_softmax                                  1e-6 (double exp and sum on both sides)
 //   swiglu, rope_neox, router probs and weights      1e-6 (double math on both sides)
 //   rms_norm                                         1e-5 (float sum of squares vs double)
 //   decode_attention                                 2e-5 (float online softmax vs double)
@@ -42,6 +45,7 @@
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
+#include "kernels/prefill.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/swiglu.cuh"
@@ -532,6 +536,165 @@ TEST_F(GpuKernels, CombineAndAddAreBitIdenticalToCpu) {
   }
 }
 
+// --- prefill's row-batched kernels ---------------------------------------------------------------
+
+// Each row of rope_neox_rows is rope_neox at its own position, bit for bit, and within 1e-6 of
+// the CPU's rope.
+TEST_F(GpuKernels, RopeNeoxRowsIsRopeNeoxAtEachRowsPosition) {
+  std::mt19937_64 rng(21);
+  struct Shape {
+    uint32_t rows;
+    uint32_t heads;
+    uint32_t head_dim;
+    uint32_t n_rot;
+    uint32_t pos0;
+  };
+  for (const Shape s : {Shape{1, 4, 16, 16, 0}, Shape{5, 4, 16, 16, 7}, Shape{17, 2, 64, 32, 0},
+                        Shape{64, 8, 128, 128, 30000}, Shape{3, 1, 80, 2, 12}}) {
+    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " heads " << s.heads << " head_dim "
+                                    << s.head_dim << " n_rot " << s.n_rot << " pos0 " << s.pos0);
+    const size_t row = size_t{s.heads} * s.head_dim;
+    const std::vector<float> x = uniform(row * s.rows, rng);
+    std::vector<float> want_cpu = x;
+    std::vector<float> want_gpu(x.size());
+    for (uint32_t r = 0; r < s.rows; ++r) {
+      for (uint32_t h = 0; h < s.heads; ++h) {
+        engine::rope_neox(want_cpu.data() + r * row + size_t{h} * s.head_dim, s.n_rot, s.pos0 + r,
+                          1e6);
+      }
+      DeviceBuffer<float> one(std::vector<float>(x.begin() + static_cast<int64_t>(r * row),
+                                                 x.begin() + static_cast<int64_t>((r + 1) * row)));
+      CUDA_OK(rope_neox(one.get(), s.heads, s.head_dim, s.n_rot, s.pos0 + r, 1e6f, stream_));
+      CUDA_OK(sync());
+      const std::vector<float> got_one = one.download();
+      std::copy(got_one.begin(), got_one.end(), want_gpu.begin() + static_cast<int64_t>(r * row));
+    }
+    DeviceBuffer<float> dx(x);
+    CUDA_OK(rope_neox_rows(dx.get(), s.rows, s.heads, s.head_dim, s.n_rot, s.pos0, 1e6f, stream_));
+    CUDA_OK(sync());
+    const std::vector<float> got = dx.download();
+    EXPECT_EQ(bit_mismatches(got, want_gpu), 0u);
+    EXPECT_LE(normalised_error(got, want_cpu), 1e-6);
+  }
+}
+
+// Row r keeps columns 0..pos0+r as a softmax (the CPU's, in double) and zeroes the rest.
+TEST_F(GpuKernels, CausalSoftmaxMatchesCpuAndZeroesTheFuture) {
+  std::mt19937_64 rng(22);
+  struct Shape {
+    uint32_t rows;
+    uint32_t n_ctx;
+    uint32_t pos0;
+  };
+  for (const Shape s : {Shape{1, 1, 0}, Shape{5, 5, 0}, Shape{5, 12, 7}, Shape{33, 300, 267},
+                        Shape{512, 512, 0}, Shape{64, 1100, 1000}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "rows " << s.rows << " n_ctx " << s.n_ctx << " pos0 " << s.pos0);
+    const std::vector<float> x = uniform(size_t{s.rows} * s.n_ctx, rng, -8.0f, 8.0f);
+    std::vector<float> want(x.size(), 0.0f);
+    std::vector<double> p(s.n_ctx);
+    for (uint32_t r = 0; r < s.rows; ++r) {
+      const uint32_t valid = s.pos0 + r + 1;
+      for (uint32_t t = 0; t < valid; ++t) p[t] = x[size_t{r} * s.n_ctx + t];
+      engine::softmax(p.data(), valid);
+      for (uint32_t t = 0; t < valid; ++t) {
+        want[size_t{r} * s.n_ctx + t] = static_cast<float>(p[t]);
+      }
+    }
+    DeviceBuffer<float> dx(x);
+    CUDA_OK(causal_softmax(dx.get(), s.rows, s.n_ctx, s.pos0, stream_));
+    CUDA_OK(sync());
+    const std::vector<float> got = dx.download();
+    EXPECT_LE(normalised_error(got, want), 1e-6);
+    for (uint32_t r = 0; r < s.rows; ++r) {
+      double sum = 0.0;
+      for (uint32_t t = 0; t < s.n_ctx; ++t) {
+        const float v = got[size_t{r} * s.n_ctx + t];
+        if (t > s.pos0 + r) {
+          ASSERT_EQ(v, 0.0f) << "row " << r << " column " << t;
+        } else {
+          ASSERT_GT(v, 0.0f) << "row " << r << " column " << t;
+        }
+        sum += v;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << r;
+    }
+  }
+  // A chunk that ends past the scores' row is refused without a launch.
+  DeviceBuffer<float> d(16);
+  EXPECT_EQ(causal_softmax(d.get(), 4, 4, 1, stream_), cudaErrorInvalidValue);
+}
+
+// gather_rows then scatter_rows through a permutation with repeats on the gather side: rows move
+// bit for bit; rows the scatter does not name stay as they were.
+TEST_F(GpuKernels, GatherAndScatterRowsMoveRowsExactly) {
+  std::mt19937_64 rng(23);
+  for (const uint32_t n : {1u, 64u, 777u, 4096u}) {
+    SCOPED_TRACE(testing::Message() << "n " << n);
+    const uint32_t src_rows = 9;
+    const std::vector<float> src = uniform(size_t{src_rows} * n, rng);
+    const std::vector<uint32_t> gidx = {8, 0, 3, 3, 5, 1};
+    DeviceBuffer<float> dsrc(src);
+    DeviceBuffer<uint32_t> dg(gidx);
+    DeviceBuffer<float> mid(gidx.size() * n);
+    CUDA_OK(gather_rows(dsrc.get(), dg.get(), static_cast<uint32_t>(gidx.size()), n, mid.get(),
+                        stream_));
+    CUDA_OK(sync());
+    std::vector<float> want_mid(gidx.size() * n);
+    for (size_t i = 0; i < gidx.size(); ++i) {
+      std::copy_n(src.begin() + static_cast<int64_t>(gidx[i] * n), n,
+                  want_mid.begin() + static_cast<int64_t>(i * n));
+    }
+    EXPECT_EQ(bit_mismatches(mid.download(), want_mid), 0u);
+
+    const std::vector<uint32_t> sidx = {2, 7, 0, 4, 6, 9};
+    const std::vector<float> base = uniform(size_t{10} * n, rng);
+    DeviceBuffer<float> dst(base);
+    DeviceBuffer<uint32_t> ds(sidx);
+    CUDA_OK(scatter_rows(mid.get(), ds.get(), static_cast<uint32_t>(sidx.size()), n, dst.get(),
+                         stream_));
+    CUDA_OK(sync());
+    std::vector<float> want = base;
+    for (size_t i = 0; i < sidx.size(); ++i) {
+      std::copy_n(want_mid.begin() + static_cast<int64_t>(i * n), n,
+                  want.begin() + static_cast<int64_t>(sidx[i] * n));
+    }
+    EXPECT_EQ(bit_mismatches(dst.download(), want), 0u);
+  }
+}
+
+// moe_combine_rows is moe_combine of each row: the same double sum in slot order, bit for bit.
+TEST_F(GpuKernels, MoeCombineRowsIsBitIdenticalToCpuPerRow) {
+  std::mt19937_64 rng(24);
+  for (const uint32_t rows : {1u, 5u, 64u}) {
+    for (const uint32_t k : {1u, 2u, 8u}) {
+      for (const uint32_t n : {1u, 777u, 4096u}) {
+        SCOPED_TRACE(testing::Message() << "rows " << rows << " k " << k << " n " << n);
+        const std::vector<float> eo = uniform(size_t{rows} * k * n, rng, -5.0f, 5.0f);
+        const std::vector<float> w = uniform(size_t{rows} * k, rng, 0.0f, 1.0f);
+        const std::vector<float> x = uniform(size_t{rows} * n, rng);
+        std::vector<float> want = x;
+        for (uint32_t r = 0; r < rows; ++r) {
+          for (uint32_t i = 0; i < n; ++i) {
+            double acc = 0.0;
+            for (uint32_t j = 0; j < k; ++j) {
+              const size_t slot = size_t{r} * k + j;
+              acc += static_cast<double>(w[slot]) * static_cast<double>(eo[slot * n + i]);
+            }
+            want[size_t{r} * n + i] += static_cast<float>(acc);
+          }
+        }
+        DeviceBuffer<float> deo(eo);
+        DeviceBuffer<float> dw(w);
+        DeviceBuffer<float> dx(x);
+        CUDA_OK(moe_combine_rows(deo.get(), dw.get(), dx.get(), rows, k, n, stream_));
+        CUDA_OK(sync());
+        EXPECT_EQ(bit_mismatches(dx.download(), want), 0u);
+      }
+    }
+  }
+}
+
 constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
                                   GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4};
 
@@ -880,6 +1043,14 @@ TEST_F(GpuKernels, InvalidArgumentsAreRejectedWithoutALaunch) {
   EXPECT_EQ(moe_combine(p, p, p, 0, 16, s), bad);
   EXPECT_EQ(moe_combine(p, p, p, 2, 0, s), bad);
   EXPECT_EQ(add(p, p, 0, s), bad);
+  EXPECT_EQ(rope_neox_rows(p, 0, 4, 16, 16, 0, 1e4f, s), bad);
+  EXPECT_EQ(rope_neox_rows(p, 2, 4, 16, 15, 0, 1e4f, s), bad);
+  EXPECT_EQ(causal_softmax(p, 0, 16, 0, s), bad);
+  EXPECT_EQ(causal_softmax(p, 8, 16, 9, s), bad);  // the chunk ends past the row
+  EXPECT_EQ(gather_rows(p, e, 0, 16, p, s), bad);
+  EXPECT_EQ(gather_rows(p, nullptr, 1, 16, p, s), bad);
+  EXPECT_EQ(scatter_rows(p, e, 1, 0, p, s), bad);
+  EXPECT_EQ(moe_combine_rows(p, p, p, 1, 0, 16, s), bad);
   EXPECT_EQ(dequantize(GgmlType::Q4_K, w, p, 100, s), bad);
   EXPECT_EQ(dequantize(GgmlType::Q5_K, w, p, 256, s), bad);
   EXPECT_EQ(dequantize(GgmlType::F32, w, p, 0, s), bad);

@@ -398,7 +398,21 @@ int run(Options o) {
   // A progress line for long benchmark runs, on a terminal only.
   const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
   const auto t0 = expertd::monotonic_ns();
-  if (auto st = engine->prefill(*prompt, logits); !st) return fail(st.error());
+  {
+    // One prefill() call per chunk, so a long prompt shows its progress on a terminal.
+    const bool show = !o.json && isatty(STDERR_FILENO) == 1 && prompt->size() > o.prefill_chunk;
+    const std::span<const uint32_t> all(*prompt);
+    for (size_t done = 0; done < all.size();) {
+      const size_t n = std::min<size_t>(o.prefill_chunk, all.size() - done);
+      if (auto st = engine->prefill(all.subspan(done, n), logits); !st) return fail(st.error());
+      done += n;
+      if (show) {
+        std::fprintf(stderr, "\rexpert-run: prompt %zu/%zu tokens, %.1f s", done, all.size(),
+                     static_cast<double>(expertd::monotonic_ns() - t0) / 1e9);
+      }
+    }
+    if (show) std::fprintf(stderr, "\r\033[K");
+  }
   const auto t1 = expertd::monotonic_ns();
   const EngineStats at_prompt = engine->stats();
   const auto mid = model_counters(client, o.model);
