@@ -28,7 +28,7 @@ import time
 import openai
 
 MODEL = "tiny"
-CTX = 4096
+CTX = 8192
 
 
 def wait_for(what, predicate, timeout=20.0):
@@ -269,6 +269,35 @@ def test_queue_and_disconnect(h, log_path):
     wait_for("the engine to be idle", lambda: not h.health()["running"])
     print(f"ok: the stream's client left: stopped after {stopped} of {long_tokens} tokens; the "
           f"waiting request then completed")
+
+    # A client that leaves while its stream waits in the queue frees its place at once.
+    def open_stream(prompt):
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+        c.request("POST", "/v1/completions",
+                  body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": long_tokens,
+                                   "stream": True, "ignore_eos": True}),
+                  headers={"Content-Type": "application/json"})
+        return c, c.getresponse()
+    conn, stream = open_stream("Once more")
+    wait_for("the long stream's first chunk", lambda: stream.readline().startswith(b"data: "))
+    queued_conn, queued_stream = open_stream("Later")
+    wait_for("the second stream to queue", lambda: h.health()["queued"] == 1)
+    queued_stream.close()
+    queued_conn.close()
+    wait_for("the queue to free the place of the client that left",
+             lambda: h.health()["queued"] == 0)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    waiting = pool.submit(h.request, "POST", "/v1/completions",
+                          {"model": MODEL, "prompt": "Next", "max_tokens": 4})
+    wait_for("a new request to take the freed place", lambda: h.health()["queued"] == 1)
+    stream.close()
+    conn.close()
+    status, _, data = waiting.result(timeout=30)
+    assert status == 200, f"the request in the freed place got {status}: {data!r}"
+    pool.shutdown()
+    assert "the client left while it waited; dropped from the queue" in \
+        open(log_path, errors="replace").read()
+    print("ok: a stream whose client left while queued gave its place to the next request")
 
 
 def run_briefly(argv):

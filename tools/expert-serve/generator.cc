@@ -22,8 +22,20 @@ Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
 
 Generator::~Generator() { stop(); }
 
+void Generator::drop_cancelled_locked() {
+  std::erase_if(queue_, [](const std::shared_ptr<Job>& job) {
+    if (!job->cancelled) return false;
+    spdlog::info("request {}: the client left while it waited; dropped from the queue", job->id);
+    std::lock_guard lock(job->mu);
+    job->done = true;
+    job->cv.notify_all();
+    return true;
+  });
+}
+
 bool Generator::submit(std::shared_ptr<Job> job) {
   std::lock_guard lock(mu_);
+  drop_cancelled_locked();
   if (stopping_ || queue_.size() >= queue_limit_) return false;
   queue_.push_back(std::move(job));
   cv_.notify_all();
@@ -49,8 +61,9 @@ void Generator::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-size_t Generator::queued() const {
+size_t Generator::queued() {
   std::lock_guard lock(mu_);
+  drop_cancelled_locked();
   return queue_.size();
 }
 

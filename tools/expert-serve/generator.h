@@ -66,13 +66,15 @@ class Generator {
   // an error.
   void stop();
 
-  size_t queued() const;
+  // Jobs waiting; those whose client has left are dropped first and free their place.
+  size_t queued();
   bool busy() const;
   uint64_t served() const;
   const engine::Engine& engine() const { return *engine_; }
 
  private:
   void loop();
+  void drop_cancelled_locked();  // mu_ held
   void run(Job& job);
   // Feeds the prompt, reusing the longest prefix the KV cache already holds; returns the reused
   // count, or an error (the cache is then reset).
