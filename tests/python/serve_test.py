@@ -348,10 +348,8 @@ def test_unsupported_template(args, sock, procs):
     status, _, data = h.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert status == 200, f"completion on the model with an odd template: {status} {data!r}"
     assert "chat completions are off" in open(log_path).read()
-    p = procs.pop()
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=20) == 0
     print(f"ok: unsupported chat template: chat 400 ({message!r}), completions 200")
+    return procs[-1], h
 
 
 def main():
@@ -415,7 +413,7 @@ def main():
         test_bad_requests(h, client)
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
-        test_unsupported_template(args, sock, procs)
+        odd_serve, odd_h = test_unsupported_template(args, sock, procs)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.
@@ -426,7 +424,7 @@ def main():
                      headers={"Content-Type": "application/json"})
         stream = conn.getresponse()
         wait_for("a stream's first chunk", lambda: stream.readline().startswith(b"data: "))
-        serve = procs.pop()
+        serve = procs.pop(1)
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=20) == 0, f"expert-serve exited {serve.returncode}"
         rest = stream.read()
@@ -434,6 +432,18 @@ def main():
         assert b"the server is shutting down" in rest and rest.endswith(b"data: [DONE]\n\n"), \
             rest[-300:]
         print("ok: SIGTERM mid-stream: the stream ends with an error event, expert-serve exits 0")
+
+        # expertd goes away: the next request gets a 500 naming it and expert-serve exits 1, so
+        # that its unit (Restart=on-failure) starts it again.
+        daemon = procs.pop(0)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0, f"expertd exited {daemon.returncode}"
+        status, _, data = odd_h.request("POST", "/v1/completions",
+                                        {"prompt": "Hi", "max_tokens": 2})
+        assert status == 500 and b"expertd went away" in data, f"{status} {data!r}"
+        assert odd_serve.wait(timeout=20) == 1, f"expert-serve exited {odd_serve.returncode}"
+        procs.remove(odd_serve)
+        print("ok: expertd went away: 500 naming it, then expert-serve exits 1")
     except BaseException:
         for name in ("expert-serve.log", "expertd.log"):
             path = os.path.join(args.workdir, name)

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cerrno>
 
 #include "base/clock.h"
 
@@ -11,11 +12,13 @@ namespace expertd::serve {
 using namespace expertd::engine;
 
 Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
-                     EndTokens end_tokens, size_t queue_limit)
+                     EndTokens end_tokens, size_t queue_limit,
+                     std::function<void(const std::string&)> on_daemon_gone)
     : engine_(std::move(engine)),
       tokenizer_(tokenizer),
       end_tokens_(end_tokens),
       queue_limit_(queue_limit),
+      on_daemon_gone_(std::move(on_daemon_gone)),
       logits_(engine_->params().n_vocab) {
   thread_ = std::thread([this] { loop(); });
 }
@@ -42,7 +45,7 @@ bool Generator::submit(std::shared_ptr<Job> job) {
   return true;
 }
 
-void Generator::stop() {
+void Generator::close(const std::string& why) {
   std::deque<std::shared_ptr<Job>> left;
   {
     std::lock_guard lock(mu_);
@@ -53,11 +56,15 @@ void Generator::stop() {
   }
   for (auto& job : left) {
     std::lock_guard lock(job->mu);
-    job->error = "the server is shutting down";
+    job->error = why;
     job->error_status = 503;
     job->done = true;
     job->cv.notify_all();
   }
+}
+
+void Generator::stop() {
+  close("the server is shutting down");
   if (thread_.joinable()) thread_.join();
 }
 
@@ -88,19 +95,28 @@ void Generator::loop() {
       queue_.pop_front();
       current_ = job;
     }
+    std::optional<Error> failed;
     if (job->cancelled) {
       spdlog::info("request {}: the client left while it waited; skipped", job->id);
     } else {
-      run(*job);
+      failed = run(*job);
     }
     {
       std::lock_guard lock(job->mu);
       job->done = true;
       job->cv.notify_all();
     }
-    std::lock_guard lock(mu_);
-    current_.reset();
-    ++served_;
+    {
+      std::lock_guard lock(mu_);
+      current_.reset();
+      ++served_;
+    }
+    if (failed && failed->code == ECONNRESET) {
+      // The waiting requests are answered before the HTTP side is told: its threads wait for them.
+      close(failed->message);
+      if (on_daemon_gone_) on_daemon_gone_(failed->message);
+      return;
+    }
   }
 }
 
@@ -126,23 +142,24 @@ Result<uint32_t> Generator::feed_prompt(const std::vector<uint32_t>& prompt,
   return keep;
 }
 
-void Generator::run(Job& job) {
+std::optional<Error> Generator::run(Job& job) {
   {
     std::lock_guard lock(job.mu);
     job.started = true;
   }
-  auto fail = [&](const std::string& why) {
-    spdlog::error("request {}: {}", job.id, why);
+  auto fail = [&](const Error& e) -> std::optional<Error> {
+    spdlog::error("request {}: {}", job.id, e.message);
     std::lock_guard lock(job.mu);
-    job.error = why;
+    job.error = e.message;
+    return e;
   };
   auto stops = StopMatcher::create(job.stops);
-  if (!stops) return fail(stops.error().message);  // checked when the request was read
+  if (!stops) return fail(stops.error());  // checked when the request was read
 
   const EngineStats before = engine_->stats();
   const uint64_t t0 = monotonic_ns();
   auto cached = feed_prompt(job.prompt, logits_);
-  if (!cached) return fail(cached.error().message);
+  if (!cached) return fail(cached.error());
   const uint64_t t1 = monotonic_ns();
   const EngineStats at_prompt = engine_->stats();
   {
@@ -188,7 +205,7 @@ void Generator::run(Job& job) {
     if (auto st = engine_->decode(next, logits_); !st) {
       engine_->reset();
       fed_.clear();
-      return fail(st.error().message);
+      return fail(st.error());
     }
     fed_.push_back(next);
   }
@@ -224,6 +241,7 @@ void Generator::run(Job& job) {
       job.id, generated, gen_s, gen_s > 0 ? generated / gen_s : 0.0,
       cancelled ? "cancelled" : finish,
       steps ? static_cast<double>(s.stall_ns - at_prompt.stall_ns) / 1e6 / steps : 0.0);
+  return std::nullopt;
 }
 
 }  // namespace expertd::serve

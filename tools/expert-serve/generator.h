@@ -12,8 +12,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,8 +56,11 @@ struct Job {
 class Generator {
  public:
   // `queue_limit`: jobs that may wait while one runs; submit() refuses more.
+  // `on_daemon_gone` runs on the engine thread, once, after a request failed because expertd
+  // went away (ECONNRESET from the client library): the engine cannot serve again.
   Generator(std::unique_ptr<engine::Engine> engine, const engine::Tokenizer& tokenizer,
-            engine::EndTokens end_tokens, size_t queue_limit);
+            engine::EndTokens end_tokens, size_t queue_limit,
+            std::function<void(const std::string&)> on_daemon_gone);
   ~Generator();  // stop()s
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
@@ -75,7 +80,10 @@ class Generator {
  private:
   void loop();
   void drop_cancelled_locked();  // mu_ held
-  void run(Job& job);
+  // Refuses new jobs, cancels the one in progress and answers the queued ones 503 with `why`.
+  void close(const std::string& why);
+  // Runs `job`; returns the engine's error when it failed.
+  std::optional<Error> run(Job& job);
   // Feeds the prompt, reusing the longest prefix the KV cache already holds; returns the reused
   // count, or an error (the cache is then reset).
   Result<uint32_t> feed_prompt(const std::vector<uint32_t>& prompt, std::span<float> logits);
@@ -84,6 +92,7 @@ class Generator {
   const engine::Tokenizer& tokenizer_;
   const engine::EndTokens end_tokens_;
   const size_t queue_limit_;
+  const std::function<void(const std::string&)> on_daemon_gone_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

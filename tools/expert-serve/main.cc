@@ -21,6 +21,7 @@
 #include <ctime>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -577,7 +578,17 @@ int run(const Options& o) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
   }
 
-  Generator gen(std::move(engine), *tok, end_tokens, o.queue);
+  // expertd went away: this engine cannot serve again, so exit non-zero and let the service
+  // manager start expert-serve again (it reconnects when expertd is back).
+  std::mutex gone_mu;
+  std::string daemon_gone;
+  Generator gen(std::move(engine), *tok, end_tokens, o.queue, [&](const std::string& why) {
+    {
+      std::lock_guard lock(gone_mu);
+      daemon_gone = why;
+    }
+    svr.stop();
+  });
   Service service(o, *tok, std::move(chat), gen, engine_note);
   service.install(svr);
   // Each waiting request holds a pool thread, and so does an idle keep-alive connection for a
@@ -609,6 +620,11 @@ int run(const Options& o) {
   pthread_kill(signal_thread.native_handle(), SIGTERM);  // wakes it when listening ended by itself
   signal_thread.join();
   gen.stop();
+  {
+    std::lock_guard lock(gone_mu);
+    if (!daemon_gone.empty())
+      return fail(daemon_gone + "; exiting so that expert-serve is restarted");
+  }
   if (!ok) return fail(fmt::format("listening on {}:{} failed", o.host, o.port));
   return 0;
 }
