@@ -143,10 +143,6 @@ Result<uint32_t> Generator::feed_prompt(const std::vector<uint32_t>& prompt,
 }
 
 std::optional<Error> Generator::run(Job& job) {
-  {
-    std::lock_guard lock(job.mu);
-    job.started = true;
-  }
   auto fail = [&](const Error& e) -> std::optional<Error> {
     spdlog::error("request {}: {}", job.id, e.message);
     std::lock_guard lock(job.mu);

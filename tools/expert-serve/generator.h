@@ -42,7 +42,6 @@ struct Job {
   // Output, guarded by mu.
   std::mutex mu;
   std::condition_variable cv;
-  bool started = false;
   bool done = false;
   // Text generated and not yet taken by the HTTP side (bytes: not necessarily valid UTF-8).
   std::string text;
