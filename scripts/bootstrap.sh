@@ -11,6 +11,7 @@ packages=(
   liburing-dev capnproto libcapnp-dev
   libpcre2-dev libutf8proc-dev
   libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
+  libcpp-httplib-dev
   libsystemd-dev systemd
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-venv python3-pip
@@ -34,13 +35,14 @@ else
   echo "bootstrap: all Debian packages present"
 fi
 
-# Python is for tools and cross-checks only (llama.cpp's `gguf` package reads our files).
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import gguf, numpy' 2>/dev/null; then
-  echo "bootstrap: creating .venv with gguf and numpy"
+# Python is for tools and cross-checks only (llama.cpp's `gguf` package reads our files; the
+# official `openai` client drives expert-serve in its test).
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import gguf, numpy, openai' 2>/dev/null; then
+  echo "bootstrap: creating .venv with gguf, numpy and openai"
   /usr/bin/python3 -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check gguf==0.19.0 numpy
+  .venv/bin/pip install -q --disable-pip-version-check gguf==0.19.0 numpy openai
 else
-  echo "bootstrap: .venv has gguf and numpy"
+  echo "bootstrap: .venv has gguf, numpy and openai"
 fi
 
 if [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -1,0 +1,466 @@
+#!/usr/bin/env python3
+"""expert-serve as a user meets it: a real expertd serving the qwen3moe-tiny fixture, a real
+expert-serve on a free loopback port, driven by the official `openai` client (and by raw HTTP for
+the requests the client would not send).
+
+Checks: greedy completions and chat answers, streamed and not, equal expert-run --json's text for
+the same prompt and max tokens, with the usage counts expert-run reports; a chat's second turn
+reuses the first turn's KV cache (cached_tokens); every malformed request gets its 4xx with
+OpenAI's error body and the server keeps answering /health; a full queue answers 503 with
+Retry-After; a client that leaves mid-stream stops its generation at once and frees the engine
+for the next request.
+
+usage: serve_test.py --bin BUILD/bin --gguf model-f32.gguf --workdir DIR
+"""
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+
+MODEL = "tiny"
+CTX = 8192
+
+
+def wait_for(what, predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Http:
+    """Raw requests: what the openai client refuses to send, and headers it hides."""
+
+    def __init__(self, port):
+        self.port = port
+
+    def request(self, method, path, body=None, timeout=60):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            if isinstance(body, (dict, list)):
+                body = json.dumps(body).encode()
+            elif isinstance(body, str):
+                body = body.encode()
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            return r.status, dict(r.getheaders()), data
+        finally:
+            conn.close()
+
+    def health(self):
+        status, _, data = self.request("GET", "/health")
+        assert status == 200, f"/health answered {status}: {data!r}"
+        return json.loads(data)
+
+
+def expert_run(args, socket_path, extra):
+    out = subprocess.run(
+        [os.path.join(args.bin, "expert-run"), "--socket", socket_path, "--model", MODEL,
+         "--json", "--cpu"] + extra,
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"expert-run {extra}: {out.stderr}"
+    return json.loads(out.stdout)
+
+
+FINISH = {"max_tokens": "length", "eos": "stop", "stop": "stop"}
+
+
+def check_same_as_expert_run(name, reference, text, finish, usage):
+    assert text == reference["text"], f"{name}: text {text!r}, expert-run {reference['text']!r}"
+    assert finish == FINISH[reference["stop_reason"]], \
+        f"{name}: finish_reason {finish}, expert-run stopped by {reference['stop_reason']}"
+    assert usage.prompt_tokens == len(reference["prompt_tokens"]), \
+        f"{name}: prompt_tokens {usage.prompt_tokens}, expert-run {len(reference['prompt_tokens'])}"
+    assert usage.completion_tokens == len(reference["generated"]), \
+        f"{name}: completion_tokens {usage.completion_tokens}, expert-run {len(reference['generated'])}"
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    print(f"ok: {name}: {usage.prompt_tokens} prompt tokens, {usage.completion_tokens} generated, "
+          f"text equals expert-run's")
+
+
+def test_completions(args, sock, client):
+    prompt = "Hello, MoE!\n"
+    ref = expert_run(args, sock, ["--prompt", prompt, "--max-tokens", "8"])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    check_same_as_expert_run("completion", ref, r.choices[0].text, r.choices[0].finish_reason,
+                             r.usage)
+    assert r.object == "text_completion" and r.model == MODEL
+
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert usage is not None, "stream_options.include_usage: no chunk carried usage"
+    assert len(pieces) >= 2, f"the answer came in {len(pieces)} chunk(s): not streamed"
+    check_same_as_expert_run("streamed completion", ref, "".join(pieces), finish, usage)
+
+    # A stop string cuts the answer where expert-run --stop cuts it.
+    stop = ref["text"][2:4]
+    ref_stop = expert_run(args, sock, ["--prompt", prompt, "--max-tokens", "8", "--stop", stop])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  stop=[stop])
+    check_same_as_expert_run("completion with stop", ref_stop, r.choices[0].text,
+                             r.choices[0].finish_reason, r.usage)
+
+
+def test_chat(args, sock, client):
+    ref = expert_run(args, sock, ["--chat", "--prompt", "Hi", "--max-tokens", "6"])
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                       temperature=0)
+    m = r.choices[0].message
+    assert m.role == "assistant"
+    check_same_as_expert_run("chat", ref, m.content, r.choices[0].finish_reason, r.usage)
+
+    pieces, finish, usage, roles = [], None, None, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages,
+                                                max_completion_tokens=6, temperature=0,
+                                                stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            if d.role:
+                roles.append(d.role)
+            pieces.append(d.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert roles == ["assistant"], f"streamed chat roles {roles}"
+    assert usage is not None, "stream_options.include_usage: no chunk carried usage"
+    check_same_as_expert_run("streamed chat", ref, "".join(pieces), finish, usage)
+
+    # The second turn starts with the first turn's tokens: they stay in the KV cache. (One
+    # generated token: the KV cache then holds exactly the first prompt, which every engine can
+    # keep; engines that cut their cache anywhere keep more.)
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=4,
+        messages=messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                             {"role": "user", "content": "And then?"}])
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens > 0, \
+        f"second turn: {cached} cached tokens; the first turn's prompt had " \
+        f"{first.usage.prompt_tokens}"
+    assert second.usage.prompt_tokens > cached
+    print(f"ok: chat second turn: {cached} of {second.usage.prompt_tokens} prompt tokens reused")
+
+
+def test_bad_requests(h, client):
+    long_prompt = "a" * (CTX + 10)
+    cases = [
+        ("malformed JSON", "POST", "/v1/completions", '{"prompt": "x",', 400, None),
+        ("max_tokens a string", "POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"},
+         400, "max_tokens"),
+        ("messages a number", "POST", "/v1/chat/completions", {"messages": 5}, 400, "messages"),
+        ("stream a string", "POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400,
+         "stream"),
+        ("negative max_tokens", "POST", "/v1/completions", {"prompt": "x", "max_tokens": -3},
+         400, "max_tokens"),
+        ("max_tokens past the context", "POST", "/v1/completions",
+         {"prompt": "x", "max_tokens": 10 ** 12}, 400, "max_tokens"),
+        ("prompt longer than the context", "POST", "/v1/completions", {"prompt": long_prompt},
+         400, "prompt"),
+        ("non-UTF-8 text", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+        ("unknown model", "POST", "/v1/completions", {"model": "nope", "prompt": "x"}, 404,
+         "model"),
+        ("missing prompt", "POST", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("missing messages", "POST", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("a message without a role", "POST", "/v1/chat/completions",
+         {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+        ("temperature negative", "POST", "/v1/completions", {"prompt": "x", "temperature": -1},
+         400, "temperature"),
+        ("empty stop string", "POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400,
+         "stop"),
+        ("n = 2", "POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("wrong method", "GET", "/v1/completions", None, 405, None),
+        ("wrong method on /health", "POST", "/health", "{}", 405, None),
+        ("unknown path", "GET", "/v1/nothing", None, 404, None),
+    ]
+    for name, method, path, body, status, param in cases:
+        got, headers, data = h.request(method, path, body)
+        assert got == status, f"{name}: {got} {data!r}, expected {status}"
+        err = json.loads(data)["error"]
+        assert err["message"] and err["type"], f"{name}: error body {data!r}"
+        assert err["param"] == param, f"{name}: param {err['param']!r}, expected {param!r}"
+        if name == "prompt longer than the context":
+            assert str(CTX + 10) in err["message"] and str(CTX) in err["message"], err["message"]
+        if status == 405:
+            assert headers.get("Allow"), f"{name}: no Allow header"
+        assert h.health()["status"] == "ok", f"after {name}"
+        print(f"ok: {name}: {got} {err['message']!r}")
+    # The same through the client: its exceptions carry the status.
+    try:
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+        raise AssertionError("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=CTX * 2)
+        raise AssertionError("max_tokens past the context was accepted")
+    except openai.BadRequestError as e:
+        assert e.status_code == 400
+    print("ok: the openai client gets NotFoundError and BadRequestError")
+
+
+def test_queue_and_disconnect(h, log_path):
+    """--queue 1: one stream runs, one request waits, the next is refused with 503. The stream's
+    client then leaves: its generation stops and the waiting request runs."""
+    long_tokens = CTX - 16
+    conn = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+    conn.request("POST", "/v1/completions",
+                 body=json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": long_tokens,
+                                  "stream": True, "ignore_eos": True}),
+                 headers={"Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200
+    wait_for("the long stream's first chunk", lambda: stream.readline().startswith(b"data: "))
+    assert h.health()["running"], "the long stream is not running"
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    waiting = pool.submit(h.request, "POST", "/v1/completions",
+                          {"model": MODEL, "prompt": "Next", "max_tokens": 4})
+    wait_for("the second request to queue", lambda: h.health()["queued"] == 1)
+    status, headers, data = h.request("POST", "/v1/completions",
+                                      {"model": MODEL, "prompt": "Third", "max_tokens": 4})
+    assert status == 503, f"a request past --queue 1 got {status}: {data!r}"
+    assert headers.get("Retry-After"), f"503 without Retry-After: {headers}"
+    assert json.loads(data)["error"]["code"] == "queue_full"
+    print(f"ok: full queue: 503, Retry-After {headers['Retry-After']}")
+
+    # The client of the long stream leaves.
+    stream.close()
+    conn.close()
+    status, _, data = waiting.result(timeout=30)
+    assert status == 200, f"the waiting request got {status}: {data!r}"
+    assert json.loads(data)["usage"]["completion_tokens"] == 4
+    pool.shutdown()
+    log = open(log_path, encoding="utf-8", errors="replace").read()
+    m = re.search(r"the client left; stopped after (\d+) of (\d+) tokens", log)
+    assert m, f"no log line for the stream whose client left:\n{log[-3000:]}"
+    stopped = int(m.group(1))
+    assert stopped < long_tokens, f"generation went on to {stopped} of {long_tokens} tokens"
+    wait_for("the engine to be idle", lambda: not h.health()["running"])
+    print(f"ok: the stream's client left: stopped after {stopped} of {long_tokens} tokens; the "
+          f"waiting request then completed")
+
+    # A client that leaves while its stream waits in the queue frees its place at once.
+    def open_stream(prompt):
+        c = http.client.HTTPConnection("127.0.0.1", h.port, timeout=60)
+        c.request("POST", "/v1/completions",
+                  body=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": long_tokens,
+                                   "stream": True, "ignore_eos": True}),
+                  headers={"Content-Type": "application/json"})
+        return c, c.getresponse()
+    conn, stream = open_stream("Once more")
+    wait_for("the long stream's first chunk", lambda: stream.readline().startswith(b"data: "))
+    queued_conn, queued_stream = open_stream("Later")
+    wait_for("the second stream to queue", lambda: h.health()["queued"] == 1)
+    queued_stream.close()
+    queued_conn.close()
+    wait_for("the queue to free the place of the client that left",
+             lambda: h.health()["queued"] == 0)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    waiting = pool.submit(h.request, "POST", "/v1/completions",
+                          {"model": MODEL, "prompt": "Next", "max_tokens": 4})
+    wait_for("a new request to take the freed place", lambda: h.health()["queued"] == 1)
+    stream.close()
+    conn.close()
+    status, _, data = waiting.result(timeout=30)
+    assert status == 200, f"the request in the freed place got {status}: {data!r}"
+    pool.shutdown()
+    assert "the client left while it waited; dropped from the queue" in \
+        open(log_path, errors="replace").read()
+    print("ok: a stream whose client left while queued gave its place to the next request")
+
+
+def run_briefly(argv):
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_startup_errors(args, sock, port):
+    serve = os.path.join(args.bin, "expert-serve")
+    rc, out = run_briefly([serve, "--socket", os.path.join(args.workdir, "none.sock"), "--model",
+                           MODEL, "--port", str(free_port())])
+    assert rc != 0 and "cannot connect to expertd at" in out, f"no daemon: {rc} {out}"
+    rc, out = run_briefly([serve, "--socket", sock, "--model", "nope", "--port", str(free_port())])
+    assert rc != 0 and "'nope'" in out, f"unknown model: {rc} {out}"
+    rc, out = run_briefly([serve, "--socket", sock, "--model", MODEL, "--port", str(port)])
+    assert rc != 0 and f"cannot listen on 127.0.0.1:{port}" in out, f"port in use: {rc} {out}"
+    rc, out = run_briefly([serve, "--help"])
+    for flag in ("--socket", "--model", "--host", "--port", "--ctx", "--queue", "--cpu",
+                 "--vram-experts", "--prefetch-depth", "--chat-template"):
+        assert flag in out, f"--help does not mention {flag}"
+    print("ok: startup errors name the socket, the model and the address in use")
+
+
+def test_unsupported_template(args, sock, procs):
+    """A model whose chat template no family matches: chat requests get a 400 naming it, and
+    completions still work."""
+    port = free_port()
+    log_path = os.path.join(args.workdir, "expert-serve-odd.log")
+    procs.append(subprocess.Popen(
+        [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", "odd", "--port",
+         str(port), "--ctx", "256", "--cpu"],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
+    h = Http(port)
+
+    def up():
+        if procs[-1].poll() is not None:
+            raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
+        try:
+            return h.health()["status"] == "ok"
+        except OSError:
+            return False
+    wait_for("expert-serve (odd)'s /health", up)
+    status, _, data = h.request("POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 400, f"chat with an unsupported template: {status} {data!r}"
+    message = json.loads(data)["error"]["message"]
+    assert "<<{{ m.content }}>>" in message, message
+    status, _, data = h.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, f"completion on the model with an odd template: {status} {data!r}"
+    assert "chat completions are off" in open(log_path).read()
+    print(f"ok: unsupported chat template: chat 400 ({message!r}), completions 200")
+    return procs[-1], h
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    sock = os.path.join(args.workdir, "expertd.sock")
+    # The fixture with a chat template no family matches.
+    odd = os.path.join(args.workdir, "odd.gguf")
+    new_metadata = os.path.join(os.path.dirname(sys.executable), "gguf-new-metadata")
+    subprocess.run([new_metadata, "--chat-template",
+                    "{% for m in messages %}<<{{ m.content }}>>{% endfor %}", args.gguf, odd],
+                   check=True, capture_output=True, timeout=60)
+    procs = []
+    try:
+        daemon_log = open(os.path.join(args.workdir, "expertd.log"), "w")
+        procs.append(subprocess.Popen(
+            [os.path.join(args.bin, "expertd"), "--model", f"{MODEL}={args.gguf}", "--model",
+             f"odd={odd}", "--socket", sock, "--cache", "16MiB", "--no-mlock"],
+            stdout=daemon_log, stderr=daemon_log))
+
+        def daemon_up():
+            with socket.socket(socket.AF_UNIX) as s:
+                try:
+                    s.connect(sock)
+                    return True
+                except OSError:
+                    return False
+        wait_for("expertd's socket", daemon_up)
+
+        port = free_port()
+        log_path = os.path.join(args.workdir, "expert-serve.log")
+        serve_log = open(log_path, "w")
+        procs.append(subprocess.Popen(
+            [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", MODEL,
+             "--port", str(port), "--ctx", str(CTX), "--queue", "1", "--cpu"],
+            stdout=serve_log, stderr=serve_log))
+        h = Http(port)
+
+        def serve_up():
+            if procs[-1].poll() is not None:
+                raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
+            try:
+                return h.health()["status"] == "ok"
+            except OSError:
+                return False
+        wait_for("expert-serve's /health", serve_up)
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        models = client.models.list()
+        assert [m.id for m in models.data] == [MODEL], models
+        print(f"ok: /v1/models lists {MODEL}")
+
+        test_completions(args, sock, client)
+        test_chat(args, sock, client)
+        test_bad_requests(h, client)
+        test_queue_and_disconnect(h, log_path)
+        test_startup_errors(args, sock, port)
+        odd_serve, odd_h = test_unsupported_template(args, sock, procs)
+
+        # SIGTERM in the middle of a stream: the stream ends with an error event, the server
+        # exits 0 without generating the rest.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"prompt": "Once", "max_tokens": CTX - 16, "stream": True,
+                                      "ignore_eos": True}),
+                     headers={"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        wait_for("a stream's first chunk", lambda: stream.readline().startswith(b"data: "))
+        serve = procs.pop(1)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=20) == 0, f"expert-serve exited {serve.returncode}"
+        rest = stream.read()
+        conn.close()
+        assert b"the server is shutting down" in rest and rest.endswith(b"data: [DONE]\n\n"), \
+            rest[-300:]
+        print("ok: SIGTERM mid-stream: the stream ends with an error event, expert-serve exits 0")
+
+        # expertd goes away: the next request gets a 500 naming it and expert-serve exits 1, so
+        # that its unit (Restart=on-failure) starts it again.
+        daemon = procs.pop(0)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0, f"expertd exited {daemon.returncode}"
+        status, _, data = odd_h.request("POST", "/v1/completions",
+                                        {"prompt": "Hi", "max_tokens": 2})
+        assert status == 500 and b"expertd went away" in data, f"{status} {data!r}"
+        assert odd_serve.wait(timeout=20) == 1, f"expert-serve exited {odd_serve.returncode}"
+        procs.remove(odd_serve)
+        print("ok: expertd went away: 500 naming it, then expert-serve exits 1")
+    except BaseException:
+        for name in ("expert-serve.log", "expertd.log"):
+            path = os.path.join(args.workdir, name)
+            if os.path.exists(path):
+                print(f"--- {name} (last 3000 bytes)", file=sys.stderr)
+                print(open(path, errors="replace").read()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    print("expert-serve: all checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+#include "api.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <limits>
+#include <utility>
+
+namespace expertd::serve {
+
+using json = nlohmann::json;
+
+namespace {
+
+ApiError bad(std::string param, std::string message) {
+  ApiError e;
+  e.param = std::move(param);
+  e.message = std::move(message);
+  return e;
+}
+
+// How a JSON value is spelled in messages about a wrong type.
+std::string kind(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::number_float:
+      return "a number with a fraction";
+    default:
+      return "an integer";
+  }
+}
+
+ApiError wrong_type(const std::string& param, const std::string& want, const json& v) {
+  return bad(param, fmt::format("{} must be {}, got {} ({})", param, want, kind(v),
+                                v.dump(-1, ' ', false, json::error_handler_t::replace)));
+}
+
+// The field's value, or nullptr when absent or null (the default then applies).
+const json* field(const json& body, const char* key) {
+  const auto it = body.find(key);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::optional<ApiError> get_number(const json& body, const char* key, float& out) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) return wrong_type(key, "a number", *v);
+  out = v->get<float>();
+  return std::nullopt;
+}
+
+// An integer in [lo, hi]; out-of-range values are refused with the range.
+std::optional<ApiError> get_int(const json& body, const char* key, int64_t lo, int64_t hi,
+                                std::optional<int64_t>& out) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number_integer()) return wrong_type(key, "an integer", *v);
+  const int64_t x = v->is_number_unsigned()
+                        ? static_cast<int64_t>(std::min<uint64_t>(
+                              v->get<uint64_t>(), std::numeric_limits<int64_t>::max()))
+                        : v->get<int64_t>();
+  if (x < lo || x > hi) {
+    return bad(key, hi == std::numeric_limits<int64_t>::max()
+                        ? fmt::format("{} must be at least {}, got {}", key, lo, x)
+                        : fmt::format("{} must be in [{}, {}], got {}", key, lo, hi, x));
+  }
+  out = x;
+  return std::nullopt;
+}
+
+std::optional<ApiError> get_bool(const json& body, const char* key, bool& out) {
+  const json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) return wrong_type(key, "a boolean", *v);
+  out = v->get<bool>();
+  return std::nullopt;
+}
+
+// Fields expert-serve knows but cannot honour: refused unless they ask for the default.
+std::optional<ApiError> unsupported(const json& body, bool chat) {
+  std::optional<int64_t> n;
+  if (auto e = get_int(body, "n", 1, 1, n)) {
+    e->message += " (expert-serve generates one choice per request)";
+    return e;
+  }
+  if (auto e = get_int(body, "best_of", 1, 1, n)) return e;
+  for (const char* key : {"frequency_penalty", "presence_penalty"}) {
+    float x = 0.0f;
+    if (auto e = get_number(body, key, x)) return e;
+    if (x != 0.0f) {
+      return bad(key, fmt::format("{} is not supported (only 0); use repetition_penalty", key));
+    }
+  }
+  bool flag = false;
+  if (auto e = get_bool(body, "echo", flag)) return e;
+  if (flag) return bad("echo", "echo is not supported");
+  if (const json* v = field(body, "logprobs")) {
+    const bool off = chat ? v->is_boolean() && !v->get<bool>()
+                          : v->is_number_integer() && v->get<int64_t>() == 0;
+    if (!off) return bad("logprobs", "logprobs are not supported");
+  }
+  if (field(body, "top_logprobs")) return bad("top_logprobs", "logprobs are not supported");
+  if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->empty())) {
+    return bad("suffix", "suffix is not supported");
+  }
+  if (const json* v = field(body, "logit_bias"); v && !(v->is_object() && v->empty())) {
+    return bad("logit_bias", "logit_bias is not supported");
+  }
+  if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) {
+    return bad("tools", "tools are not supported");
+  }
+  if (const json* v = field(body, "response_format");
+      v && !(v->is_object() && v->value("type", json()) == "text")) {
+    return bad("response_format", "only response_format {\"type\": \"text\"} is supported");
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_sampling(const json& body, engine::SamplerOptions& so) {
+  if (auto e = get_number(body, "temperature", so.temperature)) return e;
+  if (auto e = get_number(body, "top_p", so.top_p)) return e;
+  if (auto e = get_number(body, "min_p", so.min_p)) return e;
+  if (auto e = get_number(body, "repetition_penalty", so.repeat_penalty)) return e;
+  std::optional<int64_t> i;
+  // -1 is how vLLM spells "off".
+  if (auto e = get_int(body, "top_k", -1, std::numeric_limits<int32_t>::max(), i)) return e;
+  if (i) so.top_k = *i < 0 ? 0 : static_cast<int32_t>(*i);
+  i.reset();
+  if (auto e = get_int(body, "repeat_last_n", 0, engine::kMaxRepeatLastN, i)) return e;
+  if (i) so.repeat_last_n = static_cast<int32_t>(*i);
+  i.reset();
+  if (auto e = get_int(body, "seed", std::numeric_limits<int64_t>::min(),
+                       std::numeric_limits<int64_t>::max(), i)) {
+    return e;
+  }
+  if (i) so.seed = static_cast<uint64_t>(*i);
+  if (auto st = engine::validate(so); !st) {
+    // validate() names the SamplerOptions field; the request spells two of them differently.
+    std::string m = st.error().message;
+    std::string param = m.substr(0, m.find(' '));
+    if (param == "repeat_penalty") {
+      param = "repetition_penalty";
+      m = "repetition_penalty" + m.substr(std::strlen("repeat_penalty"));
+    }
+    return bad(param, m);
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_stop(const json& body, std::vector<std::string>& out) {
+  const json* v = field(body, "stop");
+  if (!v) return std::nullopt;
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+  } else if (v->is_array()) {
+    for (const json& s : *v) {
+      if (!s.is_string()) return wrong_type("stop", "a string or an array of strings", *v);
+      out.push_back(s.get<std::string>());
+    }
+  } else {
+    return wrong_type("stop", "a string or an array of strings", *v);
+  }
+  for (const std::string& s : out) {
+    if (s.empty()) return bad("stop", "stop strings must not be empty");
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_prompt(const json& body, uint32_t n_vocab, Request& out) {
+  const json* v = field(body, "prompt");
+  if (!v) return bad("prompt", "prompt is required");
+  const json* p = v;
+  // A batch of one prompt is that prompt.
+  if (v->is_array() && v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) {
+    p = &(*v)[0];
+  }
+  if (p->is_string()) {
+    out.prompt_text = p->get<std::string>();
+    return std::nullopt;
+  }
+  if (!p->is_array()) {
+    return wrong_type("prompt", "a string, an array of token ids or an array of one string", *v);
+  }
+  if (p->empty()) return bad("prompt", "prompt is empty");
+  for (const json& t : *p) {
+    if (t.is_string() || t.is_array()) {
+      return bad("prompt", "expert-serve answers one prompt per request");
+    }
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= n_vocab) {
+      return bad("prompt", fmt::format("prompt token ids must be integers in [0, {}), got {}",
+                                       n_vocab, t.dump()));
+    }
+    out.prompt_ids.push_back(t.get<uint32_t>());
+  }
+  out.prompt_ids_given = true;
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_messages(const json& body, std::vector<Message>& out) {
+  const json* v = field(body, "messages");
+  if (!v) return bad("messages", "messages is required");
+  if (!v->is_array()) return wrong_type("messages", "an array of messages", *v);
+  if (v->empty()) return bad("messages", "messages is empty");
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& m = (*v)[i];
+    const std::string where = fmt::format("messages[{}]", i);
+    if (!m.is_object()) return wrong_type(where, "an object", m);
+    const json* role = field(m, "role");
+    if (!role || !role->is_string()) {
+      return bad(where + ".role", where + ".role must be a string");
+    }
+    Message msg{role->get<std::string>(), ""};
+    if (msg.role == "developer") msg.role = "system";  // OpenAI's newer name for it
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      return bad(
+          where + ".role",
+          fmt::format("{}.role '{}' is not system, developer, user or assistant", where, msg.role));
+    }
+    const json* content = field(m, "content");
+    if (!content) {
+      if (msg.role != "assistant") return bad(where + ".content", where + ".content is required");
+    } else if (content->is_string()) {
+      msg.content = content->get<std::string>();
+    } else if (content->is_array()) {
+      for (const json& part : *content) {
+        if (!part.is_object() || part.value("type", json()) != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return bad(where + ".content",
+                     where + ".content: only text parts ({\"type\": \"text\", \"text\": ...})");
+        }
+        msg.content += part["text"].get<std::string>();
+      }
+    } else {
+      return wrong_type(where + ".content", "a string or an array of text parts", *content);
+    }
+    out.push_back(std::move(msg));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+json error_body(const ApiError& e) {
+  return {{"error",
+           {{"message", e.message},
+            {"type", e.type},
+            {"param", e.param.empty() ? json() : json(e.param)},
+            {"code", e.code.empty() ? json() : json(e.code)}}}};
+}
+
+std::optional<ApiError> read_request(const json& body, bool chat, const std::string& model,
+                                     uint32_t n_vocab, Request& out) {
+  if (!body.is_object()) return bad("", "the request body must be a JSON object");
+  out.chat = chat;
+  if (const json* m = field(body, "model")) {
+    if (!m->is_string()) return wrong_type("model", "a string", *m);
+    if (m->get<std::string>() != model) {
+      ApiError e = bad("model", fmt::format("The model '{}' does not exist (this server serves "
+                                            "'{}')",
+                                            m->get<std::string>(), model));
+      e.status = 404;
+      e.code = "model_not_found";
+      return e;
+    }
+  }
+  if (auto e = chat ? read_messages(body, out.messages) : read_prompt(body, n_vocab, out)) {
+    return e;
+  }
+  if (auto e = get_bool(body, "stream", out.stream)) return e;
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) return wrong_type("stream_options", "an object", *so);
+    if (auto e = get_bool(*so, "include_usage", out.include_usage)) {
+      e->param = "stream_options.include_usage";
+      return e;
+    }
+  }
+  std::optional<int64_t> max;
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  if (auto e = get_int(body, "max_tokens", 1, huge, max)) return e;
+  if (chat) {
+    if (auto e = get_int(body, "max_completion_tokens", 1, huge, max)) return e;
+  }
+  if (max) out.max_tokens = static_cast<uint64_t>(*max);
+  if (auto e = get_bool(body, "ignore_eos", out.ignore_eos)) return e;
+  if (auto e = read_sampling(body, out.sampling)) return e;
+  if (auto e = read_stop(body, out.stops)) return e;
+  if (auto e = unsupported(body, chat)) return e;
+  if (const json* u = field(body, "user"); u && !u->is_string()) {
+    return wrong_type("user", "a string", *u);
+  }
+  return std::nullopt;
+}
+
+size_t utf8_ready(std::string_view s) {
+  const size_t n = s.size();
+  for (size_t k = 1; k <= 3 && k <= n; ++k) {
+    const auto c = static_cast<unsigned char>(s[n - k]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: its lead is further back
+    const size_t need = c >= 0xC2 && c <= 0xDF   ? 2
+                        : c >= 0xE0 && c <= 0xEF ? 3
+                        : c >= 0xF0 && c <= 0xF4 ? 4
+                                                 : 0;
+    if (need <= k) return n;  // complete, or not a lead byte at all
+    if (k >= 2) {
+      // The second byte's range depends on the lead (no overlong forms, surrogates or > U+10FFFF).
+      const auto c1 = static_cast<unsigned char>(s[n - k + 1]);
+      const unsigned char lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+      const unsigned char hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+      if (c1 < lo || c1 > hi) return n;
+    }
+    return n - k;
+  }
+  return n;
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+}  // namespace expertd::serve

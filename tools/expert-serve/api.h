@@ -1,0 +1,61 @@
+// The OpenAI API's request fields as expert-serve reads them, and its response and error bodies.
+// Reading is strict about types (a wrong type is a 400 naming the field) and lenient about fields
+// it does not know (ignored, as most OpenAI-compatible servers do); fields it knows but cannot
+// honour (n > 1, logprobs, ...) are refused rather than silently dropped.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+
+namespace expertd::serve {
+
+// An answer other than 200, with OpenAI's error body.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string param;  // the request field at fault ("" = null)
+  std::string type = "invalid_request_error";
+  std::string code;  // "" = null
+};
+
+nlohmann::json error_body(const ApiError& e);
+
+struct Message {
+  std::string role;
+  std::string content;
+};
+
+// One request to /v1/completions or /v1/chat/completions, checked field by field.
+struct Request {
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // Completions: the prompt as text, or as token ids (prompt_ids_given).
+  std::string prompt_text;
+  std::vector<uint32_t> prompt_ids;
+  bool prompt_ids_given = false;
+  std::vector<Message> messages;  // chat
+  engine::SamplerOptions sampling;
+  std::vector<std::string> stops;
+  std::optional<uint64_t> max_tokens;  // absent: completions 16, chat the rest of the context
+  bool ignore_eos = false;             // an extension (vLLM's): generate past the end token
+};
+
+// Reads `body` (already parsed JSON) into `out`. `model` is the served model's name: another name
+// is a 404. `n_vocab` bounds token-id prompts.
+std::optional<ApiError> read_request(const nlohmann::json& body, bool chat,
+                                     const std::string& model, uint32_t n_vocab, Request& out);
+
+// The bytes of `text` that can be sent now: all but a trailing UTF-8 sequence that the next
+// token may complete. Bytes that can never be valid are sent (and shown as U+FFFD).
+size_t utf8_ready(std::string_view text);
+
+// JSON text with invalid UTF-8 replaced by U+FFFD (as expert-run --json writes text).
+std::string dump(const nlohmann::json& j);
+
+}  // namespace expertd::serve

@@ -1,0 +1,674 @@
+// expert-serve: an OpenAI-compatible HTTP server (completions, chat completions, streaming as
+// server-sent events) for a model whose routed experts come from a running expertd. The engine
+// is set up as expert-run sets it up (the dense weights from the files the daemon passes, or
+// --gguf; the CUDA engine when there is a device, else the CPU one); one thread owns it and runs
+// one sequence at a time (generator.h), and requests wait in a bounded queue.
+//
+// Bound to loopback by default: the API has no authentication.
+#include <fmt/format.h>
+#include <httplib.h>
+#include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api.h"
+#include "engine/chat_template.h"
+#include "engine/cpu_engine.h"
+#include "engine/daemon_expert_source.h"
+#include "engine/model.h"
+#include "engine/stop.h"
+#include "engine/tokenizer.h"
+#include "expertd/client.h"
+#include "generator.h"
+#ifdef EXPERTD_HAVE_CUDA
+#include "engine/gpu_engine.h"
+#endif
+
+namespace {
+
+using expertd::Error;
+using expertd::Result;
+using expertd::serve::ApiError;
+using expertd::serve::dump;
+using expertd::serve::Generator;
+using expertd::serve::Job;
+using json = nlohmann::json;
+using namespace expertd::engine;
+
+struct Options {
+  std::string socket = expertd::client::default_socket();
+  std::string model;
+  std::string gguf;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  uint32_t ctx = 4096;
+  uint32_t queue = 8;
+  uint32_t prefill_chunk = 512;
+  bool cpu = false;
+  std::string vram_experts = "auto";
+  uint32_t prefetch_depth = 1;
+  uint32_t prefetch_width = 0;
+  std::string chat_template;
+  std::string log_level = "info";
+};
+
+#ifdef EXPERTD_HAVE_CUDA
+// --vram-experts: "auto", a count of experts ("0" = in place) or a size with a unit (8G, 512M),
+// as expert-run reads it.
+Result<GpuOptions> parse_vram(const std::string& text) {
+  GpuOptions g;
+  if (text == "auto") return g;
+  uint64_t v = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || text.empty()) {
+    return expertd::make_error(EINVAL, fmt::format("--vram-experts: '{}' is not a number of "
+                                                   "experts, a size (8G, 512M) or auto",
+                                                   text));
+  }
+  const std::string unit(rest, end);
+  if (unit.empty()) {
+    g.tier = v == 0 ? GpuOptions::Tier::InPlace : GpuOptions::Tier::Experts;
+    g.value = v;
+    return g;
+  }
+  const std::string units = "KMGT";
+  const size_t u =
+      unit.size() <= 3 ? units.find(static_cast<char>(std::toupper(unit[0]))) : std::string::npos;
+  if (u == std::string::npos ||
+      (unit.size() > 1 && unit.substr(1) != "B" && unit.substr(1) != "iB")) {
+    return expertd::make_error(EINVAL, fmt::format("--vram-experts: unknown unit '{}' in '{}' "
+                                                   "(use K, M, G or T)",
+                                                   unit, text));
+  }
+  g.tier = GpuOptions::Tier::Bytes;
+  g.value = v << (10 * (u + 1));
+  return g;
+}
+#endif
+
+// --chat-template: a .jinja file when one exists at that path, else a family name (as expert-run
+// reads it); absent, the model's own tokenizer.chat_template.
+Result<ChatTemplate> chat_template_for(const std::string& flag, const expertd::GgufFile& meta,
+                                       const Tokenizer& tok) {
+  if (flag.empty()) return ChatTemplate::from_gguf(meta, tok);
+  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
+  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
+  std::ifstream f(flag, std::ios::binary);
+  auto t = f ? ChatTemplate::from_text(std::string(std::istreambuf_iterator<char>(f), {}), bos, eos)
+             : ChatTemplate::named(flag, bos, eos);
+  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
+  return t;
+}
+
+void setup_logging(const std::string& level) {
+  auto logger = spdlog::stderr_color_mt("expert-serve");
+  spdlog::set_default_logger(logger);
+  // Under systemd (JOURNAL_STREAM set) the journal adds the time: log without it.
+  if (std::getenv("JOURNAL_STREAM") != nullptr) {
+    spdlog::set_pattern("<%^%l%$> %v");
+  } else {
+    spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
+  }
+  spdlog::set_level(spdlog::level::from_str(level));
+}
+
+std::string random_id(const char* prefix) {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  return fmt::format("{}{:016x}", prefix, rng());
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(dump(expertd::serve::error_body(e)), "application/json");
+}
+
+// What httplib's own refusals mean (it writes no body for them).
+const char* status_text(int status) {
+  switch (status) {
+    case 400:
+      return "malformed HTTP request";
+    case 413:
+      return "the body is too large";
+    case 414:
+      return "the URI is too long";
+    case 416:
+      return "range not satisfiable";
+    default:
+      return "refused";
+  }
+}
+
+ApiError api_error(int status, std::string message, std::string param = "") {
+  ApiError e;
+  e.status = status;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  if (status >= 500) e.type = "server_error";
+  return e;
+}
+
+// The HTTP side: reads requests, hands jobs to the Generator and writes the answers.
+class Service {
+ public:
+  // `chat` is the chat template, or why there is none (chat requests then get a 400 saying so).
+  Service(const Options& o, const Tokenizer& tok, Result<ChatTemplate> chat, Generator& gen,
+          std::string engine_note)
+      : o_(o), tok_(tok), chat_(std::move(chat)), gen_(gen), engine_note_(std::move(engine_note)) {}
+
+  void install(httplib::Server& svr) {
+    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump({{"status", "ok"},
+                            {"model", o_.model},
+                            {"engine", engine_note_},
+                            {"context", o_.ctx},
+                            {"running", gen_.busy()},
+                            {"queued", gen_.queued()},
+                            {"queue_limit", o_.queue},
+                            {"served", gen_.served()}}),
+                      "application/json");
+    });
+    svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump({{"object", "list"}, {"data", json::array({model_object()})}}),
+                      "application/json");
+    });
+    svr.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+      if (req.matches[1] != o_.model) {
+        ApiError e = api_error(404,
+                               fmt::format("The model '{}' does not exist (this server "
+                                           "serves '{}')",
+                                           req.matches[1].str(), o_.model),
+                               "model");
+        e.code = "model_not_found";
+        return send_error(res, e);
+      }
+      res.set_content(dump(model_object()), "application/json");
+    });
+    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      generate(req, res, /*chat=*/false);
+    });
+    svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      generate(req, res, /*chat=*/true);
+    });
+    // A known path asked with another method: 405 naming the one it takes.
+    auto not_allowed = [](const char* allow) {
+      return [allow](const httplib::Request& req, httplib::Response& res) {
+        res.set_header("Allow", allow);
+        send_error(res, api_error(405, fmt::format("{} {}: method not allowed (use {})", req.method,
+                                                   req.path, allow)));
+      };
+    };
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      svr.Get(path, not_allowed("POST"));
+      svr.Put(path, not_allowed("POST"));
+      svr.Patch(path, not_allowed("POST"));
+      svr.Delete(path, not_allowed("POST"));
+    }
+    for (const char* path : {"/health", "/v1/models"}) {
+      svr.Post(path, not_allowed("GET"));
+      svr.Put(path, not_allowed("GET"));
+      svr.Patch(path, not_allowed("GET"));
+      svr.Delete(path, not_allowed("GET"));
+    }
+    // Answers that no handler wrote a body for (unknown paths, malformed HTTP, a body too large)
+    // get OpenAI's error body too.
+    svr.set_error_handler(httplib::Server::HandlerWithResponse(
+        [](const httplib::Request& req, httplib::Response& res) {
+          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+          const std::string what =
+              res.status == 404
+                  ? fmt::format("{} {}: no such endpoint", req.method, req.path)
+                  : fmt::format("{} {}: {}", req.method, req.path, status_text(res.status));
+          send_error(res, api_error(res.status, what));
+          return httplib::Server::HandlerResponse::Handled;
+        }));
+    svr.set_exception_handler(
+        [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+          std::string what = "unknown exception";
+          try {
+            std::rethrow_exception(ep);
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          spdlog::error("{} {}: {}", req.method, req.path, what);
+          send_error(res, api_error(500, "internal error: " + what));
+        });
+  }
+
+ private:
+  json model_object() const {
+    return {{"id", o_.model}, {"object", "model"}, {"created", started_}, {"owned_by", "expertd"}};
+  }
+
+  static json usage(const Job& job) {
+    const uint32_t prompt = static_cast<uint32_t>(job.prompt.size());
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", job.completion_tokens},
+            {"total_tokens", prompt + job.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", job.cached_tokens}}}};
+  }
+
+  // The prompt's tokens, or the error to answer with.
+  std::optional<ApiError> prompt_tokens(const expertd::serve::Request& r,
+                                        std::vector<uint32_t>& out,
+                                        std::vector<std::string>& stops) const {
+    if (r.chat) {
+      if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
+      std::vector<ChatMessage> messages;
+      for (const auto& m : r.messages) messages.push_back({m.role, m.content});
+      auto text = chat_->render(messages, /*add_generation_prompt=*/true);
+      if (!text) return api_error(400, "messages: " + text.error().message, "messages");
+      // The template writes the BOS itself where the model wants one.
+      auto ids = tok_.encode(*text, /*add_special=*/false);
+      if (!ids) return api_error(400, "messages: " + ids.error().message, "messages");
+      out = std::move(*ids);
+      // The turn's end marker stops the answer where it is text rather than an end token.
+      for (const std::string& s : chat_->stop_strings()) {
+        if (std::find(stops.begin(), stops.end(), s) == stops.end()) stops.push_back(s);
+      }
+      return std::nullopt;
+    }
+    if (r.prompt_ids_given) {
+      out = r.prompt_ids;
+      return std::nullopt;
+    }
+    auto ids = tok_.encode(r.prompt_text, /*add_special=*/true);
+    if (!ids) return api_error(400, "prompt: " + ids.error().message, "prompt");
+    out = std::move(*ids);
+    return std::nullopt;
+  }
+
+  void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    json body;
+    try {
+      body = json::parse(req.body);
+    } catch (const json::parse_error& e) {
+      // nlohmann's message after its "[json.exception.parse_error.101] " tag.
+      std::string what = e.what();
+      if (const size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
+      return send_error(res, api_error(400, "the body is not valid JSON: " + what));
+    }
+    expertd::serve::Request r;
+    if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
+      return send_error(res, *e);
+    }
+    auto job = std::make_shared<Job>();
+    job->stops = r.stops;
+    if (auto e = prompt_tokens(r, job->prompt, job->stops)) return send_error(res, *e);
+    const char* prompt_param = chat ? "messages" : "prompt";
+    const uint64_t n = job->prompt.size();
+    if (n == 0) return send_error(res, api_error(400, "the prompt encodes to no tokens"));
+    if (n >= o_.ctx) {
+      return send_error(res, api_error(400,
+                                       fmt::format("the prompt has {} tokens; the context holds "
+                                                   "{} (--ctx), and at least one must be left to "
+                                                   "generate",
+                                                   n, o_.ctx),
+                                       prompt_param));
+    }
+    const uint32_t room = o_.ctx - static_cast<uint32_t>(n);
+    if (r.max_tokens) {
+      const char* param =
+          chat && body.contains("max_completion_tokens") && !body["max_completion_tokens"].is_null()
+              ? "max_completion_tokens"
+              : "max_tokens";
+      if (*r.max_tokens > room) {
+        return send_error(res, api_error(400,
+                                         fmt::format("{} is {}: the context holds {} tokens and "
+                                                     "the prompt has {}, leaving {}",
+                                                     param, *r.max_tokens, o_.ctx, n, room),
+                                         param));
+      }
+    }
+    job->id = next_id_.fetch_add(1) + 1;
+    job->kind = chat ? "chat" : "completion";
+    job->sampling = r.sampling;
+    job->max_tokens = r.max_tokens ? static_cast<uint32_t>(*r.max_tokens)
+                      : chat       ? room
+                                   : std::min<uint32_t>(16, room);
+    job->ignore_eos = r.ignore_eos;
+    if (!gen_.submit(job)) {
+      spdlog::warn("request {}: refused, {} requests already wait (--queue)", job->id, o_.queue);
+      res.set_header("Retry-After", "1");
+      ApiError e = api_error(503, fmt::format("the server is busy: {} requests already wait for "
+                                              "the model; retry later",
+                                              o_.queue));
+      e.code = "queue_full";
+      return send_error(res, e);
+    }
+    const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
+    const int64_t created = std::time(nullptr);
+    if (!r.stream) return answer(res, job, id, created, chat);
+    stream(res, job, id, created, chat, r.include_usage);
+  }
+
+  // Waits for the whole answer.
+  void answer(httplib::Response& res, const std::shared_ptr<Job>& job, const std::string& id,
+              int64_t created, bool chat) {
+    std::unique_lock lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done; });
+    if (!job->error.empty()) return send_error(res, api_error(job->error_status, job->error));
+    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", job->finish_reason}};
+    if (chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", job->text}};
+    } else {
+      choice["text"] = job->text;
+    }
+    const json out = {{"id", id},
+                      {"object", chat ? "chat.completion" : "text_completion"},
+                      {"created", created},
+                      {"model", o_.model},
+                      {"choices", json::array({choice})},
+                      {"usage", usage(*job)}};
+    res.set_content(dump(out), "application/json");
+  }
+
+  // Server-sent events: a chunk per piece of text as it is generated, then the finish reason,
+  // the usage when asked for, and [DONE]. A write that fails (the client left) cancels the job.
+  void stream(httplib::Response& res, const std::shared_ptr<Job>& job, const std::string& id,
+              int64_t created, bool chat, bool include_usage) {
+    struct State {
+      bool role_sent = false;
+      std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+    };
+    auto state = std::make_shared<State>();
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    auto chunk = [this, id, created, chat, include_usage](json choice) {
+      json c = {{"id", id},
+                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created},
+                {"model", o_.model},
+                {"choices", json::array({std::move(choice)})}};
+      if (include_usage) c["usage"] = nullptr;
+      return c;
+    };
+    auto piece_choice = [chat](const std::string& text, json finish) {
+      json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}};
+      if (chat) {
+        choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
+      } else {
+        choice["text"] = text;
+      }
+      return choice;
+    };
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, job, state, chunk, piece_choice, id, created, chat, include_usage](
+            size_t, httplib::DataSink& sink) {
+          auto send = [&](const std::string& data) {
+            if (!sink.write(data.data(), data.size())) return false;
+            state->last_write = std::chrono::steady_clock::now();
+            return true;
+          };
+          auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
+          std::string piece;
+          bool done = false;
+          std::string error;
+          int error_status = 500;
+          {
+            std::unique_lock lock(job->mu);
+            job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
+              return job->done || expertd::serve::utf8_ready(job->text) > 0;
+            });
+            done = job->done;
+            const size_t ready = done ? job->text.size() : expertd::serve::utf8_ready(job->text);
+            piece = job->text.substr(0, ready);
+            job->text.erase(0, ready);
+            error = job->error;
+            error_status = job->error_status;
+          }
+          auto leave = [&] {
+            job->cancelled = true;
+            return false;
+          };
+          if (chat && !state->role_sent) {
+            json choice = {{"index", 0},
+                           {"delta", {{"role", "assistant"}, {"content", ""}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", nullptr}};
+            if (!event(chunk(std::move(choice)))) return leave();
+            state->role_sent = true;
+          }
+          if (!piece.empty() && !event(chunk(piece_choice(piece, nullptr)))) return leave();
+          if (done) {
+            if (!error.empty()) {
+              event(expertd::serve::error_body(api_error(error_status, error)));
+            } else {
+              std::unique_lock lock(job->mu);
+              const json last = chunk(piece_choice("", job->finish_reason));
+              json tail;
+              if (include_usage) {
+                tail = {{"id", id},
+                        {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                        {"created", created},
+                        {"model", o_.model},
+                        {"choices", json::array()},
+                        {"usage", usage(*job)}};
+              }
+              lock.unlock();
+              if (!event(last)) return leave();
+              if (include_usage && !event(tail)) return leave();
+            }
+            if (!send("data: [DONE]\n\n")) return leave();
+            sink.done();
+            return true;
+          }
+          // Nothing to say for a while (queued, or text held for a stop string): an SSE comment,
+          // so a client that has gone is noticed and its sequence freed.
+          if (std::chrono::steady_clock::now() - state->last_write > std::chrono::seconds(1) &&
+              !send(": waiting\n\n")) {
+            return leave();
+          }
+          return true;
+        },
+        [job](bool success) {
+          if (!success) job->cancelled = true;
+        });
+  }
+
+  const Options& o_;
+  const Tokenizer& tok_;
+  const Result<ChatTemplate> chat_;
+  Generator& gen_;
+  const std::string engine_note_;
+  const int64_t started_ = std::time(nullptr);
+  std::atomic<uint64_t> next_id_{0};
+};
+
+int fail(const std::string& message) {
+  spdlog::error("{}", message);
+  return 1;
+}
+
+int run(const Options& o) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  // Every thread started from here on (the client's, the engine's, the HTTP pool) inherits the
+  // mask; one thread takes the signals with sigwait.
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  if (o.ctx == 0) return fail("--ctx must be at least 1");
+  if (o.queue == 0) return fail("--queue must be at least 1");
+  httplib::Server svr;
+  // httplib's default also sets SO_REUSEPORT, which lets a second server share the port without a
+  // word: only SO_REUSEADDR (a restart may bind while old connections sit in TIME_WAIT).
+  svr.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // The port first: a port in use is found before the model is loaded.
+  errno = 0;
+  if (!svr.bind_to_port(o.host, o.port)) {
+    return fail(fmt::format("cannot listen on {}:{}: {}", o.host, o.port,
+                            errno ? std::strerror(errno) : "the address is not usable"));
+  }
+
+  auto daemon = expertd::client::Client::connect(o.socket);
+  if (!daemon) return fail(daemon.error().message);
+  auto model =
+      o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
+  if (!model) return fail(model.error().message);
+  const ModelParams& p = model->params();
+  auto tok = Tokenizer::from_gguf(model->gguf().meta());
+  if (!tok) return fail(tok.error().message);
+  const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
+  auto chat = chat_template_for(o.chat_template, model->gguf().meta(), *tok);
+  if (!chat) {
+    // The user asked for that template: no point serving without it.
+    if (!o.chat_template.empty()) return fail(chat.error().message);
+    spdlog::error("chat completions are off: {}", chat.error().message);
+  } else {
+    spdlog::info("chat template: {}", chat->family());
+  }
+
+  auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-serve");
+  if (!source) return fail(source.error().message);
+  EngineOptions eo;
+  eo.max_context = o.ctx;
+  eo.prefetch_depth = o.prefetch_depth;
+  eo.prefetch_width = o.prefetch_width;
+  eo.prefill_chunk = o.prefill_chunk;
+  std::unique_ptr<Engine> engine;
+  std::string why_cpu = "--cpu";
+#ifdef EXPERTD_HAVE_CUDA
+  if (!o.cpu && cuda_device_available(&why_cpu)) {
+    auto gpu = parse_vram(o.vram_experts);
+    if (!gpu) return fail(gpu.error().message);
+    auto e = create_gpu_engine(*model, **source, eo, *gpu);
+    if (!e) return fail(e.error().message);
+    engine = std::move(*e);
+  }
+#else
+  if (!o.cpu) why_cpu = "this build has no CUDA engine";
+#endif
+  if (!engine) {
+    auto e = create_cpu_engine(*model, **source, eo);
+    if (!e) return fail(e.error().message);
+    engine = std::move(*e);
+  }
+  const std::string engine_note = engine->name() == "cpu"
+                                      ? fmt::format("{} ({})", engine->description(), why_cpu)
+                                      : engine->description();
+  spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}",
+               o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
+               static_cast<double>(model->dense_bytes()) / (1 << 20), model->path());
+  spdlog::info("engine: {}; context {} tokens", engine_note, o.ctx);
+  if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
+    spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
+  }
+
+  // expertd went away: this engine cannot serve again, so exit non-zero and let the service
+  // manager start expert-serve again (it reconnects when expertd is back).
+  std::mutex gone_mu;
+  std::string daemon_gone;
+  Generator gen(std::move(engine), *tok, end_tokens, o.queue, [&](const std::string& why) {
+    {
+      std::lock_guard lock(gone_mu);
+      daemon_gone = why;
+    }
+    svr.stop();
+  });
+  Service service(o, *tok, std::move(chat), gen, engine_note);
+  service.install(svr);
+  // Each waiting request holds a pool thread, and so does an idle keep-alive connection for a
+  // few seconds: enough more answer /health and refusals meanwhile.
+  const size_t threads = o.queue + 16;
+  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // A request is a prompt: far less than this even for a long context (413 past it).
+  svr.set_payload_max_length(size_t{64} << 20);
+  svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    if (res.status >= 400) {
+      spdlog::info("{} {}: {} {}", req.method, req.path, res.status, res.body.substr(0, 300));
+    }
+  });
+
+  std::atomic<bool> ended{false};
+  std::thread signal_thread([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (ended) return;
+    spdlog::info("{}: shutting down", strsignal(sig));
+    // The generation in progress stops and the queued requests are answered first, so the HTTP
+    // threads waiting for them can end.
+    gen.stop();
+    svr.stop();
+  });
+  spdlog::info("listening on http://{}:{} (model {}, queue {})", o.host, o.port, o.model, o.queue);
+  const bool ok = svr.listen_after_bind();
+  ended = true;
+  pthread_kill(signal_thread.native_handle(), SIGTERM);  // wakes it when listening ended by itself
+  signal_thread.join();
+  gen.stop();
+  {
+    std::lock_guard lock(gone_mu);
+    if (!daemon_gone.empty())
+      return fail(daemon_gone + "; exiting so that expert-serve is restarted");
+  }
+  if (!ok) return fail(fmt::format("listening on {}:{} failed", o.host, o.port));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "expert-serve: an OpenAI-compatible HTTP server for a MoE model whose experts stream from "
+      "expertd"};
+  Options o;
+  app.add_option("--socket", o.socket, "expertd's control socket");
+  app.add_option("--model", o.model, "The model's name in expertd (and in the API)")->required();
+  app.add_option("--gguf", o.gguf,
+                 "The model's GGUF file to read the dense weights from (default: the files "
+                 "expertd passes for --model)");
+  app.add_option("--host", o.host, "Address to listen on (127.0.0.1: this machine only)");
+  app.add_option("--port", o.port, "TCP port to listen on (8080)")->check(CLI::Range(1, 65535));
+  app.add_option("--ctx", o.ctx, "Context length: KV cache positions, prompt and answer (4096)")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--queue", o.queue,
+                 "Requests that may wait while one runs; more get 503 with Retry-After (8)")
+      ->check(CLI::Range(1u, 4096u));
+  app.add_option("--chat-template", o.chat_template,
+                 "Chat template instead of the model's own: a family name (chatml, qwen3, "
+                 "deepseek3, deepseek4, mistral, llama3) or a .jinja file");
+  app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
+  app.add_option("--vram-experts", o.vram_experts,
+                 "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
+                 "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
+  app.add_option("--prefetch-depth", o.prefetch_depth,
+                 "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
+  app.add_option("--prefetch-width", o.prefetch_width,
+                 "Candidates hinted per predicted layer (0 = the model's top-k)");
+  app.add_option("--prefill-chunk", o.prefill_chunk,
+                 "Prompt positions processed together, each routed expert acquired once per "
+                 "chunk (512)")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error (info)")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  app.footer(
+      "Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions "
+      "(\"stream\": true for server-sent events). docs/SERVE.md lists the fields.");
+  CLI11_PARSE(app, argc, argv);
+  setup_logging(o.log_level);
+  return run(o);
+}
