@@ -158,7 +158,7 @@ in_cgroup() {
   echo 0 > "$cg/memory.swap.max" 2> /dev/null || true
   local rc=0
   bash -c 'echo $$ > "$0/cgroup.procs" && shift && exec "$@"' "$cg" _ "$@" || rc=$?
-  echo "cgroup: memory.max $cap, peak $(cat "$cg/memory.peak" 2> /dev/null || echo ?), events: $(tr '\n' ' ' < "$cg/memory.events")"
+  echo "cgroup: memory.max $cap, peak $(cat "$cg/memory.peak" 2> /dev/null || echo ?), events: $(tr '\n' ' ' < "$cg/memory.events")" >&2
   rmdir "$cg" 2> /dev/null || true
   return $rc
 }

@@ -103,6 +103,9 @@ class DeviceBuffer {
   T* get() const { return static_cast<T*>(p_); }
   void upload(const std::vector<T>& v) {
     EXPECT_EQ(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    // From pageable memory cudaMemcpy may return before the DMA lands, and the tests launch on a
+    // non-blocking stream that does not wait for the legacy stream: wait here.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   std::vector<T> download() const {
     std::vector<T> v(n_);
