@@ -290,15 +290,16 @@ TEST_F(PrefillTest, TruncateThenDecodeContinuesAsAFreshSequence) {
   }
 }
 
-// A daemon with no cache and the smallest staging ring (two slots: top-k of the qwen3moe fixture)
-// can never hold a layer's experts at once: prefill acquires them k at a time, so it still runs,
-// and gives decode's logits.
+// A daemon with the smallest cache it accepts (top-k = 2 slots of 28 KiB for the qwen3moe fixture;
+// expertd names the minimum if the slot size changes) and the smallest staging ring can never hold
+// a layer's experts at once: prefill acquires them k at a time, so it still runs, and gives
+// decode's logits.
 TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
   const test::TinyFixture fx = test::TinyFixture::load();
   TempDir dir;
   const std::string socket = dir.path() + "/expertd.sock";
   Daemon daemon(dir.path(), {"--model", "tiny=" + fx.gguf("f32"), "--socket", socket, "--cache",
-                             "0", "--staging", "1", "--no-mlock"});
+                             "56KiB", "--staging", "1", "--no-mlock"});
   ASSERT_TRUE(daemon.start());
   auto model = DenseModel::load(fx.gguf("f32"));
   ASSERT_TRUE(model) << model.error().message;
