@@ -29,6 +29,9 @@
 #   llprefill:NAME:LEN:UBATCH:NCMOE:CAP
 #            llama-bench -p LEN -n 0 on the same GGUF under the same cap: -ngl 99 -ncmoe NCMOE (layers
 #            whose experts stay on the CPU), -ub/-b UBATCH, mmap, --repack 0 (docs/PERFORMANCE.md)
+#   serve    expertd on the qwen3moe-tiny and deepseek4-tiny fixtures and expert-serve on each (the
+#            GPU engine), driven with curl: greedy completions and chat, streamed and not, against
+#            expert-run --prompt on the same text; prefix reuse on a second chat turn
 # Results land in $OUT (JSON per phase). The tests find their binaries and fixtures relative to
 # themselves (testing/paths.h), so .device/ may lie anywhere; the traces come in
 # EXPERTD_SHARED_TRACES.
@@ -218,6 +221,44 @@ phase_llprefill() {  # NAME LEN UBATCH NCMOE CAP
   echo "llprefill $name ($len tokens, ubatch $ub, ncmoe $ncmoe, cap $cap): \
 $(tr -d '\n ' < "$out/llprefill-$name.json" | grep -o '"avg_ts":[0-9.e+-]*')"
   [ $rc = 0 ] || tail -5 "$work/llprefill-$name.err"
+  return $rc
+}
+
+phase_serve() {
+  local fx=${EXPERTD_TEST_DATA:-$root/tests/fixtures} sock=$work/serve.sock rc=0
+  rm -f "$sock"
+  "$bin/expertd" --model "q=$fx/qwen3moe-tiny/model-q8_0.gguf" \
+    --model "v4=$fx/deepseek4-tiny/model-mxfp4.gguf" --socket "$sock" --cache 256MiB \
+    2> "$work/serve-expertd.log" &
+  local dpid=$!
+  for _ in $(seq 300); do [ -S "$sock" ] && break; sleep 0.1; done
+  local m port=18080
+  for m in q v4; do
+    "$bin/expert-serve" --socket "$sock" --model "$m" --port $port 2> "$out/serve-$m.log" &
+    local spid=$!
+    for _ in $(seq 300); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 0.1; done
+    local want got chat1 chat2
+    want=$("$bin/expert-run" --socket "$sock" --model "$m" --prompt "The expert cache" \
+      --max-tokens 12 --json | sed -n 's/.*"text":\("[^"]*"\).*/\1/p')
+    got=$(curl -sf "localhost:$port/v1/completions" -H 'content-type: application/json' \
+      -d "{\"model\":\"$m\",\"prompt\":\"The expert cache\",\"max_tokens\":12,\"temperature\":0}")
+    echo "serve $m: expert-run text $want"
+    echo "serve $m: completion $got"
+    echo "$got" | grep -qF "\"text\":$want" || { echo "serve $m: MISMATCH"; rc=1; }
+    echo "serve $m: stream $(curl -sfN "localhost:$port/v1/completions" \
+      -H 'content-type: application/json' -d "{\"model\":\"$m\",\"prompt\":\"The expert cache\",\"max_tokens\":12,\"temperature\":0,\"stream\":true,\"stream_options\":{\"include_usage\":true}}" | tail -c 400)"
+    chat1=$(curl -sf "localhost:$port/v1/chat/completions" -H 'content-type: application/json' \
+      -d "{\"model\":\"$m\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":4}")
+    chat2=$(curl -sf "localhost:$port/v1/chat/completions" -H 'content-type: application/json' \
+      -d "{\"model\":\"$m\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"},{\"role\":\"assistant\",\"content\":\"Hi\"},{\"role\":\"user\",\"content\":\"More\"}],\"max_tokens\":4}")
+    echo "serve $m: chat $chat1"
+    echo "serve $m: chat turn 2 $chat2"
+    [ -n "$chat1" ] && [ -n "$chat2" ] || rc=1
+    kill -TERM $spid; wait $spid || rc=1
+    tail -4 "$out/serve-$m.log"
+    port=$((port + 1))
+  done
+  kill -TERM $dpid; wait $dpid || true
   return $rc
 }
 
