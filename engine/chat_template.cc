@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <fstream>
+#include <iterator>
 #include <utility>
 
 #include "engine/tokenizer.h"
@@ -481,6 +483,18 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
       return render_llama31(messages, add_generation_prompt, bos_);
   }
   return make_error(EINVAL, "chat template: unknown family");
+}
+
+Result<ChatTemplate> ChatTemplate::from_flag(const std::string& flag, const GgufFile& file,
+                                             const Tokenizer& tok) {
+  if (flag.empty()) return from_gguf(file, tok);
+  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
+  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
+  std::ifstream f(flag, std::ios::binary);
+  auto t = f ? from_text(std::string(std::istreambuf_iterator<char>(f), {}), bos, eos)
+             : named(flag, bos, eos);
+  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
+  return t;
 }
 
 }  // namespace expertd::engine

@@ -42,6 +42,10 @@ class ChatTemplate {
   // supported (first line: '...'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3".
   static Result<ChatTemplate> from_text(std::string_view jinja, std::string bos, std::string eos);
   static Result<ChatTemplate> named(std::string_view family, std::string bos, std::string eos);
+  // A --chat-template flag's value: a .jinja file when one exists at that path, else a family name;
+  // empty, the model's own template (from_gguf). Errors name the flag and the value.
+  static Result<ChatTemplate> from_flag(const std::string& flag, const GgufFile& file,
+                                        const Tokenizer& tok);
 
   // The prompt text (to be encoded with add_special=false, as transformers' apply_chat_template
   // does); add_generation_prompt opens the assistant's turn. Errors: no messages, an unknown role,

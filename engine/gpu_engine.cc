@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -49,6 +51,37 @@ struct DevLayer {
 };
 
 }  // namespace
+
+Result<GpuOptions> parse_vram_experts(const std::string& text) {
+  GpuOptions g;
+  if (text == "auto") return g;
+  uint64_t v = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || text.empty()) {
+    return make_error(EINVAL, fmt::format("--vram-experts: '{}' is not a number of "
+                                          "experts, a size (8G, 512M) or auto",
+                                          text));
+  }
+  const std::string unit(rest, end);
+  if (unit.empty()) {
+    g.tier = v == 0 ? GpuOptions::Tier::InPlace : GpuOptions::Tier::Experts;
+    g.value = v;
+    return g;
+  }
+  const std::string units = "KMGT";
+  const size_t u =
+      unit.size() <= 3 ? units.find(static_cast<char>(std::toupper(unit[0]))) : std::string::npos;
+  if (u == std::string::npos ||
+      (unit.size() > 1 && unit.substr(1) != "B" && unit.substr(1) != "iB")) {
+    return make_error(EINVAL, fmt::format("--vram-experts: unknown unit '{}' in '{}' "
+                                          "(use K, M, G or T)",
+                                          unit, text));
+  }
+  g.tier = GpuOptions::Tier::Bytes;
+  g.value = v << (10 * (u + 1));
+  return g;
+}
 
 bool cuda_device_available(std::string* why) {
   int n = 0;

@@ -34,6 +34,10 @@ struct GpuOptions {
   int device = 0;
 };
 
+// --vram-experts: "auto" (half the free device memory), a number of experts ("0" = the in-place
+// mode) or a size with a unit (8G, 512M, 4GiB). Errors name the flag and the value.
+Result<GpuOptions> parse_vram_experts(const std::string& text);
+
 // Whether a CUDA device can be used. False on a build without CUDA, or with no device; *why then
 // says why ("no CUDA device: cudaErrorNoDevice (no CUDA-capable device is detected)").
 bool cuda_device_available(std::string* why);

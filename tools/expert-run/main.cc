@@ -93,40 +93,6 @@ Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
   return out;
 }
 
-#ifdef EXPERTD_HAVE_CUDA
-// --vram-experts: "auto", a count of experts ("0" = in place) or a size with a unit (8G, 512M).
-Result<GpuOptions> parse_vram(const std::string& text) {
-  GpuOptions g;
-  if (text == "auto") return g;
-  uint64_t v = 0;
-  const char* end = text.data() + text.size();
-  const auto [rest, ec] = std::from_chars(text.data(), end, v);
-  if (ec != std::errc() || text.empty()) {
-    return expertd::make_error(EINVAL, fmt::format("--vram-experts: '{}' is not a number of "
-                                                   "experts, a size (8G, 512M) or auto",
-                                                   text));
-  }
-  const std::string unit(rest, end);
-  if (unit.empty()) {
-    g.tier = v == 0 ? GpuOptions::Tier::InPlace : GpuOptions::Tier::Experts;
-    g.value = v;
-    return g;
-  }
-  const std::string units = "KMGT";
-  const size_t u =
-      unit.size() <= 3 ? units.find(static_cast<char>(std::toupper(unit[0]))) : std::string::npos;
-  if (u == std::string::npos ||
-      (unit.size() > 1 && unit.substr(1) != "B" && unit.substr(1) != "iB")) {
-    return expertd::make_error(EINVAL, fmt::format("--vram-experts: unknown unit '{}' in '{}' "
-                                                   "(use K, M, G or T)",
-                                                   unit, text));
-  }
-  g.tier = GpuOptions::Tier::Bytes;
-  g.value = v << (10 * (u + 1));
-  return g;
-}
-#endif
-
 // The daemon's scheduler counters for one model (zeros when the model is not listed).
 expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
                                                const std::string& model) {
@@ -195,21 +161,6 @@ std::string with_flag_names(std::string message) {
   return message;
 }
 
-// --chat-template: a .jinja file when one exists at that path, else a family name; absent, the
-// model's own tokenizer.chat_template.
-Result<ChatTemplate> chat_template_for(const std::string& flag, const expertd::GgufFile& meta,
-                                       const Tokenizer& tok) {
-  if (flag.empty()) return ChatTemplate::from_gguf(meta, tok);
-  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
-  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
-  std::ifstream f(flag, std::ios::binary);
-  if (!f) return ChatTemplate::named(flag, bos, eos);
-  const std::string text(std::istreambuf_iterator<char>(f), {});
-  auto t = ChatTemplate::from_text(text, bos, eos);
-  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
-  return t;
-}
-
 int run(Options o) {
   const SamplerOptions so{o.temperature, o.top_p,          o.seed,         o.top_k,
                           o.min_p,       o.repeat_penalty, o.repeat_last_n};
@@ -262,7 +213,7 @@ int run(Options o) {
     if (!tok) return fail(tok.error());  // names the file
     std::string text = o.prompt_text;
     if (o.chat) {
-      auto tmpl = chat_template_for(o.chat_template, model->gguf().meta(), *tok);
+      auto tmpl = ChatTemplate::from_flag(o.chat_template, model->gguf().meta(), *tok);
       if (!tmpl) return fail(tmpl.error());
       std::vector<ChatMessage> messages;
       if (!o.system.empty()) messages.push_back({"system", o.system});
@@ -329,7 +280,7 @@ int run(Options o) {
   std::string why_cpu = "--cpu";
 #ifdef EXPERTD_HAVE_CUDA
   if (!o.cpu && cuda_device_available(&why_cpu)) {
-    auto gpu = parse_vram(o.vram_experts);
+    auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error());
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error());

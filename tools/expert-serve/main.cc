@@ -69,55 +69,6 @@ struct Options {
   std::string log_level = "info";
 };
 
-#ifdef EXPERTD_HAVE_CUDA
-// --vram-experts: "auto", a count of experts ("0" = in place) or a size with a unit (8G, 512M),
-// as expert-run reads it.
-Result<GpuOptions> parse_vram(const std::string& text) {
-  GpuOptions g;
-  if (text == "auto") return g;
-  uint64_t v = 0;
-  const char* end = text.data() + text.size();
-  const auto [rest, ec] = std::from_chars(text.data(), end, v);
-  if (ec != std::errc() || text.empty()) {
-    return expertd::make_error(EINVAL, fmt::format("--vram-experts: '{}' is not a number of "
-                                                   "experts, a size (8G, 512M) or auto",
-                                                   text));
-  }
-  const std::string unit(rest, end);
-  if (unit.empty()) {
-    g.tier = v == 0 ? GpuOptions::Tier::InPlace : GpuOptions::Tier::Experts;
-    g.value = v;
-    return g;
-  }
-  const std::string units = "KMGT";
-  const size_t u =
-      unit.size() <= 3 ? units.find(static_cast<char>(std::toupper(unit[0]))) : std::string::npos;
-  if (u == std::string::npos ||
-      (unit.size() > 1 && unit.substr(1) != "B" && unit.substr(1) != "iB")) {
-    return expertd::make_error(EINVAL, fmt::format("--vram-experts: unknown unit '{}' in '{}' "
-                                                   "(use K, M, G or T)",
-                                                   unit, text));
-  }
-  g.tier = GpuOptions::Tier::Bytes;
-  g.value = v << (10 * (u + 1));
-  return g;
-}
-#endif
-
-// --chat-template: a .jinja file when one exists at that path, else a family name (as expert-run
-// reads it); absent, the model's own tokenizer.chat_template.
-Result<ChatTemplate> chat_template_for(const std::string& flag, const expertd::GgufFile& meta,
-                                       const Tokenizer& tok) {
-  if (flag.empty()) return ChatTemplate::from_gguf(meta, tok);
-  const std::string bos = tok.bos() ? tok.decode(*tok.bos()) : std::string();
-  const std::string eos = tok.eos() ? tok.decode(*tok.eos()) : std::string();
-  std::ifstream f(flag, std::ios::binary);
-  auto t = f ? ChatTemplate::from_text(std::string(std::istreambuf_iterator<char>(f), {}), bos, eos)
-             : ChatTemplate::named(flag, bos, eos);
-  if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
-  return t;
-}
-
 void setup_logging(const std::string& level) {
   auto logger = spdlog::stderr_color_mt("expert-serve");
   spdlog::set_default_logger(logger);
@@ -533,7 +484,7 @@ int run(const Options& o) {
   auto tok = Tokenizer::from_gguf(model->gguf().meta());
   if (!tok) return fail(tok.error().message);
   const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
-  auto chat = chat_template_for(o.chat_template, model->gguf().meta(), *tok);
+  auto chat = ChatTemplate::from_flag(o.chat_template, model->gguf().meta(), *tok);
   if (!chat) {
     // The user asked for that template: no point serving without it.
     if (!o.chat_template.empty()) return fail(chat.error().message);
@@ -553,7 +504,7 @@ int run(const Options& o) {
   std::string why_cpu = "--cpu";
 #ifdef EXPERTD_HAVE_CUDA
   if (!o.cpu && cuda_device_available(&why_cpu)) {
-    auto gpu = parse_vram(o.vram_experts);
+    auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error().message);
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error().message);
