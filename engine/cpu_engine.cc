@@ -371,13 +371,7 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Every needed expert is hinted before any is acquired, so the daemon loads the later groups
   // while the first ones compute (the cursor is still before this layer, so they target it).
-  if (n_needed > k) {
-    for (uint32_t i = 0; i < n_needed; ++i) exact_[i] = ExpertHint{layer, needed[i], 1.0f};
-    stats_.prefill_hints += n_needed;
-    if (!source_.prefetch(std::span<const ExpertHint>(exact_.data(), n_needed))) {
-      ++stats_.hint_errors;
-    }
-  }
+  if (n_needed > k) hint_needed(source_, layer, needed, exact_, stats_);
   if (!source_.set_cursor(last, layer)) ++stats_.hint_errors;
 
   // Held at most top-k at a time: a daemon cache sized for decode never has to hold a layer.

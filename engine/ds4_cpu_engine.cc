@@ -741,13 +741,7 @@ Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted
   // at the chunk's start).
-  if (!hash && n_needed > k) {
-    for (uint32_t i = 0; i < n_needed; ++i) exact_[i] = ExpertHint{layer, needed[i], 1.0f};
-    stats_.prefill_hints += n_needed;
-    if (!source_.prefetch(std::span<const ExpertHint>(exact_.data(), n_needed))) {
-      ++stats_.hint_errors;
-    }
-  }
+  if (!hash && n_needed > k) hint_needed(source_, layer, needed, exact_, stats_);
   if (!source_.set_cursor(last, layer)) ++stats_.hint_errors;
 
   // Held at most top-k at a time, as in CpuEngine::prefill_moe.

@@ -187,6 +187,13 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
   if (it != r->predicted.end()) planner.add_listed(next, it->second, 1.0f);
 }
 
+void hint_needed(ExpertSource& source, uint32_t layer, std::span<const uint32_t> needed,
+                 std::span<ExpertHint> scratch, EngineStats& stats) {
+  for (size_t i = 0; i < needed.size(); ++i) scratch[i] = ExpertHint{layer, needed[i], 1.0f};
+  stats.prefill_hints += needed.size();
+  if (!source.prefetch(scratch.first(needed.size()))) ++stats.hint_errors;
+}
+
 Status check_engine_options(const ModelParams& p, const EngineOptions& o) {
   if (o.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
   if (o.prefetch_width > p.n_expert) {

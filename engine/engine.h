@@ -239,6 +239,12 @@ RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t
 void routed_chunk(HintPlanner& planner, uint32_t layer, std::span<const uint32_t> experts,
                   EngineStats& stats, std::vector<RoutingRecord>* log, size_t first);
 
+// prefill(): hints every expert of `layer` that a chunk needs (score 1: certain), so the source
+// loads the later groups while the first ones compute; counted in stats.prefill_hints. `scratch`
+// holds at least needed.size() hints.
+void hint_needed(ExpertSource& source, uint32_t layer, std::span<const uint32_t> needed,
+                 std::span<ExpertHint> scratch, EngineStats& stats);
+
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);
