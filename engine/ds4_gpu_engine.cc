@@ -1196,8 +1196,8 @@ std::string Ds4GpuEngine::description() const {
                                "PCIe)");
   return fmt::format(
       "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
-      "matvec), {}{}",
-      m.device_name, gib(m.dense_device_bytes), tier,
+      "matvec), {}, prefill in chunks of {} ({} scratch){}",
+      m.device_name, gib(m.dense_device_bytes), tier, m.chunk, gib(m.chunk_bytes),
       x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

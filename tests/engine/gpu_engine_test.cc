@@ -831,6 +831,8 @@ TEST(Ds4GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
         o.prefill_chunk = chunk;
         auto gpu = Ds4GpuEngine::create(*model, *c.source, o, g);
         ASSERT_TRUE(gpu) << gpu.error().message;
+        EXPECT_NE((*gpu)->description().find("prefill in chunks of"), std::string::npos)
+            << (*gpu)->description();
         std::vector<RoutingRecord> routing;
         (*gpu)->set_routing_log(&routing);
         std::vector<float> l(fx.vocab);
