@@ -1,5 +1,6 @@
 #include "engine/ds4_gpu_engine.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -16,11 +17,13 @@
 #include "kernels/dequant.cuh"
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
+#include "kernels/prefill.cuh"
 #include "storage/ggml_types.h"
 
 namespace expertd::engine {
 namespace {
 
+using cuda::CublasHandle;
 using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::PinnedBytes;
@@ -136,8 +139,12 @@ struct Ds4GpuEngine::Impl {
   DeviceBytes dense_mem;  // the dense weights, as in the file
   DeviceBytes work_mem;   // caches and activations
   PinnedBytes host_mem;   // pinned mirrors of the router logits, the weights and the logits
+  DeviceBytes chunk_mem;  // prefill's chunk scratch
+  PinnedBytes
+      chunk_host;  // prefill's router logits (device -> host) and row lists (host -> device)
   CudaStream copy;
   CudaStream compute;
+  CublasHandle blas;  // on `compute`
   std::unique_ptr<GpuExperts> experts;
 
   // Dense weights.
@@ -185,6 +192,31 @@ struct Ds4GpuEngine::Impl {
   float* h_weights = nullptr;
   float* h_logits = nullptr;
 
+  // prefill(): C = min(prefill_chunk, max_context) positions; row-major [row][...] buffers.
+  uint32_t chunk = 0;
+  uint64_t chunk_bytes = 0;
+  float* cstreams = nullptr;   // [C][hc][n_embd] every position's mHC streams
+  double* cpost = nullptr;     // [C][hc] the FFN site's post mix per position
+  double* ccomb = nullptr;     // [C][hc][hc] and comb
+  float* cxn = nullptr;        // [C][n_embd] normalised MoE inputs
+  float* crl = nullptr;        // [C][1 + depth][n_expert] router logits, then the lookahead's
+  uint32_t* d_rows = nullptr;  // [C * k] weights (floats), then rows by expert, then their slots
+  float* cxe = nullptr;        // [C][n_embd] one expert's rows
+  float* chg = nullptr;        // [C][n_ff] gate, then SwiGLU
+  float* chu = nullptr;        // [C][n_ff] up
+  float* cdown = nullptr;      // [C][n_embd] one expert's outputs
+  float* ceo = nullptr;        // [C][k][n_embd] every route slot's expert output
+  float* cmoe = nullptr;       // [C][n_embd] each position's MoE output
+  float* cwf = nullptr;        // [n_ff * n_embd] one projection of one expert, as f32
+  float* h_crl = nullptr;      // pinned mirrors of crl and d_rows
+  uint32_t* h_rows = nullptr;
+  ExpertGroups groups;             // the chunk's layer's route slots by expert
+  std::vector<uint32_t> csel;      // [C][k] routes
+  std::vector<float> cweights;     // [C][k]
+  std::vector<uint32_t> row_at;    // [n_expert] an expert's first entry in the row lists
+  std::vector<ExpertHint> exact;   // a layer's needed experts' hints, n_expert
+  std::vector<uint8_t> hash_mark;  // [hash layer][expert]: hinted this chunk
+
   // Host scratch.
   std::vector<double> probs, sel;
   std::vector<uint32_t> order;
@@ -221,6 +253,16 @@ struct Ds4GpuEngine::Impl {
   Status route(uint32_t layer, uint32_t token);
   Status moe(uint32_t layer);
   Status head(std::span<float> logits);
+
+  Status init_prefill();
+  void carve_chunk(Carver& c);
+  Status gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in, uint32_t rows,
+              float* out);
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  void prefill_hash_hints(std::span<const uint32_t> tokens);
+  Status chunk_attention(uint32_t layer, uint32_t i);
+  void chunk_route(uint32_t layer, std::span<const uint32_t> tokens);
+  Status prefill_moe(uint32_t layer, uint32_t n);
 };
 
 Ds4GpuEngine::Impl::~Impl() {
@@ -428,6 +470,8 @@ Status Ds4GpuEngine::Impl::init() {
   h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
   h_logits = h_weights + k;
 
+  // Before the tier: Tier::Auto sizes itself from what is left.
+  EXPERTD_TRY(init_prefill());
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
   EXPERTD_TRY(experts->init(device_name));
   for (uint32_t i = 0; i < p.n_layer; ++i) {
@@ -732,6 +776,334 @@ Status Ds4GpuEngine::Impl::head(std::span<float> logits) {
   return Ok{};
 }
 
+// --- prefill -----------------------------------------------------------------------------------
+
+void Ds4GpuEngine::Impl::carve_chunk(Carver& c) {
+  const uint64_t n = chunk;
+  const uint64_t hc = d.hc;
+  const uint64_t e = p.n_embd;
+  const uint64_t k = p.n_expert_used;
+  const uint64_t ff = p.n_ff_exp;
+  cstreams = c.take_n<float>(n * hc * e);
+  cpost = c.take_n<double>(n * hc);
+  ccomb = c.take_n<double>(n * hc * hc);
+  cxn = c.take_n<float>(n * e);
+  crl = c.take_n<float>(n * (1 + opts.prefetch_depth) * p.n_expert);
+  d_rows = c.take_n<uint32_t>(n * k * 3);
+  cxe = c.take_n<float>(n * e);
+  chg = c.take_n<float>(n * ff);
+  chu = c.take_n<float>(n * ff);
+  cdown = c.take_n<float>(n * e);
+  ceo = c.take_n<float>(n * k * e);
+  cmoe = c.take_n<float>(n * e);
+  cwf = c.take_n<float>(ff * e);
+}
+
+Status Ds4GpuEngine::Impl::init_prefill() {
+  chunk = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
+  Carver cc;
+  carve_chunk(cc);
+  chunk_bytes = cc.total();
+  Result<DeviceBytes> mem = DeviceBytes::alloc(chunk_bytes);
+  if (!mem) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} ({} bytes) of device memory for the "
+                                          "prefill scratch of {} positions (--prefill-chunk) on {}",
+                                          gib(chunk_bytes), chunk_bytes, chunk, device_name));
+  }
+  chunk_mem = std::move(*mem);
+  cc.start(chunk_mem.get());
+  carve_chunk(cc);
+  const uint64_t k = p.n_expert_used;
+  const uint64_t rl = uint64_t{chunk} * (1 + opts.prefetch_depth) * p.n_expert;
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((rl + uint64_t{chunk} * k * 3) * 4));
+  h_crl = chunk_host.get<float>();
+  h_rows = reinterpret_cast<uint32_t*>(h_crl + rl);
+  EXPERTD_TRY_ASSIGN(blas, CublasHandle::create(compute.get()));
+  EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
+  EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
+  groups.reserve(p.n_expert, uint64_t{chunk} * k);
+  csel.resize(uint64_t{chunk} * k);
+  cweights.resize(uint64_t{chunk} * k);
+  row_at.resize(p.n_expert);
+  exact.resize(p.n_expert);
+  hash_mark.resize(uint64_t{d.hash_layers} * p.n_expert);
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::gemm(const float* wt, uint32_t out_cols, uint32_t in_cols,
+                                const float* in, uint32_t rows, float* o) {
+  // o[rows][out_cols] = in[rows][in_cols] wt^T, wt row-major [out_cols][in_cols]: column-major,
+  // o^T = wt-as-stored^T in^T (as GpuEngine::Impl::gemm).
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  EXPERTD_CUBLAS_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
+                                 static_cast<int>(rows), static_cast<int>(in_cols), &alpha, wt,
+                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta, o,
+                                 static_cast<int>(out_cols)));
+  return Ok{};
+}
+
+void Ds4GpuEngine::Impl::prefill_hash_hints(std::span<const uint32_t> tokens) {
+  if (!opts.hash_hints || d.hash_layers == 0) return;
+  // Every hash layer's experts of the whole chunk, each (layer, expert) once.
+  hash_hints.clear();
+  std::fill(hash_mark.begin(), hash_mark.end(), 0);
+  const uint32_t k = p.n_expert_used;
+  for (const uint32_t token : tokens) {
+    for (uint32_t layer = 0; layer < d.hash_layers; ++layer) {
+      const uint32_t* ex = w.layers[layer].tid2eid.data() + uint64_t{token} * k;
+      for (uint32_t i = 0; i < k; ++i) {
+        uint8_t& mark = hash_mark[uint64_t{layer} * p.n_expert + ex[i]];
+        if (mark != 0) continue;
+        mark = 1;
+        hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f});
+      }
+    }
+  }
+  stats.hash_hints += hash_hints.size();
+  if (!source.prefetch(hash_hints)) ++stats.hint_errors;
+}
+
+Status Ds4GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t i) {
+  // decode()'s per-position code on row i: the caller points streams, post and comb at the row's
+  // chunk buffers and pos at its position.
+  const DevLayer& l = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t ne = p.n_expert;
+  EXPERTD_TRY(hc_mix(l.hc_attn_fn, l.hc_attn_scale, l.hc_attn_base));
+  EXPERTD_TRY(attention(layer));
+  EXPERTD_TRY(hc_expand());
+  EXPERTD_TRY(hc_mix(l.hc_ffn_fn, l.hc_ffn_scale, l.hc_ffn_base));
+  float* x = cxn + uint64_t{i} * p.n_embd;
+  float* rl = crl + uint64_t{i} * (1 + opts.prefetch_depth) * ne;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(collapsed, l.ffn_norm, x, 1, p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(mv(l.gate_inp, x, rl));
+  // The lookahead routers on this position's collapsed stream, as route() runs them.
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
+  for (uint32_t j = 1; j <= opts.prefetch_depth && !scripted_hints; ++j) {
+    const uint32_t next = layer + j;
+    if (next >= p.n_layer || next < d.hash_layers) continue;
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_rms_norm(collapsed, layers[next].ffn_norm, pxn, 1, p.n_embd, p.rms_eps, st));
+    EXPERTD_TRY(mv(layers[next].gate_inp, pxn, rl + uint64_t{j} * ne));
+  }
+  return Ok{};
+}
+
+void Ds4GpuEngine::Impl::chunk_route(uint32_t layer, std::span<const uint32_t> tokens) {
+  // Each position's lookahead hints and routing decision, as Ds4CpuEngine::prefill_chunk makes
+  // them (pos walks the chunk for the script).
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const bool hash = layer < d.hash_layers;
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
+  const uint32_t p0 = pos;
+  for (uint32_t i = 0; i < tokens.size(); ++i) {
+    pos = p0 + i;
+    const float* rl = h_crl + uint64_t{i} * (1 + opts.prefetch_depth) * ne;
+    planner.from_layer(layer);
+    for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
+      const uint32_t next = layer + j;
+      if (next < d.hash_layers) continue;  // hinted exactly at the chunk
+      if (scripted_hints) {
+        add_scripted_hints(*opts.script, pos, layer, next, planner);
+        continue;
+      }
+      ds4_hint_probs(w.layers[next], std::span<const float>(rl + uint64_t{j} * ne, ne), probs);
+      planner.add_ranked(next, std::span<const double>(probs.data(), ne));
+    }
+    const std::span<uint32_t> route(csel.data() + uint64_t{i} * k, k);
+    const std::span<float> wts(cweights.data() + uint64_t{i} * k, k);
+    if (!take_scripted_route(opts, pos, layer, route, wts, stats)) {
+      ds4_route(d, w.layers[layer], hash, tokens[i], std::span<const float>(rl, ne), k, probs, sel,
+                order, route, wts);
+    }
+    log_route(routing_log, pos, layer, route, wts);
+  }
+  pos = p0;
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  if (!hints.empty() && !source.prefetch(hints)) ++stats.hint_errors;
+}
+
+Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
+  const DevLayer& dl = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t e = p.n_embd;
+  const uint32_t ff = p.n_ff_exp;
+  const uint64_t rk = uint64_t{n} * k;
+  const bool hash = layer < d.hash_layers;
+  const std::span<const uint32_t> needed = groups.needed();
+  const auto n_needed = static_cast<uint32_t>(needed.size());
+  // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted
+  // at the chunk's start).
+  if (!hash && n_needed > k) {
+    for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};
+    stats.prefill_hints += n_needed;
+    if (!source.prefetch(std::span<const ExpertHint>(exact.data(), n_needed))) {
+      ++stats.hint_errors;
+    }
+  }
+  if (!source.set_cursor(pos + n - 1, layer)) ++stats.hint_errors;
+
+  // The weights, then each expert's rows (position order) and the route slot each output goes to,
+  // so each position sums its slots in decode()'s order. The previous layer's upload is done: the
+  // layer's router copy synchronised the stream.
+  auto* up_w = reinterpret_cast<float*>(h_rows);
+  uint32_t* up_rows = h_rows + rk;
+  uint32_t* up_dest = h_rows + 2 * rk;
+  std::copy_n(cweights.data(), rk, up_w);
+  uint32_t at = 0;
+  for (const uint32_t ex : needed) {
+    row_at[ex] = at;
+    for (const uint32_t slot : groups.slots(ex)) {
+      up_rows[at] = slot / k;
+      up_dest[at] = slot;
+      ++at;
+    }
+  }
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, st));
+  const float* d_w = reinterpret_cast<const float*>(d_rows);
+  const uint32_t* d_gather = d_rows + rk;
+  const uint32_t* d_dest = d_rows + 2 * rk;
+
+  // Held at most top-k at a time (what a daemon cache sized for decode can hold), each applied to
+  // all its rows as GEMMs, the holds given back once their kernels are done.
+  const GpuExperts::LayerShape& sh = experts->shape(layer);
+  const uint64_t proj = uint64_t{ff} * e;
+  for (uint32_t g = 0; g < n_needed; g += k) {
+    const uint32_t m = std::min(k, n_needed - g);
+    const std::span<const uint32_t> group = needed.subspan(g, m);
+    source.host_ready(layer, group, std::span<uint8_t>(ready.data(), m));
+    uint64_t waited = 0;
+    EXPERTD_TRY(experts->acquire(layer, group, std::span<ExpertPtrs>(ptrs.data(), m), &waited));
+    stats.experts_used += m;
+    stats.prefill_experts += m;
+    const auto n_ready = static_cast<uint64_t>(std::count(ready.begin(), ready.begin() + m, 1));
+    (hash ? stats.hash_experts : stats.learned_experts) += m;
+    (hash ? stats.hash_ready : stats.learned_ready) += n_ready;
+    (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
+    for (uint32_t v = 0; v < m; ++v) {
+      const auto rows = static_cast<uint32_t>(groups.slots(group[v]).size());
+      const uint32_t first = row_at[group[v]];
+      EXPERTD_CUDA_TRY(kernels::gather_rows(cxn, d_gather + first, rows, e, cxe, st));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[v].gate, cwf, proj, st));
+      EXPERTD_TRY(gemm(cwf, ff, e, cxe, rows, chg));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[v].up, cwf, proj, st));
+      EXPERTD_TRY(gemm(cwf, ff, e, cxe, rows, chu));
+      EXPERTD_CUDA_TRY(
+          kernels::ds4_swiglu(chg, chu, chg, uint64_t{rows} * ff, d.clamp_exp[layer], st));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[v].down, cwf, proj, st));
+      EXPERTD_TRY(gemm(cwf, e, ff, chg, rows, cdown));
+      EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + first, rows, e, ceo, st));
+    }
+    EXPERTD_TRY(experts->finish_layer());
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_TRY(experts->release_demand_holds());
+  }
+  // Per position, as decode() does: the shared expert, then the routed slots summed in route
+  // order with it.
+  for (uint32_t i = 0; i < n; ++i) {
+    const float* x = cxn + uint64_t{i} * e;
+    if (dl.has_shexp) {
+      EXPERTD_TRY(mv(dl.shexp_gate, x, sg));
+      EXPERTD_TRY(mv(dl.shexp_up, x, su));
+      EXPERTD_CUDA_TRY(
+          kernels::ds4_swiglu(sg, su, sg, dl.shexp_gate.rows, d.clamp_shexp[layer], st));
+      EXPERTD_TRY(mv(dl.shexp_down, sg, sout));
+    }
+    EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * e, d_w + uint64_t{i} * k, k,
+                                          dl.has_shexp ? sout : nullptr, e, cmoe + uint64_t{i} * e,
+                                          st));
+  }
+  return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
+                                         std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const cudaStream_t st = compute.get();
+  const uint32_t hc = d.hc;
+  const uint64_t e = p.n_embd;
+  const uint64_t se = hc * e;  // one position's streams
+  const uint32_t p0 = pos;
+  const uint32_t last = p0 + n - 1;
+  for (uint32_t i = 0; i < n; ++i) {
+    float* s = cstreams + i * se;
+    EXPERTD_CUDA_TRY(
+        kernels::dequantize(embd.type, embd.data + uint64_t{tokens[i]} * embd.row_bytes, s, e, st));
+    for (uint32_t h = 1; h < hc; ++h) {
+      EXPERTD_CUDA_TRY(cudaMemcpyAsync(s + h * e, s, e * 4, cudaMemcpyDeviceToDevice, st));
+    }
+  }
+  const size_t logged = routing_log != nullptr ? routing_log->size() : 0;
+  // The chunk is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
+  // last position and starts before layer 0, so the hints below target this pass.
+  planner.begin_token();
+  if (last > 0 && !source.set_cursor(last - 1, p.n_layer - 1)) ++stats.hint_errors;
+  prefill_hash_hints(tokens);
+  float* const streams0 = streams;
+  double* const post0 = post;
+  double* const comb0 = comb;
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    // Position by position in order: the window and compressors advance one position at a time.
+    // decode()'s code runs on each row's own streams and mixes in place.
+    Status s = Ok{};
+    for (uint32_t i = 0; i < n && s; ++i) {
+      pos = p0 + i;
+      streams = cstreams + i * se;
+      post = cpost + uint64_t{i} * hc;
+      comb = ccomb + uint64_t{i} * hc * hc;
+      s = chunk_attention(layer, i);
+    }
+    streams = streams0;
+    post = post0;
+    comb = comb0;
+    pos = p0;
+    EXPERTD_TRY(std::move(s));
+    // The chunk's router logits: one copy, one sync per layer.
+    const uint64_t rl = uint64_t{n} * (1 + opts.prefetch_depth) * p.n_expert;
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, rl * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_TRY(experts->release_demand_holds());
+    EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+    EXPERTD_TRY(experts->account_copy_time());
+    chunk_route(layer, tokens);
+    groups.build(std::span<const uint32_t>(csel.data(), uint64_t{n} * p.n_expert_used));
+    if (layer >= d.hash_layers) {
+      routed_chunk(planner, layer, groups.needed(), stats, routing_log, logged);
+    }
+    EXPERTD_TRY(prefill_moe(layer, n));
+    // Each position's MoE output goes into its streams with its own post and comb.
+    for (uint32_t i = 0; i < n; ++i) {
+      EXPERTD_CUDA_TRY(kernels::ds4_hc_expand(cstreams + i * se, cmoe + i * e,
+                                              cpost + uint64_t{i} * hc,
+                                              ccomb + uint64_t{i} * hc * hc, hc, p.n_embd, st));
+    }
+  }
+  if (routing_log != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log->begin() + static_cast<int64_t>(logged), routing_log->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  if (!logits.empty()) {
+    streams = cstreams + (n - 1) * se;
+    Status s = head(logits);
+    streams = streams0;
+    EXPERTD_TRY(std::move(s));
+  } else {
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_TRY(experts->release_demand_holds());
+    EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  }
+  pos = p0 + n;
+  stats.tokens += n;
+  stats.prefill_tokens += n;
+  ++stats.prefill_chunks;
+  return Ok{};
+}
+
 // --- Ds4GpuEngine ------------------------------------------------------------------------------
 
 Ds4GpuEngine::Ds4GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -781,6 +1153,20 @@ Status Ds4GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
+Status Ds4GpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
+  Impl& m = *impl_;
+  EXPERTD_TRY(check_prefill(m.p, m.opts, m.pos, tokens, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  Status st = Ok{};
+  for (size_t at = 0; at < tokens.size() && st; at += m.chunk) {
+    const size_t n = std::min<size_t>(m.chunk, tokens.size() - at);
+    const bool last = at + n == tokens.size();
+    st = m.prefill_chunk(tokens.subspan(at, n), last ? logits : std::span<float>());
+  }
+  m.stats.prefill_ns += monotonic_ns() - t0;
+  return st;
+}
+
 void Ds4GpuEngine::reset() {
   Impl& m = *impl_;
   m.pos = 0;
@@ -810,8 +1196,8 @@ std::string Ds4GpuEngine::description() const {
                                "PCIe)");
   return fmt::format(
       "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
-      "matvec), {}{}",
-      m.device_name, gib(m.dense_device_bytes), tier,
+      "matvec), {}, prefill in chunks of {} ({} scratch){}",
+      m.device_name, gib(m.dense_device_bytes), tier, m.chunk, gib(m.chunk_bytes),
       x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

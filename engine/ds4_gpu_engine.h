@@ -15,7 +15,16 @@
 // back. Experts reach the device through GpuExperts (in place from the registered arena, or a VRAM
 // tier), as in GpuEngine.
 //
-// decode() allocates nothing unless a routing log is attached. Not thread-safe.
+// prefill() is Ds4CpuEngine::prefill on the device: layer by layer over a chunk of
+// EngineOptions::prefill_chunk positions whose mHC streams, FFN-site post/comb mixes and MoE inputs
+// stay on the device for the whole chunk. The attention sublayer is decode()'s code run position by
+// position (its window, compressors and indexer are running state); the chunk's router logits come
+// back in one copy per layer and are routed on the host; the routed experts are acquired once per
+// chunk and layer in groups of at most top-k and applied to all their positions as dequantised f32
+// cuBLAS GEMMs (the clamped SwiGLU between); each position sums its route slots in decode()'s
+// order. The chunk scratch is allocated at create().
+//
+// decode() and prefill() allocate nothing unless a routing log is attached. Not thread-safe.
 #pragma once
 
 #include <memory>
@@ -39,6 +48,7 @@ class Ds4GpuEngine final : public Engine {
   ~Ds4GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
   uint32_t position() const override;
   const EngineStats& stats() const override;

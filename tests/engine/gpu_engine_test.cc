@@ -771,5 +771,129 @@ TEST(Ds4GpuEngine, DaemonModesMatchTheCpuEngine) {
   EXPECT_EQ(d.stop(), 0) << log;
 }
 
+// prefill() of the fixture's prompt in chunks of 1, 5 and 512 positions (capped at the context),
+// in place and through a 3-slot VRAM tier (it evicts within a chunk's layer), against the CPU
+// engine fed token by token on the same daemon: the last position's logits, the routing records,
+// the greedy continuation, the counters (each distinct expert of a chunk's layer acquired once,
+// fewer than token by token in one chunk), every hold given back.
+TEST(Ds4GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
+  REQUIRE_GPU();
+  const Ds4Fixture fx = Ds4Fixture::load();
+  TempDir dir;
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(), {"--model", "v4-f32=" + Ds4Fixture::gguf("f32"), "--model",
+                        "v4-mxfp4=" + Ds4Fixture::gguf("mxfp4"), "--model",
+                        "v4-q8_0=" + Ds4Fixture::gguf("q8_0"), "--socket", sock, "--cache", "16MiB",
+                        "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  const std::vector<uint32_t> prompt(fx.tokens.begin(), fx.tokens.begin() + fx.prompt);
+  const uint32_t n = fx.prompt;
+  const uint32_t gen = 4;
+  const uint32_t ctx = 64;
+  for (const char* variant : {"f32", "mxfp4", "q8_0"}) {
+    const std::string name = std::string("v4-") + variant;
+    const double tol = std::string(variant) == "f32" ? 1e-3 : 2e-2;
+    auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    const ModelParams& p = model->params();
+
+    // The CPU engine token by token: the last logits, the routing, the greedy tokens.
+    std::vector<float> cpu_last(fx.vocab);
+    std::vector<RoutingRecord> cpu_routing;
+    std::vector<uint32_t> cpu_greedy;
+    uint64_t cpu_experts_used = 0;
+    {
+      DaemonConn c = DaemonConn::open(sock, name, *model);
+      ASSERT_TRUE(c.source);
+      auto cpu = Ds4CpuEngine::create(*model, *c.source, EngineOptions{ctx, 0, 0});
+      ASSERT_TRUE(cpu) << cpu.error().message;
+      (*cpu)->set_routing_log(&cpu_routing);
+      std::vector<float> l(fx.vocab);
+      for (const uint32_t t : prompt) ASSERT_TRUE((*cpu)->decode(t, l));
+      cpu_last = l;
+      cpu_experts_used = (*cpu)->stats().experts_used;
+      EXPECT_EQ(cpu_experts_used, uint64_t{n} * p.n_layer * p.n_expert_used);
+      for (uint32_t i = 0; i < gen; ++i) {
+        cpu_greedy.push_back(argmax(l));
+        ASSERT_TRUE((*cpu)->decode(cpu_greedy.back(), l));
+      }
+    }
+    std::printf("[ %s ] CPU greedy margin %.3e at the prompt's end\n", variant,
+                top2_margin(cpu_last));
+
+    for (const auto& [label, g] : {std::pair{"in-place", tier(GpuOptions::Tier::InPlace)},
+                                   std::pair{"tier-3", tier(GpuOptions::Tier::Experts, 3)}}) {
+      for (const uint32_t chunk : {1u, 5u, 512u}) {
+        SCOPED_TRACE(fmt::format("{} {} chunk {}", name, label, chunk));
+        DaemonConn c = DaemonConn::open(sock, name, *model);
+        ASSERT_TRUE(c.source);
+        EngineOptions o{ctx, 0, 0};
+        o.prefill_chunk = chunk;
+        auto gpu = Ds4GpuEngine::create(*model, *c.source, o, g);
+        ASSERT_TRUE(gpu) << gpu.error().message;
+        EXPECT_NE((*gpu)->description().find("prefill in chunks of"), std::string::npos)
+            << (*gpu)->description();
+        std::vector<RoutingRecord> routing;
+        (*gpu)->set_routing_log(&routing);
+        std::vector<float> l(fx.vocab);
+        auto st = (*gpu)->prefill(prompt, l);
+        ASSERT_TRUE(st) << st.error().message;
+        EXPECT_EQ((*gpu)->position(), n);
+        for (const float v : l) ASSERT_TRUE(std::isfinite(v));
+        const double err = test::rel_err(l.data(), cpu_last.data(), fx.vocab);
+        EXPECT_LE(err, tol);
+
+        // The routing, in decode's order (position-major).
+        ASSERT_EQ(routing.size(), cpu_routing.size());
+        for (size_t i = 0; i < routing.size(); ++i) {
+          EXPECT_EQ(routing[i].token, cpu_routing[i].token) << "record " << i;
+          EXPECT_EQ(routing[i].layer, cpu_routing[i].layer) << "record " << i;
+          EXPECT_EQ(routing[i].experts, cpu_routing[i].experts) << "record " << i;
+        }
+
+        const EngineStats s = (*gpu)->stats();
+        const uint32_t effective = std::min(chunk, ctx);
+        EXPECT_EQ(s.prefill_tokens, n);
+        EXPECT_EQ(s.tokens, n);
+        EXPECT_EQ(s.prefill_chunks, (n + effective - 1) / effective);
+        EXPECT_EQ(s.prefill_experts, chunk_experts(cpu_routing, effective, n));
+        EXPECT_EQ(s.experts_used, s.prefill_experts);
+        EXPECT_EQ(s.hash_experts + s.learned_experts, s.experts_used);
+        EXPECT_GT(s.prefill_ns, 0u);
+        if (chunk == 1) {
+          EXPECT_EQ(s.prefill_experts, cpu_experts_used);
+        }
+        if (chunk == 512) {
+          EXPECT_LT(s.prefill_experts, cpu_experts_used);
+        }
+        if ((*gpu)->vram_slots() > 0) {
+          EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+        }
+        std::printf(
+            "[ %s %s chunk %u ] deepseek4 prefill vs CPU token by token %.3e; experts acquired "
+            "%llu (token by token %llu); vram hits %llu misses %llu\n",
+            name.c_str(), label, chunk, err, static_cast<unsigned long long>(s.prefill_experts),
+            static_cast<unsigned long long>(cpu_experts_used),
+            static_cast<unsigned long long>(s.vram_hits),
+            static_cast<unsigned long long>(s.vram_misses));
+        EXPECT_EQ(c.session->holds(), 0u) << "prefill gives every hold back";
+
+        // Greedy continuation from the prefilled state: the CPU engine's tokens.
+        std::vector<uint32_t> greedy;
+        for (uint32_t i = 0; i < gen; ++i) {
+          greedy.push_back(argmax(l));
+          st = (*gpu)->decode(greedy.back(), l);
+          ASSERT_TRUE(st) << st.error().message;
+        }
+        EXPECT_EQ(greedy, cpu_greedy);
+        (*gpu)->reset();
+        EXPECT_EQ(c.session->holds(), 0u) << "every hold is given back";
+      }
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
+}
+
 }  // namespace
 }  // namespace expertd::engine
