@@ -215,7 +215,7 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   cmoe_.resize(c * e);
   groups_.reserve(p_.n_expert, c * k);
   exact_.resize(p_.n_expert);
-  hash_mark_.resize(uint64_t{d_.hash_layers} * p_.n_expert);
+  hash_mark_.resize(p_.n_expert);
   cgx_.resize(c * e);
   cgate_.resize(c * ff_sh);
   cup_.resize(c * ff_sh);
@@ -636,27 +636,6 @@ Status Ds4CpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> 
   return st;
 }
 
-void Ds4CpuEngine::prefill_hash_hints(std::span<const uint32_t> tokens) {
-  if (!opts_.hash_hints || d_.hash_layers == 0) return;
-  // Every hash layer's experts of the whole chunk, each (layer, expert) once.
-  hash_hints_.clear();
-  std::fill(hash_mark_.begin(), hash_mark_.end(), 0);
-  const uint32_t k = p_.n_expert_used;
-  for (const uint32_t token : tokens) {
-    for (uint32_t layer = 0; layer < d_.hash_layers; ++layer) {
-      const uint32_t* ex = w_.layers[layer].tid2eid.data() + uint64_t{token} * k;
-      for (uint32_t i = 0; i < k; ++i) {
-        uint8_t& mark = hash_mark_[uint64_t{layer} * p_.n_expert + ex[i]];
-        if (mark != 0) continue;
-        mark = 1;
-        hash_hints_.push_back(ExpertHint{layer, ex[i], 1.0f});
-      }
-    }
-  }
-  stats_.hash_hints += hash_hints_.size();
-  if (!source_.prefetch(hash_hints_)) ++stats_.hint_errors;
-}
-
 Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
   const auto n = static_cast<uint32_t>(tokens.size());
   const uint32_t hc = d_.hc;
@@ -676,9 +655,16 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
   // last position and starts before layer 0, so the hints below target this pass.
   planner_.begin_token();
   if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
-  prefill_hash_hints(tokens);
+  const bool hash_hints = opts_.hash_hints && d_.hash_layers > 0;
+  if (hash_hints) {
+    hint_hash_layer(source_, w_, 0, p_.n_expert_used, tokens, hash_mark_, hash_hints_, stats_);
+  }
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds4LayerWeights& l = w_.layers[layer];
+    if (hash_hints && layer + 1 < d_.hash_layers) {  // one hash layer ahead
+      hint_hash_layer(source_, w_, layer + 1, p_.n_expert_used, tokens, hash_mark_, hash_hints_,
+                      stats_);
+    }
     // Position by position: the attention's running state (window, compressors) advances one
     // position at a time. pos_ walks the chunk for the per-position code.
     for (uint32_t i = 0; i < n; ++i) {

@@ -116,7 +116,6 @@ class Ds4CpuEngine final : public Engine {
   // HyperHead, output norm and head on streams_.
   void head(std::span<float> logits);
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
-  void prefill_hash_hints(std::span<const uint32_t> tokens);
   Status prefill_moe(uint32_t layer, uint32_t n);
   // Interleaved RoPE on the trailing n_rot of a `dim`-long head at `pos` (the compress base and
   // YaRN when `compress`; the conjugate rotation when `inverse`).
@@ -183,7 +182,7 @@ class Ds4CpuEngine final : public Engine {
   std::vector<float> cmoe_;         // each position's MoE output (routed + shared), [C][n_embd]
   ExpertGroups groups_;             // the chunk's layer's route slots by expert
   std::vector<ExpertHint> exact_;   // their hints, n_expert
-  std::vector<uint8_t> hash_mark_;  // [hash layer][expert]: hinted this chunk
+  std::vector<uint8_t> hash_mark_;  // [expert]: hinted for this chunk's hash layer
   std::vector<float> cgx_;          // one expert's inputs, [C][n_embd]
   std::vector<float> cgate_;        // [C][n_ff (shared: n_ff * n_shared)]
   std::vector<float> cup_;          // [C][n_ff (shared: n_ff * n_shared)]

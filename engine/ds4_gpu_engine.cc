@@ -215,7 +215,7 @@ struct Ds4GpuEngine::Impl {
   std::vector<float> cweights;     // [C][k]
   std::vector<uint32_t> row_at;    // [n_expert] an expert's first entry in the row lists
   std::vector<ExpertHint> exact;   // a layer's needed experts' hints, n_expert
-  std::vector<uint8_t> hash_mark;  // [hash layer][expert]: hinted this chunk
+  std::vector<uint8_t> hash_mark;  // [expert]: hinted for this chunk's hash layer
 
   // Host scratch.
   std::vector<double> probs, sel;
@@ -259,7 +259,6 @@ struct Ds4GpuEngine::Impl {
   Status gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in, uint32_t rows,
               float* out);
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
-  void prefill_hash_hints(std::span<const uint32_t> tokens);
   Status chunk_attention(uint32_t layer, uint32_t i);
   void chunk_route(uint32_t layer, std::span<const uint32_t> tokens);
   Status prefill_moe(uint32_t layer, uint32_t n);
@@ -826,7 +825,7 @@ Status Ds4GpuEngine::Impl::init_prefill() {
   cweights.resize(uint64_t{chunk} * k);
   row_at.resize(p.n_expert);
   exact.resize(p.n_expert);
-  hash_mark.resize(uint64_t{d.hash_layers} * p.n_expert);
+  hash_mark.resize(p.n_expert);
   return Ok{};
 }
 
@@ -841,27 +840,6 @@ Status Ds4GpuEngine::Impl::gemm(const float* wt, uint32_t out_cols, uint32_t in_
                                  static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta, o,
                                  static_cast<int>(out_cols)));
   return Ok{};
-}
-
-void Ds4GpuEngine::Impl::prefill_hash_hints(std::span<const uint32_t> tokens) {
-  if (!opts.hash_hints || d.hash_layers == 0) return;
-  // Every hash layer's experts of the whole chunk, each (layer, expert) once.
-  hash_hints.clear();
-  std::fill(hash_mark.begin(), hash_mark.end(), 0);
-  const uint32_t k = p.n_expert_used;
-  for (const uint32_t token : tokens) {
-    for (uint32_t layer = 0; layer < d.hash_layers; ++layer) {
-      const uint32_t* ex = w.layers[layer].tid2eid.data() + uint64_t{token} * k;
-      for (uint32_t i = 0; i < k; ++i) {
-        uint8_t& mark = hash_mark[uint64_t{layer} * p.n_expert + ex[i]];
-        if (mark != 0) continue;
-        mark = 1;
-        hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f});
-      }
-    }
-  }
-  stats.hash_hints += hash_hints.size();
-  if (!source.prefetch(hash_hints)) ++stats.hint_errors;
 }
 
 Status Ds4GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t i) {
@@ -1041,11 +1019,17 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   // last position and starts before layer 0, so the hints below target this pass.
   planner.begin_token();
   if (last > 0 && !source.set_cursor(last - 1, p.n_layer - 1)) ++stats.hint_errors;
-  prefill_hash_hints(tokens);
+  const bool hash_hints_on = opts.hash_hints && d.hash_layers > 0;
+  if (hash_hints_on) {
+    hint_hash_layer(source, w, 0, p.n_expert_used, tokens, hash_mark, hash_hints, stats);
+  }
   float* const streams0 = streams;
   double* const post0 = post;
   double* const comb0 = comb;
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    if (hash_hints_on && layer + 1 < d.hash_layers) {  // one hash layer ahead
+      hint_hash_layer(source, w, layer + 1, p.n_expert_used, tokens, hash_mark, hash_hints, stats);
+    }
     // Position by position in order: the window and compressors advance one position at a time.
     // decode()'s code runs on each row's own streams and mixes in place.
     Status s = Ok{};

@@ -194,6 +194,24 @@ void hint_needed(ExpertSource& source, uint32_t layer, std::span<const uint32_t>
   if (!source.prefetch(scratch.first(needed.size()))) ++stats.hint_errors;
 }
 
+void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, uint32_t k,
+                     std::span<const uint32_t> tokens, std::vector<uint8_t>& mark,
+                     std::vector<ExpertHint>& out, EngineStats& stats) {
+  out.clear();
+  std::fill(mark.begin(), mark.end(), 0);
+  const uint32_t* tid2eid = w.layers[layer].tid2eid.data();
+  for (const uint32_t token : tokens) {
+    for (uint32_t i = 0; i < k; ++i) {
+      const uint32_t e = tid2eid[uint64_t{token} * k + i];
+      if (e >= mark.size() || mark[e] != 0) continue;
+      mark[e] = 1;
+      out.push_back(ExpertHint{layer, e, 1.0f});
+    }
+  }
+  stats.hash_hints += out.size();
+  if (!out.empty() && !source.prefetch(out)) ++stats.hint_errors;
+}
+
 Status check_engine_options(const ModelParams& p, const EngineOptions& o) {
   if (o.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
   if (o.prefetch_width > p.n_expert) {

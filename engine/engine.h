@@ -245,6 +245,15 @@ void routed_chunk(HintPlanner& planner, uint32_t layer, std::span<const uint32_t
 void hint_needed(ExpertSource& source, uint32_t layer, std::span<const uint32_t> needed,
                  std::span<ExpertHint> scratch, EngineStats& stats);
 
+// deepseek4 prefill(): hints hash layer `layer`'s experts for every token of a chunk (exact:
+// tid2eid[token]), each once, and counts them in stats.hash_hints. A chunk hints one hash layer
+// ahead of the one computing, not all of them at its start: a long chunk's hash layers together
+// need more experts than a cache holds, and hints evicted before use are read twice. `mark` holds
+// n_expert bytes; `out` is reused.
+void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, uint32_t k,
+                     std::span<const uint32_t> tokens, std::vector<uint8_t>& mark,
+                     std::vector<ExpertHint>& out, EngineStats& stats);
+
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);

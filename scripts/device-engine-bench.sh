@@ -26,6 +26,8 @@
 #            out-of-core prefill on the Mixtral-shaped model: a fresh expertd (cache CACHE) and
 #            expert-run (--vram-experts VRAM, --prefill-chunk CHUNK) on a LEN-token prompt of
 #            pseudo-random ids, both inside a cgroup v2 with memory.max CAP, page cache dropped first
+#   prefill4:NAME:CACHE:VRAM:CHUNK:LEN:CAP
+#            the same on the DeepSeek-V4-shaped model of forge4
 #   llprefill:NAME:LEN:UBATCH:NCMOE:CAP
 #            llama-bench -p LEN -n 0 on the same GGUF under the same cap: -ngl 99 -ncmoe NCMOE (layers
 #            whose experts stay on the CPU), -ub/-b UBATCH, mmap, --repack 0 (docs/PERFORMANCE.md)
@@ -189,8 +191,8 @@ phase_llwait() {
   [ "$(cat "$src/build.rc" 2> /dev/null)" = 0 ]
 }
 
-phase_prefill() {  # NAME CACHE VRAM CHUNK LEN CAP
-  local name=$1 cache=$2 vram=$3 chunk=$4 len=$5 cap=$6
+phase_prefill() {  # NAME CACHE VRAM CHUNK LEN CAP [GGUF]
+  local name=$1 cache=$2 vram=$3 chunk=$4 len=$5 cap=$6 gguf=${7:-$model}
   local sock=$work/expertd-pf.sock
   rm -f "$sock"
   sync; echo 3 > /proc/sys/vm/drop_caches || true
@@ -204,7 +206,7 @@ phase_prefill() {  # NAME CACHE VRAM CHUNK LEN CAP
     "$0/expert-run" --socket "$2" --model mix --prompt-tokens "$4" --max-tokens 4 \
       --vram-experts "$5" --prefill-chunk "$6" --ignore-eos --json || rc=$?
     kill -TERM $pid; wait $pid
-    exit $rc' "$bin" "$model" "$sock" "$cache" "$(prompt_ids "$len")" "$vram" "$chunk" \
+    exit $rc' "$bin" "$gguf" "$sock" "$cache" "$(prompt_ids "$len")" "$vram" "$chunk" \
     "$work/expertd-pf-$name.log" > "$out/prefill-$name.json" || rc=$?
   echo "prefill $name (cache $cache, vram $vram, chunk $chunk, $len tokens, cap $cap): \
 $(grep -o '"prefill":{[^}]*}' "$out/prefill-$name.json")"
@@ -267,6 +269,8 @@ for p in "$@"; do
     run:*) IFS=: read -r _ n c v d t <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" ;;
     run4:*) IFS=: read -r _ n c v d t h <<< "$p"; phase_run4 "$n" "$c" "$v" "$d" "$t" "$h" ;;
     prefill:*) IFS=: read -r _ n c v k l m <<< "$p"; phase_prefill "$n" "$c" "$v" "$k" "$l" "$m" ;;
+    prefill4:*) IFS=: read -r _ n c v k l m <<< "$p"
+      phase_prefill "$n" "$c" "$v" "$k" "$l" "$m" "$model4" ;;
     llprefill:*) IFS=: read -r _ n l u g m <<< "$p"; phase_llprefill "$n" "$l" "$u" "$g" "$m" ;;
     *) "phase_$p" ;;
   esac
