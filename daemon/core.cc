@@ -414,6 +414,22 @@ void DaemonCore::run() {
   }
 }
 
+Error DaemonCore::unknown_model(std::string_view name) const {
+  // A client's name is echoed back at most 64 bytes long (cut on a UTF-8 boundary): a megabyte of
+  // name must not come back as a megabyte of error.
+  constexpr size_t kShown = 64;
+  std::string shown(name.substr(0, kShown));
+  if (name.size() > kShown) {
+    while (!shown.empty() && (static_cast<unsigned char>(shown.back()) & 0xC0) == 0x80) {
+      shown.pop_back();
+    }
+    if (!shown.empty() && static_cast<unsigned char>(shown.back()) >= 0xC0) shown.pop_back();
+    shown += fmt::format("... ({} bytes)", name.size());
+  }
+  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
+                                        shown, fmt::join(model_names_, ", ")));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sessions
 
@@ -421,8 +437,7 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
   uint32_t model = 0;
   while (model < models_.size() && models_[model]->name != model_name) ++model;
   if (model == models_.size()) {
-    return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
-                                          model_name, fmt::join(model_names_, ", ")));
+    return unknown_model(model_name);
   }
   uint32_t id = 0;
   while (id < sessions_.size() && sessions_[id]) ++id;
@@ -675,8 +690,7 @@ Result<std::vector<ModelFileFd>> DaemonCore::open_model_files(const std::string&
                                                               uint32_t* shard_count) const {
   const auto it = std::find(model_names_.begin(), model_names_.end(), model);
   if (it == model_names_.end()) {
-    return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
-                                          model, fmt::join(model_names_, ", ")));
+    return unknown_model(model);
   }
   const std::vector<ShardFile>& files = model_files_[it - model_names_.begin()];
   *shard_count = static_cast<uint32_t>(files.size());
@@ -733,8 +747,7 @@ Result<ModelLayout> DaemonCore::open_model(const std::string& name) const {
     }
     return l;
   }
-  return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon (models: {})",
-                                        name, fmt::join(model_names_, ", ")));
+  return unknown_model(name);
 }
 
 DaemonStats DaemonCore::stats() const {

@@ -29,6 +29,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -137,6 +138,8 @@ class DaemonCore {
   std::string status_line() const;
 
  private:
+  // ENOENT naming `name` (clipped) and the models served.
+  Error unknown_model(std::string_view name) const;
   struct Session;
   struct Model;
   class Sink;

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/fd.h"
 #include "client/expertd.capnp.h"
 #include "client/include/expertd/protocol.h"
@@ -380,6 +381,12 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
 
   bool allowed(const PeerCredentials& p) const {
     if (p.uid == 0 || p.uid == ::getuid()) return true;
+    // Members of the daemon's own group (primary or supplementary: SO_PEERGROUPS) pass, as the
+    // documentation says: `usermod -aG expertd USER` is how a user is let in.
+    const gid_t own = ::getgid();
+    if (p.gid == own || std::find(p.groups.begin(), p.groups.end(), own) != p.groups.end()) {
+      return true;
+    }
     if (std::find(allowed_uids.begin(), allowed_uids.end(), p.uid) != allowed_uids.end()) {
       return true;
     }
@@ -420,12 +427,18 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     KJ_IF_MAYBE (fd, stream->getFd()) {
       peer = peer_credentials(*fd);
     }
-    if (has_test_uid) peer.uid = test_uid;
+    if (has_test_uid) {  // a stranger: its own uid and gid, in no other group
+      peer.uid = test_uid;
+      peer.gid = static_cast<gid_t>(test_uid);
+      peer.groups.clear();
+    }
     if (!allowed(peer)) {
-      spdlog::warn(
-          "rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
-          "or allowed_gids",
-          peer.pid, peer.uid, peer.gid);
+      if (refusal_log.allow()) {
+        spdlog::warn(
+            "rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
+            "or allowed_gids, nor in the daemon's group{}",
+            peer.pid, peer.uid, peer.gid, refusal_log.suppressed_note());
+      }
       refuse(kj::mv(stream),
              fmt::format("permission denied: uid {} is not allowed (allowed_uids/allowed_gids "
                          "in expertd.toml)",
@@ -433,8 +446,12 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
       return;
     }
     if (connections >= kMaxConnections) {
-      spdlog::warn("rpc: refused a connection from pid {} (uid {}): {} connections already open",
-                   peer.pid, peer.uid, connections);
+      if (refusal_log.allow()) {
+        spdlog::warn(
+            "rpc: refused a connection from pid {} (uid {}): {} connections already "
+            "open{}",
+            peer.pid, peer.uid, connections, refusal_log.suppressed_note());
+      }
       refuse(kj::mv(stream),
              fmt::format("expertd is at its limit of {} connections", kMaxConnections));
       return;
@@ -491,6 +508,35 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t connections = 0;  // allowed connections open
+  // Refused connections are logged at most kBurst times per kWindow: a peer that reconnects in a
+  // loop must not flood the journal. The next line logged says how many were left out.
+  struct RefusalLog {
+    static constexpr uint32_t kBurst = 5;
+    static constexpr uint64_t kWindowNs = 10'000'000'000;
+    uint64_t window_start = 0;
+    uint32_t in_window = 0;
+    uint64_t suppressed = 0;
+    bool allow() {
+      const uint64_t now = monotonic_ns();
+      if (now - window_start >= kWindowNs) {
+        window_start = now;
+        in_window = 0;
+      }
+      if (in_window < kBurst) {
+        ++in_window;
+        return true;
+      }
+      ++suppressed;
+      return false;
+    }
+    // " (N more refusals not logged)" once after some were left out, else "".
+    std::string suppressed_note() {
+      if (suppressed == 0) return {};
+      const uint64_t n = std::exchange(suppressed, 0);
+      return fmt::format(" ({} more refused connection{} not logged)", n, n == 1 ? "" : "s");
+    }
+  };
+  RefusalLog refusal_log;
   bool has_test_uid = false;
   uid_t test_uid = 0;
   kj::Timer* timer = nullptr;

@@ -7,12 +7,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -135,6 +137,13 @@ TEST_F(ClientTest, InfoAndModels) {
   ASSERT_FALSE(attach_missing);
   EXPECT_EQ(attach_missing.error().message,
             "model 'nope' is not served by this daemon (models: m)");
+  // A huge name comes back clipped to 64 bytes, with its length.
+  const std::string huge(1 << 20, 'n');
+  auto huge_missing = c->attach(huge, "test");
+  ASSERT_FALSE(huge_missing);
+  EXPECT_EQ(huge_missing.error().message,
+            "model '" + std::string(64, 'n') +
+                "... (1048576 bytes)' is not served by this daemon (models: m)");
   EXPECT_TRUE(c->ping());
 }
 
@@ -573,6 +582,15 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   const std::string log = d.log();
   EXPECT_NE(log.find("EXPERTD_TEST_PEER_UID"), std::string::npos) << log;
   EXPECT_NE(log.find("refused a connection"), std::string::npos) << log;
+  // A peer that keeps reconnecting is refused every time but logged at most 5 times in 10 s.
+  for (int i = 0; i < 20; ++i) EXPECT_FALSE(Client::connect(sock));
+  const std::string flood = d.log();
+  size_t lines = 0;
+  for (size_t at = flood.find("refused a connection"); at != std::string::npos;
+       at = flood.find("refused a connection", at + 1)) {
+    ++lines;
+  }
+  EXPECT_LE(lines, 5u) << flood;
   EXPECT_EQ(d.stop(), 0);
 
   // The same uid, allowed.
@@ -592,6 +610,41 @@ TEST(ClientPeer, AUidNotAllowedIsRefusedWithAClearError) {
   EXPECT_TRUE(files->front().fd.valid());
   ok->reset();
   EXPECT_EQ(allowed.stop(), 0);
+}
+
+// As real uids (setpriv): a member of the daemon's group (here root's group 0, the tests' daemon
+// runs as root) is let in without allowed_gids, as `usermod -aG expertd USER` promises; the same
+// uid outside the group is refused by the daemon with its message (the socket is opened to all so
+// the daemon, not the file's mode, decides).
+TEST(ClientPeer, AMemberOfTheDaemonsGroupIsLetInAsARealUid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run expertctl as another uid (setpriv)";
+  const std::string setpriv = test::find_in_path("setpriv");
+  if (setpriv.empty()) GTEST_SKIP() << "setpriv (util-linux) is not installed";
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  const std::string model = test::forge(dir.path(), "m", kSmallModel);
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(),
+           {"--model", "m=" + model, "--socket", sock, "--cache", "64MiB", "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  ASSERT_EQ(::chmod(sock.c_str(), 0666), 0);
+  // A copy beside the socket: the build tree may lie under a directory uid 4242 cannot enter
+  // (/root). expertctl needs only system libraries.
+  const std::string ctl = dir.path() + "/expertctl";
+  std::filesystem::copy_file(test::bin_path("expertctl"), ctl);
+  ASSERT_EQ(::chmod(ctl.c_str(), 0755), 0);
+  const std::string own_gid = std::to_string(::getgid());
+  const test::RunResult member =
+      test::run_command({setpriv, "--reuid=4242", "--regid=4242", "--groups=" + own_gid, ctl,
+                         "status", "--socket", sock});
+  EXPECT_EQ(member.status, 0) << member.out << member.err;
+  const test::RunResult stranger = test::run_command(
+      {setpriv, "--reuid=4242", "--regid=4242", "--clear-groups", ctl, "status", "--socket", sock});
+  EXPECT_NE(stranger.status, 0) << stranger.out;
+  EXPECT_NE(stranger.err.find("permission denied: uid 4242 is not allowed"), std::string::npos)
+      << stranger.err;
+  EXPECT_NE(d.log().find("nor in the daemon's group"), std::string::npos) << d.log();
+  EXPECT_EQ(d.stop(), 0);
 }
 
 TEST(ClientPeer, TheShippedExpertdHasNoTestHook) {
