@@ -48,7 +48,6 @@ class CpuEngine final : public Engine {
   Status decode(uint32_t token, std::span<float> logits) override;
   // The batched forward of the prompt (see above). After an error the positions of the failed
   // chunk are not kept; earlier chunks are.
-  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   // The KV cache is per position, so any prefix can be kept.
   bool truncate(uint32_t n) override;
 
@@ -78,7 +77,8 @@ class CpuEngine final : public Engine {
   void send_hints(uint32_t layer);
   Status moe(uint32_t layer);
   // prefill() of one chunk (n <= prefill chunk positions from pos_); logits only when non-empty.
-  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  uint32_t prefill_chunk_size() const override { return chunk_; }
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void prefill_attention(uint32_t layer, uint32_t n);
   void prefill_hints(uint32_t layer, uint32_t n);
   void prefill_route(uint32_t layer, uint32_t n);

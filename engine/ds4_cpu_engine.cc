@@ -623,19 +623,6 @@ Status Ds4CpuEngine::moe(uint32_t layer) {
   return Ok{};
 }
 
-Status Ds4CpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
-  EXPERTD_TRY(check_prefill(p_, opts_, pos_, tokens, logits.size()));
-  const uint64_t t0 = monotonic_ns();
-  Status st = Ok{};
-  for (size_t s = 0; s < tokens.size() && st; s += chunk_) {
-    const size_t n = std::min<size_t>(chunk_, tokens.size() - s);
-    const bool last = s + n == tokens.size();
-    st = prefill_chunk(tokens.subspan(s, n), last ? logits : std::span<float>());
-  }
-  stats_.prefill_ns += monotonic_ns() - t0;
-  return st;
-}
-
 Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
   const auto n = static_cast<uint32_t>(tokens.size());
   const uint32_t hc = d_.hc;

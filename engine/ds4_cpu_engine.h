@@ -61,7 +61,6 @@ class Ds4CpuEngine final : public Engine {
 
   Status decode(uint32_t token, std::span<float> logits) override;
   // The batched forward of the prompt (see above). After an error, reset().
-  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
   uint32_t position() const override { return pos_; }
   const EngineStats& stats() const override { return stats_; }
@@ -115,7 +114,8 @@ class Ds4CpuEngine final : public Engine {
   Status moe(uint32_t layer);
   // HyperHead, output norm and head on streams_.
   void head(std::span<float> logits);
-  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  uint32_t prefill_chunk_size() const override { return chunk_; }
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
   Status prefill_moe(uint32_t layer, uint32_t n);
   // Interleaved RoPE on the trailing n_rot of a `dim`-long head at `pos` (the compress base and
   // YaRN when `compress`; the conjugate rotation when `inverse`).

@@ -1137,18 +1137,10 @@ Status Ds4GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-Status Ds4GpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
-  Impl& m = *impl_;
-  EXPERTD_TRY(check_prefill(m.p, m.opts, m.pos, tokens, logits.size()));
-  const uint64_t t0 = monotonic_ns();
-  Status st = Ok{};
-  for (size_t at = 0; at < tokens.size() && st; at += m.chunk) {
-    const size_t n = std::min<size_t>(m.chunk, tokens.size() - at);
-    const bool last = at + n == tokens.size();
-    st = m.prefill_chunk(tokens.subspan(at, n), last ? logits : std::span<float>());
-  }
-  m.stats.prefill_ns += monotonic_ns() - t0;
-  return st;
+uint32_t Ds4GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
+
+Status Ds4GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  return impl_->prefill_chunk(tokens, logits);
 }
 
 void Ds4GpuEngine::reset() {

@@ -48,7 +48,6 @@ class Ds4GpuEngine final : public Engine {
   ~Ds4GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
-  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
   uint32_t position() const override;
   const EngineStats& stats() const override;
@@ -66,6 +65,8 @@ class Ds4GpuEngine final : public Engine {
 
  private:
   EngineStats& mutable_stats() override;
+  uint32_t prefill_chunk_size() const override;
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
   explicit Ds4GpuEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

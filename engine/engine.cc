@@ -263,13 +263,25 @@ Status check_prefill(const ModelParams& p, const EngineOptions& o, uint32_t pos,
 Status Engine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
   EXPERTD_TRY(check_prefill(params(), options(), position(), tokens, logits.size()));
   const uint64_t t0 = monotonic_ns();
+  const size_t chunk = prefill_chunk_size();
+  Status st = Ok{};
+  for (size_t at = 0; at < tokens.size() && st; at += chunk) {
+    const size_t n = std::min(chunk, tokens.size() - at);
+    const bool last = at + n == tokens.size();
+    st = prefill_chunk(tokens.subspan(at, n), last ? logits : std::span<float>());
+  }
+  mutable_stats().prefill_ns += monotonic_ns() - t0;
+  return st;
+}
+
+Status Engine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  // The default chunk is the whole prompt, so the logits are always there to decode into.
   for (const uint32_t t : tokens) EXPERTD_TRY(decode(t, logits));
   // decode() counted the positions, experts and time; the prefill counters say what part was the
   // prompt.
   EngineStats& s = mutable_stats();
   s.prefill_tokens += tokens.size();
   s.prefill_chunks += 1;
-  s.prefill_ns += monotonic_ns() - t0;
   return Ok{};
 }
 

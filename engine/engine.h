@@ -152,12 +152,11 @@ class Engine {
   // Feeds `token` at the next position and writes the next token's logits (n_vocab floats).
   // Errors: a token outside the vocabulary, a full KV cache, an expert the source cannot give.
   virtual Status decode(uint32_t token, std::span<float> logits) = 0;
-  // Feeds `tokens` (at least one) at the next positions, in chunks of EngineOptions::prefill_chunk,
-  // and writes the logits of the last one (n_vocab floats): the same logits as decode() of each
-  // token in turn, up to rounding. Errors as decode(); a prompt that does not fit the KV cache is
-  // refused before anything runs. This default decodes one token at a time; engines override it
-  // with a batched forward that acquires each routed expert once per chunk.
-  virtual Status prefill(std::span<const uint32_t> tokens, std::span<float> logits);
+  // Feeds `tokens` (at least one) at the next positions, in chunks of prefill_chunk_size()
+  // (one prefill_chunk() call each), and writes the logits of the last one (n_vocab floats): the
+  // same logits as decode() of each token in turn, up to rounding. Errors as decode(); a prompt
+  // that does not fit the KV cache is refused before anything runs. Counts prefill_ns.
+  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits);
   // Forgets the sequence (the KV cache is reused from position 0).
   virtual void reset() = 0;
   // Keeps the first n positions (n <= position()) and forgets the rest, so a sequence that shares
@@ -178,6 +177,14 @@ class Engine {
 
  protected:
   virtual EngineStats& mutable_stats() = 0;
+  // Positions one prefill_chunk() call takes: EngineOptions::prefill_chunk bounded by what the
+  // engine sized its scratch for. The default takes the whole prompt at once.
+  virtual uint32_t prefill_chunk_size() const { return UINT32_MAX; }
+  // One chunk at position(), already checked by prefill(); writes the last position's logits when
+  // `logits` is not empty (the last chunk) and counts prefill_tokens and prefill_chunks. This
+  // default decodes one token at a time; engines override it with a batched forward that acquires
+  // each routed expert once per chunk.
+  virtual Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
 };
 
 // Chooses and tracks prefetch hints for one token at a time: at most `width` candidates per

@@ -883,17 +883,10 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-Status GpuEngine::prefill(std::span<const uint32_t> tokens, std::span<float> logits) {
-  Impl& m = *impl_;
-  EXPERTD_TRY(check_prefill(m.p, m.opts, m.pos, tokens, logits.size()));
-  const uint64_t t0 = monotonic_ns();
-  Status st = Ok{};
-  for (size_t at = 0; at < tokens.size() && st; at += m.chunk) {
-    const size_t n = std::min<size_t>(m.chunk, tokens.size() - at);
-    st = m.prefill_chunk(tokens.subspan(at, n), at + n == tokens.size(), logits);
-  }
-  m.stats.prefill_ns += monotonic_ns() - t0;
-  return st;
+uint32_t GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
+
+Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  return impl_->prefill_chunk(tokens, !logits.empty(), logits);
 }
 
 bool GpuEngine::truncate(uint32_t n) {

@@ -52,11 +52,6 @@ class GpuEngine final : public Engine {
   ~GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
-  // Chunks of options().prefill_chunk positions (fewer when its scratch did not fit: see
-  // description()): per layer, attention as GEMMs over the chunk, the chunk's routes fetched
-  // once, every needed expert hinted, then acquired top-k at a time and applied to all its rows
-  // as GEMMs on a dequantised f32 copy. Only the last position's logits are computed.
-  Status prefill(std::span<const uint32_t> tokens, std::span<float> logits) override;
   void reset() override;
   // Any n <= position(): the KV cache is per position.
   bool truncate(uint32_t n) override;
@@ -76,6 +71,12 @@ class GpuEngine final : public Engine {
 
  private:
   EngineStats& mutable_stats() override;
+  // prefill(): chunks of options().prefill_chunk positions (fewer when its scratch did not fit: see
+  // description()): per layer, attention as GEMMs over the chunk, the chunk's routes fetched
+  // once, every needed expert hinted, then acquired top-k at a time and applied to all its rows
+  // as GEMMs on a dequantised f32 copy. Only the last position's logits are computed.
+  uint32_t prefill_chunk_size() const override;
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
   explicit GpuEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
