@@ -44,6 +44,11 @@ class ReplacementPolicy {
   virtual void on_remove(uint32_t slot) = 0;
   // `slot` became evictable (true) or not (false: held, pinned or loading).
   virtual void on_evictable(uint32_t slot, bool evictable) = 0;
+  // A router hint: `key` is expected to be wanted `distance` layers from the cursor (1 = the next
+  // layer; a hint for the next token counts the layers to it), with `probability` the daemon's
+  // calibrated estimate that the hint is right. A policy may use it to value `key` (for admission
+  // in victim() and to protect or demote residents); the default ignores hints.
+  virtual void on_hint(ExpertKey /*key*/, uint32_t /*distance*/, double /*probability*/) {}
   // The slot to evict so `incoming` can be cached, or nullopt (nothing evictable, or the policy
   // refuses to admit `incoming`; with `force` it never refuses while a slot is evictable).
   virtual std::optional<uint32_t> victim(ExpertKey incoming, bool force) = 0;
