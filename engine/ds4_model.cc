@@ -303,15 +303,11 @@ Status load_ds4(DenseModel& m) {
 
 uint64_t ds4_dense_bytes(const Ds4Weights& w) {
   auto vec = [](const std::vector<float>& v) { return v.size() * sizeof(float); };
-  uint64_t n = w.hc_head_fn.bytes.size() + vec(w.hc_head_base);
+  uint64_t n = vec(w.hc_head_base);
+  ds4_for_each_matrix(w, [&](const Matrix& m) { n += m.bytes.size(); });
   for (const Ds4LayerWeights& l : w.layers) {
-    for (const Matrix* x :
-         {&l.hc_attn_fn, &l.hc_ffn_fn, &l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.index_q_b,
-          &l.index_proj, &l.gate_inp, &l.shexp_gate, &l.shexp_up, &l.shexp_down}) {
-      n += x->bytes.size();
-    }
     for (const auto* c : {&l.compressor, &l.index_comp}) {
-      if (*c) n += (*c)->wkv.bytes.size() + (*c)->wgate.bytes.size() + vec((*c)->ape);
+      if (*c) n += vec((*c)->ape);
     }
     n += vec(l.attn_norm) + vec(l.ffn_norm) + vec(l.q_a_norm) + vec(l.kv_norm) + vec(l.sinks) +
          vec(l.exp_bias) + l.tid2eid.size() * sizeof(uint32_t);

@@ -254,4 +254,19 @@ uint64_t DenseModel::dense_bytes() const {
   return n;
 }
 
+uint64_t DenseModel::release_matrices() {
+  uint64_t n = 0;
+  auto drop = [&](Matrix& m) {
+    n += m.bytes.size();
+    std::vector<uint8_t>().swap(m.bytes);  // clear() would keep the capacity
+  };
+  drop(token_embd_);
+  if (output_) drop(*output_);
+  for (LayerWeights& l : layers_) {
+    for (Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) drop(*x);
+  }
+  if (ds4_) ds4_for_each_matrix(*ds4_, drop);
+  return n;
+}
+
 }  // namespace expertd::engine

@@ -189,6 +189,12 @@ class DenseModel {
   const Ds4Weights* ds4() const { return ds4_.get(); }
   // Bytes of dense weights held (for the run summary).
   uint64_t dense_bytes() const;
+  // Frees the host copy of every weight matrix, keeping the small vectors (norms, biases, the hash
+  // layers' tid2eid), every shape and the GGUF metadata; returns the bytes freed. For the CUDA
+  // engines, which upload the matrices at creation and never read the host copy again: under a
+  // memory cap those bytes are better spent on expertd's cache. A CPU engine must not be created
+  // (or still live) on the model afterwards.
+  uint64_t release_matrices();
 
  private:
   DenseModel() = default;
@@ -214,5 +220,23 @@ Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
 // deepseek4's dense weights into m (called by DenseModel::load), and their bytes.
 Status load_ds4(DenseModel& m);
 uint64_t ds4_dense_bytes(const Ds4Weights& w);
+// Calls f(Matrix&) for every weight matrix of `w`.
+template <typename W, typename F>
+void ds4_for_each_matrix(W& w, F&& f) {
+  f(w.hc_head_fn);
+  for (auto& l : w.layers) {
+    for (auto* x :
+         {&l.hc_attn_fn, &l.hc_ffn_fn, &l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.index_q_b,
+          &l.index_proj, &l.gate_inp, &l.shexp_gate, &l.shexp_up, &l.shexp_down}) {
+      f(*x);
+    }
+    for (auto* c : {&l.compressor, &l.index_comp}) {
+      if (*c) {
+        f((*c)->wkv);
+        f((*c)->wgate);
+      }
+    }
+  }
+}
 
 }  // namespace expertd::engine

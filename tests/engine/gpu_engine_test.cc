@@ -57,6 +57,8 @@ TEST(GpuEngine, TinyFixtureLogitsMatchTransformers) {
     auto engine = GpuEngine::create(*model, **source, EngineOptions{32, 0, 0},
                                     tier(GpuOptions::Tier::Experts, 8));
     ASSERT_TRUE(engine) << engine.error().message;
+    // expert-run frees the host copy once the engine has uploaded it: nothing below may need it.
+    EXPECT_GT(model->release_matrices(), 0u);
     std::vector<RoutingRecord> routing;
     (*engine)->set_routing_log(&routing);
     const std::vector<float> expected = fx.logits(variant);
@@ -568,6 +570,9 @@ TEST(Ds4GpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
                                          tier(GpuOptions::Tier::Experts, slots));
       ASSERT_TRUE(engine) << engine.error().message;
       EXPECT_EQ((*engine)->vram_slots(), slots);
+      // expert-run frees the host copy once the engine has uploaded it (the hash layers' tid2eid
+      // and the routing biases stay): nothing below may need it.
+      EXPECT_GT(model->release_matrices(), 0u);
       std::vector<RoutingRecord> routing;
       (*engine)->set_routing_log(&routing);
       const std::vector<float> expected = test::read_f32(

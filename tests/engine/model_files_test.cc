@@ -160,6 +160,32 @@ TEST_F(ModelFilesTest, ALoadThroughTheFdsGivesTheLogitsOfALoadByPath) {
   }
 }
 
+// The CUDA engines upload the matrices and expert-run then frees the host copy
+// (DenseModel::release_matrices); what stays is what they still read: the vectors, the hash layers'
+// tid2eid, the shapes and the metadata.
+TEST_F(ModelFilesTest, ReleasingTheMatricesKeepsWhatTheGpuEnginesStillRead) {
+  for (const std::string& path : {qwen_gguf(), ds4_gguf()}) {
+    SCOPED_TRACE(path);
+    auto m = DenseModel::load(path);
+    ASSERT_TRUE(m) << m.error().message;
+    const uint64_t before = m->dense_bytes();
+    const uint64_t embd = m->token_embd().bytes.size();
+    const uint32_t vocab = m->params().n_vocab;
+    const size_t tid2eid = m->ds4() ? m->ds4()->layers[0].tid2eid.size() : 0;
+    const uint64_t freed = m->release_matrices();
+    EXPECT_GT(freed, embd);
+    EXPECT_EQ(m->dense_bytes(), before - freed);
+    EXPECT_LT(m->dense_bytes(), before / 10);  // the matrices are nearly all of it
+    EXPECT_TRUE(m->token_embd().bytes.empty());
+    EXPECT_EQ(m->token_embd().rows, vocab);  // shapes stay
+    EXPECT_EQ(m->params().n_vocab, vocab);
+    if (m->ds4()) {
+      EXPECT_EQ(m->ds4()->layers[0].tid2eid.size(), tid2eid);
+    }
+    EXPECT_EQ(m->release_matrices(), 0u);  // twice is harmless
+  }
+}
+
 TEST_F(ModelFilesTest, ASplitModelArrivesAsEveryShardInOrder) {
   auto c = connect();
   ASSERT_TRUE(c);

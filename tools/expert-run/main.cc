@@ -278,6 +278,8 @@ int run(Options o) {
 
   std::unique_ptr<Engine> engine;
   std::string why_cpu = "--cpu";
+  const uint64_t dense_bytes = model->dense_bytes();
+  uint64_t host_freed = 0;
 #ifdef EXPERTD_HAVE_CUDA
   if (!o.cpu && cuda_device_available(&why_cpu)) {
     auto gpu = parse_vram_experts(o.vram_experts);
@@ -285,6 +287,8 @@ int run(Options o) {
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error());
     engine = std::move(*e);
+    // The engine holds its own copy in VRAM; the host copy would only take memory from the cache.
+    host_freed = model->release_matrices();
   }
 #else
   if (!o.cpu) why_cpu = "this build has no CUDA engine";
@@ -323,9 +327,10 @@ int run(Options o) {
   if (!o.json) {
     std::printf("expert-run: %s\n", engine_note.c_str());
     if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
-    std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s\n",
+    std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s%s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
-                static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str());
+                static_cast<double>(dense_bytes) / (1 << 20), model->path().c_str(),
+                host_freed ? " (in VRAM; the host copy is freed)" : "");
     if (p.is_ds4()) {
       std::printf("deepseek4: %u hash layers (%s), hc_mult %u\n", p.ds4.hash_layers,
                   o.no_hash_hints ? "their experts are not hinted"

@@ -502,6 +502,8 @@ int run(const Options& o) {
   eo.prefill_chunk = o.prefill_chunk;
   std::unique_ptr<Engine> engine;
   std::string why_cpu = "--cpu";
+  const uint64_t dense_bytes = model->dense_bytes();
+  uint64_t host_freed = 0;
 #ifdef EXPERTD_HAVE_CUDA
   if (!o.cpu && cuda_device_available(&why_cpu)) {
     auto gpu = parse_vram_experts(o.vram_experts);
@@ -509,6 +511,8 @@ int run(const Options& o) {
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error().message);
     engine = std::move(*e);
+    // The engine holds its own copy in VRAM; the host copy would only take memory from the cache.
+    host_freed = model->release_matrices();
   }
 #else
   if (!o.cpu) why_cpu = "this build has no CUDA engine";
@@ -521,9 +525,10 @@ int run(const Options& o) {
   const std::string engine_note = engine->name() == "cpu"
                                       ? fmt::format("{} ({})", engine->description(), why_cpu)
                                       : engine->description();
-  spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}",
+  spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}{}",
                o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
-               static_cast<double>(model->dense_bytes()) / (1 << 20), model->path());
+               static_cast<double>(dense_bytes) / (1 << 20), model->path(),
+               host_freed ? " (in VRAM; the host copy is freed)" : "");
   spdlog::info("engine: {}; context {} tokens", engine_note, o.ctx);
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
