@@ -273,7 +273,9 @@ Ds4GpuEngine::Impl::~Impl() {
 }
 
 Status Ds4GpuEngine::Impl::carve_dense(Carver& c) {
-  // Each matrix as read; the kernels read f32, f16, bf16, q8_0, q4_k, q6_k and mxfp4.
+  // Each matrix as read; the kernels read f32, f16, bf16, q8_0, q4_k, q6_k and mxfp4. A deferred
+  // model's matrices are read from the file one at a time (DenseLoad::Deferred).
+  std::vector<uint8_t> scratch;
   auto mat = [&](const Matrix& m, DevMat& dst) -> Status {
     if (c.counting()) {
       if (!expert_type_supported(m.type)) {
@@ -290,7 +292,12 @@ Status Ds4GpuEngine::Impl::carve_dense(Carver& c) {
     dst.rows = static_cast<uint32_t>(m.rows);
     dst.cols = static_cast<uint32_t>(m.cols);
     dst.row_bytes = m.row_bytes;
-    dst.data = c.take(m.bytes.size(), m.bytes.data());
+    const uint8_t* src = nullptr;
+    if (!c.counting()) {
+      EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
+      src = bytes.data();
+    }
+    dst.data = c.take(m.size(), src);
     return Ok{};
   };
   auto vec = [&](const std::vector<float>& v) -> const float* {

@@ -96,7 +96,7 @@ Result<std::vector<uint32_t>> read_tid2eid(const GgufModel& g, const Sources& sr
                             t.ne[0], t.ne[1], t.ne[2], t.ne[3], p.n_expert_used, p.n_vocab));
   }
   std::vector<uint8_t> bytes(t.bytes);
-  EXPERTD_TRY(src[ref->shard]->read_exact(t.offset, bytes));
+  EXPERTD_TRY(src.files[ref->shard]->read_exact(t.offset, bytes));
   std::vector<uint32_t> out(uint64_t{p.n_vocab} * p.n_expert_used);
   if (bytes.size() != out.size() * 4) {
     return make_error(EINVAL, fmt::format("{}: tensor {}: {} bytes, expected {}", file, name,
@@ -236,7 +236,8 @@ Status load_ds4(DenseModel& m) {
   const GgufModel& g = m.gguf();
   const ModelParams& p = m.params();
   const Ds4Params& d = p.ds4;
-  EXPERTD_TRY_ASSIGN(Sources src, detail::open_sources(g));
+  EXPERTD_TRY_ASSIGN(
+      Sources src, detail::open_sources(g, m.deferred() ? DenseLoad::Deferred : DenseLoad::Eager));
   auto w = std::make_unique<Ds4Weights>();
   const uint64_t e = p.n_embd;
   const uint64_t hc_dim = uint64_t{d.hc} * e;
@@ -301,10 +302,10 @@ Status load_ds4(DenseModel& m) {
   return Ok{};
 }
 
-uint64_t ds4_dense_bytes(const Ds4Weights& w) {
+uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held) {
   auto vec = [](const std::vector<float>& v) { return v.size() * sizeof(float); };
   uint64_t n = vec(w.hc_head_base);
-  ds4_for_each_matrix(w, [&](const Matrix& m) { n += m.bytes.size(); });
+  ds4_for_each_matrix(w, [&](const Matrix& m) { n += held ? m.bytes.size() : m.size(); });
   for (const Ds4LayerWeights& l : w.layers) {
     for (const auto* c : {&l.compressor, &l.index_comp}) {
       if (*c) n += vec((*c)->ape);

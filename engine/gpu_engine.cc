@@ -320,12 +320,15 @@ Status GpuEngine::Impl::upload_dense() {
     return out;
   };
   std::vector<float> host;
-  // Dequantises `m` (rows x cols) into host[offset_rows...] as f32.
+  std::vector<uint8_t> scratch;
+  // Dequantises `m` (rows x cols) into host[offset_rows...] as f32. A deferred model's matrices are
+  // read from the file one at a time (DenseLoad::Deferred).
   auto dequant_into = [&](const Matrix& m, uint64_t first_row) -> Status {
     EXPERTD_TRY(dequant_check(m.type, m.cols));
+    EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
     for (uint64_t r = 0; r < m.rows; ++r) {
-      dequantize_row(m.type, m.bytes.data() + r * m.row_bytes,
-                     host.data() + (first_row + r) * m.cols, m.cols);
+      dequantize_row(m.type, bytes.data() + r * m.row_bytes, host.data() + (first_row + r) * m.cols,
+                     m.cols);
     }
     return Ok{};
   };

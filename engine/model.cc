@@ -54,18 +54,24 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
   return *x;
 }
 
-Result<Sources> open_sources(const GgufModel& g) {
-  if (!g.sources().empty()) return g.sources();
+Result<Sources> open_sources(const GgufModel& g, DenseLoad how) {
   Sources src;
+  src.defer_matrices = how == DenseLoad::Deferred;
+  if (!g.sources().empty()) {
+    src.files = g.sources();
+    return src;
+  }
   for (const GgufFile& shard : g.shards()) {
     EXPERTD_TRY_ASSIGN(auto s, open_file_source(shard.path()));
-    src.push_back(std::move(s));
+    src.files.push_back(std::move(s));
   }
   return src;
 }
 
-Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
-                           uint64_t rows, uint64_t cols) {
+namespace {
+
+Result<Matrix> read_tensor(const GgufModel& g, const Sources& src, const std::string& name,
+                           uint64_t rows, uint64_t cols, bool defer) {
   const auto ref = g.find_tensor(name);
   if (!ref)
     return make_error(ENOENT, fmt::format("{}: tensor {} is missing", g.meta().path(), name));
@@ -90,14 +96,24 @@ Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::st
     return make_error(EINVAL, fmt::format("{}: tensor {}: {} bytes, expected {}", file, name,
                                           t.bytes, m.row_bytes * rows));
   }
+  m.file = src.files[ref->shard];
+  m.offset = t.offset;
+  if (defer) return m;
   m.bytes.resize(t.bytes);
-  EXPERTD_TRY(src[ref->shard]->read_exact(t.offset, m.bytes));
+  EXPERTD_TRY(m.file->read_exact(t.offset, m.bytes));
   return m;
+}
+
+}  // namespace
+
+Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
+                           uint64_t rows, uint64_t cols) {
+  return read_tensor(g, src, name, rows, cols, src.defer_matrices);
 }
 
 Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t n) {
-  EXPERTD_TRY_ASSIGN(Matrix m, read_matrix(g, src, name, 1, n));
+  EXPERTD_TRY_ASSIGN(Matrix m, read_tensor(g, src, name, 1, n, /*defer=*/false));
   std::vector<float> v(n);
   dequantize_row(m.type, m.bytes.data(), v.data(), n);
   return v;
@@ -105,7 +121,7 @@ Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
 
 Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t rows, uint64_t cols) {
-  EXPERTD_TRY_ASSIGN(Matrix m, read_matrix(g, src, name, rows, cols));
+  EXPERTD_TRY_ASSIGN(Matrix m, read_tensor(g, src, name, rows, cols, /*defer=*/false));
   std::vector<float> v(rows * cols);
   for (uint64_t r = 0; r < rows; ++r) {
     dequantize_row(m.type, m.bytes.data() + r * m.row_bytes, v.data() + r * cols, cols);
@@ -177,12 +193,13 @@ Result<ModelParams> read_params(const GgufModel& g) {
   return p;
 }
 
-Result<DenseModel> DenseModel::load(const std::string& path) {
+Result<DenseModel> DenseModel::load(const std::string& path, DenseLoad how) {
   EXPERTD_TRY_ASSIGN(GgufModel g, GgufModel::open(path));
-  return load(std::move(g), path);
+  return load(std::move(g), path, how);
 }
 
-Result<DenseModel> DenseModel::load_from_daemon(client::Client& client, const std::string& name) {
+Result<DenseModel> DenseModel::load_from_daemon(client::Client& client, const std::string& name,
+                                                DenseLoad how) {
   EXPERTD_TRY_ASSIGN(std::vector<client::ModelFile> files, client.model_files(name));
   std::vector<std::unique_ptr<ByteSource>> sources;
   for (client::ModelFile& f : files) {
@@ -193,18 +210,19 @@ Result<DenseModel> DenseModel::load_from_daemon(client::Client& client, const st
   }
   EXPERTD_TRY_ASSIGN(GgufModel g, GgufModel::from_sources(std::move(sources)));
   std::string display = g.meta().path();
-  return load(std::move(g), std::move(display));
+  return load(std::move(g), std::move(display), how);
 }
 
-Result<DenseModel> DenseModel::load(GgufModel g, std::string path) {
+Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how) {
   DenseModel m;
   m.path_ = std::move(path);
+  m.deferred_ = how == DenseLoad::Deferred;
   m.gguf_ = std::make_unique<GgufModel>(std::move(g));
   const GgufModel& gg = *m.gguf_;
   EXPERTD_TRY_ASSIGN(m.params_, read_params(gg));
   ModelParams& p = m.params_;
 
-  EXPERTD_TRY_ASSIGN(Sources src, detail::open_sources(gg));
+  EXPERTD_TRY_ASSIGN(Sources src, detail::open_sources(gg, how));
   const auto embd = gg.find_tensor("token_embd.weight");
   if (!embd)
     return make_error(ENOENT, fmt::format("{}: tensor token_embd.weight is missing", m.path_));
@@ -242,31 +260,30 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path) {
   return m;
 }
 
-uint64_t DenseModel::dense_bytes() const {
-  uint64_t n = token_embd_.bytes.size() + output_norm_.size() * sizeof(float);
-  if (output_) n += output_->bytes.size();
-  if (ds4_) n += ds4_dense_bytes(*ds4_);
+uint64_t DenseModel::dense_bytes() const { return count_bytes(/*held=*/false); }
+uint64_t DenseModel::dense_bytes_held() const { return count_bytes(/*held=*/true); }
+
+uint64_t DenseModel::count_bytes(bool held) const {
+  auto mat = [held](const Matrix& m) { return held ? m.bytes.size() : m.size(); };
+  uint64_t n = mat(token_embd_) + output_norm_.size() * sizeof(float);
+  if (output_) n += mat(*output_);
+  if (ds4_) n += ds4_dense_bytes(*ds4_, held);
   for (const LayerWeights& l : layers_) {
-    for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += x->bytes.size();
+    for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += mat(*x);
     n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *
          sizeof(float);
   }
   return n;
 }
 
-uint64_t DenseModel::release_matrices() {
-  uint64_t n = 0;
-  auto drop = [&](Matrix& m) {
-    n += m.bytes.size();
-    std::vector<uint8_t>().swap(m.bytes);  // clear() would keep the capacity
-  };
-  drop(token_embd_);
-  if (output_) drop(*output_);
-  for (LayerWeights& l : layers_) {
-    for (Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) drop(*x);
+Result<std::span<const uint8_t>> Matrix::data(std::vector<uint8_t>& scratch) const {
+  if (!bytes.empty() || size() == 0) return std::span<const uint8_t>(bytes);
+  if (!file) return make_error(EINVAL, fmt::format("tensor {}: no bytes and no file", name));
+  scratch.resize(size());
+  if (auto st = file->read_exact(offset, scratch); !st) {
+    return make_error(st.error().code, fmt::format("tensor {}: {}", name, st.error().message));
   }
-  if (ds4_) ds4_for_each_matrix(*ds4_, drop);
-  return n;
+  return std::span<const uint8_t>(scratch.data(), scratch.size());
 }
 
 }  // namespace expertd::engine

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,10 +100,24 @@ struct Matrix {
   uint64_t rows = 0;
   uint64_t cols = 0;
   uint64_t row_bytes = 0;
-  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> bytes;  // empty when the model was loaded with DenseLoad::Deferred
+  // Where the bytes are in the model's files (always set by the loader).
+  std::shared_ptr<const ByteSource> file;
+  uint64_t offset = 0;
 
+  uint64_t size() const { return row_bytes * rows; }
   WeightView view() const { return WeightView{type, bytes.data(), rows, cols, row_bytes}; }
+  // The bytes: `bytes` when loaded, else read from the file into `scratch` (errors name the file
+  // and the tensor).
+  Result<std::span<const uint8_t>> data(std::vector<uint8_t>& scratch) const;
 };
+
+// How DenseModel::load treats the weight matrices. Deferred keeps only where each one is in the
+// file (the vectors are read as usual), for the CUDA engines: they read each matrix once, convert
+// and upload it, so the host never holds every dense weight at once. On a Mixtral-shaped model
+// that is 3.2 GB that a memory cap gives to expertd's cache instead. Only the CUDA engines accept
+// a deferred model.
+enum class DenseLoad { Eager, Deferred };
 
 struct LayerWeights {
   std::vector<float> attn_norm;  // n_embd
@@ -169,13 +184,15 @@ class DenseModel {
   // Opens `path` (a single file or the first shard of a split model), reads the hyperparameters
   // and every dense weight. Errors name the file and the tensor or key: "model.gguf: tensor
   // blk.3.attn_q.weight: shape [64, 32], expected [64, 64]".
-  static Result<DenseModel> load(const std::string& path);
+  static Result<DenseModel> load(const std::string& path, DenseLoad how = DenseLoad::Eager);
   // The model expertd serves as `name`: its files come over the socket as read-only fds
   // (Client::model_files), every shard in order, and the dense weights are read through them, so
   // the caller needs no access to the files' paths. path() is then "expertd:NAME/FILE".
-  static Result<DenseModel> load_from_daemon(client::Client& client, const std::string& name);
+  static Result<DenseModel> load_from_daemon(client::Client& client, const std::string& name,
+                                             DenseLoad how = DenseLoad::Eager);
   // From an opened GGUF (by path or from fds); `path` names it in messages.
-  static Result<DenseModel> load(GgufModel gguf, std::string path);
+  static Result<DenseModel> load(GgufModel gguf, std::string path,
+                                 DenseLoad how = DenseLoad::Eager);
 
   const ModelParams& params() const { return params_; }
   const GgufModel& gguf() const { return *gguf_; }
@@ -187,14 +204,12 @@ class DenseModel {
   const LayerWeights& layer(uint32_t i) const { return layers_[i]; }
   // DeepSeek-V4's weights (nullptr for other architectures).
   const Ds4Weights* ds4() const { return ds4_.get(); }
-  // Bytes of dense weights held (for the run summary).
+  // Bytes of the dense weights (in their file encoding; for the run summary).
   uint64_t dense_bytes() const;
-  // Frees the host copy of every weight matrix, keeping the small vectors (norms, biases, the hash
-  // layers' tid2eid), every shape and the GGUF metadata; returns the bytes freed. For the CUDA
-  // engines, which upload the matrices at creation and never read the host copy again: under a
-  // memory cap those bytes are better spent on expertd's cache. A CPU engine must not be created
-  // (or still live) on the model afterwards.
-  uint64_t release_matrices();
+  // Bytes of them held in memory now (the vectors alone when the matrices are deferred).
+  uint64_t dense_bytes_held() const;
+  // Whether the matrices were left in the file (DenseLoad::Deferred).
+  bool deferred() const { return deferred_; }
 
  private:
   DenseModel() = default;
@@ -207,6 +222,9 @@ class DenseModel {
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<Ds4Weights> ds4_;
+  bool deferred_ = false;
+
+  uint64_t count_bytes(bool held) const;
 
   friend Status load_ds4(DenseModel& m);
 };
@@ -219,7 +237,7 @@ Result<ModelParams> read_params(const GgufModel& gguf);
 Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
 // deepseek4's dense weights into m (called by DenseModel::load), and their bytes.
 Status load_ds4(DenseModel& m);
-uint64_t ds4_dense_bytes(const Ds4Weights& w);
+uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held);
 // Calls f(Matrix&) for every weight matrix of `w`.
 template <typename W, typename F>
 void ds4_for_each_matrix(W& w, F&& f) {

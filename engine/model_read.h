@@ -25,11 +25,14 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix, std::optiona
 
 // Shard readers for a load: the model's own when it came from open fds (GgufModel::sources(), e.g.
 // expertd's), else each shard opened once by path.
-using Sources = std::vector<std::shared_ptr<const ByteSource>>;
-Result<Sources> open_sources(const GgufModel& g);
+struct Sources {
+  std::vector<std::shared_ptr<const ByteSource>> files;
+  bool defer_matrices = false;  // read_matrix records where a matrix is instead of reading it
+};
+Result<Sources> open_sources(const GgufModel& g, DenseLoad how);
 
 // A 2-D tensor of `rows` x `cols` (GGUF ne [cols, rows]) in its file encoding, which must be one
-// the engine dequantises.
+// the engine dequantises; its bytes are left in the file when `src.defer_matrices`.
 Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
                            uint64_t rows, uint64_t cols);
 // A tensor of `n` elements (ne [n]) as floats.

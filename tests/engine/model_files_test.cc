@@ -160,29 +160,51 @@ TEST_F(ModelFilesTest, ALoadThroughTheFdsGivesTheLogitsOfALoadByPath) {
   }
 }
 
-// The CUDA engines upload the matrices and expert-run then frees the host copy
-// (DenseModel::release_matrices); what stays is what they still read: the vectors, the hash layers'
-// tid2eid, the shapes and the metadata.
-TEST_F(ModelFilesTest, ReleasingTheMatricesKeepsWhatTheGpuEnginesStillRead) {
-  for (const std::string& path : {qwen_gguf(), ds4_gguf()}) {
-    SCOPED_TRACE(path);
-    auto m = DenseModel::load(path);
-    ASSERT_TRUE(m) << m.error().message;
-    const uint64_t before = m->dense_bytes();
-    const uint64_t embd = m->token_embd().bytes.size();
-    const uint32_t vocab = m->params().n_vocab;
-    const size_t tid2eid = m->ds4() ? m->ds4()->layers[0].tid2eid.size() : 0;
-    const uint64_t freed = m->release_matrices();
-    EXPECT_GT(freed, embd);
-    EXPECT_EQ(m->dense_bytes(), before - freed);
-    EXPECT_LT(m->dense_bytes(), before / 10);  // the matrices are nearly all of it
-    EXPECT_TRUE(m->token_embd().bytes.empty());
-    EXPECT_EQ(m->token_embd().rows, vocab);  // shapes stay
-    EXPECT_EQ(m->params().n_vocab, vocab);
-    if (m->ds4()) {
-      EXPECT_EQ(m->ds4()->layers[0].tid2eid.size(), tid2eid);
+// For a CUDA engine expert-run loads the model DenseLoad::Deferred: the matrices stay in the file
+// (the engine reads each as it uploads it) and the vectors it still reads on the host (norms,
+// biases, the hash layers' tid2eid) are loaded. Through the daemon's fds too.
+TEST_F(ModelFilesTest, ADeferredLoadHoldsOnlyTheVectorsAndReadsEachMatrixOnDemand) {
+  for (const auto& [name, path] :
+       {std::pair{std::string("qwen"), qwen_gguf()}, std::pair{std::string("v4"), ds4_gguf()}}) {
+    SCOPED_TRACE(name);
+    auto eager = DenseModel::load(path);
+    ASSERT_TRUE(eager) << eager.error().message;
+    auto c = connect();
+    ASSERT_TRUE(c);
+    auto lazy = DenseModel::load_from_daemon(*c, name, DenseLoad::Deferred);
+    ASSERT_TRUE(lazy) << lazy.error().message;
+    EXPECT_FALSE(eager->deferred());
+    EXPECT_TRUE(lazy->deferred());
+    EXPECT_EQ(lazy->dense_bytes(), eager->dense_bytes());
+    EXPECT_EQ(eager->dense_bytes_held(), eager->dense_bytes());
+    EXPECT_LT(lazy->dense_bytes_held(), eager->dense_bytes() / 10);
+    EXPECT_TRUE(lazy->token_embd().bytes.empty());
+    std::vector<uint8_t> scratch;
+    auto bytes = lazy->token_embd().data(scratch);
+    ASSERT_TRUE(bytes) << bytes.error().message;
+    EXPECT_TRUE(std::equal(bytes->begin(), bytes->end(), eager->token_embd().bytes.begin(),
+                           eager->token_embd().bytes.end()));
+    const Matrix& router =
+        lazy->ds4() ? lazy->ds4()->layers.back().gate_inp : lazy->layer(1).gate_inp;
+    const Matrix& router_eager =
+        eager->ds4() ? eager->ds4()->layers.back().gate_inp : eager->layer(1).gate_inp;
+    bytes = router.data(scratch);
+    ASSERT_TRUE(bytes) << bytes.error().message;
+    EXPECT_TRUE(std::equal(bytes->begin(), bytes->end(), router_eager.bytes.begin(),
+                           router_eager.bytes.end()));
+    if (lazy->ds4()) {
+      EXPECT_EQ(lazy->ds4()->layers[0].tid2eid, eager->ds4()->layers[0].tid2eid);
+      EXPECT_EQ(lazy->ds4()->layers.back().exp_bias, eager->ds4()->layers.back().exp_bias);
+    } else {
+      EXPECT_EQ(lazy->layer(0).attn_norm, eager->layer(0).attn_norm);
     }
-    EXPECT_EQ(m->release_matrices(), 0u);  // twice is harmless
+    // The CPU engines read the host copy, so they refuse a deferred model, naming it.
+    auto source = DaemonExpertSource::connect(socket_, name, *lazy, "model_files_test");
+    ASSERT_TRUE(source) << source.error().message;
+    auto cpu = create_cpu_engine(*lazy, **source, EngineOptions{8, 0, 0});
+    ASSERT_FALSE(cpu);
+    EXPECT_NE(cpu.error().message.find("needs the dense weights in memory"), std::string::npos)
+        << cpu.error().message;
   }
 }
 

@@ -204,8 +204,18 @@ int run(Options o) {
     daemon = expertd::client::Client::connect(o.socket);
     if (!daemon) return fail(daemon.error());
   }
-  auto model =
-      o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
+  // The CUDA engines read each dense matrix from the file as they upload it, so the host never
+  // holds them all: under a memory cap that memory is expertd's cache.
+  std::string why_cpu = "--cpu";
+  bool use_gpu = false;
+#ifdef EXPERTD_HAVE_CUDA
+  use_gpu = !o.cpu && cuda_device_available(&why_cpu);
+#else
+  if (!o.cpu) why_cpu = "this build has no CUDA engine";
+#endif
+  const DenseLoad how = use_gpu ? DenseLoad::Deferred : DenseLoad::Eager;
+  auto model = o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model, how)
+                              : DenseModel::load(o.gguf, how);
   if (!model) return fail(model.error());
   const ModelParams& p = model->params();
   if (!o.prompt_text.empty()) {
@@ -277,21 +287,14 @@ int run(Options o) {
   eo.prefill_chunk = o.prefill_chunk;
 
   std::unique_ptr<Engine> engine;
-  std::string why_cpu = "--cpu";
-  const uint64_t dense_bytes = model->dense_bytes();
-  uint64_t host_freed = 0;
 #ifdef EXPERTD_HAVE_CUDA
-  if (!o.cpu && cuda_device_available(&why_cpu)) {
+  if (use_gpu) {
     auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error());
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error());
     engine = std::move(*e);
-    // The engine holds its own copy in VRAM; the host copy would only take memory from the cache.
-    host_freed = model->release_matrices();
   }
-#else
-  if (!o.cpu) why_cpu = "this build has no CUDA engine";
 #endif
   if (!engine) {
     auto e = create_cpu_engine(*model, **source, eo);
@@ -329,8 +332,8 @@ int run(Options o) {
     if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
     std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s%s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
-                static_cast<double>(dense_bytes) / (1 << 20), model->path().c_str(),
-                host_freed ? " (in VRAM; the host copy is freed)" : "");
+                static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str(),
+                model->deferred() ? " (read straight into VRAM)" : "");
     if (p.is_ds4()) {
       std::printf("deepseek4: %u hash layers (%s), hc_mult %u\n", p.ds4.hash_layers,
                   o.no_hash_hints ? "their experts are not hinted"

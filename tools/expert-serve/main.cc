@@ -477,8 +477,18 @@ int run(const Options& o) {
 
   auto daemon = expertd::client::Client::connect(o.socket);
   if (!daemon) return fail(daemon.error().message);
-  auto model =
-      o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
+  // The CUDA engines read each dense matrix from the file as they upload it, so the host never
+  // holds them all: under a memory cap that memory is expertd's cache.
+  std::string why_cpu = "--cpu";
+  bool use_gpu = false;
+#ifdef EXPERTD_HAVE_CUDA
+  use_gpu = !o.cpu && cuda_device_available(&why_cpu);
+#else
+  if (!o.cpu) why_cpu = "this build has no CUDA engine";
+#endif
+  const DenseLoad how = use_gpu ? DenseLoad::Deferred : DenseLoad::Eager;
+  auto model = o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model, how)
+                              : DenseModel::load(o.gguf, how);
   if (!model) return fail(model.error().message);
   const ModelParams& p = model->params();
   auto tok = Tokenizer::from_gguf(model->gguf().meta());
@@ -501,21 +511,14 @@ int run(const Options& o) {
   eo.prefetch_width = o.prefetch_width;
   eo.prefill_chunk = o.prefill_chunk;
   std::unique_ptr<Engine> engine;
-  std::string why_cpu = "--cpu";
-  const uint64_t dense_bytes = model->dense_bytes();
-  uint64_t host_freed = 0;
 #ifdef EXPERTD_HAVE_CUDA
-  if (!o.cpu && cuda_device_available(&why_cpu)) {
+  if (use_gpu) {
     auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error().message);
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error().message);
     engine = std::move(*e);
-    // The engine holds its own copy in VRAM; the host copy would only take memory from the cache.
-    host_freed = model->release_matrices();
   }
-#else
-  if (!o.cpu) why_cpu = "this build has no CUDA engine";
 #endif
   if (!engine) {
     auto e = create_cpu_engine(*model, **source, eo);
@@ -527,8 +530,8 @@ int run(const Options& o) {
                                       : engine->description();
   spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}{}",
                o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
-               static_cast<double>(dense_bytes) / (1 << 20), model->path(),
-               host_freed ? " (in VRAM; the host copy is freed)" : "");
+               static_cast<double>(model->dense_bytes()) / (1 << 20), model->path(),
+               model->deferred() ? " (read straight into VRAM)" : "");
   spdlog::info("engine: {}; context {} tokens", engine_note, o.ctx);
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
