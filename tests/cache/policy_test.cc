@@ -85,26 +85,141 @@ TEST(Policy, OutOfShapeAccessIsAnError) {
   EXPECT_NE(r.error().message.find("layer 4"), std::string::npos);
 }
 
+TEST(Policy, DefaultNamesCyclicHint) {
+  const auto p = make_policy("default", {4, 4, 8});
+  ASSERT_TRUE(p) << p.error().message;
+  EXPECT_EQ((*p)->name(), kDefaultPolicy);
+  EXPECT_EQ(kDefaultPolicy, "cyclic-hint");
+  EXPECT_EQ(policy_names().front(), kDefaultPolicy);
+}
+
+// A policy driven by hand as the cache drives it: demand accesses, each filling slot `next`.
+struct Driven {
+  explicit Driven(PolicyShape shape) : p(make_policy("cyclic-hint", shape).value()) {}
+  void access(ExpertKey k, int32_t slot = -1) {
+    p->on_access(k, slot);
+    if (slot >= 0) return;
+    p->on_insert(next, k);
+    p->on_evictable(next, true);
+    slot_key.push_back(k);
+    ++next;
+  }
+  ExpertKey victim_key(ExpertKey incoming, bool force) {
+    const auto v = p->victim(incoming, force);
+    EXPECT_TRUE(v.has_value());
+    return v ? slot_key[*v] : ExpertKey{99, 99};
+  }
+  std::unique_ptr<ReplacementPolicy> p;
+  std::vector<ExpertKey> slot_key;
+  uint32_t next = 0;
+};
+
+// 4 slots over 4 layers of 4 experts, top-2: layers 1 and 2 each hold their two experts of the
+// last token and the cursor is at layer 3, so layer 1 is next wanted 2 layers from now, layer 2
+// 3 layers from now; all four were used once, in the last token.
+Driven warm_four() {
+  Driven d({4, 4, 4});
+  for (uint32_t l = 0; l < 4; ++l) {
+    for (uint32_t e : {0u, 1u}) {
+      if (l == 1 || l == 2) {
+        d.access({l, e});
+      } else {
+        d.p->on_access({l, e}, -1);  // streamed, not cached
+      }
+    }
+  }
+  return d;
+}
+
+TEST(Policy, HintDemotesTheUnhintedExpertsOfTheHintedLayer) {
+  Driven d = warm_four();
+  // Unhinted, the farthest layer (2) goes first.
+  EXPECT_EQ(d.victim_key({3, 2}, true).layer, 2u);
+  // The router says layer 1 will want experts 0 and 2 (sure): expert 1 of layer 1 is then next
+  // wanted a cycle later, so it goes before layer 2's experts.
+  d.p->on_hint({1, 0}, 2, 1.0);
+  d.p->on_hint({1, 2}, 2, 1.0);
+  EXPECT_EQ(d.victim_key({3, 2}, true), (ExpertKey{1, 1}));
+  // The hints hold through layer 0's visit, until layer 1's.
+  d.p->on_access({0, 0}, -1);
+  d.p->on_access({0, 1}, -1);
+  EXPECT_EQ(d.victim_key({0, 2}, true), (ExpertKey{1, 1}));
+  d.p->on_access({1, 0}, 0);
+  d.p->on_access({1, 1}, 1);
+  EXPECT_EQ(d.victim_key({1, 2}, true).layer, 1u)
+      << "after its visit layer 1 is the farthest again";
+}
+
+TEST(Policy, HintProtectsAHintedResident) {
+  Driven d = warm_four();
+  // Layer 2 is the farthest, but its expert 1 is hinted for its next visit and expert 0 is not.
+  d.p->on_hint({2, 1}, 3, 1.0);
+  EXPECT_EQ(d.victim_key({3, 2}, true), (ExpertKey{2, 0}));
+  // A hint of low probability protects less than the estimate it replaces.
+  d.p->on_hint({2, 0}, 3, 0.9);
+  d.p->on_hint({2, 1}, 3, 0.05);
+  EXPECT_EQ(d.victim_key({3, 2}, true), (ExpertKey{2, 1}));
+}
+
+TEST(Policy, HintedPrefetchIsAdmittedOnlyWhenWorthMoreThanTheVictim) {
+  Driven d = warm_four();
+  // Expert 3 of layer 0 was never used: unhinted it is worth nothing and is refused (streamed).
+  EXPECT_FALSE(d.p->victim({0, 3}, false).has_value());
+  // A hint of low probability for it does not buy a slot either...
+  d.p->on_hint({0, 3}, 1, 0.02);
+  EXPECT_FALSE(d.p->victim({0, 3}, false).has_value());
+  // ...a confident one does, and the victim is the least valuable resident (layer 2, farthest).
+  d.p->on_hint({0, 3}, 1, 0.9);
+  const auto v = d.p->victim({0, 3}, false);
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(d.slot_key[*v].layer, 2u);
+  // The same confidence far away (the next token's layer 0, 5 layers ahead) is worth less than
+  // the residents wanted sooner.
+  Driven far = warm_four();
+  far.p->on_hint({2, 3}, 7, 0.3);
+  EXPECT_FALSE(far.p->victim({2, 3}, false).has_value());
+  // With force the cache still gets a slot.
+  EXPECT_TRUE(far.p->victim({2, 3}, true).has_value());
+}
+
+// Hits of each policy at one cache size.
+struct Row {
+  uint32_t slots = 0;
+  uint64_t lru = 0, cyclic = 0, hint = 0, hint_oracle8 = 0, belady = 0;
+};
+
 // The claims on a Mixtral-shaped trace (32 layers, 8 experts, top-2), at cache sizes of half a
-// token's accesses to three tokens' worth: Belady bounds both policies; below one token (64
-// accesses) LRU gets nothing while cyclic keeps a useful part; from two tokens on cyclic beats LRU;
-// and over the sizes together cyclic beats LRU by 0.1 (the sum of the hit rates).
-void check_policy_claims(const Trace& trace, const std::string& label) {
+// token's accesses to three tokens' worth: Belady bounds every policy, hinted or not; below one
+// token (64 accesses) LRU gets nothing while cyclic keeps a useful part; from two tokens on cyclic
+// beats LRU; over the sizes together cyclic beats LRU by 0.1 (the sum of the hit rates); the
+// default (cyclic-hint) beats cyclic at every size, and exact hints 8 layers ahead add to it.
+std::vector<Row> check_policy_claims(const Trace& trace, const std::string& label) {
   const auto acc = trace.accesses();
-  ASSERT_EQ(trace.layers, 32u);
-  ASSERT_EQ(trace.experts, 8u);
-  std::printf("%s: %zu accesses\n  slots      lru   cyclic   belady\n", label.c_str(), acc.size());
+  EXPECT_EQ(trace.layers, 32u);
+  EXPECT_EQ(trace.experts, 8u);
+  std::printf("%s: %zu accesses\n  slots      lru   cyclic  default  +oracle:8   belady    goal\n",
+              label.c_str(), acc.size());
+  std::vector<Row> rows;
   double sum_lru = 0, sum_cyclic = 0;
   for (uint32_t cap : {32u, 64u, 128u, 192u}) {
     const PolicyShape shape{cap, 32, 8};
     const auto lru = simulate_policy("lru", shape, acc);
     const auto cyc = simulate_policy("cyclic", shape, acc);
+    const auto hint = simulate_policy("default", shape, acc);
+    const auto oracle = simulate_policy("default", shape, acc, SimHints{.depth = 8});
     const auto opt = simulate_belady(cap, acc);
-    ASSERT_TRUE(lru && cyc);
-    std::printf("  %5u  %6.1f%%  %6.1f%%  %6.1f%%\n", cap, 100 * lru->hit_rate(),
-                100 * cyc->hit_rate(), 100 * opt.hit_rate());
+    EXPECT_TRUE(lru && cyc && hint && oracle);
+    if (!lru || !cyc || !hint || !oracle) return rows;
+    rows.push_back({cap, lru->hits, cyc->hits, hint->hits, oracle->hits, opt.hits});
+    std::printf("  %5u  %6.1f%%  %6.1f%%  %6.1f%%  %8.1f%%  %6.1f%%  %5.1f%%\n", cap,
+                100 * lru->hit_rate(), 100 * cyc->hit_rate(), 100 * hint->hit_rate(),
+                100 * oracle->hit_rate(), 100 * opt.hit_rate(),
+                50 * (lru->hit_rate() + opt.hit_rate()));
     EXPECT_LE(lru->hits, opt.hits);
     EXPECT_LE(cyc->hits, opt.hits);
+    EXPECT_LE(oracle->hits, opt.hits);
+    EXPECT_GT(hint->hits, cyc->hits) << cap << " slots";
+    EXPECT_GT(oracle->hits, hint->hits) << cap << " slots";
     sum_lru += lru->hit_rate();
     sum_cyclic += cyc->hit_rate();
     if (cap == 32) {
@@ -117,6 +232,7 @@ void check_policy_claims(const Trace& trace, const std::string& label) {
     }
   }
   EXPECT_GT(sum_cyclic, sum_lru + 0.1) << "cyclic must beat LRU over the sizes together";
+  return rows;
 }
 
 class SharedTrace : public ::testing::TestWithParam<const char*> {};
