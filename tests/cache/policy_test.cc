@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -235,16 +236,88 @@ std::vector<Row> check_policy_claims(const Trace& trace, const std::string& labe
   return rows;
 }
 
-class SharedTrace : public ::testing::TestWithParam<const char*> {};
+// The goal of issue 13, (LRU + Belady) / 2, reached or not by `hits` of `acc.size()` accesses.
+bool meets_goal(const Row& r, uint64_t hits) { return 2 * hits >= r.lru + r.belady; }
 
-TEST_P(SharedTrace, CyclicBeatsLruAndBeladyBoundsBoth) {
-  const auto dir = test::shared_traces_dir();
-  if (!dir) GTEST_SKIP() << test::kNoSharedTraces;
-  const std::string path = *dir + "/" + GetParam();
-  ASSERT_TRUE(std::filesystem::exists(path)) << path;
-  auto trace = load_trace_jsonl(path);
-  ASSERT_TRUE(trace) << trace.error().message;
-  check_policy_claims(*trace, GetParam());
+// What the default reaches over cyclic on a Mixtral-shaped trace (real or generated), and that
+// the goal stays out of its reach from one token's working set up.
+void check_default_gains(const std::vector<Row>& rows, size_t accesses) {
+  ASSERT_EQ(rows.size(), 4u);
+  for (const Row& r : rows) {
+    SCOPED_TRACE(testing::Message() << r.slots << " slots");
+    const double gain = static_cast<double>(r.hint - r.cyclic) / static_cast<double>(accesses);
+    if (r.slots <= 64) {
+      EXPECT_GT(gain, 0.02);  // 2.5-4.2 points measured
+    }
+    if (r.slots >= 64) {
+      EXPECT_FALSE(meets_goal(r, r.hint));
+    }
+  }
+}
+
+class SharedTrace : public ::testing::TestWithParam<const char*> {
+ protected:
+  std::optional<Trace> load() {
+    const auto dir = test::shared_traces_dir();
+    if (!dir) return std::nullopt;
+    const std::string path = *dir + "/" + GetParam();
+    EXPECT_TRUE(std::filesystem::exists(path)) << path;
+    auto trace = load_trace_jsonl(path);
+    EXPECT_TRUE(trace) << trace.error().message;
+    if (!trace) return std::nullopt;
+    return std::move(*trace);
+  }
+};
+
+// The table of docs/CACHE.md, hit for hit (deterministic): LRU, cyclic, the default
+// (cyclic-hint) alone and with exact hints 8 layers ahead, and Belady, at 32/64/128/192 slots.
+TEST_P(SharedTrace, PoliciesHitWhatDocsCacheSays) {
+  const auto trace = load();
+  if (!trace) GTEST_SKIP() << test::kNoSharedTraces;
+  const auto rows = check_policy_claims(*trace, GetParam());
+  const bool he0 = std::string(GetParam()).find("humaneval0") != std::string::npos;
+  // slots, lru, cyclic, default, default + oracle:8, belady
+  const std::vector<Row> want = he0 ? std::vector<Row>{{32, 0, 2159, 2565, 3027, 5463},
+                                                       {64, 4646, 4521, 5028, 5510, 8246},
+                                                       {128, 7764, 8421, 8584, 8806, 11251},
+                                                       {192, 11300, 11479, 11511, 11556, 12684}}
+                                    : std::vector<Row>{{32, 6, 748, 953, 1075, 2060},
+                                                       {64, 1558, 1626, 1802, 2001, 3071},
+                                                       {128, 2757, 3008, 3077, 3175, 4136},
+                                                       {192, 4101, 4174, 4182, 4234, 4679}};
+  ASSERT_EQ(rows.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << want[i].slots << " slots");
+    EXPECT_EQ(rows[i].lru, want[i].lru);
+    EXPECT_EQ(rows[i].cyclic, want[i].cyclic);
+    EXPECT_EQ(rows[i].hint, want[i].hint);
+    EXPECT_EQ(rows[i].hint_oracle8, want[i].hint_oracle8);
+    EXPECT_EQ(rows[i].belady, want[i].belady);
+  }
+  check_default_gains(rows, trace->accesses().size());
+}
+
+// Why the goal is out of reach online (docs/CACHE.md): with the router's exact choices for the
+// next 16 layers (half a token; decode has at most the current token's remaining layers) the
+// default still misses it at 64 slots; it takes the exact routing of a whole token ahead (32
+// layers), which decode cannot know (the next token is not sampled yet), and at 128 and 192 slots
+// even that is not enough without prefetch.
+TEST_P(SharedTrace, TheGoalNeedsAWholeTokenOfExactLookahead) {
+  const auto trace = load();
+  if (!trace) GTEST_SKIP() << test::kNoSharedTraces;
+  const auto acc = trace->accesses();
+  for (const uint32_t cap : {64u, 128u, 192u}) {
+    SCOPED_TRACE(testing::Message() << cap << " slots");
+    const PolicyShape shape{cap, 32, 8};
+    const Row r{
+        cap, simulate_policy("lru", shape, acc)->hits, 0, 0, 0, simulate_belady(cap, acc).hits};
+    const auto half = simulate_policy("default", shape, acc, SimHints{.depth = 16});
+    const auto whole = simulate_policy("default", shape, acc, SimHints{.depth = 32});
+    ASSERT_TRUE(half && whole);
+    EXPECT_FALSE(meets_goal(r, half->hits));
+    EXPECT_EQ(meets_goal(r, whole->hits), cap == 64);
+    EXPECT_LE(whole->hits, r.belady);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Mixtral, SharedTrace,
@@ -253,16 +326,19 @@ INSTANTIATE_TEST_SUITE_P(Mixtral, SharedTrace,
 
 // The twin on generated Mixtral-shaped traces (trace/synth.h, calibrated to the shared ones'
 // reuse and popularity), of the shared traces' lengths, five seeds each. The shared traces' own
-// thresholds hold with the same room: measured on seeds 1, 2, 5 (218 tokens) and 1, 3 (83),
-// cyclic hits 14.9-15.2% at 32 slots (humaneval0 15.6%, humaneval1 14.4%) while LRU hits none,
-// cyclic beats LRU by 0.22-0.24 over the four sizes (0.21, 0.22), and by 2.3-2.9 points at 192
-// slots (1.3, 1.4).
+// thresholds hold with the same room: measured on seeds 1..5 (218 and 83 tokens), cyclic hits
+// 15.1-16.1% at 32 slots (humaneval0 15.9%, humaneval1 14.5%) while LRU hits none; the default
+// (cyclic-hint) beats cyclic by 2.5-4.2 points at 32 and 64 slots (3.0-4.0 on the shared traces)
+// and by 0.1-1.7 at 128 and 192 (0.2-1.4); exact hints 8 layers ahead add up to 4 points; the
+// goal (LRU + Belady) / 2 is missed from 64 slots up by 4-11 points (3.6-10.5).
 class GeneratedTrace : public ::testing::TestWithParam<uint32_t> {};
 
-TEST_P(GeneratedTrace, CyclicBeatsLruAndBeladyBoundsBoth) {
+TEST_P(GeneratedTrace, DefaultBeatsCyclicAndBeladyBoundsAll) {
   for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
     const Trace t = synthesize_trace(SynthParams::mixtral(GetParam()), seed);
-    check_policy_claims(t, "generated seed " + std::to_string(seed));
+    const auto rows = check_policy_claims(t, "generated seed " + std::to_string(seed));
+    check_default_gains(rows, t.accesses().size());
   }
 }
 
