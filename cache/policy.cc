@@ -240,10 +240,12 @@ class CyclicHintPolicy final : public ReplacementPolicy {
     if (key.layer >= shape_.layers || key.expert >= shape_.experts || distance == 0) return;
     const uint32_t l = key.layer;
     // The visit of layer l the hint is for: the next one, or a later one for distances past it.
-    const uint32_t d0 = cycle_distance(l);
-    const uint32_t first = l == cur_layer_ && total_visits_ > 0 ? shape_.layers : d0;
+    // A hint for the current layer from less than a cycle away came late, for the visit under way.
+    const bool current = l == cur_layer_ && total_visits_ > 0;
+    const uint32_t first = current ? shape_.layers : cycle_distance(l);
     const uint32_t later = distance > first ? (distance - first) / shape_.layers : 0;
-    const uint32_t target = visits_[l] + 1 + later;
+    const uint32_t target = current && distance < first ? visits_[l] : visits_[l] + 1 + later;
+    if (target == visits_[l] && last_visit_[index(key)] == visits_[l]) return;  // already wanted
     const float q = static_cast<float>(std::clamp(probability, 0.0, 1.0));
     const size_t i = index(key);
     // A hint for a nearer visit is kept over one for a farther visit; a newer one for the same

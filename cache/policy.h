@@ -10,12 +10,17 @@
 //  - "lru":    global least-recently-used. A global LRU smaller than one token's working set gets
 //              no hits on layer-cyclic access: it always evicts the expert needed soonest.
 //  - "fifo":   insertion order (the staging ring's policy).
-//  - "cyclic": the default. Models the layer cycle of decoding: expert (l, e) is next wanted when
-//              the cursor comes back to layer l, d(l) layers from now, with a probability p
-//              estimated from recency (was it used in the last tokens?) and frequency (its share of
-//              layer l's routing so far). It evicts the slot with the lowest p / d, a greedy
-//              approximation of Belady's MIN for cyclic access, and refuses admission to an
-//              incoming expert worth less than every candidate. See docs/CACHE.md.
+//  - "cyclic": models the layer cycle of decoding: expert (l, e) is next wanted when the cursor
+//              comes back to layer l, d(l) layers from now, with a probability p estimated from
+//              recency (was it used in the last tokens?) and frequency (its share of layer l's
+//              routing so far). It evicts the slot with the lowest p / d, a greedy approximation
+//              of Belady's MIN for cyclic access, and refuses admission to an incoming expert
+//              worth less than every candidate.
+//  - "cyclic-hint": the default ("default" names it). cyclic, knowing that an expert of the
+//              current layer not yet wanted in this visit may still be wanted now, and using router
+//              hints (on_hint): a hinted expert is valued probability / distance, the unhinted
+//              experts of a hinted visit share what the hints leave of its top-k. See
+//              docs/CACHE.md for both, and every policy tried against Belady.
 #pragma once
 
 #include <cstdint>
