@@ -4,8 +4,8 @@
 docs/CACHE.md ("Every policy tried") quotes this script's output. It is a slow, plain-Python model
 of `expert-tune simulate`: demand only, one global capacity, a layer's experts held while its
 visit lasts, an incoming expert not admitted when it is worth less than every candidate. Its
-`cyclic-visit` column is the C++ default (cyclic-hint without hints) to within half a point (it
-updates the statistics of a whole visit before choosing victims).
+`cyclic-visit` column is the C++ default (cyclic-hint without hints) to within 0.9 points on the
+shared traces (it updates the statistics of a whole visit before choosing victims).
 
   scripts/policy-explore.py ../shared/traces/mixtral-8x7b-humaneval0.trace.jsonl [32,64,128,192]
 """
