@@ -186,6 +186,67 @@ def run_adaptive(seq, L, cap, weights=(0.0, 0.25, 0.5, 0.75, 1.0), window=256):
     return hits / n
 
 
+def run_sticky(seq, L, E, cap, mix=1.0, buckets=3, alpha=4.0):
+    """Per-expert reuse: P(used at the next visit | visits since its last use, 0..buckets), counted
+    per expert and smoothed toward its layer's rate for that bucket; mixed with cyclic's p."""
+    s = Stats(L)
+    res = set()
+    hits = n = 0
+    last_visit = {}
+    visits = defaultdict(int)
+    cx = defaultdict(float)
+    nx = defaultdict(float)
+    cl = defaultdict(float)
+    nl = defaultdict(float)
+
+    def bucket(k, now):
+        lv = last_visit.get(k)
+        return buckets if lv is None else min(now - lv - 1, buckets)
+
+    def value(s_, k):
+        b = bucket(k, visits[k[0]] + 1)
+        prior = (cl[(k[0], b)] + 1) / (nl[(k[0], b)] + 4)
+        p = (cx[(k, b)] + alpha * prior) / (nx[(k, b)] + alpha)
+        return (mix * p + (1 - mix) * p_cyclic(s_, k)) / s_.dist(k[0])
+
+    for layer, ex in seq:
+        if layer < s.cur:
+            s.tok += 1
+        s.cur = layer
+        for e in range(E):
+            k = (layer, e)
+            b = bucket(k, visits[layer])
+            cx[(k, b)] += e in ex
+            nx[(k, b)] += 1
+            cl[(layer, b)] += e in ex
+            nl[(layer, b)] += 1
+        for e in ex:
+            k = (layer, e)
+            s.uses[k] += 1
+            s.luses[layer] += 1
+            s.last[k] = s.tok
+            last_visit[k] = visits[layer]
+        visits[layer] += 1
+        for e in ex:
+            k = (layer, e)
+            n += 1
+            if k in res:
+                hits += 1
+                continue
+            if len(res) < cap:
+                res.add(k)
+                continue
+            cand = [x for x in res if not (x[0] == layer and x[1] in ex)]
+            if not cand:
+                continue
+            v = min(cand, key=lambda x: value(s, x))
+            if value(s, v) >= value(s, k):
+                continue
+            res.remove(v)
+            res.add(k)
+    return hits / n
+
+
 class _Cache:
     def __init__(self, cap):
         self.cap = cap
@@ -208,7 +269,7 @@ class _Cache:
 
 
 def main():
-    seq, L, _ = load(sys.argv[1])
+    seq, L, E = load(sys.argv[1])
     caps = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "32,64,128,192").split(",")]
 
     def expected_next(s, k):  # 1 / E[layers to next use], geometric in p
@@ -227,6 +288,8 @@ def main():
         ("markov", lambda c: run_value(seq, L, c, lambda s, k: p_markov(s, k) / s.dist(k[0]))),
         ("markov-mix", lambda c: run_value(
             seq, L, c, lambda s, k: (0.5 * p_cyclic(s, k) + 0.5 * p_markov(s, k)) / s.dist(k[0]))),
+        ("per-expert-reuse", lambda c: run_sticky(seq, L, E, c)),
+        ("per-expert-mix", lambda c: run_sticky(seq, L, E, c, mix=0.5)),
         ("expected-next-use", lambda c: run_value(seq, L, c, expected_next)),
         ("least-stale", lambda c: run_value(seq, L, c, least_stale, admit=False)),
         ("tinylfu", lambda c: run_lru(seq, c, admit_freq=True)),
