@@ -10,12 +10,17 @@
 //  - "lru":    global least-recently-used. A global LRU smaller than one token's working set gets
 //              no hits on layer-cyclic access: it always evicts the expert needed soonest.
 //  - "fifo":   insertion order (the staging ring's policy).
-//  - "cyclic": the default. Models the layer cycle of decoding: expert (l, e) is next wanted when
-//              the cursor comes back to layer l, d(l) layers from now, with a probability p
-//              estimated from recency (was it used in the last tokens?) and frequency (its share of
-//              layer l's routing so far). It evicts the slot with the lowest p / d, a greedy
-//              approximation of Belady's MIN for cyclic access, and refuses admission to an
-//              incoming expert worth less than every candidate. See docs/CACHE.md.
+//  - "cyclic": models the layer cycle of decoding: expert (l, e) is next wanted when the cursor
+//              comes back to layer l, d(l) layers from now, with a probability p estimated from
+//              recency (was it used in the last tokens?) and frequency (its share of layer l's
+//              routing so far). It evicts the slot with the lowest p / d, a greedy approximation
+//              of Belady's MIN for cyclic access, and refuses admission to an incoming expert
+//              worth less than every candidate.
+//  - "cyclic-hint": the default ("default" names it). cyclic, knowing that an expert of the
+//              current layer not yet wanted in this visit may still be wanted now, and using router
+//              hints (on_hint): a hinted expert is valued probability / distance, the unhinted
+//              experts of a hinted visit share what the hints leave of its top-k. See
+//              docs/CACHE.md for both, and every policy tried against Belady.
 #pragma once
 
 #include <cstdint>
@@ -60,21 +65,47 @@ struct PolicyShape {
   uint32_t experts = 0;   // experts per layer
 };
 
-// "lru", "fifo" or "cyclic"; an Error naming the unknown policy otherwise.
+// The policy "default" names.
+inline constexpr std::string_view kDefaultPolicy = "cyclic-hint";
+
+// "cyclic-hint", "cyclic", "lru", "fifo", or "default" (kDefaultPolicy); an Error naming the
+// unknown policy otherwise.
 Result<std::unique_ptr<ReplacementPolicy>> make_policy(std::string_view name,
                                                        const PolicyShape& shape);
-// The policy names make_policy accepts, default first.
+// The policy names make_policy accepts besides "default", the default first.
 std::span<const std::string_view> policy_names();
 
 // Offline cache simulation (the model of `expert-tune simulate`): one global capacity, each
-// access in order, no prefetch, every miss fills a slot unless the policy refuses admission.
+// access in order, demand only (no prefetch loads), every miss fills a slot unless the policy
+// refuses admission. A layer visit (a run of accesses to one layer) is held until it ends, as the
+// engine holds a layer's experts while it computes, so none of them evicts another. A hit is an
+// expert resident when wanted, so no policy, hinted or not, can beat simulate_belady().
 struct SimResult {
   uint64_t accesses = 0;
   uint64_t hits = 0;
   double hit_rate() const { return accesses ? static_cast<double>(hits) / accesses : 0.0; }
 };
+// Router hints fed to the policy (on_hint) before each visit, for the next `depth` visits (0:
+// none), as the daemon gets them: each routed expert of those visits, or with recall < 1 each one
+// replaced with probability 1 - recall by an expert of the layer that was not routed (drawn
+// deterministically from `seed`), with probability = recall (calibrated).
+struct SimHints {
+  uint32_t depth = 0;
+  double recall = 1.0;
+  uint64_t seed = 1;
+};
+// "none", "oracle:D" or "noisy:R:D".
+Result<SimHints> parse_sim_hints(std::string_view spec);
 Result<SimResult> simulate_policy(std::string_view policy, const PolicyShape& shape,
-                                  std::span<const ExpertKey> accesses);
+                                  std::span<const ExpertKey> accesses, const SimHints& hints = {});
+// The hindsight-optimal fixed set: the `capacity` most used experts of the whole trace, kept for
+// all of it (first uses missed, as for every policy). What frequency alone can reach.
+struct StaticBound {
+  uint32_t capacity = 0;
+  SimResult result;
+};
+std::vector<StaticBound> static_hindsight(std::span<const uint32_t> capacities,
+                                          std::span<const ExpertKey> accesses);
 // Belady's MIN (evict the expert whose next use is farthest): the optimum for any policy.
 SimResult simulate_belady(uint32_t capacity, std::span<const ExpertKey> accesses);
 

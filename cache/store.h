@@ -27,7 +27,7 @@ namespace expertd {
 struct StoreOptions {
   uint64_t cache_bytes = 1ull << 30;  // expert cache; 0 = stream everything through staging
   uint32_t staging_slots = 8;
-  std::string policy = "cyclic";
+  std::string policy{kDefaultPolicy};
   bool lock_memory = true;  // mlock the arena
   SchedulerOptions scheduler;
 };

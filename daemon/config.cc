@@ -175,11 +175,11 @@ Status validate_config(const DaemonConfig& c) {
   if (c.max_sessions == 0 || c.max_sessions > 4096) {
     return make_error(EINVAL, fmt::format("max_sessions {}: must be 1..4096", c.max_sessions));
   }
-  bool known_policy = false;
+  bool known_policy = c.policy == "default";
   for (const auto p : policy_names()) known_policy |= p == c.policy;
   if (!known_policy) {
-    return make_error(EINVAL,
-                      fmt::format("policy '{}': unknown (known: cyclic, lru, fifo)", c.policy));
+    return make_error(EINVAL, fmt::format("policy '{}': unknown (known: default, {})", c.policy,
+                                          fmt::join(policy_names(), ", ")));
   }
   return Ok{};
 }

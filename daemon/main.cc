@@ -307,7 +307,8 @@ int main(int argc, char** argv) {
   app.add_option("--chunk", f.chunk,
                  "Read chunk size, e.g. 1MiB (auto = probe with the queue depth; default auto)");
   app.add_option("--backend", f.backend, "I/O backend: uring (default) or pread");
-  app.add_option("--policy", f.policy, "Cache policy: cyclic (default), lru or fifo");
+  app.add_option("--policy", f.policy,
+                 "Cache policy: default (cyclic-hint), cyclic-hint, cyclic, lru or fifo");
   app.add_option("--allow-uid", f.allow_uids, "Also allow this uid on the socket; repeatable")
       ->check(u32);
   app.add_option("--allow-gid", f.allow_gids, "Also allow this gid on the socket; repeatable")

@@ -124,7 +124,7 @@ TEST(ExpertdProcess, SighupReloadsTunablesFromTheFile) {
                         << "lock_memory = false\nprefetch_depth = " << depth << "\npolicy = \""
                         << policy << "\"\n[models]\nm = \"" << model << "\"\n";
   };
-  write_conf(2, "cyclic");
+  write_conf(2, "default");  // the default policy by name
   Daemon d(dir, {"--config", conf}, false);
   ASSERT_TRUE(contains(d.messages(15000, "READY=1"), "READY=1")) << d.log();
   write_conf(5, "lru");
@@ -133,6 +133,9 @@ TEST(ExpertdProcess, SighupReloadsTunablesFromTheFile) {
   EXPECT_TRUE(contains(msgs, "RELOADING=1"));
   EXPECT_TRUE(d.log_shows("tuning: prefetch depth 5")) << d.log();
   EXPECT_TRUE(d.log_shows("tuning: cache policy lru")) << d.log();
+  write_conf(5, "cyclic-hint");
+  ASSERT_EQ(::kill(d.pid(), SIGHUP), 0);
+  EXPECT_TRUE(d.log_shows("tuning: cache policy cyclic-hint")) << d.log();
   // A broken file on reload keeps the running settings and says why.
   std::ofstream(conf) << "prefetch_depth = \"deep\"\n";
   ASSERT_EQ(::kill(d.pid(), SIGHUP), 0);

@@ -171,6 +171,9 @@ class TraceTest : public ::testing::Test {
       EXPECT_EQ(j.at("belady_hits").get<uint64_t>(), min);
       EXPECT_NEAR(j.at("belady_hit_rate").get<double>(), static_cast<double>(min) / acc.size(),
                   1e-6);
+      EXPECT_EQ(j.at("lru_hits").get<uint64_t>(), lru);
+      EXPECT_NEAR(j.at("goal_hit_rate").get<double>(),
+                  static_cast<double>(lru + min) / 2 / static_cast<double>(acc.size()), 1e-6);
     }
     EXPECT_EQ(n, caps.size());
   }
@@ -598,6 +601,35 @@ TEST_F(TraceTest, TuneSynthWritesTheGeneratedTrace) {
   r = run_tune("synth --top-k 9 -o " + path("x.jsonl") + " 2>&1");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_FALSE(fs::exists(path("x.jsonl")));
+}
+
+// `simulate --policy default` is cyclic-hint; hints (oracle or noisy) change its hits but never
+// past Belady's; a bad --hints is a usage error naming the forms.
+TEST_F(TraceTest, SimulateDefaultPolicyWithHints) {
+  ASSERT_TRUE(write_trace_jsonl(path("mix.jsonl"), synthesize_trace(SynthParams::mixtral(60), 3)));
+  auto json = [&](const std::string& args) {
+    const auto r =
+        run_tune("simulate --trace " + path("mix.jsonl") + " --json --cache-experts 64 " + args);
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json::object();
+  };
+  const auto plain = json("");
+  const auto named = json("--policy default");
+  const auto oracle = json("--hints oracle:8");
+  const auto noisy = json("--hints noisy:0.7:8 --seed 4");
+  ASSERT_TRUE(plain.contains("hits") && oracle.contains("hits") && noisy.contains("hits"));
+  EXPECT_EQ(plain.at("policy"), "cyclic-hint");
+  EXPECT_EQ(named.at("hits"), plain.at("hits"));
+  EXPECT_EQ(oracle.at("hints"), "oracle:8");
+  EXPECT_GT(oracle.at("hits").get<uint64_t>(), plain.at("hits").get<uint64_t>());
+  EXPECT_LE(oracle.at("hits").get<uint64_t>(), oracle.at("belady_hits").get<uint64_t>());
+  EXPECT_LE(noisy.at("hits").get<uint64_t>(), noisy.at("belady_hits").get<uint64_t>());
+  EXPECT_EQ(json("--hints noisy:0.7:8 --seed 4"), noisy) << "deterministic for a seed";
+  for (const char* bad : {"oracle:0", "noisy:1.5:2", "oracle", "psychic:3", "noisy:0.5"}) {
+    const auto r = run_tune("simulate --trace " + path("mix.jsonl") + " --hints " + bad + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_NE(r.out.find("expected none, oracle:D or noisy:R:D"), std::string::npos) << r.out;
+  }
 }
 
 TEST_F(TraceTest, CliErrorsAreClear) {

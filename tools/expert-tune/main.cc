@@ -64,10 +64,15 @@ std::vector<uint32_t> parse_list(const std::string& s) {
 struct SimulateOptions {
   std::string trace;
   std::string cache_experts = "64";
-  std::string policy = "cyclic";
+  std::string policy = "default";
+  std::string hints = "none";
+  uint64_t seed = 1;
   bool json = false;
 };
 
+// The policy's hits beside the references that bound what it could do on this trace: LRU (the
+// floor to beat), Belady's MIN with bypass (no policy can do better), the goal between them, and
+// the best fixed set in hindsight (what frequency alone can reach).
 int run_simulate(const SimulateOptions& o) {
   auto trace = expertd::load_trace(o.trace);
   if (!trace) {
@@ -82,28 +87,53 @@ int run_simulate(const SimulateOptions& o) {
                  o.cache_experts.c_str());
     return 2;
   }
+  auto hints = expertd::parse_sim_hints(o.hints);
+  if (!hints) {
+    std::fprintf(stderr, "expert-tune simulate: --hints: %s\n", hints.error().message.c_str());
+    return 2;
+  }
+  hints->seed = o.seed;
+  const std::string policy(o.policy == "default" ? expertd::kDefaultPolicy : o.policy);
   const auto acc = trace->accesses();
+  const auto statics = expertd::static_hindsight(sizes, acc);
   if (!o.json) {
     fmt::print("trace {}: {} tokens, {} layers, {} experts, {} accesses\n", o.trace, trace->tokens,
                trace->layers, trace->experts, acc.size());
-    fmt::print("{:>12} {:>10} {:>10} {:>9} {:>12} {:>10}\n", "cache", "accesses", "hits",
-               "hit rate", "belady hits", "belady");
+    fmt::print("policy {}{}, hints {}; goal = (lru + belady) / 2\n", policy,
+               o.policy == "default" ? " (the default)" : "", o.hints);
+    fmt::print("{:>8} {:>9} {:>8} {:>9} {:>7} {:>12} {:>7} {:>7} {:>5} {:>7}\n", "cache",
+               "accesses", "hits", "hit rate", "lru", "belady hits", "belady", "goal", "met",
+               "static");
   }
-  for (const uint32_t n : sizes) {
-    const auto r = expertd::simulate_policy(o.policy, {n, trace->layers, trace->experts}, acc);
+  for (size_t n = 0; n < sizes.size(); ++n) {
+    const expertd::PolicyShape shape{sizes[n], trace->layers, trace->experts};
+    const auto r = expertd::simulate_policy(policy, shape, acc, *hints);
     if (!r) {
       std::fprintf(stderr, "expert-tune simulate: %s\n", r.error().message.c_str());
       return 2;
     }
-    const auto b = expertd::simulate_belady(n, acc);
+    const auto lru = expertd::simulate_policy("lru", shape, acc);
+    if (!lru) {
+      std::fprintf(stderr, "expert-tune simulate: %s\n", lru.error().message.c_str());
+      return 2;
+    }
+    const auto b = expertd::simulate_belady(sizes[n], acc);
+    const double goal = (lru->hit_rate() + b.hit_rate()) / 2;
+    const bool met = r->hit_rate() >= goal;
+    const double st = statics[n].result.hit_rate();
     if (o.json) {
       fmt::print(
-          "{{\"cache_experts\":{},\"policy\":\"{}\",\"accesses\":{},\"hits\":{},"
-          "\"hit_rate\":{:.6f},\"belady_hits\":{},\"belady_hit_rate\":{:.6f}}}\n",
-          n, o.policy, r->accesses, r->hits, r->hit_rate(), b.hits, b.hit_rate());
+          "{{\"cache_experts\":{},\"policy\":\"{}\",\"hints\":\"{}\",\"accesses\":{},"
+          "\"hits\":{},\"hit_rate\":{:.6f},\"lru_hits\":{},\"lru_hit_rate\":{:.6f},"
+          "\"belady_hits\":{},\"belady_hit_rate\":{:.6f},\"goal_hit_rate\":{:.6f},"
+          "\"goal_met\":{},\"static_hits\":{},\"static_hit_rate\":{:.6f}}}\n",
+          sizes[n], policy, o.hints, r->accesses, r->hits, r->hit_rate(), lru->hits,
+          lru->hit_rate(), b.hits, b.hit_rate(), goal, met, statics[n].result.hits, st);
     } else {
-      fmt::print("{:>12} {:>10} {:>10} {:>8.1f}% {:>12} {:>9.1f}%\n", n, r->accesses, r->hits,
-                 100 * r->hit_rate(), b.hits, 100 * b.hit_rate());
+      fmt::print(
+          "{:>8} {:>9} {:>8} {:>8.1f}% {:>6.1f}% {:>12} {:>6.1f}% {:>6.1f}% {:>5} {:>6.1f}%\n",
+          sizes[n], r->accesses, r->hits, 100 * r->hit_rate(), 100 * lru->hit_rate(), b.hits,
+          100 * b.hit_rate(), 100 * goal, met ? "yes" : "no", 100 * st);
     }
   }
   return 0;
@@ -314,7 +344,13 @@ int main(int argc, char** argv) {
   s->add_option("--trace", sim.trace, "Trace: canonical JSON Lines or binary (.etrace)")
       ->required();
   s->add_option("--cache-experts", sim.cache_experts, "Capacity in experts: N or N,N,...");
-  s->add_option("--policy", sim.policy, "cyclic (default), lru or fifo");
+  s->add_option("--policy", sim.policy, "default (cyclic-hint), cyclic-hint, cyclic, lru or fifo");
+  s->add_option("--hints", sim.hints,
+                "Router hints fed to the policy before each layer: none (default), oracle:D (the "
+                "recorded experts of the next D layers) or noisy:R:D (each right with "
+                "probability R, e.g. noisy:0.8:2); they change replacement and admission only, "
+                "nothing is prefetched");
+  s->add_option("--seed", sim.seed, "Seed of the noisy hints (default 1)");
   s->add_flag("--json", sim.json, "One JSON object per capacity");
   s->callback([&] { run = [&] { return run_simulate(sim); }; });
 
