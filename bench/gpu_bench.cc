@@ -13,6 +13,11 @@
 //     the quantised weight bytes. Goal: fused / read-only >= 0.7. Then the fused path reading the
 //     weights in place from a registered memfd (over PCIe). The outputs of the three paths are
 //     compared off the clock.
+//  3. with --variants, each matvec kernel variant (kernels::MatvecVariant) over the same experts:
+//     the FFN as four launches, with SwiGLU fused into the down projection (three launches), both
+//     again replayed as one CUDA graph (a layer's k experts are already one batched launch per
+//     projection, so the graph leaves only the kernels' own time), and each projection alone; all
+//     as fractions of the read-only bandwidth, outputs compared with kBase's.
 //
 // Timing: cudaEvents around each iteration, --warmup iterations first, the median of --iters.
 // Exit status: 0, 1 on a CUDA/cuBLAS/system error (printed), 2 when there is no CUDA device.
@@ -66,11 +71,13 @@ struct Flags {
   bool json = false;
   int device = 0;
   uint64_t seed = 1;
+  std::string variants;  // comma-separated kernels::matvec_variant_name()s, or "all"
 };
 
 // The CUDA owners are kernels/cuda_raii.h's; the memfd's fd and mappings are base/fd.h's.
 using cuda::CublasHandle;
 using cuda::CudaEvent;
+using cuda::CudaGraphExec;
 using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::HostRegistration;
@@ -382,9 +389,12 @@ Result<FfnBuffers> make_ffn_buffers(const ExpertLayout& l, cudaStream_t stream) 
 enum class FfnPart { kAll, kGateUp, kDown };
 
 // The engine's expert FFN with the fused kernels, the weights at `base` (device memory or the
-// device pointer of registered host memory).
+// device pointer of registered host memory). With `fuse_swiglu` the down projection reads the gate
+// and up outputs (MatvecBatch::up) and no swiglu launch runs.
 Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b,
-                 cudaStream_t stream, FfnPart part = FfnPart::kAll) {
+                 cudaStream_t stream, FfnPart part = FfnPart::kAll,
+                 kernels::MatvecVariant variant = kernels::MatvecVariant::kDefault,
+                 bool fuse_swiglu = false) {
   const uint32_t e = l.experts;
   float* gu = b.gu.get<float>();
   kernels::MatvecBatch gate_up;
@@ -397,11 +407,11 @@ Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b
     gate_up.y[e + i] = gu + uint64_t{e + i} * l.n_ff;
   }
   if (part != FfnPart::kDown) {
-    EXPERTD_CUDA_TRY(
-        kernels::matvec_batched(l.type, gate_up, l.gu_row_bytes, l.n_ff, l.n_embd, stream));
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(l.type, gate_up, l.gu_row_bytes, l.n_ff, l.n_embd,
+                                             stream, variant));
   }
   if (part == FfnPart::kGateUp) return Ok{};
-  if (part == FfnPart::kAll) {
+  if (part == FfnPart::kAll && !fuse_swiglu) {
     EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + uint64_t{e} * l.n_ff, b.h.get<float>(),
                                      uint64_t{e} * l.n_ff, stream));
   }
@@ -409,11 +419,16 @@ Status fused_ffn(const ExpertLayout& l, const uint8_t* base, const FfnBuffers& b
   down.count = e;
   for (uint32_t i = 0; i < e; ++i) {
     down.w[i] = base + l.down(i);
-    down.x[i] = b.h.get<float>() + uint64_t{i} * l.n_ff;
+    if (fuse_swiglu) {
+      down.x[i] = gu + uint64_t{i} * l.n_ff;
+      down.up[i] = gu + uint64_t{e + i} * l.n_ff;
+    } else {
+      down.x[i] = b.h.get<float>() + uint64_t{i} * l.n_ff;
+    }
     down.y[i] = b.eo.get<float>() + uint64_t{i} * l.n_embd;
   }
   EXPERTD_CUDA_TRY(
-      kernels::matvec_batched(l.type, down, l.down_row_bytes, l.n_embd, l.n_ff, stream));
+      kernels::matvec_batched(l.type, down, l.down_row_bytes, l.n_embd, l.n_ff, stream, variant));
   if (part == FfnPart::kDown) return Ok{};
   EXPERTD_CUDA_TRY(kernels::moe_combine(b.eo.get<float>(), b.weights.get<float>(),
                                         b.residual.get<float>(), e, l.n_embd, stream));
@@ -481,6 +496,31 @@ double normalised_diff(const std::vector<float>& a, const std::vector<float>& re
   return mag > 0.0 ? diff / mag : diff;
 }
 
+// One kernel variant's figures (milliseconds for all --experts experts).
+struct VariantResult {
+  kernels::MatvecVariant variant = kernels::MatvecVariant::kBase;
+  double ffn_ms = 0;           // gate+up, swiglu, down, combine: four launches
+  double ffn_swiglu_ms = 0;    // gate+up, down with SwiGLU fused, combine: three launches
+  double graph_ms = 0;         // the four launches as one CUDA graph
+  double graph_swiglu_ms = 0;  // the three launches as one CUDA graph
+  double gate_up_ms = 0;
+  double down_ms = 0;
+  double down_swiglu_ms = 0;  // the down projection reading the gate and up outputs
+  double diff = 0;            // normalised max difference of the expert outputs from kBase's
+  double diff_swiglu = 0;     // the same with SwiGLU fused
+  std::string error;          // set when a launch failed; the figures are then 0
+  std::string graph_error;    // set when capturing or replaying a graph failed (graph_* stay 0)
+};
+
+// The fastest of a variant's whole-FFN timings that ran.
+double fastest(const VariantResult& v) {
+  double best = 0.0;
+  for (const double ms : {v.ffn_ms, v.ffn_swiglu_ms, v.graph_ms, v.graph_swiglu_ms}) {
+    if (ms > 0.0 && (best == 0.0 || ms < best)) best = ms;
+  }
+  return best;
+}
+
 struct FfnResult {
   double d2d_ms = 0;
   double read_ms = 0;
@@ -493,7 +533,115 @@ struct FfnResult {
   double inplace_ms = 0;
   double cublas_vs_fused = 0;   // normalised max difference of the expert outputs
   double inplace_vs_fused = 0;  // the same kernels on the same bytes: 0
+  std::vector<VariantResult> variants;
 };
+
+Result<std::vector<float>> download(const DeviceBytes& m, uint64_t count);
+double normalised_diff(const std::vector<float>& a, const std::vector<float>& ref);
+
+Result<std::vector<kernels::MatvecVariant>> parse_variants(const std::string& list) {
+  std::vector<kernels::MatvecVariant> out;
+  if (list.empty()) return out;
+  if (list == "all") {
+    for (const kernels::MatvecVariant v : kernels::kAllMatvecVariants) out.push_back(v);
+    return out;
+  }
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    const size_t comma = std::min(list.find(',', pos), list.size());
+    const std::string name = list.substr(pos, comma - pos);
+    const auto v = kernels::matvec_variant_from_name(name);
+    if (!v || *v == kernels::MatvecVariant::kDefault) {
+      return make_error(EINVAL, fmt::format("--variants: \"{}\" is not one of base, splitk2, "
+                                            "splitk4, splitk8, splitk, base+pdl, splitk+pdl, q6r2, "
+                                            "splitk+q6r2, all",
+                                            name));
+    }
+    out.push_back(*v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
+// The median milliseconds of the work `enqueue` puts on `s`, captured once as a CUDA graph and
+// replayed.
+template <typename Enqueue>
+Result<double> time_graph(const Flags& f, cudaStream_t s, Enqueue enqueue) {
+  EXPERTD_TRY_ASSIGN(CudaGraphExec g, CudaGraphExec::capture(s, enqueue));
+  EXPERTD_TRY_ASSIGN(const double ms, time_median(s, f.warmup, f.iters, [&]() -> Status {
+                       EXPERTD_CUDA_TRY(cudaGraphLaunch(g.get(), s));
+                       return Ok{};
+                     }));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(s));  // before the graph goes
+  return ms;
+}
+
+// The timings of one variant into *out (out->variant set by the caller).
+Status measure_variant(const Flags& f, const ExpertLayout& l, const uint8_t* weights,
+                       const FfnBuffers& b, cudaStream_t s, const std::vector<float>& base_out,
+                       VariantResult* out) {
+  VariantResult& r = *out;
+  const kernels::MatvecVariant v = r.variant;
+  const uint64_t out_count = uint64_t{l.experts} * l.n_embd;
+  auto ffn = [&](FfnPart part, bool fuse) {
+    return [&, part, fuse]() -> Status { return fused_ffn(l, weights, b, s, part, v, fuse); };
+  };
+  EXPERTD_TRY_ASSIGN(r.ffn_ms, time_median(s, f.warmup, f.iters, ffn(FfnPart::kAll, false)));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(s));
+  EXPERTD_TRY_ASSIGN(const std::vector<float> plain_out, download(b.eo, out_count));
+  r.diff = normalised_diff(plain_out, base_out);
+  EXPERTD_TRY_ASSIGN(r.ffn_swiglu_ms, time_median(s, f.warmup, f.iters, ffn(FfnPart::kAll, true)));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(s));
+  EXPERTD_TRY_ASSIGN(const std::vector<float> swiglu_out, download(b.eo, out_count));
+  r.diff_swiglu = normalised_diff(swiglu_out, base_out);
+  EXPERTD_TRY_ASSIGN(r.gate_up_ms, time_median(s, f.warmup, f.iters, ffn(FfnPart::kGateUp, false)));
+  EXPERTD_TRY_ASSIGN(r.down_ms, time_median(s, f.warmup, f.iters, ffn(FfnPart::kDown, false)));
+  EXPERTD_TRY_ASSIGN(r.down_swiglu_ms,
+                     time_median(s, f.warmup, f.iters, ffn(FfnPart::kDown, true)));
+  // The graphs last: a driver that cannot capture these launches (clusters, programmatic
+  // dependencies) loses only the graph columns, said in the variant's row.
+  for (const bool fuse : {false, true}) {
+    const Result<double> ms = time_graph(f, s, ffn(FfnPart::kAll, fuse));
+    if (!ms) {
+      (void)cudaStreamSynchronize(s);
+      (void)cudaGetLastError();
+      r.graph_error = ms.error().message;
+      break;
+    }
+    (fuse ? r.graph_swiglu_ms : r.graph_ms) = *ms;
+  }
+  return Ok{};
+}
+
+// Every variant of --variants on the experts at `weights`, outputs against kBase's. One variant's
+// failure (a launch the device refuses) is reported in its row and the others still run; a sticky
+// error fails them all, as it should.
+Result<std::vector<VariantResult>> measure_variants(const Flags& f, const ExpertLayout& l,
+                                                    const uint8_t* weights, const FfnBuffers& b,
+                                                    cudaStream_t s) {
+  using kernels::MatvecVariant;
+  EXPERTD_TRY_ASSIGN(const std::vector<MatvecVariant> list, parse_variants(f.variants));
+  std::vector<VariantResult> out;
+  if (list.empty()) return out;
+  const uint64_t out_count = uint64_t{l.experts} * l.n_embd;
+  EXPERTD_TRY(fused_ffn(l, weights, b, s, FfnPart::kAll, MatvecVariant::kBase));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(s));
+  EXPERTD_TRY_ASSIGN(const std::vector<float> base_out, download(b.eo, out_count));
+  for (const MatvecVariant v : list) {
+    VariantResult r;
+    r.variant = v;
+    const Status st = measure_variant(f, l, weights, b, s, base_out, &r);
+    if (!st) {
+      (void)cudaStreamSynchronize(s);
+      (void)cudaGetLastError();
+      r = VariantResult{};
+      r.variant = v;
+      r.error = st.error().message;
+    }
+    out.push_back(r);
+  }
+  return out;
+}
 
 Result<FfnResult> measure_ffn(const Flags& f, const ExpertLayout& l) {
   FfnResult r;
@@ -569,6 +717,7 @@ Result<FfnResult> measure_ffn(const Flags& f, const ExpertLayout& l) {
     EXPERTD_TRY_ASSIGN(const std::vector<float> inplace_out, download(b.eo, out_count));
     r.inplace_vs_fused = normalised_diff(inplace_out, fused_out);
   }
+  EXPERTD_TRY_ASSIGN(r.variants, measure_variants(f, l, weights.get(), b, s));
   return r;
 }
 
@@ -681,6 +830,36 @@ Status run(const Flags& f) {
                ffn.inplace_vs_fused);
   }
 
+  if (!ffn.variants.empty()) {
+    auto frac = [&](uint64_t bytes, double ms) {
+      return read_gbps > 0 ? gbps(bytes, ms) / read_gbps : 0.0;
+    };
+    fmt::print(table,
+               "\nmatvec variants ({} expert(s) per launch, fraction of read-only {:.0f} GB/s; "
+               "+sw: SwiGLU fused into down; graph: one CUDA graph per layer)\n",
+               f.experts, read_gbps);
+    fmt::print(table, "  {:<12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>8}\n",
+               "variant", "ffn", "ffn+sw", "graph", "graph+sw", "gate+up", "down", "down+sw",
+               "us/layer", "diff", "diff+sw");
+    for (const VariantResult& v : ffn.variants) {
+      if (!v.error.empty()) {
+        fmt::print(table, "  {:<12} failed: {}\n", kernels::matvec_variant_name(v.variant),
+                   v.error);
+        continue;
+      }
+      fmt::print(table,
+                 "  {:<12} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
+                 "{:>10.2f} {:>9.2e} {:>8.2e}\n",
+                 kernels::matvec_variant_name(v.variant), frac(wb, v.ffn_ms),
+                 frac(wb, v.ffn_swiglu_ms), frac(wb, v.graph_ms), frac(wb, v.graph_swiglu_ms),
+                 frac(gu_bytes, v.gate_up_ms), frac(down_bytes, v.down_ms),
+                 frac(down_bytes, v.down_swiglu_ms), 1e3 * fastest(v), v.diff, v.diff_swiglu);
+      if (!v.graph_error.empty()) {
+        fmt::print(table, "  {:<12} graph failed: {}\n", "", v.graph_error);
+      }
+    }
+  }
+
   if (f.json) {
     Json j;
     j["benchmark"] = "gpu";
@@ -717,6 +896,29 @@ Status run(const Flags& f) {
                 {"sgemv_us_per_expert", per_expert_us(ffn.sgemv_ms)},
                 {"cublas_vs_fused_time", ffn.fused_ms > 0 ? ffn.cublas_ms / ffn.fused_ms : 0.0},
                 {"cublas_vs_fused_max_rel_diff", ffn.cublas_vs_fused}};
+    if (!ffn.variants.empty()) {
+      Json vs = Json::array();
+      for (const VariantResult& v : ffn.variants) {
+        auto entry = [&](uint64_t bytes, double ms) {
+          return Json{{"us", ms * 1e3},
+                      {"gbps", gbps(bytes, ms)},
+                      {"vs_read", read_gbps > 0 ? gbps(bytes, ms) / read_gbps : 0.0}};
+        };
+        vs.push_back({{"variant", kernels::matvec_variant_name(v.variant)},
+                      {"ffn", entry(wb, v.ffn_ms)},
+                      {"ffn_swiglu", entry(wb, v.ffn_swiglu_ms)},
+                      {"graph", entry(wb, v.graph_ms)},
+                      {"graph_swiglu", entry(wb, v.graph_swiglu_ms)},
+                      {"gate_up", entry(gu_bytes, v.gate_up_ms)},
+                      {"down", entry(down_bytes, v.down_ms)},
+                      {"down_swiglu", entry(down_bytes, v.down_swiglu_ms)},
+                      {"max_rel_diff_vs_base", v.diff},
+                      {"max_rel_diff_swiglu_vs_base", v.diff_swiglu},
+                      {"error", v.error},
+                      {"graph_error", v.graph_error}});
+      }
+      j["variants"] = vs;
+    }
     if (f.inplace) {
       j["inplace"] = {
           {"fused_us_per_expert", per_expert_us(ffn.inplace_ms)},
@@ -759,6 +961,10 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-inplace", f.inplace, "skip the in-place (registered memfd) FFN run");
   app.add_option("--device", f.device, "CUDA device index")->capture_default_str();
   app.add_option("--seed", f.seed, "seed of the random weights")->capture_default_str();
+  app.add_option("--variants", f.variants,
+                 "matvec kernel variants to measure side by side: a comma-separated list of base, "
+                 "splitk2, splitk4, splitk8, splitk, base+pdl, splitk+pdl, q6r2, splitk+q6r2, "
+                 "or all");
   app.add_flag("--json", f.json, "print one JSON object on stdout (the table goes to stderr)");
   CLI11_PARSE(app, argc, argv);
 

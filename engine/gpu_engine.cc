@@ -523,14 +523,22 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
                                        compute.get()));
     }
   }
-  EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + k * ff, h, k * ff, compute.get()));
+  // SwiGLU inside the down projection's launch (MatvecBatch::up, bit-identical) when
+  // kernels::matvec_fuse_swiglu() says so; else its own launch into h.
+  const bool fuse = kernels::matvec_fuse_swiglu();
+  if (!fuse) EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + k * ff, h, k * ff, compute.get()));
   for (uint32_t first = 0; first < k; first += per) {
     kernels::MatvecBatch b;
     b.count = std::min(per, k - first);
     for (uint32_t j = 0; j < b.count; ++j) {
       const uint32_t i = first + j;
       b.w[j] = ptrs[i].down;
-      b.x[j] = h + i * ff;
+      if (fuse) {
+        b.x[j] = gu + i * ff;
+        b.up[j] = gu + (k + i) * ff;
+      } else {
+        b.x[j] = h + i * ff;
+      }
       b.y[j] = eo + uint64_t{i} * p.n_embd;
     }
     EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, p.n_embd,

@@ -170,4 +170,13 @@ __device__ __forceinline__ float plain_elem(uint32_t word, uint32_t i) {
   }
 }
 
+// silu(gate) * up: silu in double, rounded to float, times up in float, the CPU reference's
+// operations exactly. kernels::swiglu and the matvecs' fused SwiGLU (MatvecBatch::up) both use
+// this, so the fused down projection sees the same vector as swiglu then matvec.
+__device__ __forceinline__ float swiglu_value(float gate, float up) {
+  const double g = gate;
+  const float silu = static_cast<float>(g / (1.0 + exp(-g)));
+  return __fmul_rn(silu, up);
+}
+
 }  // namespace expertd::kernels::detail

@@ -1,6 +1,7 @@
 // Owners of CUDA and cuBLAS resources: a stream (CudaStream), an event (CudaEvent), device memory
 // (DeviceBytes), pinned host memory (PinnedBytes), a host range registered with CUDA
-// (HostRegistration) and a cuBLAS handle (CublasHandle). Each is move-only; its destructor does
+// (HostRegistration), a cuBLAS handle (CublasHandle) and an instantiated CUDA graph
+// (CudaGraphExec). Each is move-only; its destructor does
 // the one cleanup, and a default-constructed or moved-from owner holds nothing. Nothing else in
 // engine/, kernels/ or bench/ destroys, frees or unregisters by hand.
 //
@@ -79,6 +80,8 @@ inline void destroy_event(cudaEvent_t e) { ignore_cleanup(cudaEventDestroy(e)); 
 inline void free_device(void* p) { ignore_cleanup(cudaFree(p)); }
 inline void free_pinned(void* p) { ignore_cleanup(cudaFreeHost(p)); }
 inline void unregister_host(void* p) { ignore_cleanup(cudaHostUnregister(p)); }
+inline void destroy_graph(cudaGraph_t g) { ignore_cleanup(cudaGraphDestroy(g)); }
+inline void destroy_graph_exec(cudaGraphExec_t g) { ignore_cleanup(cudaGraphExecDestroy(g)); }
 // Dropped on purpose, as above; cuBLAS keeps no last-error state to clear.
 inline void destroy_cublas(cublasHandle_t h) { (void)cublasDestroy(h); }
 
@@ -176,6 +179,31 @@ class CublasHandle : public detail::Owner<cublasHandle_t, detail::destroy_cublas
     return c;
   }
   cublasHandle_t get() const { return h_; }
+};
+
+// An executable graph of the work `enqueue` puts on `stream`, captured in relaxed mode (the
+// launchers' one-time driver queries are allowed during capture). Launched on any stream with
+// cudaGraphLaunch; it must not outlive the memory its kernels use.
+class CudaGraphExec : public detail::Owner<cudaGraphExec_t, detail::destroy_graph_exec> {
+ public:
+  template <typename Enqueue>
+  static Result<CudaGraphExec> capture(cudaStream_t stream, Enqueue enqueue) {
+    EXPERTD_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    const Status st = enqueue();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    if (!st) {
+      if (graph != nullptr) detail::destroy_graph(graph);
+      return st.error();
+    }
+    if (end != cudaSuccess) return detail::creation_failed(end, "cudaStreamEndCapture", __LINE__);
+    CudaGraphExec g;
+    const cudaError_t e = cudaGraphInstantiate(&g.h_, graph, 0);
+    detail::destroy_graph(graph);  // the executable graph keeps what it needs
+    if (e != cudaSuccess) return detail::creation_failed(e, "cudaGraphInstantiate", __LINE__);
+    return g;
+  }
+  cudaGraphExec_t get() const { return h_; }
 };
 
 }  // namespace expertd::cuda

@@ -93,7 +93,14 @@ __global__ void __launch_bounds__(kThreads) matvec_plain_kernel(const PlainArgs 
   const uint8_t* w = static_cast<const uint8_t*>(a.batch.w[job]);
   const float* x = a.batch.x[job];
   float* y = a.batch.y[job];
-  for (uint32_t i = threadIdx.x; i < a.cols; i += kThreads) xsf[i] = x[i];
+  const float* up = a.batch.up[job];
+  if (up == nullptr) {
+    for (uint32_t i = threadIdx.x; i < a.cols; i += kThreads) xsf[i] = x[i];
+  } else {
+    for (uint32_t i = threadIdx.x; i < a.cols; i += kThreads) {
+      xsf[i] = detail::swiglu_value(x[i], up[i]);
+    }
+  }
   __syncthreads();
 
   const uint32_t warp = threadIdx.x / 32;

@@ -15,12 +15,18 @@
 // (the I2F pipe runs at 1/8 of the FMA rate) would make a 4-bit matvec compute bound on an H200.
 #include "kernels/matvec_quant.cuh"
 // The own header first (STYLE.md), then the internal ones of kernels/.
+#include <cooperative_groups.h>
+
+#include <atomic>
+#include <cstdio>
+
 #include "kernels/blocks.cuh"
 #include "kernels/matvec_common.cuh"
 
 namespace expertd::kernels {
 namespace {
 
+namespace cg = cooperative_groups;
 using detail::half_bits_to_float;
 using detail::kFull;
 using detail::kThreads;
@@ -29,6 +35,7 @@ using detail::LaunchCache;
 using detail::LaunchShape;
 using detail::plan_launch;
 using detail::pointer_bits;
+using detail::swiglu_value;
 using detail::vec_bytes;
 using detail::VecOf;
 
@@ -120,13 +127,14 @@ __device__ __forceinline__ void prepare_quad(const float* v, uint32_t qd, uint32
   }
 }
 
-// Fills the x slots of `units` units. Thread t of a pass takes positions 4k..4k+3 of one unit
-// (k = t % 16), so the kScaleGroup/4 threads of a scale group are adjacent lanes of one warp.
-// Position 4k + i is element F::element(u, 4k) + F::quad_offset(i) of x.
-// Elements past `cols` (the second half of a Q8_0 or MXFP4 row's last unit) get zero digits, scale
-// and sum.
+// Fills the x slots of units u0 .. u0 + units - 1 (slot 0 is unit u0). Thread t of a pass takes
+// positions 4k..4k+3 of one unit (k = t % 16), so the kScaleGroup/4 threads of a scale group are
+// adjacent lanes of one warp. Position 4k + i is element F::element(u, 4k) + F::quad_offset(i) of
+// x. Elements past `cols` (the second half of a Q8_0 or MXFP4 row's last unit) get zero digits,
+// scale and sum. With `up` the vector is silu(x) * up (MatvecBatch::up).
 template <class F>
-__device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t* xs) {
+__device__ void prepare_x(const float* x, const float* up, uint32_t cols, uint32_t u0,
+                          uint32_t units, uint8_t* xs) {
   const uint32_t quads = units * 16;
   // The loads of kPrepBatch passes are issued together: one pass at a time would wait for a round
   // trip to L2 per pass, about 5 us for a 14336-element x, with little else in flight.
@@ -139,10 +147,17 @@ __device__ void prepare_x(const float* x, uint32_t cols, uint32_t units, uint8_t
 #pragma unroll
       for (uint32_t i = 0; i < 4; ++i) vb[j][i] = 0.0f;
       if (qd < quads) {
-        const uint32_t e = F::element(qd / 16, 4 * (qd % 16));
+        const uint32_t e = F::element(u0 + qd / 16, 4 * (qd % 16));
         if (e < cols) {
+          if (up == nullptr) {
 #pragma unroll
-          for (uint32_t i = 0; i < 4; ++i) vb[j][i] = x[e + F::quad_offset(i)];
+            for (uint32_t i = 0; i < 4; ++i) vb[j][i] = x[e + F::quad_offset(i)];
+          } else {
+#pragma unroll
+            for (uint32_t i = 0; i < 4; ++i) {
+              vb[j][i] = swiglu_value(x[e + F::quad_offset(i)], up[e + F::quad_offset(i)]);
+            }
+          }
         }
       }
     }
@@ -363,6 +378,20 @@ struct Q6K {
   }
 };
 
+// Q6_K as the q6r2 variants take it: two rows per group share each unit's digit planes (Q6K's one
+// row reads 192 bytes of planes per 52.5 bytes of weights, 3.7 bytes of shared-memory traffic per
+// weight byte before the tile's own store and load), one unit per lane, and tiles reach shared
+// memory by a cp.async ring of three (two in flight), so the second row costs no registers. The
+// ring is 80 KB per CTA, as Q4_K's, leaving two CTAs per SM beside the planes of 4,096 columns or
+// of a split's slice. Only for groups of 16 or 32 lanes and 16-byte aligned rows (dispatch_wide).
+struct Q6KR2 : Q6K {
+  static constexpr uint32_t kUnitsPerLane = 1;
+  static constexpr uint32_t kRows = 2;
+  static constexpr uint32_t kStages = 3;
+  static constexpr uint32_t kMinCtasPerSm = 2;
+  static constexpr uint32_t tile_blocks(uint32_t lanes) { return kUnitsPerLane * lanes / 4; }
+};
+
 // prmt.b32 in its default mode: byte n of the result is byte (sel >> 4n) & 7 of {hi, lo}, or, when
 // bit 3 of that selector nibble is set, that byte's sign bit repeated over the byte.
 __device__ __forceinline__ uint32_t permute_bytes(uint32_t lo, uint32_t hi, uint32_t sel) {
@@ -448,7 +477,17 @@ struct QuantArgs {
   uint32_t units_per_row;
   uint32_t tiles_per_row;
   uint32_t rows_per_cta;
+  // Split-K (kSplit kernels; 1 and tiles_per_row otherwise): CTAs per cluster, the tiles of each
+  // (the last may have fewer), and the x slots each CTA holds.
+  uint32_t slices;
+  uint32_t tiles_per_slice;
+  uint32_t slot_units;
+  uint32_t pdl;  // launched as a programmatic dependent (the ...Pdl variants)
 };
+
+// Bytes of shared memory after the ring in which a split-K CTA keeps its partial rows: caps
+// rows_per_cta of a split launch (larger plans take the kBase kernel).
+constexpr uint32_t kPartialBytes = 4096;
 
 // A group computes R rows at once and loads each unit's digit planes from shared memory once for
 // all R: the plane reads (6 bytes per weight and row) otherwise bound a 4-bit kernel by shared
@@ -502,7 +541,12 @@ __device__ __forceinline__ void async_wait() {
 // count is the same for all groups of a warp (the warp's first group decides it), so the warp-wide
 // syncs and the shuffles of the row reduction see every lane; rows past the end are computed on
 // stale data and not written.
-template <class F, int L, int V, int R>
+//
+// kSplit: the grid's x is (row ranges) x (slices), a cluster of `slices` CTAs per row range. CTA
+// rank k takes tiles [k * tiles_per_slice, ...) of each row and x's planes for those tiles only,
+// keeps its rows' partial sums in shared memory, and rank 0 adds the ranks' partials in rank order
+// and writes y once every rank is done (cluster barriers on both sides of the reads).
+template <class F, int L, int V, int R, bool kSplit>
 __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
     matvec_quant_kernel(const QuantArgs a) {
   using Vec = typename VecOf<V>::type;
@@ -521,15 +565,29 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
   const uint32_t gi = warp * Q::kGroupsPerWarp + lane / L;
   const uint32_t gl = lane % L;
   uint8_t* xs = smem;
-  uint8_t* ring = smem + a.units_per_row * kSlotBytes + gi * Q::kGroupBytes;
+  uint8_t* ring = smem + a.slot_units * kSlotBytes + gi * Q::kGroupBytes;
 
-  const uint32_t row0 = blockIdx.x * a.rows_per_cta;
+  uint32_t cta = blockIdx.x;
+  uint32_t slice = 0;
+  if constexpr (kSplit) {
+    slice = cg::this_cluster().block_rank();
+    cta = blockIdx.x / a.slices;
+  }
+  // This CTA's tiles of each row: [t0, t0 + my_tiles); its x slots hold units u0 ..
+  const uint32_t t0 = slice * a.tiles_per_slice;
+  const uint32_t my_tiles = min(a.tiles_per_slice, a.tiles_per_row - t0);
+  const uint32_t u0 = t0 * Q::kTileUnits;
+  const uint32_t my_units = min(a.units_per_row - u0, my_tiles * Q::kTileUnits);
+  float* partials =
+      reinterpret_cast<float*>(smem + a.slot_units * kSlotBytes + Q::kGroups * Q::kGroupBytes);
+
+  const uint32_t row0 = cta * a.rows_per_cta;
   const uint32_t row_end = min(a.rows, row0 + a.rows_per_cta);
   const uint32_t row_blocks = (row_end - row0 + R - 1) / R;
   const uint32_t warp_block0 = warp * Q::kGroupsPerWarp;
   const uint32_t iters =
       warp_block0 < row_blocks ? (row_blocks - warp_block0 + Q::kGroups - 1) / Q::kGroups : 0;
-  const uint32_t items = iters * a.tiles_per_row;
+  const uint32_t items = iters * my_tiles;
   const uint64_t data_bytes = uint64_t{a.blocks_per_row} * F::kBlockBytes;
 
   // The register double buffer (unused, and optimised away, with cp.async).
@@ -540,8 +598,8 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
   // one past the last item, so that every lane commits one group per item).
   auto fetch = [&](uint32_t item, uint32_t slot) {
     if (item < items) {
-      const uint32_t i = item / a.tiles_per_row;
-      const uint32_t t = item - i * a.tiles_per_row;
+      const uint32_t i = item / my_tiles;
+      const uint32_t t = t0 + item - i * my_tiles;
       const uint32_t first = row0 + (gi + Q::kGroups * i) * R;
       const uint32_t rows = first < row_end ? min(row_end - first, uint32_t{R}) : 0;
       const uint64_t off = uint64_t{t} * Q::kTileBytes;
@@ -572,14 +630,19 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
     if constexpr (S > 0) async_commit();
   };
 
-  // In flight while x is prepared.
+  // The next kernel may launch once every CTA of this one has run this far; it waits for this
+  // one's completion itself before it reads what this one writes.
+  if (a.pdl != 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // In flight while x is prepared (and, launched as a dependent, while the previous kernel ends:
+  // the weights are not written by kernels).
   if constexpr (S > 0) {
 #pragma unroll
     for (uint32_t s = 0; s + 1 < S; ++s) fetch(s, s);
   } else {
     fetch(0, 0);
   }
-  prepare_x<F>(x, a.cols, a.units_per_row, xs);
+  if (a.pdl != 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // x is complete
+  prepare_x<F>(x, a.batch.up[job], a.cols, u0, my_units, xs);
   __syncthreads();
 
   float acc[R];
@@ -608,17 +671,17 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
       __syncwarp();  // the tiles are complete
       if (item + 1 < items) fetch(item + 1, 0);
     }
-    const uint32_t i = item / a.tiles_per_row;
-    const uint32_t t = item - i * a.tiles_per_row;
+    const uint32_t i = item / my_tiles;
+    const uint32_t t = item - i * my_tiles;  // of this CTA's tiles
     const uint32_t first = row0 + (gi + Q::kGroups * i) * R;
     const uint8_t* stage = ring + slot * Q::kStageBytes;
     if (first < row_end) {
 #pragma unroll
       for (uint32_t kk = 0; kk < F::kUnitsPerLane; ++kk) {
         const uint32_t uu = gl + L * kk;
-        const uint32_t ur = t * Q::kTileUnits + uu;
+        const uint32_t ur = (t0 + t) * Q::kTileUnits + uu;
         if (ur < a.units_per_row) {
-          const uint8_t* xslot = xs + ur * kSlotBytes;
+          const uint8_t* xslot = xs + (ur - u0) * kSlotBytes;
           Planes p;
           load_planes(xslot, &p);
 #pragma unroll
@@ -628,26 +691,137 @@ __global__ void __launch_bounds__(kThreads, F::kMinCtasPerSm)
         }
       }
     }
-    if (t + 1 == a.tiles_per_row) {
+    if (t + 1 == my_tiles) {
 #pragma unroll
       for (uint32_t r = 0; r < R; ++r) {
 #pragma unroll
         for (uint32_t o = L / 2; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(kFull, acc[r], o);
-        if (gl == 0 && first + r < row_end) y[first + r] = acc[r];
+        if (gl == 0 && first + r < row_end) {
+          if constexpr (kSplit) {
+            partials[first + r - row0] = acc[r];
+          } else {
+            y[first + r] = acc[r];
+          }
+        }
         acc[r] = 0.0f;
       }
     }
     if constexpr (S > 0) slot = slot + 1 == S ? 0 : slot + 1;
   }
   if constexpr (S > 0) async_wait<0>();  // the trailing groups are empty; no copy outlives us
+  if constexpr (kSplit) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every rank's partials are written (and visible cluster-wide)
+    if (slice == 0) {
+      for (uint32_t i = threadIdx.x; i < row_end - row0; i += kThreads) {
+        float sum = partials[i];
+        for (uint32_t k = 1; k < a.slices; ++k) sum += cluster.map_shared_rank(partials, k)[i];
+        y[row0 + i] = sum;
+      }
+    }
+    cluster.sync();  // rank 0 has read the others' shared memory before it goes away
+  }
 }
 
-template <class F, int L, int V>
+// The clusters of `k` CTAs of `kernel` (with `smem` bytes each) that fit on the device at once,
+// from cudaOccupancyMaxActiveClusters, which knows that a cluster's CTAs share one GPC (SMs left
+// over in a GPC are not counted, as occupancy times SMs would); 0 when the query fails. Cached as
+// LaunchCache is: bits 0-15 the clusters, 16-19 k, 24-47 smem, 48-55 the device, 63 valid.
+template <typename Kernel>
+cudaError_t resident_clusters(Kernel kernel, LaunchCache* cache, size_t smem, uint32_t k,
+                              uint32_t* clusters) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t key = detail::kCacheValid | (uint64_t(dev & 0xff) << 48) | (uint64_t(smem) << 24) |
+                       (uint64_t(k & 0xf) << 16);
+  const uint64_t cached = cache->packed.load(std::memory_order_relaxed);
+  if ((cached & ~uint64_t{0xffff}) == key) {
+    *clusters = static_cast<uint32_t>(cached & 0xffffu);
+    return cudaSuccess;
+  }
+  int optin = 0;
+  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+  if (smem > detail::kDefaultSmem) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = k;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(k, 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), &config) !=
+      cudaSuccess) {
+    // A device or driver that cannot place these clusters: none resident, so the caller launches
+    // kBase; the query's error must not be reported by that launch's cudaGetLastError(). Said
+    // once per process, so that a split variant measuring as kBase is explained.
+    const cudaError_t q = cudaGetLastError();
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      std::fprintf(stderr,
+                   "expertd kernels: cudaOccupancyMaxActiveClusters: %s; split-K "
+                   "variants run as base\n",
+                   cudaGetErrorString(q));
+    }
+    n = 0;
+  }
+  const uint64_t count = static_cast<uint64_t>(n > 0 ? (n < 0xffff ? n : 0xffff) : 0);
+  if (dev >= 0 && dev <= 0xff && smem < (size_t{1} << 24) && k < 16) {
+    cache->packed.store(key | count, std::memory_order_relaxed);
+  }
+  *clusters = static_cast<uint32_t>(count);
+  return cudaSuccess;
+}
+
+// Launches `kernel` on (x, y) CTAs, as clusters of `cluster` CTAs along x when cluster > 1, as a
+// programmatic dependent of the stream's previous kernel when `pdl`.
+template <typename Kernel>
+cudaError_t launch_ex(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, uint32_t cluster,
+                      bool pdl, const QuantArgs& a) {
+  cudaLaunchAttribute attrs[2] = {};
+  uint32_t n = 0;
+  if (cluster > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = cluster;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = n;
+  return cudaLaunchKernelEx(&config, kernel, a);
+}
+
+// Launches the kBase kernel (kSplit false, `slices` ignored) or the split-K one with up to
+// `slices` CTAs per cluster. A split takes whole tiles per CTA; the count is lowered until no CTA
+// is left without a tile (7 tiles asked into 8 slices give 7 of one tile). A split that would give
+// one slice, that does not fit (shared memory, no cluster resident), or whose plan needs more rows
+// per CTA than kPartialBytes holds, launches kBase instead.
+template <class F, int L, int V, bool kSplit>
 cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows, uint32_t cols,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, uint32_t slices, bool pdl) {
   constexpr int R = F::kRows;
   using Q = QuantShape<F, L, R>;
-  static LaunchCache cache;
   QuantArgs a{};
   a.batch = batch;
   a.row_bytes = row_bytes;
@@ -656,35 +830,122 @@ cudaError_t launch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t 
   a.blocks_per_row = cols / F::kBlockElems;
   a.units_per_row = F::units(a.blocks_per_row);
   a.tiles_per_row = (a.units_per_row + Q::kTileUnits - 1) / Q::kTileUnits;
-  const size_t smem = size_t{a.units_per_row} * kSlotBytes + size_t{Q::kGroups} * Q::kGroupBytes;
-  const auto kernel = matvec_quant_kernel<F, L, V, R>;
-  LaunchShape shape;
-  const cudaError_t e =
-      plan_launch(kernel, &cache, smem, rows, batch.count, Q::kGroups * R, kMinRowsPerCta, &shape);
-  if (e != cudaSuccess) return e;
-  a.rows_per_cta = shape.rows_per_cta;
-  kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  a.pdl = pdl ? 1 : 0;
+  const auto kernel = matvec_quant_kernel<F, L, V, R, kSplit>;
+  if constexpr (!kSplit) {
+    static LaunchCache cache;
+    a.slices = 1;
+    a.tiles_per_slice = a.tiles_per_row;
+    a.slot_units = a.units_per_row;
+    const size_t smem = size_t{a.units_per_row} * kSlotBytes + size_t{Q::kGroups} * Q::kGroupBytes;
+    LaunchShape shape;
+    const cudaError_t e = plan_launch(kernel, &cache, smem, rows, batch.count, Q::kGroups * R,
+                                      kMinRowsPerCta, &shape);
+    if (e != cudaSuccess) return e;
+    a.rows_per_cta = shape.rows_per_cta;
+    if (pdl)
+      return launch_ex(kernel, dim3(shape.ctas_per_job, batch.count), smem, stream, 1, true, a);
+    kernel<<<dim3(shape.ctas_per_job, batch.count), kThreads, smem, stream>>>(a);
+    return cudaGetLastError();
+  } else {
+    auto base = [&]() {
+      return launch_quant<F, L, V, false>(batch, row_bytes, rows, cols, stream, 1, pdl);
+    };
+    const uint32_t want = slices < a.tiles_per_row ? slices : a.tiles_per_row;
+    if (want < 2) return base();
+    const uint32_t per = (a.tiles_per_row + want - 1) / want;
+    const uint32_t k = (a.tiles_per_row + per - 1) / per;
+    if (k < 2) return base();
+    a.slices = k;
+    a.tiles_per_slice = per;
+    a.slot_units = a.units_per_row < per * Q::kTileUnits ? a.units_per_row : per * Q::kTileUnits;
+    const size_t smem =
+        size_t{a.slot_units} * kSlotBytes + size_t{Q::kGroups} * Q::kGroupBytes + kPartialBytes;
+    static LaunchCache cache;
+    uint32_t clusters = 0;
+    const cudaError_t e = resident_clusters(kernel, &cache, smem, k, &clusters);
+    if (e == cudaErrorInvalidValue) return base();  // too much shared memory for a split
+    if (e != cudaSuccess) return e;
+    if (clusters == 0) return base();
+    // One wave of clusters over the jobs, as plan_launch plans one wave of CTAs.
+    const uint64_t per_job = clusters / batch.count > 0 ? clusters / batch.count : 1;
+    const uint64_t granule = uint64_t{Q::kGroups} * R;
+    uint64_t rpc = (rows + per_job - 1) / per_job;
+    if (rpc < kMinRowsPerCta) rpc = kMinRowsPerCta;
+    rpc = (rpc + granule - 1) / granule * granule;
+    if (rpc * sizeof(float) > kPartialBytes) return base();
+    a.rows_per_cta = static_cast<uint32_t>(rpc);
+    const uint32_t ranges = static_cast<uint32_t>((rows + rpc - 1) / rpc);
+    return launch_ex(kernel, dim3(ranges * k, batch.count, 1), smem, stream, k, pdl, a);
+  }
 }
 
 // A format with odd-sized blocks (MXFP4) can have rows at any address; the others need 2 bytes.
 template <class F>
 inline constexpr bool kByteAligned = F::kBlockBytes % 2 == 1;
 
+// Split-K is built for 16-byte loads and groups of 32 or 16 lanes only (the long rows it is for);
+// other shapes take kBase.
 template <class F, int L>
 cudaError_t launch_quant_vec(uint32_t vec, const MatvecBatch& batch, uint64_t row_bytes,
-                             uint32_t rows, uint32_t cols, cudaStream_t stream) {
-  if (vec == 16) return launch_quant<F, L, 16>(batch, row_bytes, rows, cols, stream);
-  if (vec == 4) return launch_quant<F, L, 4>(batch, row_bytes, rows, cols, stream);
-  if constexpr (kByteAligned<F>) {
-    if (vec == 1) return launch_quant<F, L, 1>(batch, row_bytes, rows, cols, stream);
+                             uint32_t rows, uint32_t cols, cudaStream_t stream, uint32_t slices,
+                             bool pdl) {
+  if (vec == 16) {
+    if constexpr (L >= 16) {
+      if (slices > 1) {
+        return launch_quant<F, L, 16, true>(batch, row_bytes, rows, cols, stream, slices, pdl);
+      }
+    }
+    return launch_quant<F, L, 16, false>(batch, row_bytes, rows, cols, stream, 1, pdl);
   }
-  return launch_quant<F, L, 2>(batch, row_bytes, rows, cols, stream);
+  if (vec == 4) return launch_quant<F, L, 4, false>(batch, row_bytes, rows, cols, stream, 1, pdl);
+  if constexpr (kByteAligned<F>) {
+    if (vec == 1) {
+      return launch_quant<F, L, 1, false>(batch, row_bytes, rows, cols, stream, 1, pdl);
+    }
+  }
+  return launch_quant<F, L, 2, false>(batch, row_bytes, rows, cols, stream, 1, pdl);
+}
+
+// The CTAs per cluster `variant` asks for, for rows of `tiles` tiles of `tile_units` units (1: no
+// split). kSplitKAuto: slices of at most 64 units (4,096 columns of the 4-bit formats, the width
+// at which gate + up reach 0.8 of HBM), at most 8 CTAs, the fewest idle tile slots, then the
+// fewest CTAs.
+uint32_t split_slices(MatvecVariant variant, uint32_t tiles, uint32_t tile_units) {
+  switch (variant) {
+    case MatvecVariant::kSplitK2:
+      return 2;
+    case MatvecVariant::kSplitK4:
+      return 4;
+    case MatvecVariant::kSplitK8:
+      return 8;
+    case MatvecVariant::kSplitKAuto:
+    case MatvecVariant::kSplitKAutoPdl:
+    case MatvecVariant::kSplitKQ6R2: {
+      const uint32_t max_per = tile_units < 64 ? 64 / tile_units : 1;
+      uint32_t k = (tiles + max_per - 1) / max_per;
+      if (k > 8) k = 8;
+      uint32_t best = 1;
+      uint32_t best_idle = ~0u;
+      for (; k <= 8 && k <= tiles; ++k) {
+        const uint32_t per = (tiles + k - 1) / k;
+        const uint32_t used = (tiles + per - 1) / per;
+        const uint32_t idle = used * per - tiles;
+        if (idle < best_idle) {
+          best = used;
+          best_idle = idle;
+        }
+      }
+      return best;
+    }
+    default:
+      return 1;
+  }
 }
 
 template <class F>
 cudaError_t dispatch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
-                           uint32_t cols, cudaStream_t stream) {
+                           uint32_t cols, cudaStream_t stream, MatvecVariant variant) {
   const uint32_t blocks = cols / F::kBlockElems;
   const uint32_t units = F::units(blocks);
   // The widest group that still gives each lane its units: short rows share a warp.
@@ -702,31 +963,72 @@ cudaError_t dispatch_quant(const MatvecBatch& batch, uint64_t row_bytes, uint32_
     if constexpr (!kByteAligned<F>) return cudaErrorInvalidValue;  // an odd address
     vec = 1;
   }
+  const uint32_t tile_units = F::kUnitsPerLane * lanes;
+  const uint32_t slices = split_slices(variant, (units + tile_units - 1) / tile_units, tile_units);
+  const bool pdl = variant == MatvecVariant::kBasePdl || variant == MatvecVariant::kSplitKAutoPdl;
   switch (lanes) {
     case 32:
-      return launch_quant_vec<F, 32>(vec, batch, row_bytes, rows, cols, stream);
+      return launch_quant_vec<F, 32>(vec, batch, row_bytes, rows, cols, stream, slices, pdl);
     case 16:
-      return launch_quant_vec<F, 16>(vec, batch, row_bytes, rows, cols, stream);
+      return launch_quant_vec<F, 16>(vec, batch, row_bytes, rows, cols, stream, slices, pdl);
     case 8:
-      return launch_quant_vec<F, 8>(vec, batch, row_bytes, rows, cols, stream);
+      return launch_quant_vec<F, 8>(vec, batch, row_bytes, rows, cols, stream, slices, pdl);
     default:
-      return launch_quant_vec<F, 4>(vec, batch, row_bytes, rows, cols, stream);
+      return launch_quant_vec<F, 4>(vec, batch, row_bytes, rows, cols, stream, slices, pdl);
   }
+}
+
+// The q6r2 variants' Q6_K (F = Q6KR2): sets *handled and launches when the rows take 16 or 32
+// lanes and 16-byte loads; otherwise leaves *handled false (the caller takes Q6K).
+template <class F>
+cudaError_t dispatch_wide(const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
+                          uint32_t cols, cudaStream_t stream, MatvecVariant variant,
+                          bool* handled) {
+  const uint32_t blocks = cols / F::kBlockElems;
+  const uint32_t units = F::units(blocks);
+  const uint32_t lanes = F::kUnitsPerLane * 32 <= units   ? 32
+                         : F::kUnitsPerLane * 16 <= units ? 16
+                                                          : 0;
+  if (lanes == 0) return cudaSuccess;
+  const uint64_t tile_bytes = uint64_t{F::tile_blocks(lanes)} * F::kBlockBytes;
+  if (vec_bytes(pointer_bits(batch) | row_bytes | tile_bytes | uint64_t{blocks} * F::kBlockBytes) !=
+      16) {
+    return cudaSuccess;
+  }
+  *handled = true;
+  const uint32_t tile_units = F::kUnitsPerLane * lanes;
+  const uint32_t slices = split_slices(variant, (units + tile_units - 1) / tile_units, tile_units);
+  if (lanes == 32) {
+    if (slices > 1) {
+      return launch_quant<F, 32, 16, true>(batch, row_bytes, rows, cols, stream, slices, false);
+    }
+    return launch_quant<F, 32, 16, false>(batch, row_bytes, rows, cols, stream, 1, false);
+  }
+  if (slices > 1) {
+    return launch_quant<F, 16, 16, true>(batch, row_bytes, rows, cols, stream, slices, false);
+  }
+  return launch_quant<F, 16, 16, false>(batch, row_bytes, rows, cols, stream, 1, false);
 }
 
 }  // namespace
 
 cudaError_t matvec_quant(GgmlType type, const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
-                         uint32_t cols, cudaStream_t stream) {
+                         uint32_t cols, cudaStream_t stream, MatvecVariant variant) {
   switch (type) {
     case GgmlType::Q8_0:
-      return dispatch_quant<Q80>(batch, row_bytes, rows, cols, stream);
+      return dispatch_quant<Q80>(batch, row_bytes, rows, cols, stream, variant);
     case GgmlType::Q4_K:
-      return dispatch_quant<Q4K>(batch, row_bytes, rows, cols, stream);
+      return dispatch_quant<Q4K>(batch, row_bytes, rows, cols, stream, variant);
     case GgmlType::Q6_K:
-      return dispatch_quant<Q6K>(batch, row_bytes, rows, cols, stream);
+      if (variant == MatvecVariant::kQ6R2 || variant == MatvecVariant::kSplitKQ6R2) {
+        bool handled = false;
+        const cudaError_t e =
+            dispatch_wide<Q6KR2>(batch, row_bytes, rows, cols, stream, variant, &handled);
+        if (handled) return e;
+      }
+      return dispatch_quant<Q6K>(batch, row_bytes, rows, cols, stream, variant);
     case GgmlType::MXFP4:
-      return dispatch_quant<Mxfp4>(batch, row_bytes, rows, cols, stream);
+      return dispatch_quant<Mxfp4>(batch, row_bytes, rows, cols, stream, variant);
     default:
       return cudaErrorInvalidValue;  // another family's
   }

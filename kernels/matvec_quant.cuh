@@ -13,7 +13,8 @@
 
 namespace expertd::kernels {
 
+// `variant` is never kDefault (matvec_batched resolves it).
 cudaError_t matvec_quant(GgmlType type, const MatvecBatch& batch, uint64_t row_bytes, uint32_t rows,
-                         uint32_t cols, cudaStream_t stream);
+                         uint32_t cols, cudaStream_t stream, MatvecVariant variant);
 
 }  // namespace expertd::kernels

@@ -1,3 +1,4 @@
+#include "kernels/blocks.cuh"
 #include "kernels/swiglu.cuh"
 
 namespace expertd::kernels {
@@ -6,15 +7,13 @@ namespace {
 constexpr uint32_t kThreads = 256;
 constexpr uint64_t kMaxBlocks = 4096;
 
-// silu in double, rounded to float, times up in float: the CPU reference's operations exactly
-// (a few thousand elements per token, so double exp costs nothing measurable).
+// detail::swiglu_value: the CPU reference's operations exactly (a few thousand elements per
+// token, so double exp costs nothing measurable).
 __global__ void __launch_bounds__(kThreads)
     swiglu_kernel(const float* gate, const float* up, float* out, uint64_t n) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const double g = gate[i];
-    const float silu = static_cast<float>(g / (1.0 + exp(-g)));
-    out[i] = silu * up[i];
+    out[i] = detail::swiglu_value(gate[i], up[i]);
   }
 }
 

@@ -4,6 +4,10 @@
 # the order given:
 #   tests    gpu_kernels_tests, gpu_engine_tests and engine_tests (fixtures through a real expertd)
 #   gpubench expert-gpu-bench: staging->VRAM copy vs cudaMemcpy of pinned memory; expert FFN vs HBM
+#   kernels  gpu_kernels_tests' matvec tests (every variant against the CPU), expert-gpu-bench
+#            --variants all (docs/KERNELS.md) for q4_k, q6_k, q8_0, mxfp4 on the Mixtral expert
+#            (2 experts) and q4_k, q6_k, q8_0 on Qwen3-30B-A3B's (8 experts, 768 x 2048), then
+#            gpu_engine_tests with the candidate variants as the engine's default
 #   forge    a Mixtral-8x7B-shaped qwen3moe GGUF (32 layers, 8 experts, top-2, embd 4096,
 #            ff 14336, q4_k experts: ~25 GB of experts) on the device's disk, unless present
 #   disk     expert-bench storage on it: expertd's O_DIRECT GB/s against raw O_DIRECT
@@ -67,6 +71,38 @@ phase_gpubench() {  # Mixtral's expert (q4_k, and q6_k / q8_0 / mxfp4 encodings)
   "$bin/expert-gpu-bench" --type q8_0 --json > "$out/gpubench-q8.json"
   "$bin/expert-gpu-bench" --type mxfp4 --json > "$out/gpubench-mxfp4.json"
   "$bin/expert-gpu-bench" --rows 768 --cols 2048 --experts 8 | tee "$out/gpubench-qwen30b.txt"
+}
+
+phase_kernels() {  # every matvec variant: checked against the CPU, then timed side by side
+  local rc=0
+  "$bin/gpu_kernels_tests" --gtest_brief=1 --gtest_filter='*Matvec*:*Swiglu*' \
+    --gtest_output="xml:$out/kernels-tests.xml" 2>&1 | tee "$out/kernels-tests.log" |
+    grep -vE '^\[ +(OK|RUN) ' || rc=1
+  local t
+  for t in q4_k q6_k q8_0 mxfp4; do
+    "$bin/expert-gpu-bench" --type $t --variants all --no-inplace --iters 50 \
+      --json > "$out/variants-mixtral-$t.json" 2> "$out/variants-mixtral-$t.txt" || rc=1
+    sed -n '/matvec variants/,$p' "$out/variants-mixtral-$t.txt" | sed "s/^/[mixtral $t] /"
+  done
+  for t in q4_k q6_k q8_0; do
+    "$bin/expert-gpu-bench" --type $t --rows 768 --cols 2048 --experts 8 --variants all \
+      --no-inplace --iters 100 --json > "$out/variants-qwen30b-$t.json" \
+      2> "$out/variants-qwen30b-$t.txt" || rc=1
+    sed -n '/matvec variants/,$p' "$out/variants-qwen30b-$t.txt" | sed "s/^/[qwen30b $t] /"
+  done
+  # The engine against the CPU with the candidates as its default (EXPERTD_MATVEC_VARIANT) and
+  # SwiGLU fused into down (EXPERTD_FUSE_SWIGLU), if gpu_engine_tests was carried.
+  local v
+  if [ -x "$bin/gpu_engine_tests" ]; then
+    export EXPERTD_SHARED_TRACES=$root/.device/traces
+    for v in splitk splitk+pdl splitk+q6r2; do
+      echo "== gpu_engine_tests EXPERTD_MATVEC_VARIANT=$v EXPERTD_FUSE_SWIGLU=1"
+      EXPERTD_MATVEC_VARIANT=$v EXPERTD_FUSE_SWIGLU=1 "$bin/gpu_engine_tests" --gtest_brief=1 \
+        > "$out/kernels-engine-$v.log" 2>&1 || { rc=1; tail -30 "$out/kernels-engine-$v.log"; }
+      tail -3 "$out/kernels-engine-$v.log"
+    done
+  fi
+  return $rc
 }
 
 phase_forge() {

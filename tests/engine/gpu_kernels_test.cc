@@ -900,6 +900,132 @@ TEST_F(GpuKernels, MatvecBatchedMatchesCpuPerJob) {
   }
 }
 
+// Every kernel variant (MatvecVariant) against the CPU reference, batched: the Mixtral down
+// projection (the split-K target: 14,336 columns, 7 tiles of 32 units in Q4_K), its gate, the
+// Qwen3-30B-A3B shapes, rows of 3 and 5 tiles (slices of unequal tiles), row counts that leave
+// partial row blocks and clusters, and a single row.
+struct VariantShape {
+  uint32_t rows;
+  uint32_t cols;
+  uint32_t jobs;
+};
+
+TEST_F(GpuKernels, MatvecVariantsMatchCpuPerJob) {
+  std::mt19937_64 rng(14);
+  for (const GgmlType type : kQuantTypes) {
+    const uint32_t b = ggml_traits(type).block_elems;
+    for (const VariantShape s :
+         {VariantShape{4096, 14336, 2}, VariantShape{1000, 4096, 3}, VariantShape{768, 2048, 4},
+          VariantShape{2048, 768, 2}, VariantShape{37, 6144, 2}, VariantShape{130, 10240, 1},
+          VariantShape{1, 14336, 1}, VariantShape{70, 5 * 256 + b, 2}}) {
+      SCOPED_TRACE(testing::Message() << ggml_type_name(type) << " " << s.rows << " x " << s.cols
+                                      << " jobs " << s.jobs);
+      std::vector<MatvecCase> cases;
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dw;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> dx;
+      MatvecBatch batch;
+      batch.count = s.jobs;
+      for (uint32_t j = 0; j < s.jobs; ++j) {
+        cases.emplace_back(type, MatvecShape{s.rows, s.cols}, 0, rng);
+        dw.push_back(std::make_unique<DeviceBuffer<uint8_t>>(cases.back().w()));
+        dx.push_back(std::make_unique<DeviceBuffer<float>>(cases.back().x()));
+        batch.w[j] = dw.back()->get();
+        batch.x[j] = dx.back()->get();
+      }
+      for (const MatvecVariant v : kAllMatvecVariants) {
+        SCOPED_TRACE(matvec_variant_name(v));
+        DeviceBuffer<float> dy(std::vector<float>(size_t{s.jobs} * s.rows + 1, -7.0f));
+        for (uint32_t j = 0; j < s.jobs; ++j) batch.y[j] = dy.get() + size_t{j} * s.rows;
+        CUDA_OK(matvec_batched(type, batch, cases[0].row_bytes(), s.rows, s.cols, stream_, v));
+        CUDA_OK(sync());
+        const std::vector<float> got = dy.download();
+        EXPECT_EQ(got.back(), -7.0f) << "wrote past y";
+        for (uint32_t j = 0; j < s.jobs; ++j) {
+          const std::vector<float> gj(got.begin() + static_cast<int64_t>(size_t{j} * s.rows),
+                                      got.begin() + static_cast<int64_t>(size_t{j + 1} * s.rows));
+          EXPECT_LE(normalised_error(gj, cases[j].want()), kMatvecTolerance) << "job " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GpuKernels, MatvecVariantNamesRoundTrip) {
+  for (const MatvecVariant v : kAllMatvecVariants) {
+    EXPECT_EQ(matvec_variant_from_name(matvec_variant_name(v)), v);
+  }
+  EXPECT_EQ(matvec_variant_from_name("default"), MatvecVariant::kDefault);
+  EXPECT_FALSE(matvec_variant_from_name("splitk3").has_value());
+}
+
+// MatvecBatch::up: the down projection reading the gate and up outputs gives exactly what swiglu
+// then matvec gives (the same vector reaches the kernel), for every type and variant, and matches
+// the CPU's SwiGLU + matvec.
+TEST_F(GpuKernels, MatvecFusedSwigluIsSwigluThenMatvec) {
+  std::mt19937_64 rng(15);
+  for (const GgmlType type : kAllTypes) {
+    const bool quant = ggml_traits(type).block_elems > 1;
+    for (const MatvecShape s : {MatvecShape{2048, 768}, MatvecShape{512, 14336}}) {
+      SCOPED_TRACE(testing::Message() << ggml_type_name(type) << " " << s.rows << " x " << s.cols);
+      constexpr uint32_t kJobs = 2;
+      std::vector<std::vector<uint8_t>> w;
+      std::vector<std::vector<float>> gate;
+      std::vector<std::vector<float>> up;
+      std::vector<std::vector<float>> want;
+      const uint64_t row_bytes = data_bytes(type, s.cols);
+      for (uint32_t j = 0; j < kJobs; ++j) {
+        w.push_back(random_weights(type, s.rows, s.cols, row_bytes, rng));
+        gate.push_back(uniform(s.cols, rng, -8.0f, 8.0f));
+        up.push_back(uniform(s.cols, rng, -2.0f, 2.0f));
+        std::vector<float> h(s.cols);
+        for (uint32_t i = 0; i < s.cols; ++i) {
+          const double g = gate[j][i];
+          h[i] = static_cast<float>(g / (1.0 + std::exp(-g))) * up[j][i];
+        }
+        want.push_back(cpu_matvec(type, w[j].data(), s.rows, s.cols, row_bytes, h));
+      }
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dw;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> dg;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> du;
+      DeviceBuffer<float> dh(size_t{kJobs} * s.cols);
+      for (uint32_t j = 0; j < kJobs; ++j) {
+        dw.push_back(std::make_unique<DeviceBuffer<uint8_t>>(w[j]));
+        dg.push_back(std::make_unique<DeviceBuffer<float>>(gate[j]));
+        du.push_back(std::make_unique<DeviceBuffer<float>>(up[j]));
+        CUDA_OK(swiglu(dg[j]->get(), du[j]->get(), dh.get() + size_t{j} * s.cols, s.cols, stream_));
+      }
+      for (const MatvecVariant v : kAllMatvecVariants) {
+        if (!quant && v != MatvecVariant::kBase) continue;  // the plain family has one kernel
+        SCOPED_TRACE(matvec_variant_name(v));
+        DeviceBuffer<float> separate(size_t{kJobs} * s.rows);
+        DeviceBuffer<float> fused(size_t{kJobs} * s.rows);
+        MatvecBatch a;
+        MatvecBatch b;
+        a.count = b.count = kJobs;
+        for (uint32_t j = 0; j < kJobs; ++j) {
+          a.w[j] = b.w[j] = dw[j]->get();
+          a.x[j] = dh.get() + size_t{j} * s.cols;
+          a.y[j] = separate.get() + size_t{j} * s.rows;
+          b.x[j] = dg[j]->get();
+          b.up[j] = du[j]->get();
+          b.y[j] = fused.get() + size_t{j} * s.rows;
+        }
+        CUDA_OK(matvec_batched(type, a, row_bytes, s.rows, s.cols, stream_, v));
+        CUDA_OK(matvec_batched(type, b, row_bytes, s.rows, s.cols, stream_, v));
+        CUDA_OK(sync());
+        const std::vector<float> got_a = separate.download();
+        const std::vector<float> got_b = fused.download();
+        EXPECT_EQ(bit_mismatches(got_b, got_a), 0u);
+        for (uint32_t j = 0; j < kJobs; ++j) {
+          const std::vector<float> gj(got_b.begin() + static_cast<int64_t>(size_t{j} * s.rows),
+                                      got_b.begin() + static_cast<int64_t>(size_t{j + 1} * s.rows));
+          EXPECT_LE(normalised_error(gj, want[j]), kMatvecTolerance) << "job " << j;
+        }
+      }
+    }
+  }
+}
+
 // A page-aligned anonymous mapping, made read-only and registered with the device as the in-place
 // mode registers the daemon's arena; unregistered and unmapped on destruction.
 class MappedHost {
