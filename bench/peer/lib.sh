@@ -196,7 +196,25 @@ ninja -C '$root/$k' -j $jobs llama-bench >> '$root/$k.log' 2>&1; echo \$? > '$ro
     peer_log "llama.cpp $k: building llama-bench in $root/$k (log $root/$k.log)"
   done
   [ -n "$script" ] || return 0
-  (setsid nohup bash -c "$script" > /dev/null 2>&1 &)
+  (
+    setsid nohup bash -c "$script" > /dev/null 2>&1 &
+    echo $! > "$root/build.pid"
+  )
+}
+
+# Waits (at most LIMIT seconds) until no build that peer_llama_build_start began is running.
+peer_llama_build_idle() {  # BUILD_ROOT LIMIT
+  local deadline=$(($(date +%s) + $2))
+  while peer_llama_building "$1"; do
+    [ "$(date +%s)" -lt "$deadline" ] || peer_die "a llama.cpp build in $1 still runs after $2 s"
+    sleep 2
+  done
+}
+
+# Succeeds while a build that peer_llama_build_start began is still running.
+peer_llama_building() {  # BUILD_ROOT
+  local pid
+  pid=$(cat "$1/build.pid" 2> /dev/null) && kill -0 "$pid" 2> /dev/null
 }
 
 # Waits (at most LIMIT seconds) for the builds of KINDS; fails naming the log of a failed one.
@@ -204,6 +222,9 @@ peer_llama_build_wait() {  # BUILD_ROOT KINDS LIMIT
   local root=$1 kinds=$2 limit=$3 k deadline=$(($(date +%s) + $3))
   for k in ${kinds//,/ }; do
     while [ ! -f "$root/$k.rc" ]; do
+      [ -f "$root/build.pid" ] || peer_die "llama.cpp $k: no build started (build-start)"
+      peer_llama_building "$root" || [ -f "$root/$k.rc" ] ||
+        peer_die "llama.cpp $k: the build process is gone and left no status ($root/$k.log)"
       [ "$(date +%s)" -lt "$deadline" ] || peer_die "llama.cpp $k: not built after ${limit} s" \
         "($root/$k.log: $(tail -1 "$root/$k.log" 2> /dev/null))"
       sleep 2

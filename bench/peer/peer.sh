@@ -33,10 +33,12 @@
 #   --out DIR         results.jsonl, table.md, raw/ (default $OUT/peer, else /tmp/peer-out); runs
 #                     already in DIR/results.jsonl with status ok are not run again
 #   --fresh           start DIR/results.jsonl afresh
-#   --quick           fewer tokens: tg 8, pp 128, 75 s per run
+#   --quick           fewer tokens: tg 8 (pp stays 512), limits 90 s and 60 s (cpu)
 #   --tg N / --pp N   decode and prefill tokens (default 16 and 512)
 #   --timeout S       wall-clock limit of one run (default 150)
-#   --budget S        start no run after S seconds from the script's start (default: none)
+#   --cpu-timeout S   that of a run of the CPU-only build (default 120)
+#   --budget S        start no run S seconds or more after the start (default: none), counted from
+#                     $PEER_T0 (epoch seconds) when exported, so one budget spans several calls
 #   --vram LIST       expertd's VRAM tier in experts per model (default mixtral=32,qwen3=256)
 #   --staging MIB     expertd's staging ring (default 1024)
 #   --margin MIB      host memory left in the cap for expert-run beyond its dense weights
@@ -95,7 +97,7 @@ caps=8,16
 configs=expertd,cuda-tier,cuda-all,cpu
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-fresh=0 quick=0 tg="" pp="" timeout="" budget=0 staging=1024 margin=1536
+fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -113,6 +115,7 @@ while [ $# -gt 0 ]; do
     --tg) need "$@"; tg=$2; shift ;;
     --pp) need "$@"; pp=$2; shift ;;
     --timeout) need "$@"; timeout=$2; shift ;;
+    --cpu-timeout) need "$@"; cpu_timeout=$2; shift ;;
     --budget) need "$@"; budget=$2; shift ;;
     --vram) need "$@"; vram_list=$2; shift ;;
     --staging) need "$@"; staging=$2; shift ;;
@@ -135,13 +138,13 @@ while [ $# -gt 0 ]; do
 done
 [ ${#steps[@]} -gt 0 ] || steps=(build-start forge build-wait run table)
 if [ $quick = 1 ]; then
-  tg=${tg:-8} pp=${pp:-128} timeout=${timeout:-75}
+  tg=${tg:-8} timeout=${timeout:-90} cpu_timeout=${cpu_timeout:-60}
 fi
-tg=${tg:-16} pp=${pp:-512} timeout=${timeout:-150}
+tg=${tg:-16} pp=${pp:-512} timeout=${timeout:-150} cpu_timeout=${cpu_timeout:-120}
 
 bad() { echo "peer.sh: $*" >&2; exit 2; }
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
-for v in tg pp timeout budget staging margin jobs cuda_arch; do
+for v in tg pp timeout cpu_timeout budget staging margin jobs cuda_arch; do
   is_uint "${!v}" || bad "--${v//_/-} '${!v}' is not a whole number"
 done
 [ "$tg" -ge 1 ] && [ "$pp" -ge 1 ] || bad "--tg and --pp must be at least 1"
@@ -245,19 +248,25 @@ llama_mem_flags() {  # BIN
   fi
 }
 
-# Prints the plan lines "model cap config" in priority order: every GPU-side config of every model
-# and cap first, llama.cpp's CPU-only build last (the slowest, the one most likely to time out).
+# Prints the plan lines "model cap config" in order: expertd's runs first (a few minutes, needing
+# no llama.cpp build, so they can go while it builds), then llama.cpp's CUDA configs model by model
+# and cap by cap, and its CPU-only build last (the slowest, the one most likely to time out).
+selected() { [[ ",$configs," == *",$1,"* ]]; }
 plan() {
   local c m cap
+  if selected expertd; then
+    for m in "${model_list[@]}"; do for cap in "${cap_list[@]}"; do echo "$m $cap expertd"; done; done
+  fi
   for m in "${model_list[@]}"; do
     for cap in "${cap_list[@]}"; do
-      for c in "${config_list[@]}"; do [ "$c" = cpu ] || echo "$m $cap $c"; done
+      for c in cuda-tier cuda-all; do
+        if selected $c; then echo "$m $cap $c"; fi
+      done
     done
   done
-  for c in "${config_list[@]}"; do
-    [ "$c" = cpu ] || continue
+  if selected cpu; then
     for m in "${model_list[@]}"; do for cap in "${cap_list[@]}"; do echo "$m $cap cpu"; done; done
-  done
+  fi
 }
 
 already_done() {  # ID: a result with status ok for this run and these token counts
@@ -309,6 +318,10 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
       if [ $dry = 1 ]; then
         llama_flags=(-lm mmap --repack 0)
       else
+        if peer_llama_building "$llroot"; then
+          peer_log "run $idx/$count $id: waiting for the llama.cpp build to finish first"
+          peer_llama_build_idle "$llroot" 900
+        fi
         [ -x "$llbin" ] || { peer_log "run $idx/$count $id: skipped: no $llbin (build-start, build-wait)"; return 0; }
         llama_mem_flags "$llbin"
       fi
@@ -326,7 +339,7 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
   # The command as shown and recorded: the prompt's ids as where they come from.
   local shown=("${cmd[@]/#[0-9]*,[0-9]*,*/<$pp ids, awk srand(12)>}")
   if [ $dry = 1 ]; then
-    echo "run $idx/$count $id: $what; memory.max $cgcap, timeout ${timeout}s:"
+    echo "run $idx/$count $id: $what; memory.max $cgcap, limit $([ "$c" = cpu ] && echo "$cpu_timeout" || echo "$timeout") s:"
     echo "  ${shown[*]}"
     return 0
   fi
@@ -334,16 +347,25 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
     peer_log "run $idx/$count $id: in $results already (--fresh to redo)"
     return 0
   fi
-  local left=$timeout
+  local limit=$timeout
+  [ "$c" != cpu ] || limit=$cpu_timeout
+  local left=$limit
   if [ "$budget" -gt 0 ]; then
     left=$((budget - ($(date +%s) - PEER_T0)))
     if [ $left -lt 30 ]; then
       peer_log "run $idx/$count $id: skipped: the --budget of ${budget}s is spent"
       return 0
     fi
-    [ $left -lt "$timeout" ] || left=$timeout
+    [ $left -lt "$limit" ] || left=$limit
   fi
   [ -f "$file" ] || { peer_log "run $idx/$count $id: skipped: no $file (forge)"; return 0; }
+  # A build competes for the cores: llama.cpp's runs wait for it (above); expertd's note it.
+  local building=0
+  if peer_llama_building "$llroot"; then
+    building=1
+    peer_log "run $idx/$count $id: note: a llama.cpp build is running beside this run"
+  fi
+  fields+=(--field "build_running=$building")
   local dropped=1
   peer_drop_caches || dropped=0
   peer_log "run $idx/$count $id: $what; cap $cap GiB, limit ${left}s"

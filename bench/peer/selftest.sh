@@ -44,10 +44,13 @@ has "$plan" "memory.max 17179869184" "plan"
 # The CPU-only build runs last.
 [ "$(grep -c '^run .*: llama.cpp CPU-only build' <<< "$plan")" = 4 ] || fail "plan: not 4 cpu runs"
 grep -q '^run 13/16 mixtral-8g-cpu' <<< "$plan" || fail "plan: the cpu runs are not last"
+# expertd's runs first (they can go while llama.cpp builds).
+grep -q '^run 4/16 qwen3-16g-expertd' <<< "$plan" || fail "plan: expertd's runs are not first"
 quick=$("$peer" --dry-run --quick --models qwen3 --caps 16 --configs expertd,cpu --vram qwen3=384)
-has "$quick" "run: 2 runs, tg 8, pp 128" "quick plan"
-has "$quick" "--vram-experts 384 --prefill-chunk 128" "quick plan"
-has "$quick" "timeout 75s" "quick plan"
+has "$quick" "run: 2 runs, tg 8, pp 512" "quick plan"
+has "$quick" "--max-tokens 9 --vram-experts 384 --prefill-chunk 512" "quick plan"
+has "$quick" "memory.max 17179869184, limit 90 s:" "quick plan"
+has "$quick" "CPU-only build; memory.max 17179869184, limit 60 s:" "quick plan"
 
 # summarize.py on recorded outputs.
 td=$here/testdata

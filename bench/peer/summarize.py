@@ -193,9 +193,10 @@ def cmd_table(args):
             peak = r.get("cgroup", {}).get("peak")
             peak_s = f", {peak / 2**30:.1f} GiB" if isinstance(peak, int) and peak >= 0 else ""
             cap_s = f"{cap} GiB" + (" (uncapped)" if r.get("uncapped") == 1 else "")
+            beside = ", beside a llama.cpp build" if r.get("build_running") == 1 else ""
             print(f"| {MODEL_NAMES.get(model, model)} | {cap_s} | {describe(r)} | "
                   f"{cell(r, 'tg_tokens_per_s')} | {cell(r, 'pp_tokens_per_s')} | "
-                  f"{r['status']}, {r.get('wall_s')} s{peak_s} |")
+                  f"{r['status']}, {r.get('wall_s')} s{peak_s}{beside} |")
         ours = [r for r in rs if r["config"].startswith("expertd")]
         theirs = [r for r in rs if r["tool"] == "llama.cpp"]
         if ours:
