@@ -56,9 +56,11 @@
 #   --dry-run         print the plan and every command; run nothing
 #   -h, --help        this text
 #
-# Expected time on the H200 machine (16 cores, ~2 GB/s disk): build 6 min (CUDA ~5, CPU ~1; run
-# build-start early and it overlaps other work), forge 40 s once, runs ~9 min for the expertd and
-# CUDA configs and ≤ 5 min for cpu (2 models x 2 caps x 4 configs, tg 16, pp 512).
+# Expected time on the H200 machine (16 cores, ~2 GB/s disk): build ~6 min in the background
+# (CUDA ~5, then CPU ~1), forge ~40 s once, then 16 runs (tg 16, pp 512): expertd's 4 ~2.5 min
+# (they may go while llama.cpp builds: steps build-start forge run), llama.cpp's 8 CUDA runs
+# ~6.5 min, its 4 CPU-only runs ~5 min; ~17 min in all. With --budget and PEER_T0 exported, the
+# same command repeated resumes where the last call stopped.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
