@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by bench/peer/peer.sh and scripts/device-engine-bench.sh (sourced, not run): timestamped
 # progress lines, cgroup v2 memory caps, and building llama.cpp's llama-bench from the
 # llama-cpp-python sdist. The one place for this logic; both scripts call these functions.
@@ -103,8 +104,7 @@ peer_in_cgroup() {
     fi
     local pid
     for pid in $(cat "$cg/cgroup.procs" 2> /dev/null); do kill -KILL "$pid" 2> /dev/null || true; done
-    local i
-    for i in $(seq 100); do
+    for _ in $(seq 100); do
       [ -z "$(cat "$cg/cgroup.procs" 2> /dev/null)" ] && break
       sleep 0.1
     done

@@ -210,9 +210,9 @@ shape() {
 }
 
 forge_cmd() {  # sets fcmd
-  fcmd=("$bin/expert-forge" --layers $L --experts $E --top-k $K --embd $EMBD --ff $FF
-    --heads $HEADS --kv-heads $KV --head-dim $HD --vocab $VOCAB --expert-type q4_k
-    --dense-type f16 --seed $SEED --threads "$(nproc)" -o "$file" --force)
+  fcmd=("$bin/expert-forge" --layers "$L" --experts "$E" --top-k "$K" --embd "$EMBD" --ff "$FF"
+    --heads "$HEADS" --kv-heads "$KV" --head-dim "$HD" --vocab "$VOCAB" --expert-type q4_k
+    --dense-type f16 --seed "$SEED" --threads "$(nproc)" -o "$file" --force)
 }
 
 # Dense bytes (everything but the routed experts): from the file when it exists, else estimated
@@ -272,7 +272,7 @@ plan() {
 }
 
 already_done() {  # ID: a result with status ok for this run and these token counts
-  [ -f "$results" ] && python3 "$here/summarize.py" done "$results" "$1" "$tg" "$pp"
+  [ -f "$results" ] && python3 "$here/summarize.py" is-done "$results" "$1" "$tg" "$pp"
 }
 
 run_one() {  # MODEL CAP CONFIG INDEX COUNT

@@ -72,11 +72,11 @@ brief=$(sed -n 1p "$tmp/results.jsonl" | python3 "$here/summarize.py" brief)
 has "$brief" "ok: tg 2.40 tokens/s, pp512 42.14 tokens/s (41.2 s, peak 8.00 GiB, oom kills 0)" "brief"
 brief=$(sed -n 3p "$tmp/results.jsonl" | python3 "$here/summarize.py" brief)
 has "$brief" "timeout: tg – tokens/s, pp512 33.30 tokens/s" "brief of a timed-out run"
-python3 "$here/summarize.py" done "$tmp/results.jsonl" mixtral-8g-cuda-tier 16 512 ||
+python3 "$here/summarize.py" is-done "$tmp/results.jsonl" mixtral-8g-cuda-tier 16 512 ||
   fail "done: an ok run not found"
-! python3 "$here/summarize.py" done "$tmp/results.jsonl" mixtral-8g-cuda-tier 8 128 ||
+! python3 "$here/summarize.py" is-done "$tmp/results.jsonl" mixtral-8g-cuda-tier 8 128 ||
   fail "done: found at other token counts"
-! python3 "$here/summarize.py" done "$tmp/results.jsonl" mixtral-8g-cuda-all 16 512 ||
+! python3 "$here/summarize.py" is-done "$tmp/results.jsonl" mixtral-8g-cuda-all 16 512 ||
   fail "done: a timed-out run counts as done"
 table=$(python3 "$here/summarize.py" table "$tmp/results.jsonl")
 has "$table" "| Mixtral-8x7B shape | 8 GiB | llama.cpp CUDA, -ngl 99 -ncmoe 32 (0 experts in VRAM) | timeout | 33.30 | timeout, 150.01 s, 8.0 GiB |" "table"

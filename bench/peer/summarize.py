@@ -5,7 +5,7 @@
       one JSON line for a run: decode (tg) and prefill (pp) tokens/s, the run's status (ok,
       timeout, oom, failed), the cgroup's peak and events, and the fields given
   summarize.py brief < LINE          one human line for a result
-  summarize.py done RESULTS ID TG PP exit 0 when RESULTS has an ok result for ID at TG/PP tokens
+  summarize.py is-done RESULTS ID TG PP  exit 0 when RESULTS has an ok result for ID at TG/PP tokens
   summarize.py table RESULTS [...]   the markdown tables (the last result of each run counts)
 
 Standard library only: it runs under the device machine's python3 as it is.
@@ -228,7 +228,7 @@ def main():
     r.add_argument("--stats", required=True)
     r.add_argument("--field", action="append", default=[])
     sub.add_parser("brief")
-    d = sub.add_parser("done")
+    d = sub.add_parser("is-done")
     d.add_argument("results")
     d.add_argument("id")
     d.add_argument("tg", type=int)
@@ -236,7 +236,7 @@ def main():
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = ap.parse_args()
-    return {"record": cmd_record, "brief": cmd_brief, "done": cmd_done,
+    return {"record": cmd_record, "brief": cmd_brief, "is-done": cmd_done,
             "table": cmd_table}[args.cmd](args) or 0
 
 
