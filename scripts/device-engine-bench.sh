@@ -24,8 +24,9 @@
 #            routers (temperature 1, seed 1, so tokens and hash-layer experts vary), HASH = on|off
 #            for the exact hash-layer hints
 #   llbuild  starts building llama.cpp's llama-bench (CUDA, sm_90) in the background from
-#            .device/llama-src.tgz (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, trimmed)
-#   llwait   waits for that build
+#            .device/llama-src.tgz (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, trimmed
+#            by `bench/peer/peer.sh --llama-src SDIST pack-src .device/llama-src.tgz`)
+#   llwait   waits for that build (both through bench/peer/peer.sh, which owns that logic)
 #   prefill:NAME:CACHE:VRAM:CHUNK:LEN:CAP
 #            out-of-core prefill on the Mixtral-shaped model: a fresh expertd (cache CACHE) and
 #            expert-run (--vram-experts VRAM, --prefill-chunk CHUNK) on a LEN-token prompt of
@@ -43,6 +44,8 @@
 # EXPERTD_SHARED_TRACES.
 set -euo pipefail
 root=$PWD
+# Progress lines, cgroup v2 caps and the llama.cpp build, shared with bench/peer/peer.sh.
+. "$root/bench/peer/lib.sh"
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 bin=$root/.device/bin
 out=${OUT:-/tmp/out}
@@ -189,18 +192,18 @@ phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
   return $rc
 }
 
-# Runs "$@" inside a fresh cgroup v2 whose memory.max (page cache included) is $1.
+# Runs "$@" inside a fresh cgroup v2 whose memory.max (page cache included) is $1 (12G, 8GiB or
+# bytes); fails, naming why, where there is no such cgroup (a cgroup v1 machine), rather than run
+# uncapped.
 in_cgroup() {
-  local cap=$1 cg=/sys/fs/cgroup/expertd-bench-$$
+  local cap stats=$work/cgroup-$$.stats rc=0
+  cap=$(numfmt --from=iec "${1%iB}")
   shift
-  rmdir "$cg" 2> /dev/null || true
-  mkdir -p "$cg"
-  echo "$cap" > "$cg/memory.max"
-  echo 0 > "$cg/memory.swap.max" 2> /dev/null || true
-  local rc=0
-  bash -c 'echo $$ > "$0/cgroup.procs" && shift && exec "$@"' "$cg" _ "$@" || rc=$?
-  echo "cgroup: memory.max $cap, peak $(cat "$cg/memory.peak" 2> /dev/null || echo ?), events: $(tr '\n' ' ' < "$cg/memory.events")" >&2
-  rmdir "$cg" 2> /dev/null || true
+  local why
+  why=$(peer_cgroup_check 2>&1) || { echo "in_cgroup: $why" >&2; return 1; }
+  peer_in_cgroup "$cap" 0 "$stats" "$@" || rc=$?
+  echo "cgroup: memory.max $cap, peak $(sed -n 's/^peak //p' "$stats"), events:" \
+    "$(sed -n 's/^event_//p' "$stats" | tr '\n' ' ')" >&2
   return $rc
 }
 
@@ -209,22 +212,12 @@ prompt_ids() {  # LEN pseudo-random token ids in [100, 31900), comma-separated
 }
 
 phase_llbuild() {
-  local src=$work/llama.cpp
-  if [ -x "$src/b/bin/llama-bench" ]; then echo "llbuild: built"; return; fi
-  rm -rf "$src" && tar xzf "$root/.device/llama-src.tgz" -C "$work"
-  (cd "$src" && setsid nohup bash -c 'cmake -S . -B b -G Ninja -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-      -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc > build.log 2>&1 &&
-      ninja -C b -j 14 llama-bench >> build.log 2>&1; echo $? > build.rc' > /dev/null 2>&1 &)
-  echo "llbuild: started in $src"
+  "$root/bench/peer/peer.sh" --work "$work" --llama-src "$root/.device/llama-src.tgz" \
+    --builds cuda --jobs 14 build-start
 }
 
 phase_llwait() {
-  local src=$work/llama.cpp
-  for _ in $(seq 900); do [ -f "$src/build.rc" ] && break; sleep 1; done
-  tail -3 "$src/build.log"
-  [ "$(cat "$src/build.rc" 2> /dev/null)" = 0 ]
+  "$root/bench/peer/peer.sh" --work "$work" --builds cuda build-wait
 }
 
 phase_prefill() {  # NAME CACHE VRAM CHUNK LEN CAP [GGUF]
@@ -253,7 +246,7 @@ phase_llprefill() {  # NAME LEN UBATCH NCMOE CAP
   local name=$1 len=$2 ub=$3 ncmoe=$4 cap=$5
   sync; echo 3 > /proc/sys/vm/drop_caches || true
   local rc=0
-  in_cgroup "$cap" "$work/llama.cpp/b/bin/llama-bench" -m "$model" -p "$len" -n 0 -r 1 \
+  in_cgroup "$cap" "$(peer_llama_bin "$work/llama-build" cuda)" -m "$model" -p "$len" -n 0 -r 1 \
     -b "$ub" -ub "$ub" -ngl 99 -ncmoe "$ncmoe" --repack 0 -o json > "$out/llprefill-$name.json" \
     2> "$work/llprefill-$name.err" || rc=$?
   echo "llprefill $name ($len tokens, ubatch $ub, ncmoe $ncmoe, cap $cap): \
