@@ -129,7 +129,9 @@ peer_llama_unpack() {  # SRC DEST: DEST/CMakeLists.txt is llama.cpp's afterwards
   fi
   [ -f "$src" ] || peer_die "--llama-src $src: no such file or directory"
   local list top inner
-  list=$(tar tzf "$src" 2> /dev/null | grep -m1 -E '(^|/)tools/llama-bench/llama-bench\.cpp$') ||
+  # The whole listing first: grep -m1 on a pipe would kill tar with SIGPIPE (pipefail).
+  list=$(tar tzf "$src" 2> /dev/null) || peer_die "$src: not a readable .tar.gz"
+  list=$(grep -m1 -E '(^|/)tools/llama-bench/llama-bench\.cpp$' <<< "$list") ||
     peer_die "$src: not a .tar.gz holding llama.cpp's tools/llama-bench"
   inner=${list%tools/llama-bench/llama-bench.cpp}  # e.g. llama_cpp_python-0.3.36/vendor/llama.cpp/
   top=${inner%%/*}

@@ -16,7 +16,7 @@
 # Each run: page cache dropped, a fresh cgroup v2 with memory.max = the cap (page cache counted,
 # swap off), a wall-clock limit, and one process (or expertd and expert-run together) measuring
 # prefill of PP random tokens and then decode of TG tokens:
-#   expertd     expertd (cache = cap - staging - dense weights - margin) + expert-run (GPU engine,
+#   expertd     expertd (cache = cap - staging - engine host memory - margin) + expert-run (GPU engine,
 #               --vram-experts V, --prefill-chunk PP, temperature 1)
 #   cuda-tier   llama-bench, CUDA build, -ngl 99 -ncmoe N: experts of N layers stay on the CPU
 #               side; the other layers' experts in VRAM take the same bytes as expertd's VRAM tier
@@ -292,10 +292,15 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
   case $c in
     expertd)
       tool=expertd
-      local cache=$(((capb - staging * mib - dense - margin * mib) / mib))
+      # The CUDA engine reads each dense matrix from the file as it uploads it (DenseLoad::Deferred):
+      # its host peak is the largest one, the embeddings, as read and as f32. The CPU engine holds
+      # them all.
+      local host=$((VOCAB * EMBD * 6))
+      [ $cpu_engine = 1 ] && host=$dense
+      local cache=$(((capb - staging * mib - host - margin * mib) / mib))
       [ "$cache" -gt 0 ] || {
         peer_log "run $idx/$count $id: skipped: a $cap GiB cap leaves no cache after" \
-          "$((staging)) MiB staging, $((dense / mib)) MiB dense weights and $margin MiB margin"
+          "$((staging)) MiB staging, $((host / mib)) MiB of the engine's and $margin MiB margin"
         return 0
       }
       local vflag=(--vram-experts "$V")
