@@ -242,8 +242,20 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path) {
   return m;
 }
 
+void DenseModel::drop_host_matrices() {
+  auto drop = [this](Matrix& m) {
+    dropped_bytes_ += m.bytes.size();
+    std::vector<uint8_t>().swap(m.bytes);
+  };
+  drop(token_embd_);
+  if (output_) drop(*output_);
+  for (LayerWeights& l : layers_) {
+    for (Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) drop(*x);
+  }
+}
+
 uint64_t DenseModel::dense_bytes() const {
-  uint64_t n = token_embd_.bytes.size() + output_norm_.size() * sizeof(float);
+  uint64_t n = dropped_bytes_ + token_embd_.bytes.size() + output_norm_.size() * sizeof(float);
   if (output_) n += output_->bytes.size();
   if (ds4_) n += ds4_dense_bytes(*ds4_);
   for (const LayerWeights& l : layers_) {

@@ -187,8 +187,15 @@ class DenseModel {
   const LayerWeights& layer(uint32_t i) const { return layers_[i]; }
   // DeepSeek-V4's weights (nullptr for other architectures).
   const Ds4Weights* ds4() const { return ds4_.get(); }
-  // Bytes of dense weights held (for the run summary).
+  // Bytes of dense weights loaded (for the run summary; those dropped below included).
   uint64_t dense_bytes() const;
+  // Frees the host copies of the qwen3moe matrices (embeddings, output, attention, routers),
+  // keeping their names, types and shapes: for an engine that has uploaded them and reads them no
+  // more (GpuEngine). Under a memory cap that is the dense weights' size (3.2 GB of f16 for a
+  // Mixtral shape) given back to the host, e.g. for the daemon's cache. Norm vectors and
+  // deepseek4's weights (its GPU engine reads tid2eid on the host) are kept. Views of the dropped
+  // matrices are empty afterwards.
+  void drop_host_matrices();
 
  private:
   DenseModel() = default;
@@ -201,6 +208,7 @@ class DenseModel {
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<Ds4Weights> ds4_;
+  uint64_t dropped_bytes_ = 0;
 
   friend Status load_ds4(DenseModel& m);
 };

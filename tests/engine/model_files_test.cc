@@ -246,5 +246,25 @@ TEST_F(ModelFilesTest, ExpertRunWithoutGgufGeneratesWhatItDoesWithIt) {
   EXPECT_NE(r.out.find("from expertd:qwen/model-f32.gguf"), std::string::npos) << r.out;
 }
 
+// The GPU engine's host memory under a cap: once its dense weights are in VRAM, expert-run and
+// expert-serve drop the host copies; the model keeps every shape and the summary's byte count.
+TEST(DenseModelFiles, DroppingTheHostMatricesKeepsShapesAndTheCount) {
+  const test::TinyFixture fx = test::TinyFixture::load();
+  auto model = DenseModel::load(fx.gguf("f32"));
+  ASSERT_TRUE(model) << model.error().message;
+  const uint64_t before = model->dense_bytes();
+  const uint64_t rows = model->token_embd().rows;
+  ASSERT_FALSE(model->layer(0).wq.bytes.empty());
+  model->drop_host_matrices();
+  EXPECT_EQ(model->dense_bytes(), before);
+  EXPECT_TRUE(model->token_embd().bytes.empty());
+  EXPECT_TRUE(model->output().bytes.empty());
+  EXPECT_TRUE(model->layer(0).wq.bytes.empty());
+  EXPECT_TRUE(model->layer(model->params().n_layer - 1).gate_inp.bytes.empty());
+  EXPECT_EQ(model->token_embd().rows, rows);
+  EXPECT_EQ(model->layer(0).wq.cols, model->params().n_embd);
+  EXPECT_FALSE(model->layer(0).attn_norm.empty()) << "norm vectors stay";
+}
+
 }  // namespace
 }  // namespace expertd::engine

@@ -509,6 +509,9 @@ int run(const Options& o) {
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error().message);
     engine = std::move(*e);
+    // GpuEngine holds its dense weights in VRAM from here on: the host copy goes back to the
+    // memory the daemon's cache shares with this process under a cap (deepseek4 keeps its own).
+    if (!model->params().is_ds4()) model->drop_host_matrices();
   }
 #else
   if (!o.cpu) why_cpu = "this build has no CUDA engine";
