@@ -17,6 +17,7 @@ ExpertCache::ExpertCache(uint32_t first_slot, uint32_t slot_count, uint32_t laye
       slots_(slot_count),
       key_to_slot_(static_cast<size_t>(layers) * experts, -1) {
   free_list_.reserve(slot_count);
+  client_copies_.reserve(slot_count);
   for (uint32_t i = slot_count; i-- > 0;) free_list_.push_back(i);
   free_count_ = slot_count;
   limit_ = slot_count;
@@ -67,6 +68,7 @@ void ExpertCache::make_free(uint32_t slot) {
   if (s.state == SlotState::Loading) --loading_count_;
   s.state = SlotState::Free;
   s.pinned = false;
+  s.client_copy = false;
   policy_->on_remove(slot - first_slot_);
   free_list_.push_back(slot - first_slot_);
   ++free_count_;
@@ -91,7 +93,9 @@ std::optional<uint32_t> ExpertCache::reserve(ExpertKey key, std::optional<Expert
   // taking effect (bounded by the slot count).
   while (free_list_.empty() || used() >= limit_) {
     if (limit_ == 0) return std::nullopt;
-    const auto victim = policy_->victim(key, force);
+    // A copy a client also keeps (in VRAM) is worth less than any the policy weighs.
+    std::optional<uint32_t> victim = client_copy_victim();
+    if (!victim) victim = policy_->victim(key, force);
     if (!victim) return std::nullopt;
     // The policy only names slots it was told are evictable (evict_slot() asserts it).
     const uint32_t slot = first_slot_ + *victim;
@@ -132,6 +136,7 @@ void ExpertCache::failed(uint32_t slot) {
 void ExpertCache::hold(uint32_t slot) {
   Slot& s = at(slot);
   EXPERTD_CHECK_EQ(s.state, SlotState::Ready);
+  s.client_copy = false;  // someone wants it from host memory after all
   if (s.refs++ == 0) update_evictable(slot);
 }
 
@@ -180,6 +185,33 @@ bool ExpertCache::set_pinned(ExpertKey key, bool pinned) {
   at(static_cast<uint32_t>(slot)).pinned = pinned;
   update_evictable(static_cast<uint32_t>(slot));
   return true;
+}
+
+void ExpertCache::set_client_copy(uint32_t slot) {
+  Slot& s = at(slot);
+  if (s.state != SlotState::Ready) return;
+  s.client_copy = true;
+  if (!s.listed) {
+    s.listed = true;
+    client_copies_.push_back(slot - first_slot_);
+  }
+}
+
+std::optional<uint32_t> ExpertCache::client_copy_victim() {
+  for (size_t i = 0; i < client_copies_.size();) {
+    const uint32_t local = client_copies_[i];
+    Slot& s = slots_[local];
+    if (!s.client_copy) {
+      // Acquired again or freed since: no longer a client copy.
+      s.listed = false;
+      client_copies_[i] = client_copies_.back();
+      client_copies_.pop_back();
+      continue;
+    }
+    if (s.state == SlotState::Ready && s.refs == 0 && !s.pinned) return local;
+    ++i;  // held or pinned for now
+  }
+  return std::nullopt;
 }
 
 }  // namespace expertd

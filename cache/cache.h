@@ -11,6 +11,9 @@
 //
 // Invariants: a LOADING slot is never reused (its read is in flight); a held (refs>0) or pinned
 // slot is never evicted; every READY slot holds exactly one key and the key map points back at it.
+// Client copies: a READY slot a client released saying it keeps its own copy (its VRAM tier) is
+// taken before the policy's victim while it is evictable, so the two tiers hold different
+// experts; an acquire of the slot (a client wants it from host memory again) undoes that.
 // At most limit() slots are in use (LOADING or READY) once reserve() has made room: a lowered
 // limit evicts what it can at once, and reserve() evicts toward it while held slots keep it above.
 // Single-threaded: only the storage reactor calls it. Nothing allocates after construction.
@@ -75,6 +78,10 @@ class ExpertCache {
   uint32_t evict_all();
   // Pins keep a READY slot from eviction; false when `key` is not READY here.
   bool set_pinned(ExpertKey key, bool pinned);
+  // A client keeps its own copy of the expert in READY `slot`: the slot is the first victim once
+  // evictable, until the next hold(). No-op for a slot that is not READY.
+  void set_client_copy(uint32_t slot);
+  bool client_copy(uint32_t slot) const { return at(slot).client_copy; }
 
   // Caps the slots in use at `slots` (0 or more than slot_count(): every slot), evicting what it
   // can at once. Returns the number evicted.
@@ -92,6 +99,8 @@ class ExpertCache {
     uint32_t refs = 0;
     uint32_t generation = 0;
     bool pinned = false;
+    bool client_copy = false;  // see set_client_copy()
+    bool listed = false;       // in client_copies_
   };
   Slot& at(uint32_t slot) { return slots_[slot - first_slot_]; }
   const Slot& at(uint32_t slot) const { return slots_[slot - first_slot_]; }
@@ -101,6 +110,8 @@ class ExpertCache {
   void make_free(uint32_t slot);
   void evict_slot(uint32_t slot);  // READY(refs=0, unpinned) → FREE, telling the listener
   uint32_t used() const { return slot_count() - free_count_; }
+  // An evictable client-copy slot (local index), forgetting stale entries on the way.
+  std::optional<uint32_t> client_copy_victim();
 
   uint32_t first_slot_;
   uint32_t layers_;
@@ -108,8 +119,9 @@ class ExpertCache {
   std::unique_ptr<ReplacementPolicy> policy_;
   abi::SlotEntry* table_;
   std::vector<Slot> slots_;
-  std::vector<int32_t> key_to_slot_;  // layers*experts, -1 when absent
-  std::vector<uint32_t> free_list_;   // a stack of free slots (local indices)
+  std::vector<int32_t> key_to_slot_;     // layers*experts, -1 when absent
+  std::vector<uint32_t> free_list_;      // a stack of free slots (local indices)
+  std::vector<uint32_t> client_copies_;  // local indices with `listed`; some may be stale
   uint32_t free_count_ = 0;
   uint32_t ready_count_ = 0;
   uint32_t loading_count_ = 0;

@@ -809,10 +809,11 @@ Status Session::fill_view(const abi::CompletionEntry& c, SlotView& v) const {
   return Ok{};
 }
 
-Status Session::push_release(uint32_t slot) {
+Status Session::push_release(uint32_t slot, uint32_t flags) {
   abi::Request r{};
   r.op = abi::kOpRelease;
   r.arg = slot;
+  r.flags = flags;
   // Callers release only what this Session counted as held.
   EXPERTD_CHECK_LT(slot, held_.size());
   EXPERTD_CHECK_GT(held_[slot], 0);
@@ -956,14 +957,19 @@ Status Session::prefetch(std::span<const PrefetchHint> hints) {
   return Ok{};
 }
 
-Status Session::release(uint32_t slot) {
+Status Session::release(uint32_t slot) { return release(slot, 0); }
+
+Status Session::release(uint32_t slot, uint32_t flags) {
   std::lock_guard<std::mutex> lock(mu_);
   EXPERTD_TRY(check_open());
   if (slot >= held_.size() || held_[slot] == 0) {
     return make_error(EINVAL,
                       fmt::format("release of slot {}: this session does not hold it", slot));
   }
-  EXPERTD_TRY(push_release(slot));
+  if ((flags & ~abi::kReleaseClientCopy) != 0) {
+    return make_error(EINVAL, fmt::format("release of slot {}: unknown flags {:#x}", slot, flags));
+  }
+  EXPERTD_TRY(push_release(slot, flags));
   ring_daemon();
   return Ok{};
 }

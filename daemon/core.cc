@@ -611,6 +611,10 @@ void DaemonCore::handle_request(Session& s, const abi::Request& r) {
       --s.holds[r.arg];
       --s.hold_count;
       ++s.releases;
+      // Before the release: a demand waiting for a slot, retried by it, may take this one.
+      if ((r.flags & abi::kReleaseClientCopy) != 0 && m.store->cache().owns(r.arg)) {
+        m.store->cache().set_client_copy(r.arg);
+      }
       (void)sched.release(s.id, r.arg);
       return;
     case abi::kOpCursor:

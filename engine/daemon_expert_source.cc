@@ -161,6 +161,15 @@ Status DaemonExpertSource::release(std::span<const ExpertView> views) {
   return result;
 }
 
+Status DaemonExpertSource::release_kept(std::span<const ExpertView> views) {
+  Status result = Ok{};
+  for (const ExpertView& v : views) {
+    auto st = session_->release(static_cast<uint32_t>(v.handle), abi::kReleaseClientCopy);
+    if (!st && result) result = std::move(st);
+  }
+  return result;
+}
+
 Status DaemonExpertSource::prefetch(std::span<const ExpertHint> hints) {
   while (!hints.empty()) {
     const size_t n = std::min(hints.size(), hints_.size());
@@ -194,6 +203,21 @@ void DaemonExpertSource::host_ready(uint32_t layer, std::span<const uint32_t> ex
       if (experts[i] == e.expert) out[i] = 1;
     }
   }
+}
+
+uint32_t DaemonExpertSource::host_resident(uint32_t n_expert, std::span<uint8_t> out) const {
+  for (uint8_t& o : out) o = 0;
+  const abi::SlotTableHeader* h = session_->slot_table();
+  const abi::SlotEntry* entries = session_->slot_entries();
+  if (h == nullptr || entries == nullptr) return 0;
+  for (uint32_t s = 0; s < h->slot_count; ++s) {
+    const abi::SlotEntry& e = entries[s];
+    if (e.state.load(std::memory_order_acquire) != abi::kSlotReady || e.expert >= n_expert)
+      continue;
+    const uint64_t i = uint64_t{e.layer} * n_expert + e.expert;
+    if (i < out.size()) out[i] = 1;
+  }
+  return h->slot_count;
 }
 
 }  // namespace expertd::engine

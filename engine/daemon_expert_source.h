@@ -37,12 +37,16 @@ class DaemonExpertSource final : public ExpertSource {
 
   Status get(uint32_t layer, std::span<const uint32_t> experts, std::span<ExpertView> out) override;
   Status release(std::span<const ExpertView> views) override;
+  // Releases with abi::kReleaseClientCopy: the daemon's cache makes those slots its first victims.
+  Status release_kept(std::span<const ExpertView> views) override;
   Status prefetch(std::span<const ExpertHint> hints) override;
   Status set_cursor(uint32_t token, uint32_t layer) override;
   std::span<const uint8_t> host_memory() const override;
   // Reads the daemon's slot table (shared memory): READY slots of `layer`.
   void host_ready(uint32_t layer, std::span<const uint32_t> experts,
                   std::span<uint8_t> out) const override;
+  // READY slots of the slot table (cache and staging); returns its slot count.
+  uint32_t host_resident(uint32_t n_expert, std::span<uint8_t> out) const override;
 
   client::Session& session() { return *session_; }
   // The Client connect() or attach() owns (nullptr after create()): stats and tuning calls.

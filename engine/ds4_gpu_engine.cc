@@ -631,7 +631,7 @@ void Ds4GpuEngine::Impl::hint_hash_layers(uint32_t token) {
     for (uint32_t i = 0; i < k; ++i) hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f});
   }
   stats.hash_hints += hash_hints.size();
-  if (!source.prefetch(hash_hints)) ++stats.hint_errors;
+  if (!experts->hint_source().prefetch(hash_hints)) ++stats.hint_errors;
 }
 
 Status Ds4GpuEngine::Impl::route(uint32_t layer, uint32_t token) {
@@ -678,7 +678,7 @@ Status Ds4GpuEngine::Impl::route(uint32_t layer, uint32_t token) {
   }
   const std::span<const ExpertHint> hints = planner.take(stats);
   last_hints.assign(hints.begin(), hints.end());
-  if (!hints.empty() && !source.prefetch(hints)) ++stats.hint_errors;
+  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
 
   // The routing decision, as Ds4CpuEngine::route makes it.
   if (scripted != nullptr) {
@@ -907,7 +907,7 @@ void Ds4GpuEngine::Impl::chunk_route(uint32_t layer, std::span<const uint32_t> t
   }
   pos = p0;
   const std::span<const ExpertHint> hints = planner.take(stats);
-  if (!hints.empty() && !source.prefetch(hints)) ++stats.hint_errors;
+  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
 }
 
 Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
@@ -925,7 +925,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
   if (!hash && n_needed > k) {
     for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};
     stats.prefill_hints += n_needed;
-    if (!source.prefetch(std::span<const ExpertHint>(exact.data(), n_needed))) {
+    if (!experts->hint_source().prefetch(std::span<const ExpertHint>(exact.data(), n_needed))) {
       ++stats.hint_errors;
     }
   }
@@ -1028,14 +1028,16 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   if (last > 0 && !source.set_cursor(last - 1, p.n_layer - 1)) ++stats.hint_errors;
   const bool hash_hints_on = opts.hash_hints && d.hash_layers > 0;
   if (hash_hints_on) {
-    hint_hash_layer(source, w, 0, p.n_expert_used, tokens, hash_mark, hash_hints, stats);
+    hint_hash_layer(experts->hint_source(), w, 0, p.n_expert_used, tokens, hash_mark, hash_hints,
+                    stats);
   }
   float* const streams0 = streams;
   double* const post0 = post;
   double* const comb0 = comb;
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     if (hash_hints_on && layer + 1 < d.hash_layers) {  // one hash layer ahead
-      hint_hash_layer(source, w, layer + 1, p.n_expert_used, tokens, hash_mark, hash_hints, stats);
+      hint_hash_layer(experts->hint_source(), w, layer + 1, p.n_expert_used, tokens, hash_mark,
+                      hash_hints, stats);
     }
     // Position by position in order: the window and compressors advance one position at a time.
     // decode()'s code runs on each row's own streams and mixes in place.
@@ -1138,6 +1140,7 @@ Status Ds4GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.last_hints));
   }
   EXPERTD_TRY(m.head(logits));
+  m.experts->measure_tiers();
   ++m.pos;
   ++m.stats.tokens;
   m.stats.decode_ns += monotonic_ns() - t0;
@@ -1171,12 +1174,13 @@ uint64_t Ds4GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_byt
 std::string Ds4GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
-  std::string tier = x.has_tier()
-                         ? fmt::format("VRAM expert tier of {} experts ({})", x.slots(),
-                                       gib(uint64_t{x.slots()} * x.slot_bytes()))
-                         : std::string(
-                               "in-place experts (kernels read the daemon's pinned arena over "
-                               "PCIe)");
+  std::string tier =
+      x.has_tier() ? fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", x.slots(),
+                                 gib(uint64_t{x.slots()} * x.slot_bytes()), x.tier_policy(),
+                                 x.coordinated() ? ", coordinated with the daemon" : "")
+                   : std::string(
+                         "in-place experts (kernels read the daemon's pinned arena over "
+                         "PCIe)");
   return fmt::format(
       "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
       "matvec), {}, prefill in chunks of {} ({} scratch){}",

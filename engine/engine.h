@@ -112,9 +112,18 @@ struct EngineStats {
   uint64_t vram_misses = 0;         // routed experts acquired from the daemon and copied
   uint64_t vram_prefetches = 0;     // host-ready hinted experts copied ahead of their layer
   uint64_t vram_prefetch_used = 0;  // of those, routed to before eviction
-  uint64_t copy_bytes = 0;          // host -> VRAM expert bytes copied (demand and prefetch)
-  uint64_t demand_copy_bytes = 0;   // of those, the copies a layer waited for
-  uint64_t copy_ns = 0;             // copy-stream time of the demand copies (CUDA events)
+  // Routed experts the tier's policy did not admit (or found every slot pinned for): read in
+  // place from the daemon's registered arena for that use, displacing nothing.
+  uint64_t vram_streamed = 0;
+  // Both tiers after each decoded token: distinct experts held in VRAM or host memory (the
+  // daemon's READY slots), summed over `tiers_samples`, and the sum of the tiers' capacities.
+  uint64_t tiers_distinct_sum = 0;
+  uint64_t tiers_samples = 0;
+  uint32_t tiers_distinct = 0;     // the last sample
+  uint32_t tiers_capacity = 0;     // VRAM slots + the daemon's arena slots (0: not measured)
+  uint64_t copy_bytes = 0;         // host -> VRAM expert bytes copied (demand and prefetch)
+  uint64_t demand_copy_bytes = 0;  // of those, the copies a layer waited for
+  uint64_t copy_ns = 0;            // copy-stream time of the demand copies (CUDA events)
   // deepseek4: routed experts of hash layers (routed by tid2eid[token]) and of learned layers,
   // how many were ready in host memory when the layer asked (ExpertSource::host_ready), and the
   // time spent waiting for them.

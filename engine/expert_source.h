@@ -41,6 +41,9 @@ class ExpertSource {
                      std::span<ExpertView> out) = 0;
   // Gives back experts returned by get().
   virtual Status release(std::span<const ExpertView> views) = 0;
+  // The same for experts the engine copied into memory of its own (its VRAM tier): the source may
+  // drop its copies first, so the two tiers hold different experts. The default is release().
+  virtual Status release_kept(std::span<const ExpertView> views) { return release(views); }
   // Experts wanted soon, with the router's confidence.
   virtual Status prefetch(std::span<const ExpertHint> hints) = 0;
   // The engine is at (token, layer): hints for layers it has passed are stale.
@@ -55,6 +58,14 @@ class ExpertSource {
     (void)layer;
     (void)experts;
     for (uint8_t& o : out) o = 0;
+  }
+  // Marks out[layer * n_expert + expert] = 1 for every expert ready in host memory now (`out` is
+  // zeroed first) and returns how many experts host memory can hold (0: the source does not say).
+  // For measuring the tiers, not for the per-layer path.
+  virtual uint32_t host_resident(uint32_t n_expert, std::span<uint8_t> out) const {
+    (void)n_expert;
+    for (uint8_t& o : out) o = 0;
+    return 0;
   }
 };
 

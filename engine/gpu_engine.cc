@@ -458,7 +458,7 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
     }
     const std::span<const ExpertHint> hints = planner.take(stats);
     last_hints.assign(hints.begin(), hints.end());
-    if (!hints.empty() && !source.prefetch(hints)) ++stats.hint_errors;
+    if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
   }
 
   // The routing decision: computed, or the script's.
@@ -755,7 +755,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, compute.get()));
   // Every expert the layer needs is asked for at once, so the daemon reads them in parallel
   // while the first ones compute.
-  if (!source.prefetch(needed_hints)) ++stats.hint_errors;
+  if (!experts->hint_source().prefetch(needed_hints)) ++stats.hint_errors;
 
   // Acquired at most top-k at a time (what a daemon cache sized for decode can hold), each
   // applied to all its rows as GEMMs, the holds given back once their kernels are done.
@@ -887,6 +887,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   EXPERTD_CUDA_TRY(cudaStreamSynchronize(m.compute.get()));
   EXPERTD_TRY(m.experts->release_demand_holds());
   EXPERTD_TRY(m.experts->release_finished_prefetch_holds(false));
+  m.experts->measure_tiers();
   std::memcpy(logits.data(), m.h_logits, uint64_t{p.n_vocab} * 4);
   ++m.pos;
   ++m.stats.tokens;
@@ -921,12 +922,13 @@ uint64_t GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_bytes(
 std::string GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
-  std::string tier = x.has_tier()
-                         ? fmt::format("VRAM expert tier of {} experts ({})", x.slots(),
-                                       gib(uint64_t{x.slots()} * x.slot_bytes()))
-                         : std::string(
-                               "in-place experts (kernels read the daemon's pinned arena over "
-                               "PCIe)");
+  std::string tier =
+      x.has_tier() ? fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", x.slots(),
+                                 gib(uint64_t{x.slots()} * x.slot_bytes()), x.tier_policy(),
+                                 x.coordinated() ? ", coordinated with the daemon" : "")
+                   : std::string(
+                         "in-place experts (kernels read the daemon's pinned arena over "
+                         "PCIe)");
   const std::string prefill =
       m.chunk == m.chunk_asked
           ? fmt::format("prefill in chunks of {} ({} scratch)", m.chunk, gib(m.chunk_bytes))

@@ -4,9 +4,11 @@
 //
 // Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
 // read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
-// LRU of device slots (VramTier): a routed expert found there is a VRAM hit; a miss is acquired
-// from the daemon and copied host->VRAM on a copy stream; the compute stream waits on the copy's
-// event, and the daemon's hold is released once the copy has completed. A slot is overwritten
+// device slots, replaced by the daemon's policy (VramTier): a routed expert found there is a VRAM
+// hit; a miss is acquired from the daemon and, when the policy admits it, copied host->VRAM on a
+// copy stream (the compute stream waits on the copy's event, and the daemon's hold is released,
+// as a client copy, once the copy has completed); when the policy refuses it the kernels read it
+// in place from the registered arena for this use. A slot is overwritten
 // only after an event recorded behind its last reader. In the in-place mode the matvec kernels
 // read the pinned arena slot directly over PCIe and the hold is released when they finished.
 //
@@ -32,6 +34,12 @@ struct GpuOptions {
   Tier tier = Tier::Auto;  // Auto: half the free device memory, at most every expert
   uint64_t value = 0;      // experts (Tier::Experts) or bytes (Tier::Bytes)
   int device = 0;
+  // Tiers that act as one: an expert copied into the VRAM tier is released to the daemon as a
+  // client copy (abi::kReleaseClientCopy), so its host slot is the daemon's first victim and the
+  // host cache holds other experts. False: the tiers are independent (for measuring the gain).
+  bool coordinate = true;
+  // The VRAM tier's replacement policy (cache/policy.h names); empty: VramTier::kDefaultPolicy.
+  std::string policy;
 };
 
 // --vram-experts: "auto" (half the free device memory), a number of experts ("0" = the in-place

@@ -45,15 +45,16 @@ GpuExperts::GpuExperts(const DenseModel& model, ExpertSource& source, const GpuO
       gpu_(gpu),
       stats_(stats),
       compute_(compute),
-      copy_(copy) {}
+      copy_(copy),
+      hints_(source) {}
 
 GpuExperts::~GpuExperts() {
   // The owner synchronised both streams: nothing reads the held bytes any more.
-  for (const ExpertView& v : demand_holds_) {
-    (void)source_.release(std::span<const ExpertView>(&v, 1));
+  for (size_t i = 0; i < demand_holds_.size(); ++i) {
+    (void)give_back(std::span<const ExpertView>(&demand_holds_[i], 1), demand_kept_[i] != 0);
   }
   for (const PrefetchHold& held : prefetch_holds_) {
-    (void)source_.release(std::span<const ExpertView>(&held.view, 1));
+    (void)give_back(std::span<const ExpertView>(&held.view, 1), true);
   }
 }
 
@@ -90,6 +91,10 @@ Status GpuExperts::init(const std::string& device_name) {
   missing_.reserve(k);
   missing_index_.reserve(k);
   ready_flags_.resize(p_.n_expert);
+  if (tier_) {
+    host_resident_.resize(uint64_t{p_.n_layer} * p_.n_expert);
+    hints_.set_tier(tier_.get(), uint64_t{p_.n_layer} * p_.n_expert);
+  }
   return Ok{};
 }
 
@@ -156,22 +161,37 @@ Status GpuExperts::setup_tier(const std::string& device_name) {
   }
   slots = std::min(slots, all);
   if (slots < p_.n_expert_used) {
-    return make_error(EINVAL, fmt::format("a VRAM tier of {} experts cannot hold one layer's "
-                                          "top-{} ({} per expert); use --vram-experts 0 for the "
-                                          "in-place mode",
-                                          slots, p_.n_expert_used, gib(slot_bytes_)));
+    // A layer computes its top-k experts together, each pinned in a slot until the layer is
+    // done: fewer slots than that cannot run a layer from VRAM.
+    const std::string asked =
+        gpu_.tier == GpuOptions::Tier::Experts ? fmt::format("{}", gpu_.value)
+        : gpu_.tier == GpuOptions::Tier::Bytes
+            ? fmt::format("{} ({} slots of {})", gib(gpu_.value), slots, gib(slot_bytes_))
+            : fmt::format("auto ({} slots of {} in half the free VRAM)", slots, gib(slot_bytes_));
+    return make_error(EINVAL,
+                      fmt::format("--vram-experts {}: the VRAM tier needs at least {} experts "
+                                  "(top-{}: one layer's routed experts are computed together, "
+                                  "each in its own slot; {} each, {} in all for {}); use "
+                                  "--vram-experts {} or more, or 0 for the in-place mode",
+                                  asked, p_.n_expert_used, p_.n_expert_used, gib(slot_bytes_),
+                                  gib(uint64_t{p_.n_expert_used} * slot_bytes_), model_.path(),
+                                  p_.n_expert_used));
   }
   Result<DeviceBytes> slots_mem = DeviceBytes::alloc(slots * slot_bytes_);
   if (!slots_mem) {
     size_t free_b = 0;
     size_t total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
+    EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     return make_error(ENOMEM,
-                      fmt::format("a VRAM tier of {} experts needs {}; {} is free on {}", slots,
-                                  gib(slots * slot_bytes_), gib(free_b), device_name));
+                      fmt::format("--vram-experts: a VRAM tier of {} experts needs {}; {} is "
+                                  "free on {}",
+                                  slots, gib(slots * slot_bytes_), gib(free_b), device_name));
   }
   tier_mem_ = std::move(*slots_mem);
-  tier_ = std::make_unique<VramTier>(static_cast<uint32_t>(slots), p_.n_layer, p_.n_expert);
+  const std::string_view policy =
+      gpu_.policy.empty() ? VramTier::kDefaultPolicy : std::string_view(gpu_.policy);
+  EXPERTD_TRY_ASSIGN(
+      tier_, VramTier::create(static_cast<uint32_t>(slots), p_.n_layer, p_.n_expert, policy));
   ready_event_.resize(slots);
   use_event_.resize(slots);
   slot_ptrs_.resize(slots);
@@ -180,6 +200,16 @@ Status GpuExperts::setup_tier(const std::string& device_name) {
     EXPERTD_TRY_ASSIGN(use_event_[s], CudaEvent::create(cudaEventDisableTiming));
   }
   return Ok{};
+}
+
+Status TierHintFilter::prefetch(std::span<const ExpertHint> hints) {
+  if (tier_ == nullptr) return inner_.prefetch(hints);
+  kept_.clear();
+  for (const ExpertHint& h : hints) {
+    if (!tier_->contains(h.layer, h.expert)) kept_.push_back(h);
+  }
+  if (kept_.empty()) return Ok{};
+  return inner_.prefetch(kept_);
 }
 
 Result<ExpertPtrs> GpuExperts::in_place(const ExpertView& v) const {
@@ -256,6 +286,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
     stats_.stall_ns += *waited_ns;
     for (uint32_t i = 0; i < k; ++i) {
       demand_holds_.push_back(views_[i]);
+      demand_kept_.push_back(0);
       auto pp = in_place(views_[i]);
       if (!pp) return pp.error();
       out[i] = *pp;
@@ -284,12 +315,26 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
   EXPERTD_TRY(source_.get(layer, missing_, std::span<ExpertView>(views_.data(), missing_.size())));
   *waited_ns = monotonic_ns() - t0;
   stats_.stall_ns += *waited_ns;
-  for (size_t j = 0; j < missing_.size(); ++j) demand_holds_.push_back(views_[j]);
-  if (!copy_timing_) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start_.get(), copy_));
+  // Every hold is given back after the next compute sync, as a client copy once its copy into
+  // the tier was enqueued: recorded before anything below can fail.
+  const size_t first_hold = demand_holds_.size();
   for (size_t j = 0; j < missing_.size(); ++j) {
-    const uint32_t slot = tier_->insert(layer, missing_[j], false);
+    demand_holds_.push_back(views_[j]);
+    demand_kept_.push_back(0);
+  }
+  if (!copy_timing_) EXPERTD_CUDA_TRY(cudaEventRecord(copy_start_.get(), copy_));
+  // Without a registered arena there is no way to read an expert but from VRAM: admit every miss.
+  const bool force = !arena_.valid();
+  for (size_t j = 0; j < missing_.size(); ++j) {
+    const uint32_t slot = tier_->insert(layer, missing_[j], false, force);
     if (slot == VramTier::kNone) {
-      return make_error(EIO, fmt::format("layer {}: every VRAM slot is pinned", layer));
+      if (force) return make_error(EIO, fmt::format("layer {}: every VRAM slot is pinned", layer));
+      // Not admitted: read in place from the registered arena for this use, displacing nothing.
+      auto pp = in_place(views_[j]);
+      if (!pp) return pp.error();
+      out[missing_index_[j]] = *pp;
+      ++stats_.vram_streamed;
+      continue;
     }
     tier_->pin(slot);
     used_slots_.push_back(slot);
@@ -297,6 +342,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
       tier_->erase(slot);
       return st;
     }
+    demand_kept_[first_hold + j] = 1;
     EXPERTD_CUDA_TRY(cudaStreamWaitEvent(compute_, ready_event_[slot].get(), 0));
     out[missing_index_[j]] = slot_ptrs_[slot];
   }
@@ -338,10 +384,11 @@ Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
                        std::span<ExpertView>(&v, 1))) {
         continue;  // evicted meanwhile: a hint, not a failure
       }
+      // Not forced: a prefetch never displaces an expert the policy values more.
       const uint32_t slot = tier_->insert(next, candidates_[i], true);
       if (slot == VramTier::kNone) {
         EXPERTD_TRY(source_.release(std::span<const ExpertView>(&v, 1)));
-        return Ok{};
+        continue;
       }
       if (auto st = copy_expert(v, slot, false); !st) {
         tier_->erase(slot);
@@ -356,11 +403,29 @@ Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
   return Ok{};
 }
 
+Status GpuExperts::give_back(std::span<const ExpertView> views, bool kept) {
+  return kept && gpu_.coordinate ? source_.release_kept(views) : source_.release(views);
+}
+
 Status GpuExperts::release_demand_holds() {
-  if (demand_holds_.empty()) return Ok{};
-  Status st = source_.release(demand_holds_);
+  Status result = Ok{};
+  for (size_t i = 0; i < demand_holds_.size(); ++i) {
+    auto st = give_back(std::span<const ExpertView>(&demand_holds_[i], 1), demand_kept_[i] != 0);
+    if (!st && result) result = std::move(st);
+  }
   demand_holds_.clear();
-  return st;
+  demand_kept_.clear();
+  return result;
+}
+
+void GpuExperts::measure_tiers() {
+  if (!tier_) return;
+  const uint32_t host = source_.host_resident(p_.n_expert, host_resident_);
+  if (host == 0) return;
+  stats_.tiers_distinct = tier_->distinct_with(host_resident_);
+  stats_.tiers_capacity = tier_->capacity() + host;
+  stats_.tiers_distinct_sum += stats_.tiers_distinct;
+  ++stats_.tiers_samples;
 }
 
 Status GpuExperts::release_finished_prefetch_holds(bool all) {
@@ -377,7 +442,7 @@ Status GpuExperts::release_finished_prefetch_holds(bool all) {
       cudaGetLastError();
       result = cuda::cuda_error(q, "cudaEventQuery(ready_event[slot])", __FILE__, __LINE__);
     }
-    auto st = source_.release(std::span<const ExpertView>(&held.view, 1));
+    auto st = give_back(std::span<const ExpertView>(&held.view, 1), true);
     if (!st && result) result = std::move(st);
   }
   prefetch_holds_.resize(kept);

@@ -1,20 +1,25 @@
 // Internal to the CUDA engines (GpuEngine, Ds4GpuEngine): how routed experts reach the device.
 // Owns the registration of the source's host memory (the daemon's arena, read-only and mapped),
-// the VRAM tier's device slots with their copy/use events and LRU (VramTier), and the holds on
-// the source's experts that are still to be given back.
+// the VRAM tier's device slots with their copy/use events and bookkeeping (VramTier, replaced by
+// the daemon's policy), and the holds on the source's experts that are still to be given back.
 //
 // In place (no tier): acquire() gets the experts from the source and hands out the mapped device
 // addresses of their bytes in the registered arena; the kernels read them over PCIe. With a tier:
 // a routed expert found in a slot is a VRAM hit (the compute stream waits on the slot's copy
-// event); a miss is acquired from the source and copied host->VRAM on the copy stream, and the
-// compute stream waits on that copy. A slot is overwritten only after the copy stream waited on
-// an event recorded behind its last reader (finish_layer()); the layer being computed pins its
-// slots, so it never evicts its own experts.
+// event); a miss is acquired from the source and, if the tier's policy admits it, copied
+// host->VRAM on the copy stream, and the compute stream waits on that copy. A miss the policy
+// refuses (worth less than every resident; or every slot pinned) is read in place from the
+// registered arena for this use only, as the in-place mode does, and displaces nothing; without a
+// registered arena the tier admits every miss. A slot is overwritten only after the copy stream
+// waited on an event recorded behind its last reader (finish_layer()); the layer being computed
+// pins its slots, so it never evicts its own experts: top-k slots are all a layer ever needs.
 //
 // Holds: demand holds are given back by release_demand_holds(), which the owner calls after a
-// sync of the compute stream (every kernel that read them has completed); prefetch holds when
-// their slot's copy event has completed. The owner must synchronise both streams before this
-// goes: the destructor gives back every hold still held.
+// sync of the compute stream (every kernel that read them has completed, and every copy they
+// waited for); prefetch holds when their slot's copy event has completed. Holds of experts
+// copied into the tier go back as client copies (ExpertSource::release_kept, unless
+// GpuOptions::coordinate is off), so the daemon evicts those first. The owner must synchronise
+// both streams before this goes: the destructor gives back every hold still held.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,6 +51,44 @@ std::string gib(uint64_t bytes);
 Result<cuda::DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
                                       const std::string& model_path,
                                       const std::string& device_name);
+
+// The engine's source as its hints should see it: prefetch() passes on only hints for experts the
+// VRAM tier lacks (a hint for a VRAM-resident expert would have the daemon read back from disk
+// the host copy it was allowed to drop); everything else goes straight to the source.
+class TierHintFilter final : public ExpertSource {
+ public:
+  explicit TierHintFilter(ExpertSource& inner) : inner_(inner) {}
+  void set_tier(const VramTier* tier, size_t max_hints) {
+    tier_ = tier;
+    kept_.reserve(max_hints);
+  }
+
+  Status get(uint32_t layer, std::span<const uint32_t> experts,
+             std::span<ExpertView> out) override {
+    return inner_.get(layer, experts, out);
+  }
+  Status release(std::span<const ExpertView> views) override { return inner_.release(views); }
+  Status release_kept(std::span<const ExpertView> views) override {
+    return inner_.release_kept(views);
+  }
+  Status prefetch(std::span<const ExpertHint> hints) override;
+  Status set_cursor(uint32_t token, uint32_t layer) override {
+    return inner_.set_cursor(token, layer);
+  }
+  std::span<const uint8_t> host_memory() const override { return inner_.host_memory(); }
+  void host_ready(uint32_t layer, std::span<const uint32_t> experts,
+                  std::span<uint8_t> out) const override {
+    inner_.host_ready(layer, experts, out);
+  }
+  uint32_t host_resident(uint32_t n_expert, std::span<uint8_t> out) const override {
+    return inner_.host_resident(n_expert, out);
+  }
+
+ private:
+  ExpertSource& inner_;
+  const VramTier* tier_ = nullptr;
+  std::vector<ExpertHint> kept_;
+};
 
 // Where one expert's projections sit in a device slot (or, in place, in the mapped arena).
 struct ExpertPtrs {
@@ -95,16 +138,26 @@ class GpuExperts {
   Status release_finished_prefetch_holds(bool all);
   // Adds the last demand copies' time to stats.copy_ns once their end event has completed.
   Status account_copy_time();
+  // Samples both tiers into stats.tiers_*: distinct experts in VRAM or the source's host memory,
+  // and the sum of their capacities (nothing in place, or when the source does not say).
+  void measure_tiers();
+
+  // Where the engine sends its hints (every source.prefetch of the engine goes here): the source
+  // less the experts already in VRAM.
+  ExpertSource& hint_source() { return hints_; }
 
   const LayerShape& shape(uint32_t layer) const { return shapes_[layer]; }
   bool has_tier() const { return tier_ != nullptr; }
   uint32_t slots() const { return tier_ ? tier_->capacity() : 0; }
   uint64_t slot_bytes() const { return slot_bytes_; }
+  std::string_view tier_policy() const { return tier_ ? tier_->policy_name() : ""; }
+  bool coordinated() const { return gpu_.coordinate; }
   bool arena_registered() const { return arena_.valid(); }
 
  private:
   Status setup_tier(const std::string& device_name);
   Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
+  Status give_back(std::span<const ExpertView> views, bool kept);
   Result<ExpertPtrs> in_place(const ExpertView& v) const;
 
   const DenseModel& model_;
@@ -132,10 +185,12 @@ class GpuExperts {
   uint8_t* dev_base_ = nullptr;
 
   std::unique_ptr<VramTier> tier_;
+  TierHintFilter hints_;
   uint64_t slot_bytes_ = 0;
   std::vector<ExpertPtrs> slot_ptrs_;  // per slot: where the projections landed
   std::vector<LayerShape> shapes_;
   std::vector<ExpertView> demand_holds_;
+  std::vector<uint8_t> demand_kept_;  // per demand hold: 1 when its expert was copied in
   struct PrefetchHold {
     ExpertView view;
     uint32_t slot;
@@ -149,6 +204,7 @@ class GpuExperts {
   std::vector<uint32_t> missing_index_;
   std::vector<uint8_t> ready_flags_;
   std::vector<uint32_t> candidates_;
+  std::vector<uint8_t> host_resident_;  // measure_tiers(): [layer][expert]
 };
 
 }  // namespace expertd::engine::gpu

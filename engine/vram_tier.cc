@@ -1,45 +1,36 @@
 #include "engine/vram_tier.h"
 
+#include <fmt/format.h>
+
 namespace expertd::engine {
 
-VramTier::VramTier(uint32_t slots, uint32_t layers, uint32_t experts)
+Result<std::unique_ptr<VramTier>> VramTier::create(uint32_t slots, uint32_t layers,
+                                                   uint32_t experts, std::string_view policy) {
+  if (slots == 0 || layers == 0 || experts == 0) {
+    return make_error(EINVAL,
+                      fmt::format("a VRAM tier needs slots, layers and experts ({}, {}, {})", slots,
+                                  layers, experts));
+  }
+  std::unique_ptr<ReplacementPolicy> p;
+  EXPERTD_TRY_ASSIGN(p, make_policy(policy, PolicyShape{slots, layers, experts}));
+  return std::unique_ptr<VramTier>(new VramTier(slots, layers, experts, std::move(p)));
+}
+
+VramTier::VramTier(uint32_t slots, uint32_t layers, uint32_t experts,
+                   std::unique_ptr<ReplacementPolicy> policy)
     : layers_(layers),
       experts_(experts),
+      policy_(std::move(policy)),
       entries_(slots),
-      where_(uint64_t{layers} * experts, kNone),
-      prev_(slots, kNone),
-      next_(slots, kNone) {
-  for (uint32_t s = 0; s < slots; ++s) push_back(s);
-}
-
-void VramTier::unlink(uint32_t slot) {
-  const uint32_t p = prev_[slot];
-  const uint32_t n = next_[slot];
-  (p == kNone ? head_ : next_[p]) = n;
-  (n == kNone ? tail_ : prev_[n]) = p;
-  prev_[slot] = next_[slot] = kNone;
-}
-
-void VramTier::push_front(uint32_t slot) {
-  prev_[slot] = kNone;
-  next_[slot] = head_;
-  (head_ == kNone ? tail_ : prev_[head_]) = slot;
-  head_ = slot;
-}
-
-void VramTier::push_back(uint32_t slot) {
-  next_[slot] = kNone;
-  prev_[slot] = tail_;
-  (tail_ == kNone ? head_ : next_[tail_]) = slot;
-  tail_ = slot;
+      where_(uint64_t{layers} * experts, kNone) {
+  free_.reserve(slots);
+  for (uint32_t s = slots; s-- > 0;) free_.push_back(s);
 }
 
 uint32_t VramTier::find(uint32_t layer, uint32_t expert) {
   if (layer >= layers_ || expert >= experts_) return kNone;
   const uint32_t slot = where_[key(layer, expert)];
-  if (slot == kNone) return kNone;
-  unlink(slot);
-  push_front(slot);
+  policy_->on_access(ExpertKey{layer, expert}, slot == kNone ? -1 : static_cast<int32_t>(slot));
   return slot;
 }
 
@@ -47,23 +38,35 @@ bool VramTier::contains(uint32_t layer, uint32_t expert) const {
   return layer < layers_ && expert < experts_ && where_[key(layer, expert)] != kNone;
 }
 
-uint32_t VramTier::insert(uint32_t layer, uint32_t expert, bool prefetched, Entry* evicted) {
+uint32_t VramTier::insert(uint32_t layer, uint32_t expert, bool prefetched, bool force,
+                          Entry* evicted) {
   if (layer >= layers_ || expert >= experts_ || where_[key(layer, expert)] != kNone) return kNone;
-  uint32_t slot = tail_;
-  while (slot != kNone && entries_[slot].pins > 0) slot = prev_[slot];
-  if (slot == kNone) return kNone;
-  Entry& e = entries_[slot];
-  if (evicted != nullptr) *evicted = e;
-  if (e.layer != kNone) {
-    where_[key(e.layer, e.expert)] = kNone;
-    ++evictions_;
-  } else {
+  const ExpertKey incoming{layer, expert};
+  uint32_t slot = kNone;
+  if (!free_.empty()) {
+    // Room costs nothing: admitted without asking.
+    slot = free_.back();
+    free_.pop_back();
     ++used_;
+    if (evicted != nullptr) *evicted = Entry{};
+  } else {
+    const std::optional<uint32_t> v = policy_->victim(incoming, force);
+    if (!v) {
+      // Every slot pinned, or not worth a slot: the caller streams it.
+      if (!force) ++refusals_;
+      return kNone;
+    }
+    slot = *v;
+    Entry& old = entries_[slot];
+    if (evicted != nullptr) *evicted = old;
+    where_[key(old.layer, old.expert)] = kNone;
+    policy_->on_remove(slot);
+    ++evictions_;
   }
-  e = Entry{layer, expert, 0, prefetched};
+  entries_[slot] = Entry{layer, expert, 0, prefetched};
   where_[key(layer, expert)] = slot;
-  unlink(slot);
-  push_front(slot);
+  policy_->on_insert(slot, incoming);
+  policy_->on_evictable(slot, true);
   return slot;
 }
 
@@ -73,8 +76,30 @@ void VramTier::erase(uint32_t slot) {
   where_[key(e.layer, e.expert)] = kNone;
   e = Entry{};
   --used_;
-  unlink(slot);
-  push_back(slot);
+  policy_->on_remove(slot);
+  free_.push_back(slot);
+}
+
+void VramTier::pin(uint32_t slot) {
+  Entry& e = entries_[slot];
+  if (e.pins++ == 0 && e.layer != kNone) policy_->on_evictable(slot, false);
+}
+
+void VramTier::unpin(uint32_t slot) {
+  Entry& e = entries_[slot];
+  if (e.pins == 0) return;
+  if (--e.pins == 0 && e.layer != kNone) policy_->on_evictable(slot, true);
+}
+
+uint32_t VramTier::distinct_with(std::span<const uint8_t> host) const {
+  uint32_t n = 0;
+  for (const uint8_t h : host) n += h != 0;
+  for (const Entry& e : entries_) {
+    if (e.layer == kNone) continue;
+    const uint64_t i = key(e.layer, e.expert);
+    if (i >= host.size() || host[i] == 0) ++n;
+  }
+  return n;
 }
 
 bool VramTier::take_prefetched(uint32_t slot) {

@@ -1,22 +1,38 @@
 // The bookkeeping of the GPU engine's VRAM expert tier: which (layer, expert) each device slot
-// holds, in least-recently-used order, and which slots the current layer pins. Pure host code
-// (the GPU engine owns the device memory and the CUDA events that order copies and reads); tested
-// on machines without a GPU.
+// holds, which slots the current layer pins, and the replacement policy that picks victims. Pure
+// host code (the GPU engine owns the device memory and the CUDA events that order copies and
+// reads); tested on machines without a GPU.
 //
-// A slot is pinned while the layer being computed uses it, so the victim of an insert is never
-// an expert that layer reads. Slots remember whether they were filled by a prefetch and not yet
-// used, to count useful VRAM prefetches.
+// Replacement is the daemon's (cache/policy.h), by name, kDefaultPolicy unless told otherwise: a
+// global LRU smaller than one token's working set (top-k x MoE layers) evicts on layer-cyclic
+// access exactly the expert wanted soonest and keeps nothing useful; the daemon's policies model
+// the layer cycle. The policy sees demand accesses (find()), inserts, removals and which slots are
+// evictable (filled and unpinned). It may refuse admission: insert() then returns kNone and the
+// caller uses the expert from host memory for this use only, displacing nothing.
+//
+// A slot is pinned while the layer being computed uses it, so the victim of an insert is never an
+// expert that layer reads. Slots remember whether they were filled by a prefetch and not yet
+// used, to count useful VRAM prefetches. Invariants: where_ and entries_ agree; a slot is on the
+// free list iff it is empty; the policy is told a slot is evictable iff it is filled and unpinned.
 #pragma once
 
 #include <cstdint>
-#include <optional>
+#include <memory>
+#include <span>
+#include <string_view>
 #include <vector>
+
+#include "cache/policy.h"
+#include "expertd/result.h"
 
 namespace expertd::engine {
 
 class VramTier {
  public:
   static constexpr uint32_t kNone = UINT32_MAX;
+  // The one place the tier's default policy is named (the daemon's default may differ in time:
+  // both come from cache/policy.h).
+  static constexpr std::string_view kDefaultPolicy = "cyclic";
 
   struct Entry {
     uint32_t layer = kNone;  // kNone: empty
@@ -25,50 +41,57 @@ class VramTier {
     bool prefetched = false;  // filled ahead of its layer and not used since
   };
 
-  VramTier(uint32_t slots, uint32_t layers, uint32_t experts);
+  // A tier of `slots` over a model of `layers` x `experts` with the named policy (an Error naming
+  // an unknown policy or an empty shape).
+  static Result<std::unique_ptr<VramTier>> create(uint32_t slots, uint32_t layers, uint32_t experts,
+                                                  std::string_view policy = kDefaultPolicy);
 
   uint32_t capacity() const { return static_cast<uint32_t>(entries_.size()); }
   uint32_t size() const { return used_; }
   const Entry& entry(uint32_t slot) const { return entries_[slot]; }
+  std::string_view policy_name() const { return policy_->name(); }
 
-  // The slot holding (layer, expert), made the most recently used; kNone when absent.
+  // A demand access to (layer, expert), told to the policy: the slot holding it, or kNone.
   uint32_t find(uint32_t layer, uint32_t expert);
-  // Whether (layer, expert) is present, without touching the LRU order.
+  // Whether (layer, expert) is present; not an access.
   bool contains(uint32_t layer, uint32_t expert) const;
-  // A slot for (layer, expert), which must be absent: an empty slot, else the least recently
-  // used unpinned one (whose expert is forgotten; *evicted gets it when given). The slot becomes
-  // the most recently used. kNone when every slot is pinned.
-  uint32_t insert(uint32_t layer, uint32_t expert, bool prefetched, Entry* evicted = nullptr);
-  // Forgets the expert in `slot` (a copy that failed); the slot becomes the next victim.
+  // A slot for (layer, expert), which must be absent: an empty slot, else the policy's victim
+  // among the unpinned ones (whose expert is forgotten; *evicted gets it when given). kNone when
+  // every slot is pinned or the policy refuses to admit it (never with `force` while a slot is
+  // unpinned). The slot is left unpinned.
+  uint32_t insert(uint32_t layer, uint32_t expert, bool prefetched, bool force = false,
+                  Entry* evicted = nullptr);
+  // Forgets the expert in `slot` (a copy that failed); the slot is used first again.
   void erase(uint32_t slot);
 
-  void pin(uint32_t slot) { ++entries_[slot].pins; }
-  void unpin(uint32_t slot) {
-    if (entries_[slot].pins > 0) --entries_[slot].pins;
-  }
+  void pin(uint32_t slot);
+  void unpin(uint32_t slot);  // extra unpins are harmless
   // Clears `prefetched` on first use; true if it was set.
   bool take_prefetched(uint32_t slot);
 
+  // Experts held across this tier and host memory: those marked in `host` ([layer][expert], as
+  // ExpertSource::host_resident fills it) plus those in VRAM that host memory lacks.
+  uint32_t distinct_with(std::span<const uint8_t> host) const;
+
   uint64_t evictions() const { return evictions_; }
+  uint64_t refusals() const { return refusals_; }  // inserts the policy refused
 
  private:
+  VramTier(uint32_t slots, uint32_t layers, uint32_t experts,
+           std::unique_ptr<ReplacementPolicy> policy);
   uint64_t key(uint32_t layer, uint32_t expert) const {
     return uint64_t{layer} * experts_ + expert;
   }
-  void unlink(uint32_t slot);
-  void push_front(uint32_t slot);  // most recently used
-  void push_back(uint32_t slot);   // next victim
 
   uint32_t layers_;
   uint32_t experts_;
+  std::unique_ptr<ReplacementPolicy> policy_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> where_;  // [layer][expert] -> slot or kNone
-  std::vector<uint32_t> prev_;   // LRU list: head_ most recent, tail_ least
-  std::vector<uint32_t> next_;
-  uint32_t head_ = kNone;
-  uint32_t tail_ = kNone;
+  std::vector<uint32_t> free_;   // empty slots, a stack (the next one used is at the back)
   uint32_t used_ = 0;
   uint64_t evictions_ = 0;
+  uint64_t refusals_ = 0;
 };
 
 }  // namespace expertd::engine

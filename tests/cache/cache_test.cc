@@ -39,6 +39,41 @@ TEST(ExpertCache, StateMachineAndSlotTable) {
   EXPECT_EQ(f.cache.ready_count(), 1u);
 }
 
+// A slot a client released as its own copy (kReleaseClientCopy: the engine keeps it in VRAM) is
+// taken before the policy's victim, but only while nobody holds it, and not after an acquire
+// wanted it from host memory again.
+TEST(ExpertCache, ClientCopiesAreTheFirstVictims) {
+  Fixture f(3);
+  const uint32_t a = load(f.cache, {0, 0});
+  const uint32_t b = load(f.cache, {0, 1});
+  load(f.cache, {0, 2});
+  f.cache.hold(b);
+  f.cache.set_client_copy(b);  // marked while the engine still holds it, as the daemon does
+  // LRU would take (0, 0); b is held, so it is too.
+  std::optional<ExpertKey> evicted;
+  ASSERT_TRUE(f.cache.reserve({1, 0}, &evicted));
+  EXPECT_EQ(evicted->expert, 0u);
+  EXPECT_EQ(f.cache.lookup({0, 0}), -1);
+  f.cache.unhold(b);
+  EXPECT_TRUE(f.cache.client_copy(b));
+  f.cache.loaded(static_cast<uint32_t>(f.cache.lookup({1, 0})));
+  ASSERT_TRUE(f.cache.reserve({1, 1}, &evicted));
+  EXPECT_EQ(evicted->layer, 0u);
+  EXPECT_EQ(evicted->expert, 1u) << "the client copy, not LRU's (0, 2)";
+  f.cache.loaded(static_cast<uint32_t>(f.cache.lookup({1, 1})));
+  // Acquired again: an ordinary slot, and LRU's oldest, (0, 2), goes first.
+  const uint32_t c = static_cast<uint32_t>(f.cache.lookup({1, 0}));
+  f.cache.set_client_copy(c);
+  f.cache.hold(c);
+  f.cache.unhold(c);
+  EXPECT_FALSE(f.cache.client_copy(c));
+  ASSERT_TRUE(f.cache.reserve({1, 2}, &evicted));
+  EXPECT_EQ(evicted->layer, 0u);
+  EXPECT_EQ(evicted->expert, 2u);
+  EXPECT_EQ(f.cache.lookup({1, 0}), static_cast<int32_t>(c));
+  EXPECT_EQ(c, a) << "(1, 0) took (0, 0)'s slot";
+}
+
 TEST(ExpertCache, FailedLoadFreesTheSlot) {
   Fixture f(1);
   const auto s = f.cache.reserve({0, 0});

@@ -310,7 +310,13 @@ TEST_F(ClientTest, ClientSideErrorsLeaveTheSessionUsable) {
   EXPECT_TRUE((*s)->set_cursor(0, 0));
   auto views = (*s)->acquire(0, ok_expert);
   ASSERT_TRUE(views) << views.error().message;
-  EXPECT_TRUE((*s)->release(*views));
+  auto flagged = (*s)->release((*views)[0].slot, 0x80);
+  ASSERT_FALSE(flagged);
+  EXPECT_EQ(flagged.error().message,
+            fmt::format("release of slot {}: unknown flags 0x80", (*views)[0].slot));
+  // A client copy (the GPU engine's VRAM tier) is an ordinary release for the session.
+  EXPECT_TRUE((*s)->release((*views)[0].slot, abi::kReleaseClientCopy));
+  EXPECT_EQ((*s)->holds(), 0u);
 }
 
 // --- Hostile ring entries ----------------------------------------------------------------------

@@ -134,6 +134,8 @@ TEST(GpuEngine, DaemonModesMatchTheCpuEngine) {
     for (const auto& [label, g, depth] :
          {std::tuple{"in-place", tier(GpuOptions::Tier::InPlace), 0u},
           std::tuple{"in-place+prefetch", tier(GpuOptions::Tier::InPlace), 2u},
+          std::tuple{"tier-2 (top-k)", tier(GpuOptions::Tier::Experts, 2), 0u},
+          std::tuple{"tier-2+prefetch", tier(GpuOptions::Tier::Experts, 2), 1u},
           std::tuple{"tier-3", tier(GpuOptions::Tier::Experts, 3), 0u},
           std::tuple{"tier-3+prefetch", tier(GpuOptions::Tier::Experts, 3), 1u},
           std::tuple{"tier-all+prefetch", tier(GpuOptions::Tier::Experts, 32), 2u}}) {
@@ -158,14 +160,22 @@ TEST(GpuEngine, DaemonModesMatchTheCpuEngine) {
       }
       const EngineStats& s = (*gpu)->stats();
       std::printf(
-          "[ %s %s ] max rel err vs CPU %.3e; vram hits %llu misses %llu prefetched %llu "
-          "(used %llu)\n",
+          "[ %s %s ] max rel err vs CPU %.3e; vram hits %llu misses %llu (read in place %llu) "
+          "prefetched %llu (used %llu); tiers: distinct %u of %u\n",
           name.c_str(), label, worst, static_cast<unsigned long long>(s.vram_hits),
           static_cast<unsigned long long>(s.vram_misses),
+          static_cast<unsigned long long>(s.vram_streamed),
           static_cast<unsigned long long>(s.vram_prefetches),
-          static_cast<unsigned long long>(s.vram_prefetch_used));
+          static_cast<unsigned long long>(s.vram_prefetch_used), s.tiers_distinct,
+          s.tiers_capacity);
       if ((*gpu)->vram_slots() > 0) {
         EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+        EXPECT_LE(s.vram_streamed, s.vram_misses);
+        // Measured after every token: the VRAM slots plus the daemon's arena slots.
+        EXPECT_EQ(s.tiers_samples, tokens.size());
+        EXPECT_GT(s.tiers_capacity, (*gpu)->vram_slots());
+        EXPECT_GT(s.tiers_distinct, 0u);
+        EXPECT_LE(s.tiers_distinct, s.tiers_capacity);
       }
       if ((*gpu)->vram_slots() == 3) {
         EXPECT_GT(s.vram_misses, 4u);  // a tier this small evicts
@@ -234,8 +244,23 @@ TEST(GpuEngine, ATierTooSmallForOneLayerIsRefused) {
   auto engine = GpuEngine::create(*model, **source, EngineOptions{8, 0, 0},
                                   tier(GpuOptions::Tier::Experts, 1));
   ASSERT_FALSE(engine);
-  EXPECT_NE(engine.error().message.find("cannot hold one layer"), std::string::npos)
-      << engine.error().message;
+  // The flag, the value, the minimum and why.
+  for (const char* part :
+       {"--vram-experts 1:", "at least 2 experts", "top-2", "computed together"}) {
+    EXPECT_NE(engine.error().message.find(part), std::string::npos)
+        << part << " in: " << engine.error().message;
+  }
+  // Exactly top-k is enough (the fixture's experts come from a file: no arena, every miss is
+  // admitted).
+  auto two = GpuEngine::create(*model, **source, EngineOptions{8, 0, 0},
+                               tier(GpuOptions::Tier::Experts, 2));
+  ASSERT_TRUE(two) << two.error().message;
+  std::vector<float> l(model->params().n_vocab);
+  for (size_t i = 0; i < std::min<size_t>(8, fx.tokens.size()); ++i) {
+    const Status st = (*two)->decode(fx.tokens[i], l);
+    ASSERT_TRUE(st) << st.error().message;
+  }
+  two->reset();
   auto in_place =
       GpuEngine::create(*model, **source, EngineOptions{8, 0, 0}, tier(GpuOptions::Tier::InPlace));
   ASSERT_FALSE(in_place);  // a file source has no arena to register

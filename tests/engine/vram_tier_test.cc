@@ -1,9 +1,13 @@
-// The VRAM tier's bookkeeping (pure host code, so CI checks it without a GPU): LRU order, pins
-// that protect the layer being computed, erase, and the prefetched-then-used accounting.
+// The VRAM tier's bookkeeping (pure host code, so CI checks it without a GPU): replacement by the
+// daemon's policies (LRU order with "lru"; on layer-cyclic access smaller than a token's working
+// set, the default keeps experts LRU cannot), refused admission, pins that protect the layer being
+// computed, erase, and the prefetched-then-used accounting.
 #include "engine/vram_tier.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <list>
 #include <map>
 #include <random>
@@ -11,8 +15,19 @@
 namespace expertd::engine {
 namespace {
 
+std::unique_ptr<VramTier> tier(uint32_t slots, uint32_t layers, uint32_t experts,
+                               std::string_view policy) {
+  auto t = VramTier::create(slots, layers, experts, policy);
+  if (!t) ADD_FAILURE() << t.error().message;
+  return t ? std::move(*t) : nullptr;
+}
+std::unique_ptr<VramTier> lru(uint32_t slots, uint32_t layers, uint32_t experts) {
+  return tier(slots, layers, experts, "lru");
+}
+
 TEST(VramTier, FillsEmptySlotsThenEvictsTheLeastRecentlyUsed) {
-  VramTier t(3, 2, 4);
+  const auto owned = lru(3, 2, 4);
+  VramTier& t = *owned;
   EXPECT_EQ(t.find(0, 0), VramTier::kNone);
   const uint32_t a = t.insert(0, 0, false);
   const uint32_t b = t.insert(0, 1, false);
@@ -22,7 +37,7 @@ TEST(VramTier, FillsEmptySlotsThenEvictsTheLeastRecentlyUsed) {
   EXPECT_EQ(t.size(), 3u);
   EXPECT_EQ(t.find(0, 0), a);  // (0,1) is now the least recently used
   VramTier::Entry evicted;
-  const uint32_t d = t.insert(1, 3, false, &evicted);
+  const uint32_t d = t.insert(1, 3, false, false, &evicted);
   EXPECT_EQ(d, b);
   EXPECT_EQ(evicted.layer, 0u);
   EXPECT_EQ(evicted.expert, 1u);
@@ -34,7 +49,8 @@ TEST(VramTier, FillsEmptySlotsThenEvictsTheLeastRecentlyUsed) {
 }
 
 TEST(VramTier, PinnedSlotsAreNeverVictims) {
-  VramTier t(2, 1, 8);
+  const auto owned = lru(2, 1, 8);
+  VramTier& t = *owned;
   const uint32_t a = t.insert(0, 0, false);
   const uint32_t b = t.insert(0, 1, false);
   t.pin(a);
@@ -48,7 +64,8 @@ TEST(VramTier, PinnedSlotsAreNeverVictims) {
 }
 
 TEST(VramTier, EraseMakesTheSlotTheNextVictim) {
-  VramTier t(3, 1, 8);
+  const auto owned = lru(3, 1, 8);
+  VramTier& t = *owned;
   t.insert(0, 0, false);
   const uint32_t b = t.insert(0, 1, false);
   t.insert(0, 2, false);
@@ -60,7 +77,8 @@ TEST(VramTier, EraseMakesTheSlotTheNextVictim) {
 }
 
 TEST(VramTier, PrefetchedIsCountedOnceWhenUsed) {
-  VramTier t(2, 1, 4);
+  const auto owned = lru(2, 1, 4);
+  VramTier& t = *owned;
   const uint32_t a = t.insert(0, 3, true);
   EXPECT_TRUE(t.take_prefetched(t.find(0, 3)));
   EXPECT_FALSE(t.take_prefetched(a));
@@ -69,7 +87,8 @@ TEST(VramTier, PrefetchedIsCountedOnceWhenUsed) {
 // Against an independent LRU (std::list) on a random access stream with random pins.
 TEST(VramTier, MatchesAReferenceLru) {
   const uint32_t slots = 7;
-  VramTier t(slots, 4, 16);
+  const auto owned = lru(slots, 4, 16);
+  VramTier& t = *owned;
   std::list<std::pair<uint32_t, uint32_t>> ref;  // front = most recent
   std::mt19937 rng(42);
   uint64_t hits = 0;
@@ -91,6 +110,155 @@ TEST(VramTier, MatchesAReferenceLru) {
     ASSERT_NE(t.insert(layer, expert, false), VramTier::kNone);
   }
   EXPECT_GT(hits, 1000u);
+}
+
+// Decode's access pattern: token after token, every layer in order, top-k distinct experts per
+// layer drawn from a skewed (Zipf, s = 1) per-layer distribution, as real routers are. The tier
+// is driven as GpuExperts drives it: find() each routed expert, insert() the misses (a refusal is
+// streamed from host memory), the layer's slots pinned until the layer is done.
+struct CyclicRun {
+  uint64_t accesses = 0;
+  uint64_t hits = 0;
+  uint64_t streamed = 0;
+  double hit_rate() const { return accesses ? static_cast<double>(hits) / accesses : 0.0; }
+};
+
+// Per token and layer (token-major), the k routed experts.
+std::vector<std::vector<uint32_t>> cyclic_routes(uint32_t layers, uint32_t experts, uint32_t k,
+                                                 uint32_t tokens) {
+  std::mt19937 rng(7);
+  std::vector<std::vector<uint32_t>> order(layers);
+  for (uint32_t l = 0; l < layers; ++l) {
+    order[l].resize(experts);
+    for (uint32_t e = 0; e < experts; ++e) order[l][e] = e;
+    std::shuffle(order[l].begin(), order[l].end(), rng);
+  }
+  std::vector<std::vector<uint32_t>> routes;
+  for (uint32_t tok = 0; tok < tokens; ++tok) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      std::vector<double> w(experts);
+      for (uint32_t r = 0; r < experts; ++r) w[r] = 1.0 / (r + 1);
+      std::vector<uint32_t> chosen;
+      while (chosen.size() < k) {
+        std::discrete_distribution<uint32_t> pick(w.begin(), w.end());
+        const uint32_t r = pick(rng);
+        w[r] = 0.0;
+        chosen.push_back(order[l][r]);
+      }
+      routes.push_back(std::move(chosen));
+    }
+  }
+  return routes;
+}
+
+CyclicRun run_cyclic(VramTier& t, const std::vector<std::vector<uint32_t>>& routes,
+                     uint32_t layers) {
+  CyclicRun run;
+  std::vector<uint32_t> pinned;
+  for (size_t i = 0; i < routes.size(); ++i) {
+    const auto l = static_cast<uint32_t>(i % layers);
+    pinned.clear();
+    for (const uint32_t e : routes[i]) {
+      ++run.accesses;
+      uint32_t slot = t.find(l, e);
+      if (slot != VramTier::kNone) {
+        ++run.hits;
+      } else {
+        slot = t.insert(l, e, false);
+        if (slot == VramTier::kNone) {
+          ++run.streamed;
+          continue;
+        }
+      }
+      t.pin(slot);
+      pinned.push_back(slot);
+    }
+    for (const uint32_t s : pinned) t.unpin(s);
+  }
+  return run;
+}
+
+// Belady's MIN with bypass on the same accesses: what no online policy can beat.
+double belady(uint32_t slots, const std::vector<std::vector<uint32_t>>& routes, uint32_t layers) {
+  std::vector<ExpertKey> keys;
+  for (size_t i = 0; i < routes.size(); ++i) {
+    for (const uint32_t e : routes[i])
+      keys.push_back(ExpertKey{static_cast<uint32_t>(i % layers), e});
+  }
+  return simulate_belady(slots, keys).hit_rate();
+}
+
+// The Mixtral shape (32 layers, 8 experts, top-2: 64 experts a token) with a tier of 32 slots,
+// half a token's working set. LRU always evicts the expert wanted soonest and keeps nothing; the
+// default policy keeps a stable set (refusing the rest, which stream) and hits.
+TEST(VramTier, DefaultPolicyHitsWhereLruKeepsNothingOnLayerCyclicAccess) {
+  const uint32_t layers = 32, experts = 8, k = 2, slots = 32, tokens = 400;
+  const auto routes = cyclic_routes(layers, experts, k, tokens);
+  const auto old = lru(slots, layers, experts);
+  const auto def = tier(slots, layers, experts, VramTier::kDefaultPolicy);
+  const CyclicRun a = run_cyclic(*old, routes, layers);
+  const CyclicRun b = run_cyclic(*def, routes, layers);
+  std::printf(
+      "[ vram tier ] %u slots, %u layers x top-%u of %u, %u tokens: lru %.1f%% hits, "
+      "%s %.1f%% hits (%llu streamed, %llu evictions), Belady %.1f%%\n",
+      slots, layers, k, experts, tokens, 100.0 * a.hit_rate(), def->policy_name().data(),
+      100.0 * b.hit_rate(), static_cast<unsigned long long>(b.streamed),
+      static_cast<unsigned long long>(def->evictions()), 100.0 * belady(slots, routes, layers));
+  EXPECT_EQ(a.streamed, 0u) << "LRU never refuses";
+  EXPECT_GT(b.hit_rate(), 0.10);
+  EXPECT_GT(b.hit_rate(), a.hit_rate() + 0.10);
+  EXPECT_GT(b.streamed, 0u) << "a tier smaller than a token must refuse some experts";
+}
+
+// The Qwen3-30B-A3B shape (48 layers, 128 experts, top-8: 384 a token) with 256 slots.
+TEST(VramTier, DefaultPolicyBeatsLruOnAManyExpertShape) {
+  const uint32_t layers = 48, experts = 128, k = 8, slots = 256, tokens = 150;
+  const auto routes = cyclic_routes(layers, experts, k, tokens);
+  const auto old = lru(slots, layers, experts);
+  const auto def = tier(slots, layers, experts, VramTier::kDefaultPolicy);
+  const CyclicRun a = run_cyclic(*old, routes, layers);
+  const CyclicRun b = run_cyclic(*def, routes, layers);
+  std::printf(
+      "[ vram tier ] %u slots, %u layers x top-%u of %u, %u tokens: lru %.1f%% hits, "
+      "%s %.1f%% hits, Belady %.1f%%\n",
+      slots, layers, k, experts, tokens, 100.0 * a.hit_rate(), def->policy_name().data(),
+      100.0 * b.hit_rate(), 100.0 * belady(slots, routes, layers));
+  EXPECT_GT(b.hit_rate(), a.hit_rate() + 0.05);
+}
+
+// A refused insert displaces nothing; with force it takes a victim; pinned slots stay either way.
+TEST(VramTier, RefusedAdmissionDisplacesNothing) {
+  const auto owned = tier(2, 4, 4, VramTier::kDefaultPolicy);
+  VramTier& t = *owned;
+  // (0, 0) and (0, 1) used every token; (3, 3) once.
+  for (int tok = 0; tok < 20; ++tok) {
+    for (const uint32_t e : {0u, 1u}) {
+      if (t.find(0, e) == VramTier::kNone) {
+        ASSERT_NE(t.insert(0, e, false), VramTier::kNone);
+      }
+    }
+    for (uint32_t l = 1; l < 4; ++l) (void)t.find(l, 0);
+  }
+  EXPECT_EQ(t.find(3, 3), VramTier::kNone);
+  EXPECT_EQ(t.insert(3, 3, false), VramTier::kNone) << "a one-off is not worth a hot slot";
+  EXPECT_EQ(t.refusals(), 1u);
+  EXPECT_TRUE(t.contains(0, 0));
+  EXPECT_TRUE(t.contains(0, 1));
+  EXPECT_EQ(t.evictions(), 0u);
+  t.pin(t.find(0, 0));
+  VramTier::Entry evicted;
+  const uint32_t s = t.insert(3, 3, false, true, &evicted);
+  ASSERT_NE(s, VramTier::kNone) << "force admits while a slot is unpinned";
+  EXPECT_EQ(evicted.layer, 0u);
+  EXPECT_EQ(evicted.expert, 1u) << "the pinned slot is not the victim";
+  t.pin(s);
+  EXPECT_EQ(t.insert(2, 2, false, true), VramTier::kNone) << "every slot pinned";
+}
+
+TEST(VramTier, UnknownPolicyIsAnError) {
+  auto t = VramTier::create(4, 2, 2, "mru");
+  ASSERT_FALSE(t);
+  EXPECT_NE(t.error().message.find("mru"), std::string::npos) << t.error().message;
 }
 
 }  // namespace

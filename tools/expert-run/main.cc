@@ -58,6 +58,8 @@ struct Options {
   uint32_t prefill_chunk = 512;
   bool cpu = false;
   std::string vram_experts = "auto";
+  std::string tiers = "coordinated";
+  std::string vram_policy;
   uint32_t prefetch_depth = 1;
   uint32_t prefetch_width = 0;
   float temperature = 0.0f;
@@ -291,6 +293,8 @@ int run(Options o) {
   if (use_gpu) {
     auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error());
+    gpu->coordinate = o.tiers == "coordinated";
+    gpu->policy = o.vram_policy;
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error());
     engine = std::move(*e);
@@ -438,6 +442,8 @@ int run(Options o) {
   const uint64_t disk = (after.misses - before.misses) + coalesced;
   const double copy_gbps =
       s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
+  const double tiers_mean =
+      s.tiers_samples ? static_cast<double>(s.tiers_distinct_sum) / s.tiers_samples : 0.0;
 
   nlohmann::json by_depth = nlohmann::json::array();
   for (size_t d = 0; d < s.by_depth.size(); ++d) {
@@ -493,9 +499,15 @@ int run(Options o) {
           {"misses", s.vram_misses},
           {"prefetches", s.vram_prefetches},
           {"prefetch_used", s.vram_prefetch_used},
+          {"streamed", s.vram_streamed},
           {"copy_bytes", s.copy_bytes},
           {"demand_copy_bytes", s.demand_copy_bytes},
           {"demand_copy_gb_per_s", copy_gbps}}},
+        {"tiers",
+         {{"coordinated", o.tiers == "coordinated"},
+          {"distinct", s.tiers_distinct},
+          {"capacity", s.tiers_capacity},
+          {"distinct_mean", tiers_mean}}},
         {"prefetch_by_depth", by_depth},
         {"prefetch_depth", o.prefetch_depth},
         {"prefetch_hints", s.hints_sent},
@@ -566,6 +578,17 @@ int run(Options o) {
         static_cast<unsigned long long>(s.vram_prefetches),
         static_cast<unsigned long long>(s.vram_prefetch_used));
   }
+  if (s.vram_streamed > 0) {
+    std::printf("vram: %llu read in place, not admitted by the tier's policy\n",
+                static_cast<unsigned long long>(s.vram_streamed));
+  }
+  if (s.tiers_capacity > 0) {
+    std::printf(
+        "tiers (%s): distinct %u of capacity %u (VRAM slots + host slots), mean %.1f over "
+        "%llu tokens\n",
+        o.tiers.c_str(), s.tiers_distinct, s.tiers_capacity, tiers_mean,
+        static_cast<unsigned long long>(s.tiers_samples));
+  }
   std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
               static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),
               s.prefetch_recall());
@@ -623,6 +646,13 @@ int main(int argc, char** argv) {
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
                  "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
+  app.add_option("--vram-policy", o.vram_policy,
+                 "The VRAM tier's replacement policy (the daemon's names: cyclic, lru, fifo; "
+                 "default: the engine's default)");
+  app.add_option("--tiers", o.tiers,
+                 "coordinated (experts copied into VRAM are the daemon's first victims, so the "
+                 "host cache holds others) or independent")
+      ->check(CLI::IsMember({"coordinated", "independent"}));
   app.add_option("--prefetch-depth", o.prefetch_depth,
                  "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
   app.add_option("--prefetch-width", o.prefetch_width,

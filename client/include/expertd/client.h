@@ -109,6 +109,9 @@ class Session {
   // Gives back held slots.
   Status release(uint32_t slot);
   Status release(std::span<const SlotView> views);
+  // The same with abi::kRelease* flags: kReleaseClientCopy tells the daemon this client keeps its
+  // own copy of the expert (in VRAM), so the slot becomes the cache's first victim.
+  Status release(uint32_t slot, uint32_t flags);
   // Where the engine is: prefetches for layers it has passed are dropped.
   Status set_cursor(uint32_t token, uint32_t layer);
   // The daemon's counters for this session (an RPC).
@@ -154,7 +157,7 @@ class Session {
   Status wait_completion(abi::CompletionEntry* out);
   Status fill_view(const abi::CompletionEntry& c, SlotView& view) const;
   void release_quietly(std::span<const SlotView> views, size_t count);
-  Status push_release(uint32_t slot);
+  Status push_release(uint32_t slot, uint32_t flags = 0);
 
   std::shared_ptr<Connection> conn_;
   uint64_t key_ = 0;  // the Session capability's key in the connection

@@ -70,18 +70,24 @@ inline constexpr uint32_t kSessionMagic = 0x53535845;  // "EXSS"
 enum RequestOp : uint32_t {
   kOpAcquire = 1,   // layer, expert, tag: completes with a held slot or -errno
   kOpPrefetch = 2,  // layer, expert, score in [0, 1]: no completion
-  kOpRelease = 3,   // slot: drops one hold taken by an acquire; no completion
+  kOpRelease = 3,   // slot, flags: drops one hold taken by an acquire; no completion
   kOpCursor = 4,    // token (arg), layer: the engine's position; no completion
 };
+
+// Request::flags of kOpRelease. A daemon that predates a flag ignores it (it was reserved, 0).
+// kReleaseClientCopy: the client keeps a copy of its own (the GPU engine's VRAM tier), so the
+// daemon's copy is worth little to it: the cache makes the slot its first victim while no one
+// holds it, until an acquire (by any session) wants it from host memory again.
+inline constexpr uint32_t kReleaseClientCopy = 1;
 
 struct Request {
   uint32_t op;
   uint32_t layer;
   uint32_t expert;
-  uint32_t arg;  // kOpRelease: slot; kOpCursor: token
-  uint64_t tag;  // kOpAcquire: echoed in the completion
-  float score;   // kOpPrefetch
-  uint32_t reserved;
+  uint32_t arg;    // kOpRelease: slot; kOpCursor: token
+  uint64_t tag;    // kOpAcquire: echoed in the completion
+  float score;     // kOpPrefetch
+  uint32_t flags;  // kOpRelease: kRelease*; 0 otherwise
 };
 static_assert(sizeof(Request) == 32);
 static_assert(offsetof(Request, tag) == 16);
