@@ -32,7 +32,7 @@ class VramTier {
   static constexpr uint32_t kNone = UINT32_MAX;
   // The one place the tier's default policy is named (the daemon's default may differ in time:
   // both come from cache/policy.h).
-  static constexpr std::string_view kDefaultPolicy = "cyclic";
+  static constexpr std::string_view kDefaultPolicy = "default";  // the daemon's default
 
   struct Entry {
     uint32_t layer = kNone;  // kNone: empty
