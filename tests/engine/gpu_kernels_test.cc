@@ -943,7 +943,10 @@ TEST_F(GpuKernels, MatvecVariantsMatchCpuPerJob) {
         for (uint32_t j = 0; j < s.jobs; ++j) {
           const std::vector<float> gj(got.begin() + static_cast<int64_t>(size_t{j} * s.rows),
                                       got.begin() + static_cast<int64_t>(size_t{j + 1} * s.rows));
-          EXPECT_LE(normalised_error(gj, cases[j].want()), kMatvecTolerance) << "job " << j;
+          // One row normalises by one sum, which cancellation can make small: the H200 gave
+          // 1.9e-5 for splitk+q6r2 on 1 x 14336 (a different summation order), 7e-7 elsewhere.
+          const double tol = s.rows == 1 ? 1e-4 : kMatvecTolerance;
+          EXPECT_LE(normalised_error(gj, cases[j].want()), tol) << "job " << j;
         }
       }
     }
