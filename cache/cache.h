@@ -24,8 +24,8 @@
 #include <optional>
 #include <vector>
 
-#include "cache/policy.h"
 #include "client/include/expertd/protocol.h"
+#include "policy/policy.h"
 
 namespace expertd {
 

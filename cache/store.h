@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "cache/cache.h"
-#include "cache/policy.h"
 #include "cache/scheduler.h"
 #include "cache/shm.h"
+#include "policy/policy.h"
 #include "storage/gguf.h"
 #include "storage/reader.h"
 #include "storage/slice_map.h"

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <set>
 
-#include "cache/policy.h"
+#include "policy/policy.h"
 
 namespace expertd {
 

@@ -36,7 +36,7 @@ struct DaemonConfig {
   uint32_t queue_depth = 0;  // 0: probe the device at start
   uint64_t chunk_bytes = 0;  // 0 with queue_depth 0: probed; else 0 = whole slices
   BackendKind backend = BackendKind::Uring;
-  std::string policy = "cyclic-hint";  // cache/policy.h kDefaultPolicy; "default" names it too
+  std::string policy = "cyclic-hint";  // policy/policy.h kDefaultPolicy; "default" names it too
   bool lock_memory = true;
   bool verify = false;  // check every load of a forged model against its content function
   std::vector<uid_t> allowed_uids;

@@ -38,7 +38,7 @@ struct GpuOptions {
   // client copy (abi::kReleaseClientCopy), so its host slot is the daemon's first victim and the
   // host cache holds other experts. False: the tiers are independent (for measuring the gain).
   bool coordinate = true;
-  // The VRAM tier's replacement policy (cache/policy.h names); empty: VramTier::kDefaultPolicy.
+  // The VRAM tier's replacement policy (policy/policy.h names); empty: VramTier::kDefaultPolicy.
   std::string policy;
 };
 

@@ -3,7 +3,7 @@
 // host code (the GPU engine owns the device memory and the CUDA events that order copies and
 // reads); tested on machines without a GPU.
 //
-// Replacement is the daemon's (cache/policy.h), by name, kDefaultPolicy unless told otherwise: a
+// Replacement is the daemon's (policy/policy.h), by name, kDefaultPolicy unless told otherwise: a
 // global LRU smaller than one token's working set (top-k x MoE layers) evicts on layer-cyclic
 // access exactly the expert wanted soonest and keeps nothing useful; the daemon's policies model
 // the layer cycle. The policy sees demand accesses (find()), inserts, removals and which slots are
@@ -22,8 +22,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cache/policy.h"
 #include "expertd/result.h"
+#include "policy/policy.h"
 
 namespace expertd::engine {
 
@@ -31,7 +31,7 @@ class VramTier {
  public:
   static constexpr uint32_t kNone = UINT32_MAX;
   // The one place the tier's default policy is named (the daemon's default may differ in time:
-  // both come from cache/policy.h).
+  // both come from policy/policy.h).
   static constexpr std::string_view kDefaultPolicy = "default";  // the daemon's default
 
   struct Entry {

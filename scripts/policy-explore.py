@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The cache policies tried for issue 13 that are not in cache/policy.cc, on a routing trace.
+"""The cache policies tried for issue 13 that are not in policy/policy.cc, on a routing trace.
 
 docs/CACHE.md ("Every policy tried") quotes this script's output. It is a slow, plain-Python model
 of `expert-tune simulate`: demand only, one global capacity, a layer's experts held while its

@@ -1,7 +1,7 @@
 // Replacement policies on the real Mixtral-8x7B routing traces in ../shared/traces and on
 // generated traces of the same shape, against LRU and Belady's optimum, and Belady against a
 // brute-force reference on small generated traces.
-#include "cache/policy.h"
+#include "policy/policy.h"
 
 #include <gtest/gtest.h>
 

@@ -93,6 +93,7 @@ declare -A only=(
   [client]="base"
   [trace]="storage base"
   [kernels]="storage base"
+  [policy]="storage base"
 )
 declare -A never=(
   [engine]="daemon cache"

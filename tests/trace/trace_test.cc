@@ -1,7 +1,7 @@
 // Traces: the canonical JSON Lines form and the binary form round-trip; malformed files fail with
 // an error naming the line (JSONL) or record and byte (binary); the raw Mixtral logs import to the
 // shared canonical traces; and `expert-tune simulate --json`, run as a process, agrees with a small
-// LRU and Belady written here (not cache/policy.h). Each claim on the shared traces is checked on
+// LRU and Belady written here (not policy/policy.h). Each claim on the shared traces is checked on
 // a generated Mixtral-shaped trace too (trace/synth.h), so a fresh clone checks it.
 #include "trace/trace.h"
 

@@ -21,9 +21,9 @@
 #include <string_view>
 #include <vector>
 
-#include "cache/policy.h"
 #include "cache/scheduler.h"
 #include "expertd/client.h"
+#include "policy/policy.h"
 #include "trace/synth.h"
 #include "trace/trace.h"
 #include "tune/replay.h"

@@ -1,4 +1,4 @@
-#include "cache/policy.h"
+#include "policy/policy.h"
 
 #include <fmt/format.h>
 
