@@ -244,7 +244,7 @@ TEST_P(Backends, StagingNeverEvictsHotExperts) {
   StoreOptions o = small_cache(4 * probe.store->layouts().slot_bytes());
   o.staging_slots = 2;
   o.scheduler.prefetch_depth = 4;
-  o.scheduler.staging_score = 0.5f;
+  o.scheduler.staging_probability = 1.0;  // every prefetch streams
   Harness h(model, GetParam(), o);
   std::vector<ExpertKey> hot = {{0, 0}, {1, 1}, {2, 2}, {3, 3}};
   for (const auto& k : hot) {
