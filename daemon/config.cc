@@ -140,10 +140,10 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
       return key_error(path, *n, "prefetch_depth", "must be \"auto\" or a number of layers");
     }
     const auto& src = n->source();
-    EXPERTD_TRY_ASSIGN(c.prefetch_depth,
-                       parse_prefetch_depth(fmt::format("{}:{}:{}: prefetch_depth", path,
-                                                        src.begin.line, src.begin.column),
-                                            v));
+    EXPERTD_TRY_ASSIGN(
+        c.prefetch_depth,
+        parse_prefetch_depth(
+            fmt::format("{}:{}:{}: prefetch_depth", path, src.begin.line, src.begin.column), v));
   }
   EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
