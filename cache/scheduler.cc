@@ -674,6 +674,9 @@ void Scheduler::cancel_load(uint32_t id) {
 
 void Scheduler::start_prefetches() {
   const uint32_t depth = prefetch_depth_now();
+  // Depth 0 is prefetch off: not even a hint for the cursor's own layer (about to be acquired,
+  // and a wasted read when it is wrong) is read.
+  if (depth == 0) return;
   while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
     uint32_t best = kNil;
     for (uint32_t i = 0; i < hints_.size(); ++i) {
@@ -806,7 +809,7 @@ bool Scheduler::idle() const {
   // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.
   const uint32_t depth = prefetch_depth_now();
   for (const Hint& h : hints_) {
-    if (h.live && hint_distance(h) <= depth) return false;
+    if (h.live && depth > 0 && hint_distance(h) <= depth) return false;
   }
   return true;
 }

@@ -118,14 +118,20 @@ std::vector<uint32_t> none(uint32_t, uint32_t) { return {}; }
 
 TEST_F(PrefetchAdmissionTest, LowProbabilityHintStreamsThroughStagingAndLeavesTheCacheIntact) {
   start({"--prefetch-depth", "1"});
-  decode(0, 24, {1}, mostly_wrong);
+  // The wrong guesses are cached beforehand: hints for them read nothing, so no wasted read
+  // lowers the probability below the hints' own precision.
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(session_->set_cursor(0, l));
+    acquire_release(l, {14, 15});
+  }
+  decode(1, 24, {1}, mostly_wrong);
   const double p = stats().hint_precision.at(0);
   ASSERT_GT(p, 0.52) << "above break-even: the hint is read";
   ASSERT_LT(p, 0.62) << "(2p - 1) / 1 below the eviction floor 0.25";
   fill_cache_without(3, 0);
   const ModelStats before = stats();
   // At layer 2 of the next token, a hint for layer 3 expert 0: one layer ahead.
-  ASSERT_TRUE(session_->set_cursor(24, 2));
+  ASSERT_TRUE(session_->set_cursor(25, 2));
   const std::vector<PrefetchHint> hint = {{3, 0, 1.0f}};
   ASSERT_TRUE(session_->prefetch(hint));
   wait_loads(before.scheduler.loads_done + 1);
@@ -136,7 +142,7 @@ TEST_F(PrefetchAdmissionTest, LowProbabilityHintStreamsThroughStagingAndLeavesTh
   EXPECT_EQ(after.scheduler.evictions, before.scheduler.evictions) << "nothing was pushed out";
   EXPECT_EQ(after.cache_ready, before.cache_ready);
   // The streamed expert serves its acquire, and every cached expert is still there: all hits.
-  ASSERT_TRUE(session_->set_cursor(24, 3));
+  ASSERT_TRUE(session_->set_cursor(25, 3));
   acquire_release(3, {0});
   for (uint32_t l = 0; l < kLayers; ++l) {
     if (l != 3) acquire_release(l, kRouted);
@@ -209,8 +215,6 @@ TEST_F(PrefetchAdmissionTest, AutoDepthFollowsThePrecisionOfTheHints) {
   // Right hints 1..3 layers ahead: auto climbs to its deepest, 2.
   decode(0, 12, {1, 2, 3}, none);
   EXPECT_EQ(stats().prefetch_depth_now, 2u);
-  const uint64_t loads = stats().scheduler.prefetch_loads;
-  EXPECT_GT(loads, 0u);
   // Wrong hints only: the estimates fall below break-even and auto goes back to 0.
   auto wrong = [](uint32_t, uint32_t token) {
     return std::vector<uint32_t>{4 + token % 8, 12 + token % 4};
