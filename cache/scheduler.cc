@@ -19,8 +19,8 @@ constexpr uint64_t pack_target(uint32_t token, uint32_t layer) {
 // and a few tokens of evidence overrule it.
 constexpr double kPriorProbability = 0.8;
 constexpr double kPriorWeight = 4;
-// Auto mode adds a depth only when its estimate clears break-even by this much (and drops it
-// when it falls below break-even), so a depth near 0.5 does not flap token by token.
+// Auto mode keeps a depth until its estimate falls this much below the threshold to climb to it,
+// so a predictor near the threshold does not flap token by token.
 constexpr double kAutoHysteresis = 0.05;
 // Read outcomes keep this much of their weight per token passed (a memory of ~30 tokens), and
 // weigh against the hint precision as a prior of this many reads: the first few loads of a cold
@@ -156,7 +156,7 @@ void Scheduler::fold(uint32_t session, uint32_t r) {
 void Scheduler::choose_auto_depth() {
   uint32_t d = 0;
   while (d < kPrefetchAutoMaxDepth && est_hints_[d] >= kPrecisionMinEvidence) {
-    const double need = kPrefetchMinProbability + (d < auto_depth_ ? 0.0 : kAutoHysteresis);
+    const double need = kPrefetchAutoMinProbability - (d < auto_depth_ ? kAutoHysteresis : 0.0);
     if (!(hint_probability(d) > need)) break;
     ++d;
   }

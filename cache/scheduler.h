@@ -57,6 +57,12 @@ inline constexpr double kPrefetchMinProbability = 0.5;
 // compares with the real victim).
 inline constexpr double kPrefetchEvictWorth = 0.25;
 inline constexpr uint32_t kPrefetchAutoMaxDepth = 2;
+// Auto mode reads ahead only when hints are right more often than this. On a saturated disk a
+// right prefetch saves at most the compute it overlaps, g = compute / read time per token, while a
+// wrong one costs its whole read: break-even is p = 1 / (1 + g), 0.5 only when compute hides every
+// read. The daemon does not measure g; 0.9 covers g down to 0.11 (a token's reads nine times its
+// compute), and it leaves a depth again below 0.85.
+inline constexpr double kPrefetchAutoMinProbability = 0.9;
 // The estimate forgets with a window of this many hints per depth, and counts a depth only after
 // this much (decayed) evidence.
 inline constexpr double kPrecisionWindow = 512;
