@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 
 #include "base/check.h"
 
@@ -13,6 +14,19 @@ namespace {
 constexpr uint64_t pack_target(uint32_t token, uint32_t layer) {
   return (static_cast<uint64_t>(token) << 32) | layer;
 }
+// Before any evidence a depth's hints count as right this often, with the weight of this many
+// hints: a fixed depth prefetches from the first token (as it did before the estimate existed),
+// and a few tokens of evidence overrule it.
+constexpr double kPriorProbability = 0.8;
+constexpr double kPriorWeight = 4;
+// Auto mode keeps a depth until its estimate falls this much below the threshold to climb to it,
+// so a predictor near the threshold does not flap token by token.
+constexpr double kAutoHysteresis = 0.05;
+// Read outcomes keep this much of their weight per token passed (a memory of ~30 tokens), and
+// weigh against the hint precision as a prior of this many reads: the first few loads of a cold
+// cache decide nothing alone.
+constexpr double kReadFade = 0.97;
+constexpr double kReadPriorWeight = 64;
 }  // namespace
 
 Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& layouts,
@@ -56,9 +70,97 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   pending_.reserve(options_.max_waiters);
   cursors_.resize(options_.max_sessions);
   session_depths_.assign(options_.max_sessions, empty_prefetch_depths());
+  pending_estimates_.resize(options_.max_sessions);
   EXPERTD_CHECK_LE(options_.max_sessions, kNoSession);
   cache_.set_eviction_listener(this);
   staging_.set_eviction_listener(this);
+  choose_auto_depth();
+}
+
+void Scheduler::set_prefetch_depth(uint32_t depth) {
+  options_.prefetch_depth = depth;
+  choose_auto_depth();
+}
+
+uint32_t Scheduler::prefetch_depth_now() const {
+  return prefetch_depth_auto() ? auto_depth_ : options_.prefetch_depth;
+}
+
+double Scheduler::precision_estimate(uint32_t bucket) const {
+  return (est_hits_[bucket] + kPriorWeight * kPriorProbability) /
+         (est_hints_[bucket] + kPriorWeight);
+}
+
+double Scheduler::read_precision(uint32_t bucket) const {
+  const double u = read_useful_;
+  const double w = read_wasted_;
+  return (u + kReadPriorWeight * precision_estimate(bucket)) / (u + w + kReadPriorWeight);
+}
+
+double Scheduler::hint_probability(uint32_t bucket) const {
+  return std::min(precision_estimate(bucket), read_precision(bucket));
+}
+
+void Scheduler::reset_estimates() {
+  est_hints_.fill(0);
+  est_hits_.fill(0);
+  read_useful_ = 0;
+  read_wasted_ = 0;
+  for (auto& ring : pending_estimates_) ring.fill(PendingEstimate{});
+  choose_auto_depth();
+}
+
+void Scheduler::count_estimate_hint(uint32_t session, uint32_t token, uint32_t bucket) {
+  const uint32_t r = token % kTokenRing;
+  PendingEstimate& e = pending_estimates_[session][r];
+  if (!e.open || e.token != token) {
+    // Hints more than kTokenRing tokens ahead: the oldest open token is settled early.
+    if (e.open) fold(session, r);
+    e.open = true;
+    e.token = token;
+  }
+  ++e.hints[bucket];
+}
+
+void Scheduler::count_estimate_hit(uint32_t session, uint32_t token, uint32_t bucket) {
+  PendingEstimate& e = pending_estimates_[session][token % kTokenRing];
+  if (e.open && e.token == token && e.hits[bucket] < e.hints[bucket]) ++e.hits[bucket];
+}
+
+void Scheduler::fold_passed_tokens(uint32_t session) {
+  const Cursor& c = cursors_[session];
+  for (uint32_t r = 0; r < kTokenRing; ++r) {
+    const PendingEstimate& e = pending_estimates_[session][r];
+    if (e.open && e.token < c.token) fold(session, r);
+  }
+}
+
+// A token the cursor has passed: each of its hints was right (acquired at its target) or not.
+// Exponential forgetting per hint, so the estimate follows a predictor whose quality drifts.
+void Scheduler::fold(uint32_t session, uint32_t r) {
+  PendingEstimate& e = pending_estimates_[session][r];
+  for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
+    if (e.hints[b] == 0) continue;
+    const double keep = std::pow(1.0 - 1.0 / kPrecisionWindow, static_cast<double>(e.hints[b]));
+    est_hints_[b] = est_hints_[b] * keep + e.hints[b];
+    est_hits_[b] = est_hits_[b] * keep + e.hits[b];
+  }
+  read_useful_ *= kReadFade;
+  read_wasted_ *= kReadFade;
+  e = PendingEstimate{};
+  choose_auto_depth();
+}
+
+// The deepest depth whose hints, and every nearer depth's, are worth reading (docs/CACHE.md).
+// A depth without enough evidence stops the climb: auto mode starts at 0 and earns each layer.
+void Scheduler::choose_auto_depth() {
+  uint32_t d = 0;
+  while (d < kPrefetchAutoMaxDepth && est_hints_[d] >= kPrecisionMinEvidence) {
+    const double need = kPrefetchAutoMinProbability - (d < auto_depth_ ? kAutoHysteresis : 0.0);
+    if (!(hint_probability(d) > need)) break;
+    ++d;
+  }
+  auto_depth_ = d;
 }
 
 void Scheduler::set_queue_depth(uint32_t depth) {
@@ -395,30 +497,37 @@ uint64_t Scheduler::target_of(uint32_t session, uint32_t layer) const {
   return pack_target(c.token + 1, layer);  // the cursor's layer or an earlier one: the next token's
 }
 
-uint32_t Scheduler::depth_bucket(uint32_t session, uint64_t target) const {
+uint32_t Scheduler::depth_of(uint32_t session, uint64_t target) const {
   const Cursor& c = cursors_[session];
   const uint64_t layers = map_.block_count();
   const uint64_t now = c.set ? static_cast<uint64_t>(c.token) * layers + c.layer : 0;
   const uint64_t then = (target >> 32) * layers + (target & 0xffffffffu);
   const uint64_t depth = then > now ? then - now : 1;  // before any cursor, layer 0 counts as 1
-  return static_cast<uint32_t>(std::min<uint64_t>(depth, kPrefetchDepthBuckets) - 1);
+  return static_cast<uint32_t>(std::min<uint64_t>(depth, UINT32_MAX));
 }
 
-void Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket) {
+uint32_t Scheduler::depth_bucket(uint32_t session, uint64_t target) const {
+  return std::min<uint32_t>(depth_of(session, target), kPrefetchDepthBuckets) - 1;
+}
+
+bool Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket) {
   HintMark& m = hinted_[key_index(key)];
   const auto token = static_cast<uint32_t>(target >> 32);
   const auto bit = static_cast<uint8_t>(1u << bucket);
   if (m.buckets != 0 && m.session == session && m.token == token) {
+    const bool fresh = (m.buckets & bit) == 0;
     m.buckets |= bit;
-    return;
+    return fresh;
   }
   // A mark for an earlier token this session has not reached yet stays: a hint a whole layer
   // cycle ahead must not hide the nearer ones. Anything else (passed, or another session's) goes.
+  // (The far hint then goes uncounted by the estimate: its acquire could not be matched.)
   if (m.buckets != 0 && m.session == session && m.token < token) {
     const Cursor& c = cursors_[session];
-    if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return;
+    if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return false;
   }
   m = HintMark{token, static_cast<uint16_t>(session), bit};
+  return true;
 }
 
 void Scheduler::count_recall(uint32_t session, ExpertKey key) {
@@ -429,6 +538,7 @@ void Scheduler::count_recall(uint32_t session, ExpertKey key) {
     if ((m.buckets >> b & 1u) == 0) continue;
     ++depths_[b].hinted_acquires;
     ++session_depths_[session][b].hinted_acquires;
+    count_estimate_hit(session, c.token, b);
   }
 }
 
@@ -444,6 +554,7 @@ void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes,
   };
   add(depths_[bucket]);
   if (session < session_depths_.size()) add(session_depths_[session][bucket]);
+  (useful ? read_useful_ : read_wasted_) += 1;
 }
 
 void Scheduler::evicted(uint32_t slot, ExpertKey) {
@@ -477,7 +588,11 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   const uint32_t bucket = depth_bucket(session, target);
   ++depths_[bucket].hints;
   ++session_depths_[session][bucket].hints;
-  mark_hinted(session, key, target, bucket);
+  if (mark_hinted(session, key, target, bucket)) {
+    count_estimate_hint(session, static_cast<uint32_t>(target >> 32), bucket);
+  }
+  // Every hint, resident or not: a policy may protect a resident expert the router wants soon.
+  cache_.policy().on_hint(key, depth_of(session, target), hint_probability(bucket));
   ExpertCache* owner = nullptr;
   if (find_slot(key, &owner) >= 0) return 0;  // already cached or loading
   // Merge with a queued hint for the same expert, else take a free entry, else replace the
@@ -519,6 +634,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
 void Scheduler::set_cursor(uint32_t session, uint32_t token, uint32_t layer) {
   if (session >= cursors_.size()) return;
   cursors_[session] = Cursor{token, layer, true};
+  fold_passed_tokens(session);
   for (Hint& h : hints_) {
     if (h.live && h.session == session && hint_passed(h)) {
       h.live = false;
@@ -557,11 +673,15 @@ void Scheduler::cancel_load(uint32_t id) {
 }
 
 void Scheduler::start_prefetches() {
+  const uint32_t depth = prefetch_depth_now();
+  // Depth 0 is prefetch off: not even a hint for the cursor's own layer (about to be acquired,
+  // and a wasted read when it is wrong) is read.
+  if (depth == 0) return;
   while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
     uint32_t best = kNil;
     for (uint32_t i = 0; i < hints_.size(); ++i) {
       const Hint& h = hints_[i];
-      if (!h.live || hint_distance(h) > options_.prefetch_depth) continue;
+      if (!h.live || hint_distance(h) > depth) continue;
       if (best == kNil) {
         best = i;
         continue;
@@ -579,11 +699,39 @@ void Scheduler::start_prefetches() {
       --hint_count_;
       continue;
     }
-    const uint32_t load = start_load(h.key, h.score < options_.staging_score, false);
+    // The admission rule (docs/CACHE.md "Prefetch admission and automatic depth").
+    const double p = hint_probability(h.bucket);
+    if (!(p > kPrefetchMinProbability)) {
+      hints_[best].live = false;
+      --hint_count_;
+      ++stats_.prefetch_skipped;
+      continue;
+    }
+    const auto distance = static_cast<uint32_t>(std::max<uint64_t>(hint_distance(h), 1));
+    cache_.policy().on_hint(h.key, distance, p);
+    const bool room =
+        cache_.free_count() > 0 && cache_.slot_count() - cache_.free_count() < cache_.limit();
+    const bool may_evict = (2 * p - 1) / distance > kPrefetchEvictWorth;
+    const bool refused = !room && !may_evict && p >= options_.staging_probability;
+    // (staging_probability: a floor below which even a free slot is left to demand reads.)
+    const bool to_staging = p < options_.staging_probability || refused;
+    if (to_staging && staging_.slot_count() == 0) {
+      hints_[best].live = false;  // nowhere to stream it without evicting: not read
+      --hint_count_;
+      ++stats_.prefetch_skipped;
+      if (refused) ++stats_.prefetch_refused;
+      continue;
+    }
+    const uint32_t load = start_load(h.key, to_staging, false);
     if (load == kNil) return;  // no slot now; try again after something frees
     hints_[best].live = false;
     --hint_count_;
     Load& l = loads_[load];
+    if (!cache_.owns(l.slot)) {
+      ++stats_.prefetch_staged;
+      // The cache was asked and its policy declined the eviction.
+      if (refused || !to_staging) ++stats_.prefetch_refused;
+    }
     l.prefetched = true;
     l.prefetch_session = h.session;
     l.prefetch_bucket = h.bucket;
@@ -641,6 +789,8 @@ void Scheduler::drop_session(uint32_t session) {
     if (m.session == session) m = HintMark{};
   }
   session_depths_[session] = empty_prefetch_depths();
+  // Its open tokens never finish: their hints are neither right nor wrong.
+  pending_estimates_[session].fill(PendingEstimate{});
   cursors_[session] = Cursor{};
 }
 
@@ -657,8 +807,9 @@ bool Scheduler::idle() const {
     return false;
   }
   // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.
+  const uint32_t depth = prefetch_depth_now();
   for (const Hint& h : hints_) {
-    if (h.live && hint_distance(h) <= options_.prefetch_depth) return false;
+    if (h.live && depth > 0 && hint_distance(h) <= depth) return false;
   }
   return true;
 }

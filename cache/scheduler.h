@@ -3,11 +3,20 @@
 //  - acquire (demand): a READY expert completes at once; one LOADING joins that load (requests for
 //    the same expert coalesce into one read); otherwise a slot is reserved (cache, or staging when
 //    the cache refuses or has size 0) and a load starts. Demand loads are read before prefetches.
-//  - prefetch (hint): queued by (layers ahead of the session's cursor, router score); low scores go
-//    to the staging ring so they never push hot experts out. A queued prefetch whose layer the
-//    cursor has passed is dropped; a submitted one nobody waits for is cancelled. A hint is for
-//    the cursor's token when its layer is after the cursor's, else for the next token (the engine
-//    sets the cursor to layer L, then hints L+1..L+d, then acquires L).
+//  - prefetch (hint): queued by (layers ahead of the session's cursor, router score). A queued
+//    prefetch whose layer the cursor has passed is dropped; a submitted one nobody waits for is
+//    cancelled. A hint is for the cursor's token when its layer is after the cursor's, else for
+//    the next token (the engine sets the cursor to layer L, then hints L+1..L+d, then acquires L).
+//  - prefetch admission (docs/CACHE.md "Prefetch admission and automatic depth"): a hint's
+//    probability is the model's running estimate of hint precision at its depth (calibrated, not
+//    the router's score), told to the policy (on_hint) before any slot is reserved. A hint below
+//    break-even (kPrefetchMinProbability) is not read; one takes a free cache slot, or one that
+//    needs an eviction when its distance-discounted worth clears kPrefetchEvictWorth and the
+//    policy admits it (never forced); otherwise it streams through the staging ring, which evicts
+//    only staged experts.
+//  - automatic depth (prefetch_depth == kPrefetchDepthAuto): the deepest depth, up to
+//    kPrefetchAutoMaxDepth, at which every nearer depth's estimate clears break-even. The estimate
+//    is passive (hints and the acquires that matched them), so depths not loaded are measured too.
 //  - telemetry by prefetch depth (docs/CACHE.md): each hint's depth is how many layers ahead of
 //    the cursor it is; hints, the loads they start and those loads' outcome (useful: acquired
 //    before eviction; wasted: evicted, cancelled or dropped unacquired) are counted per depth, and
@@ -37,11 +46,35 @@
 
 namespace expertd {
 
+// prefetch_depth for "choose it from the measured hint precision".
+inline constexpr uint32_t kPrefetchDepthAuto = client::kPrefetchDepthAuto;
+// The admission rule's constants (docs/CACHE.md "Prefetch admission and automatic depth").
+// A prefetch read is worth its disk time when p > 1 - p: a right one saves a demand read, a wrong
+// one delays demand reads by as much on a saturated disk.
+inline constexpr double kPrefetchMinProbability = 0.5;
+// The scheduler's own floor for evicting a cached expert: (2p - 1) / distance, the net saving per
+// layer the slot is held, must beat this guess of a victim's worth (the policy, told the hint,
+// compares with the real victim).
+inline constexpr double kPrefetchEvictWorth = 0.25;
+inline constexpr uint32_t kPrefetchAutoMaxDepth = 2;
+// Auto mode reads ahead only when hints are right more often than this. On a saturated disk a
+// right prefetch saves at most the compute it overlaps, g = compute / read time per token, while a
+// wrong one costs its whole read: break-even is p = 1 / (1 + g), 0.5 only when compute hides every
+// read. The daemon does not measure g; 0.9 covers g down to 0.11 (a token's reads nine times its
+// compute), and it leaves a depth again below 0.85.
+inline constexpr double kPrefetchAutoMinProbability = 0.9;
+// The estimate forgets with a window of this many hints per depth, and counts a depth only after
+// this much (decayed) evidence.
+inline constexpr double kPrecisionWindow = 512;
+inline constexpr double kPrecisionMinEvidence = 32;
+
 struct SchedulerOptions {
   uint32_t queue_depth = 32;       // chunk reads in flight
   uint64_t chunk_bytes = 1 << 20;  // widened reads are split into chunks of this size; 0 = whole
-  uint32_t prefetch_depth = 2;     // layers ahead of the cursor that prefetches may cover
-  float staging_score = 0.0f;      // prefetch hints scoring below this stream through staging
+  uint32_t prefetch_depth = kPrefetchDepthAuto;  // layers ahead prefetches may cover, or auto
+  // Prefetch hints whose calibrated probability is below this stream through staging even when
+  // a cache slot is free (0: staging only for those that would evict and may not).
+  double staging_probability = 0.0;
   uint32_t max_loads = 512;        // loads in progress at once
   uint32_t max_waiters = 8192;     // acquires waiting on loads
   uint32_t max_prefetches = 2048;  // queued prefetch hints
@@ -119,7 +152,20 @@ class Scheduler final : private EvictionListener {
   // No load in progress and nothing queued.
   bool idle() const;
 
-  void set_prefetch_depth(uint32_t depth) { options_.prefetch_depth = depth; }
+  // A depth or kPrefetchDepthAuto.
+  void set_prefetch_depth(uint32_t depth);
+  // The depth prefetches may cover now (auto: the one chosen from the estimates).
+  uint32_t prefetch_depth_now() const;
+  bool prefetch_depth_auto() const { return options_.prefetch_depth == kPrefetchDepthAuto; }
+  // The running estimate of hint precision at depth bucket b (the probability a hint made that
+  // far ahead is acquired at its target), and how much (decayed) evidence it rests on.
+  double precision_estimate(uint32_t bucket) const;
+  double precision_evidence(uint32_t bucket) const { return est_hints_[bucket]; }
+  // useful / (useful + wasted) of recent prefetch reads, with bucket b's hint precision as the
+  // prior (worth 64 reads).
+  double read_precision(uint32_t bucket) const;
+  // Forgets the estimates (a sweep's settings start equal; evict_all restarts a model's history).
+  void reset_estimates();
   void set_observer(LoadObserver* observer) { observer_ = observer; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
@@ -216,7 +262,20 @@ class Scheduler final : private EvictionListener {
   uint64_t target_of(uint32_t session, uint32_t layer) const;
   uint32_t depth_bucket(uint32_t session, uint64_t target) const;
   void cancel_load(uint32_t load);
-  void mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket);
+  // Returns false when `key` was already hinted at this bucket for this target.
+  bool mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket);
+  // The estimator: hints and matched acquires per (session, target token mod kTokenRing, bucket)
+  // until that token is passed, then folded into the decayed per-bucket sums.
+  void count_estimate_hint(uint32_t session, uint32_t token, uint32_t bucket);
+  void count_estimate_hit(uint32_t session, uint32_t token, uint32_t bucket);
+  void fold_passed_tokens(uint32_t session);
+  void fold(uint32_t session, uint32_t ring);
+  void choose_auto_depth();
+  // The probability a prefetch read at this depth pays: the hint must be right and the read must
+  // survive until its acquire (the staging ring or the policy may push it out first), so the
+  // lower of the hint precision and the measured read precision.
+  double hint_probability(uint32_t bucket) const;
+  uint32_t depth_of(uint32_t session, uint64_t target) const;
   void count_recall(uint32_t session, ExpertKey key);
   void count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful);
   void evicted(uint32_t slot, ExpertKey key) override;
@@ -236,6 +295,23 @@ class Scheduler final : private EvictionListener {
   LoadObserver* observer_;
   SchedulerStats stats_;
   PrefetchDepths depths_ = empty_prefetch_depths();
+  std::array<double, kPrefetchDepthBuckets> est_hints_{};  // decayed hints per bucket
+  std::array<double, kPrefetchDepthBuckets> est_hits_{};   // decayed matched acquires
+  // Decayed outcomes of prefetch reads (useful, wasted), all depths together: a load counts at
+  // the depth of its first hint, and a predictor's errors differ by depth, so per depth they
+  // would be a biased sample. They fade every token, so once nothing is read the estimate drifts
+  // back to the hint precision and auto mode tries again.
+  double read_useful_ = 0;
+  double read_wasted_ = 0;
+  uint32_t auto_depth_ = 0;                  // the depth auto mode chose
+  static constexpr uint32_t kTokenRing = 4;  // target tokens open per session
+  struct PendingEstimate {
+    uint32_t token = 0;
+    bool open = false;
+    std::array<uint32_t, kPrefetchDepthBuckets> hints{};
+    std::array<uint32_t, kPrefetchDepthBuckets> hits{};
+  };
+  std::vector<std::array<PendingEstimate, kTokenRing>> pending_estimates_;  // per session
 
   std::vector<Load> loads_;
   std::vector<uint32_t> free_loads_;

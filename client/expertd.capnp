@@ -69,6 +69,9 @@ struct SchedulerStats {
   eagainRetries @17 :UInt64;     # reads resubmitted after EAGAIN
   bufferedRequeues @18 :UInt64;  # unaligned remainders read through the buffered fd
   demandBytes @19 :UInt64;       # bytes read for loads an acquire started (not prefetches)
+  prefetchStaged @20 :UInt64;    # prefetch loads streamed through the staging ring
+  prefetchRefused @21 :UInt64;   # prefetches refused a cache slot that needed an eviction
+  prefetchSkipped @22 :UInt64;   # hints not read: calibrated probability below break-even
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -97,6 +100,10 @@ struct ModelStats {
   readsInFlight @8 :UInt32;
   cacheLimit @9 :UInt32;         # slots the cache may use now (setCacheLimit), <= cacheSlots
   prefetchDepths @10 :List(PrefetchDepthStats);  # depths 1..8
+  prefetchDepthNow @11 :UInt32;  # layers ahead prefetches may cover now (auto: the depth chosen)
+  # The running estimate of hint precision per depth 1..8 (docs/CACHE.md "Prefetch admission and
+  # automatic depth"): the calibrated probability the admission rule uses.
+  hintPrecision @12 :List(Float64);
 }
 
 struct SessionStats {
@@ -125,6 +132,7 @@ struct Stats {
   models @9 :List(ModelStats);
   sessions @10 :List(SessionStats);
   sessionsClosedHostile @11 :UInt64;
+  prefetchDepthAuto @12 :Bool;   # the depth is chosen from the hints' precision (prefetchDepth: max)
 }
 
 # One file of a model (a shard of a split model), passed read-only so that a client needs only the
@@ -155,6 +163,7 @@ interface Expertd {
           arena :Fd, slotTable :Fd, sessionRegion :Fd, requestDoorbell :Fd,
           completionDoorbell :Fd);
   stats @3 () -> (stats :Stats);
+  # depth 0xFFFFFFFF: auto (chosen per model from the measured hint precision).
   setPrefetchDepth @4 (depth :UInt32) -> ();
   setQueueDepth @5 (depth :UInt32) -> ();
   setPolicy @6 (name :Text) -> ();

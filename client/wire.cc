@@ -17,6 +17,7 @@ static client::PrefetchDepthStats read(rpc::PrefetchDepthStats::Reader from);
 static client::ModelLayout::Slice read(rpc::ModelLayout::Slice::Reader from);
 static client::ModelStats read(rpc::ModelStats::Reader from);
 static uint64_t read(uint64_t from) { return from; }
+static double read(double from) { return from; }
 
 namespace {
 
@@ -76,6 +77,8 @@ void fill(const client::ModelStats& from, rpc::ModelStats::Builder to) {
   fill_list(from.layer_misses, to.initLayerMisses(static_cast<uint>(from.layer_misses.size())));
   fill_list(from.prefetch_depths,
             to.initPrefetchDepths(static_cast<uint>(from.prefetch_depths.size())));
+  fill_list(from.hint_precision,
+            to.initHintPrecision(static_cast<uint>(from.hint_precision.size())));
 }
 
 client::SchedulerStats read(rpc::SchedulerStats::Reader from) {
@@ -103,6 +106,7 @@ client::ModelStats read(rpc::ModelStats::Reader from) {
   to.layer_hits = read_list<uint64_t>(from.getLayerHits());
   to.layer_misses = read_list<uint64_t>(from.getLayerMisses());
   to.prefetch_depths = read_list<client::PrefetchDepthStats>(from.getPrefetchDepths());
+  to.hint_precision = read_list<double>(from.getHintPrecision());
   // A daemon before the field existed sends 0: the whole cache.
   if (to.cache_limit == 0) to.cache_limit = to.cache_slots;
   return to;

@@ -19,6 +19,29 @@ Result<BackendKind> parse_backend(const std::string& what, const std::string& va
   return make_error(EINVAL, fmt::format("{} '{}': must be 'uring' or 'pread'", what, value));
 }
 
+Result<uint32_t> parse_prefetch_depth(const std::string& what, const std::string& value) {
+  if (value == "auto") return kPrefetchDepthAutoValue;
+  uint64_t v = 0;
+  bool digits = !value.empty() && value.size() <= 10;
+  for (const char ch : value) {
+    digits = digits && std::isdigit(static_cast<unsigned char>(ch));
+    if (digits) v = v * 10 + static_cast<uint64_t>(ch - '0');
+  }
+  if (!digits) {
+    return make_error(EINVAL, fmt::format("{} '{}': must be auto or a number of layers 0..{}", what,
+                                          value, kMaxPrefetchDepth));
+  }
+  if (v > kMaxPrefetchDepth) {
+    return make_error(EINVAL, fmt::format("{} {}: must be 0..{} (layers ahead) or auto", what, v,
+                                          kMaxPrefetchDepth));
+  }
+  return static_cast<uint32_t>(v);
+}
+
+std::string prefetch_depth_name(uint32_t depth) {
+  return depth == kPrefetchDepthAutoValue ? std::string("auto") : std::to_string(depth);
+}
+
 const char* backend_kind_name(BackendKind kind) {
   return kind == BackendKind::Uring ? "uring" : "pread";
 }
@@ -106,7 +129,22 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_string(path, t, "socket", c.socket));
   EXPERTD_TRY(read_string(path, t, "cache", c.cache));
   EXPERTD_TRY(read_string(path, t, "staging", c.staging));
-  EXPERTD_TRY(read_uint(path, t, "prefetch_depth", c.prefetch_depth));
+  if (const toml::node* n = t.get("prefetch_depth")) {
+    // "auto" or an integer (a quoted integer too, as the flag takes it).
+    std::string v;
+    if (const auto str = n->value_exact<std::string>()) {
+      v = *str;
+    } else if (const auto i = n->value_exact<int64_t>(); i && *i >= 0) {
+      v = std::to_string(*i);
+    } else {
+      return key_error(path, *n, "prefetch_depth", "must be \"auto\" or a number of layers");
+    }
+    const auto& src = n->source();
+    EXPERTD_TRY_ASSIGN(
+        c.prefetch_depth,
+        parse_prefetch_depth(
+            fmt::format("{}:{}:{}: prefetch_depth", path, src.begin.line, src.begin.column), v));
+  }
   EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
   std::string chunk;
@@ -164,8 +202,8 @@ Status validate_config(const DaemonConfig& c) {
   EXPERTD_TRY(parse_size("cache", c.cache, physical_memory_bytes()));
   EXPERTD_TRY(parse_size("staging", c.staging, physical_memory_bytes()));
   if (c.socket.empty()) return make_error(EINVAL, "socket: must be a path");
-  if (c.prefetch_depth > kMaxPrefetchDepth) {
-    return make_error(EINVAL, fmt::format("prefetch_depth {}: must be 0..{} (layers ahead)",
+  if (c.prefetch_depth > kMaxPrefetchDepth && c.prefetch_depth != kPrefetchDepthAutoValue) {
+    return make_error(EINVAL, fmt::format("prefetch_depth {}: must be 0..{} (layers ahead) or auto",
                                           c.prefetch_depth, kMaxPrefetchDepth));
   }
   if (c.queue_depth > kMaxQueueDepth) {

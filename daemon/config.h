@@ -19,6 +19,9 @@ namespace expertd {
 // Bounds the loader and the flags enforce: deeper prefetch than this many layers is noise, and
 // io_uring rings beyond this many reads in flight only add latency on NVMe.
 inline constexpr uint32_t kMaxPrefetchDepth = 64;
+// prefetch_depth = "auto" (the default): each model's depth follows its measured hint precision
+// (cache/scheduler.h, docs/CACHE.md "Prefetch admission and automatic depth").
+inline constexpr uint32_t kPrefetchDepthAutoValue = 0xffffffffu;
 inline constexpr uint32_t kMaxQueueDepth = 4096;
 
 struct ModelConfig {
@@ -32,8 +35,8 @@ struct DaemonConfig {
   std::string socket = "/run/expertd/expertd.sock";
   std::string cache = "25%";  // of physical memory, or a size such as 4GiB; split among models
   std::string staging = "64MiB";
-  uint32_t prefetch_depth = 2;
-  uint32_t queue_depth = 0;  // 0: probe the device at start
+  uint32_t prefetch_depth = kPrefetchDepthAutoValue;  // layers ahead, or auto
+  uint32_t queue_depth = 0;                           // 0: probe the device at start
   uint64_t chunk_bytes = 0;  // 0 with queue_depth 0: probed; else 0 = whole slices
   BackendKind backend = BackendKind::Uring;
   std::string policy = "cyclic-hint";  // policy/policy.h kDefaultPolicy; "default" names it too
@@ -67,6 +70,11 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"max_sessions", "--max-sessions"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
 };
+
+// "auto" or an integer 0..kMaxPrefetchDepth; the error names `what` and the value.
+Result<uint32_t> parse_prefetch_depth(const std::string& what, const std::string& value);
+// "auto" or the number.
+std::string prefetch_depth_name(uint32_t depth);
 
 // "uring" or "pread".
 Result<BackendKind> parse_backend(const std::string& what, const std::string& value);

@@ -767,12 +767,18 @@ DaemonStats DaemonCore::stats() const {
     const Scheduler& sched = m->store->scheduler();
     d.queue_depth = sched.options().queue_depth;
     d.chunk_bytes = sched.options().chunk_bytes;
-    d.prefetch_depth = sched.options().prefetch_depth;
+    d.prefetch_depth_auto = sched.prefetch_depth_auto();
+    d.prefetch_depth =
+        d.prefetch_depth_auto ? kPrefetchAutoMaxDepth : sched.options().prefetch_depth;
     d.bytes_read += sched.stats().bytes_read;
     ModelStats ms;
     ms.name = m->name;
     ms.scheduler = sched.stats();
     ms.prefetch_depths.assign(sched.depths().begin(), sched.depths().end());
+    ms.prefetch_depth_now = sched.prefetch_depth_now();
+    for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
+      ms.hint_precision.push_back(sched.precision_estimate(b));
+    }
     ms.cache_slots = m->store->cache().slot_count();
     ms.cache_limit = m->store->cache().limit();
     ms.cache_ready = m->store->cache().ready_count();
@@ -795,10 +801,13 @@ DaemonStats DaemonCore::stats() const {
 }
 
 Status DaemonCore::set_prefetch_depth(uint32_t depth) {
-  if (depth > 64) return make_error(EINVAL, fmt::format("prefetch depth {}: must be 0..64", depth));
+  if (depth > kMaxPrefetchDepth && depth != kPrefetchDepthAuto) {
+    return make_error(
+        EINVAL, fmt::format("prefetch depth {}: must be 0..{} or auto", depth, kMaxPrefetchDepth));
+  }
   for (auto& m : models_) m->store->scheduler().set_prefetch_depth(depth);
   config_.prefetch_depth = depth;
-  spdlog::info("tuning: prefetch depth {}", depth);
+  spdlog::info("tuning: prefetch depth {}", prefetch_depth_name(depth));
   return Ok{};
 }
 
@@ -868,8 +877,12 @@ Result<uint32_t> DaemonCore::evict_all(const std::string& model) {
   for (auto& m : models_) {
     if (m->name != model) continue;
     const uint32_t n = m->store->evict_all();
-    spdlog::info("model '{}': evicted {} experts (all but held and pinned); policy history reset",
-                 model, n);
+    // The hint precision estimates are history too: a new predictor starts from the prior.
+    m->store->scheduler().reset_estimates();
+    spdlog::info(
+        "model '{}': evicted {} experts (all but held and pinned); policy history and hint "
+        "precision estimates reset",
+        model, n);
     return n;
   }
   return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));

@@ -37,7 +37,7 @@ struct Flags {
   bool config_given = false;
   std::vector<std::string> models;
   std::string socket, cache, staging, chunk, backend, policy;
-  int64_t prefetch_depth = -1;  // -1: not given (the flags' checks refuse negative values)
+  std::string prefetch_depth;  // "auto" or a number; empty: not given
   int64_t queue_depth = -1;
   int64_t max_sessions = -1;
   std::vector<int64_t> allow_uids, allow_gids;
@@ -94,7 +94,10 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   if (!f.backend.empty()) {
     EXPERTD_TRY_ASSIGN(c.backend, expertd::parse_backend("--backend", f.backend));
   }
-  if (f.prefetch_depth >= 0) c.prefetch_depth = static_cast<uint32_t>(f.prefetch_depth);
+  if (!f.prefetch_depth.empty()) {
+    EXPERTD_TRY_ASSIGN(c.prefetch_depth,
+                       expertd::parse_prefetch_depth("--prefetch-depth", f.prefetch_depth));
+  }
   if (f.queue_depth >= 0) c.queue_depth = static_cast<uint32_t>(f.queue_depth);
   if (f.max_sessions >= 0) c.max_sessions = static_cast<uint32_t>(f.max_sessions);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
@@ -134,7 +137,7 @@ void reload(expertd::DaemonCore& core, const Flags& f) {
     }
     if (rejected == 0) {
       spdlog::info("reload: tunables applied (prefetch_depth {}, policy {}, queue_depth {})",
-                   c.prefetch_depth, c.policy, c.queue_depth);
+                   expertd::prefetch_depth_name(c.prefetch_depth), c.policy, c.queue_depth);
     } else {
       spdlog::warn("reload: {} tunable(s) rejected and kept as they were; the others applied",
                    rejected);
@@ -296,10 +299,10 @@ int main(int argc, char** argv) {
   app.add_option("--socket", f.socket, "Control socket path (default /run/expertd/expertd.sock)");
   app.add_option("--cache", f.cache, "Expert cache size, e.g. 4GiB or 25% of RAM (default 25%)");
   app.add_option("--staging", f.staging, "Staging ring size for streamed experts (default 64MiB)");
-  app.add_option(
-         "--prefetch-depth", f.prefetch_depth,
-         fmt::format("Layers ahead prefetches may cover, 0..{} (2)", expertd::kMaxPrefetchDepth))
-      ->check(u32);
+  app.add_option("--prefetch-depth", f.prefetch_depth,
+                 fmt::format("Layers ahead prefetches may cover, 0..{}, or auto: chosen from the "
+                             "measured hint precision (default auto)",
+                             expertd::kMaxPrefetchDepth));
   app.add_option("--queue-depth", f.queue_depth,
                  fmt::format("Reads in flight, 0..{} (0 = probe the disk at start)",
                              expertd::kMaxQueueDepth))

@@ -60,6 +60,14 @@ struct Point {
   double read_gbps = 0;  // bytes read / wall time: what the disk delivered at least
   double bound_tokens_per_s = 0;
   double bound_stall_ms = 0;
+  // The admission rule's decisions over the setting, and (auto) the depth the daemon used.
+  uint64_t prefetch_loads = 0;
+  uint64_t prefetch_staged = 0;
+  uint64_t prefetch_refused = 0;
+  uint64_t prefetch_skipped = 0;
+  uint32_t depth_end = 0;              // the depth in use when the replay ended
+  uint32_t deepest_loaded = 0;         // the deepest depth any prefetch load came from
+  std::vector<double> hint_precision;  // the daemon's estimate per depth at the end
 };
 
 struct Bandwidth {
@@ -67,8 +75,12 @@ struct Bandwidth {
   std::string source;
 };
 
+std::string depth_text(uint32_t depth) {
+  return depth == kSweepAutoDepth ? std::string("auto") : std::to_string(depth);
+}
+
 std::string setting_label(const Setting& s, bool with_depth) {
-  std::string out = with_depth ? fmt::format("depth {}, ", s.depth) : std::string();
+  std::string out = with_depth ? fmt::format("depth {}, ", depth_text(s.depth)) : std::string();
   out += fmt::format("queue depth {}", s.queue_depth);
   out += s.cache.empty() ? std::string(", whole cache") : ", cache " + s.cache;
   return out;
@@ -204,7 +216,7 @@ class RestoreTuning {
   RestoreTuning(Client& c, std::string model, const client::Stats& st, const ModelStats& m)
       : c_(c),
         model_(std::move(model)),
-        prefetch_depth_(st.prefetch_depth),
+        prefetch_depth_(st.prefetch_depth_auto ? client::kPrefetchDepthAuto : st.prefetch_depth),
         queue_depth_(st.queue_depth),
         cache_limit_(m.cache_limit >= m.cache_slots ? 0 : m.cache_limit) {}
   ~RestoreTuning() {
@@ -249,6 +261,13 @@ Point summarize(const Setting& s, const ReplayResult& r, const ModelStats& befor
   p.precision = all.precision();
   p.compute_s_per_token = compute_s_per_token;
   p.read_gbps = r.wall_ns ? static_cast<double>(bytes) / static_cast<double>(r.wall_ns) : 0;
+  p.prefetch_loads = after.scheduler.prefetch_loads - before.scheduler.prefetch_loads;
+  p.prefetch_staged = after.scheduler.prefetch_staged - before.scheduler.prefetch_staged;
+  p.prefetch_refused = after.scheduler.prefetch_refused - before.scheduler.prefetch_refused;
+  p.prefetch_skipped = after.scheduler.prefetch_skipped - before.scheduler.prefetch_skipped;
+  for (const auto& d : p.depths) {
+    if (d.loads > 0) p.deepest_loaded = std::max(p.deepest_loaded, d.depth);
+  }
   return p;
 }
 
@@ -261,7 +280,16 @@ void set_bound(Point& p, double disk_gbps) {
 
 json point_json(const Point& p, bool best) {
   const Setting& s = p.setting;
-  return json{{"depth", s.depth},
+  json precision = json::array();
+  for (const double x : p.hint_precision) precision.push_back(x);
+  return json{{"depth", s.depth == kSweepAutoDepth ? json("auto") : json(s.depth)},
+              {"depth_end", p.depth_end},
+              {"deepest_loaded", p.deepest_loaded},
+              {"hint_precision", std::move(precision)},
+              {"prefetch_loads", p.prefetch_loads},
+              {"prefetch_staged", p.prefetch_staged},
+              {"prefetch_refused", p.prefetch_refused},
+              {"prefetch_skipped", p.prefetch_skipped},
               {"queue_depth", s.queue_depth},
               {"cache", s.cache.empty() ? json(nullptr) : json(s.cache)},
               {"cache_slots", s.cache_slots},
@@ -292,9 +320,10 @@ struct Apply {
 
 Apply apply_lines(const Setting& s, const SweepOptions& o, size_t models) {
   Apply a;
-  a.flags = fmt::format("--prefetch-depth {}", s.depth);
-  a.toml.push_back(fmt::format("prefetch_depth = {}", s.depth));
-  a.expertctl.push_back(fmt::format("expertctl set prefetch-depth {}", s.depth));
+  a.flags = fmt::format("--prefetch-depth {}", depth_text(s.depth));
+  a.toml.push_back(s.depth == kSweepAutoDepth ? std::string("prefetch_depth = \"auto\"")
+                                              : fmt::format("prefetch_depth = {}", s.depth));
+  a.expertctl.push_back(fmt::format("expertctl set prefetch-depth {}", depth_text(s.depth)));
   if (!o.queue_depths.empty()) {
     a.flags += fmt::format(" --queue-depth {}", s.queue_depth);
     a.toml.push_back(fmt::format("queue_depth = {}", s.queue_depth));
@@ -333,7 +362,8 @@ PlotSpec make_plot(const std::vector<Point>& points, size_t best, const SweepOpt
     PlotSeries a;
     PlotSeries b;
     for (const Point& p : points) {
-      if (p.setting.series != i) continue;
+      // auto has no place on the depth axis: the table and the JSON show it.
+      if (p.setting.series != i || p.setting.depth == kSweepAutoDepth) continue;
       a.label = b.label = setting_label(p.setting, false);
       a.x.push_back(p.setting.depth);
       a.y.push_back(p.stall_ms_mean);
@@ -351,21 +381,26 @@ PlotSpec make_plot(const std::vector<Point>& points, size_t best, const SweepOpt
 
 void print_table(const std::vector<Point>& points, size_t best) {
   fmt::print(
-      "{:>1} {:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>11}\n",
+      "{:>1} {:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>11} "
+      "{:>6} {:>7} {:>7} {:>7} {:>7}\n",
       "", "depth", "queue", "cache", "stall p50", "stall p99", "stall mean", "tokens/s", "hit rate",
-      "MB/token", "useful MB", "wasted MB", "precision", "bound tok/s");
+      "MB/token", "useful MB", "wasted MB", "precision", "bound tok/s", "chose", "loads", "staged",
+      "refused", "skipped");
   for (size_t i = 0; i < points.size(); ++i) {
     const Point& p = points[i];
     const Setting& s = p.setting;
     fmt::print(
         "{:>1} {:>5} {:>5} {:>8} {:>7.2f} ms {:>7.2f} ms {:>7.2f} ms {:>9.2f} {:>7.1f}% {:>8.2f} "
-        "{:>9.1f} {:>9.1f} {:>9} {:>11.2f}\n",
-        i == best ? "*" : "", s.depth, s.queue_depth, s.cache.empty() ? "whole" : s.cache,
-        p.stall_ms_p50, p.stall_ms_p99, p.stall_ms_mean, p.tokens_per_s, 100 * p.hit_rate,
-        p.bytes_per_token / 1e6, static_cast<double>(p.useful_bytes) / 1e6,
-        static_cast<double>(p.wasted_bytes) / 1e6,
+        "{:>9.1f} {:>9.1f} {:>9} {:>11.2f} {:>6} {:>7} {:>7} {:>7} {:>7}\n",
+        i == best ? "*" : "", depth_text(s.depth), s.queue_depth,
+        s.cache.empty() ? "whole" : s.cache, p.stall_ms_p50, p.stall_ms_p99, p.stall_ms_mean,
+        p.tokens_per_s, 100 * p.hit_rate, p.bytes_per_token / 1e6,
+        static_cast<double>(p.useful_bytes) / 1e6, static_cast<double>(p.wasted_bytes) / 1e6,
         p.precision < 0 ? std::string("-") : fmt::format("{:.1f}%", 100 * p.precision),
-        p.bound_tokens_per_s);
+        p.bound_tokens_per_s,
+        s.depth == kSweepAutoDepth ? fmt::format("{}/{}", p.depth_end, p.deepest_loaded)
+                                   : std::string("-"),
+        p.prefetch_loads, p.prefetch_staged, p.prefetch_refused, p.prefetch_skipped);
   }
 }
 
@@ -383,13 +418,16 @@ Result<Point> run_setting(Client& c, const SweepOptions& o, const Setting& s,
   auto session = c.attach(o.model, "expert-tune sweep");
   if (!session) return session.take_error();
   ReplayOptions ro;
-  ro.depth = s.depth;
+  ro.depth = s.depth == kSweepAutoDepth ? kSweepAutoHintDepth : s.depth;
   ro.compute_ns_per_layer = compute_ns;
   ro.max_tokens = o.max_tokens;
   ro.predictor = &predictor;
   auto r = replay_trace(**session, trace, mapping, ro,
                         [&](uint32_t t, uint32_t total) { progress.token(t, total); });
   if (!r) return r.take_error();
+  // What auto mode chose, before settle() resets the estimates with the cache.
+  ModelStats end;
+  EXPERTD_TRY_ASSIGN(end, model_stats(c, o.model));
   EXPERTD_TRY((*session)->detach());
   session->reset();
   // Prefetched experts nobody used count as wasted once the cache is emptied.
@@ -399,7 +437,10 @@ Result<Point> run_setting(Client& c, const SweepOptions& o, const Setting& s,
   *layers_per_token = r->tokens ? static_cast<uint32_t>(r->records / r->tokens) : 0;
   const double compute_s =
       static_cast<double>(compute_ns) * r->records / 1e9 / std::max<uint32_t>(r->tokens, 1);
-  return summarize(s, *r, before, after, compute_s);
+  Point p = summarize(s, *r, before, after, compute_s);
+  p.depth_end = end.prefetch_depth_now;
+  p.hint_precision = end.hint_precision;
+  return p;
 }
 
 int fail(const std::string& message, int status = 1) {
@@ -412,7 +453,9 @@ int fail(const std::string& message, int status = 1) {
 int run_sweep(const SweepOptions& o) {
   if (o.depths.empty()) return fail("--depths: give at least one depth (e.g. 0,1,2,3)", 2);
   for (const uint32_t d : o.depths) {
-    if (d > 64) return fail(fmt::format("--depths: {} is more than 64 layers ahead", d), 2);
+    if (d > 64 && d != kSweepAutoDepth) {
+      return fail(fmt::format("--depths: {} is more than 64 layers ahead", d), 2);
+    }
   }
   if (!(o.compute_us_per_layer >= 0) || o.compute_us_per_layer > 1e6) {
     return fail("--compute-us-per-layer: must be 0 to 1000000", 2);
@@ -582,7 +625,12 @@ int run_sweep(const SweepOptions& o) {
       "\nstall: time per token spent waiting in acquire (p50, p99 and mean over the tokens); "
       "MB/token: bytes\nread per token; useful/wasted MB: prefetched bytes later acquired / "
       "evicted unused; bound: tokens/s\nif every read overlapped the compute, 1 / max(MB/token / "
-      "disk bandwidth, compute per token).\n");
+      "disk bandwidth, compute per token).\nauto: expertd chooses the depth from its measured hint "
+      "precision (the replay hints {} layers ahead);\nchose: the depth in use at the end / the "
+      "deepest any prefetch load came from. loads: prefetch loads;\nstaged: of those, streamed "
+      "through the staging ring; refused: denied a cache slot that needed an eviction;\nskipped: "
+      "hints not read (calibrated probability below break-even). docs/CACHE.md has the rule.\n",
+      kSweepAutoHintDepth);
   const Point& b = points[best];
   fmt::print(
       "\nbest (*): {}: {:.2f} tokens/s, stall p50 {:.2f} ms, p99 {:.2f} ms (bound {:.2f} "

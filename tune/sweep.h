@@ -15,11 +15,17 @@
 
 namespace expertd::tune {
 
+// A --depths entry for expertd's automatic depth (the daemon's default): the replay hints
+// kSweepAutoHintDepth layers ahead and the daemon chooses how deep to read from its measured hint
+// precision; the report shows the depth it chose and its admission counts.
+inline constexpr uint32_t kSweepAutoDepth = 0xffffffffu;
+inline constexpr uint32_t kSweepAutoHintDepth = 2;  // cache/scheduler.h kPrefetchAutoMaxDepth
+
 struct SweepOptions {
   std::string socket;
   std::string model;
   std::string trace;
-  std::vector<uint32_t> depths{0, 1, 2, 3};
+  std::vector<uint32_t> depths{0, 1, 2, 3, kSweepAutoDepth};
   std::vector<uint32_t> queue_depths;  // empty: the daemon's
   std::vector<std::string> caches;     // sizes (expertd's syntax); empty: the daemon's whole cache
   double compute_us_per_layer = 100;

@@ -215,6 +215,9 @@ TEST_P(Backends, PrefetchesPassedByTheCursorAreDroppedOrCancelled) {
   EXPECT_EQ(h.sched().stats().prefetch_loads, 4u);
   for (uint32_t e = 0; e < 4; ++e) EXPECT_GE(h.store->cache().lookup({1, e}), 0);
   for (uint32_t e = 0; e < 4; ++e) EXPECT_LT(h.store->cache().lookup({6, e}), 0);
+  // Three of the four are used: the hints one layer ahead are right often enough (the scheduler's
+  // own estimate of their precision) to keep prefetching at that depth.
+  for (const uint32_t e : {0u, 1u, 3u}) EXPECT_GE(h.get({1, e}).slot, 0);
   // The cursor jumps past layer 6: the queued hints are dropped without a read.
   const uint64_t reads = h.sched().stats().reads;
   h.sched().set_cursor(0, 0, 7);
@@ -232,7 +235,7 @@ TEST_P(Backends, PrefetchesPassedByTheCursorAreDroppedOrCancelled) {
   // An acquire of a prefetched expert counts as useful.
   const Completion c = h.get({1, 2});
   EXPECT_GE(c.slot, 0);
-  EXPECT_EQ(h.sched().stats().prefetch_useful, 1u);
+  EXPECT_EQ(h.sched().stats().prefetch_useful, 4u);
 }
 
 TEST_P(Backends, StagingNeverEvictsHotExperts) {
@@ -244,7 +247,7 @@ TEST_P(Backends, StagingNeverEvictsHotExperts) {
   StoreOptions o = small_cache(4 * probe.store->layouts().slot_bytes());
   o.staging_slots = 2;
   o.scheduler.prefetch_depth = 4;
-  o.scheduler.staging_score = 0.5f;
+  o.scheduler.staging_probability = 1.0;  // every prefetch streams
   Harness h(model, GetParam(), o);
   std::vector<ExpertKey> hot = {{0, 0}, {1, 1}, {2, 2}, {3, 3}};
   for (const auto& k : hot) {

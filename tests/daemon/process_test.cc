@@ -136,6 +136,13 @@ TEST(ExpertdProcess, SighupReloadsTunablesFromTheFile) {
   write_conf(5, "cyclic-hint");
   ASSERT_EQ(::kill(d.pid(), SIGHUP), 0);
   EXPECT_TRUE(d.log_shows("tuning: cache policy cyclic-hint")) << d.log();
+  // Back to the default, automatic depth.
+  std::ofstream(conf) << "socket = \"" << dir.path() << "/s.sock\"\ncache = \"16MiB\"\n"
+                      << "lock_memory = false\nprefetch_depth = \"auto\"\n[models]\nm = \"" << model
+                      << "\"\n";
+  ASSERT_EQ(::kill(d.pid(), SIGHUP), 0);
+  EXPECT_TRUE(d.log_shows("tuning: prefetch depth auto")) << d.log();
+  EXPECT_TRUE(d.log_shows("reload: tunables applied (prefetch_depth auto")) << d.log();
   // A broken file on reload keeps the running settings and says why.
   std::ofstream(conf) << "prefetch_depth = \"deep\"\n";
   ASSERT_EQ(::kill(d.pid(), SIGHUP), 0);
@@ -220,7 +227,19 @@ TEST(ExpertdProcess, BadConfigurationFailsTheStartWithOneClearMessage) {
       {"deep prefetch",
        {"--model", "m=" + model, "--prefetch-depth", "65"},
        "",
-       "prefetch_depth 65: must be 0..64"},
+       "--prefetch-depth 65: must be 0..64 (layers ahead) or auto"},
+      {"wordy prefetch",
+       {"--model", "m=" + model, "--prefetch-depth", "deep"},
+       "",
+       "--prefetch-depth 'deep': must be auto or a number of layers 0..64"},
+      {"wordy prefetch in the file",
+       {"--model", "m=" + model},
+       "prefetch_depth = \"Auto\"\n",
+       "expertd.toml:1:18: prefetch_depth 'Auto': must be auto or a number of layers 0..64"},
+      {"negative prefetch in the file",
+       {"--model", "m=" + model},
+       "prefetch_depth = -1\n",
+       "prefetch_depth: must be \"auto\" or a number of layers"},
       {"deep prefetch in the file",
        {"--model", "m=" + model},
        "prefetch_depth = 1000\n",

@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -376,7 +377,10 @@ int main(int argc, char** argv) {
   w->add_option("--socket", sw.socket, "expertd's control socket");
   w->add_option("--model", sw.model, "Model name as configured in expertd")->required();
   w->add_option("--trace", sw.trace, "Trace: canonical JSON Lines or binary (.etrace)")->required();
-  w->add_option("--depths", sw.depths, "Prefetch depths in layers ahead (default 0,1,2,3)")
+  std::vector<std::string> sweep_depths;
+  w->add_option("--depths", sweep_depths,
+                "Prefetch depths in layers ahead, or auto: expertd chooses from its measured hint "
+                "precision (default 0,1,2,3,auto)")
       ->delimiter(',');
   w->add_option("--queue-depths", sw.queue_depths,
                 "Reads in flight to try, e.g. 8,32 (default: the daemon's)")
@@ -399,7 +403,25 @@ int main(int argc, char** argv) {
                 "Disk bandwidth for the bound in GB/s (default: measured through expertd first)");
   w->add_option("--plot", sw.plot, "Write an SVG plot of stall and tokens/s against depth");
   w->add_flag("--json", sw.json, "One JSON document");
-  w->callback([&] { run = [&] { return expertd::tune::run_sweep(sw); }; });
+  w->callback([&] {
+    run = [&] {
+      if (!sweep_depths.empty()) sw.depths.clear();
+      for (const std::string& d : sweep_depths) {
+        uint32_t v = 0;
+        const auto [end, ec] = std::from_chars(d.data(), d.data() + d.size(), v);
+        if (d == "auto") {
+          v = expertd::tune::kSweepAutoDepth;
+        } else if (ec != std::errc() || end != d.data() + d.size()) {
+          std::fprintf(stderr,
+                       "expert-tune sweep: --depths '%s': expected a number of layers or auto\n",
+                       d.c_str());
+          return 2;
+        }
+        sw.depths.push_back(v);
+      }
+      return expertd::tune::run_sweep(sw);
+    };
+  });
 
   ImportOptions imp;
   auto* i = app.add_subcommand("import", "Convert a raw routing log into a canonical trace");

@@ -71,6 +71,7 @@ json stats_json(const Stats& s) {
     mj["layer_hits"] = m.layer_hits;
     mj["layer_misses"] = m.layer_misses;
     mj["prefetch_depths"] = depths_json(m.prefetch_depths, m.scheduler.acquires);
+    mj["hint_precision"] = m.hint_precision;
     models.push_back(std::move(mj));
   }
   j["models"] = std::move(models);
@@ -85,6 +86,17 @@ json stats_json(const Stats& s) {
 }
 
 namespace {
+
+// "auto (now 1)" or the fixed depth; "now" is each model's chosen depth.
+std::string prefetch_depth_text(const Stats& st) {
+  if (!st.prefetch_depth_auto) return std::to_string(st.prefetch_depth);
+  std::string now;
+  for (const auto& m : st.models) {
+    now += fmt::format("{}{}{}", now.empty() ? "" : ", ", st.models.size() > 1 ? m.name + " " : "",
+                       m.prefetch_depth_now);
+  }
+  return fmt::format("auto (now {})", now.empty() ? "-" : now);
+}
 
 // ---------------------------------------------------------------------------------------------
 // status
@@ -119,7 +131,10 @@ int run_status(const DaemonOptions& o) {
     j["hits"] = hits;
     j["hit_rate"] = rate < 0 ? json(nullptr) : json(rate);
     j["bytes_read"] = st->bytes_read;
-    j["prefetch_depth"] = st->prefetch_depth;
+    j["prefetch_depth"] = st->prefetch_depth_auto ? json("auto") : json(st->prefetch_depth);
+    json now = json::object();
+    for (const auto& m : st->models) now[m.name] = m.prefetch_depth_now;
+    j["prefetch_depth_now"] = std::move(now);
     j["queue_depth"] = st->queue_depth;
     j["chunk_bytes"] = st->chunk_bytes;
     j["policy"] = st->policy;
@@ -136,7 +151,7 @@ int run_status(const DaemonOptions& o) {
   fmt::print("hit rate   {} of {} acquires\n", percent(rate), acquires);
   fmt::print("read       {}\n", human_bytes(st->bytes_read));
   fmt::print("tuning     prefetch depth {}, queue depth {}, chunk {}, policy {}\n",
-             st->prefetch_depth, st->queue_depth,
+             prefetch_depth_text(*st), st->queue_depth,
              st->chunk_bytes ? human_bytes(st->chunk_bytes) : std::string("whole slices"),
              st->policy);
   return 0;
@@ -159,7 +174,7 @@ int run_stats(const DaemonOptions& o) {
   fmt::print(
       "tuning: prefetch depth {}, queue depth {}, policy {}; sessions closed for hostile "
       "requests: {}\n",
-      st->prefetch_depth, st->queue_depth, st->policy, st->sessions_closed_hostile);
+      prefetch_depth_text(*st), st->queue_depth, st->policy, st->sessions_closed_hostile);
   for (const auto& m : st->models) {
     const auto& x = m.scheduler;
     fmt::print("\nmodel {}: cache {} / {} slots ready ({} each{}), staging {} slots\n", m.name,
@@ -167,7 +182,13 @@ int run_stats(const DaemonOptions& o) {
                m.cache_limit < m.cache_slots ? fmt::format("; limited to {}", m.cache_limit) : "",
                m.staging_slots);
     for (const auto& line : counters_table(x, 2)) fmt::print("{}\n", line);
-    fmt::print("  prefetch by depth (layers ahead of the cursor):\n");
+    fmt::print("  prefetch depth now {}{}; hint precision estimate by depth:", m.prefetch_depth_now,
+               st->prefetch_depth_auto ? " (auto)" : "");
+    for (size_t d = 0; d < m.hint_precision.size(); ++d) {
+      fmt::print(" {}{}: {}", d + 1, d + 1 == m.hint_precision.size() ? "+" : "",
+                 percent(m.hint_precision[d]));
+    }
+    fmt::print("\n  prefetch by depth (layers ahead of the cursor):\n");
     for (const auto& line : depths_table(m.prefetch_depths, x.acquires, 2)) {
       fmt::print("{}\n", line);
     }
@@ -369,7 +390,10 @@ int run_set(const SetOptions& o) {
   if (o.knob == "cache-limit") return run_set_cache_limit(o);
   uint32_t number = 0;
   const bool numeric = o.knob == "prefetch-depth" || o.knob == "queue-depth";
-  if (numeric) {
+  const bool automatic = o.knob == "prefetch-depth" && o.value == "auto";
+  if (automatic) {
+    number = expertd::client::kPrefetchDepthAuto;
+  } else if (numeric) {
     try {
       size_t used = 0;
       const unsigned long v = std::stoul(o.value, &used);
@@ -377,7 +401,8 @@ int run_set(const SetOptions& o) {
       number = static_cast<uint32_t>(v);
     } catch (const std::exception&) {
       return fail(o.daemon, "set",
-                  fmt::format("{} '{}': expected a non-negative integer", o.knob, o.value));
+                  fmt::format("{} '{}': expected a non-negative integer{}", o.knob, o.value,
+                              o.knob == "prefetch-depth" ? " or auto" : ""));
     }
   }
   auto c = connect(o.daemon, "set");
@@ -388,7 +413,7 @@ int run_set(const SetOptions& o) {
   if (!st) return fail(o.daemon, "set", st.error().message);
   if (o.daemon.json) {
     json j{{"ok", true}, {"knob", o.knob}};
-    j["value"] = numeric ? json(number) : json(o.value);
+    j["value"] = numeric && !automatic ? json(number) : json(o.value);
     print_json(j);
   } else {
     fmt::print("{} set to {}\n", o.knob, o.value);

@@ -215,6 +215,7 @@ class Client {
   // a model served by name). Errors: "model 'x' is not served by this daemon (models: a, b)".
   Result<std::vector<ModelFile>> model_files(const std::string& model);
   Result<Stats> stats();
+  // kPrefetchDepthAuto: each model chooses its depth from its measured hint precision.
   Status set_prefetch_depth(uint32_t depth);
   Status set_queue_depth(uint32_t depth);
   Status set_policy(const std::string& name);

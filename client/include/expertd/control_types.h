@@ -43,6 +43,9 @@ namespace expertd::client {
 // Fields that say what a record is about rather than count it: += and -= leave them alone.
 constexpr bool is_key_field(std::string_view field) { return field == "depth"; }
 
+// setPrefetchDepth's depth for "auto": each model's depth follows its measured hint precision.
+inline constexpr uint32_t kPrefetchDepthAuto = 0xffffffffu;
+
 struct ModelLayout {
   EXPERTD_MODEL_LAYOUT_FIELDS(EXPERTD_DECLARE_FIELD)
   struct Slice {  // expert 0's slices of one MoE layer; expert e is at offset + e * stride
@@ -90,6 +93,7 @@ struct ModelStats {
   std::vector<uint64_t> layer_hits;                 // per block layer: acquires served READY
   std::vector<uint64_t> layer_misses;               // per block layer: acquires that waited
   std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
+  std::vector<double> hint_precision;  // the estimate per depth 1..8 (empty from an older daemon)
 };
 
 struct SessionStats {

@@ -1,0 +1,262 @@
+// Prefetch admission and the automatic depth (docs/CACHE.md "Prefetch admission and automatic
+// depth"), end to end: scripted hint streams of known precision sent through libexpertd-client's
+// rings to the real expertd (io_uring reads of a forged model), and what the daemon did read back
+// through Client::stats() and expertctl.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "expertd/client.h"
+#include "testing/expertctl_run.h"
+#include "testing/expertd_fixture.h"
+
+namespace expertd::client {
+namespace {
+
+using json = nlohmann::json;
+using test::Daemon;
+using test::TempDir;
+
+constexpr uint32_t kLayers = 8;
+constexpr uint32_t kExperts = 16;
+// Every token routes experts 0 and 1 of every layer.
+const std::vector<uint32_t> kRouted = {0, 1};
+
+class PrefetchAdmissionTest : public ::testing::Test {
+ protected:
+  void start(std::vector<std::string> extra) {
+    model_ = test::forge(dir_.path(), "m",
+                         "--layers 8 --experts 16 --top-k 2 --embd 256 --ff 256 --seed 21");
+    std::vector<std::string> args = {
+        "--model",   "m=" + model_, "--socket",  dir_.path() + "/expertd.sock", "--cache", "64MiB",
+        "--staging", "4MiB",        "--no-mlock"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    daemon_ = std::make_unique<Daemon>(dir_.path(), args);
+    ASSERT_TRUE(daemon_->start());
+    auto c = Client::connect(daemon_->socket());
+    ASSERT_TRUE(c) << c.error().message;
+    client_ = std::move(*c);
+    auto s = client_->attach("m", "prefetch-admission-test");
+    ASSERT_TRUE(s) << s.error().message;
+    session_ = std::move(*s);
+  }
+  void TearDown() override {
+    session_.reset();
+    client_.reset();
+    if (daemon_ && daemon_->pid() > 0) {
+      const std::string log = daemon_->log();
+      EXPECT_EQ(daemon_->stop(), 0) << log;
+    }
+  }
+
+  ModelStats stats() {
+    auto st = client_->stats();
+    EXPECT_TRUE(st) << st.error().message;
+    return st && !st->models.empty() ? st->models.front() : ModelStats{};
+  }
+  void acquire_release(uint32_t layer, const std::vector<uint32_t>& experts) {
+    auto v = session_->acquire(layer, experts);
+    ASSERT_TRUE(v) << v.error().message;
+    ASSERT_TRUE(session_->release(*v));
+  }
+  // Tokens [first, first + n) of a decode: at each layer the cursor, then hints `ahead` layers
+  // on (wrapping into the next token) of the routed experts and of `wrong(layer, token)` experts
+  // nobody acquires, then the layer's acquire. Returns when the last acquire is served.
+  void decode(uint32_t first, uint32_t n, const std::vector<uint32_t>& depths,
+              const std::function<std::vector<uint32_t>(uint32_t, uint32_t)>& wrong,
+              bool hint_routed = true) {
+    for (uint32_t t = first; t < first + n; ++t) {
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE(session_->set_cursor(t, l));
+        std::vector<PrefetchHint> hints;
+        for (const uint32_t d : depths) {
+          const uint32_t target = l + d;
+          const uint32_t layer = target % kLayers;
+          const uint32_t token = t + target / kLayers;
+          if (hint_routed) {
+            for (const uint32_t e : kRouted) hints.push_back({layer, e, 0.9f});
+          }
+          for (const uint32_t e : wrong(layer, token)) hints.push_back({layer, e, 0.9f});
+        }
+        if (!hints.empty()) {
+          ASSERT_TRUE(session_->prefetch(hints));
+        }
+        acquire_release(l, kRouted);
+      }
+    }
+  }
+  void wait_loads(uint64_t loads) {
+    test::wait_until([&] { return stats().scheduler.loads_done >= loads; },
+                     std::chrono::seconds(10));
+    ASSERT_GE(stats().scheduler.loads_done, loads);
+  }
+  // Leaves (layer, expert) out of the cache and caps the cache at what it holds, so the next
+  // load into the cache must evict.
+  void fill_cache_without(uint32_t layer, uint32_t expert) {
+    test::wait_until([&] { return stats().reads_in_flight == 0; }, std::chrono::seconds(10));
+    ASSERT_TRUE(client_->evict("m", layer, expert));
+    const ModelStats m = stats();
+    ASSERT_GT(m.cache_ready, 0u);
+    ASSERT_TRUE(client_->set_cache_limit("m", m.cache_ready));
+  }
+
+  TempDir dir_;
+  std::string model_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<Session> session_;
+};
+
+// Wrong hints for the layer's experts 14 and (every other layer) 15: 4 right of 7, p = 0.57.
+std::vector<uint32_t> mostly_wrong(uint32_t layer, uint32_t) {
+  return layer % 2 ? std::vector<uint32_t>{14, 15} : std::vector<uint32_t>{14};
+}
+std::vector<uint32_t> none(uint32_t, uint32_t) { return {}; }
+
+TEST_F(PrefetchAdmissionTest, LowProbabilityHintStreamsThroughStagingAndLeavesTheCacheIntact) {
+  start({"--prefetch-depth", "1"});
+  // The wrong guesses are cached beforehand: hints for them read nothing, so no wasted read
+  // lowers the probability below the hints' own precision.
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(session_->set_cursor(0, l));
+    acquire_release(l, {14, 15});
+  }
+  decode(1, 24, {1}, mostly_wrong);
+  const double p = stats().hint_precision.at(0);
+  ASSERT_GT(p, 0.52) << "above break-even: the hint is read";
+  ASSERT_LT(p, 0.62) << "(2p - 1) / 1 below the eviction floor 0.25";
+  fill_cache_without(3, 0);
+  const ModelStats before = stats();
+  // At layer 2 of the next token, a hint for layer 3 expert 0: one layer ahead.
+  ASSERT_TRUE(session_->set_cursor(25, 2));
+  const std::vector<PrefetchHint> hint = {{3, 0, 1.0f}};
+  ASSERT_TRUE(session_->prefetch(hint));
+  wait_loads(before.scheduler.loads_done + 1);
+  const ModelStats after = stats();
+  EXPECT_EQ(after.scheduler.prefetch_loads, before.scheduler.prefetch_loads + 1);
+  EXPECT_EQ(after.scheduler.prefetch_staged, before.scheduler.prefetch_staged + 1);
+  EXPECT_EQ(after.scheduler.prefetch_refused, before.scheduler.prefetch_refused + 1);
+  EXPECT_EQ(after.scheduler.evictions, before.scheduler.evictions) << "nothing was pushed out";
+  EXPECT_EQ(after.cache_ready, before.cache_ready);
+  // The streamed expert serves its acquire, and every cached expert is still there: all hits.
+  ASSERT_TRUE(session_->set_cursor(25, 3));
+  acquire_release(3, {0});
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    if (l != 3) acquire_release(l, kRouted);
+  }
+  acquire_release(3, {1});
+  const ModelStats end = stats();
+  EXPECT_EQ(end.scheduler.hits - after.scheduler.hits, 2 * kLayers);
+  EXPECT_EQ(end.scheduler.misses, after.scheduler.misses);
+}
+
+TEST_F(PrefetchAdmissionTest, HighProbabilityHintNearTheCursorIsAdmittedToTheCache) {
+  start({"--prefetch-depth", "1"});
+  decode(0, 24, {1}, none);
+  ASSERT_GT(stats().hint_precision.at(0), 0.95);
+  fill_cache_without(3, 0);
+  const ModelStats before = stats();
+  ASSERT_TRUE(session_->set_cursor(24, 2));
+  const std::vector<PrefetchHint> hint = {{3, 0, 0.1f}};  // a low router score: calibrated wins
+  ASSERT_TRUE(session_->prefetch(hint));
+  wait_loads(before.scheduler.loads_done + 1);
+  const ModelStats after = stats();
+  EXPECT_EQ(after.scheduler.prefetch_loads, before.scheduler.prefetch_loads + 1);
+  EXPECT_EQ(after.scheduler.prefetch_staged, before.scheduler.prefetch_staged);
+  EXPECT_EQ(after.scheduler.prefetch_refused, before.scheduler.prefetch_refused);
+  EXPECT_EQ(after.scheduler.evictions, before.scheduler.evictions + 1) << "one victim made room";
+  EXPECT_EQ(after.cache_ready, before.cache_ready);
+  ASSERT_TRUE(session_->set_cursor(24, 3));
+  acquire_release(3, {0});
+  EXPECT_EQ(stats().scheduler.hits, after.scheduler.hits + 1);
+}
+
+TEST_F(PrefetchAdmissionTest, PrecisionEstimateConvergesPassivelyAtEveryDepth) {
+  // Depth 0: nothing is read ahead, yet every depth's hints are measured.
+  start({"--prefetch-depth", "0"});
+  // Depth 1: the two routed experts and two wrong ones (p = 0.5); depth 2: the routed and six
+  // wrong (p = 0.25); depth 3: only wrong ones (p = 0).
+  for (uint32_t t = 0; t < 40; ++t) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(session_->set_cursor(t, l));
+      std::vector<PrefetchHint> hints;
+      const uint32_t l1 = (l + 1) % kLayers;
+      const uint32_t l2 = (l + 2) % kLayers;
+      const uint32_t l3 = (l + 3) % kLayers;
+      for (const uint32_t e : {0u, 1u, 8u, 9u}) hints.push_back({l1, e, 0.5f});
+      for (const uint32_t e : {0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u}) hints.push_back({l2, e, 0.5f});
+      for (const uint32_t e : {10u, 11u, 12u}) hints.push_back({l3, e, 0.5f});
+      ASSERT_TRUE(session_->prefetch(hints));
+      acquire_release(l, kRouted);
+    }
+  }
+  const ModelStats m = stats();
+  ASSERT_EQ(m.hint_precision.size(), 8u);
+  EXPECT_NEAR(m.hint_precision[0], 0.5, 0.03);
+  EXPECT_NEAR(m.hint_precision[1], 0.25, 0.03);
+  EXPECT_NEAR(m.hint_precision[2], 0.0, 0.03);
+  EXPECT_DOUBLE_EQ(m.hint_precision[3], 0.8) << "no hints at depth 4: the prior";
+  EXPECT_EQ(m.scheduler.prefetch_loads, 0u);
+  EXPECT_EQ(m.prefetch_depth_now, 0u);
+  // expertctl shows the estimates.
+  const json j = test::expertctl_json(daemon_->socket(), {"stats"});
+  EXPECT_NEAR(j["models"][0]["hint_precision"][0].get<double>(), 0.5, 0.03) << j.dump();
+}
+
+TEST_F(PrefetchAdmissionTest, AutoDepthFollowsThePrecisionOfTheHints) {
+  start({});  // the default: auto
+  auto st = client_->stats();
+  ASSERT_TRUE(st);
+  EXPECT_TRUE(st->prefetch_depth_auto);
+  EXPECT_EQ(st->models[0].prefetch_depth_now, 0u) << "no evidence yet: nothing read ahead";
+  // Right hints 1..3 layers ahead: auto climbs to its deepest, 2.
+  decode(0, 12, {1, 2, 3}, none);
+  EXPECT_EQ(stats().prefetch_depth_now, 2u);
+  // Wrong hints only: the estimates fall below break-even and auto goes back to 0.
+  auto wrong = [](uint32_t, uint32_t token) {
+    return std::vector<uint32_t>{4 + token % 8, 12 + token % 4};
+  };
+  decode(12, 40, {1, 2, 3}, wrong, false);
+  const ModelStats m = stats();
+  EXPECT_EQ(m.prefetch_depth_now, 0u);
+  EXPECT_LT(m.hint_precision[0], 0.5);
+  // Once at 0, no wrong hint is read any more.
+  decode(52, 4, {1, 2, 3}, wrong, false);
+  EXPECT_EQ(stats().scheduler.prefetch_loads, m.scheduler.prefetch_loads);
+  // Right again: back up, once the estimate clears 0.9 again.
+  decode(56, 120, {1, 2, 3}, none);
+  EXPECT_EQ(stats().prefetch_depth_now, 2u);
+
+  // expertctl: status and stats show auto and the depth chosen; set takes auto and numbers.
+  json j = test::expertctl_json(daemon_->socket(), {"status"});
+  EXPECT_EQ(j["prefetch_depth"], "auto") << j.dump();
+  EXPECT_EQ(j["prefetch_depth_now"]["m"], 2) << j.dump();
+  j = test::expertctl_json(daemon_->socket(), {"set", "prefetch-depth", "5"});
+  EXPECT_EQ(j["value"], 5);
+  st = client_->stats();
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->prefetch_depth_auto);
+  EXPECT_EQ(st->models[0].prefetch_depth_now, 5u);
+  j = test::expertctl_json(daemon_->socket(), {"set", "prefetch-depth", "auto"});
+  EXPECT_EQ(j["value"], "auto");
+  st = client_->stats();
+  ASSERT_TRUE(st);
+  EXPECT_TRUE(st->prefetch_depth_auto);
+  EXPECT_EQ(st->models[0].prefetch_depth_now, 2u) << "the estimates carry over";
+  const test::RunResult text = test::expertctl(daemon_->socket(), {"stats"});
+  EXPECT_NE(text.out.find("prefetch depth auto (now 2)"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("prefetch depth now 2 (auto); hint precision estimate by depth: 1: "),
+            std::string::npos)
+      << text.out;
+  const test::RunResult bad = test::expertctl(daemon_->socket(), {"set", "prefetch-depth", "x"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("prefetch-depth 'x': expected a non-negative integer or auto"),
+            std::string::npos)
+      << bad.err;
+}
+
+}  // namespace
+}  // namespace expertd::client
