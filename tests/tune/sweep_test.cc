@@ -300,10 +300,11 @@ TEST_F(SweepDaemonTest, StallsFallFromDepthZeroToOneUnderTheOracle) {
     ASSERT_EQ(d1["depth"], 1);
     EXPECT_EQ(d0["queue_depth"], qd == 0 ? 4 : 8);
     // Medians and means, with a wide margin: on this model a layer's reads take a few ms at
-    // depth 0 and hide behind 4 ms of compute at depth 1.
-    EXPECT_LT(d1["stall_ms_p50"].get<double>(), 0.5 * d0["stall_ms_p50"].get<double>())
+    // depth 0 and hide behind 4 ms of compute at depth 1. Quiet, depth 1 stalls a third of depth
+    // 0; with the whole suite running on 2 cores it was 0.58 once, hence 0.75.
+    EXPECT_LT(d1["stall_ms_p50"].get<double>(), 0.75 * d0["stall_ms_p50"].get<double>())
         << "queue depth " << d0["queue_depth"] << ": " << s.dump();
-    EXPECT_LT(d1["stall_ms_mean"].get<double>(), 0.6 * d0["stall_ms_mean"].get<double>())
+    EXPECT_LT(d1["stall_ms_mean"].get<double>(), 0.8 * d0["stall_ms_mean"].get<double>())
         << s.dump();
     EXPECT_GT(d1["tokens_per_s"].get<double>(), d0["tokens_per_s"].get<double>()) << s.dump();
     EXPECT_GT(d1["hit_rate"].get<double>(), d0["hit_rate"].get<double>()) << s.dump();
