@@ -81,37 +81,18 @@ class ListPolicy final : public ReplacementPolicy {
   uint32_t tail_ = kNone;
 };
 
-// See policy.h. Value of keeping expert x = p(x) / d(x):
-//   p(x) = kRecencyWeight * 2^-(tokens since x was last used) + (1 - kRecencyWeight) * share(x)
-//   share(x) = uses of x / uses of x's layer          d(x) = layers until the cursor reaches x
-// The weights were chosen on the shared Mixtral traces (docs/CACHE.md has the table).
-class CyclicPolicy final : public ReplacementPolicy {
+// A policy that values each resident expert and evicts the least valuable one: the dense set of
+// evictable slots and the victim scan (linear in them) are shared; subclasses give value(). An
+// incoming expert worth no more than every candidate is refused (it streams through staging).
+class ValuedPolicy : public ReplacementPolicy {
  public:
-  explicit CyclicPolicy(const PolicyShape& shape)
-      : shape_(shape),
-        uses_(static_cast<size_t>(shape.layers) * shape.experts, 0),
-        last_token_(static_cast<size_t>(shape.layers) * shape.experts, kNever),
-        layer_uses_(shape.layers, 0),
-        slot_key_(shape.capacity),
-        pos_(shape.capacity, kNone) {
-    evictable_.reserve(shape.capacity);
+  explicit ValuedPolicy(uint32_t capacity) : slot_key_(capacity), pos_(capacity, kNone) {
+    evictable_.reserve(capacity);
   }
 
-  std::string_view name() const override { return "cyclic"; }
-
-  void on_access(ExpertKey key, int32_t) override {
-    EXPERTD_CHECK_LT(key.layer, shape_.layers);
-    EXPERTD_CHECK_LT(key.expert, shape_.experts);
-    // The cursor moving back to an earlier layer starts a new token.
-    if (key.layer < cur_layer_) ++token_;
-    cur_layer_ = key.layer;
-    ++uses_[index(key)];
-    ++layer_uses_[key.layer];
-    last_token_[index(key)] = token_;
-  }
-  void on_insert(uint32_t slot, ExpertKey key) override { slot_key_[slot] = key; }
-  void on_remove(uint32_t slot) override { on_evictable(slot, false); }
-  void on_evictable(uint32_t slot, bool evictable) override {
+  void on_insert(uint32_t slot, ExpertKey key) final { slot_key_[slot] = key; }
+  void on_remove(uint32_t slot) final { on_evictable(slot, false); }
+  void on_evictable(uint32_t slot, bool evictable) final {
     if (evictable && pos_[slot] == kNone) {
       pos_[slot] = static_cast<uint32_t>(evictable_.size());
       evictable_.push_back(slot);
@@ -124,7 +105,7 @@ class CyclicPolicy final : public ReplacementPolicy {
     }
   }
 
-  std::optional<uint32_t> victim(ExpertKey incoming, bool force) override {
+  std::optional<uint32_t> victim(ExpertKey incoming, bool force) final {
     uint32_t best = kNone;
     double best_value = std::numeric_limits<double>::infinity();
     for (const uint32_t s : evictable_) {
@@ -139,6 +120,41 @@ class CyclicPolicy final : public ReplacementPolicy {
     return best;
   }
 
+ protected:
+  virtual double value(ExpertKey k) const = 0;
+
+ private:
+  std::vector<ExpertKey> slot_key_;
+  std::vector<uint32_t> pos_;        // slot -> index in evictable_, kNone when not evictable
+  std::vector<uint32_t> evictable_;  // dense set of evictable slots
+};
+
+// See policy.h. Value of keeping expert x = p(x) / d(x):
+//   p(x) = kRecencyWeight * 2^-(tokens since x was last used) + (1 - kRecencyWeight) * share(x)
+//   share(x) = uses of x / uses of x's layer          d(x) = layers until the cursor reaches x
+// The weights were chosen on the shared Mixtral traces (docs/CACHE.md has the table).
+class CyclicPolicy final : public ValuedPolicy {
+ public:
+  explicit CyclicPolicy(const PolicyShape& shape)
+      : ValuedPolicy(shape.capacity),
+        shape_(shape),
+        uses_(static_cast<size_t>(shape.layers) * shape.experts, 0),
+        last_token_(static_cast<size_t>(shape.layers) * shape.experts, kNever),
+        layer_uses_(shape.layers, 0) {}
+
+  std::string_view name() const override { return "cyclic"; }
+
+  void on_access(ExpertKey key, int32_t) override {
+    EXPERTD_CHECK_LT(key.layer, shape_.layers);
+    EXPERTD_CHECK_LT(key.expert, shape_.experts);
+    // The cursor moving back to an earlier layer starts a new token.
+    if (key.layer < cur_layer_) ++token_;
+    cur_layer_ = key.layer;
+    ++uses_[index(key)];
+    ++layer_uses_[key.layer];
+    last_token_[index(key)] = token_;
+  }
+
  private:
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min() / 2;
   static constexpr double kRecencyWeight = 0.5;
@@ -147,7 +163,7 @@ class CyclicPolicy final : public ReplacementPolicy {
     return static_cast<size_t>(k.layer) * shape_.experts + k.expert;
   }
 
-  double value(ExpertKey k) const {
+  double value(ExpertKey k) const override {
     const size_t i = index(k);
     const int64_t age = token_ - last_token_[i];
     const double recency = age > 60 ? 0.0 : std::ldexp(1.0, -static_cast<int>(age));
@@ -164,9 +180,6 @@ class CyclicPolicy final : public ReplacementPolicy {
   std::vector<uint64_t> uses_;
   std::vector<int64_t> last_token_;
   std::vector<uint64_t> layer_uses_;
-  std::vector<ExpertKey> slot_key_;
-  std::vector<uint32_t> pos_;        // slot -> index in evictable_, kNone when not evictable
-  std::vector<uint32_t> evictable_;  // dense set of evictable slots
   int64_t token_ = 0;
   uint32_t cur_layer_ = 0;
 };
@@ -180,10 +193,11 @@ class CyclicPolicy final : public ReplacementPolicy {
 //  - hints: a hint for x's next visit replaces p(x) by its probability; the experts of a hinted
 //    visit that were not hinted share what the hints leave of the visit's top-k, so with sure
 //    hints their next use is a cycle later: value max(p' / d, p / (d + L)).
-class CyclicHintPolicy final : public ReplacementPolicy {
+class CyclicHintPolicy final : public ValuedPolicy {
  public:
   explicit CyclicHintPolicy(const PolicyShape& shape)
-      : shape_(shape),
+      : ValuedPolicy(shape.capacity),
+        shape_(shape),
         uses_(size(), 0),
         last_token_(size(), kNever),
         last_visit_(size(), 0),
@@ -192,11 +206,7 @@ class CyclicHintPolicy final : public ReplacementPolicy {
         layer_uses_(shape.layers, 0),
         visits_(shape.layers, 0),
         mass_visit_(shape.layers, 0),
-        mass_(shape.layers, 0.0),
-        slot_key_(shape.capacity),
-        pos_(shape.capacity, kNone) {
-    evictable_.reserve(shape.capacity);
-  }
+        mass_(shape.layers, 0.0) {}
 
   std::string_view name() const override { return "cyclic-hint"; }
 
@@ -220,20 +230,6 @@ class CyclicHintPolicy final : public ReplacementPolicy {
     ++layer_uses_[l];
     last_token_[i] = token_;
     last_visit_[i] = visits_[l];
-  }
-  void on_insert(uint32_t slot, ExpertKey key) override { slot_key_[slot] = key; }
-  void on_remove(uint32_t slot) override { on_evictable(slot, false); }
-  void on_evictable(uint32_t slot, bool evictable) override {
-    if (evictable && pos_[slot] == kNone) {
-      pos_[slot] = static_cast<uint32_t>(evictable_.size());
-      evictable_.push_back(slot);
-    } else if (!evictable && pos_[slot] != kNone) {
-      const uint32_t last = evictable_.back();
-      evictable_[pos_[slot]] = last;
-      pos_[last] = pos_[slot];
-      evictable_.pop_back();
-      pos_[slot] = kNone;
-    }
   }
 
   void on_hint(ExpertKey key, uint32_t distance, double probability) override {
@@ -264,21 +260,6 @@ class CyclicHintPolicy final : public ReplacementPolicy {
     }
   }
 
-  std::optional<uint32_t> victim(ExpertKey incoming, bool force) override {
-    uint32_t best = kNone;
-    double best_value = std::numeric_limits<double>::infinity();
-    for (const uint32_t s : evictable_) {
-      const double v = value(slot_key_[s]);
-      if (v < best_value) {
-        best_value = v;
-        best = s;
-      }
-    }
-    if (best == kNone) return std::nullopt;
-    if (!force && best_value >= value(incoming)) return std::nullopt;  // not worth a slot
-    return best;
-  }
-
  private:
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min() / 2;
   static constexpr double kRecencyWeight = 0.5;
@@ -294,7 +275,7 @@ class CyclicHintPolicy final : public ReplacementPolicy {
     return total_visits_ ? static_cast<double>(total_accesses_) / total_visits_ : 1.0;
   }
 
-  double value(ExpertKey k) const {
+  double value(ExpertKey k) const override {
     const size_t i = index(k);
     const uint32_t l = k.layer;
     const int64_t age = token_ - last_token_[i];
@@ -338,9 +319,6 @@ class CyclicHintPolicy final : public ReplacementPolicy {
   std::vector<uint32_t> visits_;      // visits of each layer so far
   std::vector<uint32_t> mass_visit_;  // the visit of each layer mass_ sums hints for
   std::vector<double> mass_;          // the hinted experts' probabilities, summed
-  std::vector<ExpertKey> slot_key_;
-  std::vector<uint32_t> pos_;
-  std::vector<uint32_t> evictable_;
   int64_t token_ = 0;
   uint32_t cur_layer_ = 0;
   uint32_t visit_accesses_ = 0;
