@@ -647,8 +647,8 @@ int main(int argc, char** argv) {
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
                  "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
   app.add_option("--vram-policy", o.vram_policy,
-                 "The VRAM tier's replacement policy (the daemon's names: cyclic, lru, fifo; "
-                 "default: the engine's default)");
+                 "The VRAM tier's replacement policy (the daemon's names: default, cyclic-hint, "
+                 "cyclic, lru, fifo; default: the daemon's default, cyclic-hint)");
   app.add_option("--tiers", o.tiers,
                  "coordinated (experts copied into VRAM are the daemon's first victims, so the "
                  "host cache holds others) or independent")
