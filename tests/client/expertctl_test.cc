@@ -166,6 +166,8 @@ TEST_F(ExpertctlTest, TopOnceShowsTheHeatStrip) {
   EXPECT_TRUE(std::regex_search(r.out, std::regex("queue depth [0-9]+   reads in flight [0-9]+")))
       << r.out;
   EXPECT_EQ(r.out.find("\x1b["), std::string::npos) << "no escapes when not a terminal";
+  // The daemon's default depth is automatic: top says so and what it chose (not a number alone).
+  EXPECT_NE(r.out.find("prefetch  depth auto (now "), std::string::npos) << r.out;
 
   const json j = ctl_json({"top", "--once"});
   EXPECT_EQ(j["models"][0]["layer_hit_rate"], json::parse("[0.5, null, 0.0, null]"));

@@ -87,17 +87,6 @@ json stats_json(const Stats& s) {
 
 namespace {
 
-// "auto (now 1)" or the fixed depth; "now" is each model's chosen depth.
-std::string prefetch_depth_text(const Stats& st) {
-  if (!st.prefetch_depth_auto) return std::to_string(st.prefetch_depth);
-  std::string now;
-  for (const auto& m : st.models) {
-    now += fmt::format("{}{}{}", now.empty() ? "" : ", ", st.models.size() > 1 ? m.name + " " : "",
-                       m.prefetch_depth_now);
-  }
-  return fmt::format("auto (now {})", now.empty() ? "-" : now);
-}
-
 // ---------------------------------------------------------------------------------------------
 // status
 
@@ -468,6 +457,16 @@ void add_daemon_commands(CLI::App& app, std::function<int()>* run) {
     add_daemon_options(cmd, opts->daemon);
     cmd->callback([run, opts] { *run = [opts] { return run_set(*opts); }; });
   }
+}
+
+std::string prefetch_depth_text(const Stats& st) {
+  if (!st.prefetch_depth_auto) return std::to_string(st.prefetch_depth);
+  std::string now;
+  for (const auto& m : st.models) {
+    now += fmt::format("{}{}{}", now.empty() ? "" : ", ", st.models.size() > 1 ? m.name + " " : "",
+                       m.prefetch_depth_now);
+  }
+  return fmt::format("auto (now {})", now.empty() ? "-" : now);
 }
 
 }  // namespace expertctl

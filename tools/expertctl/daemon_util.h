@@ -33,6 +33,10 @@ std::unique_ptr<expertd::client::Client> connect(const DaemonOptions& opts,
 // Prints one JSON document on stdout.
 void print_json(const nlohmann::ordered_json& j);
 
+// The daemon's prefetch depth as status, stats and top show it: the fixed depth, or "auto (now
+// D)" with each model's chosen depth.
+std::string prefetch_depth_text(const expertd::client::Stats& st);
+
 using expertd::human_bytes;
 using expertd::report::counters_table;
 using expertd::report::depths_json;

@@ -224,7 +224,7 @@ std::vector<std::string> render(const Stats& cur, const Stats* prev, double dt_s
   lines.push_back(fmt::format(
       "prefetch  depth {}   hints {}   loads {}   useful {} ({})   "
       "wasted {}   dropped {}   cancelled {}",
-      cur.prefetch_depth, t.prefetch_hints, t.prefetch_loads, t.prefetch_useful,
+      prefetch_depth_text(cur), t.prefetch_hints, t.prefetch_loads, t.prefetch_useful,
       pct(t.prefetch_loads
               ? static_cast<double>(t.prefetch_useful) / static_cast<double>(t.prefetch_loads)
               : -1.0),
