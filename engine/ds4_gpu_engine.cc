@@ -1174,13 +1174,7 @@ uint64_t Ds4GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_byt
 std::string Ds4GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
-  std::string tier =
-      x.has_tier() ? fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", x.slots(),
-                                 gib(uint64_t{x.slots()} * x.slot_bytes()), x.tier_policy(),
-                                 x.coordinated() ? ", coordinated with the daemon" : "")
-                   : std::string(
-                         "in-place experts (kernels read the daemon's pinned arena over "
-                         "PCIe)");
+  const std::string tier = x.description();
   return fmt::format(
       "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
       "matvec), {}, prefill in chunks of {} ({} scratch){}",

@@ -922,13 +922,7 @@ uint64_t GpuEngine::vram_slot_bytes() const { return impl_->experts->slot_bytes(
 std::string GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
-  std::string tier =
-      x.has_tier() ? fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", x.slots(),
-                                 gib(uint64_t{x.slots()} * x.slot_bytes()), x.tier_policy(),
-                                 x.coordinated() ? ", coordinated with the daemon" : "")
-                   : std::string(
-                         "in-place experts (kernels read the daemon's pinned arena over "
-                         "PCIe)");
+  const std::string tier = x.description();
   const std::string prefill =
       m.chunk == m.chunk_asked
           ? fmt::format("prefill in chunks of {} ({} scratch)", m.chunk, gib(m.chunk_bytes))

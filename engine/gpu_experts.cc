@@ -460,4 +460,11 @@ Status GpuExperts::account_copy_time() {
   return Ok{};
 }
 
+std::string GpuExperts::description() const {
+  if (!tier_) return "in-place experts (kernels read the daemon's pinned arena over PCIe)";
+  return fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", slots(),
+                     gib(uint64_t{slots()} * slot_bytes_), tier_->policy_name(),
+                     gpu_.coordinate ? ", coordinated with the daemon" : "");
+}
+
 }  // namespace expertd::engine::gpu

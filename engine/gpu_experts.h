@@ -150,8 +150,9 @@ class GpuExperts {
   bool has_tier() const { return tier_ != nullptr; }
   uint32_t slots() const { return tier_ ? tier_->capacity() : 0; }
   uint64_t slot_bytes() const { return slot_bytes_; }
-  std::string_view tier_policy() const { return tier_ ? tier_->policy_name() : ""; }
-  bool coordinated() const { return gpu_.coordinate; }
+  // Where the experts are computed from, for the engines' description(): the VRAM tier (its size,
+  // policy, and whether it is coordinated with the daemon), or in place in the arena.
+  std::string description() const;
   bool arena_registered() const { return arena_.valid(); }
 
  private:
