@@ -107,6 +107,7 @@ void Scheduler::reset_estimates() {
   read_useful_ = 0;
   read_wasted_ = 0;
   for (auto& ring : pending_estimates_) ring.fill(PendingEstimate{});
+  busy_.reset();
   choose_auto_depth();
 }
 
@@ -154,13 +155,30 @@ void Scheduler::fold(uint32_t session, uint32_t r) {
 // The deepest depth whose hints, and every nearer depth's, are worth reading (docs/CACHE.md).
 // A depth without enough evidence stops the climb: auto mode starts at 0 and earns each layer.
 void Scheduler::choose_auto_depth() {
+  // The disk is measured only while nothing is read ahead: reads ahead overlap compute and add
+  // wrong reads, so the busy fraction they leave is not the break-even of the next depth.
+  if (prefetch_depth_now() == 0) busy_.sample(monotonic_ns());
+  const double bar = prefetch_auto_need();
   uint32_t d = 0;
   while (d < kPrefetchAutoMaxDepth && est_hints_[d] >= kPrecisionMinEvidence) {
-    const double need = kPrefetchAutoMinProbability - (d < auto_depth_ ? kAutoHysteresis : 0.0);
+    const double need = bar - (d < auto_depth_ ? kAutoHysteresis : 0.0);
     if (!(hint_probability(d) > need)) break;
     ++d;
   }
   auto_depth_ = d;
+}
+
+double Scheduler::prefetch_auto_need() const {
+  if (!busy_.measured()) return kPrefetchAutoUnmeasuredProbability;
+  return std::clamp(busy_.fraction(), kPrefetchAutoMinProbability, kPrefetchAutoMaxProbability);
+}
+
+void Scheduler::op_started() {
+  if (ops_in_flight_++ == 0) busy_.set_busy(true, monotonic_ns());
+}
+
+void Scheduler::op_finished() {
+  if (--ops_in_flight_ == 0) busy_.set_busy(false, monotonic_ns());
 }
 
 void Scheduler::set_queue_depth(uint32_t depth) {
@@ -205,6 +223,7 @@ bool Scheduler::add_waiter(uint32_t load, uint32_t session, uint64_t tag) {
 
 int Scheduler::acquire(uint32_t session, ExpertKey key, uint64_t tag) {
   if (!valid(key) || session >= cursors_.size()) return -EINVAL;
+  busy_.activity(monotonic_ns());
   ++stats_.acquires;
   count_recall(session, key);
   cache_.access(key);
@@ -330,7 +349,7 @@ bool Scheduler::submit_chunk_of(uint32_t load) {
   }
   if (l.next_slice == 0 && l.next_offset == 0) l.start_ns = monotonic_ns();  // first read
   ++l.ops;
-  ++ops_in_flight_;
+  op_started();
   ++stats_.reads;
   l.next_offset += len;
   if (l.next_offset == p.read_bytes) {
@@ -346,7 +365,7 @@ bool Scheduler::submit_next_chunk() {
     const uint32_t c = requeued_.back();
     if (!io_.submit(&chunks_[c].op)) return false;
     requeued_.pop_back();
-    ++ops_in_flight_;
+    op_started();
     ++stats_.reads;
     return true;
   }
@@ -367,7 +386,7 @@ bool Scheduler::submit_next_chunk() {
 }
 
 void Scheduler::requeue(uint32_t chunk) {
-  --ops_in_flight_;
+  op_finished();
   requeued_.push_back(chunk);
 }
 
@@ -415,7 +434,7 @@ void Scheduler::on_read(ReadOp* op) {
     requeue(c);
     return;
   }
-  --ops_in_flight_;
+  op_finished();
   --l.ops;
   const uint32_t load = ch.load;
   ch.load = kNil;

@@ -39,6 +39,7 @@
 
 #include "base/clock.h"
 #include "cache/cache.h"
+#include "cache/disk_busy.h"
 #include "client/include/expertd/control_types.h"
 #include "storage/reader.h"
 #include "storage/slice_map.h"
@@ -57,12 +58,15 @@ inline constexpr double kPrefetchMinProbability = 0.5;
 // compares with the real victim).
 inline constexpr double kPrefetchEvictWorth = 0.25;
 inline constexpr uint32_t kPrefetchAutoMaxDepth = 2;
-// Auto mode reads ahead only when hints are right more often than this. On a saturated disk a
-// right prefetch saves at most the compute it overlaps, g = compute / read time per token, while a
-// wrong one costs its whole read: break-even is p = 1 / (1 + g), 0.5 only when compute hides every
-// read. The daemon does not measure g; 0.9 covers g down to 0.11 (a token's reads nine times its
-// compute), and it leaves a depth again below 0.85.
-inline constexpr double kPrefetchAutoMinProbability = 0.9;
+// Auto mode's bar: it reads a depth ahead only when that depth's hints are right more often than
+// the disk was busy while nothing was read ahead (DiskBusyMeter). On a saturated disk a right
+// prefetch saves at most the compute it overlaps, g = compute / read time per token, while a
+// wrong one costs its whole read: break-even is p = 1 / (1 + g), which is that busy fraction.
+// The bar is kept within [0.5, 0.95] (below 0.5 a read is never worth it; above 0.95 no real
+// predictor would ever qualify), and is 0.9 until the disk has been measured.
+inline constexpr double kPrefetchAutoMinProbability = 0.5;
+inline constexpr double kPrefetchAutoMaxProbability = 0.95;
+inline constexpr double kPrefetchAutoUnmeasuredProbability = 0.9;
 // The estimate forgets with a window of this many hints per depth, and counts a depth only after
 // this much (decayed) evidence.
 inline constexpr double kPrecisionWindow = 512;
@@ -175,6 +179,10 @@ class Scheduler final : private EvictionListener {
   // The prefetch telemetry of one session (zero for a session id not in use).
   const PrefetchDepths& session_depths(uint32_t session) const { return session_depths_[session]; }
   uint32_t reads_in_flight() const { return ops_in_flight_; }
+  // The fraction of active time reads were in flight while nothing was read ahead (-1 before it
+  // is measured), and the precision auto mode asks of a depth's hints because of it.
+  double disk_busy() const { return busy_.measured() ? busy_.fraction() : -1.0; }
+  double prefetch_auto_need() const;
   uint64_t slot_bytes() const { return layouts_.slot_bytes(); }
   uint8_t* slot_data(uint32_t slot) const { return arena_ + slot * layouts_.slot_bytes(); }
 
@@ -271,6 +279,8 @@ class Scheduler final : private EvictionListener {
   void fold_passed_tokens(uint32_t session);
   void fold(uint32_t session, uint32_t ring);
   void choose_auto_depth();
+  void op_started();
+  void op_finished();
   // The probability a prefetch read at this depth pays: the hint must be right and the read must
   // survive until its acquire (the staging ring or the policy may push it out first), so the
   // lower of the hint precision and the measured read precision.
@@ -336,6 +346,7 @@ class Scheduler final : private EvictionListener {
   std::vector<HintMark> hinted_;            // per (block layer, expert)
   std::vector<PrefetchDepths> session_depths_;
   uint32_t ops_in_flight_ = 0;
+  DiskBusyMeter busy_;                  // fed by op_started/op_finished and acquires
   uint32_t prefetch_loads_active_ = 0;  // active loads nobody waits for (demand == false)
 };
 

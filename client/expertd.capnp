@@ -104,6 +104,8 @@ struct ModelStats {
   # The running estimate of hint precision per depth 1..8 (docs/CACHE.md "Prefetch admission and
   # automatic depth"): the calibrated probability the admission rule uses.
   hintPrecision @12 :List(Float64);
+  diskBusy @13 :Float64;          # fraction of active time reads were in flight at depth 0; -1 unmeasured
+  prefetchAutoNeed @14 :Float64;  # the hint precision auto mode asks of a depth now
 }
 
 struct SessionStats {

@@ -776,6 +776,8 @@ DaemonStats DaemonCore::stats() const {
     ms.scheduler = sched.stats();
     ms.prefetch_depths.assign(sched.depths().begin(), sched.depths().end());
     ms.prefetch_depth_now = sched.prefetch_depth_now();
+    ms.disk_busy = sched.disk_busy();
+    ms.prefetch_auto_need = sched.prefetch_auto_need();
     for (uint32_t b = 0; b < kPrefetchDepthBuckets; ++b) {
       ms.hint_precision.push_back(sched.precision_estimate(b));
     }

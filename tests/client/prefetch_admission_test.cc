@@ -7,6 +7,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "expertd/client.h"
@@ -67,7 +68,7 @@ class PrefetchAdmissionTest : public ::testing::Test {
   // nobody acquires, then the layer's acquire. Returns when the last acquire is served.
   void decode(uint32_t first, uint32_t n, const std::vector<uint32_t>& depths,
               const std::function<std::vector<uint32_t>(uint32_t, uint32_t)>& wrong,
-              bool hint_routed = true) {
+              bool hint_routed = true, std::chrono::milliseconds compute = {}) {
     for (uint32_t t = first; t < first + n; ++t) {
       for (uint32_t l = 0; l < kLayers; ++l) {
         ASSERT_TRUE(session_->set_cursor(t, l));
@@ -85,6 +86,8 @@ class PrefetchAdmissionTest : public ::testing::Test {
           ASSERT_TRUE(session_->prefetch(hints));
         }
         acquire_release(l, kRouted);
+        // The engine's work with the layer's experts (not a wait for the daemon).
+        if (compute.count() > 0) std::this_thread::sleep_for(compute);
       }
     }
   }
@@ -226,7 +229,8 @@ TEST_F(PrefetchAdmissionTest, AutoDepthFollowsThePrecisionOfTheHints) {
   // Once at 0, no wrong hint is read any more.
   decode(52, 4, {1, 2, 3}, wrong, false);
   EXPECT_EQ(stats().scheduler.prefetch_loads, m.scheduler.prefetch_loads);
-  // Right again: back up, once the estimate clears 0.9 again.
+  // Right again: back up, once the estimate clears the bar again (the disk here is the page
+  // cache, idle most of the time, so the bar is low; see the next test).
   decode(56, 120, {1, 2, 3}, none);
   EXPECT_EQ(stats().prefetch_depth_now, 2u);
 
@@ -256,6 +260,31 @@ TEST_F(PrefetchAdmissionTest, AutoDepthFollowsThePrecisionOfTheHints) {
   EXPECT_NE(bad.err.find("prefetch-depth 'x': expected a non-negative integer or auto"),
             std::string::npos)
       << bad.err;
+}
+
+// Auto mode's bar is the disk's busy fraction while nothing is read ahead: with 20 ms of engine
+// compute per layer and reads of a fraction of a millisecond the disk is nearly idle, so hints
+// right 2 times in 3 are worth reading (a fixed bar of 0.9 never read them), and stats say why.
+TEST_F(PrefetchAdmissionTest, AutoDepthTakesItsBarFromTheMeasuredDiskBusyFraction) {
+  start({});
+  ModelStats m = stats();
+  EXPECT_LT(m.disk_busy, 0.0) << "not measured before any decode";
+  EXPECT_DOUBLE_EQ(m.prefetch_auto_need, 0.9) << "the bar before the disk is measured";
+  auto one_wrong = [](uint32_t, uint32_t token) { return std::vector<uint32_t>{4 + token % 8}; };
+  decode(0, 8, {1}, one_wrong, true, std::chrono::milliseconds(20));
+  m = stats();
+  ASSERT_GE(m.disk_busy, 0.0);
+  EXPECT_LT(m.disk_busy, 0.5) << "20 ms of compute per layer against sub-millisecond reads";
+  EXPECT_DOUBLE_EQ(m.prefetch_auto_need, 0.5) << "clamped at the read rule's break-even";
+  EXPECT_NEAR(m.hint_precision[0], 2.0 / 3.0, 0.06);
+  EXPECT_EQ(m.prefetch_depth_now, 1u) << "hints right 2 in 3 clear the measured bar";
+  const test::RunResult text = test::expertctl(daemon_->socket(), {"stats"});
+  EXPECT_NE(text.out.find("of active time without prefetch; auto reads a depth ahead when its "
+                          "hints are right > 50"),
+            std::string::npos)
+      << text.out;
+  const json j = test::expertctl_json(daemon_->socket(), {"stats"});
+  EXPECT_DOUBLE_EQ(j["models"][0]["prefetch_auto_need"].get<double>(), 0.5) << j.dump();
 }
 
 }  // namespace

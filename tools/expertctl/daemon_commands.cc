@@ -177,7 +177,13 @@ int run_stats(const DaemonOptions& o) {
       fmt::print(" {}{}: {}", d + 1, d + 1 == m.hint_precision.size() ? "+" : "",
                  percent(m.hint_precision[d]));
     }
-    fmt::print("\n  prefetch by depth (layers ahead of the cursor):\n");
+    fmt::print("\n  disk busy {} of active time without prefetch{}\n",
+               m.disk_busy < 0 ? std::string("not measured yet") : percent(m.disk_busy),
+               st->prefetch_depth_auto
+                   ? fmt::format("; auto reads a depth ahead when its hints are right > {}",
+                                 percent(m.prefetch_auto_need))
+                   : "");
+    fmt::print("  prefetch by depth (layers ahead of the cursor):\n");
     for (const auto& line : depths_table(m.prefetch_depths, x.acquires, 2)) {
       fmt::print("{}\n", line);
     }
