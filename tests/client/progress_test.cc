@@ -225,10 +225,10 @@ TEST_F(ProgressTest, AStoppedDaemonCannotHangAnAcquire) {
                                            a->id()));
   EXPECT_GE(waited, 500u);
 
-  // The daemon answers the abandoned acquire once it runs again; the client gives that slot back
-  // and the session goes on.
-  const uint32_t two[] = {0, 1};
-  auto ok = a->acquire(2, two);
+  // The daemon answers the abandoned acquire once it runs again; the session's next acquire gives
+  // that slot back and goes on. (The same expert: both answers come from one load, the abandoned
+  // one first, so this call reads it.)
+  auto ok = a->acquire(2, cold);
   ASSERT_TRUE(ok) << ok.error().message;
   ASSERT_TRUE(a->release(*ok));
   ASSERT_TRUE(test::wait_until(
