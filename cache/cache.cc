@@ -67,6 +67,7 @@ void ExpertCache::make_free(uint32_t slot) {
   if (s.state == SlotState::Ready) --ready_count_;
   if (s.state == SlotState::Loading) --loading_count_;
   s.state = SlotState::Free;
+  if (s.pinned) --pinned_count_;
   s.pinned = false;
   s.client_copy = false;
   policy_->on_remove(slot - first_slot_);
@@ -182,7 +183,9 @@ uint32_t ExpertCache::set_limit(uint32_t slots) {
 bool ExpertCache::set_pinned(ExpertKey key, bool pinned) {
   const int32_t slot = lookup(key);
   if (slot < 0 || at(static_cast<uint32_t>(slot)).state != SlotState::Ready) return false;
-  at(static_cast<uint32_t>(slot)).pinned = pinned;
+  Slot& s = at(static_cast<uint32_t>(slot));
+  if (s.pinned != pinned) pinned ? ++pinned_count_ : --pinned_count_;
+  s.pinned = pinned;
   update_evictable(static_cast<uint32_t>(slot));
   return true;
 }

@@ -91,6 +91,8 @@ class ExpertCache {
   uint32_t free_count() const { return free_count_; }
   uint32_t ready_count() const { return ready_count_; }
   uint32_t loading_count() const { return loading_count_; }
+  // READY slots kept from eviction by a pin (a pinned slot is never freed while pinned).
+  uint32_t pinned_count() const { return pinned_count_; }
 
  private:
   struct Slot {
@@ -125,6 +127,7 @@ class ExpertCache {
   uint32_t free_count_ = 0;
   uint32_t ready_count_ = 0;
   uint32_t loading_count_ = 0;
+  uint32_t pinned_count_ = 0;
   uint32_t limit_ = 0;  // slots that may be in use; slot_count() unless lowered
   EvictionListener* listener_ = nullptr;
 };

@@ -69,6 +69,9 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   hints_.resize(options_.max_prefetches);
   pending_.reserve(options_.max_waiters);
   cursors_.resize(options_.max_sessions);
+  reservation_.assign(options_.max_sessions, 0);
+  charges_.assign(options_.max_sessions, 0);
+  gone_.assign(options_.max_sessions, 0);
   session_depths_.assign(options_.max_sessions, empty_prefetch_depths());
   pending_estimates_.resize(options_.max_sessions);
   EXPERTD_CHECK_LE(options_.max_sessions, kNoSession);
@@ -227,17 +230,84 @@ int Scheduler::acquire(uint32_t session, ExpertKey key, uint64_t tag) {
   ++stats_.acquires;
   count_recall(session, key);
   cache_.access(key);
+  // At its bound a session could wait only for its own releases, which it cannot make while it
+  // waits: refused at once.
+  if (charges_[session] >= session_bound(session)) {
+    ++stats_.busy;
+    sink_.complete(Completion{session, tag, -EBUSY, 0, key});
+    return 0;
+  }
   if (serve(session, key, tag)) return 0;
   if (pending_.size() >= options_.max_waiters) {
     ++stats_.busy;
     sink_.complete(Completion{session, tag, -EBUSY, 0, key});
     return 0;
   }
-  pending_.push_back(PendingDemand{session, tag, key});
+  pending_.push_back(PendingDemand{session, tag, key, monotonic_ns()});
   return 0;
 }
 
+uint32_t Scheduler::capacity() const {
+  const uint32_t slots = cache_.limit() + staging_.slot_count();
+  const uint32_t pinned = cache_.pinned_count() + staging_.pinned_count();
+  return slots > pinned ? slots - pinned : 0;
+}
+
+uint32_t Scheduler::unreserved() const {
+  const uint32_t cap = capacity();
+  return cap > reserved_total_ ? cap - reserved_total_ : 0;
+}
+
+uint32_t Scheduler::session_bound(uint32_t session) const {
+  return reservation_[session] + unreserved();
+}
+
+bool Scheduler::reserve_session(uint32_t session, uint32_t slots) {
+  if (session >= reservation_.size() || uint64_t{reserved_total_} + slots > capacity()) {
+    return false;
+  }
+  EXPERTD_CHECK_EQ(reservation_[session], 0);  // drop_session() gave back the previous one
+  EXPERTD_CHECK_EQ(charges_[session], 0);
+  reservation_[session] = slots;
+  reserved_total_ += slots;
+  gone_[session] = 0;
+  return true;
+}
+
+bool Scheduler::may_charge(uint32_t session) const {
+  return charges_[session] < reservation_[session] || over_total_ < unreserved();
+}
+
+void Scheduler::charge(uint32_t session) {
+  if (gone_[session] != 0) return;  // an acquire racing its session's end: released at once
+  if (charges_[session] >= reservation_[session]) ++over_total_;
+  ++charges_[session];
+}
+
+void Scheduler::uncharge(uint32_t session) {
+  if (session >= charges_.size() || gone_[session] != 0 || charges_[session] == 0) return;
+  --charges_[session];
+  if (charges_[session] >= reservation_[session]) --over_total_;
+}
+
+void Scheduler::expire(uint64_t now_ns) {
+  if (pending_.empty()) return;
+  // Compacted in place (no allocation); completions do not call back into the scheduler.
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const PendingDemand p = pending_[i];
+    if (now_ns - p.since_ns >= options_.acquire_timeout_ns) {
+      ++stats_.acquire_timeouts;
+      sink_.complete(Completion{p.session, p.tag, -ETIMEDOUT, 0, p.key});
+    } else {
+      pending_[kept++] = p;
+    }
+  }
+  pending_.resize(kept);
+}
+
 bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
+  if (!may_charge(session)) return false;  // the unreserved slots are taken: wait for a release
   ExpertCache* owner = nullptr;
   const int32_t slot = find_slot(key, &owner);
   if (slot >= 0 && owner->state(static_cast<uint32_t>(slot)) == SlotState::Ready) {
@@ -250,6 +320,7 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
       count_outcome(p.session, p.bucket, p.bytes, true);
     }
     owner->hold(s);
+    charge(session);
     sink_.complete(Completion{session, tag, slot, owner->generation(s), key});
     return true;
   }
@@ -272,7 +343,9 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
   if (!add_waiter(load, session, tag)) {
     ++stats_.busy;
     sink_.complete(Completion{session, tag, -EBUSY, 0, key});
+    return true;
   }
+  charge(session);
   return true;
 }
 
@@ -475,6 +548,7 @@ void Scheduler::finish_load(uint32_t id) {
       sink_.complete(Completion{wt.session, wt.tag, static_cast<int32_t>(l.slot),
                                 owner.generation(l.slot), l.key});
     } else {
+      uncharge(wt.session);
       sink_.complete(Completion{wt.session, wt.tag, err, 0, l.key});
     }
     waiters_[w].next = free_waiter_;
@@ -488,12 +562,15 @@ void Scheduler::finish_load(uint32_t id) {
 }
 
 int Scheduler::release(uint32_t session, uint32_t slot) {
-  (void)session;  // ownership of holds is checked by the session layer
+  // Ownership of holds is checked by the session layer.
   if (slot >= slot_load_.size()) return -EINVAL;
   ExpertCache& owner = owner_of(slot);
   if (owner.state(slot) != SlotState::Ready || owner.refs(slot) == 0) return -EINVAL;
   owner.unhold(slot);
-  if (owner.refs(slot) == 0) retry_pending_demands();
+  uncharge(session);
+  // A slot nobody holds can be taken, and a charge given back lets a session above its
+  // reservation take one.
+  if (!pending_.empty()) retry_pending_demands();
   return 0;
 }
 
@@ -785,6 +862,17 @@ void Scheduler::drop_session(uint32_t session) {
     }
   }
   std::erase_if(pending_, [&](const PendingDemand& p) { return p.session == session; });
+  if (session < charges_.size()) {
+    // Its charges go with it (the caller's releases of its holds then change nothing), and its
+    // reservation returns to the others.
+    if (charges_[session] > reservation_[session]) {
+      over_total_ -= charges_[session] - reservation_[session];
+    }
+    reserved_total_ -= reservation_[session];
+    charges_[session] = 0;
+    reservation_[session] = 0;
+    gone_[session] = 1;
+  }
   for (Hint& h : hints_) {
     if (h.live && h.session == session) {
       h.live = false;
@@ -811,6 +899,7 @@ void Scheduler::drop_session(uint32_t session) {
   // Its open tokens never finish: their hints are neither right nor wrong.
   pending_estimates_[session].fill(PendingEstimate{});
   cursors_[session] = Cursor{};
+  if (!pending_.empty()) retry_pending_demands();
 }
 
 void Scheduler::pump() {

@@ -21,6 +21,17 @@
 //    the cursor it is; hints, the loads they start and those loads' outcome (useful: acquired
 //    before eviction; wasted: evicted, cancelled or dropped unacquired) are counted per depth, and
 //    so are acquires of experts that were hinted at that depth for that (token, layer).
+//  - progress (docs/CACHE.md "Reservations: no acquire waits for ever"): each session reserves
+//    slots at attach (reserve_session: its top-k), and the reservations together never exceed
+//    capacity() (the cache limit plus the staging ring, less pins). Each acquire charges its
+//    session one slot until released (a hit, a joined load or a new one; holds of one slot by two
+//    acquires count twice, which only errs on the safe side). A session under its reservation is
+//    always admitted; above it, only while the charges above reservations fit in the slots nobody
+//    reserved. So the slots held or being read for acquires never exceed capacity() minus what
+//    the sessions under their reservation still may take, and an acquire within a reservation
+//    finds a slot that is free, evictable or finishing a prefetch read: no cycle of waits. A
+//    session at reservation + unreserved slots is refused at once (-EBUSY); an acquire that waits
+//    for a slot longer than acquire_timeout_ns completes with -ETIMEDOUT (expire()).
 //  - bytes in flight are bounded: at most `queue_depth` chunk reads, and prefetch loads only for
 //    layers within `prefetch_depth` of the cursor.
 //  - each expert's slices are read widened to the DIO alignment, in chunks of `chunk_bytes`
@@ -83,10 +94,13 @@ struct SchedulerOptions {
   uint32_t max_waiters = 8192;     // acquires waiting on loads
   uint32_t max_prefetches = 2048;  // queued prefetch hints
   uint32_t max_sessions = 64;
+  // An acquire waiting for a slot completes with -ETIMEDOUT after this long (expire()).
+  uint64_t acquire_timeout_ns = 10'000'000'000;
 };
 
 // What a finished acquire reports. slot >= 0: READY and held for the session (release it);
-// else -errno (EIO: the read failed; ECANCELED: the session went away; EBUSY: no capacity).
+// else -errno (EIO: the read failed; ECANCELED: the session went away; EBUSY: the session holds
+// the most slots it may, or the wait queue is full; ETIMEDOUT: no slot within the deadline).
 struct Completion {
   uint32_t session = 0;
   uint64_t tag = 0;
@@ -142,11 +156,21 @@ class Scheduler final : private EvictionListener {
   int prefetch(uint32_t session, ExpertKey key, float score);
   // Drops one hold of `session` on `slot` (taken by a completed acquire).
   int release(uint32_t session, uint32_t slot);
+  // Reserves `slots` for `session` (attach): false, with nothing changed, when capacity() less
+  // what the other sessions reserved cannot hold them.
+  bool reserve_session(uint32_t session, uint32_t slots);
+  // Slots acquires may hold at once: the cache's limit and the staging ring, less pinned slots.
+  uint32_t capacity() const;
+  uint32_t reserved() const { return reserved_total_; }
+  // The most slots `session` may hold now: its reservation and the slots nobody reserved.
+  uint32_t session_bound(uint32_t session) const;
+  // Acquires waiting for a slot since before now_ns - acquire_timeout_ns complete with -ETIMEDOUT.
+  void expire(uint64_t now_ns);
   // The session's engine is at (token, layer): prefetches for layers it has passed are dropped.
   void set_cursor(uint32_t session, uint32_t token, uint32_t layer);
   // The session is gone: its waiting acquires are unlinked, its queued hints go and its prefetch
-  // loads nobody waits for are cancelled. (Its holds are the caller's to release: the session
-  // layer tracks them.)
+  // loads nobody waits for are cancelled, and its reservation is given back. (Its holds are the
+  // caller's to release: the session layer tracks them; they no longer count as its charges.)
   void drop_session(uint32_t session);
 
   // Feeds a finished read (an IoEvent::Kind::Read from the backend).
@@ -253,6 +277,10 @@ class Scheduler final : private EvictionListener {
   };
 
   bool valid(ExpertKey key) const;
+  uint32_t unreserved() const;
+  bool may_charge(uint32_t session) const;
+  void charge(uint32_t session);
+  void uncharge(uint32_t session);
   int32_t find_slot(ExpertKey key, ExpertCache** owner);
   ExpertCache& owner_of(uint32_t slot) { return cache_.owns(slot) ? cache_ : staging_; }
   uint32_t start_load(ExpertKey key, bool to_staging, bool demand);
@@ -339,9 +367,18 @@ class Scheduler final : private EvictionListener {
     uint32_t session;
     uint64_t tag;
     ExpertKey key;
+    uint64_t since_ns;  // when it started waiting (the deadline's start)
   };
   std::vector<PendingDemand> pending_;  // acquires waiting for any slot to free up
   std::vector<Cursor> cursors_;
+  // Per session: slots reserved at attach, and acquires charged (held, or waiting on a load).
+  // over_total_ is the sum of charges above reservations; charges of a dropped session (gone_)
+  // are forgotten at once, so its holds' releases do not count again.
+  std::vector<uint32_t> reservation_;
+  std::vector<uint32_t> charges_;
+  std::vector<uint8_t> gone_;
+  uint32_t reserved_total_ = 0;
+  uint32_t over_total_ = 0;
   std::vector<PrefetchedSlot> prefetched_;  // per slot
   std::vector<HintMark> hinted_;            // per (block layer, expert)
   std::vector<PrefetchDepths> session_depths_;

@@ -47,6 +47,11 @@ constexpr uint kMaxFdsPerMessage = 8;
 constexpr uint64_t kCallTimeoutMs = 30'000;      // a control call the daemon never answers
 constexpr int kSleepSliceMs = 100;               // a sleeping waiter re-checks liveness this often
 constexpr uint64_t kRingFullTimeoutMs = 10'000;  // the daemon stopped consuming requests
+// How long past the daemon's own acquire deadline the client waits for a completion before it
+// calls the daemon wedged (the daemon's clearer error arrives first), and the wait without one (a
+// daemon that predates the deadline).
+constexpr uint64_t kWaitGraceMs = 5'000;
+constexpr uint64_t kDefaultWaitMs = 30'000;
 
 std::string str(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
 kj::StringPtr text(const std::string& s) { return kj::StringPtr(s.c_str(), s.size()); }
@@ -66,7 +71,8 @@ struct AttachReply {
   uint64_t session_bytes = 0;
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
-  std::array<UniqueFd, 5> fds;  // arena, slot table, session, req, comp
+  uint32_t acquire_timeout_ms = 0;  // 0 from a daemon without the deadline
+  std::array<UniqueFd, 5> fds;      // arena, slot table, session, req, comp
 };
 
 }  // namespace
@@ -491,6 +497,7 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
       a.session_bytes = r.getSessionBytes();
       a.request_capacity = r.getRequestCapacity();
       a.completion_capacity = r.getCompletionCapacity();
+      a.acquire_timeout_ms = r.getAcquireTimeoutMs();
       auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
       for (auto& c : caps) fds.add(c.getFd());
       // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
@@ -533,6 +540,10 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->region_bytes_ = reply.session_bytes;
   s->request_capacity_ = reply.request_capacity;
   s->completion_capacity_ = reply.completion_capacity;
+  s->daemon_timeout_ms_ = reply.acquire_timeout_ms;
+  s->wait_timeout_ns_ =
+      (reply.acquire_timeout_ms ? reply.acquire_timeout_ms + kWaitGraceMs : kDefaultWaitMs) *
+      1'000'000;
 
   EXPERTD_TRY_ASSIGN(res.arena, map_fd(res.arena_fd, s->arena_bytes_, PROT_READ, "arena"));
   s->arena_ = res.arena.data();
@@ -729,7 +740,9 @@ bool Session::poll_completion(abi::CompletionEntry* out) {
 
 Status Session::wait_completion(abi::CompletionEntry* out) {
   if (poll_completion(out)) return Ok{};
-  const uint64_t spin_until = monotonic_ns() + spin_ns_;
+  const uint64_t start = monotonic_ns();
+  const uint64_t spin_until = start + spin_ns_;
+  const uint64_t deadline = start + wait_timeout_ns_;
   uint32_t spins = 0;
   while (true) {
     for (int i = 0; i < 64; ++i) {
@@ -751,9 +764,21 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
       comp_->waiting.value.store(0, std::memory_order_relaxed);
       return st;
     }
+    const uint64_t now = monotonic_ns();
+    if (now >= deadline) {
+      comp_->waiting.value.store(0, std::memory_order_relaxed);
+      // A daemon that lives but answers nothing (stopped, wedged, a read that never returns).
+      return make_error(ETIMEDOUT,
+                        fmt::format("expertd completed no acquire of session {} within "
+                                    "{} ms (the daemon is stopped or wedged; its own "
+                                    "deadline is {} ms)",
+                                    id_, wait_timeout_ns_ / 1'000'000, daemon_timeout_ms_));
+    }
     const int doorbell = res_->completion_fd.get();
     pollfd p{doorbell, POLLIN, 0};
-    const int r = ::poll(&p, 1, kSleepSliceMs);
+    const int r = ::poll(&p, 1,
+                         static_cast<int>(std::min<uint64_t>(
+                             kSleepSliceMs, (deadline - now + 999'999) / 1'000'000)));
     const int err = errno;
     if (r > 0) {
       uint64_t v = 0;
@@ -881,11 +906,29 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
     }
     EXPERTD_CHECK_LE(in_flight_, window);
     if (pushed) ring_daemon();
-    if (done == sent) break;  // a push failed: nothing more to wait for
+    // Nothing of this call outstanding: done, or a push failed. (With no error, the window is
+    // full of acquires an earlier call gave up on: wait for those.)
+    if (done == sent && (!failed || in_flight_ == 0)) break;
     abi::CompletionEntry c{};
-    if (auto st = wait_completion(&c); !st) return st;  // the daemon dropped every hold
-    EXPERTD_CHECK_GT(in_flight_, 0);                    // a completion answers an acquire we sent
+    if (auto st = wait_completion(&c); !st) {
+      if (st.error().code != ETIMEDOUT) return st;  // the daemon dropped every hold
+      // The daemon may still answer: those completions are given back when they come.
+      abandoned_ = in_flight_;
+      release_quietly(out, n);
+      return st;
+    }
+    EXPERTD_CHECK_GT(in_flight_, 0);  // a completion answers an acquire we sent
     --in_flight_;
+    if (c.tag < tag0 && abandoned_ > 0) {
+      // The answer to an acquire an earlier call gave up on: give it back.
+      --abandoned_;
+      if (c.result >= 0 && static_cast<uint32_t>(c.result) < layout_.slot_count) {
+        ++held_[static_cast<uint32_t>(c.result)];
+        holds_.fetch_add(1, std::memory_order_relaxed);
+        (void)push_release(static_cast<uint32_t>(c.result));
+      }
+      continue;
+    }
     const uint64_t i = c.tag - tag0;
     if (c.tag < tag0 || i >= n || out[i].slot_data != nullptr || c.layer != layer ||
         c.expert != experts[i]) {
@@ -904,10 +947,7 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
     }
     ++done;
     if (c.result < 0) {
-      if (failed) {
-        failed = make_error(-c.result, fmt::format("acquire of layer {} expert {}: {}", layer,
-                                                   c.expert, std::strerror(-c.result)));
-      }
+      if (failed) failed = acquire_error(-c.result, layer, c.expert);
       continue;
     }
     if (auto st = fill_view(c, out[i]); !st) {
@@ -923,6 +963,43 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
     return failed;
   }
   return Ok{};
+}
+
+Error Session::acquire_error(int err, uint32_t layer, uint32_t expert) {
+  const std::string what = fmt::format("acquire of layer {} expert {}", layer, expert);
+  if (err != EBUSY && err != ETIMEDOUT) {
+    return make_error(err, fmt::format("{}: {}", what, std::strerror(err)));
+  }
+  // Why no slot: the daemon's numbers, one control call on this error path only.
+  std::string numbers;
+  const std::string model = layout_.name;
+  auto stats = conn_->call<Stats>([](Connection::State& s) {
+    return s.bootstrap.statsRequest().send().then([](auto r) { return wire::read(r.getStats()); });
+  });
+  if (stats) {
+    uint32_t sessions = 0;
+    uint32_t held = 0;
+    for (const SessionStats& ss : stats->sessions) {
+      if (ss.model != model) continue;
+      ++sessions;
+      held += ss.holds;
+    }
+    for (const ModelStats& m : stats->models) {
+      if (m.name != model) continue;
+      numbers = fmt::format(
+          ": model '{}' has {} slots ({} cache + {} staging), {} sessions hold {} of them (this "
+          "one {}), each reserving its top-k ({}) of the {} reserved",
+          model, m.cache_limit + m.staging_slots, m.cache_limit, m.staging_slots, sessions, held,
+          holds_.load(std::memory_order_relaxed), layout_.top_k, m.reserved_slots);
+    }
+  }
+  if (err == ETIMEDOUT) {
+    return make_error(ETIMEDOUT, fmt::format("{}: no cache slot free within {} ms{}", what,
+                                             daemon_timeout_ms_, numbers));
+  }
+  return make_error(EBUSY, fmt::format("{}: refused at once: this session holds the most slots "
+                                       "it may (its top-k and the slots no session reserves){}",
+                                       what, numbers));
 }
 
 Result<std::vector<SlotView>> Session::acquire(uint32_t layer, std::span<const uint32_t> experts) {

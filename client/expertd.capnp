@@ -53,7 +53,7 @@ struct SchedulerStats {
   hits @1 :UInt64;               # acquires that found the expert READY
   coalesced @2 :UInt64;          # acquires that joined a load in progress
   misses @3 :UInt64;             # acquires that started a load
-  busy @4 :UInt64;               # acquires refused: no slot and the wait queue full
+  busy @4 :UInt64;               # acquires refused at once (EBUSY): the session at its slot bound, or the wait queue full
   prefetchHints @5 :UInt64;      # prefetch hints received (resident experts included)
   prefetchLoads @6 :UInt64;      # loads the hints started
   prefetchDropped @7 :UInt64;    # hints passed by the cursor or pushed out of a full queue
@@ -72,6 +72,7 @@ struct SchedulerStats {
   prefetchStaged @20 :UInt64;    # prefetch loads streamed through the staging ring
   prefetchRefused @21 :UInt64;   # prefetches refused a cache slot that needed an eviction
   prefetchSkipped @22 :UInt64;   # hints not read: calibrated probability below break-even
+  acquireTimeouts @23 :UInt64;   # acquires that found no slot within the acquire deadline (ETIMEDOUT)
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -104,8 +105,9 @@ struct ModelStats {
   # The running estimate of hint precision per depth 1..8 (docs/CACHE.md "Prefetch admission and
   # automatic depth"): the calibrated probability the admission rule uses.
   hintPrecision @12 :List(Float64);
-  diskBusy @13 :Float64;          # fraction of active time reads were in flight at depth 0; -1 unmeasured
-  prefetchAutoNeed @14 :Float64;  # the hint precision auto mode asks of a depth now
+  reservedSlots @13 :UInt32;     # slots the attached sessions reserve (top-k each)
+  diskBusy @14 :Float64;          # fraction of active time reads were in flight at depth 0; -1 unmeasured
+  prefetchAutoNeed @15 :Float64;  # the hint precision auto mode asks of a depth now
 }
 
 struct SessionStats {
@@ -163,7 +165,7 @@ interface Expertd {
       -> (session :Session, sessionId :UInt32, arenaBytes :UInt64, slotTableBytes :UInt64,
           sessionBytes :UInt64, requestCapacity :UInt32, completionCapacity :UInt32,
           arena :Fd, slotTable :Fd, sessionRegion :Fd, requestDoorbell :Fd,
-          completionDoorbell :Fd);
+          completionDoorbell :Fd, acquireTimeoutMs :UInt32);
   stats @3 () -> (stats :Stats);
   # depth 0xFFFFFFFF: auto (chosen per model from the measured hint precision).
   setPrefetchDepth @4 (depth :UInt32) -> ();

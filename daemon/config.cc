@@ -147,6 +147,7 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   }
   EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
+  EXPERTD_TRY(read_uint(path, t, "acquire_timeout_ms", c.acquire_timeout_ms));
   std::string chunk;
   EXPERTD_TRY(read_string(path, t, "chunk", chunk));
   if (!chunk.empty() && chunk != "auto") {
@@ -212,6 +213,11 @@ Status validate_config(const DaemonConfig& c) {
   }
   if (c.max_sessions == 0 || c.max_sessions > 4096) {
     return make_error(EINVAL, fmt::format("max_sessions {}: must be 1..4096", c.max_sessions));
+  }
+  if (c.acquire_timeout_ms < kMinAcquireTimeoutMs || c.acquire_timeout_ms > kMaxAcquireTimeoutMs) {
+    return make_error(EINVAL,
+                      fmt::format("acquire_timeout_ms {}: must be {}..{}", c.acquire_timeout_ms,
+                                  kMinAcquireTimeoutMs, kMaxAcquireTimeoutMs));
   }
   bool known_policy = c.policy == "default";
   for (const auto p : policy_names()) known_policy |= p == c.policy;

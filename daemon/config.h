@@ -23,6 +23,9 @@ inline constexpr uint32_t kMaxPrefetchDepth = 64;
 // (cache/scheduler.h, docs/CACHE.md "Prefetch admission and automatic depth").
 inline constexpr uint32_t kPrefetchDepthAutoValue = 0xffffffffu;
 inline constexpr uint32_t kMaxQueueDepth = 4096;
+// An acquire's wait for a slot: at least a reactor sleep (100 ms), at most 10 minutes.
+inline constexpr uint32_t kMinAcquireTimeoutMs = 100;
+inline constexpr uint32_t kMaxAcquireTimeoutMs = 600'000;
 
 struct ModelConfig {
   std::string name;  // what clients open it by
@@ -45,6 +48,8 @@ struct DaemonConfig {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t max_sessions = 64;
+  // An acquire that finds no slot waits at most this long, then fails with ETIMEDOUT.
+  uint32_t acquire_timeout_ms = 10'000;
 };
 
 // Every key the configuration file may hold, and the flag that overrides it. The loader accepts
@@ -68,6 +73,7 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"allowed_uids", "--allow-uid"},
     {"allowed_gids", "--allow-gid"},
     {"max_sessions", "--max-sessions"},
+    {"acquire_timeout_ms", "--acquire-timeout-ms"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
 };
 

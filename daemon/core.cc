@@ -185,6 +185,7 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
     so.scheduler.chunk_bytes = read.chunk_bytes;
     so.scheduler.prefetch_depth = config.prefetch_depth;
     so.scheduler.max_sessions = config.max_sessions;
+    so.scheduler.acquire_timeout_ns = uint64_t{config.acquire_timeout_ms} * 1'000'000;
     // Staging slots: the configured bytes, at least 2 slots (one streams while one is held).
     SliceMap probe_map;
     EXPERTD_TRY_ASSIGN(probe_map, SliceMap::build(opened[i]));
@@ -205,6 +206,22 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
                         fmt::format("model '{}': {}", m->name, store.error().message));
     }
     m->store = std::move(*store);
+    {
+      // Each session reserves its top-k at attach (docs/CACHE.md "Reservations"). A warning, not
+      // a refusal: max_sessions bounds every model's sessions together, and attach refuses the
+      // session that does not fit with the numbers.
+      const Scheduler& sched = m->store->scheduler();
+      const uint64_t top_k = std::max<uint32_t>(m->store->slice_map().top_k(), 1);
+      const uint64_t need = top_k * config.max_sessions;
+      if (sched.capacity() < need) {
+        spdlog::warn(
+            "model '{}': {} slots ({} cache + {} staging) hold the top-k ({}) of {} sessions, "
+            "not max_sessions {} ({} slots): attach refuses sessions beyond {}",
+            m->name, sched.capacity(), m->store->cache().slot_count(),
+            m->store->staging().slot_count(), top_k, sched.capacity() / top_k, config.max_sessions,
+            need, sched.capacity() / top_k);
+      }
+    }
     if (config.verify) {
       if (!make_checker) {
         return make_error(EINVAL,
@@ -374,6 +391,9 @@ void DaemonCore::run() {
     for (auto& s : sessions_) {
       if (s && !s->closed) s->req->waiting.value.store(0, std::memory_order_relaxed);
     }
+    // Acquires that waited their deadline for a slot (at most one reactor sleep late).
+    const uint64_t now_ns = monotonic_ns();
+    for (auto& m : models_) m->store->scheduler().expire(now_ns);
     if (n < 0) {
       spdlog::error("reactor: backend wait failed: {}", std::strerror(-n));
       continue;  // no progress stamp: the watchdog notices a reactor that keeps failing
@@ -445,6 +465,24 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
     return make_error(EBUSY,
                       fmt::format("all {} sessions are in use (max_sessions)", sessions_.size()));
   }
+  // The session's reservation (docs/CACHE.md "Reservations"): refused now, with the numbers, when
+  // the slots cannot hold one more top-k beside the others'.
+  Scheduler& sched = models_[model]->store->scheduler();
+  const uint32_t top_k = std::max<uint32_t>(models_[model]->store->slice_map().top_k(), 1);
+  if (uint64_t{sched.reserved()} + top_k > sched.capacity()) {
+    ExpertStore& st = *models_[model]->store;
+    const uint32_t attached = sched.reserved() / top_k;
+    const uint32_t pinned = st.cache().pinned_count();
+    return make_error(
+        EBUSY,
+        fmt::format("model '{}': no room for another session: its {} slots ({} cache + {} "
+                    "staging{}) hold the top-k ({}) of {} sessions, and {} are attached; "
+                    "{} sessions need at least {} slots of {} (--cache, --staging)",
+                    model_name, sched.capacity(), st.cache().limit(), st.staging().slot_count(),
+                    pinned ? fmt::format(" - {} pinned", pinned) : std::string(), top_k,
+                    sched.capacity() / top_k, attached, attached + 1,
+                    uint64_t{attached + 1} * top_k, human_bytes(st.layouts().slot_bytes())));
+  }
   auto s = std::make_unique<Session>();
   s->id = id;
   s->model = model;
@@ -493,8 +531,14 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
       return make_error(err, fmt::format("dup of a session fd: {}", std::strerror(err)));
     }
   }
-  // Last: no failure after it can leave the fd of a session that never was watched.
-  EXPERTD_TRY(io_->watch(s->request_fd.get(), kSessionTag | id));
+  // Last: no failure after it can leave the fd of a session that never was watched, or a
+  // reservation nobody holds.
+  EXPERTD_CHECK(sched.reserve_session(id, top_k));  // checked above, on this thread
+  if (auto st = io_->watch(s->request_fd.get(), kSessionTag | id); !st) {
+    sched.drop_session(id);
+    return st.take_error();
+  }
+  a.acquire_timeout_ms = config_.acquire_timeout_ms;
   a.arena_bytes = store.arena().size();
   a.slot_table_bytes = store.slot_table().size();
   a.session_bytes = s->region.size();
@@ -789,6 +833,7 @@ DaemonStats DaemonCore::stats() const {
     ms.layer_hits = m->layer_hits;
     ms.layer_misses = m->layer_misses;
     ms.reads_in_flight = sched.reads_in_flight();
+    ms.reserved_slots = sched.reserved();
     d.models.push_back(std::move(ms));
   }
   for (const auto& s : sessions_) {
@@ -834,6 +879,17 @@ Status DaemonCore::set_policy(const std::string& policy) {
 Status DaemonCore::pin(const std::string& model, uint32_t layer, uint32_t expert, bool pinned) {
   for (auto& m : models_) {
     if (m->name != model) continue;
+    const int32_t slot = m->store->cache().lookup({layer, expert});
+    const bool newly =
+        pinned && slot >= 0 && !m->store->cache().pinned(static_cast<uint32_t>(slot));
+    const Scheduler& sched = m->store->scheduler();
+    if (newly && sched.capacity() <= sched.reserved()) {
+      // A pinned slot serves no reservation (docs/CACHE.md "Reservations").
+      return make_error(EBUSY,
+                        fmt::format("model '{}': cannot pin layer {} expert {}: the "
+                                    "attached sessions reserve {} of the {} unpinned slots",
+                                    model, layer, expert, sched.reserved(), sched.capacity()));
+    }
     if (!m->store->cache().set_pinned({layer, expert}, pinned)) {
       return make_error(ENOENT, fmt::format("model '{}' layer {} expert {} is not in the cache "
                                             "(acquire it first)",
@@ -866,6 +922,17 @@ Status DaemonCore::set_cache_limit(const std::string& model, uint32_t slots) {
                                             "slots of {} KiB (0 = all of them)",
                                             model, slots, cache.slot_count(),
                                             m->store->layouts().slot_bytes() / 1024));
+    }
+    // The sessions' reservations must still fit (docs/CACHE.md "Reservations").
+    const Scheduler& sched = m->store->scheduler();
+    const uint32_t limit = slots == 0 ? cache.slot_count() : slots;
+    const uint64_t room = uint64_t{limit} + m->store->staging().slot_count();
+    if (room < uint64_t{sched.reserved()} + cache.pinned_count()) {
+      return make_error(EBUSY, fmt::format("model '{}': cache limit {} slots: the attached "
+                                           "sessions reserve {} slots (their top-k each) and {} "
+                                           "are pinned, and {} + {} staging slots cannot hold them",
+                                           model, limit, sched.reserved(), cache.pinned_count(),
+                                           limit, m->store->staging().slot_count()));
     }
     const uint32_t evicted = cache.set_limit(slots);
     spdlog::info("tuning: model '{}' cache limit {} of {} slots ({} evicted)", model, cache.limit(),

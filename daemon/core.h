@@ -65,6 +65,7 @@ struct Attachment {
   uint64_t session_bytes = 0;
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
+  uint32_t acquire_timeout_ms = 0;  // an acquire waits at most this long for a slot
 };
 
 // One of a model's files (a shard of a split model) opened for a client: read-only, the same file

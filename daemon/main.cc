@@ -40,6 +40,7 @@ struct Flags {
   std::string prefetch_depth;  // "auto" or a number; empty: not given
   int64_t queue_depth = -1;
   int64_t max_sessions = -1;
+  int64_t acquire_timeout_ms = -1;
   std::vector<int64_t> allow_uids, allow_gids;
   bool verify = false, verify_given = false;           // --verify[=false]
   bool lock_memory = true, lock_memory_given = false;  // --lock-memory[=false], --no-mlock
@@ -100,6 +101,7 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   }
   if (f.queue_depth >= 0) c.queue_depth = static_cast<uint32_t>(f.queue_depth);
   if (f.max_sessions >= 0) c.max_sessions = static_cast<uint32_t>(f.max_sessions);
+  if (f.acquire_timeout_ms >= 0) c.acquire_timeout_ms = static_cast<uint32_t>(f.acquire_timeout_ms);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
   if (f.verify_given) c.verify = f.verify;
@@ -317,6 +319,11 @@ int main(int argc, char** argv) {
   app.add_option("--allow-gid", f.allow_gids, "Also allow this gid on the socket; repeatable")
       ->check(u32);
   app.add_option("--max-sessions", f.max_sessions, "Sessions attached at once, 1..4096 (64)")
+      ->check(u32);
+  app.add_option("--acquire-timeout-ms", f.acquire_timeout_ms,
+                 fmt::format("An acquire that finds no cache slot fails with ETIMEDOUT after this "
+                             "long, {}..{} ms (10000)",
+                             expertd::kMinAcquireTimeoutMs, expertd::kMaxAcquireTimeoutMs))
       ->check(u32);
   app.add_flag("--verify", f.verify,
                "Check every expert read from a forged model against its content (tests); "

@@ -216,6 +216,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
           r.setSessionRegion(kj::heap<FdImpl>(std::move(a.session_fd)));
           r.setRequestDoorbell(kj::heap<FdImpl>(std::move(a.request_doorbell)));
           r.setCompletionDoorbell(kj::heap<FdImpl>(std::move(a.completion_doorbell)));
+          r.setAcquireTimeoutMs(a.acquire_timeout_ms);
         });
   }
 

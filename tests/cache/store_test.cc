@@ -34,25 +34,32 @@ std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
   return info.param == BackendKind::Uring ? "uring" : "pread";
 }
 
-// Loads every expert of the model once and checks every byte.
+// Loads every expert of the model once and checks every byte. One session, never more acquires
+// held or waiting than the slots it may hold (Scheduler::session_bound): a session at its bound is
+// refused, since it could only wait for its own releases.
 void load_all_and_verify(Harness& h) {
   const SliceMap& map = h.store->slice_map();
-  uint64_t tag = 0;
-  std::map<uint64_t, ExpertKey> want;
+  std::vector<ExpertKey> keys;
   for (const auto& layer : map.layers()) {
-    for (uint32_t e = 0; e < map.expert_count(); ++e) {
-      want[++tag] = ExpertKey{layer.layer, e};
-      ASSERT_EQ(h.sched().acquire(0, {layer.layer, e}, tag), 0);
-    }
+    for (uint32_t e = 0; e < map.expert_count(); ++e) keys.push_back(ExpertKey{layer.layer, e});
   }
-  // Release holds as completions arrive so a cache smaller than the model keeps going.
+  const uint32_t bound = h.sched().session_bound(0);
+  ASSERT_GT(bound, 0u);
+  std::map<uint64_t, ExpertKey> want;
   size_t seen = 0;
-  for (int spins = 0; seen < want.size() && spins < 100000; ++spins) {
+  size_t issued = 0;
+  for (int spins = 0; seen < keys.size() && spins < 100000; ++spins) {
+    // Released as completions arrive, so a cache smaller than the model keeps going.
+    for (; issued < keys.size() && issued - seen < bound; ++issued) {
+      want[issued + 1] = keys[issued];
+      ASSERT_EQ(h.sched().acquire(0, keys[issued], issued + 1), 0);
+    }
     ASSERT_GE(h.reactor->run_once(10, {}), 0);
     for (; seen < h.sink.done.size(); ++seen) {
       const Completion& c = h.sink.done[seen];
       ASSERT_GE(c.slot, 0) << "layer " << c.key.layer << " expert " << c.key.expert << ": "
                            << std::strerror(-c.slot);
+      EXPECT_EQ(want[c.tag], c.key);
       h.verifier->loaded(c.key, static_cast<uint32_t>(c.slot),
                          h.store->slot_data(static_cast<uint32_t>(c.slot)), 0);
       ASSERT_EQ(h.sched().release(0, static_cast<uint32_t>(c.slot)), 0);
@@ -177,7 +184,13 @@ TEST_P(Backends, HeldExpertsSurvivePressureAndBusyIsReportedNotHung) {
   const Completion d = h.get({0, 3});
   ASSERT_GE(d.slot, 0);
   h.sink.done.clear();
-  ASSERT_EQ(h.sched().acquire(0, {1, 0}, 99), 0);
+  // The session that holds every slot could only wait for itself: refused at once.
+  ASSERT_EQ(h.sched().acquire(0, {1, 1}, 98), 0);
+  ASSERT_EQ(h.sink.done.size(), 1u);
+  EXPECT_EQ(h.sink.done[0].slot, -EBUSY);
+  h.sink.done.clear();
+  // Another session waits for a release.
+  ASSERT_EQ(h.sched().acquire(1, {1, 0}, 99), 0);
   for (int i = 0; i < 20; ++i) h.reactor->run_once(5, {});
   EXPECT_TRUE(h.sink.done.empty()) << "no slot is free: the acquire waits";
   // The held experts are still there, byte-exact.

@@ -12,8 +12,9 @@
 // for completions, then sleeps on an eventfd; a daemon that dies (the RPC connection drops) or
 // closes the session (header `closed`) turns every later call into a clear error.
 //
-// Control calls time out after 30 s (a daemon that is alive but stuck). Like every kj program, a
-// Client sets SIGPIPE to ignored for the process.
+// Control calls time out after 30 s (a daemon that is alive but stuck); an acquire's wait for
+// each completion after the daemon's acquire deadline plus 5 s (set_wait_timeout_ms). Like every kj
+// program, a Client sets SIGPIPE to ignored for the process.
 //
 // Lifetimes: a Session keeps its Client's connection alive; destroying the Session detaches it
 // (the daemon releases every slot it still holds). Pointers in a SlotView stay valid while the
@@ -139,6 +140,13 @@ class Session {
 
   // Spin this long for a completion before sleeping on the eventfd.
   void set_spin_us(uint32_t us) { spin_ns_ = uint64_t{us} * 1000; }
+  // How long an acquire waits for each completion before it fails with ETIMEDOUT (the daemon is
+  // stopped or wedged). Default: the daemon's acquire deadline plus 5 s, so the daemon's own
+  // error (a slot not free in time) comes first; 30 s with a daemon that has none.
+  void set_wait_timeout_ms(uint32_t ms) { wait_timeout_ns_ = uint64_t{ms} * 1'000'000; }
+  uint32_t wait_timeout_ms() const { return static_cast<uint32_t>(wait_timeout_ns_ / 1'000'000); }
+  // The daemon's deadline for an acquire that waits for a slot (0: a daemon without one).
+  uint32_t daemon_acquire_timeout_ms() const { return daemon_timeout_ms_; }
 
  private:
   friend class Client;
@@ -156,6 +164,9 @@ class Session {
   bool poll_completion(abi::CompletionEntry* out);
   Status wait_completion(abi::CompletionEntry* out);
   Status fill_view(const abi::CompletionEntry& c, SlotView& view) const;
+  // The error of an acquire the daemon completed with -err; for EBUSY and ETIMEDOUT (no slot) it
+  // names the model's slots and who holds them (a stats call).
+  Error acquire_error(int err, uint32_t layer, uint32_t expert);
   void release_quietly(std::span<const SlotView> views, size_t count);
   Status push_release(uint32_t slot, uint32_t flags = 0);
 
@@ -188,10 +199,13 @@ class Session {
   uint32_t req_tail_ = 0;   // ours: the next request to write
   uint32_t comp_head_ = 0;  // ours: the next completion to read
   uint32_t in_flight_ = 0;  // acquires sent, completions not yet read
+  uint32_t abandoned_ = 0;  // of those, acquires a timed-out call gave up on (released on arrival)
   uint64_t next_tag_ = 1;
   std::atomic<uint32_t> holds_{0};  // read by holds() from any thread
   std::vector<uint32_t> held_;      // per slot: holds taken by acquires, not yet released
   uint64_t spin_ns_ = 30'000;
+  uint64_t wait_timeout_ns_ = 30'000'000'000;
+  uint32_t daemon_timeout_ms_ = 0;
   bool detached_ = false;
   bool watching_ = false;  // completion_fd_ is registered with the connection
   std::mutex mu_;
