@@ -16,7 +16,7 @@ usage: scripts/soak.sh [--minutes N] [--clients N] [--restart-every M] [--faults
   --restart-every M   restart expertd (SIGTERM, start again) every M minutes under the clients;
                       0: never (default 5)
   --faults SPEC       inject read faults with expertd-test: the value of its fault hook
-                      (EXPERTD_TEST_FAULTS), e.g. eio=0.01; default eio=0.01 when the binary has
+                      (EXPERTD_TEST_FAULTS), e.g. eio=0.01; default eio=0.01,short=0.01,eagain=0.01 when it has
                       the hook, none when it has not (the summary says which)
   --bin DIR           the build's bin directory (default build/bin)
   --work DIR          where the model, logs and figures go (default a new /tmp/expertd-soak.*)
@@ -66,7 +66,7 @@ daemon_bin=expertd
 daemon_env=()
 fault_note="none (expertd has no fault hook in this build)"
 if grep -aq EXPERTD_TEST_FAULTS "$bin/expertd-test"; then
-  [ "$faults" = default ] && faults=eio=0.01
+  [ "$faults" = default ] && faults=eio=0.01,short=0.01,eagain=0.01
   if [ "$faults" != none ]; then
     daemon_bin=expertd-test
     daemon_env=("EXPERTD_TEST_FAULTS=$faults")
