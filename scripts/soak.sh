@@ -16,8 +16,8 @@ usage: scripts/soak.sh [--minutes N] [--clients N] [--restart-every M] [--faults
   --restart-every M   restart expertd (SIGTERM, start again) every M minutes under the clients;
                       0: never (default 5)
   --faults SPEC       inject read faults with expertd-test: the value of its fault hook
-                      (EXPERTD_TEST_FAULTS), e.g. eio=0.01; default eio=0.01,short=0.01,eagain=0.01 when it has
-                      the hook, none when it has not (the summary says which)
+                      (EXPERTD_TEST_FAULTS); default eio=0.01,short=0.01,eagain=0.01 when it
+                      has the hook, none when it has not (the summary says which); none: off
   --bin DIR           the build's bin directory (default build/bin)
   --work DIR          where the model, logs and figures go (default a new /tmp/expertd-soak.*)
   --rss-slack-mib N   RSS growth allowed between the first and the last sample of one daemon

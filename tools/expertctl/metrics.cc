@@ -10,7 +10,7 @@
 //   Text, and kInfoFields   labels of one NAME_info gauge (value 1) per struct;
 //   a struct                its fields under the same prefix and labels;
 //   a list of structs       each element under the prefix of kElements, labelled by its key;
-//   a list of numbers       one sample per element, labelled by kIndexes (layer, depth).
+//   a list of numbers       one sample per element, labelled by kIndexes (layer, shard, depth).
 // HELP is the field's trailing comment in the schema (EXPERTD_ALL_FIELD_DOCS, generated).
 //
 // Hand-written rather than prometheus-cpp (Debian 12's 1.0.1): its serializer leaves newlines in
@@ -63,16 +63,31 @@ constexpr Element kElements[] = {
     {"prefetchDepths", "prefetch_depth_", "depth", "depth"},
 };
 
-// A list of numbers: the label of an element's position, and the value of position 0.
+// A list of numbers: the label of an element's position, and the value of position 0. Found by
+// the list's name, else by its first word (layerHits: layer, shardReadRetries: shard), else the
+// label is `index`.
 struct Index {
   std::string_view list, label;
   uint32_t first;
 };
 constexpr Index kIndexes[] = {
-    {"layerHits", "layer", 0},
-    {"layerMisses", "layer", 0},
     {"hintPrecision", "depth", 1},
+    {"layer", "layer", 0},
+    {"shard", "shard", 0},
 };
+
+const Index* find_index(std::string_view list) {
+  for (const auto& e : kIndexes) {
+    if (list == e.list) return &e;
+  }
+  for (const auto& e : kIndexes) {
+    if (list.size() > e.list.size() && list.starts_with(e.list) && list[e.list.size()] >= 'A' &&
+        list[e.list.size()] <= 'Z') {
+      return &e;
+    }
+  }
+  return nullptr;
+}
 
 template <typename T, size_t N>
 const T* find_by_list(const T (&table)[N], std::string_view list) {
@@ -263,7 +278,7 @@ void walk_list(capnp::DynamicList::Reader list, std::string_view field, std::str
     return;
   }
   if (!is_number(element.which())) return;
-  const Index* ix = find_by_list(kIndexes, field);
+  const Index* ix = find_index(field);
   for (uint32_t i = 0; i < list.size(); ++i) {
     Labels l = labels;
     l.emplace_back(ix ? std::string(ix->label) : "index", std::to_string(i + (ix ? ix->first : 0)));
