@@ -42,6 +42,7 @@ string(REPLACE ";" "<SEMI>" content "${content}")
 string(REPLACE "[" "<LBR>" content "${content}")
 string(REPLACE "]" "<RBR>" content "${content}")
 string(REPLACE "\n" ";" lines "${content}")
+set(docs "")           # every field with its comment, for EXPERTD_ALL_FIELD_DOCS
 set(stack "")          # open braces: a struct's name, or "-" for anything else (interfaces)
 set(structs "")        # struct paths in order of appearance (ModelLayout, ModelLayout_Slice, ...)
 foreach(line IN LISTS lines)
@@ -73,6 +74,9 @@ foreach(line IN LISTS lines)
   if(current AND code MATCHES "^([a-z][A-Za-z0-9]*) +@([0-9]+) *: *([A-Za-z0-9_.()]+) *(=.*)?<SEMI>$")
     set(field "${CMAKE_MATCH_1}")
     set(type "${CMAKE_MATCH_3}")
+    string(REPLACE "\\" "\\\\" doc "${comment}")
+    string(REPLACE "\"" "\\\"" doc "${doc}")
+    string(APPEND docs " \\\n  X(\"${current}\", \"${field}\", \"${doc}\")")
     if(DEFINED cxx_${type})
       to_snake(snake "${field}")
       string(SUBSTRING "${field}" 0 1 first)
@@ -149,6 +153,14 @@ foreach(s IN LISTS structs)
   endif()
   string(APPEND out "\n#define ${macro}(X)${fields_${s}}\n")
 endforeach()
+
+# Every field of every struct, lists and nested structs included, with its trailing comment:
+# X("Struct_Nested", "camelName", "description") (expertctl metrics' HELP lines).
+string(REPLACE "<SEMI>" ";" docs "${docs}")
+string(REPLACE "<LBR>" "[" docs "${docs}")
+string(REPLACE "<RBR>" "]" docs "${docs}")
+string(APPEND out "\n// Every field of every struct (lists and structs too): X(\"Struct\", \"camelName\", \"description\").
+#define EXPERTD_ALL_FIELD_DOCS(X)${docs}\n")
 
 file(WRITE "${OUTPUT}.tmp" "${out}")
 file(COPY_FILE "${OUTPUT}.tmp" "${OUTPUT}" ONLY_IF_DIFFERENT)

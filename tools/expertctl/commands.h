@@ -17,4 +17,7 @@ void add_daemon_commands(CLI::App& app, std::function<int()>* run);
 // Registers `top`, the live view (top.cc).
 void add_top_command(CLI::App& app, std::function<int()>* run);
 
+// Registers `metrics`, the stats in Prometheus text format (metrics.cc).
+void add_metrics_command(CLI::App& app, std::function<int()>* run);
+
 }  // namespace expertctl

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   expertctl::add_inspect_command(app, &run);
   expertctl::add_daemon_commands(app, &run);
   expertctl::add_top_command(app, &run);
+  expertctl::add_metrics_command(app, &run);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }
