@@ -72,6 +72,7 @@ struct SchedulerStats {
   prefetchStaged @20 :UInt64;    # prefetch loads streamed through the staging ring
   prefetchRefused @21 :UInt64;   # prefetches refused a cache slot that needed an eviction
   prefetchSkipped @22 :UInt64;   # hints not read: calibrated probability below break-even
+  readRetries @23 :UInt64;       # reads resubmitted after EIO or an early end of file, with backoff
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -104,6 +105,11 @@ struct ModelStats {
   # The running estimate of hint precision per depth 1..8 (docs/CACHE.md "Prefetch admission and
   # automatic depth"): the calibrated probability the admission rule uses.
   hintPrecision @12 :List(Float64);
+  shardLoadsFailed @13 :List(UInt64);  # per shard (model file): loads that ended in a read error
+  shardReadRetries @14 :List(UInt64);  # per shard: reads retried after EIO or an early end of file
+  # Empty while the model is served; else why it is not (its file changed under the daemon:
+  # docs/STORAGE.md "Files changed under the daemon").
+  fileChanged @15 :Text;
 }
 
 struct SessionStats {

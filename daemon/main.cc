@@ -189,6 +189,48 @@ expertd::Status check_socket(const std::string& path) {
   return expertd::Ok{};
 }
 
+#if EXPERTD_TEST_HOOKS
+// "eio=R,short=R,eagain=R,seed=N,eio_range=FILE:OFFSET:BYTES" (any subset, comma-separated):
+// the fault injector's options (storage/reader.h FaultOptions) for the chaos tests.
+expertd::Result<expertd::FaultOptions> parse_test_faults(const std::string& spec) {
+  expertd::FaultOptions f;
+  size_t at = 0;
+  while (at <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, comma - at);
+    at = comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* end = nullptr;
+    if (key == "eio" || key == "short" || key == "eagain") {
+      const double r = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end != 0 || !(r >= 0 && r <= 1)) {
+        return expertd::make_error(EINVAL, fmt::format("{}={}: a rate in [0, 1]", key, value));
+      }
+      (key == "eio" ? f.eio_rate : key == "short" ? f.short_rate : f.eagain_rate) = r;
+    } else if (key == "seed") {
+      f.seed = std::strtoull(value.c_str(), &end, 10);
+    } else if (key == "eio_range") {
+      unsigned file = 0;
+      unsigned long long offset = 0;
+      unsigned long long bytes = 0;
+      if (std::sscanf(value.c_str(), "%u:%llu:%llu", &file, &offset, &bytes) != 3) {
+        return expertd::make_error(EINVAL,
+                                   fmt::format("eio_range={}: FILE:OFFSET:BYTES expected", value));
+      }
+      f.eio_file = file;
+      f.eio_offset = offset;
+      f.eio_bytes = bytes;
+    } else {
+      return expertd::make_error(EINVAL, fmt::format("unknown key '{}'", key));
+    }
+  }
+  return f;
+}
+#endif
+
 int run(const Flags& flags) {
   auto config = load(flags);
   if (!config) {
@@ -204,6 +246,21 @@ int run(const Flags& flags) {
   }
   // --verify checks every load against expert-forge's content function; the forge is linked
   // here, into the binary, not into the daemon's core library.
+  expertd::BackendWrapper wrap_backend;
+#if EXPERTD_TEST_HOOKS  // expertd-test only (daemon/CMakeLists.txt); never in expertd
+  if (const char* hook = std::getenv("EXPERTD_TEST_FAULTS"); hook != nullptr && *hook) {
+    auto faults = parse_test_faults(hook);
+    if (!faults) {
+      spdlog::critical("EXPERTD_TEST_FAULTS: {}", faults.error().message);
+      return 1;
+    }
+    spdlog::warn("test hook EXPERTD_TEST_FAULTS is set: reads fail on purpose ({})", hook);
+    wrap_backend = [f = *faults](std::unique_ptr<expertd::ReadBackend> inner) {
+      return std::unique_ptr<expertd::ReadBackend>(
+          expertd::make_faulty_backend(std::move(inner), f));
+    };
+  }
+#endif
   auto core = expertd::DaemonCore::create(
       *config,
       [](const expertd::ExpertStore& store)
@@ -211,7 +268,8 @@ int run(const Flags& flags) {
         auto v = expertd::ForgeVerifier::create(store.model(), store.slice_map(), store.layouts());
         if (!v) return v.take_error();
         return std::unique_ptr<expertd::LoadChecker>(std::move(*v));
-      });
+      },
+      wrap_backend);
   if (!core) {
     spdlog::critical("{}", core.error().message);
     return 1;
