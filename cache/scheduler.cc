@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "base/check.h"
+#include "cache/checksums.h"
 
 namespace expertd {
 
@@ -524,7 +525,27 @@ void Scheduler::set_unavailable(int error) {
 void Scheduler::finish_load(uint32_t id) {
   Load& l = loads_[id];
   ExpertCache& owner = owner_of(l.slot);
-  const int err = l.cancelled ? -ECANCELED : l.error;
+  int err = l.cancelled ? -ECANCELED : l.error;
+  if (err == 0 && !checksums_.empty()) {
+    const uint64_t sum = expert_checksum(slot_data(l.slot), {l.slices.data(), l.slice_count},
+                                         {l.place.data(), l.slice_count});
+    if (sum != checksums_[key_index(l.key)]) {
+      // The bytes arrived but are not the expert's: a disk or file system that returned wrong
+      // data, or a file changed in place without a new mtime.
+      err = -EBADMSG;
+      l.error = err;
+      l.error_shard = l.slices[0].shard;
+      ++stats_.checksum_mismatches;
+      failure_ring_[failures_ % kFailureRing] = LoadFailure{l.key,
+                                                            l.slices[0].shard,
+                                                            files_[l.slices[0].shard],
+                                                            l.slices[0].offset,
+                                                            static_cast<uint32_t>(l.bytes_planned),
+                                                            err,
+                                                            0};
+      ++failures_;
+    }
+  }
   slot_load_[l.slot] = -1;
   if (err != 0) {
     owner.failed(l.slot);

@@ -203,6 +203,10 @@ class Scheduler final : private EvictionListener {
   // Forgets the estimates (a sweep's settings start equal; evict_all restarts a model's history).
   void reset_estimates();
   void set_observer(LoadObserver* observer) { observer_ = observer; }
+  // Checks every load against these checksums (a ChecksumManifest's table, per key_index) before
+  // the expert becomes READY; a mismatch fails the load with EBADMSG. Empty: no check. The table
+  // must outlive the scheduler.
+  void set_checksums(std::span<const uint64_t> table) { checksums_ = table; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }
@@ -376,7 +380,8 @@ class Scheduler final : private EvictionListener {
   std::vector<uint64_t> shard_retries_;  // per shard: EIO / early-EOF retries
   std::array<LoadFailure, kFailureRing> failure_ring_{};
   uint64_t failures_ = 0;
-  int unavailable_ = 0;                   // errno every acquire gets, once the model's file changed
+  int unavailable_ = 0;  // errno every acquire gets, once the model's file changed
+  std::span<const uint64_t> checksums_;
   std::vector<uint32_t> demand_queue_;    // loads with demand and chunks left to submit (FIFO)
   std::vector<uint32_t> prefetch_queue_;  // prefetch loads with chunks left to submit
   std::vector<Hint> hints_;               // queued prefetch hints (fixed capacity)

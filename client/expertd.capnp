@@ -73,6 +73,7 @@ struct SchedulerStats {
   prefetchRefused @21 :UInt64;   # prefetches refused a cache slot that needed an eviction
   prefetchSkipped @22 :UInt64;   # hints not read: calibrated probability below break-even
   readRetries @23 :UInt64;       # reads resubmitted after EIO or an early end of file, with backoff
+  checksumMismatches @24 :UInt64;  # loads whose bytes did not match the checksum manifest
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint

@@ -45,6 +45,10 @@ struct DaemonConfig {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t max_sessions = 64;
+  // Check every load against a per-expert XXH3 manifest, built at the first start with it on and
+  // kept in state_directory (docs/STORAGE.md "Content checksums").
+  bool checksums = false;
+  std::string state_directory = "/var/lib/expertd";  // systemd's StateDirectory=expertd
 };
 
 // Every key the configuration file may hold, and the flag that overrides it. The loader accepts
@@ -69,6 +73,8 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"allowed_gids", "--allow-gid"},
     {"max_sessions", "--max-sessions"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
+    {"checksums", "--checksums"},
+    {"state_directory", "--state-dir"},
 };
 
 // "auto" or an integer 0..kMaxPrefetchDepth; the error names `what` and the value.

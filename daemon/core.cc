@@ -15,6 +15,7 @@
 #include <random>
 
 #include "base/check.h"
+#include "cache/checksums.h"
 
 namespace expertd {
 
@@ -56,6 +57,7 @@ struct DaemonCore::Model {
   std::unique_ptr<Sink> sink;
   std::unique_ptr<ExpertStore> store;
   std::unique_ptr<LoadChecker> verifier;
+  ChecksumManifest checksums;  // with config.checksums: what the scheduler checks loads against
   uint32_t first_file = 0;
   uint32_t file_count = 0;
   std::vector<uint64_t> layer_hits;
@@ -224,6 +226,25 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
       }
       m->verifier = std::move(*v);
       m->store->scheduler().set_observer(m->verifier.get());
+    }
+    if (config.checksums) {
+      bool built = false;
+      std::string write_error;
+      const uint64_t t0 = monotonic_ns();
+      auto manifest =
+          ChecksumManifest::load_or_build(config.state_directory, m->name, m->store->model(),
+                                          m->store->slice_map(), &built, &write_error);
+      if (!manifest) {
+        return make_error(manifest.error().code, fmt::format("model '{}': checksums: {}", m->name,
+                                                             manifest.error().message));
+      }
+      m->checksums = std::move(*manifest);
+      if (!write_error.empty()) spdlog::warn("model '{}': {}", m->name, write_error);
+      spdlog::info("model '{}': checksums: {} {} ({} experts, {:.1f} s)", m->name,
+                   built ? "built" : "loaded", m->checksums.path(),
+                   m->store->slice_map().layers().size() * m->store->slice_map().expert_count(),
+                   static_cast<double>(monotonic_ns() - t0) / 1e9);
+      m->store->scheduler().set_checksums(m->checksums.table());
     }
     m->layer_hits.assign(m->store->slice_map().block_count(), 0);
     m->layer_misses.assign(m->store->slice_map().block_count(), 0);

@@ -43,6 +43,8 @@ struct Flags {
   std::vector<int64_t> allow_uids, allow_gids;
   bool verify = false, verify_given = false;           // --verify[=false]
   bool lock_memory = true, lock_memory_given = false;  // --lock-memory[=false], --no-mlock
+  bool checksums = false, checksums_given = false;     // --checksums[=false]
+  std::string state_dir;
   std::string log_level = "info";
 };
 
@@ -104,6 +106,8 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
   if (f.verify_given) c.verify = f.verify;
   if (f.lock_memory_given) c.lock_memory = f.lock_memory;
+  if (f.checksums_given) c.checksums = f.checksums;
+  if (!f.state_dir.empty()) c.state_directory = f.state_dir;
   return expertd::Ok{};
 }
 
@@ -381,11 +385,17 @@ int main(int argc, char** argv) {
                "--verify=false turns it off");
   app.add_flag("--lock-memory,!--no-mlock", f.lock_memory,
                "mlock the arena (default); --no-mlock or --lock-memory=false does not");
+  app.add_flag("--checksums", f.checksums,
+               "Check every expert read against a per-expert XXH3 manifest, built at the first "
+               "start and kept in the state directory; --checksums=false turns it off (default)");
+  app.add_option("--state-dir", f.state_dir,
+                 "Where expertd keeps its checksum manifests (default /var/lib/expertd)");
   app.add_option("--log-level", f.log_level, "trace, debug, info (default), warn, error");
   CLI11_PARSE(app, argc, argv);
   f.config_given = app.count("--config") > 0;
   f.verify_given = app.count("--verify") > 0;
   f.lock_memory_given = app.count("--lock-memory") > 0;
+  f.checksums_given = app.count("--checksums") > 0;
 
   // Block the signals before any thread starts so only the signalfd sees them.
   sigset_t mask;
