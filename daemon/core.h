@@ -17,6 +17,11 @@
 // outstanding acquires than its completion ring holds), logging why and storing the reason in the
 // session header. Holds are counted per session; detach (or the client's death, seen as the
 // control connection's hangup) releases all of them.
+//
+// Disk faults (docs/STORAGE.md). The reactor logs failed loads (rate-limited, LogLimit) and
+// checks each model's files against what create() opened, once a second and after every failed
+// load; a model whose file changed is no longer served (ESTALE, with the reason in stats, attach
+// and openModel) until a restart. The other models go on.
 #pragma once
 
 #include <sys/types.h>
