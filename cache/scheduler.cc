@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "base/check.h"
+#include "cache/checksums.h"
 
 namespace expertd {
 
@@ -62,6 +63,9 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
     chunks_[i].next_free = i + 1 < max_chunks ? i + 1 : kNil;
   free_chunk_ = 0;
   requeued_.reserve(max_chunks);
+  deferred_.reserve(max_chunks);
+  shard_failed_.assign(files_.size(), 0);
+  shard_retries_.assign(files_.size(), 0);
   // A load enters the prefetch queue once and the demand queue at most once more (when someone
   // starts waiting for it): twice max_loads bounds both, so pushes never reallocate.
   demand_queue_.reserve(2 * options_.max_loads);
@@ -228,6 +232,10 @@ int Scheduler::acquire(uint32_t session, ExpertKey key, uint64_t tag) {
   if (!valid(key) || session >= cursors_.size()) return -EINVAL;
   busy_.activity(monotonic_ns());
   ++stats_.acquires;
+  if (unavailable_ != 0) {
+    sink_.complete(Completion{session, tag, -unavailable_, 0, key});
+    return 0;
+  }
   count_recall(session, key);
   cache_.access(key);
   // At its bound a session could wait only for its own releases, which it cannot make while it
@@ -403,6 +411,8 @@ bool Scheduler::submit_chunk_of(uint32_t load) {
   Chunk& ch = chunks_[c];
   ch.load = load;
   ch.needed = static_cast<uint32_t>(needed);
+  ch.shard = s.shard;
+  ch.retries = 0;
   ch.op = ReadOp{};
   ch.op.file = files_[s.shard];
   ch.op.direct = true;
@@ -477,39 +487,49 @@ void Scheduler::on_read(ReadOp* op) {
   }
 
   bool done = true;
-  if (l.cancelled) {
-    // Nothing more to do for a cancelled load; let the read go.
+  if (l.cancelled || l.error != 0) {
+    // Nothing more to do for a cancelled or failed load; let the read go.
   } else if (res == -EAGAIN) {
     ++stats_.eagain_retries;
     done = false;
+  } else if (res == -EIO || (res == 0 && ch.needed > 0)) {
+    // A media error may be transient (a retried sector, a path failover), and a read that finds
+    // the end of file early may race a writer: both are worth a few tries before the expert fails.
+    op_finished();
+    if (retry_later(c, res < 0 ? res : -EIO)) return;
+    op_started();  // not retried: op_finished() below counts it out
   } else if (res < 0) {
-    if (l.error == 0) l.error = res;
+    l.error = res;
+    l.error_shard = ch.shard;
+    record_failure(c);
   } else if (static_cast<uint32_t>(res) < ch.needed) {
-    if (res == 0) {
-      if (l.error == 0) l.error = -EIO;  // the file ended before the slice did
-    } else {
-      ++stats_.short_reads;
-      op->offset += static_cast<uint32_t>(res);
-      op->dst += res;
-      op->len -= static_cast<uint32_t>(res);
-      ch.needed -= static_cast<uint32_t>(res);
-      const uint64_t a = layouts_.alignment();
-      if (op->direct && (op->offset % a != 0 || op->len % a != 0)) {
-        // O_DIRECT cannot resume mid-block: read exactly the rest through the buffered fd.
-        op->direct = false;
-        op->len = ch.needed;
-        ++stats_.buffered_requeues;
-      }
-      done = false;
+    ++stats_.short_reads;
+    op->offset += static_cast<uint32_t>(res);
+    op->dst += res;
+    op->len -= static_cast<uint32_t>(res);
+    ch.needed -= static_cast<uint32_t>(res);
+    const uint64_t a = layouts_.alignment();
+    if (op->direct && (op->offset % a != 0 || op->len % a != 0)) {
+      // O_DIRECT cannot resume mid-block: read exactly the rest through the buffered fd.
+      op->direct = false;
+      op->len = ch.needed;
+      ++stats_.buffered_requeues;
     }
+    done = false;
   }
   if (!done) {
     requeue(c);
     return;
   }
   op_finished();
-  --l.ops;
+  chunk_done(c);
+}
+
+void Scheduler::chunk_done(uint32_t c) {
+  Chunk& ch = chunks_[c];
   const uint32_t load = ch.load;
+  Load& l = loads_[load];
+  --l.ops;
   ch.load = kNil;
   ch.next_free = free_chunk_;
   free_chunk_ = c;
@@ -517,14 +537,112 @@ void Scheduler::on_read(ReadOp* op) {
   if (l.ops == 0 && all_submitted) finish_load(load);
 }
 
+void Scheduler::record_failure(uint32_t c) {
+  const Chunk& ch = chunks_[c];
+  const Load& l = loads_[ch.load];
+  failure_ring_[failures_ % kFailureRing] =
+      LoadFailure{l.key, ch.shard, ch.op.file, ch.op.offset, ch.op.len, l.error, ch.retries};
+  ++failures_;
+}
+
+bool Scheduler::retry_later(uint32_t c, int32_t error) {
+  Chunk& ch = chunks_[c];
+  Load& l = loads_[ch.load];
+  if (ch.retries < options_.read_retries && unavailable_ == 0) {
+    ++ch.retries;
+    ++stats_.read_retries;
+    ++shard_retries_[ch.shard];
+    // 1, 2, 4... times the backoff: a device that recovers gets time to, one that does not
+    // costs the acquire a bounded wait (2 + 4 + 8 ms by default).
+    ch.retry_at_ns = monotonic_ns() + (options_.retry_backoff_ns << (ch.retries - 1));
+    ch.op.result = 0;
+    deferred_.push_back(c);
+    return true;
+  }
+  l.error = error;
+  l.error_shard = ch.shard;
+  record_failure(c);
+  return false;
+}
+
+void Scheduler::promote_due_retries() {
+  if (deferred_.empty()) return;
+  const uint64_t now = monotonic_ns();
+  for (size_t i = 0; i < deferred_.size();) {
+    const uint32_t c = deferred_[i];
+    const Load& l = loads_[chunks_[c].load];
+    const bool over = l.cancelled || l.error != 0;
+    if (!over && chunks_[c].retry_at_ns > now) {
+      ++i;
+      continue;
+    }
+    deferred_[i] = deferred_.back();  // order among retries does not matter
+    deferred_.pop_back();
+    if (over) {
+      chunk_done(c);
+    } else {
+      requeued_.push_back(c);
+    }
+  }
+}
+
+uint64_t Scheduler::next_retry_ns() const {
+  uint64_t next = 0;
+  for (const uint32_t c : deferred_) {
+    if (next == 0 || chunks_[c].retry_at_ns < next) next = chunks_[c].retry_at_ns;
+  }
+  return next;
+}
+
+void Scheduler::set_unavailable(int error) {
+  EXPERTD_CHECK_GT(error, 0);
+  unavailable_ = error;
+  for (const PendingDemand& p : pending_) {
+    sink_.complete(Completion{p.session, p.tag, -error, 0, p.key});
+  }
+  pending_.clear();
+  for (Hint& h : hints_) h.live = false;
+  hint_count_ = 0;
+  for (uint32_t id = 0; id < loads_.size(); ++id) {
+    Load& l = loads_[id];
+    if (!l.active || l.cancelled || l.error != 0) continue;
+    l.error = -error;
+    // A load with no read in flight (queued, or all its chunks deferred) ends now; one with reads
+    // in flight ends when they come back.
+    if (l.ops == 0) finish_load(id);
+  }
+  promote_due_retries();  // deferred chunks of the loads failed above end now
+}
+
 void Scheduler::finish_load(uint32_t id) {
   Load& l = loads_[id];
   ExpertCache& owner = owner_of(l.slot);
-  const int err = l.cancelled ? -ECANCELED : l.error;
+  int err = l.cancelled ? -ECANCELED : l.error;
+  if (err == 0 && !checksums_.empty()) {
+    const uint64_t sum = expert_checksum(slot_data(l.slot), {l.slices.data(), l.slice_count},
+                                         {l.place.data(), l.slice_count});
+    if (sum != checksums_[key_index(l.key)]) {
+      // The bytes arrived but are not the expert's: a disk or file system that returned wrong
+      // data, or a file changed in place without a new mtime.
+      err = -EBADMSG;
+      l.error = err;
+      l.error_shard = l.slices[0].shard;
+      ++stats_.checksum_mismatches;
+      failure_ring_[failures_ % kFailureRing] = LoadFailure{l.key,
+                                                            l.slices[0].shard,
+                                                            files_[l.slices[0].shard],
+                                                            l.slices[0].offset,
+                                                            static_cast<uint32_t>(l.bytes_planned),
+                                                            err,
+                                                            0};
+      ++failures_;
+    }
+  }
   slot_load_[l.slot] = -1;
   if (err != 0) {
     owner.failed(l.slot);
     if (!l.cancelled) ++stats_.loads_failed;
+    if (!l.cancelled && l.error_shard != kNil) ++shard_failed_[l.error_shard];
     // A cancelled prefetch is never one somebody waits for (cancel_load() skips those).
     if (l.cancelled && l.prefetched) {
       count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_done, false);
@@ -679,6 +797,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   if (!valid(key) || session >= cursors_.size() || !(score >= 0.0f && score <= 1.0f)) {
     return -EINVAL;
   }
+  if (unavailable_ != 0) return 0;
   ++stats_.prefetch_hints;
   const uint64_t target = target_of(session, key.layer);
   const uint32_t bucket = depth_bucket(session, target);
@@ -903,15 +1022,16 @@ void Scheduler::drop_session(uint32_t session) {
 }
 
 void Scheduler::pump() {
-  start_prefetches();
+  promote_due_retries();
+  if (unavailable_ == 0) start_prefetches();
   while (submit_next_chunk()) {
   }
   io_.flush();
 }
 
 bool Scheduler::idle() const {
-  if (ops_in_flight_ != 0 || !requeued_.empty() || free_loads_.size() != loads_.size() ||
-      !pending_.empty()) {
+  if (ops_in_flight_ != 0 || !requeued_.empty() || !deferred_.empty() ||
+      free_loads_.size() != loads_.size() || !pending_.empty()) {
     return false;
   }
   // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.

@@ -36,8 +36,15 @@
 //    layers within `prefetch_depth` of the cursor.
 //  - each expert's slices are read widened to the DIO alignment, in chunks of `chunk_bytes`
 //    (0 = whole slice). A short read is requeued for the rest (through the buffered fd when the
-//    remainder is unaligned, so it always progresses), -EAGAIN is retried, and any other error
-//    fails that expert only.
+//    remainder is unaligned, so it always progresses), -EAGAIN is retried at once, -EIO and an
+//    early end of file are retried up to `read_retries` times with a doubling backoff (the chunk
+//    waits in deferred_ and is resubmitted by a later pump(): nothing sleeps), and any other error,
+//    or the last retry's, fails that expert only. Each failed load is recorded (file, offset,
+//    length, errno) in a small ring the owner reads to log it; retries and failures are counted
+//    per shard.
+//  - a model whose file changed (set_unavailable): every acquire fails at once with that error,
+//    waiting and queued ones too, loads in flight end failed and hints are dropped, so nothing
+//    read from the old file is handed out again.
 //
 // Single-threaded (the storage reactor). Every queue and pool has a fixed size from construction;
 // nothing on the request or completion path allocates.
@@ -96,6 +103,21 @@ struct SchedulerOptions {
   uint32_t max_sessions = 64;
   // An acquire waiting for a slot completes with -ETIMEDOUT after this long (expire()).
   uint64_t acquire_timeout_ns = 10'000'000'000;
+  // A read that fails with EIO (or ends before its slice) is tried again this many times, the
+  // first after retry_backoff_ns, each later one after twice the previous wait.
+  uint32_t read_retries = 3;
+  uint64_t retry_backoff_ns = 2'000'000;
+};
+
+// One load that failed on a read: where, and why (for the owner's log).
+struct LoadFailure {
+  ExpertKey key;
+  uint32_t shard = 0;
+  uint32_t file = 0;  // the backend's file index
+  uint64_t offset = 0;
+  uint32_t len = 0;
+  int32_t error = 0;     // -errno
+  uint32_t retries = 0;  // tries after the first
 };
 
 // What a finished acquire reports. slot >= 0: READY and held for the session (release it);
@@ -179,6 +201,20 @@ class Scheduler final : private EvictionListener {
   void pump();
   // No load in progress and nothing queued.
   bool idle() const;
+  // When the earliest deferred retry is due (monotonic ns), or 0 when none waits.
+  uint64_t next_retry_ns() const;
+
+  // The model's file changed (docs/STORAGE.md): from now on every acquire completes with
+  // `-error`; waiting acquires and loads in flight end with it too. Not undone.
+  void set_unavailable(int error);
+  int unavailable() const { return unavailable_; }
+  // Failed loads so far, and the last kFailureRing of them: failure(i) for i in
+  // [max(0, failures() - kFailureRing), failures()).
+  static constexpr uint32_t kFailureRing = 16;
+  uint64_t failures() const { return failures_; }
+  const LoadFailure& failure(uint64_t i) const { return failure_ring_[i % kFailureRing]; }
+  std::span<const uint64_t> shard_loads_failed() const { return shard_failed_; }
+  std::span<const uint64_t> shard_read_retries() const { return shard_retries_; }
 
   // A depth or kPrefetchDepthAuto.
   void set_prefetch_depth(uint32_t depth);
@@ -195,6 +231,10 @@ class Scheduler final : private EvictionListener {
   // Forgets the estimates (a sweep's settings start equal; evict_all restarts a model's history).
   void reset_estimates();
   void set_observer(LoadObserver* observer) { observer_ = observer; }
+  // Checks every load against these checksums (a ChecksumManifest's table, per key_index) before
+  // the expert becomes READY; a mismatch fails the load with EBADMSG. Empty: no check. The table
+  // must outlive the scheduler.
+  void set_checksums(std::span<const uint64_t> table) { checksums_ = table; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }
@@ -232,7 +272,8 @@ class Scheduler final : private EvictionListener {
     bool prefetched = false;  // started by a hint
     bool cancelled = false;
     int32_t error = 0;
-    uint32_t waiters = kNil;  // list head
+    uint32_t error_shard = kNil;  // the shard whose read failed it (kNil: not a read error)
+    uint32_t waiters = kNil;      // list head
     uint32_t waiters_tail = kNil;
     uint32_t slice_count = 0;
     std::array<ExpertSlice, 3> slices{};
@@ -253,6 +294,9 @@ class Scheduler final : private EvictionListener {
     uint32_t load = kNil;  // kNil while free
     uint32_t needed = 0;   // bytes of this read that hold slice data (the rest is widening)
     uint32_t next_free = kNil;
+    uint32_t shard = 0;
+    uint32_t retries = 0;      // EIO / early-EOF retries so far
+    uint64_t retry_at_ns = 0;  // while deferred: when to resubmit
   };
   struct Hint {
     uint32_t session = 0;
@@ -290,6 +334,16 @@ class Scheduler final : private EvictionListener {
   bool submit_next_chunk();
   bool submit_chunk_of(uint32_t load);
   void requeue(uint32_t chunk);
+  // A chunk whose read is over (done, failed or given up): frees it, finishes its load when last.
+  void chunk_done(uint32_t chunk);
+  // EIO or an early end of file: defers the chunk for a retry, or fails its load. True when
+  // deferred.
+  bool retry_later(uint32_t chunk, int32_t error);
+  // Moves deferred chunks whose time has come to requeued_ (or ends them when their load has
+  // failed or was cancelled meanwhile).
+  void promote_due_retries();
+  // Puts the chunk's failing read in the failure ring.
+  void record_failure(uint32_t chunk);
   void start_prefetches();
   bool hint_passed(const Hint& h) const;
   uint64_t hint_distance(const Hint& h) const;
@@ -358,7 +412,14 @@ class Scheduler final : private EvictionListener {
   uint32_t free_waiter_ = kNil;
   std::vector<Chunk> chunks_;
   uint32_t free_chunk_ = kNil;
-  std::vector<uint32_t> requeued_;        // chunks to resubmit first (short reads, EAGAIN)
+  std::vector<uint32_t> requeued_;       // chunks to resubmit first (short reads, EAGAIN)
+  std::vector<uint32_t> deferred_;       // chunks waiting out a retry backoff (EIO)
+  std::vector<uint64_t> shard_failed_;   // per shard: loads failed on a read error
+  std::vector<uint64_t> shard_retries_;  // per shard: EIO / early-EOF retries
+  std::array<LoadFailure, kFailureRing> failure_ring_{};
+  uint64_t failures_ = 0;
+  int unavailable_ = 0;  // errno every acquire gets, once the model's file changed
+  std::span<const uint64_t> checksums_;
   std::vector<uint32_t> demand_queue_;    // loads with demand and chunks left to submit (FIFO)
   std::vector<uint32_t> prefetch_queue_;  // prefetch loads with chunks left to submit
   std::vector<Hint> hints_;               // queued prefetch hints (fixed capacity)

@@ -106,7 +106,19 @@ ExpertStore* StoreReactor::store_of(const ReadOp& op) {
 }
 
 int StoreReactor::run_once(int timeout_ms, std::span<IoEvent> fd_events) {
-  for (const Entry& e : stores_) e.store->scheduler().pump();
+  uint64_t retry_ns = 0;
+  for (const Entry& e : stores_) {
+    e.store->scheduler().pump();
+    const uint64_t t = e.store->scheduler().next_retry_ns();
+    if (t != 0 && (retry_ns == 0 || t < retry_ns)) retry_ns = t;
+  }
+  if (retry_ns != 0) {
+    // A read waiting out its backoff is resubmitted by the pump after the wait: wake in time.
+    const uint64_t now = monotonic_ns();
+    const int due_ms =
+        retry_ns <= now ? 0 : static_cast<int>((retry_ns - now + 999'999) / 1'000'000);
+    if (timeout_ms < 0 || due_ms < timeout_ms) timeout_ms = due_ms;
+  }
   const int n = io_.wait(events_, timeout_ms);
   if (n < 0) return n;
   int fds = 0;

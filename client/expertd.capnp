@@ -73,6 +73,8 @@ struct SchedulerStats {
   prefetchRefused @21 :UInt64;   # prefetches refused a cache slot that needed an eviction
   prefetchSkipped @22 :UInt64;   # hints not read: calibrated probability below break-even
   acquireTimeouts @23 :UInt64;   # acquires that found no slot within the acquire deadline (ETIMEDOUT)
+  readRetries @24 :UInt64;       # reads resubmitted after EIO or an early end of file, with backoff
+  checksumMismatches @25 :UInt64;  # loads whose bytes did not match the checksum manifest
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -108,6 +110,11 @@ struct ModelStats {
   reservedSlots @13 :UInt32;     # slots the attached sessions reserve (top-k each)
   diskBusy @14 :Float64;          # fraction of active time reads were in flight at depth 0; -1 unmeasured
   prefetchAutoNeed @15 :Float64;  # the hint precision auto mode asks of a depth now
+  shardLoadsFailed @16 :List(UInt64);  # per shard (model file): loads that ended in a read error
+  shardReadRetries @17 :List(UInt64);  # per shard: reads retried after EIO or an early end of file
+  # Empty while the model is served; else why it is not (its file changed under the daemon:
+  # docs/STORAGE.md "Files changed under the daemon").
+  fileChanged @18 :Text;
 }
 
 struct SessionStats {

@@ -79,6 +79,10 @@ void fill(const client::ModelStats& from, rpc::ModelStats::Builder to) {
             to.initPrefetchDepths(static_cast<uint>(from.prefetch_depths.size())));
   fill_list(from.hint_precision,
             to.initHintPrecision(static_cast<uint>(from.hint_precision.size())));
+  fill_list(from.shard_loads_failed,
+            to.initShardLoadsFailed(static_cast<uint>(from.shard_loads_failed.size())));
+  fill_list(from.shard_read_retries,
+            to.initShardReadRetries(static_cast<uint>(from.shard_read_retries.size())));
 }
 
 client::SchedulerStats read(rpc::SchedulerStats::Reader from) {
@@ -107,6 +111,8 @@ client::ModelStats read(rpc::ModelStats::Reader from) {
   to.layer_misses = read_list<uint64_t>(from.getLayerMisses());
   to.prefetch_depths = read_list<client::PrefetchDepthStats>(from.getPrefetchDepths());
   to.hint_precision = read_list<double>(from.getHintPrecision());
+  to.shard_loads_failed = read_list<uint64_t>(from.getShardLoadsFailed());
+  to.shard_read_retries = read_list<uint64_t>(from.getShardReadRetries());
   // A daemon before the field existed sends 0: the whole cache.
   if (to.cache_limit == 0) to.cache_limit = to.cache_slots;
   return to;

@@ -159,13 +159,15 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
     EXPERTD_TRY_ASSIGN(c.backend, parse_backend(path + ": backend", backend));
   }
   EXPERTD_TRY(read_string(path, t, "policy", c.policy));
-  for (const char* key : {"lock_memory", "verify"}) {
+  for (const char* key : {"lock_memory", "verify", "checksums"}) {
     if (const toml::node* n = t.get(key)) {
       const auto b = n->value_exact<bool>();
       if (!b) return key_error(path, *n, key, "must be true or false");
-      (std::string(key) == "verify" ? c.verify : c.lock_memory) = *b;
+      const std::string k = key;
+      (k == "verify" ? c.verify : k == "checksums" ? c.checksums : c.lock_memory) = *b;
     }
   }
+  EXPERTD_TRY(read_string(path, t, "state_directory", c.state_directory));
   EXPERTD_TRY(read_id_list(path, t, "allowed_uids", c.allowed_uids));
   EXPERTD_TRY(read_id_list(path, t, "allowed_gids", c.allowed_gids));
   if (const toml::node* n = t.get("models")) {

@@ -50,6 +50,10 @@ struct DaemonConfig {
   uint32_t max_sessions = 64;
   // An acquire that finds no slot waits at most this long, then fails with ETIMEDOUT.
   uint32_t acquire_timeout_ms = 10'000;
+  // Check every load against a per-expert XXH3 manifest, built at the first start with it on and
+  // kept in state_directory (docs/STORAGE.md "Content checksums").
+  bool checksums = false;
+  std::string state_directory = "/var/lib/expertd";  // systemd's StateDirectory=expertd
 };
 
 // Every key the configuration file may hold, and the flag that overrides it. The loader accepts
@@ -75,6 +79,8 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"max_sessions", "--max-sessions"},
     {"acquire_timeout_ms", "--acquire-timeout-ms"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
+    {"checksums", "--checksums"},
+    {"state_directory", "--state-dir"},
 };
 
 // "auto" or an integer 0..kMaxPrefetchDepth; the error names `what` and the value.

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <random>
 
 #include "base/check.h"
+#include "cache/checksums.h"
 
 namespace expertd {
 
@@ -55,11 +57,15 @@ struct DaemonCore::Model {
   std::unique_ptr<Sink> sink;
   std::unique_ptr<ExpertStore> store;
   std::unique_ptr<LoadChecker> verifier;
+  ChecksumManifest checksums;  // with config.checksums: what the scheduler checks loads against
   uint32_t first_file = 0;
   uint32_t file_count = 0;
   std::vector<uint64_t> layer_hits;
   std::vector<uint64_t> layer_misses;
   uint64_t verify_failures_logged = 0;
+  uint64_t failures_logged = 0;  // the scheduler's failed loads already offered to the log
+  // Why the model is no longer served (its file changed), empty while it is.
+  std::string file_changed;
 };
 
 struct DaemonCore::Session {
@@ -91,7 +97,8 @@ struct DaemonCore::Session {
 // Creation
 
 Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& config,
-                                                       const LoadCheckerFactory& make_checker) {
+                                                       const LoadCheckerFactory& make_checker,
+                                                       const BackendWrapper& wrap_backend) {
   EXPERTD_TRY(validate_config(config));
   std::unique_ptr<DaemonCore> core(new DaemonCore());
   core->config_ = config;
@@ -112,7 +119,8 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
         return make_error(
             e, fmt::format("model '{}': {}: stat: {}", m.name, s.path(), std::strerror(e)));
       }
-      files.push_back(ShardFile{s.path(), st.st_dev, st.st_ino});
+      files.push_back(ShardFile{s.path(), st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
+                                st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec});
       paths.push_back(s.path());
     }
     core->model_files_.push_back(std::move(files));
@@ -125,6 +133,7 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   auto backend = make_backend(config.backend, bo, &core->fallback_reason_);
   if (!backend) return backend.take_error();
   core->io_ = std::move(*backend);
+  if (wrap_backend) core->io_ = wrap_backend(std::move(core->io_));
   if (!core->fallback_reason_.empty()) spdlog::warn("{}", core->fallback_reason_);
   EXPERTD_TRY(core->io_->open_files(paths));
 
@@ -234,6 +243,25 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
       }
       m->verifier = std::move(*v);
       m->store->scheduler().set_observer(m->verifier.get());
+    }
+    if (config.checksums) {
+      bool built = false;
+      std::string write_error;
+      const uint64_t t0 = monotonic_ns();
+      auto manifest =
+          ChecksumManifest::load_or_build(config.state_directory, m->name, m->store->model(),
+                                          m->store->slice_map(), &built, &write_error);
+      if (!manifest) {
+        return make_error(manifest.error().code, fmt::format("model '{}': checksums: {}", m->name,
+                                                             manifest.error().message));
+      }
+      m->checksums = std::move(*manifest);
+      if (!write_error.empty()) spdlog::warn("model '{}': {}", m->name, write_error);
+      spdlog::info("model '{}': checksums: {} {} ({} experts, {:.1f} s)", m->name,
+                   built ? "built" : "loaded", m->checksums.path(),
+                   m->store->slice_map().layers().size() * m->store->slice_map().expert_count(),
+                   static_cast<double>(monotonic_ns() - t0) / 1e9);
+      m->store->scheduler().set_checksums(m->checksums.table());
     }
     m->layer_hits.assign(m->store->slice_map().block_count(), 0);
     m->layer_misses.assign(m->store->slice_map().block_count(), 0);
@@ -409,12 +437,14 @@ void DaemonCore::run() {
         if (sessions_[id]) drain_eventfd(sessions_[id]->request_fd.get());
       }
     }
+    log_failed_loads();
     flush_completions();
     reactor_loops_.store(reactor_loops_.load(std::memory_order_relaxed) + 1,
                          std::memory_order_relaxed);
     const uint64_t ms = monotonic_ms();
     last_progress_ms_.store(ms, std::memory_order_relaxed);
     if (ms - last_status_ms >= 1000) {
+      for (uint32_t i = 0; i < models_.size(); ++i) check_files(i);
       refresh_status();
       last_status_ms = ms;
     }
@@ -458,6 +488,9 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
   while (model < models_.size() && models_[model]->name != model_name) ++model;
   if (model == models_.size()) {
     return unknown_model(model_name);
+  }
+  if (!models_[model]->file_changed.empty()) {
+    return make_error(ESTALE, models_[model]->file_changed);
   }
   uint32_t id = 0;
   while (id < sessions_.size() && sessions_[id]) ++id;
@@ -774,6 +807,7 @@ Result<std::vector<ModelFileFd>> DaemonCore::open_model_files(const std::string&
 Result<ModelLayout> DaemonCore::open_model(const std::string& name) const {
   for (const auto& m : models_) {
     if (m->name != name) continue;
+    if (!m->file_changed.empty()) return make_error(ESTALE, m->file_changed);
     const ExpertStore& st = *m->store;
     const SliceMap& map = st.slice_map();
     ModelLayout l;
@@ -834,6 +868,11 @@ DaemonStats DaemonCore::stats() const {
     ms.layer_misses = m->layer_misses;
     ms.reads_in_flight = sched.reads_in_flight();
     ms.reserved_slots = sched.reserved();
+    ms.shard_loads_failed.assign(sched.shard_loads_failed().begin(),
+                                 sched.shard_loads_failed().end());
+    ms.shard_read_retries.assign(sched.shard_read_retries().begin(),
+                                 sched.shard_read_retries().end());
+    ms.file_changed = m->file_changed;
     d.models.push_back(std::move(ms));
   }
   for (const auto& s : sessions_) {
@@ -955,6 +994,72 @@ Result<uint32_t> DaemonCore::evict_all(const std::string& model) {
     return n;
   }
   return make_error(ENOENT, fmt::format("model '{}' is not served by this daemon", model));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Disk faults and files changed under the daemon (reactor thread; error paths only)
+
+void DaemonCore::check_files(uint32_t model) {
+  Model& m = *models_[model];
+  if (!m.file_changed.empty()) return;
+  for (const ShardFile& f : model_files_[model]) {
+    struct statx sx {};
+    std::string what;
+    if (::statx(AT_FDCWD, f.path.c_str(), AT_STATX_SYNC_AS_STAT,
+                STATX_INO | STATX_SIZE | STATX_MTIME, &sx) != 0) {
+      const int e = errno;
+      if (e != ENOENT) continue;  // e.g. EACCES on a directory: not a change of the file
+      what = "was removed";
+    } else {
+      const dev_t dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+      const int64_t mtime_ns = sx.stx_mtime.tv_sec * 1'000'000'000ll + sx.stx_mtime.tv_nsec;
+      if (dev != f.dev || sx.stx_ino != f.ino) {
+        what = fmt::format("was replaced (inode {} is now {})", f.ino, sx.stx_ino);
+      } else if (sx.stx_size != f.size) {
+        what = fmt::format("changed size ({} bytes, now {})", f.size, sx.stx_size);
+      } else if (mtime_ns != f.mtime_ns) {
+        what = "was modified in place (its mtime changed)";
+      } else {
+        continue;
+      }
+    }
+    // Stop serving it: what the cache holds came from the old file, and what the new file holds
+    // may be half written. Held experts stay mapped until released, but no acquire is answered
+    // from the cache again.
+    m.file_changed = fmt::format(
+        "model '{}': {} {} since expertd opened it; the model is not served until expertd is "
+        "restarted (systemctl restart expertd)",
+        m.name, f.path, what);
+    spdlog::error("{}", m.file_changed);
+    m.store->scheduler().set_unavailable(ESTALE);
+    const uint32_t dropped = m.store->evict_all();
+    spdlog::info("model '{}': {} cached experts of the old file dropped", m.name, dropped);
+    return;
+  }
+}
+
+void DaemonCore::log_failed_loads() {
+  for (uint32_t i = 0; i < models_.size(); ++i) {
+    Model& m = *models_[i];
+    const Scheduler& sched = m.store->scheduler();
+    const uint64_t total = sched.failures();
+    if (total == m.failures_logged) continue;  // the steady state: one compare per model
+    if (total - m.failures_logged > Scheduler::kFailureRing) {
+      load_failure_log_.skip(total - m.failures_logged - Scheduler::kFailureRing);
+      m.failures_logged = total - Scheduler::kFailureRing;
+    }
+    for (; m.failures_logged < total; ++m.failures_logged) {
+      if (!load_failure_log_.allow()) continue;
+      const LoadFailure& f = sched.failure(m.failures_logged);
+      spdlog::error(
+          "model '{}': load of layer {} expert {} failed: {}: read of {} bytes at offset {}: {} "
+          "(after {} retries){}",
+          m.name, f.key.layer, f.key.expert, io_->file(f.file).path, f.len, f.offset,
+          std::strerror(-f.error), f.retries,
+          load_failure_log_.suppressed_note("failed load", "failed loads"));
+    }
+    check_files(i);  // a file replaced or cut short shows first as failed reads
+  }
 }
 
 void DaemonCore::refresh_status() {

@@ -17,6 +17,11 @@
 // outstanding acquires than its completion ring holds), logging why and storing the reason in the
 // session header. Holds are counted per session; detach (or the client's death, seen as the
 // control connection's hangup) releases all of them.
+//
+// Disk faults (docs/STORAGE.md). The reactor logs failed loads (rate-limited, LogLimit) and
+// checks each model's files against what create() opened, once a second and after every failed
+// load; a model whose file changed is no longer served (ESTALE, with the reason in stats, attach
+// and openModel) until a restart. The other models go on.
 #pragma once
 
 #include <sys/types.h>
@@ -34,6 +39,7 @@
 #include <vector>
 
 #include "base/fd.h"
+#include "base/log_limit.h"
 #include "cache/scheduler.h"
 #include "cache/shm.h"
 #include "cache/store.h"
@@ -85,6 +91,10 @@ struct ClientIdentity {
   std::string name;  // what the client calls itself (for stats and logs)
 };
 
+// Wraps the backend the daemon made (expertd-test's fault injection: EXPERTD_TEST_FAULTS).
+using BackendWrapper =
+    std::function<std::unique_ptr<ReadBackend>(std::unique_ptr<ReadBackend> backend)>;
+
 // Makes the checker of one model's loads in verify mode (main() passes expert-forge's verifier;
 // the core library does not link the forge).
 using LoadCheckerFactory = std::function<Result<std::unique_ptr<LoadChecker>>(const ExpertStore&)>;
@@ -95,7 +105,8 @@ class DaemonCore {
   // Errors name the model and file. Does not start the reactor. `make_checker` serves
   // config.verify (an error names the model when verify is on without one).
   static Result<std::unique_ptr<DaemonCore>> create(const DaemonConfig& config,
-                                                    const LoadCheckerFactory& make_checker = {});
+                                                    const LoadCheckerFactory& make_checker = {},
+                                                    const BackendWrapper& wrap_backend = {});
   ~DaemonCore();
 
   // Starts / stops the reactor thread. stop() drains reads in flight, then returns.
@@ -158,6 +169,12 @@ class DaemonCore {
   void flush_completions();
   bool arm_sleep();
   void refresh_status();
+  // Files changed under the daemon (docs/STORAGE.md): statx of each of the model's files against
+  // what create() opened; a change stops serving the model. Checked once a second and after
+  // every failed load.
+  void check_files(uint32_t model);
+  // Logs the loads that failed since the last call (rate-limited), and checks their model's files.
+  void log_failed_loads();
 
   DaemonConfig config_;
   std::unique_ptr<ReadBackend> io_;
@@ -171,11 +188,14 @@ class DaemonCore {
     std::string path;
     dev_t dev = 0;
     ino_t ino = 0;
+    uint64_t size = 0;
+    int64_t mtime_ns = 0;
   };
   std::vector<std::vector<ShardFile>> model_files_;
   std::unique_ptr<StoreReactor> reactor_;
   std::vector<std::unique_ptr<Session>> sessions_;  // index = session id; null when free
   uint64_t sessions_closed_hostile_ = 0;
+  LogLimit load_failure_log_;               // failed loads: at most a burst of lines per window
   std::atomic<uint64_t> reactor_loops_{0};  // written by the reactor only
   uint64_t start_ns_ = 0;
 

@@ -44,6 +44,8 @@ struct Flags {
   std::vector<int64_t> allow_uids, allow_gids;
   bool verify = false, verify_given = false;           // --verify[=false]
   bool lock_memory = true, lock_memory_given = false;  // --lock-memory[=false], --no-mlock
+  bool checksums = false, checksums_given = false;     // --checksums[=false]
+  std::string state_dir;
   std::string log_level = "info";
 };
 
@@ -106,6 +108,8 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
   if (f.verify_given) c.verify = f.verify;
   if (f.lock_memory_given) c.lock_memory = f.lock_memory;
+  if (f.checksums_given) c.checksums = f.checksums;
+  if (!f.state_dir.empty()) c.state_directory = f.state_dir;
   return expertd::Ok{};
 }
 
@@ -191,6 +195,48 @@ expertd::Status check_socket(const std::string& path) {
   return expertd::Ok{};
 }
 
+#if EXPERTD_TEST_HOOKS
+// "eio=R,short=R,eagain=R,seed=N,eio_range=FILE:OFFSET:BYTES" (any subset, comma-separated):
+// the fault injector's options (storage/reader.h FaultOptions) for the chaos tests.
+expertd::Result<expertd::FaultOptions> parse_test_faults(const std::string& spec) {
+  expertd::FaultOptions f;
+  size_t at = 0;
+  while (at <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, comma - at);
+    at = comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* end = nullptr;
+    if (key == "eio" || key == "short" || key == "eagain") {
+      const double r = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end != 0 || !(r >= 0 && r <= 1)) {
+        return expertd::make_error(EINVAL, fmt::format("{}={}: a rate in [0, 1]", key, value));
+      }
+      (key == "eio" ? f.eio_rate : key == "short" ? f.short_rate : f.eagain_rate) = r;
+    } else if (key == "seed") {
+      f.seed = std::strtoull(value.c_str(), &end, 10);
+    } else if (key == "eio_range") {
+      unsigned file = 0;
+      unsigned long long offset = 0;
+      unsigned long long bytes = 0;
+      if (std::sscanf(value.c_str(), "%u:%llu:%llu", &file, &offset, &bytes) != 3) {
+        return expertd::make_error(EINVAL,
+                                   fmt::format("eio_range={}: FILE:OFFSET:BYTES expected", value));
+      }
+      f.eio_file = file;
+      f.eio_offset = offset;
+      f.eio_bytes = bytes;
+    } else {
+      return expertd::make_error(EINVAL, fmt::format("unknown key '{}'", key));
+    }
+  }
+  return f;
+}
+#endif
+
 int run(const Flags& flags) {
   auto config = load(flags);
   if (!config) {
@@ -206,6 +252,21 @@ int run(const Flags& flags) {
   }
   // --verify checks every load against expert-forge's content function; the forge is linked
   // here, into the binary, not into the daemon's core library.
+  expertd::BackendWrapper wrap_backend;
+#if EXPERTD_TEST_HOOKS  // expertd-test only (daemon/CMakeLists.txt); never in expertd
+  if (const char* hook = std::getenv("EXPERTD_TEST_FAULTS"); hook != nullptr && *hook) {
+    auto faults = parse_test_faults(hook);
+    if (!faults) {
+      spdlog::critical("EXPERTD_TEST_FAULTS: {}", faults.error().message);
+      return 1;
+    }
+    spdlog::warn("test hook EXPERTD_TEST_FAULTS is set: reads fail on purpose ({})", hook);
+    wrap_backend = [f = *faults](std::unique_ptr<expertd::ReadBackend> inner) {
+      return std::unique_ptr<expertd::ReadBackend>(
+          expertd::make_faulty_backend(std::move(inner), f));
+    };
+  }
+#endif
   auto core = expertd::DaemonCore::create(
       *config,
       [](const expertd::ExpertStore& store)
@@ -213,7 +274,8 @@ int run(const Flags& flags) {
         auto v = expertd::ForgeVerifier::create(store.model(), store.slice_map(), store.layouts());
         if (!v) return v.take_error();
         return std::unique_ptr<expertd::LoadChecker>(std::move(*v));
-      });
+      },
+      wrap_backend);
   if (!core) {
     spdlog::critical("{}", core.error().message);
     return 1;
@@ -330,11 +392,17 @@ int main(int argc, char** argv) {
                "--verify=false turns it off");
   app.add_flag("--lock-memory,!--no-mlock", f.lock_memory,
                "mlock the arena (default); --no-mlock or --lock-memory=false does not");
+  app.add_flag("--checksums", f.checksums,
+               "Check every expert read against a per-expert XXH3 manifest, built at the first "
+               "start and kept in the state directory; --checksums=false turns it off (default)");
+  app.add_option("--state-dir", f.state_dir,
+                 "Where expertd keeps its checksum manifests (default /var/lib/expertd)");
   app.add_option("--log-level", f.log_level, "trace, debug, info (default), warn, error");
   CLI11_PARSE(app, argc, argv);
   f.config_given = app.count("--config") > 0;
   f.verify_given = app.count("--verify") > 0;
   f.lock_memory_given = app.count("--lock-memory") > 0;
+  f.checksums_given = app.count("--checksums") > 0;
 
   // Block the signals before any thread starts so only the signalfd sees them.
   sigset_t mask;

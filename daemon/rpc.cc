@@ -23,6 +23,7 @@
 
 #include "base/clock.h"
 #include "base/fd.h"
+#include "base/log_limit.h"
 #include "client/expertd.capnp.h"
 #include "client/include/expertd/protocol.h"
 #include "client/wire.h"
@@ -509,32 +510,12 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t connections = 0;  // allowed connections open
-  // Refused connections are logged at most kBurst times per kWindow: a peer that reconnects in a
-  // loop must not flood the journal. The next line logged says how many were left out.
-  struct RefusalLog {
-    static constexpr uint32_t kBurst = 5;
-    static constexpr uint64_t kWindowNs = 10'000'000'000;
-    uint64_t window_start = 0;
-    uint32_t in_window = 0;
-    uint64_t suppressed = 0;
-    bool allow() {
-      const uint64_t now = monotonic_ns();
-      if (now - window_start >= kWindowNs) {
-        window_start = now;
-        in_window = 0;
-      }
-      if (in_window < kBurst) {
-        ++in_window;
-        return true;
-      }
-      ++suppressed;
-      return false;
-    }
-    // " (N more refusals not logged)" once after some were left out, else "".
+  // Refused connections are logged at most LogLimit::kBurst times per window: a peer that
+  // reconnects in a loop must not flood the journal. The next line logged says how many were
+  // left out.
+  struct RefusalLog : LogLimit {
     std::string suppressed_note() {
-      if (suppressed == 0) return {};
-      const uint64_t n = std::exchange(suppressed, 0);
-      return fmt::format(" ({} more refused connection{} not logged)", n, n == 1 ? "" : "s");
+      return LogLimit::suppressed_note("refused connection", "refused connections");
     }
   };
   RefusalLog refusal_log;

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 packages=(
   build-essential cmake ninja-build pkg-config git
   clang clang-format libclang-rt-14-dev
-  liburing-dev capnproto libcapnp-dev
+  liburing-dev capnproto libcapnp-dev libxxhash-dev
   libpcre2-dev libutf8proc-dev
   libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev

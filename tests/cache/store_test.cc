@@ -338,6 +338,62 @@ TEST(StoreFaults, EioFailsOnlyTheExpertItHits) {
   EXPECT_LT(h.store->cache().lookup({1, 5}), 0) << "a failed load leaves no slot behind";
 }
 
+// A failing read is retried with backoff, not given up at once: with 30% of reads failing and
+// enough retries every expert arrives byte-exact, and the retries are counted for the shard. The
+// retries wait in the scheduler, not in a sleep: the test's loop only calls run_once.
+TEST(StoreFaults, EioIsRetriedWithBackoffUntilTheExpertArrives) {
+  TempDir dir;
+  const std::string model =
+      forge(dir.path(), "--layers 2 --experts 8 --embd 256 --ff 512 --seed 3");
+  FaultOptions f;
+  f.seed = 5;
+  f.eio_rate = 0.3;
+  StoreOptions o = small_cache(64ull << 20);
+  o.scheduler.chunk_bytes = 64 << 10;
+  o.scheduler.read_retries = 40;  // 0.3^41: no chunk runs out of tries
+  o.scheduler.retry_backoff_ns = 100'000;
+  Harness h(model, BackendKind::Uring, o, &f);
+  load_all_and_verify(h);
+  const SchedulerStats& st = h.sched().stats();
+  EXPECT_EQ(st.loads_failed, 0u);
+  EXPECT_GT(st.read_retries, 10u);
+  ASSERT_EQ(h.sched().shard_read_retries().size(), 1u);
+  EXPECT_EQ(h.sched().shard_read_retries()[0], st.read_retries);
+  EXPECT_EQ(h.sched().failures(), 0u);
+}
+
+// The last retry fails the expert, and the failure is recorded where it happened.
+TEST(StoreFaults, AFailedLoadIsRecordedWithItsFileOffsetAndErrno) {
+  TempDir dir;
+  const std::string model =
+      forge(dir.path(), "--layers 2 --experts 8 --embd 256 --ff 512 --seed 3");
+  auto m = GgufModel::open(model);
+  ASSERT_TRUE(m);
+  auto map = SliceMap::build(*m);
+  std::array<ExpertSlice, 3> sl{};
+  ASSERT_EQ(map->slices(0, 2, sl), 3u);
+  FaultOptions f;
+  f.eio_rate = 1.0;
+  f.eio_offset = sl[0].offset + sl[0].bytes / 2;
+  f.eio_bytes = 1;
+  StoreOptions o = small_cache(64ull << 20);
+  o.scheduler.retry_backoff_ns = 100'000;
+  Harness h(model, BackendKind::Uring, o, &f);
+  const Completion c = h.get({0, 2});
+  EXPECT_EQ(c.slot, -EIO);
+  ASSERT_EQ(h.sched().failures(), 1u);
+  const LoadFailure& fail = h.sched().failure(0);
+  EXPECT_EQ(fail.key, (ExpertKey{0, 2}));
+  EXPECT_EQ(fail.error, -EIO);
+  EXPECT_EQ(fail.retries, 3u);
+  EXPECT_LE(fail.offset, f.eio_offset);
+  EXPECT_GT(fail.offset + fail.len, f.eio_offset);
+  EXPECT_EQ(h.sched().stats().read_retries, 3u);
+  EXPECT_EQ(h.sched().shard_loads_failed()[0], 1u);
+  // Another expert is not touched by it.
+  EXPECT_GE(h.get({0, 3}).slot, 0);
+}
+
 class FaultMix : public ::testing::TestWithParam<BackendKind> {};
 
 TEST_P(FaultMix, ShortReadsEagainDelaysAndReorderingStillDeliverEveryByte) {

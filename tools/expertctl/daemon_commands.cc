@@ -72,6 +72,8 @@ json stats_json(const Stats& s) {
     mj["layer_misses"] = m.layer_misses;
     mj["prefetch_depths"] = depths_json(m.prefetch_depths, m.scheduler.acquires);
     mj["hint_precision"] = m.hint_precision;
+    mj["shard_loads_failed"] = m.shard_loads_failed;
+    mj["shard_read_retries"] = m.shard_read_retries;
     models.push_back(std::move(mj));
   }
   j["models"] = std::move(models);
@@ -170,7 +172,14 @@ int run_stats(const DaemonOptions& o) {
                m.cache_ready, m.cache_slots, human_bytes(m.slot_bytes),
                m.cache_limit < m.cache_slots ? fmt::format("; limited to {}", m.cache_limit) : "",
                m.staging_slots);
+    if (!m.file_changed.empty()) fmt::print("  NOT SERVED: {}\n", m.file_changed);
     for (const auto& line : counters_table(x, 2)) fmt::print("{}\n", line);
+    for (size_t f = 0; f < m.shard_loads_failed.size(); ++f) {
+      const uint64_t retries = f < m.shard_read_retries.size() ? m.shard_read_retries[f] : 0;
+      if (m.shard_loads_failed[f] + retries == 0) continue;
+      fmt::print("  shard {}: {} loads failed, {} reads retried\n", f, m.shard_loads_failed[f],
+                 retries);
+    }
     fmt::print("  prefetch depth now {}{}; hint precision estimate by depth:", m.prefetch_depth_now,
                st->prefetch_depth_auto ? " (auto)" : "");
     for (size_t d = 0; d < m.hint_precision.size(); ++d) {

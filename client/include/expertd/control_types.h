@@ -94,6 +94,8 @@ struct ModelStats {
   std::vector<uint64_t> layer_misses;               // per block layer: acquires that waited
   std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
   std::vector<double> hint_precision;  // the estimate per depth 1..8 (empty from an older daemon)
+  std::vector<uint64_t> shard_loads_failed;  // per shard (model file): loads failed on a read
+  std::vector<uint64_t> shard_read_retries;  // per shard: reads retried after EIO / early EOF
 };
 
 struct SessionStats {
