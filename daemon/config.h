@@ -23,6 +23,10 @@ inline constexpr uint32_t kMaxPrefetchDepth = 64;
 // (cache/scheduler.h, docs/CACHE.md "Prefetch admission and automatic depth").
 inline constexpr uint32_t kPrefetchDepthAutoValue = 0xffffffffu;
 inline constexpr uint32_t kMaxQueueDepth = 4096;
+// Control-plane bounds (daemon/rpc.cc). Connections from non-admins at once; admins may open
+// kAdminReservedConnections more, so expertctl gets in when the others are all taken.
+inline constexpr uint32_t kMaxConnections = 256;
+inline constexpr uint32_t kAdminReservedConnections = 4;
 
 struct ModelConfig {
   std::string name;  // what clients open it by
@@ -45,6 +49,13 @@ struct DaemonConfig {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t max_sessions = 64;
+  // Roles and bounds (docs/SYSTEMD.md "Access"): members of admin_gids (besides root and the
+  // daemon's uid) may change settings; the per-uid caps do not apply to admins.
+  std::vector<gid_t> admin_gids;
+  uint32_t max_connections_per_uid = 32;  // 1..kMaxConnections
+  uint32_t max_sessions_per_uid = 16;     // at most max_sessions takes effect
+  uint32_t idle_timeout_s = 300;          // a connection with no session and no call; 0: never
+  uint64_t max_frame_bytes = 1u << 20;    // one incoming RPC message, checked before buffering
 };
 
 // Every key the configuration file may hold, and the flag that overrides it. The loader accepts
@@ -68,6 +79,11 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"allowed_uids", "--allow-uid"},
     {"allowed_gids", "--allow-gid"},
     {"max_sessions", "--max-sessions"},
+    {"admin_gids", "--admin-gid"},
+    {"max_connections_per_uid", "--max-connections-per-uid"},
+    {"max_sessions_per_uid", "--max-sessions-per-uid"},
+    {"idle_timeout_s", "--idle-timeout-s"},
+    {"max_frame", "--max-frame"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
 };
 
