@@ -122,8 +122,9 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
 
   BackendOptions bo;
   bo.queue_depth = std::max<uint32_t>(config.queue_depth ? config.queue_depth : 32, 64);
-  // One watch per session's request doorbell, and the command eventfd's.
-  bo.max_watches = config.max_sessions + 1;
+  // One watch per session's request doorbell, one for the command eventfd, and a few spare for
+  // other fds of the daemon's own, so that max_sessions sessions always get theirs.
+  bo.max_watches = config.max_sessions + 4;
   auto backend = make_backend(config.backend, bo, &core->fallback_reason_);
   if (!backend) return backend.take_error();
   core->io_ = std::move(*backend);

@@ -91,13 +91,41 @@ kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
   return kj::mv(paf.promise);
 }
 
+// Logs at most kBurst lines per kWindow: a peer that reconnects or calls in a loop must not flood
+// the journal. The next line logged says how many were left out.
+struct RateLimitedLog {
+  static constexpr uint32_t kBurst = 5;
+  static constexpr uint64_t kWindowNs = 10'000'000'000;
+  uint64_t window_start = 0;
+  uint32_t in_window = 0;
+  uint64_t suppressed = 0;
+  bool allow() {
+    const uint64_t now = monotonic_ns();
+    if (now - window_start >= kWindowNs) {
+      window_start = now;
+      in_window = 0;
+    }
+    if (in_window < kBurst) {
+      ++in_window;
+      return true;
+    }
+    ++suppressed;
+    return false;
+  }
+  // " (N more WHAT not logged)" once after some were left out, else "".
+  std::string suppressed_note(const char* what = "like it") {
+    if (suppressed == 0) return {};
+    return fmt::format(" ({} more {} not logged)", std::exchange(suppressed, 0), what);
+  }
+};
+
 // One allowed connection's bookkeeping on the RPC thread: who it is, its calls in flight (at most
 // kMaxCallsInFlight; later calls wait in `waiters`, oldest first), its sessions and its last call
 // (for the idle timeout). Shared by the connection and the capabilities it serves, which may
 // outlive each other by a turn of the event loop.
 struct ConnState : std::enable_shared_from_this<ConnState> {
-  ConnState(kj::Timer& t, kj::TaskSet& ts, uid_t u, bool a)
-      : timer(t), tasks(ts), uid(u), admin(a) {}
+  ConnState(kj::Timer& t, kj::TaskSet& ts, RateLimitedLog& denials, uid_t u, bool a)
+      : timer(t), tasks(ts), denial_log(denials), uid(u), admin(a) {}
   ConnState(const ConnState&) = delete;
   ConnState& operator=(const ConnState&) = delete;
 
@@ -106,7 +134,7 @@ struct ConnState : std::enable_shared_from_this<ConnState> {
    public:
     explicit Permit(std::shared_ptr<ConnState> s) : s_(std::move(s)) {}
     Permit(Permit&&) = default;
-    Permit& operator=(Permit&&) = default;
+    Permit& operator=(Permit&&) = delete;  // would drop a slot without giving it back
     ~Permit() {
       if (s_) s_->finished();
     }
@@ -135,7 +163,8 @@ struct ConnState : std::enable_shared_from_this<ConnState> {
   }
 
   kj::Timer& timer;
-  kj::TaskSet& tasks;  // the Loop's: outlives every connection
+  kj::TaskSet& tasks;          // the Loop's: outlives every connection
+  RateLimitedLog& denial_log;  // the Loop's: refused calls of every connection
   const uid_t uid;
   const bool admin;
   capnp::TwoPartyVatNetwork* network = nullptr;  // null once the connection is gone
@@ -179,34 +208,6 @@ struct ConnState : std::enable_shared_from_this<ConnState> {
   std::deque<kj::Own<kj::PromiseFulfiller<Permit>>> waiters;
   bool pumping = false;
   bool polling = false;
-};
-
-// Logs at most kBurst lines per kWindow: a peer that reconnects or calls in a loop must not flood
-// the journal. The next line logged says how many were left out.
-struct RateLimitedLog {
-  static constexpr uint32_t kBurst = 5;
-  static constexpr uint64_t kWindowNs = 10'000'000'000;
-  uint64_t window_start = 0;
-  uint32_t in_window = 0;
-  uint64_t suppressed = 0;
-  bool allow() {
-    const uint64_t now = monotonic_ns();
-    if (now - window_start >= kWindowNs) {
-      window_start = now;
-      in_window = 0;
-    }
-    if (in_window < kBurst) {
-      ++in_window;
-      return true;
-    }
-    ++suppressed;
-    return false;
-  }
-  // " (N more WHAT not logged)" once after some were left out, else "".
-  std::string suppressed_note(const char* what = "like it") {
-    if (suppressed == 0) return {};
-    return fmt::format(" ({} more {} not logged)", std::exchange(suppressed, 0), what);
-  }
 };
 
 // Runs a generated server's dispatchCall for `method` once the connection admits it.
@@ -357,9 +358,9 @@ class ExpertdImpl final : public rpc::Expertd::Server {
     if (interface_id == capnp::typeId<rpc::Expertd>() && !peer_.admin &&
         !roles().reader_may(method_id)) {
       const kj::StringPtr call = roles().name(method_id);
-      if (denial_log_.allow()) {
+      if (conn_->denial_log.allow()) {
         spdlog::warn("rpc: refused {} from pid {} (uid {}): it needs an admin{}", call.cStr(),
-                     peer_.pid, peer_.uid, denial_log_.suppressed_note());
+                     peer_.pid, peer_.uid, conn_->denial_log.suppressed_note("refused calls"));
       }
       return {KJ_EXCEPTION(
                   FAILED,
@@ -525,7 +526,6 @@ class ExpertdImpl final : public rpc::Expertd::Server {
   DaemonCore& core_;
   ClientIdentity peer_;
   std::shared_ptr<ConnState> conn_;
-  RateLimitedLog denial_log_;
 };
 
 // One accepted connection: its stream, its half of the two-party network and its RPC system.
@@ -742,7 +742,7 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     who.uid = peer.uid;
     who.gid = peer.gid;
     who.admin = is_admin;
-    auto state = std::make_shared<ConnState>(*timer, *tasks, peer.uid, is_admin);
+    auto state = std::make_shared<ConnState>(*timer, *tasks, denial_log, peer.uid, is_admin);
     auto conn = kj::heap<Connection>(
         kj::mv(stream),
         capnp::Capability::Client(kj::heap<ExpertdImpl>(core, std::move(who), state)), receive,
@@ -806,6 +806,7 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   std::unordered_map<uid_t, uint32_t> connections_of_uid;  // allowed connections open, by uid
   RateLimitedLog refusal_log;
   RateLimitedLog idle_log;
+  RateLimitedLog denial_log;
   bool has_test_uid = false;
   uid_t test_uid = 0;
   kj::Timer* timer = nullptr;
