@@ -48,6 +48,14 @@ using client::Client;
 constexpr const char* kSmallModel = "--layers 4 --experts 8 --embd 256 --ff 512 --seed 7";
 constexpr uid_t kFlooder = 4301;  // the uid that floods
 constexpr uid_t kVictim = 4302;   // another uid that must keep working
+// How far the daemon's RSS may grow under a flood: generous, since the point is not 367 MB.
+// AddressSanitizer keeps freed memory in its quarantine (256 MiB by default), so there the bound
+// says less.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr uint64_t kRssGrowthKib = 1024 * 1024;
+#else
+constexpr uint64_t kRssGrowthKib = 64 * 1024;
+#endif
 
 // VmRSS (or VmHWM: the peak) of `pid`, in KiB.
 uint64_t status_kib(pid_t pid, const std::string& field) {
@@ -317,7 +325,7 @@ TEST_F(Bounds, IdleConnectionFloodsLeaveOtherUidsAndExpertctlIn) {
   std::printf("[bounds] idle flood: 300 + 7 x 32 connections; victim %s; RSS %llu -> %llu KiB\n",
               victim.c_str(), static_cast<unsigned long long>(rss0),
               static_cast<unsigned long long>(rss1));
-  EXPECT_LT(rss1, rss0 + 64 * 1024);
+  EXPECT_LT(rss1, rss0 + kRssGrowthKib);
   more.clear();
   flooder.release();
   EXPECT_EQ(flooder.wait(30s), 0);
@@ -429,7 +437,7 @@ TEST_F(Bounds, PipelinedCallsMeetBackPressureNotMemory) {
       sent / call_bytes, kCalls, sent, victim.c_str(), static_cast<unsigned long long>(rss0),
       static_cast<unsigned long long>(rss_flood), static_cast<unsigned long long>(rss1));
   EXPECT_LT(sent, bytes.size()) << "the daemon read every call without answers being read";
-  EXPECT_LT(std::max(rss_flood, rss1), rss0 + 64 * 1024);
+  EXPECT_LT(std::max(rss_flood, rss1), rss0 + kRssGrowthKib);
   flooder.release();
   EXPECT_EQ(flooder.wait(30s), 0);
   EXPECT_EQ(daemon_->stop(), 0);
@@ -502,7 +510,7 @@ TEST_F(Bounds, PipelinedCallsThatAreReadAreAnsweredInBoundedMemory) {
   std::printf("[bounds] %u pipelined stats() read as answered: %s; peak RSS %llu -> %llu KiB\n",
               kCalls, line->c_str(), static_cast<unsigned long long>(hwm0),
               static_cast<unsigned long long>(hwm1));
-  EXPECT_LT(hwm1, hwm0 + 64 * 1024);
+  EXPECT_LT(hwm1, hwm0 + kRssGrowthKib);
   expect_expertctl_works();
   EXPECT_EQ(daemon_->stop(), 0);
 }
