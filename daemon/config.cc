@@ -148,6 +148,14 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
   EXPERTD_TRY(read_uint(path, t, "acquire_timeout_ms", c.acquire_timeout_ms));
+  EXPERTD_TRY(read_uint(path, t, "max_connections_per_uid", c.max_connections_per_uid));
+  EXPERTD_TRY(read_uint(path, t, "max_sessions_per_uid", c.max_sessions_per_uid));
+  EXPERTD_TRY(read_uint(path, t, "idle_timeout_s", c.idle_timeout_s));
+  std::string max_frame;
+  EXPERTD_TRY(read_string(path, t, "max_frame", max_frame));
+  if (!max_frame.empty()) {
+    EXPERTD_TRY_ASSIGN(c.max_frame_bytes, parse_size(path + ": max_frame", max_frame, 0));
+  }
   std::string chunk;
   EXPERTD_TRY(read_string(path, t, "chunk", chunk));
   if (!chunk.empty() && chunk != "auto") {
@@ -170,6 +178,7 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_string(path, t, "state_directory", c.state_directory));
   EXPERTD_TRY(read_id_list(path, t, "allowed_uids", c.allowed_uids));
   EXPERTD_TRY(read_id_list(path, t, "allowed_gids", c.allowed_gids));
+  EXPERTD_TRY(read_id_list(path, t, "admin_gids", c.admin_gids));
   if (const toml::node* n = t.get("models")) {
     const toml::table* m = n->as_table();
     if (m == nullptr) return key_error(path, *n, "models", "must be a table of name = \"path\"");
@@ -220,6 +229,24 @@ Status validate_config(const DaemonConfig& c) {
     return make_error(EINVAL,
                       fmt::format("acquire_timeout_ms {}: must be {}..{}", c.acquire_timeout_ms,
                                   kMinAcquireTimeoutMs, kMaxAcquireTimeoutMs));
+  }
+  if (c.max_connections_per_uid == 0 || c.max_connections_per_uid > kMaxConnections) {
+    return make_error(EINVAL, fmt::format("max_connections_per_uid {}: must be 1..{}",
+                                          c.max_connections_per_uid, kMaxConnections));
+  }
+  if (c.max_sessions_per_uid == 0 || c.max_sessions_per_uid > 4096) {
+    return make_error(EINVAL, fmt::format("max_sessions_per_uid {}: must be 1..4096 (max_sessions "
+                                          "bounds it anyway)",
+                                          c.max_sessions_per_uid));
+  }
+  if (c.idle_timeout_s > 86400) {
+    return make_error(
+        EINVAL, fmt::format("idle_timeout_s {}: must be 0..86400 (0 = never)", c.idle_timeout_s));
+  }
+  constexpr uint64_t kMinFrame = 4096, kMaxFrame = 256u << 20;
+  if (c.max_frame_bytes < kMinFrame || c.max_frame_bytes > kMaxFrame) {
+    return make_error(
+        EINVAL, fmt::format("max_frame {}: must be 4KiB..256MiB", human_bytes(c.max_frame_bytes)));
   }
   bool known_policy = c.policy == "default";
   for (const auto p : policy_names()) known_policy |= p == c.policy;

@@ -26,6 +26,10 @@ inline constexpr uint32_t kMaxQueueDepth = 4096;
 // An acquire's wait for a slot: at least a reactor sleep (100 ms), at most 10 minutes.
 inline constexpr uint32_t kMinAcquireTimeoutMs = 100;
 inline constexpr uint32_t kMaxAcquireTimeoutMs = 600'000;
+// Control-plane bounds (daemon/rpc.cc). Connections from non-admins at once; admins may open
+// kAdminReservedConnections more, so expertctl gets in when the others are all taken.
+inline constexpr uint32_t kMaxConnections = 256;
+inline constexpr uint32_t kAdminReservedConnections = 4;
 
 struct ModelConfig {
   std::string name;  // what clients open it by
@@ -54,6 +58,13 @@ struct DaemonConfig {
   // kept in state_directory (docs/STORAGE.md "Content checksums").
   bool checksums = false;
   std::string state_directory = "/var/lib/expertd";  // systemd's StateDirectory=expertd
+  // Roles and bounds (docs/SYSTEMD.md "Access"): members of admin_gids (besides root and the
+  // daemon's uid) may change settings; the per-uid caps do not apply to admins.
+  std::vector<gid_t> admin_gids;
+  uint32_t max_connections_per_uid = 32;  // 1..kMaxConnections
+  uint32_t max_sessions_per_uid = 16;     // at most max_sessions takes effect
+  uint32_t idle_timeout_s = 300;          // a connection with no session and no call; 0: never
+  uint64_t max_frame_bytes = 1u << 20;    // one incoming RPC message, checked before buffering
 };
 
 // Every key the configuration file may hold, and the flag that overrides it. The loader accepts
@@ -78,6 +89,11 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"allowed_gids", "--allow-gid"},
     {"max_sessions", "--max-sessions"},
     {"acquire_timeout_ms", "--acquire-timeout-ms"},
+    {"admin_gids", "--admin-gid"},
+    {"max_connections_per_uid", "--max-connections-per-uid"},
+    {"max_sessions_per_uid", "--max-sessions-per-uid"},
+    {"idle_timeout_s", "--idle-timeout-s"},
+    {"max_frame", "--max-frame"},
     {"models", "--model"},  // the [models] table: NAME = "PATH"
     {"checksums", "--checksums"},
     {"state_directory", "--state-dir"},

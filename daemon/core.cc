@@ -130,6 +130,9 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
 
   BackendOptions bo;
   bo.queue_depth = std::max<uint32_t>(config.queue_depth ? config.queue_depth : 32, 64);
+  // One watch per session's request doorbell, one for the command eventfd, and a few spare for
+  // other fds of the daemon's own, so that max_sessions sessions always get theirs.
+  bo.max_watches = config.max_sessions + 4;
   auto backend = make_backend(config.backend, bo, &core->fallback_reason_);
   if (!backend) return backend.take_error();
   core->io_ = std::move(*backend);
@@ -493,10 +496,18 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
     return make_error(ESTALE, models_[model]->file_changed);
   }
   uint32_t id = 0;
+  uint32_t of_uid = 0;
+  for (const auto& s : sessions_) of_uid += s && s->who.uid == who.uid ? 1 : 0;
+  const uint32_t per_uid = std::min(config_.max_sessions_per_uid, config_.max_sessions);
+  if (!who.admin && of_uid >= per_uid) {
+    return make_error(EBUSY, fmt::format("uid {} has {} sessions attached, its limit "
+                                         "(max_sessions_per_uid {})",
+                                         who.uid, of_uid, per_uid));
+  }
   while (id < sessions_.size() && sessions_[id]) ++id;
   if (id == sessions_.size()) {
-    return make_error(EBUSY,
-                      fmt::format("all {} sessions are in use (max_sessions)", sessions_.size()));
+    return make_error(EBUSY, fmt::format("all {} sessions are in use (max_sessions {})",
+                                         sessions_.size(), sessions_.size()));
   }
   // The session's reservation (docs/CACHE.md "Reservations"): refused now, with the numbers, when
   // the slots cannot hold one more top-k beside the others'.

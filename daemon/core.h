@@ -88,7 +88,8 @@ struct ClientIdentity {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
-  std::string name;  // what the client calls itself (for stats and logs)
+  bool admin = false;  // root, the daemon's uid or admin_gids: no per-uid session cap
+  std::string name;    // what the client calls itself (for stats and logs)
 };
 
 // Wraps the backend the daemon made (expertd-test's fault injection: EXPERTD_TEST_FAULTS).
@@ -204,7 +205,9 @@ class DaemonCore {
   // they come from the control plane (RPC, signals), never from the data path; the poster pays for
   // building one. commands_queued_ is what the reactor reads every loop: while it is 0 the loop
   // takes no lock.
-  static constexpr uint32_t kMaxCommands = 1024;
+  // The RPC thread has at most 8 calls in flight per connection (daemon/rpc.cc), over at most
+  // kMaxConnections + kAdminReservedConnections connections: 2080, with room for detaches.
+  static constexpr uint32_t kMaxCommands = 4096;
   UniqueFd command_fd_;    // eventfd: a post() wakes the reactor
   std::mutex command_mu_;  // the slots and both indices
   std::vector<std::function<void(DaemonCore&)>> commands_;

@@ -42,6 +42,9 @@ struct Flags {
   int64_t max_sessions = -1;
   int64_t acquire_timeout_ms = -1;
   std::vector<int64_t> allow_uids, allow_gids;
+  std::vector<int64_t> admin_gids;
+  int64_t max_connections_per_uid = -1, max_sessions_per_uid = -1, idle_timeout_s = -1;
+  std::string max_frame;
   bool verify = false, verify_given = false;           // --verify[=false]
   bool lock_memory = true, lock_memory_given = false;  // --lock-memory[=false], --no-mlock
   bool checksums = false, checksums_given = false;     // --checksums[=false]
@@ -106,6 +109,17 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   if (f.acquire_timeout_ms >= 0) c.acquire_timeout_ms = static_cast<uint32_t>(f.acquire_timeout_ms);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
+  for (const int64_t g : f.admin_gids) c.admin_gids.push_back(static_cast<gid_t>(g));
+  if (f.max_connections_per_uid >= 0) {
+    c.max_connections_per_uid = static_cast<uint32_t>(f.max_connections_per_uid);
+  }
+  if (f.max_sessions_per_uid >= 0) {
+    c.max_sessions_per_uid = static_cast<uint32_t>(f.max_sessions_per_uid);
+  }
+  if (f.idle_timeout_s >= 0) c.idle_timeout_s = static_cast<uint32_t>(f.idle_timeout_s);
+  if (!f.max_frame.empty()) {
+    EXPERTD_TRY_ASSIGN(c.max_frame_bytes, expertd::parse_size("--max-frame", f.max_frame, 0));
+  }
   if (f.verify_given) c.verify = f.verify;
   if (f.lock_memory_given) c.lock_memory = f.lock_memory;
   if (f.checksums_given) c.checksums = f.checksums;
@@ -387,6 +401,23 @@ int main(int argc, char** argv) {
                              "long, {}..{} ms (10000)",
                              expertd::kMinAcquireTimeoutMs, expertd::kMaxAcquireTimeoutMs))
       ->check(u32);
+  app.add_option("--admin-gid", f.admin_gids,
+                 "Members of this gid may change settings, evict, pin (besides root and the "
+                 "daemon's uid); repeatable")
+      ->check(u32);
+  app.add_option("--max-connections-per-uid", f.max_connections_per_uid,
+                 fmt::format("Connections one non-admin uid may hold, 1..{} (32)",
+                             expertd::kMaxConnections))
+      ->check(u32);
+  app.add_option("--max-sessions-per-uid", f.max_sessions_per_uid,
+                 "Sessions one non-admin uid may attach, 1..4096 (16)")
+      ->check(u32);
+  app.add_option("--idle-timeout-s", f.idle_timeout_s,
+                 "Close a connection without a session after this many seconds with no call, "
+                 "0..86400 (300; 0 = never)")
+      ->check(u32);
+  app.add_option("--max-frame", f.max_frame,
+                 "Largest RPC message accepted, 4KiB..256MiB (default 1MiB)");
   app.add_flag("--verify", f.verify,
                "Check every expert read from a forged model against its content (tests); "
                "--verify=false turns it off");

@@ -1,6 +1,7 @@
 #include "daemon/rpc.h"
 
 #include <capnp/rpc-twoparty.h>
+#include <capnp/schema.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <kj/async-io.h>
@@ -17,7 +18,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <future>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -38,9 +41,21 @@ namespace {
 
 constexpr uint kMaxFdsPerMessage = 8;
 constexpr int kListenBacklog = 128;
-constexpr uint32_t kMaxConnections = 256;
-// A refused peer may read its error; then the connection goes.
+// A refused peer may read its error; then the connection goes. At most kMaxRefusedLingering
+// refused connections (kMaxRefusedLingeringPerUid of one uid) wait so at once: beyond that a
+// refused one is closed at once, so a peer reconnecting in a loop cannot pile up fds.
 constexpr auto kRefusedLinger = 5 * kj::SECONDS;
+constexpr uint32_t kMaxRefusedLingering = 64;
+constexpr uint32_t kMaxRefusedLingeringPerUid = 4;
+// Calls of one connection that run at once (past the RPC thread: posted to the reactor). The
+// others wait in order; while they wait, Cap'n Proto's flow limit (kFlowLimitWords of call
+// messages not yet answered) stops reading the socket: back-pressure, not memory.
+constexpr uint32_t kMaxCallsInFlight = 8;
+constexpr size_t kFlowLimitWords = 1024;
+// A connection whose peer does not read its answers: past this many bytes queued for it, its calls
+// wait (and then the socket is not read) until the peer reads.
+constexpr size_t kMaxQueuedReplyBytes = 1u << 20;
+constexpr auto kQueuePoll = 5 * kj::MILLISECONDS;
 
 kj::Exception to_kj(const Error& e) {
   // The description is the message alone: the client shows it as is.
@@ -75,6 +90,119 @@ kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
     return KJ_EXCEPTION(OVERLOADED, "expertd is stopping or its command queue is full");
   }
   return kj::mv(paf.promise);
+}
+
+// base/log_limit.h's limiter, naming what it left out in one word (connections and calls refused,
+// idle connections closed).
+struct RateLimitedLog : LogLimit {
+  std::string suppressed_note(const char* what) { return LogLimit::suppressed_note(what, what); }
+};
+return fmt::format(" ({} more {} not logged)", std::exchange(suppressed, 0), what);
+}
+};
+
+// One allowed connection's bookkeeping on the RPC thread: who it is, its calls in flight (at most
+// kMaxCallsInFlight; later calls wait in `waiters`, oldest first), its sessions and its last call
+// (for the idle timeout). Shared by the connection and the capabilities it serves, which may
+// outlive each other by a turn of the event loop.
+struct ConnState : std::enable_shared_from_this<ConnState> {
+  ConnState(kj::Timer& t, kj::TaskSet& ts, RateLimitedLog& denials, uid_t u, bool a)
+      : timer(t), tasks(ts), denial_log(denials), uid(u), admin(a) {}
+  ConnState(const ConnState&) = delete;
+  ConnState& operator=(const ConnState&) = delete;
+
+  // Holds one of the connection's call slots; move-only, gives it back when destroyed.
+  class Permit {
+   public:
+    explicit Permit(std::shared_ptr<ConnState> s) : s_(std::move(s)) {}
+    Permit(Permit&&) = default;
+    Permit& operator=(Permit&&) = delete;  // would drop a slot without giving it back
+    ~Permit() {
+      if (s_) s_->finished();
+    }
+
+   private:
+    std::shared_ptr<ConnState> s_;
+  };
+
+  // A call slot: at once when one is free and the peer reads its answers, else in turn. Waiters
+  // whose ConnState goes (the connection closed) are rejected by their fulfillers' destruction.
+  kj::Promise<Permit> admit() {
+    last_call_ns = monotonic_ns();
+    if (waiters.empty() && can_run()) {
+      ++in_flight;
+      return Permit(shared_from_this());
+    }
+    auto paf = kj::newPromiseAndFulfiller<Permit>();
+    waiters.push_back(kj::mv(paf.fulfiller));
+    pump();
+    return kj::mv(paf.promise);
+  }
+
+  bool idle(uint64_t now_ns, uint64_t timeout_ns) const {
+    return in_flight == 0 && waiters.empty() && sessions == 0 &&
+           now_ns - last_call_ns >= timeout_ns;
+  }
+
+  kj::Timer& timer;
+  kj::TaskSet& tasks;          // the Loop's: outlives every connection
+  RateLimitedLog& denial_log;  // the Loop's: refused calls of every connection
+  const uid_t uid;
+  const bool admin;
+  capnp::TwoPartyVatNetwork* network = nullptr;  // null once the connection is gone
+  uint32_t sessions = 0;
+  uint64_t last_call_ns = monotonic_ns();
+
+ private:
+  bool can_run() const {
+    return in_flight < kMaxCallsInFlight &&
+           (network == nullptr || network->getCurrentQueueSize() <= kMaxQueuedReplyBytes);
+  }
+  void finished() {
+    --in_flight;
+    last_call_ns = monotonic_ns();
+    pump();
+  }
+  // Hands free slots to waiters in order. When they wait for the peer to read its answers (no
+  // event says so), it looks again in kQueuePoll.
+  void pump() {
+    if (pumping) return;  // a waiter whose call is gone drops its Permit (and finishes) at once
+    pumping = true;
+    while (!waiters.empty() && can_run()) {
+      ++in_flight;
+      auto f = kj::mv(waiters.front());
+      waiters.pop_front();
+      f->fulfill(Permit(shared_from_this()));
+    }
+    pumping = false;
+    if (!waiters.empty() && in_flight < kMaxCallsInFlight && !polling) {
+      polling = true;
+      tasks.add(timer.afterDelay(kQueuePoll).then([weak = weak_from_this()] {
+        if (auto s = weak.lock()) {
+          s->polling = false;
+          s->pump();
+        }
+      }));
+    }
+  }
+
+  uint32_t in_flight = 0;
+  std::deque<kj::Own<kj::PromiseFulfiller<Permit>>> waiters;
+  bool pumping = false;
+  bool polling = false;
+};
+
+// Runs a generated server's dispatchCall for `method` once the connection admits it.
+template <typename Base>
+capnp::Capability::Server::DispatchCallResult admitted(
+    Base& server, const std::shared_ptr<ConnState>& conn, uint64_t interface_id, uint16_t method_id,
+    capnp::CallContext<capnp::AnyPointer, capnp::AnyPointer> context) {
+  return {
+      conn->admit().then([&server, interface_id, method_id, context](ConnState::Permit p) mutable {
+        return server.Base::dispatchCall(interface_id, method_id, context)
+            .promise.attach(kj::mv(p));
+      }),
+      false};
 }
 
 // An fd passed to the client; closed when the capability goes.
@@ -114,13 +242,23 @@ class OwnedAttachment {
 
 class SessionImpl final : public rpc::Session::Server {
  public:
-  SessionImpl(DaemonCore& core, uint32_t id) : core_(core), id_(id) {}
+  SessionImpl(DaemonCore& core, uint32_t id, std::shared_ptr<ConnState> conn)
+      : core_(core), id_(id), conn_(std::move(conn)) {
+    ++conn_->sessions;
+  }
   ~SessionImpl() {
+    --conn_->sessions;
     // The client dropped its capability, or its connection went away (process death included).
     if (!detached_) {
       const uint32_t id = id_;
       (void)core_.post([id](DaemonCore& c) { c.detach(id, "client disconnected"); });
     }
+  }
+
+  DispatchCallResult dispatchCall(
+      uint64_t interface_id, uint16_t method_id,
+      capnp::CallContext<capnp::AnyPointer, capnp::AnyPointer> context) override {
+    return admitted<rpc::Session::Server>(*this, conn_, interface_id, method_id, context);
   }
 
   kj::Promise<void> stats(StatsContext context) override {
@@ -153,13 +291,69 @@ class SessionImpl final : public rpc::Session::Server {
  private:
   DaemonCore& core_;
   uint32_t id_;
+  std::shared_ptr<ConnState> conn_;
   bool detached_ = false;
 };
+
+// The calls a reader (any allowed peer) may make; every other call of Expertd needs an admin. A
+// method added to the schema is an admin's until it is listed here.
+constexpr const char* kReaderCalls[] = {"info",  "openModel", "attach",
+                                        "stats", "ping",      "modelFiles"};
+
+struct Roles {
+  Roles() {
+    const auto schema = capnp::Schema::from<rpc::Expertd>();
+    for (const auto m : schema.getMethods()) {
+      const uint16_t ordinal = m.getOrdinal();
+      if (ordinal >= names.size()) names.resize(ordinal + 1);
+      names[ordinal] = m.getProto().getName();
+      bool reader = false;
+      for (const char* r : kReaderCalls) reader |= names[ordinal] == r;
+      if (reader) reader_calls.push_back(ordinal);
+    }
+  }
+  bool reader_may(uint16_t method) const {
+    return std::find(reader_calls.begin(), reader_calls.end(), method) != reader_calls.end();
+  }
+  kj::StringPtr name(uint16_t method) const {
+    return method < names.size() ? names[method] : kj::StringPtr("?");
+  }
+  std::vector<kj::StringPtr> names;  // by ordinal; the schema's own strings
+  std::vector<uint16_t> reader_calls;
+};
+
+const Roles& roles() {
+  static const Roles r;  // built once from the compiled-in schema
+  return r;
+}
 
 // The bootstrap capability of one allowed connection.
 class ExpertdImpl final : public rpc::Expertd::Server {
  public:
-  ExpertdImpl(DaemonCore& core, ClientIdentity peer) : core_(core), peer_(std::move(peer)) {}
+  ExpertdImpl(DaemonCore& core, ClientIdentity peer, std::shared_ptr<ConnState> conn)
+      : core_(core), peer_(std::move(peer)), conn_(std::move(conn)) {}
+
+  // Roles first (a refused call costs nothing), then the connection's admission.
+  DispatchCallResult dispatchCall(
+      uint64_t interface_id, uint16_t method_id,
+      capnp::CallContext<capnp::AnyPointer, capnp::AnyPointer> context) override {
+    if (interface_id == capnp::typeId<rpc::Expertd>() && !peer_.admin &&
+        !roles().reader_may(method_id)) {
+      const kj::StringPtr call = roles().name(method_id);
+      if (conn_->denial_log.allow()) {
+        spdlog::warn("rpc: refused {} from pid {} (uid {}): it needs an admin{}", call.cStr(),
+                     peer_.pid, peer_.uid, conn_->denial_log.suppressed_note("refused calls"));
+      }
+      return {KJ_EXCEPTION(
+                  FAILED,
+                  kj::str("permission denied: ", call, " needs an admin (root, uid ", ::getuid(),
+                          " or a member of admin_gids in expertd.toml); "
+                          "uid ",
+                          peer_.uid, " may attach, acquire, hint and read stats only")),
+              false};
+    }
+    return admitted<rpc::Expertd::Server>(*this, conn_, interface_id, method_id, context);
+  }
 
   kj::Promise<void> info(InfoContext context) override {
     return on_reactor<DaemonStats>(
@@ -205,7 +399,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
         .then([this, context](kj::Own<OwnedAttachment> owned) mutable {
           Attachment a = owned->release();
           auto r = context.getResults();
-          r.setSession(kj::heap<SessionImpl>(core_, a.session));
+          r.setSession(kj::heap<SessionImpl>(core_, a.session, conn_));
           r.setSessionId(a.session);
           r.setArenaBytes(a.arena_bytes);
           r.setSlotTableBytes(a.slot_table_bytes);
@@ -314,18 +508,32 @@ class ExpertdImpl final : public rpc::Expertd::Server {
 
   DaemonCore& core_;
   ClientIdentity peer_;
+  std::shared_ptr<ConnState> conn_;
 };
 
 // One accepted connection: its stream, its half of the two-party network and its RPC system.
 // Destroying it drops every capability the peer held (its sessions detach).
+// Incoming messages larger than the receive options' traversal limit are refused by Cap'n Proto
+// from their segment table, before any buffer is allocated for them (the connection is closed).
 struct Connection {
-  Connection(kj::Own<kj::AsyncCapabilityStream> s, capnp::Capability::Client bootstrap)
+  Connection(kj::Own<kj::AsyncCapabilityStream> s, capnp::Capability::Client bootstrap,
+             capnp::ReaderOptions receive, std::shared_ptr<ConnState> st = nullptr)
       : stream(kj::mv(s)),
-        network(*stream, kMaxFdsPerMessage, capnp::rpc::twoparty::Side::SERVER),
-        rpc(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
+        network(*stream, kMaxFdsPerMessage, capnp::rpc::twoparty::Side::SERVER, receive),
+        rpc(capnp::makeRpcServer(network, kj::mv(bootstrap))),
+        state(std::move(st)) {
+    rpc.setFlowLimit(kFlowLimitWords);
+    if (state) state->network = &network;
+  }
+  ~Connection() {
+    if (state) state->network = nullptr;  // capabilities may outlive the network by a turn
+  }
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
   kj::Own<kj::AsyncCapabilityStream> stream;
   capnp::TwoPartyVatNetwork network;
   capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
+  std::shared_ptr<ConnState> state;
 };
 
 struct PeerCredentials {  // unknown until SO_PEERCRED says otherwise: nobody is allowed
@@ -367,6 +575,10 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   Loop(DaemonCore& c, const DaemonConfig& config) : core(c) {
     allowed_uids = config.allowed_uids;
     allowed_gids = config.allowed_gids;
+    admin_gids = config.admin_gids;
+    max_connections_per_uid = config.max_connections_per_uid;
+    idle_timeout_ns = uint64_t{config.idle_timeout_s} * 1'000'000'000u;
+    receive.traversalLimitInWords = config.max_frame_bytes / sizeof(capnp::word);
 #if EXPERTD_TEST_HOOKS  // expertd-test only (daemon/CMakeLists.txt); never in expertd
     if (const char* hook = std::getenv("EXPERTD_TEST_PEER_UID"); hook != nullptr && *hook) {
       test_uid = static_cast<uid_t>(std::strtoul(hook, nullptr, 10));
@@ -381,8 +593,20 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
     spdlog::debug("rpc: connection ended: {}", e.getDescription().cStr());
   }
 
-  bool allowed(const PeerCredentials& p) const {
+  static bool in_group(const PeerCredentials& p, gid_t g) {
+    return g == p.gid || std::find(p.groups.begin(), p.groups.end(), g) != p.groups.end();
+  }
+
+  bool admin(const PeerCredentials& p) const {
     if (p.uid == 0 || p.uid == ::getuid()) return true;
+    for (const gid_t g : admin_gids) {
+      if (in_group(p, g)) return true;
+    }
+    return false;
+  }
+
+  bool allowed(const PeerCredentials& p) const {
+    if (admin(p)) return true;
     // Members of the daemon's own group (primary or supplementary: SO_PEERGROUPS) pass, as the
     // documentation says: `usermod -aG expertd USER` is how a user is let in.
     const gid_t own = ::getgid();
@@ -416,12 +640,40 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   }
 
   // Serves `stream` with a bootstrap on which every call fails with `why`, for a few seconds.
-  void refuse(kj::Own<kj::AsyncCapabilityStream> stream, const std::string& why) {
+  // Past kMaxRefusedLingering such connections, or kMaxRefusedLingeringPerUid of `uid`'s, it is
+  // closed at once: one uid reconnecting in a loop cannot take the others' chance to read why.
+  void refuse(kj::Own<kj::AsyncCapabilityStream> stream, uid_t uid, const std::string& why) {
+    uint32_t& of_uid = refused_lingering_of_uid[uid];
+    if (refused_lingering >= kMaxRefusedLingering || of_uid >= kMaxRefusedLingeringPerUid) {
+      if (of_uid == 0) refused_lingering_of_uid.erase(uid);
+      return;  // `stream` closes here
+    }
     capnp::Capability::Client refused(
         kj::Exception(kj::Exception::Type::FAILED, __FILE__, __LINE__, kj::str(why.c_str())));
-    auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused));
+    auto conn = kj::heap<Connection>(kj::mv(stream), kj::mv(refused), receive);
     auto done = conn->network.onDisconnect().exclusiveJoin(timer->afterDelay(kRefusedLinger));
-    tasks->add(done.attach(kj::mv(conn)));
+    ++refused_lingering;
+    ++of_uid;
+    tasks->add(done.attach(kj::mv(conn), kj::defer([this, uid] {
+                             --refused_lingering;
+                             if (--refused_lingering_of_uid[uid] == 0)
+                               refused_lingering_of_uid.erase(uid);
+                           })));
+  }
+
+  // Resolves when `s` has had no session, no call and no call in flight for idle_timeout_ns.
+  kj::Promise<void> idle_watch(std::shared_ptr<ConnState> s) {
+    if (idle_timeout_ns == 0) return kj::NEVER_DONE;
+    const uint64_t check_ns = std::min<uint64_t>(idle_timeout_ns / 2 + 1, 1'000'000'000u);
+    return timer->afterDelay(check_ns * kj::NANOSECONDS).then([this, s]() -> kj::Promise<void> {
+      if (!s->idle(monotonic_ns(), idle_timeout_ns)) return idle_watch(s);
+      if (idle_log.allow()) {
+        spdlog::info("rpc: closed a connection of uid {}: idle for {} s (idle_timeout_s){}", s->uid,
+                     idle_timeout_ns / 1'000'000'000u,
+                     idle_log.suppressed_note("idle connections closed"));
+      }
+      return kj::READY_NOW;
+    });
   }
 
   void on_connection(kj::Own<kj::AsyncCapabilityStream> stream) {
@@ -439,35 +691,53 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
         spdlog::warn(
             "rpc: refused a connection from pid {} (uid {}, gid {}): not in allowed_uids "
             "or allowed_gids, nor in the daemon's group{}",
-            peer.pid, peer.uid, peer.gid, refusal_log.suppressed_note());
+            peer.pid, peer.uid, peer.gid, refusal_log.suppressed_note("refused connections"));
       }
-      refuse(kj::mv(stream),
+      refuse(kj::mv(stream), peer.uid,
              fmt::format("permission denied: uid {} is not allowed (allowed_uids/allowed_gids "
                          "in expertd.toml)",
                          peer.uid));
       return;
     }
-    if (connections >= kMaxConnections) {
+    const bool is_admin = admin(peer);
+    uint32_t& of_uid = connections_of_uid[peer.uid];
+    std::string over;
+    if (connections >= kMaxConnections + (is_admin ? kAdminReservedConnections : 0)) {
+      over = fmt::format("expertd is at its limit of {} connections{}", connections,
+                         is_admin ? "" : " (admins have a few more)");
+    } else if (!is_admin && of_uid >= max_connections_per_uid) {
+      over = fmt::format("uid {} has {} connections open, its limit (max_connections_per_uid {})",
+                         peer.uid, of_uid, max_connections_per_uid);
+    }
+    if (!over.empty()) {
+      if (of_uid == 0) connections_of_uid.erase(peer.uid);
       if (refusal_log.allow()) {
-        spdlog::warn(
-            "rpc: refused a connection from pid {} (uid {}): {} connections already "
-            "open{}",
-            peer.pid, peer.uid, connections, refusal_log.suppressed_note());
+        spdlog::warn("rpc: refused a connection from pid {} (uid {}): {}{}", peer.pid, peer.uid,
+                     over, refusal_log.suppressed_note("refused connections"));
       }
-      refuse(kj::mv(stream),
-             fmt::format("expertd is at its limit of {} connections", kMaxConnections));
+      refuse(kj::mv(stream), peer.uid, over);
       return;
     }
-    spdlog::debug("rpc: connection from pid {} (uid {}, gid {})", peer.pid, peer.uid, peer.gid);
+    spdlog::debug("rpc: connection from pid {} (uid {}, gid {}{})", peer.pid, peer.uid, peer.gid,
+                  is_admin ? ", admin" : "");
     ClientIdentity who;
     who.pid = peer.pid;
     who.uid = peer.uid;
     who.gid = peer.gid;
+    who.admin = is_admin;
+    auto state = std::make_shared<ConnState>(*timer, *tasks, denial_log, peer.uid, is_admin);
     auto conn = kj::heap<Connection>(
-        kj::mv(stream), capnp::Capability::Client(kj::heap<ExpertdImpl>(core, std::move(who))));
+        kj::mv(stream),
+        capnp::Capability::Client(kj::heap<ExpertdImpl>(core, std::move(who), state)), receive,
+        state);
     ++connections;
-    auto done = conn->network.onDisconnect();
-    tasks->add(done.attach(kj::mv(conn), kj::defer([this] { --connections; })));
+    ++of_uid;
+    const uid_t uid = peer.uid;
+    auto done = conn->network.onDisconnect().exclusiveJoin(idle_watch(state));
+    tasks->add(done.attach(kj::mv(conn), kj::defer([this, uid] {
+                             --connections;
+                             if (--connections_of_uid[uid] == 0) connections_of_uid.erase(uid);
+                           })));
   }
 
   // The thread's body: serves `listen_fd` until stop is fulfilled.
@@ -510,15 +780,16 @@ struct RpcServer::Loop : public kj::TaskSet::ErrorHandler {
   std::vector<uid_t> allowed_uids;
   std::vector<gid_t> allowed_gids;
   uint32_t connections = 0;  // allowed connections open
-  // Refused connections are logged at most LogLimit::kBurst times per window: a peer that
-  // reconnects in a loop must not flood the journal. The next line logged says how many were
-  // left out.
-  struct RefusalLog : LogLimit {
-    std::string suppressed_note() {
-      return LogLimit::suppressed_note("refused connection", "refused connections");
-    }
-  };
-  RefusalLog refusal_log;
+  std::vector<gid_t> admin_gids;
+  uint32_t max_connections_per_uid = 0;
+  uint64_t idle_timeout_ns = 0;  // 0: never
+  capnp::ReaderOptions receive;  // traversalLimitInWords: max_frame
+  uint32_t refused_lingering = 0;
+  std::unordered_map<uid_t, uint32_t> refused_lingering_of_uid;
+  std::unordered_map<uid_t, uint32_t> connections_of_uid;  // allowed connections open, by uid
+  RateLimitedLog refusal_log;
+  RateLimitedLog idle_log;
+  RateLimitedLog denial_log;
   bool has_test_uid = false;
   uid_t test_uid = 0;
   kj::Timer* timer = nullptr;

@@ -11,6 +11,16 @@
 // seconds later. In the expertd-test binary only (built with EXPERTD_TEST_HOOKS=1, for tests),
 // the environment variable EXPERTD_TEST_PEER_UID=N makes every peer uid N.
 //
+// Roles. Any allowed peer is a reader (info, openModel, attach, stats, ping, modelFiles, its
+// sessions' calls); every other call needs an admin (root, the daemon's uid, admin_gids), and a
+// reader's is refused naming the call and the rule.
+//
+// Bounds. Per non-admin uid: max_connections_per_uid connections, max_sessions_per_uid sessions
+// (DaemonCore::attach); kMaxConnections for all non-admins, kAdminReservedConnections more for
+// admins. A connection runs at most 8 calls at once (the rest wait; past the flow limit its socket
+// is not read), a message over max_frame is refused from its header, and a connection without a
+// session idle for idle_timeout_s is closed.
+//
 // Sessions. attach() returns a Session capability and the session's file descriptors, each in an
 // Fd capability that owns it (passed with SCM_RIGHTS). The Session's server object detaches the
 // session when it is destroyed: when the client drops it, calls detach(), or the connection goes
