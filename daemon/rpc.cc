@@ -97,9 +97,6 @@ kj::Promise<kj::Own<T>> on_reactor(DaemonCore& core, Fn fn) {
 struct RateLimitedLog : LogLimit {
   std::string suppressed_note(const char* what) { return LogLimit::suppressed_note(what, what); }
 };
-return fmt::format(" ({} more {} not logged)", std::exchange(suppressed, 0), what);
-}
-};
 
 // One allowed connection's bookkeeping on the RPC thread: who it is, its calls in flight (at most
 // kMaxCallsInFlight; later calls wait in `waiters`, oldest first), its sessions and its last call
