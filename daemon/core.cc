@@ -112,7 +112,11 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
         return make_error(
             e, fmt::format("model '{}': {}: stat: {}", m.name, s.path(), std::strerror(e)));
       }
-      files.push_back(ShardFile{s.path(), st.st_dev, st.st_ino});
+      files.push_back(
+          ShardFile{s.path(), st.st_dev, st.st_ino,
+                    FileIdentity{st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
+                                 st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec,
+                                 st.st_ctim.tv_sec * 1'000'000'000ll + st.st_ctim.tv_nsec}});
       paths.push_back(s.path());
     }
     core->model_files_.push_back(std::move(files));
@@ -306,6 +310,17 @@ std::string DaemonCore::backend_name() const { return std::string(io_->name()); 
 
 // ---------------------------------------------------------------------------------------------
 // Thread and commands
+
+std::vector<DaemonCore::FileIdentity> DaemonCore::shard_identities(uint32_t model) const {
+  std::vector<FileIdentity> out;
+  for (const ShardFile& f : model_files_[model]) out.push_back(f.identity);
+  return out;
+}
+
+ExpertStore& DaemonCore::store(uint32_t model) {
+  EXPERTD_CHECK(!running_.load());
+  return *models_[model]->store;
+}
 
 Status DaemonCore::start() {
   if (running_.exchange(true)) return Ok{};
