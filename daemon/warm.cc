@@ -214,7 +214,9 @@ Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
       header.arena_bytes != old.arena_bytes) {
     return make_error(EINVAL, "the slot table's header does not match the manifest");
   }
-  const Mapping arena = Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED, g.arena.get(), 0);
+  // Populated in one call: a page fault per 4 KiB page made the copy several times slower.
+  const Mapping arena =
+      Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, g.arena.get(), 0);
   if (!arena.valid()) return make_error(errno, "cannot map the arena");
   const auto* entries = reinterpret_cast<const abi::SlotEntry*>(table.data() + sizeof(header));
   ExpertStore& store = core.store(index);

@@ -193,6 +193,10 @@ journal | grep -q -i "watchdog timeout" && ok "watchdog: a stopped daemon was ab
   fail "watchdog: no timeout within 20 s"
 check_warm "watchdog restart" "$PID"
 
+nstore=$(X systemctl show -P NFileDescriptorStore expertd.service)
+[[ $nstore == 3 ]] && ok "after 4 restarts still 3 fds in the store (each start replaced the last one's)" ||
+  fail "after 4 restarts NFileDescriptorStore=$nstore (the old entries were not removed)"
+
 # --- stop -----------------------------------------------------------------------------------
 X systemctl stop expertd.service
 result=$(X systemctl show -P ExecMainStatus expertd.service)
