@@ -201,4 +201,7 @@ nstore=$(X systemctl show -P NFileDescriptorStore expertd.service)
 X systemctl stop expertd.service
 result=$(X systemctl show -P ExecMainStatus expertd.service)
 [[ $result == 0 ]] && ok "systemctl stop: exit status 0" || fail "systemctl stop: exit status $result"
+nstore=$(X systemctl show -P NFileDescriptorStore expertd.service)
+[[ $nstore == 0 ]] && ok "systemctl stop empties the fd store (the next start is cold)" ||
+  echo "note: after systemctl stop the fd store still holds $nstore fds"
 exit $FAILED
