@@ -167,6 +167,7 @@ class Scheduler final : private EvictionListener {
   // Forgets the estimates (a sweep's settings start equal; evict_all restarts a model's history).
   void reset_estimates();
   void set_observer(LoadObserver* observer) { observer_ = observer; }
+  LoadObserver* observer() const { return observer_; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }

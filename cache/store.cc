@@ -91,6 +91,8 @@ bool ExpertStore::adopt(ExpertKey key, const uint8_t* slot_bytes_from) {
   std::memcpy(arena_.data() + static_cast<uint64_t>(*slot) * layouts_->slot_bytes(),
               slot_bytes_from, layouts_->slot_bytes());
   cache_->loaded(*slot);
+  // Verify mode checks what a restart brought in as it checks what a read did.
+  if (LoadObserver* o = scheduler_->observer()) o->loaded(key, *slot, slot_data(*slot), 0);
   return true;
 }
 

@@ -193,9 +193,11 @@ expertd::Status check_socket(const std::string& path) {
   return expertd::Ok{};
 }
 
-// The binary to exec on SIGUSR2: the path this one was started from, read now, so that a binary
-// replaced there since (a package upgrade) is the one that runs.
-std::string own_binary() {
+// The binary to exec on SIGUSR2: the path this one was started by (ExecStart's, absolute), so
+// that a binary replaced there since, or a symlink pointed at a new version, is the one that runs.
+// Started by a bare name (a $PATH search), the file it was loaded from.
+std::string own_binary(const char* argv0) {
+  if (argv0 != nullptr && std::strchr(argv0, '/') != nullptr) return argv0;
   char buf[4096];
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
@@ -259,7 +261,7 @@ void exec_successor(const std::string& exe, char** argv, expertd::UniqueFd liste
 }
 
 int run(const Flags& flags, char** argv) {
-  const std::string exe = own_binary();
+  const std::string exe = own_binary(argv[0]);
   auto config = load(flags);
   if (!config) {
     spdlog::critical("{}", config.error().message);
@@ -369,8 +371,11 @@ int run(const Flags& flags, char** argv) {
   }
   if (handover) {
     expertd::UniqueFd listen = (*rpc)->take_listen_fd();
-    (*rpc)->stop();
+    // The core first: it drains its reads while every session still holds its slots, then starts
+    // nothing. Closing the connections first would release the holds of clients that may still be
+    // reading their slots while other sessions' loads reuse them.
     (*core)->stop();
+    (*rpc)->stop();
     exec_successor(exe, argv, std::move(listen), warm.fds());
     return 1;  // the exec failed (logged); under systemd the fd store still has the cache
   }

@@ -153,6 +153,11 @@ journal | grep -q "reload: tunables applied" && ok "systemctl reload: $(journal 
   fail "reload: $(journal | grep -m2 reload)"
 
 # --- the fd store ---------------------------------------------------------------------------
+# A cache the io_uring backend filled is not handed over yet (docs/SYSTEMD.md, Warm restart):
+# the rest runs on the pread backend.
+X sed -i 's/^prefetch_depth = 0$/prefetch_depth = 0\nbackend = "pread"/' /etc/expertd/expertd.toml
+X systemctl restart expertd.service
+wait_active 0 || fail "restart on the pread backend"
 X runuser -u alice -- expert-tune replay --socket $SOCK --model m --trace /srv/models/t.etrace >/dev/null
 cached=$(stat_field cache_ready)
 nstore=$(X systemctl show -P NFileDescriptorStore expertd.service)
