@@ -199,7 +199,8 @@ Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
   // Known issue: an arena the io_uring backend filled (O_DIRECT reads into its registered,
   // pinned pages) showed, in about one run in five of tests/chaos/restart_test.cc, 5-20% of its
   // READY slots with other bytes through a new mapping than the daemon had verified through its
-  // own at stop; the pread backend showed none in 30 runs. Until that is understood such an arena
+  // own at stop; the pread backend showed none in 30 runs, io_uring without registered buffers
+  // none in 36: the fixed buffers are implicated. Until that is understood such an arena
   // is not trusted: wrong bytes must never be served.
   if (old.filled_by_uring != 0) {
     return make_error(EINVAL,
