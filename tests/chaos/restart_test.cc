@@ -281,9 +281,9 @@ TEST(RestartTest, Sigusr2HandsTheCacheOverUnderClients) {
   EXPECT_GE(reconnected.load(), kClients * 2);
   EXPECT_EQ(d.pid(), pid);  // exec, not a new process
   admin.reset();
-  // No fd leaks across two execs: with every client gone, the count of the first start (sockets
-  // aside).
-  ASSERT_TRUE(test::wait_until([&] { return open_fds(pid) == fds_before; }, 10s))
+  // No fd leaks across two execs: with every client gone, at most the count of the first start
+  // (sockets aside; a transient fd of the first start may have been counted: at most, not equal).
+  ASSERT_TRUE(test::wait_until([&] { return open_fds(pid) <= fds_before; }, 10s))
       << open_fds(pid) << " fds, " << fds_before << " before";
   const std::string log = d.log();
   size_t warm_starts = 0;
