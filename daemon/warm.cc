@@ -323,6 +323,14 @@ WarmRestore restore_warm(DaemonCore& core, std::vector<NamedFd> passed) {
 
 WarmExport WarmExport::create(DaemonCore& core) {
   WarmExport out;
+  // A successor would not trust it (restore_model's known issue): handing it over would only keep
+  // a second arena alive in the fd store across the restart.
+  if (core.backend_name() == "io_uring") {
+    spdlog::info(
+        "warm restart: off with the io_uring backend (docs/SYSTEMD.md, Warm restart); "
+        "backend = \"pread\" keeps the cache across restarts");
+    return out;
+  }
   for (uint32_t i = 0; i < core.model_names().size(); ++i) {
     std::string why;
     const auto m = describe(core, i, &why);
