@@ -12,6 +12,9 @@
 // change them under the copy and no read can fault), their sizes match, and the slot entry is READY
 // for an expert the model has. Any doubt starts that model cold, with one log line saying why.
 //
+// Only a pread daemon hands its cache over for now: an arena io_uring filled through registered
+// buffers showed wrong bytes through a successor's mapping (warm.cc, restore_model).
+//
 // The arena is copied, not adopted: it is sealed against new writable mappings (clients must not
 // write it), so a successor cannot write into it. The copy needs the old and the new arena at
 // once while it runs (docs/RELIABILITY.md, "Warm restart", has its speed).
