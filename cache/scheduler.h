@@ -235,6 +235,7 @@ class Scheduler final : private EvictionListener {
   // the expert becomes READY; a mismatch fails the load with EBADMSG. Empty: no check. The table
   // must outlive the scheduler.
   void set_checksums(std::span<const uint64_t> table) { checksums_ = table; }
+  LoadObserver* observer() const { return observer_; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }
   const SchedulerStats& stats() const { return stats_; }

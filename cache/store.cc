@@ -82,6 +82,20 @@ uint32_t ExpertStore::evict_all() {
   return n;
 }
 
+bool ExpertStore::adopt(ExpertKey key, const uint8_t* slot_bytes_from) {
+  if (map_.find_layer(key.layer) == nullptr || key.expert >= map_.expert_count()) return false;
+  if (cache_->lookup(key) >= 0 || cache_->free_count() == 0) return false;
+  // A free slot under the limit exists, so reserve() evicts nothing.
+  const auto slot = cache_->reserve(key, nullptr, true);
+  if (!slot) return false;
+  std::memcpy(arena_.data() + static_cast<uint64_t>(*slot) * layouts_->slot_bytes(),
+              slot_bytes_from, layouts_->slot_bytes());
+  cache_->loaded(*slot);
+  // Verify mode checks what a restart brought in as it checks what a read did.
+  if (LoadObserver* o = scheduler_->observer()) o->loaded(key, *slot, slot_data(*slot), 0);
+  return true;
+}
+
 std::string ExpertStore::describe() const {
   return fmt::format(
       "model '{}': {} MoE layers x {} experts, slot {} KiB (DIO alignment {}), cache {} slots "

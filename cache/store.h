@@ -56,6 +56,12 @@ class ExpertStore {
   // (no history), as after a restart: tuning sweeps start each setting from here. Returns how
   // many experts were dropped.
   uint32_t evict_all();
+  // Warm restart (daemon/warm.h): puts `key` into a free cache slot as READY, copying the
+  // slot_bytes() bytes at `slot_bytes_from`, an earlier daemon's slot of the same layout. Copied,
+  // not adopted: the earlier arena is sealed against new writable mappings. False, changing
+  // nothing, when the key has no routed expert, is cached already, or no cache slot is free.
+  // Before the reactor starts only.
+  bool adopt(ExpertKey key, const uint8_t* slot_bytes_from);
   std::string describe() const;
 
  private:

@@ -119,7 +119,8 @@ class Connection {
     return reason_;
   }
   Error gone_error() const {
-    return make_error(ECONNRESET, "expertd went away: " + disconnect_reason());
+    return make_error(ECONNRESET, "expertd went away: " + disconnect_reason() +
+                                      " (when it is back: connect again and attach a new session)");
   }
 
   // Sleepers on these eventfds are woken when the connection drops. The fds are borrowed: a
@@ -267,6 +268,21 @@ Result<std::unique_ptr<Client>> Client::connect(const std::string& socket) {
                                           info.protocol_version, abi::kProtocolVersion));
   }
   return c;
+}
+
+Result<std::unique_ptr<Client>> Client::connect(const std::string& socket,
+                                                std::chrono::milliseconds wait) {
+  const uint64_t deadline = monotonic_ns() + static_cast<uint64_t>(wait.count()) * 1'000'000ull;
+  uint64_t pause_ms = 5;
+  while (true) {
+    auto c = connect(socket);
+    const int e = c ? 0 : c.error().code;
+    const bool again = e == ENOENT || e == ECONNREFUSED || e == ECONNRESET || e == EPIPE;
+    if (!again || monotonic_ns() >= deadline) return c;
+    // Backs off to 200 ms: a daemon that opens its models takes a while, a restart less.
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    pause_ms = std::min<uint64_t>(pause_ms * 2, 200);
+  }
 }
 
 Client::~Client() = default;

@@ -119,8 +119,11 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
         return make_error(
             e, fmt::format("model '{}': {}: stat: {}", m.name, s.path(), std::strerror(e)));
       }
-      files.push_back(ShardFile{s.path(), st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
-                                st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec});
+      files.push_back(
+          ShardFile{s.path(), st.st_dev, st.st_ino,
+                    FileIdentity{st.st_dev, st.st_ino, static_cast<uint64_t>(st.st_size),
+                                 st.st_mtim.tv_sec * 1'000'000'000ll + st.st_mtim.tv_nsec,
+                                 st.st_ctim.tv_sec * 1'000'000'000ll + st.st_ctim.tv_nsec}});
       paths.push_back(s.path());
     }
     core->model_files_.push_back(std::move(files));
@@ -354,6 +357,17 @@ std::string DaemonCore::backend_name() const { return std::string(io_->name()); 
 
 // ---------------------------------------------------------------------------------------------
 // Thread and commands
+
+std::vector<DaemonCore::FileIdentity> DaemonCore::shard_identities(uint32_t model) const {
+  std::vector<FileIdentity> out;
+  for (const ShardFile& f : model_files_[model]) out.push_back(f.identity);
+  return out;
+}
+
+ExpertStore& DaemonCore::store(uint32_t model) {
+  EXPERTD_CHECK(!running_.load());
+  return *models_[model]->store;
+}
 
 Status DaemonCore::start() {
   if (running_.exchange(true)) return Ok{};
@@ -1026,9 +1040,9 @@ void DaemonCore::check_files(uint32_t model) {
       const int64_t mtime_ns = sx.stx_mtime.tv_sec * 1'000'000'000ll + sx.stx_mtime.tv_nsec;
       if (dev != f.dev || sx.stx_ino != f.ino) {
         what = fmt::format("was replaced (inode {} is now {})", f.ino, sx.stx_ino);
-      } else if (sx.stx_size != f.size) {
-        what = fmt::format("changed size ({} bytes, now {})", f.size, sx.stx_size);
-      } else if (mtime_ns != f.mtime_ns) {
+      } else if (sx.stx_size != f.identity.bytes) {
+        what = fmt::format("changed size ({} bytes, now {})", f.identity.bytes, sx.stx_size);
+      } else if (mtime_ns != f.identity.mtime_ns) {
         what = "was modified in place (its mtime changed)";
       } else {
         continue;

@@ -134,6 +134,19 @@ class DaemonCore {
   // policy's history. Returns the number of experts dropped.
   Result<uint32_t> evict_all(const std::string& model);
 
+  // --- Warm restart (daemon/warm.h) ---
+  // What create() saw of a shard file when it opened it: a file changed since does not match.
+  struct FileIdentity {
+    uint64_t dev = 0;
+    uint64_t ino = 0;
+    uint64_t bytes = 0;
+    int64_t mtime_ns = 0;
+    int64_t ctime_ns = 0;
+  };
+  std::vector<FileIdentity> shard_identities(uint32_t model) const;
+  // Model `model`'s store (the order of model_names()): before start() only, the reactor's after.
+  ExpertStore& store(uint32_t model);
+
   // --- Any thread ---
   const std::vector<std::string>& model_names() const { return model_names_; }
   // Opens up to `max` of `model`'s files from shard `first` on, read-only (a fresh file description
@@ -189,8 +202,7 @@ class DaemonCore {
     std::string path;
     dev_t dev = 0;
     ino_t ino = 0;
-    uint64_t size = 0;
-    int64_t mtime_ns = 0;
+    FileIdentity identity;  // the whole of it, for warm restart
   };
   std::vector<std::vector<ShardFile>> model_files_;
   std::unique_ptr<StoreReactor> reactor_;

@@ -1,6 +1,8 @@
 // expertd: the expert streaming daemon. Reads its configuration (TOML, overridden by flags), opens
 // the models, starts the storage reactor and the Cap'n Proto control socket, tells systemd it is
-// ready, and runs until SIGTERM (drain, exit 0). SIGHUP reloads the tunables from the file.
+// ready, and runs until SIGTERM (drain, exit 0). SIGHUP reloads the tunables from the file. SIGUSR2
+// execs the binary again (a new one, after an upgrade) with the cache handed over (daemon/warm.h).
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
@@ -20,12 +22,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/fd.h"
 #include "daemon/config.h"
 #include "daemon/core.h"
 #include "daemon/rpc.h"
+#include "daemon/warm.h"
 #include "forge/verifier.h"
 
 namespace {
@@ -251,14 +255,94 @@ expertd::Result<expertd::FaultOptions> parse_test_faults(const std::string& spec
 }
 #endif
 
-int run(const Flags& flags) {
+// The binary to exec on SIGUSR2: the path this one was started by (ExecStart's, absolute), so
+// that a binary replaced there since, or a symlink pointed at a new version, is the one that runs.
+// Started by a bare name (a $PATH search), the file it was loaded from.
+std::string own_binary(const char* argv0) {
+  if (argv0 != nullptr && std::strchr(argv0, '/') != nullptr) return argv0;
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+// Sends each fd to systemd's fd store (FileDescriptorStoreMax= in the unit); nothing without
+// NOTIFY_SOCKET. Entries of the same names from an earlier run are removed first.
+void store_fds(const std::vector<expertd::NamedFd>& fds, const std::vector<std::string>& stale) {
+  if (std::getenv("NOTIFY_SOCKET") == nullptr) return;
+  for (const auto& name : stale) {
+    sd_notifyf(0, "FDSTOREREMOVE=1\nFDNAME=%s", name.c_str());
+  }
+  int stored = 0;
+  for (const auto& f : fds) {
+    const std::string msg = "FDSTORE=1\nFDNAME=" + f.name;
+    const int fd = f.fd.get();
+    const int r = sd_pid_notify_with_fds(0, 0, msg.c_str(), &fd, 1);
+    if (r > 0) ++stored;
+    if (r < 0) spdlog::warn("warm restart: FDSTORE of {}: {}", f.name, std::strerror(-r));
+  }
+  spdlog::info("warm restart: {} fd(s) in systemd's fd store", stored);
+}
+
+// SIGUSR2: runs `exe` in this process, handing it the listening socket and the warm fds as
+// systemd hands them over (LISTEN_FDS, LISTEN_FDNAMES, and LISTEN_PID: exec keeps the pid).
+// Returns only when the exec failed.
+void exec_successor(const std::string& exe, char** argv, expertd::UniqueFd listen,
+                    std::vector<expertd::NamedFd> fds) {
+  if (listen.valid()) fds.insert(fds.begin(), expertd::NamedFd{"listen", std::move(listen)});
+  const int n = static_cast<int>(fds.size());
+  // Above the targets first, so no dup2 below closes a source it still needs.
+  std::vector<expertd::UniqueFd> high;
+  std::string names;
+  for (auto& f : fds) {
+    high.emplace_back(::fcntl(f.fd.get(), F_DUPFD_CLOEXEC, 3 + n));
+    names += (names.empty() ? "" : ":") + f.name;
+  }
+  for (int i = 0; i < n; ++i) {
+    // dup2 clears FD_CLOEXEC on the target: these survive the exec.
+    if (!high[static_cast<size_t>(i)].valid() ||
+        ::dup2(high[static_cast<size_t>(i)].get(), 3 + i) < 0) {
+      spdlog::critical("SIGUSR2: cannot pass fd {}: {}", fds[static_cast<size_t>(i)].name,
+                       std::strerror(errno));
+      return;
+    }
+  }
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view v(*e);
+    if (v.rfind("LISTEN_", 0) != 0) env.emplace_back(v);
+  }
+  env.push_back(fmt::format("LISTEN_PID={}", ::getpid()));
+  env.push_back(fmt::format("LISTEN_FDS={}", n));
+  env.push_back("LISTEN_FDNAMES=" + names);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  spdlog::info("SIGUSR2: exec {} with {} fd(s) handed over", exe, n);
+  ::execve(exe.c_str(), argv, envp.data());
+  spdlog::critical("SIGUSR2: exec {}: {}", exe, std::strerror(errno));
+}
+
+int run(const Flags& flags, char** argv) {
+  const std::string exe = own_binary(argv[0]);
   auto config = load(flags);
   if (!config) {
     spdlog::critical("{}", config.error().message);
     return 1;
   }
-  // Under socket activation systemd hands the socket over: nothing to check here.
-  if (std::getenv("LISTEN_FDS") == nullptr) {
+  // What systemd or the previous daemon handed over: the socket, the warm cache.
+  expertd::PassedFds passed = expertd::take_passed_fds(config->socket);
+  for (const auto& name : passed.ignored) {
+    spdlog::warn("ignoring a passed fd named '{:.64}' (neither the control socket nor warm.*)",
+                 name);
+  }
+  std::vector<std::string> stale_names;
+  for (const auto& f : passed.warm) {
+    if (std::find(stale_names.begin(), stale_names.end(), f.name) == stale_names.end()) {
+      stale_names.push_back(f.name);
+    }
+  }
+  // A socket handed over is bound already: nothing to check here.
+  if (!passed.listen.valid()) {
     if (auto st = check_socket(config->socket); !st) {
       spdlog::critical("{}", st.error().message);
       return 1;
@@ -294,11 +378,13 @@ int run(const Flags& flags) {
     spdlog::critical("{}", core.error().message);
     return 1;
   }
+  expertd::restore_warm(**core, std::move(passed.warm));
+  const expertd::WarmExport warm = expertd::WarmExport::create(**core);
   if (auto st = (*core)->start(); !st) {
     spdlog::critical("{}", st.error().message);
     return 1;
   }
-  auto rpc = expertd::RpcServer::start(**core, *config);
+  auto rpc = expertd::RpcServer::start(**core, *config, std::move(passed.listen));
   if (!rpc) {
     spdlog::critical("{}", rpc.error().message);
     (*core)->stop();
@@ -306,6 +392,7 @@ int run(const Flags& flags) {
   }
   spdlog::info("expertd ready: {} model(s), socket {}", config->models.size(), config->socket);
   sd_notify(0, "READY=1");
+  store_fds(warm.fds(), stale_names);
 
   // Signals arrive through a signalfd; the watchdog and STATUS= ride its poll timeout.
   sigset_t mask;
@@ -313,6 +400,7 @@ int run(const Flags& flags) {
   sigaddset(&mask, SIGTERM);
   sigaddset(&mask, SIGINT);
   sigaddset(&mask, SIGHUP);
+  sigaddset(&mask, SIGUSR2);
   const expertd::UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC));
   if (!sfd.valid()) {
     // The signals are blocked: without the signalfd SIGTERM would never be seen.
@@ -327,6 +415,7 @@ int run(const Flags& flags) {
   const uint64_t tick_ms = watchdog ? std::max<uint64_t>(watchdog_usec / 2000, 50) : 1000;
   std::string last_status;
   int exit_code = 0;
+  bool handover = false;
   while (true) {
     pollfd p{sfd.get(), POLLIN, 0};
     const int r = ::poll(&p, 1, static_cast<int>(tick_ms));
@@ -338,6 +427,10 @@ int run(const Flags& flags) {
           sd_notify(0, "RELOADING=1");
           reload(**core, flags);
           sd_notify(0, "READY=1");
+        } else if (si.ssi_signo == SIGUSR2) {
+          spdlog::info("SIGUSR2: draining, then exec {} with the cache handed over", exe);
+          handover = true;
+          break;
         } else {
           spdlog::info("{}: draining and stopping", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
           break;
@@ -353,6 +446,16 @@ int run(const Flags& flags) {
       sd_notifyf(0, "STATUS=%s", status.c_str());
       last_status = status;
     }
+  }
+  if (handover) {
+    expertd::UniqueFd listen = (*rpc)->take_listen_fd();
+    // The core first: it drains its reads while every session still holds its slots, then starts
+    // nothing. Closing the connections first would release the holds of clients that may still be
+    // reading their slots while other sessions' loads reuse them.
+    (*core)->stop();
+    (*rpc)->stop();
+    exec_successor(exe, argv, std::move(listen), warm.fds());
+    return 1;  // the exec failed (logged); under systemd the fd store still has the cache
   }
   sd_notify(0, "STOPPING=1");
   (*rpc)->stop();
@@ -441,6 +544,7 @@ int main(int argc, char** argv) {
   sigaddset(&mask, SIGTERM);
   sigaddset(&mask, SIGINT);
   sigaddset(&mask, SIGHUP);
+  sigaddset(&mask, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &mask, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   // spdlog reads an unknown level as "off": refuse it rather than run silent.
@@ -452,5 +556,5 @@ int main(int argc, char** argv) {
                      f.log_level);
     return 1;
   }
-  return run(f);
+  return run(f, argv);
 }

@@ -843,7 +843,8 @@ Status remove_stale_socket(const std::string& path, const sockaddr_un& addr) {
 
 }  // namespace
 
-Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const DaemonConfig& config) {
+Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const DaemonConfig& config,
+                                                    UniqueFd passed) {
   const std::string& path = config.socket;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -853,12 +854,15 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 
-  // Socket activation (expertd.socket): systemd already bound and listens on the path.
+  // Socket activation (expertd.socket), or a warm restart: the socket is bound and listening.
   UniqueFd fd;
   bool activated = false;
-  if (sd_listen_fds(1) >= 1 &&
+  if (!passed.valid() && sd_listen_fds(1) >= 1 &&
       sd_is_socket_unix(SD_LISTEN_FDS_START, SOCK_STREAM, 1, path.c_str(), 0) > 0) {
-    fd = UniqueFd(SD_LISTEN_FDS_START);
+    passed = UniqueFd(SD_LISTEN_FDS_START);
+  }
+  if (passed.valid()) {
+    fd = std::move(passed);
     activated = true;
     const int flags = ::fcntl(fd.get(), F_GETFL);
     ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK);
@@ -889,6 +893,7 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   server->socket_path_ = path;
   server->socket_dev_ = st.st_dev;
   server->socket_ino_ = st.st_ino;
+  server->listen_dup_ = UniqueFd(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 3));
   server->loop_ = std::make_shared<Loop>(core, config);
   std::promise<std::string> started;
   auto started_future = started.get_future();
@@ -906,13 +911,19 @@ Result<std::unique_ptr<RpcServer>> RpcServer::start(DaemonCore& core, const Daem
   return server;
 }
 
+UniqueFd RpcServer::take_listen_fd() {
+  socket_ino_ = 0;  // the successor serves the file: stop() must not remove it
+  return std::move(listen_dup_);
+}
+
 void RpcServer::stop() {
   if (stopped_.exchange(true)) return;
   if (loop_ && loop_->stop_fulfiller.get() != nullptr) loop_->stop_fulfiller->fulfill();
   if (thread_.joinable()) thread_.join();
+  listen_dup_ = UniqueFd();  // no successor: nothing may wait in the backlog
   // Remove the socket file only if it is still ours (a new daemon may have replaced it).
   struct stat st {};
-  if (::stat(socket_path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ &&
+  if (socket_ino_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ &&
       st.st_ino == socket_ino_) {
     ::unlink(socket_path_.c_str());
   }

@@ -41,8 +41,14 @@ namespace expertd {
 class RpcServer {
  public:
   // Creates the socket (its parent directory if missing; a stale socket file nobody listens on
-  // is replaced; mode 0660) and starts serving on a new thread. Errors name the path.
-  static Result<std::unique_ptr<RpcServer>> start(DaemonCore& core, const DaemonConfig& config);
+  // is replaced; mode 0660) and starts serving on a new thread. Errors name the path. `passed`: a
+  // listening socket handed over (systemd's socket activation, or the previous daemon's on a warm
+  // restart), served instead of binding the path.
+  static Result<std::unique_ptr<RpcServer>> start(DaemonCore& core, const DaemonConfig& config,
+                                                  UniqueFd passed = {});
+  // For an exec hand-over: a duplicate of the listening socket, which stays open (connections
+  // wait in its backlog for the successor); stop() then leaves the socket file in place.
+  UniqueFd take_listen_fd();
   // Stops accepting, closes every connection (detaching their sessions), joins the thread and
   // removes the socket file. Idempotent.
   void stop();
@@ -59,6 +65,7 @@ class RpcServer {
   std::string socket_path_;
   dev_t socket_dev_ = 0;
   ino_t socket_ino_ = 0;
+  UniqueFd listen_dup_;  // kept for take_listen_fd() until stop()
   std::thread thread_;
   std::shared_ptr<Loop> loop_;
   std::atomic<bool> stopped_{false};

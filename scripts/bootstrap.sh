@@ -13,6 +13,7 @@ packages=(
   libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev
   libsystemd-dev systemd
+  debootstrap systemd-container  # scripts/systemd-check.sh: systemd as PID 1 in systemd-nspawn
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-venv python3-pip
   librsvg2-bin

@@ -25,6 +25,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -217,6 +218,13 @@ class Client {
   // expertd at PATH: No such file or directory (is expertd running?)", "permission denied: ...",
   // "protocol version mismatch: daemon 2, client 1".
   static Result<std::unique_ptr<Client>> connect(const std::string& socket);
+  // The reconnect after "expertd went away" (the daemon stopped, crashed or restarted): connect(),
+  // tried again while the daemon is not there or not answering yet (no socket file, nobody
+  // accepting, the connection dropped) until `wait` has passed; then that last error. Permission
+  // and protocol errors return at once. A restarted daemon is a new one: attach new sessions (the
+  // old ones, their holds and their mappings are gone; a warm restart keeps the cache).
+  static Result<std::unique_ptr<Client>> connect(const std::string& socket,
+                                                 std::chrono::milliseconds wait);
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
