@@ -628,7 +628,10 @@ TEST_F(Bounds, OneUidCannotTakeEverySession) {
 // max_sessions is the real limit past the old 63 (one fd watch per session, plus the command
 // queue's): 100 sessions each acquire, the 101st is refused naming max_sessions.
 TEST_F(Bounds, MaxSessionsIsTheRealLimit) {
-  start({"--max-sessions", "100"});  // root: an admin, so no per-uid cap
+  // root: an admin, so no per-uid cap. Each session reserves its top-k (2) slots, and cache and
+  // staging hold at most one slot per expert each: 128 experts give room for 200 reserved.
+  model_ = test::forge(dir_.path(), "wide", "--layers 4 --experts 32 --embd 256 --ff 512 --seed 7");
+  start({"--max-sessions", "100", "--staging", "64MiB"});
   auto c = Client::connect(sock_);
   ASSERT_TRUE(c) << c.error().message;
   std::vector<std::unique_ptr<client::Session>> sessions;
