@@ -30,6 +30,7 @@
 #include "expertd/client.h"
 #include "forge/content.h"
 #include "storage/gguf.h"
+#include "testing/expected_bytes.h"
 #include "testing/expertctl_run.h"
 #include "testing/expertd_fixture.h"
 
@@ -43,38 +44,7 @@ constexpr const char* kModel = "--layers 4 --experts 8 --embd 256 --ff 512 --see
 constexpr uint32_t kLayers = 4;
 constexpr uint32_t kExperts = 8;
 
-// Recomputes the bytes a SlotView must show from the forged model file.
-class Expected {
- public:
-  explicit Expected(const std::string& path) {
-    auto m = GgufModel::open(path);
-    EXPECT_TRUE(m) << m.error().message;
-    model_ = std::move(*m);
-    auto info = forge_info(model_);
-    EXPECT_TRUE(info) << info.error().message;
-    seed_ = info->seed;
-  }
-
-  // Wrong bytes in the view (0 when it is exact), or UINT64_MAX when it cannot be checked.
-  uint64_t wrong_bytes(const SlotView& v) const {
-    uint64_t wrong = 0;
-    for (uint32_t i = 0; i < v.slice_count; ++i) {
-      const SliceView& s = v.slices[i];
-      const auto ref =
-          model_.find_tensor(fmt::format("blk.{}.ffn_{}_exps.weight", v.layer, s.info->kind));
-      if (!ref) return UINT64_MAX;
-      const uint64_t in_tensor = s.info->offset - ref->info->offset + v.expert * s.info->stride;
-      std::vector<uint8_t> want(s.bytes);
-      if (!forge_expected_bytes(seed_, *ref->info, in_tensor, want)) return UINT64_MAX;
-      for (uint64_t b = 0; b < s.bytes; ++b) wrong += want[b] != s.data[b];
-    }
-    return v.slice_count == 0 ? UINT64_MAX : wrong;
-  }
-
- private:
-  GgufModel model_;
-  uint64_t seed_ = 0;
-};
+using Expected = test::ExpectedBytes;
 
 std::vector<std::string> daemon_args(const std::string& model, const std::string& dir) {
   // A cache of a few slots and 64 KiB chunks: most acquires read, and each read is several

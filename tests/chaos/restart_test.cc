@@ -27,6 +27,7 @@
 #include "expertd/client.h"
 #include "forge/content.h"
 #include "storage/gguf.h"
+#include "testing/expected_bytes.h"
 #include "testing/expertd_fixture.h"
 
 extern char** environ;
@@ -44,35 +45,7 @@ constexpr uint32_t kLayers = 8;
 constexpr uint32_t kExperts = 16;
 constexpr uint32_t kCacheSlots = 48;
 
-// Recomputes the bytes a SlotView must show from the forged model file.
-class Expected {
- public:
-  explicit Expected(const std::string& path) {
-    auto m = GgufModel::open(path);
-    EXPECT_TRUE(m) << m.error().message;
-    model_ = std::move(*m);
-    auto info = forge_info(model_);
-    EXPECT_TRUE(info) << info.error().message;
-    seed_ = info->seed;
-  }
-  bool right(const SlotView& v) const {
-    for (uint32_t i = 0; i < v.slice_count; ++i) {
-      const SliceView& s = v.slices[i];
-      const auto ref =
-          model_.find_tensor(fmt::format("blk.{}.ffn_{}_exps.weight", v.layer, s.info->kind));
-      if (!ref) return false;
-      std::vector<uint8_t> want(s.bytes);
-      const uint64_t at = s.info->offset - ref->info->offset + v.expert * s.info->stride;
-      if (!forge_expected_bytes(seed_, *ref->info, at, want)) return false;
-      if (std::memcmp(want.data(), s.data, s.bytes) != 0) return false;
-    }
-    return v.slice_count > 0;
-  }
-
- private:
-  GgufModel model_;
-  uint64_t seed_ = 0;
-};
+using Expected = test::ExpectedBytes;
 
 // A deterministic decode-like routing: per token, each layer in turn, 2 experts drawn with a skew
 // (experts 0..5 of each layer take 85% of the draws: 48 experts, the size of the cache).

@@ -23,6 +23,7 @@
 
 #include "forge/content.h"
 #include "storage/gguf.h"
+#include "testing/expected_bytes.h"
 #include "testing/expertd_fixture.h"
 
 namespace expertd::client {
@@ -33,42 +34,7 @@ using test::TempDir;
 
 constexpr const char* kSmallModel = "--layers 4 --experts 8 --embd 256 --ff 512 --seed 7";
 
-// Recomputes the bytes a SlotView must show from the forged model file.
-class Expected {
- public:
-  explicit Expected(const std::string& path) {
-    auto m = GgufModel::open(path);
-    EXPECT_TRUE(m) << m.error().message;
-    model_ = std::move(*m);
-    auto info = forge_info(model_);
-    EXPECT_TRUE(info) << info.error().message;
-    seed_ = info->seed;
-  }
-
-  ::testing::AssertionResult check(const SlotView& v) const {
-    if (v.slice_count == 0) return ::testing::AssertionFailure() << "no slices";
-    for (uint32_t i = 0; i < v.slice_count; ++i) {
-      const SliceView& s = v.slices[i];
-      const std::string name = fmt::format("blk.{}.ffn_{}_exps.weight", v.layer, s.info->kind);
-      const auto ref = model_.find_tensor(name);
-      if (!ref) return ::testing::AssertionFailure() << "no tensor " << name;
-      const uint64_t in_tensor = s.info->offset - ref->info->offset + v.expert * s.info->stride;
-      std::vector<uint8_t> want(s.bytes);
-      const auto st = forge_expected_bytes(seed_, *ref->info, in_tensor, want);
-      if (!st) return ::testing::AssertionFailure() << st.error().message;
-      if (std::memcmp(want.data(), s.data, s.bytes) != 0) {
-        return ::testing::AssertionFailure()
-               << "layer " << v.layer << " expert " << v.expert << " slice " << s.info->kind
-               << ": bytes differ from the forged content";
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
- private:
-  GgufModel model_;
-  uint64_t seed_ = 0;
-};
+using Expected = test::ExpectedBytes;
 
 std::vector<uint32_t> iota(uint32_t n) {
   std::vector<uint32_t> v(n);
@@ -163,7 +129,7 @@ TEST_F(ClientTest, AcquireEveryExpertVerified) {
       for (uint32_t i = 0; i < 8; ++i) {
         EXPECT_EQ((*views)[i].layer, layer);
         EXPECT_EQ((*views)[i].expert, i);
-        EXPECT_TRUE(expected.check((*views)[i]));
+        EXPECT_EQ(expected.difference((*views)[i]), "");
       }
       EXPECT_EQ((*s)->holds(), 8u);
       ASSERT_TRUE((*s)->release(*views));
@@ -202,7 +168,7 @@ TEST(ClientModels, SplitShardsOtherTypesAndTwoModelsAreServedByteExact) {
       for (uint32_t layer = 0; layer < layers; ++layer) {
         auto views = (*s)->acquire(layer, iota(experts));
         ASSERT_TRUE(views) << views.error().message;
-        for (const auto& v : *views) EXPECT_TRUE(expected.check(v)) << name;
+        for (const auto& v : *views) EXPECT_EQ(expected.difference(v), "") << name;
         ASSERT_TRUE((*s)->release(*views));
       }
     }
@@ -240,7 +206,7 @@ TEST_F(ClientTest, SeveralClientsAtOnceSeeTheForgedBytes) {
             return;
           }
           for (const auto& v : *views) {
-            if (!expected.check(v)) ++failures;
+            if (!expected.right(v)) ++failures;
           }
           if (!(*s)->release(*views)) ++failures;
         }
@@ -287,7 +253,7 @@ TEST_F(ClientTest, TheSealedArenaCannotBeWrittenOrResized) {
   const uint32_t experts[] = {3, 5};
   auto views = (*s)->acquire(1, experts);
   ASSERT_TRUE(views) << views.error().message;
-  for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+  for (const auto& v : *views) EXPECT_EQ(expected.difference(v), "");
   ASSERT_TRUE((*s)->release(*views));
 }
 
@@ -379,11 +345,11 @@ TEST_P(HostileRingTest, ClosesOnlyThatSession) {
       << r.error().message;
 
   Expected expected(model_);
-  for (const auto& v : *held) EXPECT_TRUE(expected.check(v));
+  for (const auto& v : *held) EXPECT_EQ(expected.difference(v), "");
   EXPECT_TRUE((*bystander)->release(*held));
   auto views = (*bystander)->acquire(2, iota(8));
   ASSERT_TRUE(views) << views.error().message;
-  for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+  for (const auto& v : *views) EXPECT_EQ(expected.difference(v), "");
   EXPECT_TRUE((*bystander)->release(*views));
   auto st = c2->stats();
   ASSERT_TRUE(st) << st.error().message;
@@ -493,7 +459,7 @@ TEST_F(KilledClientTest, AClientKilledWhileHoldingLosesItsHoldsWithinASecond) {
   for (uint32_t layer = 0; layer < 4; ++layer) {
     auto views = (*s)->acquire(layer, iota(8));
     ASSERT_TRUE(views) << views.error().message;
-    for (const auto& v : *views) EXPECT_TRUE(expected.check(v));
+    for (const auto& v : *views) EXPECT_EQ(expected.difference(v), "");
     all.push_back(std::move(*views));
   }
   EXPECT_EQ((*s)->holds(), 32u);
@@ -548,7 +514,7 @@ TEST_F(ClientTest, TheDaemonKilledUnderAClientIsAClearErrorThenReconnectWorks) {
   auto again = (*s2)->acquire(0, two);
   ASSERT_TRUE(again) << again.error().message;
   Expected expected(model_);
-  for (const auto& v : *again) EXPECT_TRUE(expected.check(v));
+  for (const auto& v : *again) EXPECT_EQ(expected.difference(v), "");
   EXPECT_TRUE((*s2)->release(*again));
 }
 
