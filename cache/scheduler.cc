@@ -614,6 +614,14 @@ void Scheduler::set_unavailable(int error) {
   promote_due_retries();  // deferred chunks of the loads failed above end now
 }
 
+bool Scheduler::checksum_matches(ExpertKey key, const uint8_t* data) const {
+  if (checksums_.empty()) return true;
+  std::array<ExpertSlice, 3> slices{};
+  std::array<SlicePlacement, 3> place{};
+  const uint32_t n = layouts_.place(key.layer, key.expert, slices, place);
+  return expert_checksum(data, {slices.data(), n}, {place.data(), n}) == checksums_[key_index(key)];
+}
+
 void Scheduler::finish_load(uint32_t id) {
   Load& l = loads_[id];
   ExpertCache& owner = owner_of(l.slot);

@@ -235,6 +235,11 @@ class Scheduler final : private EvictionListener {
   // the expert becomes READY; a mismatch fails the load with EBADMSG. Empty: no check. The table
   // must outlive the scheduler.
   void set_checksums(std::span<const uint64_t> table) { checksums_ = table; }
+  bool has_checksums() const { return !checksums_.empty(); }
+  // Whether `data` (a slot's bytes) holds `key`'s expert by the checksum table; true without one.
+  bool checksum_matches(ExpertKey key, const uint8_t* data) const;
+  // An expert copied in by a warm restart that failed its checksum (ExpertStore::adopt).
+  void count_checksum_mismatch() { ++stats_.checksum_mismatches; }
   LoadObserver* observer() const { return observer_; }
   void set_queue_depth(uint32_t depth);
   const SchedulerOptions& options() const { return options_; }

@@ -90,6 +90,12 @@ bool ExpertStore::adopt(ExpertKey key, const uint8_t* slot_bytes_from) {
   if (!slot) return false;
   std::memcpy(arena_.data() + static_cast<uint64_t>(*slot) * layouts_->slot_bytes(),
               slot_bytes_from, layouts_->slot_bytes());
+  // With the checksum manifest on, an expert taken over is checked as a read one is.
+  if (!scheduler_->checksum_matches(key, slot_data(*slot))) {
+    scheduler_->count_checksum_mismatch();
+    cache_->failed(*slot);
+    return false;
+  }
   cache_->loaded(*slot);
   // Verify mode checks what a restart brought in as it checks what a read did.
   if (LoadObserver* o = scheduler_->observer()) o->loaded(key, *slot, slot_data(*slot), 0);

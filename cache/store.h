@@ -59,7 +59,8 @@ class ExpertStore {
   // Warm restart (daemon/warm.h): puts `key` into a free cache slot as READY, copying the
   // slot_bytes() bytes at `slot_bytes_from`, an earlier daemon's slot of the same layout. Copied,
   // not adopted: the earlier arena is sealed against new writable mappings. False, changing
-  // nothing, when the key has no routed expert, is cached already, or no cache slot is free.
+  // nothing, when the key has no routed expert, is cached already, or no cache slot is free; and,
+  // with the scheduler's checksum table set, when the bytes fail their checksum (counted).
   // Before the reactor starts only.
   bool adopt(ExpertKey key, const uint8_t* slot_bytes_from);
   std::string describe() const;
