@@ -107,6 +107,22 @@ expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
   return {};
 }
 
+// The daemon's prefetch state for one model after the run: the depth auto chose, the disk-busy
+// fraction it measured and the precision it asks of a depth (a benchmark reports what auto did).
+nlohmann::json daemon_prefetch_state(expertd::client::Client& client, const std::string& model) {
+  auto stats = client.stats();
+  if (stats) {
+    for (const auto& m : stats->models) {
+      if (m.name == model) {
+        return {{"prefetch_depth_now", m.prefetch_depth_now},
+                {"disk_busy", m.disk_busy},
+                {"prefetch_auto_need", m.prefetch_auto_need}};
+      }
+    }
+  }
+  return nlohmann::json::object();
+}
+
 double seconds(uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 
 // A trace's routes by position: the trace's i-th distinct token is position i.
@@ -493,7 +509,8 @@ int run(Options o) {
           {"misses", after.misses - before.misses},
           {"bytes_read", after.bytes_read - before.bytes_read},
           {"prefetch_loads", after.prefetch_loads - before.prefetch_loads},
-          {"prefetch_useful", after.prefetch_useful - before.prefetch_useful}}},
+          {"prefetch_useful", after.prefetch_useful - before.prefetch_useful},
+          {"prefetch", daemon_prefetch_state(client, o.model)}}},
         {"vram",
          {{"hits", s.vram_hits},
           {"misses", s.vram_misses},
