@@ -260,10 +260,14 @@ llama_mem_flags() {  # BIN
 selected() { [[ ",$configs," == *",$1,"* ]]; }
 plan() {
   local c m cap
-  for c in expertd expertd-d0; do
-    if selected $c; then
-      for m in "${model_list[@]}"; do for cap in "${cap_list[@]}"; do echo "$m $cap $c"; done; done
-    fi
+  # Prefetch on and off side by side for each model and cap, so that both see the same
+  # conditions (a llama.cpp build beside them or not).
+  for m in "${model_list[@]}"; do
+    for cap in "${cap_list[@]}"; do
+      for c in expertd expertd-d0; do
+        if selected $c; then echo "$m $cap $c"; fi
+      done
+    done
   done
   for m in "${model_list[@]}"; do
     for cap in "${cap_list[@]}"; do

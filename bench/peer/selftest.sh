@@ -45,10 +45,10 @@ has "$plan" "memory.max 17179869184" "plan"
 [ "$(grep -c '^run .*: llama.cpp CPU-only build' <<< "$plan")" = 4 ] || fail "plan: not 4 cpu runs"
 grep -q '^run 17/20 mixtral-8g-cpu' <<< "$plan" || fail "plan: the cpu runs are not last"
 # expertd's runs first (they can go while llama.cpp builds).
-grep -q '^run 4/20 qwen3-16g-expertd' <<< "$plan" || fail "plan: expertd's runs are not first"
-# Then the same runs with prefetch off, the baseline of the prefetch comparison.
-grep -q '^run 5/20 mixtral-8g-expertd-d0: .*daemon prefetch depth 0' <<< "$plan" ||
-  fail "plan: no depth-0 run after expertd's"
+grep -q '^run 7/20 qwen3-16g-expertd:' <<< "$plan" || fail "plan: expertd's runs are not first"
+# Each beside the same run with prefetch off, the baseline of the prefetch comparison.
+grep -q '^run 2/20 mixtral-8g-expertd-d0: .*daemon prefetch depth 0' <<< "$plan" ||
+  fail "plan: no depth-0 run beside expertd's"
 has "$plan" "mixtral-8g-expertd-d0.expertd.log 0 -- --prompt-tokens" "plan"
 quick=$("$peer" --dry-run --quick --models qwen3 --caps 16 --configs expertd,cpu --vram qwen3=384)
 has "$quick" "run: 2 runs, tg 8, pp 512" "quick plan"
