@@ -36,8 +36,11 @@ struct GpuOptions {
   int device = 0;
   // Tiers that act as one: an expert copied into the VRAM tier is released to the daemon as a
   // client copy (abi::kReleaseClientCopy), so its host slot is the daemon's first victim and the
-  // host cache holds other experts. False: the tiers are independent (for measuring the gain).
-  bool coordinate = true;
+  // host cache holds other experts (and kOpUnkeep when the tier evicts it). Off by default: on the
+  // H200 a 32-expert tier against the Mixtral shape's 64 experts a token churned, the marked host
+  // copies went first and were soon wanted again, and decode read 4-8x the bytes of independent
+  // tiers (docs/ENGINE.md "Tiers that act as one").
+  bool coordinate = false;
   // The VRAM tier's replacement policy (policy/policy.h names); empty: VramTier::kDefaultPolicy.
   std::string policy;
 };

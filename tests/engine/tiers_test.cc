@@ -207,10 +207,11 @@ TEST(Tiers, TellingTheDaemonWhatVramKeepsRaisesDistinctExpertsAcrossTiers) {
   }
 }
 
-// The Mixtral shape on the H200 (issue 13): a VRAM tier of 32 experts against 64 a token, a host
-// cache of about half the model. The tier churns, so most experts it copied in are gone from it
-// soon after; a host copy released as the client's must not stay the daemon's first victim then.
-TEST(Tiers, CoordinationNeverReadsMoreFromDiskWhenTheVramTierChurns) {
+// The Mixtral shape's proportions on the H200 (issue 13): a VRAM tier of 32 experts against 64 a
+// token, a host cache of about half the model. The tier churns, so most experts it copied in are
+// gone from it soon after; a host copy released as the client's must not stay the daemon's first
+// victim then (kOpUnkeep). The engine's default stays independent tiers: docs/ENGINE.md.
+TEST(Tiers, CoordinatedTiersReadNoMoreThanIndependentOnceTheTierTellsItsEvictions) {
   Geometry g;
   g.layers = 32;
   g.vram_slots = 32;

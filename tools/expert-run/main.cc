@@ -58,7 +58,7 @@ struct Options {
   uint32_t prefill_chunk = 512;
   bool cpu = false;
   std::string vram_experts = "auto";
-  std::string tiers = "coordinated";
+  std::string tiers = "independent";
   std::string vram_policy;
   uint32_t prefetch_depth = 1;
   uint32_t prefetch_width = 0;
@@ -667,8 +667,9 @@ int main(int argc, char** argv) {
                  "The VRAM tier's replacement policy (the daemon's names: default, cyclic-hint, "
                  "cyclic, lru, fifo; default: the daemon's default, cyclic-hint)");
   app.add_option("--tiers", o.tiers,
-                 "coordinated (experts copied into VRAM are the daemon's first victims, so the "
-                 "host cache holds others) or independent")
+                 "independent (the default) or coordinated (experts copied into VRAM are the "
+                 "daemon's first victims, so the host cache holds others; docs/ENGINE.md says "
+                 "when that loses)")
       ->check(CLI::IsMember({"coordinated", "independent"}));
   app.add_option("--prefetch-depth", o.prefetch_depth,
                  "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
