@@ -1,5 +1,6 @@
 // A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
-// (`qwen3moe`) or DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc).
+// (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
+// with NORM RoPE) or DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
@@ -63,23 +64,30 @@ struct Ds4Params {
   uint32_t nextn_layers = 0;       // nextn_predict_layers (MTP, skipped)
 };
 
+// Which dimensions RoPE rotates together (llama.cpp's rope types): NEOX pairs i with i + n_rot/2
+// (Hugging Face's rotate_half), NORM pairs 2i with 2i + 1. llama.cpp's converter permutes a `llama`
+// model's q/k rows so that NORM on its file computes what rotate_half did on the original.
+enum class RopeType : uint8_t { Neox, Norm };
+
 struct ModelParams {
-  std::string architecture;    // "qwen3moe" or "deepseek4"
-  uint32_t n_layer = 0;        // block_count
-  uint32_t n_embd = 0;         // embedding_length
-  uint32_t n_head = 0;         // attention.head_count
-  uint32_t n_head_kv = 0;      // attention.head_count_kv
-  uint32_t head_dim = 0;       // attention.key_length (== value_length)
-  uint32_t n_rot = 0;          // rope.dimension_count, else head_dim
-  uint32_t n_expert = 0;       // expert_count
-  uint32_t n_expert_used = 0;  // expert_used_count
-  uint32_t n_ff_exp = 0;       // expert_feed_forward_length
-  uint32_t n_vocab = 0;        // rows of token_embd
-  uint32_t n_ctx_train = 0;    // context_length
-  float rms_eps = 1e-6f;       // attention.layer_norm_rms_epsilon
-  double rope_base = 10000.0;  // rope.freq_base
-  bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
-  Ds4Params ds4;               // deepseek4 only
+  std::string architecture;        // "qwen3moe", "llama" (Mixtral) or "deepseek4"
+  uint32_t n_layer = 0;            // block_count
+  uint32_t n_embd = 0;             // embedding_length
+  uint32_t n_head = 0;             // attention.head_count
+  uint32_t n_head_kv = 0;          // attention.head_count_kv
+  uint32_t head_dim = 0;           // attention.key_length (== value_length)
+  uint32_t n_rot = 0;              // rope.dimension_count, else head_dim
+  uint32_t n_expert = 0;           // expert_count
+  uint32_t n_expert_used = 0;      // expert_used_count
+  uint32_t n_ff_exp = 0;           // expert_feed_forward_length
+  uint32_t n_vocab = 0;            // rows of token_embd
+  uint32_t n_ctx_train = 0;        // context_length
+  float rms_eps = 1e-6f;           // attention.layer_norm_rms_epsilon
+  double rope_base = 10000.0;      // rope.freq_base
+  bool norm_topk = true;           // renormalise the top-k router weights (always, for qwen3moe)
+  RopeType rope = RopeType::Neox;  // llama: Norm
+  bool qk_norm = true;             // per-head attn_q_norm/attn_k_norm (qwen3moe; llama has none)
+  Ds4Params ds4;                   // deepseek4 only
   bool is_ds4() const { return architecture == "deepseek4"; }
 };
 
@@ -125,8 +133,8 @@ struct LayerWeights {
   Matrix wk;                     // [n_head_kv * head_dim, n_embd]
   Matrix wv;                     // [n_head_kv * head_dim, n_embd]
   Matrix wo;                     // [n_embd, n_head * head_dim]
-  std::vector<float> q_norm;     // head_dim
-  std::vector<float> k_norm;     // head_dim
+  std::vector<float> q_norm;     // head_dim; empty without qk_norm
+  std::vector<float> k_norm;     // head_dim; empty without qk_norm
   std::vector<float> ffn_norm;   // n_embd
   Matrix gate_inp;               // router: [n_expert, n_embd]
 };
