@@ -25,82 +25,9 @@ namespace {
 
 constexpr double kMaxRelErr = 1e-4;
 
-std::string gguf(const std::string& variant) {
-  return test::fixture_path("mixtral-tiny/model-" + variant + ".gguf");
-}
+using test::MixtralFixture;
 
-struct MixtralFixture {
-  nlohmann::json meta;
-  std::vector<uint32_t> tokens;  // the prompt, then transformers' greedy continuation (f32)
-  uint32_t prompt = 0;
-  uint32_t vocab = 0;
-
-  static MixtralFixture load() {
-    MixtralFixture f;
-    f.meta = test::read_json(test::fixture_path("mixtral-tiny/fixture.json"));
-    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
-    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
-    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
-    return f;
-  }
-  std::vector<float> logits(const std::string& variant) const {
-    return test::read_f32(test::fixture_path("mixtral-tiny/logits-" + variant + ".bin"));
-  }
-  // transformers' greedy tokens for the variant (the q8_0 ones on the dequantised experts).
-  std::vector<uint32_t> greedy(const std::string& variant) const {
-    return variant == "f32" ? tokens : meta.at("greedy_q8_0").get<std::vector<uint32_t>>();
-  }
-};
-
-uint32_t argmax(const std::vector<float>& v) {
-  return static_cast<uint32_t>(std::max_element(v.begin(), v.end()) - v.begin());
-}
-
-// Feeds the fixture's tokens: the logits of every position within kMaxRelErr of transformers'
-// (returns the worst), and the routing as transformers routed.
-double expect_fixture_logits(Engine& engine, const MixtralFixture& fx, const std::string& variant) {
-  std::vector<RoutingRecord> routing;
-  engine.set_routing_log(&routing);
-  const std::vector<float> expected = fx.logits(variant);
-  EXPECT_EQ(expected.size(), fx.tokens.size() * fx.vocab);
-  std::vector<float> logits(fx.vocab);
-  double worst = 0.0;
-  for (size_t t = 0; t < fx.tokens.size(); ++t) {
-    const Status st = engine.decode(fx.tokens[t], logits);
-    EXPECT_TRUE(st) << st.error().message;
-    if (!st) break;
-    const double err = test::rel_err(logits.data(), expected.data() + t * fx.vocab, fx.vocab);
-    EXPECT_LE(err, kMaxRelErr) << variant << " position " << t;
-    worst = std::max(worst, err);
-  }
-  const std::vector<test::TraceEntry> trace =
-      test::read_trace(test::fixture_path("mixtral-tiny/trace-" + variant + ".jsonl"));
-  EXPECT_EQ(routing.size(), trace.size());
-  for (size_t i = 0; i < std::min(trace.size(), routing.size()); ++i) {
-    EXPECT_EQ(routing[i].token, trace[i].token);
-    EXPECT_EQ(routing[i].layer, trace[i].layer);
-    EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
-    for (size_t k = 0; k < trace[i].weights.size(); ++k) {
-      EXPECT_NEAR(routing[i].weights[k], trace[i].weights[k], 1e-5) << "record " << i;
-    }
-  }
-  engine.set_routing_log(nullptr);
-  return worst;
-}
-
-// Greedy decoding from the prompt gives transformers' greedy tokens for `variant`.
-void expect_greedy(Engine& engine, const MixtralFixture& fx, const std::string& variant) {
-  const std::vector<uint32_t> want = fx.greedy(variant);
-  engine.reset();
-  std::vector<float> logits(fx.vocab);
-  std::vector<uint32_t> seq(want.begin(), want.begin() + fx.prompt);
-  for (const uint32_t t : seq) ASSERT_TRUE(engine.decode(t, logits));
-  while (seq.size() < want.size()) {
-    seq.push_back(argmax(logits));
-    ASSERT_TRUE(engine.decode(seq.back(), logits));
-  }
-  EXPECT_EQ(seq, want) << variant;
-}
+std::string gguf(const std::string& variant) { return MixtralFixture::gguf(variant); }
 
 class MixtralForward : public ::testing::TestWithParam<const char*> {};
 
@@ -113,11 +40,11 @@ TEST_P(MixtralForward, LogitsRoutingAndGreedyTokensMatchTransformers) {
   ASSERT_TRUE(source) << source.error().message;
   auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 0, 0});
   ASSERT_TRUE(engine) << engine.error().message;
-  const double worst = expect_fixture_logits(**engine, fx, variant);
+  const double worst = test::expect_mixtral_logits(**engine, fx, variant, kMaxRelErr, 1e-5);
   RecordProperty("max_rel_err", std::to_string(worst));
   std::printf("[ mixtral %s ] max relative error of the logits over %zu positions: %.3e\n",
               variant.c_str(), fx.tokens.size(), worst);
-  expect_greedy(**engine, fx, variant);
+  test::expect_mixtral_greedy(**engine, fx, variant);
   EXPECT_EQ((*source)->gets(), (*source)->releases());
 }
 
@@ -228,10 +155,10 @@ TEST_F(MixtralDaemonTest, LogitsAndGreedyTokensMatchTransformersWithExpertsFromE
     ASSERT_TRUE(source) << source.error().message;
     auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 1, 0});
     ASSERT_TRUE(engine) << engine.error().message;
-    const double worst = expect_fixture_logits(**engine, fx_, variant);
+    const double worst = test::expect_mixtral_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
     std::printf("[ mixtral %s via expertd ] max relative error over %zu positions: %.3e\n",
                 variant.c_str(), fx_.tokens.size(), worst);
-    expect_greedy(**engine, fx_, variant);
+    test::expect_mixtral_greedy(**engine, fx_, variant);
     EXPECT_EQ((*engine)->stats().hint_errors, 0u);
     EXPECT_EQ((*session)->holds(), 0u);
   }
