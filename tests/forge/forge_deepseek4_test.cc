@@ -357,26 +357,10 @@ TEST_F(ForgeDeepseek4, TheEngineLoadsItAndTheForwardStaysSane) {
   ASSERT_TRUE(source) << source.error().message;
   auto eng = engine::create_cpu_engine(*model, **source, engine::EngineOptions{64, 0, 0});
   ASSERT_TRUE(eng) << eng.error().message;
-  std::vector<engine::RoutingRecord> routing;
-  (*eng)->set_routing_log(&routing);
-  std::vector<float> logits(s.vocab), previous;
-  std::set<uint32_t> used;
-  for (uint32_t t = 0; t < 40; ++t) {  // > window 16, > 8 CSA blocks of 4
-    const uint32_t token = (t * 37 + 11) % static_cast<uint32_t>(s.vocab);
-    ASSERT_TRUE((*eng)->decode(token, logits)) << "position " << t;
-    double sq = 0;
-    for (const float x : logits) {
-      ASSERT_TRUE(std::isfinite(x)) << "position " << t;
-      sq += double{x} * x;
-    }
-    const double rms = std::sqrt(sq / static_cast<double>(logits.size()));
-    EXPECT_GT(rms, 1e-3) << "position " << t;
-    EXPECT_LT(rms, 100.0) << "position " << t;
-    EXPECT_NE(logits, previous) << "position " << t;
-    previous = logits;
-  }
-  for (const auto& r : routing) used.insert(r.experts.begin(), r.experts.end());
+  // > window 16, > 8 CSA blocks of 4
+  const auto routing = test::expect_sane_forward(**eng, static_cast<uint32_t>(s.vocab), 40);
   EXPECT_EQ(routing.size(), 40u * (s.layers));
+  const std::set<uint32_t> used = test::experts_used(routing);
   EXPECT_GE(used.size(), s.experts * 3 / 4);
 }
 

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <set>
 #include <string>
 #include <vector>
@@ -98,24 +97,9 @@ TEST(ForgeMixtral, TheEngineRunsItAsMixtral) {
   ASSERT_TRUE(source) << source.error().message;
   auto eng = engine::create_cpu_engine(*model, **source, engine::EngineOptions{32, 0, 0});
   ASSERT_TRUE(eng) << eng.error().message;
-  std::vector<engine::RoutingRecord> routing;
-  (*eng)->set_routing_log(&routing);
-  std::vector<float> logits(kVocab), previous;
-  for (uint32_t t = 0; t < 16; ++t) {
-    ASSERT_TRUE((*eng)->decode((t * 37 + 11) % kVocab, logits)) << "position " << t;
-    double sq = 0;
-    for (const float x : logits) {
-      ASSERT_TRUE(std::isfinite(x)) << "position " << t;
-      sq += double{x} * x;
-    }
-    const double rms = std::sqrt(sq / kVocab);
-    EXPECT_GT(rms, 1e-3) << "position " << t;
-    EXPECT_LT(rms, 100.0) << "position " << t;
-    EXPECT_NE(logits, previous) << "position " << t;
-    previous = logits;
-  }
-  std::set<uint32_t> used;
-  for (const auto& rec : routing) used.insert(rec.experts.begin(), rec.experts.end());
+  const auto routing = test::expect_sane_forward(**eng, kVocab, 16);
+  EXPECT_EQ(routing.size(), 16u * 3);
+  const std::set<uint32_t> used = test::experts_used(routing);
   EXPECT_GE(used.size(), 6u);
 }
 

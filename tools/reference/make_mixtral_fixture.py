@@ -38,8 +38,8 @@ import transformers
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_deepseek4_fixture import (LLAMA_CPP, gguf_module, q8_0_dequant, rel_err,  # noqa: E402
-                                    rewrite_gguf, sha256)
+from make_deepseek4_fixture import (LLAMA_CPP, greedy, gguf_module, q8_0_dequant,  # noqa: E402
+                                    rel_err, rewrite_gguf, sha256)
 from make_tokenizer_fixtures import spm_tokenizer  # noqa: E402
 
 CONFIG = dict(
@@ -142,18 +142,6 @@ def make_model(sd, dtype=torch.float32):
         raise SystemExit(f"state dict mismatch: {sorted(set(own) ^ set(sd))}")
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()})
     return model.to(dtype).eval()
-
-
-def greedy(model, prompt, n):
-    tokens = list(prompt)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens]), use_cache=True)
-        for _ in range(n):
-            nxt = int(out.logits[0, -1].argmax())
-            tokens.append(nxt)
-            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values,
-                        use_cache=True)
-    return tokens
 
 
 def forward(model, tokens):
