@@ -131,6 +131,30 @@ Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
 
 }  // namespace detail
 
+namespace {
+
+// The routed experts are read by the daemon, not here, but a layer without them would fail only
+// at its first token: each layer needs merged gate and up (or a fused gate_up) and down tensors.
+Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
+  const bool fused = g.find_tensor(blk + "ffn_gate_up_exps.weight").has_value();
+  for (const char* kind : {"gate", "up", "down"}) {
+    if (fused && std::string_view(kind) != "down") continue;
+    const std::string name = blk + "ffn_" + kind + "_exps.weight";
+    if (g.find_tensor(name)) continue;
+    if (g.find_tensor(blk + "ffn_" + kind + ".0.weight")) {
+      return make_error(ENOTSUP, fmt::format("{}: tensor {} is missing: the experts are one tensor "
+                                             "each ({}ffn_{}.0.weight, llama.cpp's early Mixtral "
+                                             "layout, which llama.cpp no longer loads either); "
+                                             "convert the model again",
+                                             g.meta().path(), name, blk, kind));
+    }
+    return make_error(ENOENT, fmt::format("{}: tensor {} is missing", g.meta().path(), name));
+  }
+  return Ok{};
+}
+
+}  // namespace
+
 using detail::get_f64;
 using detail::get_u64;
 using detail::read_matrix;
@@ -282,6 +306,7 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
     }
     EXPERTD_TRY_ASSIGN(l.ffn_norm, read_vector(gg, src, b + "ffn_norm.weight", e));
     EXPERTD_TRY_ASSIGN(l.gate_inp, read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
+    EXPERTD_TRY(check_expert_tensors(gg, b));
   }
   return m;
 }

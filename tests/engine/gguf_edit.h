@@ -23,6 +23,7 @@ struct Edit {
   std::function<void(GgufWriter&)> set_key;  // ... with this
   std::string reshape_tensor;                // write this tensor with ne ...
   std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
+  std::string rename_to;                     // and, if set, under this name
 };
 
 inline std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
@@ -42,8 +43,12 @@ inline std::string rewrite(const std::string& src, const std::string& dst, const
   for (const GgufTensorInfo& t : file->tensors()) {
     if (t.name == edit.drop_tensor) continue;
     std::vector<uint64_t> ne(t.ne.begin(), t.ne.begin() + t.n_dims);
-    if (t.name == edit.reshape_tensor) ne = edit.new_ne;
-    EXPECT_TRUE(w.add_tensor(t.name, t.type, ne)) << t.name;
+    std::string name = t.name;
+    if (t.name == edit.reshape_tensor) {
+      ne = edit.new_ne;
+      if (!edit.rename_to.empty()) name = edit.rename_to;
+    }
+    EXPECT_TRUE(w.add_tensor(name, t.type, ne)) << name;
     kept.push_back(&t);
     sizes.push_back(w.tensors().back().bytes);
   }

@@ -220,6 +220,30 @@ TEST(MixtralMalformed, AnExpertCountThatDisagreesWithTheTensorsNamesBoth) {
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
+TEST(MixtralMalformed, AMissingExpertTensorIsNamedAtLoad) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.drop_tensor = "blk.2.ffn_down_exps.weight";
+  const std::string path = dir.path() + "/m.gguf";
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("q8_0"), path, e)),
+            path + ": tensor blk.2.ffn_down_exps.weight is missing");
+}
+
+// llama.cpp's first Mixtral GGUFs stored one tensor per expert (blk.N.ffn_gate.E.weight).
+TEST(MixtralMalformed, PerExpertTensorsAreRefusedNamingTheLayout) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.reshape_tensor = "blk.0.ffn_gate_exps.weight";
+  e.new_ne = {64, 32};
+  e.rename_to = "blk.0.ffn_gate.0.weight";
+  const std::string path = dir.path() + "/m.gguf";
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("q8_0"), path, e)),
+            path +
+                ": tensor blk.0.ffn_gate_exps.weight is missing: the experts are one tensor "
+                "each (blk.0.ffn_gate.0.weight, llama.cpp's early Mixtral layout, which "
+                "llama.cpp no longer loads either); convert the model again");
+}
+
 TEST(MixtralMalformed, RopeScalingIsRefusedByName) {
   expertd::test::TempDir dir;
   test::Edit e;
