@@ -327,7 +327,7 @@ Status GpuEngine::Impl::upload_dense() {
   const bool tied = &model.output() == &model.token_embd();
   const uint64_t per_layer = align_up((q_dim + 2 * kv_dim) * e * 4, kAlign) +
                              align_up(e * q_dim * 4, kAlign) + 2 * align_up(e * 4, kAlign) +
-                             2 * align_up(uint64_t{p.head_dim} * 4, kAlign) +
+                             (p.qk_norm ? 2 * align_up(uint64_t{p.head_dim} * 4, kAlign) : 0) +
                              align_up(uint64_t{p.n_expert} * e * 4, kAlign);
   const uint64_t table = align_up(uint64_t{p.n_vocab} * e * 4, kAlign);
   dense_device_bytes = per_layer * p.n_layer + table * (tied ? 1 : 2) + align_up(e * 4, kAlign);
