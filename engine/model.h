@@ -70,24 +70,26 @@ struct Ds4Params {
 enum class RopeType : uint8_t { Neox, Norm };
 
 struct ModelParams {
-  std::string architecture;        // "qwen3moe", "llama" (Mixtral) or "deepseek4"
-  uint32_t n_layer = 0;            // block_count
-  uint32_t n_embd = 0;             // embedding_length
-  uint32_t n_head = 0;             // attention.head_count
-  uint32_t n_head_kv = 0;          // attention.head_count_kv
-  uint32_t head_dim = 0;           // attention.key_length (== value_length)
-  uint32_t n_rot = 0;              // rope.dimension_count, else head_dim
-  uint32_t n_expert = 0;           // expert_count
-  uint32_t n_expert_used = 0;      // expert_used_count
-  uint32_t n_ff_exp = 0;           // expert_feed_forward_length
-  uint32_t n_vocab = 0;            // rows of token_embd
-  uint32_t n_ctx_train = 0;        // context_length
-  float rms_eps = 1e-6f;           // attention.layer_norm_rms_epsilon
-  double rope_base = 10000.0;      // rope.freq_base
-  bool norm_topk = true;           // renormalise the top-k router weights (always, for qwen3moe)
-  RopeType rope = RopeType::Neox;  // llama: Norm
-  bool qk_norm = true;             // per-head attn_q_norm/attn_k_norm (qwen3moe; llama has none)
-  Ds4Params ds4;                   // deepseek4 only
+  std::string architecture;    // "qwen3moe", "llama" (Mixtral) or "deepseek4"
+  uint32_t n_layer = 0;        // block_count
+  uint32_t n_embd = 0;         // embedding_length
+  uint32_t n_head = 0;         // attention.head_count
+  uint32_t n_head_kv = 0;      // attention.head_count_kv
+  uint32_t head_dim = 0;       // attention.key_length (== value_length)
+  uint32_t n_rot = 0;          // rope.dimension_count, else head_dim
+  uint32_t n_expert = 0;       // expert_count
+  uint32_t n_expert_used = 0;  // expert_used_count
+  uint32_t n_ff_exp = 0;       // expert_feed_forward_length
+  uint32_t n_vocab = 0;        // rows of token_embd
+  uint32_t n_ctx_train = 0;    // context_length
+  float rms_eps = 1e-6f;       // attention.layer_norm_rms_epsilon
+  double rope_base = 10000.0;  // rope.freq_base
+  bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
+  Ds4Params ds4;               // deepseek4 only
+  // Mixtral (`llama`): NORM RoPE, no per-head attn_q_norm/attn_k_norm, and n_ff_exp is
+  // feed_forward_length.
+  RopeType rope = RopeType::Neox;
+  bool qk_norm = true;
   bool is_ds4() const { return architecture == "deepseek4"; }
 };
 

@@ -287,8 +287,7 @@ int run(int argc, char** argv) {
 
   CLI::App app{
       "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4 or mixtral GGUF model whose "
-      "every "
-      "byte is derived from --seed (and can be recomputed to verify a read)"};
+      "every byte is derived from --seed (and can be recomputed to verify a read)"};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.
