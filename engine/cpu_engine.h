@@ -1,4 +1,5 @@
-// The CPU reference forward of qwen3moe, one token at a time over a KV cache.
+// The CPU reference forward of qwen3moe and Mixtral (`llama` with experts: no q/k norms, NORM
+// RoPE), one token at a time over a KV cache.
 //
 // Per layer: RMSNorm → q/k/v projections → per-head q/k RMSNorm → NEOX RoPE → causal GQA attention
 // over the cache → output projection → residual; RMSNorm → router (softmax over the experts, top-k,
@@ -140,7 +141,8 @@ class CpuEngine final : public Engine {
   std::vector<float> cdown_;       // [C][n_embd]
 };
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe) or Ds4CpuEngine (deepseek4).
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama) or Ds4CpuEngine
+// (deepseek4).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

@@ -1,6 +1,7 @@
-// The CUDA engine: the qwen3moe forward of CpuEngine on the GPU, with dense weights in VRAM
-// (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of kernels/, and the
-// routed experts streamed from an ExpertSource (the daemon's pinned arena) through a VRAM tier.
+// The CUDA engine: the qwen3moe and Mixtral (`llama`) forward of CpuEngine on the GPU, with dense
+// weights in VRAM (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of
+// kernels/, and the routed experts streamed from an ExpertSource (the daemon's pinned arena)
+// through a VRAM tier.
 //
 // Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
 // read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
@@ -92,7 +93,7 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe, Ds4GpuEngine for
+// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe and llama, Ds4GpuEngine for
 // deepseek4 (engine/ds4_gpu_engine.h); GpuEngine's error for any other.
 Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options,

@@ -160,13 +160,26 @@ Status validate_deepseek4(const ForgeConfig& c) {
 std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"; }
 
 std::string_view forge_arch_name(ForgeArch arch) {
-  return arch == ForgeArch::Deepseek4 ? "deepseek4" : "qwen3moe";
+  switch (arch) {
+    case ForgeArch::Deepseek4:
+      return "deepseek4";
+    case ForgeArch::Mixtral:
+      return "mixtral";
+    case ForgeArch::Qwen3Moe:
+      break;
+  }
+  return "qwen3moe";
+}
+
+std::string_view forge_gguf_arch(ForgeArch arch) {
+  return arch == ForgeArch::Mixtral ? "llama" : forge_arch_name(arch);
 }
 
 Result<ForgeArch> parse_forge_arch(std::string_view value) {
   if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
   if (value == "deepseek4") return ForgeArch::Deepseek4;
-  return flag_error("--arch", value, "must be qwen3moe or deepseek4");
+  if (value == "mixtral") return ForgeArch::Mixtral;
+  return flag_error("--arch", value, "must be qwen3moe, deepseek4 or mixtral");
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -181,6 +194,12 @@ ForgeConfig forge_defaults(ForgeArch arch) {
     c.kv_heads = 1;
     c.head_dim = 512;
     c.dense_type = GgmlType::Q8_0;
+  } else if (arch == ForgeArch::Mixtral) {
+    c.embd = 4096;
+    c.ff = 14336;
+    c.heads = 32;
+    c.kv_heads = 8;
+    c.head_dim = 128;
   }
   return c;
 }
@@ -374,6 +393,8 @@ std::string blk(uint32_t l, std::string_view t, std::string_view suffix = "weigh
   return fmt::format("blk.{}.{}.{}", l, t, suffix);
 }
 
+// llama.cpp's qwen3moe block l; Mixtral's (`llama` with experts) is the same without the per-head
+// q/k norms.
 void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
   const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
@@ -385,8 +406,10 @@ void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
-  out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
-  out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  if (c.arch != ForgeArch::Mixtral) {
+    out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
+    out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  }
   out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
   out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
   out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
@@ -457,6 +480,28 @@ void deepseek4_layer(const ForgeConfig& c, uint32_t l, int32_t ratio, TensorList
     out.push_back({blk(l, "nextn.hnorm"), f32, {c.embd}});
     out.push_back({blk(l, "nextn.shared_head_norm"), f32, {c.embd}});
   }
+}
+
+// The keys llama.cpp's converter writes for Mixtral (conversion/llama.py): the experts' width is
+// feed_forward_length, and the head size is embd / heads unless key_length says otherwise.
+void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("llama.{}", suffix); };
+  meta.set_u32(key("block_count"), c.layers);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
+  if (c.head_dim * c.heads != c.embd) {
+    meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
+    meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  }
+  meta.set_f32(key("rope.freq_base"), 1e6f);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
+  meta.set_u32(key("vocab_size"), static_cast<uint32_t>(c.vocab));
+  meta.set_u32(key("rope.dimension_count"), static_cast<uint32_t>(c.head_dim));
 }
 
 void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
@@ -571,7 +616,7 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   // Model metadata, first shard only (as llama.cpp's gguf-split does).
   GgufWriter& meta = shards[0].writer;
   const std::string_view arch = forge_arch_name(c.arch);
-  meta.set_string("general.architecture", arch);
+  meta.set_string("general.architecture", forge_gguf_arch(c.arch));
   meta.set_string("general.name", c.name.empty()
                                       ? fmt::format("forge-{}-{}L-{}x{}-{}", arch, c.layers,
                                                     c.experts, c.ff, ggml_type_name(c.expert_type))
@@ -580,6 +625,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   meta.set_u32("general.quantization_version", 2);
   if (ds4) {
     set_deepseek4_metadata(c, meta);
+  } else if (c.arch == ForgeArch::Mixtral) {
+    set_mixtral_metadata(c, meta);
   } else {
     set_qwen3moe_metadata(c, meta);
   }

@@ -1,6 +1,7 @@
-// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe` or
-// `deepseek4` model and, from it, one GgufWriter per shard holding the model's metadata and
-// tensor infos (llama.cpp's names, types and shapes). The tensor data comes from forge/content.h.
+// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe`,
+// `deepseek4` or Mixtral (`llama` with routed experts) model and, from it, one GgufWriter per shard
+// holding the model's metadata and tensor infos (llama.cpp's names, types and shapes). The tensor
+// data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,10 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4 };
-std::string_view forge_arch_name(ForgeArch arch);  // "qwen3moe", "deepseek4"
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral };
+std::string_view forge_arch_name(ForgeArch arch);  // "qwen3moe", "deepseek4", "mixtral" (--arch)
+// general.architecture: the name, except Mixtral's, which llama.cpp calls `llama`.
+std::string_view forge_gguf_arch(ForgeArch arch);
 Result<ForgeArch> parse_forge_arch(std::string_view value);
 
 // deepseek4's compressed-attention ratios per block (0 sliding window only, 4 CSA with the
@@ -24,7 +27,8 @@ inline constexpr int32_t kDs4RatioSliding = 0;
 inline constexpr int32_t kDs4RatioCsa = 4;
 inline constexpr int32_t kDs4RatioHca = 128;
 
-// The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's.
+// The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's,
+// forge_defaults(Mixtral) Mixtral-8x7B's.
 struct ForgeConfig {
   ForgeArch arch = ForgeArch::Qwen3Moe;
   uint32_t layers = 4;
@@ -64,7 +68,8 @@ struct ForgeConfig {
 
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
 // DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
-// the q8_0 dense type of llama.cpp's converter. Layers, vocab, context and the rest are shared.
+// the q8_0 dense type of llama.cpp's converter; mixtral's Mixtral-8x7B's (8 experts, top 2, embd
+// 4096, ff 14336, 32 heads of 128, 8 KV heads). Layers, vocab, context and the rest are shared.
 ForgeConfig forge_defaults(ForgeArch arch);
 
 // transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2
