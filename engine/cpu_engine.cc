@@ -16,14 +16,45 @@ namespace {
 
 float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
 
+// y[i][r] += b[r] for n rows of b.size() floats, `stride` apart (no-op for an empty bias).
+void add_bias(float* y, std::span<const float> b, uint64_t n = 1, uint64_t stride = 0) {
+  for (uint64_t i = 0; i < n; ++i) {
+    for (uint64_t r = 0; r < b.size(); ++r) y[i * stride + r] += b[r];
+  }
+}
+
+// Row `expert` of a per-expert bias ([n_expert][len]; empty when the model has none).
+std::span<const float> expert_row(const std::vector<float>& b, uint32_t expert, uint64_t len) {
+  if (b.empty()) return {};
+  return {b.data() + uint64_t{expert} * len, len};
+}
+
+// The experts' activation over n rows of n_ff: gate[j] = silu(gate[j]) * up[j], or gpt-oss's
+// clamped SwiGLU on the biased gate and up of `expert`.
+void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t expert, float* gate,
+                       const float* up, uint64_t n) {
+  const uint64_t ff = p.n_ff_exp;
+  if (!p.is_gptoss()) {
+    for (uint64_t j = 0; j < n * ff; ++j) gate[j] = silu(gate[j]) * up[j];
+    return;
+  }
+  const float* bg = w.exp_gate_b.data() + uint64_t{expert} * ff;
+  const float* bu = w.exp_up_b.data() + uint64_t{expert} * ff;
+  for (uint64_t j = 0; j < n * ff; ++j) {
+    const double g = std::min(gate[j] + bg[j % ff], kGptOssLimit);
+    const double u = std::clamp(up[j] + bu[j % ff], -kGptOssLimit, kGptOssLimit);
+    gate[j] = static_cast<float>((u + 1.0) * g / (1.0 + std::exp(-kGptOssAlpha * g)));
+  }
+}
+
 }  // namespace
 
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama") {
-    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe and llama, not '{}' (use "
-                                          "create_cpu_engine)",
+  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !p.is_gptoss()) {
+    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, llama and gpt-oss, not "
+                                          "'{}' (use create_cpu_engine)",
                                           model.path(), p.architecture));
   }
   if (model.deferred()) {
@@ -59,13 +90,14 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   att_.resize(q_dim);
   tmp_.resize(p_.n_embd);
   row_.resize(std::max<uint64_t>({p_.n_embd, q_dim, p_.n_ff_exp}));
-  scores_.resize(opts_.max_context);
+  scores_.resize(opts_.max_context + 1);  // + gpt-oss's sink
   acc_.resize(std::max(p_.n_embd, p_.head_dim));
   router_.resize(p_.n_expert);
   probs_.resize(p_.n_expert);
   order_.resize(p_.n_expert);
   selected_.resize(p_.n_expert_used);
   weights_.resize(p_.n_expert_used);
+  topk_.resize(p_.n_expert_used);
   gate_.resize(p_.n_ff_exp);
   up_.resize(p_.n_ff_exp);
   views_.resize(p_.n_expert_used);
@@ -90,6 +122,16 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   cgate_.resize(c * p_.n_ff_exp);
   cup_.resize(c * p_.n_ff_exp);
   cdown_.resize(c * p_.n_embd);
+  if (p_.yarn_factor > 0.0) {
+    // gpt-oss's config says truncate: false (the GGUF has no key for it).
+    inv_freq_ = yarn_inv_freq(p_.n_rot, p_.rope_base,
+                              YarnParams{.factor = p_.yarn_factor,
+                                         .orig_ctx = static_cast<double>(p_.yarn_orig_ctx),
+                                         .beta_fast = p_.yarn_beta_fast,
+                                         .beta_slow = p_.yarn_beta_slow,
+                                         .truncate = false});
+    mscale_ = yarn_mscale(p_.yarn_factor);
+  }
 }
 
 std::string CpuEngine::description() const {
@@ -124,9 +166,13 @@ void CpuEngine::attention(uint32_t layer) {
   matvec(w.wq.view(), xn_.data(), q_.data(), row_.data());
   matvec(w.wk.view(), xn_.data(), k_.data(), row_.data());
   matvec(w.wv.view(), xn_.data(), v_.data(), row_.data());
+  add_bias(q_.data(), w.bq);
+  add_bias(k_.data(), w.bk);
+  add_bias(v_.data(), w.bv);
   place_qkv(layer, pos_, q_.data(), k_.data(), v_.data());
   attend(layer, pos_, q_.data(), att_.data());
   matvec(w.wo.view(), att_.data(), tmp_.data(), row_.data());
+  add_bias(tmp_.data(), w.bo);
   for (uint32_t i = 0; i < p_.n_embd; ++i) x_[i] += tmp_[i];
 }
 
@@ -137,30 +183,47 @@ void CpuEngine::place_qkv(uint32_t layer, uint32_t pos, float* q_all, float* k_a
   for (uint32_t h = 0; h < p_.n_head; ++h) {
     float* q = q_all + uint64_t{h} * hd;
     if (p_.qk_norm) rms_norm(q, w.q_norm.data(), q, hd, p_.rms_eps);
-    rope(p_.rope, q, p_.n_rot, pos, p_.rope_base);
+    rotate(q, pos);
   }
   for (uint32_t h = 0; h < p_.n_head_kv; ++h) {
     float* k = k_all + uint64_t{h} * hd;
     if (p_.qk_norm) rms_norm(k, w.k_norm.data(), k, hd, p_.rms_eps);
-    rope(p_.rope, k, p_.n_rot, pos, p_.rope_base);
+    rotate(k, pos);
   }
   std::copy_n(k_all, kv_dim_, k_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
   std::copy_n(v, kv_dim_, v_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
+}
+
+void CpuEngine::rotate(float* v, uint32_t pos) const {
+  if (inv_freq_.empty()) {
+    rope(p_.rope, v, p_.n_rot, pos, p_.rope_base);
+  } else {
+    rope_neox_freqs(v, p_.n_rot, pos, inv_freq_.data(), mscale_);
+  }
 }
 
 void CpuEngine::attend(uint32_t layer, uint32_t pos, const float* q_all, float* att) {
   const uint32_t hd = p_.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint32_t group = p_.n_head / p_.n_head_kv;  // query heads sharing one kv head
+  // A sliding layer sees its last swa_window positions (transformers' and llama.cpp's window).
+  const uint32_t first = p_.sliding(layer) && pos >= p_.swa_window ? pos + 1 - p_.swa_window : 0;
+  const std::vector<float>& sinks = model_.layer(layer).sinks;
   for (uint32_t h = 0; h < p_.n_head; ++h) {
     const float* q = q_all + uint64_t{h} * hd;
     const uint64_t kv_off = uint64_t{h / group} * hd;
-    for (uint32_t t = 0; t <= pos; ++t) {
+    for (uint32_t t = first; t <= pos; ++t) {
       scores_[t] = dot(q, k_cache_.data() + kv_index(layer, t) + kv_off, hd) * scale;
     }
-    softmax(scores_.data(), pos + 1);
+    if (sinks.empty()) {
+      softmax(scores_.data() + first, pos + 1 - first);
+    } else {
+      // gpt-oss's sink: one more logit in the softmax's denominator whose value is dropped.
+      scores_[pos + 1] = sinks[h];
+      softmax(scores_.data() + first, pos + 2 - first);
+    }
     std::fill(acc_.begin(), acc_.begin() + hd, 0.0);
-    for (uint32_t t = 0; t <= pos; ++t) {
+    for (uint32_t t = first; t <= pos; ++t) {
       const float* v = v_cache_.data() + kv_index(layer, t) + kv_off;
       for (uint32_t i = 0; i < hd; ++i) acc_[i] += scores_[t] * static_cast<double>(v[i]);
     }
@@ -179,6 +242,7 @@ void CpuEngine::send_hints(uint32_t layer) {
     const LayerWeights& w = model_.layer(next);
     rms_norm(x_.data(), w.ffn_norm.data(), pxn_.data(), p_.n_embd, p_.rms_eps);
     matvec(w.gate_inp.view(), pxn_.data(), router_.data(), row_.data());
+    add_bias(router_.data(), w.gate_inp_b);
     for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
     softmax(probs_.data(), p_.n_expert);
     planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
@@ -194,6 +258,7 @@ void CpuEngine::route(uint32_t layer) {
   rms_norm(x_.data(), w.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
   if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
+    add_bias(router_.data(), w.gate_inp_b);
     select(router_.data(), selected_.data(), weights_.data());
   }
   RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
@@ -203,6 +268,17 @@ void CpuEngine::route(uint32_t layer) {
 void CpuEngine::select(const float* logits, uint32_t* selected, float* weights) {
   const uint32_t k = p_.n_expert_used;
   for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
+  if (p_.is_gptoss()) {
+    // gpt-oss: the top-k logits first, then the softmax over those k alone.
+    top_indices(std::span<const double>(probs_), order_, k);
+    for (uint32_t i = 0; i < k; ++i) topk_[i] = probs_[order_[i]];
+    softmax(topk_.data(), k);
+    for (uint32_t i = 0; i < k; ++i) {
+      selected[i] = order_[i];
+      weights[i] = static_cast<float>(topk_[i]);
+    }
+    return;
+  }
   softmax(probs_.data(), p_.n_expert);
   top_indices(std::span<const double>(probs_), order_, k);
   double sum = 0.0;
@@ -221,6 +297,7 @@ Status CpuEngine::moe(uint32_t layer) {
                           std::span<ExpertView>(views_.data(), k)));
   stats_.stall_ns += monotonic_ns() - t0;
   stats_.experts_used += k;
+  const LayerWeights& w = model_.layer(layer);
   std::fill(acc_.begin(), acc_.begin() + p_.n_embd, 0.0);
   for (uint32_t i = 0; i < k; ++i) {
     const ExpertView& ev = views_[i];
@@ -228,8 +305,9 @@ Status CpuEngine::moe(uint32_t layer) {
     EXPERTD_CHECK_EQ(ev.expert, selected_[i]);
     matvec(ev.gate, xn_.data(), gate_.data(), row_.data());
     matvec(ev.up, xn_.data(), up_.data(), row_.data());
-    for (uint32_t j = 0; j < p_.n_ff_exp; ++j) gate_[j] = silu(gate_[j]) * up_[j];
+    expert_activation(p_, w, ev.expert, gate_.data(), up_.data(), 1);
     matvec(ev.down, gate_.data(), tmp_.data(), row_.data());
+    add_bias(tmp_.data(), expert_row(w.exp_down_b, ev.expert, p_.n_embd));
     for (uint32_t j = 0; j < p_.n_embd; ++j) {
       acc_[j] += static_cast<double>(weights_[i]) * static_cast<double>(tmp_[j]);
     }
@@ -293,6 +371,9 @@ void CpuEngine::prefill_attention(uint32_t layer, uint32_t n) {
   matmul(w.wq.view(), cxn_.data(), e, cq_.data(), q_dim, n, row_.data());
   matmul(w.wk.view(), cxn_.data(), e, ck_.data(), kv_dim_, n, row_.data());
   matmul(w.wv.view(), cxn_.data(), e, cv_.data(), kv_dim_, n, row_.data());
+  add_bias(cq_.data(), w.bq, n, q_dim);
+  add_bias(ck_.data(), w.bk, n, kv_dim_);
+  add_bias(cv_.data(), w.bv, n, kv_dim_);
   // Every position's k and v go into the cache first; position i then attends to [0, pos_ + i].
   for (uint32_t i = 0; i < n; ++i) {
     place_qkv(layer, pos_ + i, cq_.data() + i * q_dim, ck_.data() + i * kv_dim_,
@@ -302,6 +383,7 @@ void CpuEngine::prefill_attention(uint32_t layer, uint32_t n) {
     attend(layer, pos_ + i, cq_.data() + i * q_dim, catt_.data() + i * q_dim);
   }
   matmul(w.wo.view(), catt_.data(), q_dim, ctmp_.data(), e, n, row_.data());
+  add_bias(ctmp_.data(), w.bo, n, e);
   for (uint64_t j = 0; j < uint64_t{n} * e; ++j) cx_[j] += ctmp_[j];
 }
 
@@ -321,6 +403,7 @@ void CpuEngine::prefill_hints(uint32_t layer, uint32_t n) {
       rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
     }
     matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
+    add_bias(clogits_.data(), w.gate_inp_b, n, p_.n_expert);
     for (uint32_t i = 0; i < n; ++i) {
       for (uint32_t x = 0; x < p_.n_expert; ++x)
         probs_[x] = clogits_[uint64_t{i} * p_.n_expert + x];
@@ -341,6 +424,7 @@ void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
     rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
   }
   matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
+  add_bias(clogits_.data(), w.gate_inp_b, n, p_.n_expert);
   const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
   for (uint32_t i = 0; i < n; ++i) {
     const std::span<uint32_t> sel(csel_.data() + uint64_t{i} * k, k);
@@ -360,6 +444,7 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   const uint64_t ff = p_.n_ff_exp;
   const uint32_t last = pos_ + n - 1;
   const std::span<const uint32_t> needed = groups_.needed();
+  const LayerWeights& w = model_.layer(layer);
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Every needed expert is hinted before any is acquired, so the daemon loads the later groups
   // while the first ones compute (the cursor is still before this layer, so they target it).
@@ -386,8 +471,9 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
       }
       matmul(ev.gate, cgx_.data(), e, cgate_.data(), ff, count, row_.data());
       matmul(ev.up, cgx_.data(), e, cup_.data(), ff, count, row_.data());
-      for (uint64_t j = 0; j < uint64_t{count} * ff; ++j) cgate_[j] = silu(cgate_[j]) * cup_[j];
+      expert_activation(p_, w, ev.expert, cgate_.data(), cup_.data(), count);
       matmul(ev.down, cgate_.data(), ff, cdown_.data(), e, count, row_.data());
+      add_bias(cdown_.data(), expert_row(w.exp_down_b, ev.expert, e), count, e);
       for (uint32_t r = 0; r < count; ++r) {
         std::copy_n(cdown_.data() + r * e, e, cout_.data() + uint64_t{slots[r]} * e);
       }

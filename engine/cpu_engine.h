@@ -1,5 +1,7 @@
-// The CPU reference forward of qwen3moe and Mixtral (`llama` with experts: no q/k norms, NORM
-// RoPE), one token at a time over a KV cache.
+// The CPU reference forward of qwen3moe, Mixtral (`llama` with experts: no q/k norms, NORM
+// RoPE) and gpt-oss (no q/k norms; biases on q/k/v/o, router and experts; attention sinks; a
+// sliding window on even layers; softmax over the top-k router logits; the clamped SwiGLU; YaRN),
+// one token at a time over a KV cache.
 //
 // Per layer: RMSNorm → q/k/v projections → per-head q/k RMSNorm → NEOX RoPE → causal GQA attention
 // over the cache → output projection → residual; RMSNorm → router (softmax over the experts, top-k,
@@ -72,6 +74,8 @@ class CpuEngine final : public Engine {
   void place_qkv(uint32_t layer, uint32_t pos, float* q, float* k, const float* v);
   // Causal attention of `q` at `pos` over cache[0..pos] into `att` (n_head * head_dim).
   void attend(uint32_t layer, uint32_t pos, const float* q, float* att);
+  // RoPE of one head at `pos` (YaRN's frequencies when the model has them).
+  void rotate(float* v, uint32_t pos) const;
   void route(uint32_t layer);
   // Top-k of router logits (n_expert) into selected/weights (k each), renormalised as configured.
   void select(const float* logits, uint32_t* selected, float* weights);
@@ -107,7 +111,7 @@ class CpuEngine final : public Engine {
   std::vector<float> att_;       // attention output, n_head * head_dim
   std::vector<float> tmp_;       // n_embd
   std::vector<float> row_;       // one dequantised weight row (the widest)
-  std::vector<double> scores_;   // attention scores, max_context
+  std::vector<double> scores_;   // attention scores, max_context + 1 (a sink)
   std::vector<double> acc_;      // head output / MoE combine accumulator (max of n_embd, head_dim)
   std::vector<float> router_;    // router logits, n_expert
   std::vector<double> probs_;    // router probabilities, n_expert
@@ -139,6 +143,9 @@ class CpuEngine final : public Engine {
   std::vector<float> cgate_;       // [C][n_ff]
   std::vector<float> cup_;         // [C][n_ff]
   std::vector<float> cdown_;       // [C][n_embd]
+  std::vector<double> topk_;       // gpt-oss: the selected router logits, k
+  std::vector<double> inv_freq_;   // YaRN's rope frequencies (empty: plain RoPE)
+  double mscale_ = 1.0;            // YaRN's attention factor
 };
 
 // The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama) or Ds4CpuEngine

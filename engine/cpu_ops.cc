@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 
 #include "engine/dequant.h"
 
@@ -80,6 +81,43 @@ void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base) {
 
 void rope_norm(float* v, uint32_t n_rot, uint32_t pos, double base) {
   rotate_pairs(v, n_rot, pos, base, /*step=*/2, /*offset=*/1);
+}
+
+void rope_neox_freqs(float* v, uint32_t n_rot, uint32_t pos, const double* inv_freq,
+                     double mscale) {
+  const uint32_t half = n_rot / 2;
+  for (uint32_t i = 0; i < half; ++i) {
+    const double theta = static_cast<double>(pos) * inv_freq[i];
+    const double c = std::cos(theta) * mscale;
+    const double s = std::sin(theta) * mscale;
+    const double x0 = v[i];
+    const double x1 = v[i + half];
+    v[i] = static_cast<float>(x0 * c - x1 * s);
+    v[i + half] = static_cast<float>(x0 * s + x1 * c);
+  }
+}
+
+std::vector<double> yarn_inv_freq(uint32_t dim, double base, const YarnParams& y) {
+  std::vector<double> f(dim / 2);
+  for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
+  if (y.factor <= 0.0) return f;
+  auto corr = [&](double rot) {
+    return dim * std::log(y.orig_ctx / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+  };
+  double low = corr(y.beta_fast);
+  double high = corr(y.beta_slow);
+  if (y.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;
+  for (uint32_t i = 0; i < dim / 2; ++i) {
+    const double extrapolate = 1.0 - std::clamp((i - low) / (high - low), 0.0, 1.0);
+    f[i] = f[i] / y.factor * (1.0 - extrapolate) + f[i] * extrapolate;
+  }
+  return f;
 }
 
 void softmax(double* p, size_t n) {

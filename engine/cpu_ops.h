@@ -2,6 +2,7 @@
 // and as the yardstick the CUDA kernels are compared against. None allocates.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -36,6 +37,27 @@ inline void rope(RopeType type, float* v, uint32_t n_rot, uint32_t pos, double b
   } else {
     rope_neox(v, n_rot, pos, base);
   }
+}
+
+// NEOX rotation by pos * inv_freq[i], the cos and sin scaled by `mscale` (YaRN's attention
+// factor, as transformers applies it).
+void rope_neox_freqs(float* v, uint32_t n_rot, uint32_t pos, const double* inv_freq, double mscale);
+
+// YaRN (transformers' _compute_yarn_parameters): `factor` 0 means plain RoPE. DeepSeek-V4 rounds
+// the correction range outwards (truncate); gpt-oss's config says truncate: false.
+struct YarnParams {
+  double factor = 0.0;
+  double orig_ctx = 0.0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+};
+// The inverse frequencies of the dim / 2 rope pairs: base^(-2i/dim), or YaRN's blend of the
+// interpolated and extrapolated ones.
+std::vector<double> yarn_inv_freq(uint32_t dim, double base, const YarnParams& y);
+// YaRN's attention factor for `factor` (1 without scaling).
+inline double yarn_mscale(double factor) {
+  return factor > 1.0 ? 0.1 * std::log(factor) + 1.0 : 1.0;
 }
 
 // In place: p[i] = exp(p[i] - max) / sum over n elements, computed in double.

@@ -47,23 +47,13 @@ void swiglu(float* gate, const float* up, uint64_t n, float limit) {
 // extrapolated frequencies (transformers' _compute_yarn_parameters with truncate; DeepSeek-V4
 // keeps the attention factor at 1).
 std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
-  std::vector<double> f(dim / 2);
-  for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
-  if (yarn == nullptr || yarn->yarn_factor <= 0.0) return f;
-  const double orig = yarn->yarn_orig_ctx;
-  auto corr = [&](double rot) {
-    return dim * std::log(orig / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
-  };
-  const double low = std::max(std::floor(corr(yarn->yarn_beta_fast)), 0.0);
-  double high = std::min(std::ceil(corr(yarn->yarn_beta_slow)), static_cast<double>(dim - 1));
-  if (low == high) high += 0.001;
-  for (uint32_t i = 0; i < dim / 2; ++i) {
-    const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
-    const double extrapolate = 1.0 - ramp;
-    const double interp = f[i] / yarn->yarn_factor;
-    f[i] = interp * (1.0 - extrapolate) + f[i] * extrapolate;
-  }
-  return f;
+  if (yarn == nullptr) return yarn_inv_freq(dim, base, YarnParams{});
+  return yarn_inv_freq(dim, base,
+                       YarnParams{.factor = yarn->yarn_factor,
+                                  .orig_ctx = static_cast<double>(yarn->yarn_orig_ctx),
+                                  .beta_fast = yarn->yarn_beta_fast,
+                                  .beta_slow = yarn->yarn_beta_slow,
+                                  .truncate = true});
 }
 
 void ds4_route(const Ds4Params& d, const Ds4LayerWeights& l, bool hash, uint32_t token,

@@ -133,6 +133,27 @@ Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
 
 namespace {
 
+Status load_gptoss_layer(const GgufModel& g, const detail::Sources& src, const std::string& b,
+                         const ModelParams& p, LayerWeights& l) {
+  using detail::read_floats;
+  using detail::read_vector;
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
+  EXPERTD_TRY_ASSIGN(l.bq, read_vector(g, src, b + "attn_q.bias", q_dim));
+  EXPERTD_TRY_ASSIGN(l.bk, read_vector(g, src, b + "attn_k.bias", kv_dim));
+  EXPERTD_TRY_ASSIGN(l.bv, read_vector(g, src, b + "attn_v.bias", kv_dim));
+  EXPERTD_TRY_ASSIGN(l.bo, read_vector(g, src, b + "attn_output.bias", p.n_embd));
+  EXPERTD_TRY_ASSIGN(l.sinks, read_vector(g, src, b + "attn_sinks.weight", p.n_head));
+  EXPERTD_TRY_ASSIGN(l.gate_inp_b, read_vector(g, src, b + "ffn_gate_inp.bias", p.n_expert));
+  EXPERTD_TRY_ASSIGN(l.exp_gate_b,
+                     read_floats(g, src, b + "ffn_gate_exps.bias", p.n_expert, p.n_ff_exp));
+  EXPERTD_TRY_ASSIGN(l.exp_up_b,
+                     read_floats(g, src, b + "ffn_up_exps.bias", p.n_expert, p.n_ff_exp));
+  EXPERTD_TRY_ASSIGN(l.exp_down_b,
+                     read_floats(g, src, b + "ffn_down_exps.bias", p.n_expert, p.n_embd));
+  return Ok{};
+}
+
 // The routed experts are read by the daemon, not here, but a layer without them would fail only
 // at its first token: each layer needs merged gate and up (or a fused gate_up) and down tensors.
 Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
@@ -157,6 +178,28 @@ Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
 
 using detail::get_f64;
 using detail::get_u64;
+
+Status read_gptoss_params(const GgufModel& g, ModelParams& p) {
+  p.qk_norm = false;
+  EXPERTD_TRY_ASSIGN(const uint64_t window,
+                     get_u64(g, "attention.sliding_window", {}, 1, uint64_t{1} << 24));
+  p.swa_window = static_cast<uint32_t>(window);
+  const GgufValue* v = g.find_arch("rope.scaling.type");
+  const std::string* type = v != nullptr ? v->as_string() : nullptr;
+  if (v == nullptr || (type != nullptr && *type == "none")) return Ok{};
+  if (type == nullptr || *type != "yarn") {
+    return make_error(ENOTSUP, fmt::format("{}: {} = {}: gpt-oss supports yarn or none",
+                                           g.meta().path(), g.arch_key("rope.scaling.type"),
+                                           type != nullptr ? *type : "(not a string)"));
+  }
+  EXPERTD_TRY_ASSIGN(p.yarn_factor, get_f64(g, "rope.scaling.factor", {}));
+  EXPERTD_TRY_ASSIGN(const uint64_t orig,
+                     get_u64(g, "rope.scaling.original_context_length", {}, 1, uint64_t{1} << 24));
+  p.yarn_orig_ctx = static_cast<uint32_t>(orig);
+  EXPERTD_TRY_ASSIGN(p.yarn_beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
+  EXPERTD_TRY_ASSIGN(p.yarn_beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
+  return Ok{};
+}
 using detail::read_matrix;
 using detail::read_vector;
 using detail::Sources;
@@ -164,9 +207,10 @@ using detail::Sources;
 Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4") {
+  if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4" &&
+      p.architecture != "gpt-oss") {
     return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, llama "
-                                           "(Mixtral) and deepseek4",
+                                           "(Mixtral), gpt-oss and deepseek4",
                                            g.meta().path(), p.architecture));
   }
   const bool llama = p.architecture == "llama";
@@ -238,6 +282,7 @@ Result<ModelParams> read_params(const GgufModel& g) {
     }
   }
   if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
+  if (p.is_gptoss()) EXPERTD_TRY(read_gptoss_params(g, p));
   return p;
 }
 
@@ -304,9 +349,13 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
       EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
       EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
     }
-    EXPERTD_TRY_ASSIGN(l.ffn_norm, read_vector(gg, src, b + "ffn_norm.weight", e));
+    EXPERTD_TRY_ASSIGN(
+        l.ffn_norm,
+        read_vector(gg, src, b + (p.is_gptoss() ? "post_attention_norm.weight" : "ffn_norm.weight"),
+                    e));
     EXPERTD_TRY_ASSIGN(l.gate_inp, read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
     EXPERTD_TRY(check_expert_tensors(gg, b));
+    if (p.is_gptoss()) EXPERTD_TRY(load_gptoss_layer(gg, src, b, p, l));
   }
   return m;
 }
@@ -323,6 +372,10 @@ uint64_t DenseModel::count_bytes(bool held) const {
     for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += mat(*x);
     n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *
          sizeof(float);
+    for (const auto* v : {&l.bq, &l.bk, &l.bv, &l.bo, &l.sinks, &l.gate_inp_b, &l.exp_gate_b,
+                          &l.exp_up_b, &l.exp_down_b}) {
+      n += v->size() * sizeof(float);
+    }
   }
   return n;
 }

@@ -1,6 +1,8 @@
 // A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
 // (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
-// with NORM RoPE) or DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc).
+// with NORM RoPE), gpt-oss (`gpt-oss`; the same forward with biases, sinks, a sliding window and
+// its own router and SwiGLU) or DeepSeek-V4 (`deepseek4`, the Ds4* types below;
+// engine/ds4_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
@@ -70,7 +72,7 @@ struct Ds4Params {
 enum class RopeType : uint8_t { Neox, Norm };
 
 struct ModelParams {
-  std::string architecture;    // "qwen3moe", "llama" (Mixtral) or "deepseek4"
+  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "deepseek4" or "gpt-oss"
   uint32_t n_layer = 0;        // block_count
   uint32_t n_embd = 0;         // embedding_length
   uint32_t n_head = 0;         // attention.head_count
@@ -91,7 +93,24 @@ struct ModelParams {
   RopeType rope = RopeType::Neox;
   bool qk_norm = true;
   bool is_ds4() const { return architecture == "deepseek4"; }
+  // gpt-oss (`gpt-oss`): q/k/v/o, router and expert biases, attention sinks, the even layers
+  // attend to their last `swa_window` positions, the router's softmax is over the top-k logits,
+  // the experts use the clamped SwiGLU (kGptOssAlpha, kGptOssLimit) and RoPE is YaRN.
+  uint32_t swa_window = 0;       // attention.sliding_window (0: every layer attends to all)
+  double yarn_factor = 0.0;      // rope.scaling.factor when rope.scaling.type is yarn (0: none)
+  uint32_t yarn_orig_ctx = 0;    // rope.scaling.original_context_length
+  double yarn_beta_fast = 32.0;  // rope.scaling.yarn_beta_fast
+  double yarn_beta_slow = 1.0;   // rope.scaling.yarn_beta_slow
+  bool is_gptoss() const { return architecture == "gpt-oss"; }
+  // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
+  bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
 };
+
+// gpt-oss's SwiGLU constants (transformers' GptOssExperts and llama.cpp's SWIGLU_OAI_MOE hard-code
+// them; the GGUF has no key): out = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+// g = min(gate, limit).
+inline constexpr float kGptOssAlpha = 1.702f;
+inline constexpr float kGptOssLimit = 7.0f;
 
 // A 2-D weight in its GGUF encoding: `rows` rows (ne1, output features) of `cols` elements (ne0,
 // input features), row r at data + r * row_bytes. Non-owning.
@@ -139,6 +158,14 @@ struct LayerWeights {
   std::vector<float> k_norm;     // head_dim; empty without qk_norm
   std::vector<float> ffn_norm;   // n_embd
   Matrix gate_inp;               // router: [n_expert, n_embd]
+  // gpt-oss only (empty otherwise). The expert biases are dense, not streamed: n_ff_exp * 2 +
+  // n_embd floats per expert, under 1% of an MXFP4 expert, indexed [expert][row].
+  std::vector<float> bq, bk, bv, bo;  // projection biases
+  std::vector<float> sinks;           // n_head: each head's sink logit
+  std::vector<float> gate_inp_b;      // n_expert
+  std::vector<float> exp_gate_b;      // [n_expert][n_ff_exp]
+  std::vector<float> exp_up_b;        // [n_expert][n_ff_exp]
+  std::vector<float> exp_down_b;      // [n_expert][n_embd]
 };
 
 // One DeepSeek-V4 compressor (the attention's, or the indexer's): `coff` = 2 for overlapping (CSA)
@@ -243,6 +270,8 @@ class DenseModel {
 // invalid key.
 Result<ModelParams> read_params(const GgufModel& gguf);
 
+// gpt-oss's hyperparameters (sliding window, YaRN) into `p`.
+Status read_gptoss_params(const GgufModel& gguf, ModelParams& p);
 // deepseek4's hyperparameters into `p` (engine/ds4_model.cc).
 Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
 // deepseek4's dense weights into m (called by DenseModel::load), and their bytes.

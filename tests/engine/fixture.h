@@ -124,6 +124,35 @@ struct MixtralFixture {
   }
 };
 
+// The gptoss-tiny fixture (tools/reference/make_gptoss_fixture.py): "mxfp4" (the release's
+// layout, repacked by llama.cpp's converter) and "f32" hold the same expert values, so one set of
+// logits, routing and greedy tokens serves both.
+struct GptOssFixture {
+  nlohmann::json meta;
+  std::vector<uint32_t> tokens;
+  uint32_t prompt = 0;
+  uint32_t vocab = 0;
+
+  static GptOssFixture load() {
+    GptOssFixture f;
+    f.meta = read_json(fixture_path("gptoss-tiny/fixture.json"));
+    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
+    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
+    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
+    return f;
+  }
+  static std::string gguf(const std::string& variant) {
+    return fixture_path("gptoss-tiny/model-" + variant + ".gguf");
+  }
+  std::vector<float> logits(const std::string&) const {
+    return read_f32(fixture_path("gptoss-tiny/logits.bin"));
+  }
+  std::vector<TraceEntry> trace(const std::string&) const {
+    return read_trace(fixture_path("gptoss-tiny/trace.jsonl"));
+  }
+  std::vector<uint32_t> greedy(const std::string&) const { return tokens; }
+};
+
 // ||a - b|| / ||b||, in double.
 inline double rel_err(const float* a, const float* b, size_t n) {
   double num = 0.0;
@@ -142,9 +171,10 @@ inline uint32_t argmax(const std::vector<float>& v) {
 
 // Feeds fx.tokens to `engine`: the logits of every position within `tol` (relative) of
 // transformers' (returns the worst), and the routing as transformers routed (weights within
-// `weight_tol`).
-inline double expect_mixtral_logits(Engine& engine, const MixtralFixture& fx,
-                                    const std::string& variant, double tol, double weight_tol) {
+// `weight_tol`). Fx: MixtralFixture or GptOssFixture.
+template <typename Fx>
+double expect_fixture_logits(Engine& engine, const Fx& fx, const std::string& variant, double tol,
+                             double weight_tol) {
   std::vector<RoutingRecord> routing;
   engine.set_routing_log(&routing);
   const std::vector<float> expected = fx.logits(variant);
@@ -175,8 +205,8 @@ inline double expect_mixtral_logits(Engine& engine, const MixtralFixture& fx,
 
 // After reset(), the prompt as one prefill() and greedy decoding give transformers' greedy tokens
 // for `variant`.
-inline void expect_mixtral_greedy(Engine& engine, const MixtralFixture& fx,
-                                  const std::string& variant) {
+template <typename Fx>
+void expect_fixture_greedy(Engine& engine, const Fx& fx, const std::string& variant) {
   const std::vector<uint32_t> want = fx.greedy(variant);
   engine.reset();
   std::vector<float> logits(fx.vocab);

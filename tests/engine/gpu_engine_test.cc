@@ -949,10 +949,10 @@ TEST(MixtralGpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers)
       auto engine = create_gpu_engine(*model, **source, EngineOptions{128, 0, 0},
                                       tier(GpuOptions::Tier::Experts, slots));
       ASSERT_TRUE(engine) << engine.error().message;
-      const double worst = test::expect_mixtral_logits(**engine, fx, variant, tol, 1e-4);
+      const double worst = test::expect_fixture_logits(**engine, fx, variant, tol, 1e-4);
       std::printf("[ mixtral %s tier %llu ] GPU logits vs transformers: max relative error %.3e\n",
                   variant, static_cast<unsigned long long>(slots), worst);
-      test::expect_mixtral_greedy(**engine, fx, variant);
+      test::expect_fixture_greedy(**engine, fx, variant);
       const EngineStats& s = (*engine)->stats();
       EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
       if (slots == 4) {

@@ -40,11 +40,11 @@ TEST_P(MixtralForward, LogitsRoutingAndGreedyTokensMatchTransformers) {
   ASSERT_TRUE(source) << source.error().message;
   auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 0, 0});
   ASSERT_TRUE(engine) << engine.error().message;
-  const double worst = test::expect_mixtral_logits(**engine, fx, variant, kMaxRelErr, 1e-5);
+  const double worst = test::expect_fixture_logits(**engine, fx, variant, kMaxRelErr, 1e-5);
   RecordProperty("max_rel_err", std::to_string(worst));
   std::printf("[ mixtral %s ] max relative error of the logits over %zu positions: %.3e\n",
               variant.c_str(), fx.tokens.size(), worst);
-  test::expect_mixtral_greedy(**engine, fx, variant);
+  test::expect_fixture_greedy(**engine, fx, variant);
   EXPECT_EQ((*source)->gets(), (*source)->releases());
 }
 
@@ -155,10 +155,10 @@ TEST_F(MixtralDaemonTest, LogitsAndGreedyTokensMatchTransformersWithExpertsFromE
     ASSERT_TRUE(source) << source.error().message;
     auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 1, 0});
     ASSERT_TRUE(engine) << engine.error().message;
-    const double worst = test::expect_mixtral_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
+    const double worst = test::expect_fixture_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
     std::printf("[ mixtral %s via expertd ] max relative error over %zu positions: %.3e\n",
                 variant.c_str(), fx_.tokens.size(), worst);
-    test::expect_mixtral_greedy(**engine, fx_, variant);
+    test::expect_fixture_greedy(**engine, fx_, variant);
     EXPECT_EQ((*engine)->stats().hint_errors, 0u);
     EXPECT_EQ((*session)->holds(), 0u);
   }

@@ -1,0 +1,190 @@
+// gpt-oss (llama.cpp's `gpt-oss`) against Hugging Face transformers: tests/fixtures/gptoss-tiny,
+// written by tools/reference/make_gptoss_fixture.py (llama.cpp's own converter made both GGUFs,
+// the MXFP4 one from the release's blocks/scales layout). The forward with experts from the file
+// and from a real expertd (attention sinks, the sliding window, biases, the top-k-then-softmax
+// router, the clamped SwiGLU and YaRN all matter to the logits), expert-run by model name, and the
+// loader's errors on malformed gpt-oss files.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "engine/cpu_engine.h"
+#include "engine/daemon_expert_source.h"
+#include "expertd/client.h"
+#include "storage/gguf_writer.h"
+#include "testing/expertd_fixture.h"
+#include "testing/temp_dir.h"
+#include "tests/engine/file_expert_source.h"
+#include "tests/engine/fixture.h"
+#include "tests/engine/gguf_edit.h"
+
+namespace expertd::engine {
+namespace {
+
+constexpr double kMaxRelErr = 1e-4;
+
+using test::GptOssFixture;
+
+std::string gguf(const std::string& variant) { return GptOssFixture::gguf(variant); }
+
+class GptOssForward : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GptOssForward, LogitsRoutingAndGreedyTokensMatchTransformers) {
+  const std::string variant = GetParam();
+  const GptOssFixture fx = GptOssFixture::load();
+  auto model = DenseModel::load(gguf(variant));
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source) << source.error().message;
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 0, 0});
+  ASSERT_TRUE(engine) << engine.error().message;
+  const double worst = test::expect_fixture_logits(**engine, fx, variant, kMaxRelErr, 1e-5);
+  RecordProperty("max_rel_err", std::to_string(worst));
+  std::printf("[ gpt-oss %s ] max relative error of the logits over %zu positions: %.3e\n",
+              variant.c_str(), fx.tokens.size(), worst);
+  test::expect_fixture_greedy(**engine, fx, variant);
+  EXPECT_EQ((*source)->gets(), (*source)->releases());
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GptOssForward, ::testing::Values("f32", "mxfp4"),
+                         [](const auto& p) { return std::string(p.param); });
+
+TEST(GptOssForward, ReadsGptOssFromTheFile) {
+  auto model = DenseModel::load(gguf("mxfp4"));
+  ASSERT_TRUE(model) << model.error().message;
+  const ModelParams& p = model->params();
+  EXPECT_TRUE(p.is_gptoss());
+  EXPECT_FALSE(p.qk_norm);
+  EXPECT_EQ(p.swa_window, 8u);
+  EXPECT_TRUE(p.sliding(0));
+  EXPECT_FALSE(p.sliding(1));
+  EXPECT_DOUBLE_EQ(p.yarn_factor, 4.0);
+  EXPECT_EQ(p.yarn_orig_ctx, 32u);
+  EXPECT_EQ(p.n_expert, 8u);
+  EXPECT_EQ(p.n_expert_used, 2u);
+  EXPECT_EQ(p.n_ff_exp, 32u);
+  const LayerWeights& l = model->layer(3);
+  EXPECT_EQ(l.sinks.size(), 4u);
+  EXPECT_EQ(l.exp_gate_b.size(), 8u * 32u);
+  EXPECT_EQ(l.exp_down_b.size(), 8u * 64u);
+  // The prompt is longer than the window, so the sliding layers drop positions.
+  EXPECT_GT(GptOssFixture::load().prompt, p.swa_window);
+}
+
+// --- Through a real expertd: the MXFP4 experts stream as the release stores them.
+
+class GptOssDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fx_ = GptOssFixture::load();
+    socket_ = dir_.path() + "/expertd.sock";
+    daemon_ = std::make_unique<expertd::test::Daemon>(
+        dir_.path(), std::vector<std::string>{"--model", "gptoss-f32=" + gguf("f32"), "--model",
+                                              "gptoss-mxfp4=" + gguf("mxfp4"), "--socket", socket_,
+                                              "--cache", "16MiB", "--no-mlock"});
+    ASSERT_TRUE(daemon_->start());
+  }
+  void TearDown() override {
+    const std::string log = daemon_->log();
+    EXPECT_EQ(daemon_->stop(), 0) << log;
+  }
+
+  expertd::test::TempDir dir_;
+  GptOssFixture fx_;
+  std::string socket_;
+  std::unique_ptr<expertd::test::Daemon> daemon_;
+};
+
+TEST_F(GptOssDaemonTest, LogitsAndGreedyTokensMatchTransformersWithExpertsFromExpertd) {
+  for (const std::string variant : {"f32", "mxfp4"}) {
+    SCOPED_TRACE(variant);
+    auto client = client::Client::connect(socket_);
+    ASSERT_TRUE(client) << client.error().message;
+    auto model = DenseModel::load_from_daemon(**client, "gptoss-" + variant);
+    ASSERT_TRUE(model) << model.error().message;
+    auto session = (*client)->attach("gptoss-" + variant, "engine_tests");
+    ASSERT_TRUE(session) << session.error().message;
+    auto source = DaemonExpertSource::create(**session, *model);
+    ASSERT_TRUE(source) << source.error().message;
+    auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 1, 0});
+    ASSERT_TRUE(engine) << engine.error().message;
+    const double worst = test::expect_fixture_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
+    std::printf("[ gpt-oss %s via expertd ] max relative error over %zu positions: %.3e\n",
+                variant.c_str(), fx_.tokens.size(), worst);
+    test::expect_fixture_greedy(**engine, fx_, variant);
+    EXPECT_EQ((*engine)->stats().hint_errors, 0u);
+    EXPECT_EQ((*session)->holds(), 0u);
+  }
+}
+
+// expert-run by model name alone: the prompt text is tokenised with the file's byte-level BPE and
+// the answer is transformers' greedy continuation.
+TEST_F(GptOssDaemonTest, ExpertRunRunsGptOssByModelName) {
+  const uint32_t n = static_cast<uint32_t>(fx_.tokens.size()) - fx_.prompt;
+  std::string prompt = fx_.meta.at("prompt").get<std::string>();
+  const auto r = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "gptoss-mxfp4",
+       "--prompt", prompt, "--max-tokens", std::to_string(n), "--ignore-eos", "--cpu", "--json"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("prompt_tokens").get<std::vector<uint32_t>>(),
+            std::vector<uint32_t>(fx_.tokens.begin(), fx_.tokens.begin() + fx_.prompt));
+  EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(),
+            std::vector<uint32_t>(fx_.tokens.begin() + fx_.prompt, fx_.tokens.end()));
+}
+
+// --- Malformed gpt-oss files: one-line errors that name the key or tensor.
+
+TEST(GptOssMalformed, TheUnchangedCopyLoads) {
+  expertd::test::TempDir dir;
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("mxfp4"), dir.path() + "/same.gguf", {})),
+            "(loaded)");
+}
+
+TEST(GptOssMalformed, AMissingSinkTensorIsNamed) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.drop_tensor = "blk.1.attn_sinks.weight";
+  const std::string path = dir.path() + "/m.gguf";
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("mxfp4"), path, e)),
+            path + ": tensor blk.1.attn_sinks.weight is missing");
+}
+
+TEST(GptOssMalformed, AMissingSlidingWindowNamesTheKey) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.key = "gpt-oss.attention.sliding_window";
+  e.set_key = [](GgufWriter&) {};
+  const std::string path = dir.path() + "/m.gguf";
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("mxfp4"), path, e)),
+            path + ": gpt-oss.attention.sliding_window is missing");
+}
+
+TEST(GptOssMalformed, AnExpertCountThatDisagreesWithTheTensorsNamesBoth) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.key = "gpt-oss.expert_count";
+  e.set_key = [](GgufWriter& w) { w.set_u32("gpt-oss.expert_count", 4); };
+  const std::string msg = test::load_error(test::rewrite(gguf("mxfp4"), dir.path() + "/m.gguf", e));
+  EXPECT_NE(msg.find("blk.0."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("8"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("4"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+TEST(GptOssMalformed, AnExpertBiasOfTheWrongShapeIsNamed) {
+  expertd::test::TempDir dir;
+  test::Edit e;
+  e.reshape_tensor = "blk.2.ffn_up_exps.bias";
+  e.new_ne = {32, 4};
+  const std::string path = dir.path() + "/m.gguf";
+  EXPECT_EQ(test::load_error(test::rewrite(gguf("mxfp4"), path, e)),
+            path + ": tensor blk.2.ffn_up_exps.bias: shape [32, 4, 1, 1], expected [32, 8]");
+}
+
+}  // namespace
+}  // namespace expertd::engine
