@@ -165,6 +165,8 @@ std::string_view forge_arch_name(ForgeArch arch) {
       return "deepseek4";
     case ForgeArch::Mixtral:
       return "mixtral";
+    case ForgeArch::GptOss:
+      return "gpt-oss";
     case ForgeArch::Qwen3Moe:
       break;
   }
@@ -179,7 +181,8 @@ Result<ForgeArch> parse_forge_arch(std::string_view value) {
   if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
   if (value == "deepseek4") return ForgeArch::Deepseek4;
   if (value == "mixtral") return ForgeArch::Mixtral;
-  return flag_error("--arch", value, "must be qwen3moe, deepseek4 or mixtral");
+  if (value == "gpt-oss") return ForgeArch::GptOss;
+  return flag_error("--arch", value, "must be qwen3moe, deepseek4, mixtral or gpt-oss");
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -200,6 +203,14 @@ ForgeConfig forge_defaults(ForgeArch arch) {
     c.heads = 32;
     c.kv_heads = 8;
     c.head_dim = 128;
+  } else if (arch == ForgeArch::GptOss) {
+    c.experts = 128;
+    c.top_k = 4;
+    c.embd = 2880;
+    c.ff = 2880;
+    c.heads = 64;
+    c.kv_heads = 8;
+    c.head_dim = 64;
   }
   return c;
 }
@@ -417,6 +428,36 @@ void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
 }
 
+// llama.cpp's gpt-oss (openai-moe) block l: qwen3moe's without q/k norms, plus biases on the
+// projections, router and experts (f32, as the converter keeps them), the sinks, and the
+// post-attention norm in place of ffn_norm.
+void gptoss_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
+  const GgmlType dense = c.dense_type;
+  const GgmlType experts = c.expert_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q"), dense, {c.embd, q_dim}});
+  out.push_back({blk(l, "attn_q", "bias"), f32, {q_dim}});
+  out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_k", "bias"), f32, {kv_dim}});
+  out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_v", "bias"), f32, {kv_dim}});
+  out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
+  out.push_back({blk(l, "attn_output", "bias"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_sinks"), f32, {c.heads}});
+  out.push_back({blk(l, "post_attention_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
+  out.push_back({blk(l, "ffn_gate_inp", "bias"), f32, {c.experts}});
+  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_gate_exps", "bias"), f32, {c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_up_exps", "bias"), f32, {c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
+  out.push_back({blk(l, "ffn_down_exps", "bias"), f32, {c.embd, c.experts}});
+}
+
 // llama.cpp's deepseek4 load_arch_tensors, block l. Norms, hyper-connection, compressor position
 // embeddings, sinks, the router and its bias are f32 (as the converter keeps them); the
 // projections are --dense-type, the routed experts --expert-type.
@@ -502,6 +543,29 @@ void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
   meta.set_u32(key("expert_used_count"), c.top_k);
   meta.set_u32(key("vocab_size"), static_cast<uint32_t>(c.vocab));
   meta.set_u32(key("rope.dimension_count"), static_cast<uint32_t>(c.head_dim));
+}
+
+// The keys llama.cpp's converter writes for gpt-oss (conversion/gpt_oss.py), with gpt-oss-120b's
+// values where the forge has no flag (YaRN factor 32 over 4096, theta 150000).
+void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("gpt-oss.{}", suffix); };
+  meta.set_u32(key("block_count"), c.layers);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("expert_feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
+  meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("attention.sliding_window"), c.window);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
+  meta.set_f32(key("rope.freq_base"), 150000.0f);
+  meta.set_string(key("rope.scaling.type"), "yarn");
+  meta.set_f32(key("rope.scaling.factor"), 32.0f);
+  meta.set_u32(key("rope.scaling.original_context_length"), 4096);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
 }
 
 void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
@@ -600,6 +664,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     for (uint32_t l = first; l < end; ++l) {
       if (ds4) {
         deepseek4_layer(c, l, ratios[l], shard_tensors[s]);
+      } else if (c.arch == ForgeArch::GptOss) {
+        gptoss_layer(c, l, shard_tensors[s]);
       } else {
         qwen3moe_layer(c, l, shard_tensors[s]);
       }
@@ -627,6 +693,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     set_deepseek4_metadata(c, meta);
   } else if (c.arch == ForgeArch::Mixtral) {
     set_mixtral_metadata(c, meta);
+  } else if (c.arch == ForgeArch::GptOss) {
+    set_gptoss_metadata(c, meta);
   } else {
     set_qwen3moe_metadata(c, meta);
   }

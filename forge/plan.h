@@ -15,8 +15,9 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral };
-std::string_view forge_arch_name(ForgeArch arch);  // "qwen3moe", "deepseek4", "mixtral" (--arch)
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, GptOss };
+// "qwen3moe", "deepseek4", "mixtral", "gpt-oss" (--arch)
+std::string_view forge_arch_name(ForgeArch arch);
 // general.architecture: the name, except Mixtral's, which llama.cpp calls `llama`.
 std::string_view forge_gguf_arch(ForgeArch arch);
 Result<ForgeArch> parse_forge_arch(std::string_view value);
@@ -28,7 +29,7 @@ inline constexpr int32_t kDs4RatioCsa = 4;
 inline constexpr int32_t kDs4RatioHca = 128;
 
 // The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's,
-// forge_defaults(Mixtral) Mixtral-8x7B's.
+// forge_defaults(Mixtral) Mixtral-8x7B's, forge_defaults(GptOss) gpt-oss-120b's.
 struct ForgeConfig {
   ForgeArch arch = ForgeArch::Qwen3Moe;
   uint32_t layers = 4;
@@ -54,7 +55,7 @@ struct ForgeConfig {
   uint32_t o_groups = 8;
   uint32_t o_lora_rank = 1024;
   uint32_t rope_dim = 64;
-  uint32_t window = 128;  // sliding window
+  uint32_t window = 128;  // sliding window (gpt-oss's too: its even layers)
   uint32_t index_heads = 64;
   uint32_t index_head_dim = 128;
   uint32_t index_topk = 512;
@@ -69,7 +70,9 @@ struct ForgeConfig {
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
 // DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
 // the q8_0 dense type of llama.cpp's converter; mixtral's Mixtral-8x7B's (8 experts, top 2, embd
-// 4096, ff 14336, 32 heads of 128, 8 KV heads). Layers, vocab, context and the rest are shared.
+// 4096, ff 14336, 32 heads of 128, 8 KV heads); gpt-oss's gpt-oss-120b's (128 experts, top 4,
+// embd 2880, ff 2880, 64 heads of 64, 8 KV heads). Layers, vocab, context and the rest are
+// shared.
 ForgeConfig forge_defaults(ForgeArch arch);
 
 // transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2

@@ -274,6 +274,7 @@ int run(int argc, char** argv) {
   const ForgeConfig q = forge_defaults(ForgeArch::Qwen3Moe);
   const ForgeConfig d = forge_defaults(ForgeArch::Deepseek4);
   const ForgeConfig m = forge_defaults(ForgeArch::Mixtral);
+  const ForgeConfig g = forge_defaults(ForgeArch::GptOss);
   ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
   std::string arch = "qwen3moe";
   std::optional<uint32_t> experts, top_k, heads, kv_heads;
@@ -295,8 +296,9 @@ int run(int argc, char** argv) {
     return fmt::format(" (default: qwen3moe {}, deepseek4 {}, mixtral {})", qv, dv, mv);
   };
   app.add_option("--arch", arch,
-                 "model architecture: qwen3moe, deepseek4 (DeepSeek-V4) or mixtral (llama.cpp's "
-                 "`llama` with routed experts)")
+                 "model architecture: qwen3moe, deepseek4 (DeepSeek-V4), mixtral (llama.cpp's "
+                 "`llama` with routed experts) or gpt-oss (defaults: gpt-oss-120b's; "
+                 "--window is its sliding window)")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--experts", experts,
@@ -386,6 +388,7 @@ int run(int argc, char** argv) {
   c.arch = *parsed_arch;
   const ForgeConfig& base = c.arch == ForgeArch::Deepseek4 ? d
                             : c.arch == ForgeArch::Mixtral ? m
+                            : c.arch == ForgeArch::GptOss  ? g
                                                            : q;
   c.experts = experts.value_or(base.experts);
   c.top_k = top_k.value_or(base.top_k);
