@@ -545,10 +545,9 @@ void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
   meta.set_u32(key("rope.dimension_count"), static_cast<uint32_t>(c.head_dim));
 }
 
-// The keys llama.cpp's converter writes for gpt-oss (conversion/gpt_oss.py), with gpt-oss-120b's
-// values where the forge has no flag (YaRN factor 32 over 4096, theta 150000).
-void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("gpt-oss.{}", suffix); };
+// The shape keys qwen3moe and gpt-oss share, in the order qwen3moe's forge has always written.
+void set_moe_shape_keys(std::string_view arch, const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [arch](std::string_view suffix) { return fmt::format("{}.{}", arch, suffix); };
   meta.set_u32(key("block_count"), c.layers);
   meta.set_u32(key("context_length"), c.context);
   meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
@@ -558,6 +557,13 @@ void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
   meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
   meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
   meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+}
+
+// The keys llama.cpp's converter writes for gpt-oss (conversion/gpt_oss.py), with gpt-oss-120b's
+// values where the forge has no flag (YaRN factor 32 over 4096, theta 150000).
+void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("gpt-oss.{}", suffix); };
+  set_moe_shape_keys("gpt-oss", c, meta);
   meta.set_u32(key("attention.sliding_window"), c.window);
   meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
   meta.set_f32(key("rope.freq_base"), 150000.0f);
@@ -570,15 +576,7 @@ void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
 
 void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
   auto key = [](std::string_view suffix) { return fmt::format("qwen3moe.{}", suffix); };
-  meta.set_u32(key("block_count"), c.layers);
-  meta.set_u32(key("context_length"), c.context);
-  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
-  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.ff));
-  meta.set_u32(key("expert_feed_forward_length"), static_cast<uint32_t>(c.ff));
-  meta.set_u32(key("attention.head_count"), c.heads);
-  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
-  meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
-  meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  set_moe_shape_keys("qwen3moe", c, meta);
   meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
   meta.set_f32(key("rope.freq_base"), 1e6f);
   meta.set_u32(key("expert_count"), c.experts);

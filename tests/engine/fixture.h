@@ -92,22 +92,30 @@ struct TinyFixture {
   }
 };
 
-// The mixtral-tiny fixture (tools/reference/make_mixtral_fixture.py): `tokens` is the prompt
-// then transformers' greedy continuation on the f32 weights; per variant ("f32", "q8_0") the GGUF
-// llama.cpp's converter made, the expected logits [n_tokens][vocab], the routing trace and the
-// greedy tokens (the q8_0 ones computed on the dequantised experts).
-struct MixtralFixture {
+// What a fixture.json of the converter-made fixtures gives: `tokens` (the prompt, then
+// transformers' greedy continuation), the prompt's length and the vocabulary (a logits row).
+struct SequenceFixture {
   nlohmann::json meta;
   std::vector<uint32_t> tokens;
   uint32_t prompt = 0;
   uint32_t vocab = 0;
 
+  void read(const std::string& dir) {
+    meta = read_json(fixture_path(dir + "/fixture.json"));
+    tokens = meta.at("tokens").get<std::vector<uint32_t>>();
+    prompt = meta.at("prompt_tokens").get<uint32_t>();
+    vocab = meta.at("logits_shape").at(1).get<uint32_t>();
+  }
+};
+
+// The mixtral-tiny fixture (tools/reference/make_mixtral_fixture.py): `tokens` is the prompt
+// then transformers' greedy continuation on the f32 weights; per variant ("f32", "q8_0") the GGUF
+// llama.cpp's converter made, the expected logits [n_tokens][vocab], the routing trace and the
+// greedy tokens (the q8_0 ones computed on the dequantised experts).
+struct MixtralFixture : SequenceFixture {
   static MixtralFixture load() {
     MixtralFixture f;
-    f.meta = read_json(fixture_path("mixtral-tiny/fixture.json"));
-    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
-    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
-    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
+    f.read("mixtral-tiny");
     return f;
   }
   static std::string gguf(const std::string& variant) {
@@ -127,18 +135,10 @@ struct MixtralFixture {
 // The gptoss-tiny fixture (tools/reference/make_gptoss_fixture.py): "mxfp4" (the release's
 // layout, repacked by llama.cpp's converter) and "f32" hold the same expert values, so one set of
 // logits, routing and greedy tokens serves both.
-struct GptOssFixture {
-  nlohmann::json meta;
-  std::vector<uint32_t> tokens;
-  uint32_t prompt = 0;
-  uint32_t vocab = 0;
-
+struct GptOssFixture : SequenceFixture {
   static GptOssFixture load() {
     GptOssFixture f;
-    f.meta = read_json(fixture_path("gptoss-tiny/fixture.json"));
-    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
-    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
-    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
+    f.read("gptoss-tiny");
     return f;
   }
   static std::string gguf(const std::string& variant) {

@@ -42,8 +42,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from make_deepseek4_fixture import (E2M1, LLAMA_CPP, greedy, gguf_module, rel_err,  # noqa: E402
-                                    sha256)
-from make_fixture import bytes_to_unicode  # noqa: E402
+                                    sha256, write_byte_tokenizer)
 
 CONFIG = dict(
     vocab_size=256,
@@ -152,29 +151,6 @@ def make_model(sd, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
-def write_tokenizer(d):
-    # Byte-level BPE: token b is byte b (GPT-2's byte alphabet), no merges.
-    alphabet = bytes_to_unicode()
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                          "use_regex": True},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                    "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {alphabet[b]: b for b in range(256)}, "merges": []},
-    }
-    (d / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": alphabet[0],
-        "eos_token": alphabet[1], "add_bos_token": False, "add_eos_token": False,
-        "model_max_length": CONFIG["max_position_embeddings"]}))
-
-
 def write_mxfp4_checkpoint(d, sd, raw):
     """The release's layout: experts as blocks/scales, the rest as transformers names them."""
     d.mkdir(parents=True, exist_ok=True)
@@ -193,7 +169,7 @@ def write_mxfp4_checkpoint(d, sd, raw):
                                                              "model.layers.*.mlp.router",
                                                              "model.embed_tokens", "lm_head"]}
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    write_tokenizer(d)
+    write_byte_tokenizer(d, CONFIG["max_position_embeddings"])
 
 
 CONVERT_WRAPPER = """
@@ -295,7 +271,7 @@ def main():
     # 2. transformers' own checkpoint (f32 experts)
     f32_ckpt = work / "f32"
     model.save_pretrained(str(f32_ckpt))
-    write_tokenizer(f32_ckpt)
+    write_byte_tokenizer(f32_ckpt, CONFIG["max_position_embeddings"])
     convert(f32_ckpt, out / "model-f32.gguf")
     types = {name: check_gguf(gguf, out / name, sd)
              for name in ("model-mxfp4.gguf", "model-f32.gguf")}
