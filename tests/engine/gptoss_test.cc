@@ -6,20 +6,14 @@
 // loader's errors on malformed gpt-oss files.
 #include <gtest/gtest.h>
 
-#include <cstring>
-#include <fstream>
-#include <iterator>
 #include <memory>
-#include <nlohmann/json.hpp>
 
 #include "engine/cpu_engine.h"
-#include "engine/daemon_expert_source.h"
-#include "expertd/client.h"
 #include "storage/gguf_writer.h"
-#include "testing/expertd_fixture.h"
 #include "testing/temp_dir.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
+#include "tests/engine/fixture_daemon.h"
 #include "tests/engine/gguf_edit.h"
 
 namespace expertd::engine {
@@ -77,65 +71,18 @@ TEST(GptOssForward, ReadsGptOssFromTheFile) {
 
 // --- Through a real expertd: the MXFP4 experts stream as the release stores them.
 
-class GptOssDaemonTest : public ::testing::Test {
+class GptOssDaemonTest : public test::FixtureDaemonTest<GptOssFixture> {
  protected:
-  void SetUp() override {
-    fx_ = GptOssFixture::load();
-    socket_ = dir_.path() + "/expertd.sock";
-    daemon_ = std::make_unique<expertd::test::Daemon>(
-        dir_.path(), std::vector<std::string>{"--model", "gptoss-f32=" + gguf("f32"), "--model",
-                                              "gptoss-mxfp4=" + gguf("mxfp4"), "--socket", socket_,
-                                              "--cache", "16MiB", "--no-mlock"});
-    ASSERT_TRUE(daemon_->start());
-  }
-  void TearDown() override {
-    const std::string log = daemon_->log();
-    EXPECT_EQ(daemon_->stop(), 0) << log;
-  }
-
-  expertd::test::TempDir dir_;
-  GptOssFixture fx_;
-  std::string socket_;
-  std::unique_ptr<expertd::test::Daemon> daemon_;
+  GptOssDaemonTest() : FixtureDaemonTest("gptoss", {"f32", "mxfp4"}) {}
 };
 
 TEST_F(GptOssDaemonTest, LogitsAndGreedyTokensMatchTransformersWithExpertsFromExpertd) {
-  for (const std::string variant : {"f32", "mxfp4"}) {
-    SCOPED_TRACE(variant);
-    auto client = client::Client::connect(socket_);
-    ASSERT_TRUE(client) << client.error().message;
-    auto model = DenseModel::load_from_daemon(**client, "gptoss-" + variant);
-    ASSERT_TRUE(model) << model.error().message;
-    auto session = (*client)->attach("gptoss-" + variant, "engine_tests");
-    ASSERT_TRUE(session) << session.error().message;
-    auto source = DaemonExpertSource::create(**session, *model);
-    ASSERT_TRUE(source) << source.error().message;
-    auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 1, 0});
-    ASSERT_TRUE(engine) << engine.error().message;
-    const double worst = test::expect_fixture_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
-    std::printf("[ gpt-oss %s via expertd ] max relative error over %zu positions: %.3e\n",
-                variant.c_str(), fx_.tokens.size(), worst);
-    test::expect_fixture_greedy(**engine, fx_, variant);
-    EXPECT_EQ((*engine)->stats().hint_errors, 0u);
-    EXPECT_EQ((*session)->holds(), 0u);
-  }
+  expect_matches_transformers(kMaxRelErr);
 }
 
 // expert-run by model name alone: the prompt text is tokenised with the file's byte-level BPE and
 // the answer is transformers' greedy continuation.
-TEST_F(GptOssDaemonTest, ExpertRunRunsGptOssByModelName) {
-  const uint32_t n = static_cast<uint32_t>(fx_.tokens.size()) - fx_.prompt;
-  std::string prompt = fx_.meta.at("prompt").get<std::string>();
-  const auto r = expertd::test::run_command(
-      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "gptoss-mxfp4",
-       "--prompt", prompt, "--max-tokens", std::to_string(n), "--ignore-eos", "--cpu", "--json"});
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  const auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j.at("prompt_tokens").get<std::vector<uint32_t>>(),
-            std::vector<uint32_t>(fx_.tokens.begin(), fx_.tokens.begin() + fx_.prompt));
-  EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(),
-            std::vector<uint32_t>(fx_.tokens.begin() + fx_.prompt, fx_.tokens.end()));
-}
+TEST_F(GptOssDaemonTest, ExpertRunRunsGptOssByModelName) { expect_expert_run_by_name("mxfp4"); }
 
 // --- Malformed gpt-oss files: one-line errors that name the key or tensor.
 

@@ -7,17 +7,14 @@
 
 #include <algorithm>
 #include <memory>
-#include <nlohmann/json.hpp>
 
 #include "engine/cpu_engine.h"
-#include "engine/daemon_expert_source.h"
 #include "engine/tokenizer.h"
-#include "expertd/client.h"
 #include "storage/gguf_writer.h"
-#include "testing/expertd_fixture.h"
 #include "testing/temp_dir.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
+#include "tests/engine/fixture_daemon.h"
 #include "tests/engine/gguf_edit.h"
 
 namespace expertd::engine {
@@ -119,66 +116,18 @@ TEST(MixtralTokenizer, EncodesAndDecodesAsHuggingFace) {
 
 // --- Through a real expertd.
 
-class MixtralDaemonTest : public ::testing::Test {
+class MixtralDaemonTest : public test::FixtureDaemonTest<MixtralFixture> {
  protected:
-  void SetUp() override {
-    fx_ = MixtralFixture::load();
-    socket_ = dir_.path() + "/expertd.sock";
-    daemon_ = std::make_unique<expertd::test::Daemon>(
-        dir_.path(), std::vector<std::string>{"--model", "mixtral-f32=" + gguf("f32"), "--model",
-                                              "mixtral-q8_0=" + gguf("q8_0"), "--socket", socket_,
-                                              "--cache", "16MiB", "--no-mlock"});
-    ASSERT_TRUE(daemon_->start());
-  }
-  void TearDown() override {
-    const std::string log = daemon_->log();
-    EXPECT_EQ(daemon_->stop(), 0) << log;
-  }
-
-  expertd::test::TempDir dir_;
-  MixtralFixture fx_;
-  std::string socket_;
-  std::unique_ptr<expertd::test::Daemon> daemon_;
+  MixtralDaemonTest() : FixtureDaemonTest("mixtral", {"f32", "q8_0"}) {}
 };
 
 TEST_F(MixtralDaemonTest, LogitsAndGreedyTokensMatchTransformersWithExpertsFromExpertd) {
-  for (const std::string variant : {"f32", "q8_0"}) {
-    SCOPED_TRACE(variant);
-    auto client = client::Client::connect(socket_);
-    ASSERT_TRUE(client) << client.error().message;
-    // The dense weights come from the daemon's fds too: nothing is read by path.
-    auto model = DenseModel::load_from_daemon(**client, "mixtral-" + variant);
-    ASSERT_TRUE(model) << model.error().message;
-    auto session = (*client)->attach("mixtral-" + variant, "engine_tests");
-    ASSERT_TRUE(session) << session.error().message;
-    auto source = DaemonExpertSource::create(**session, *model);
-    ASSERT_TRUE(source) << source.error().message;
-    auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 1, 0});
-    ASSERT_TRUE(engine) << engine.error().message;
-    const double worst = test::expect_fixture_logits(**engine, fx_, variant, kMaxRelErr, 1e-5);
-    std::printf("[ mixtral %s via expertd ] max relative error over %zu positions: %.3e\n",
-                variant.c_str(), fx_.tokens.size(), worst);
-    test::expect_fixture_greedy(**engine, fx_, variant);
-    EXPECT_EQ((*engine)->stats().hint_errors, 0u);
-    EXPECT_EQ((*session)->holds(), 0u);
-  }
+  expect_matches_transformers(kMaxRelErr);
 }
 
 // expert-run by model name alone: the prompt text is tokenised with the file's SentencePiece
 // vocabulary and the answer is transformers' greedy continuation.
-TEST_F(MixtralDaemonTest, ExpertRunRunsMixtralByModelName) {
-  const uint32_t n = static_cast<uint32_t>(fx_.tokens.size()) - fx_.prompt;
-  const auto r = expertd::test::run_command(
-      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "mixtral-f32",
-       "--prompt", fx_.meta.at("prompt").get<std::string>(), "--max-tokens", std::to_string(n),
-       "--ignore-eos", "--cpu", "--json"});
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  const auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j.at("prompt_tokens").get<std::vector<uint32_t>>(),
-            std::vector<uint32_t>(fx_.tokens.begin(), fx_.tokens.begin() + fx_.prompt));
-  EXPECT_EQ(j.at("generated").get<std::vector<uint32_t>>(),
-            std::vector<uint32_t>(fx_.tokens.begin() + fx_.prompt, fx_.tokens.end()));
-}
+TEST_F(MixtralDaemonTest, ExpertRunRunsMixtralByModelName) { expect_expert_run_by_name("f32"); }
 
 // --- Malformed Mixtral files: one-line errors that name the key or tensor.
 
