@@ -4,6 +4,7 @@
 
 #include <array>
 #include <unordered_set>
+#include <utility>
 
 #include "base/check.h"
 #include "forge/content.h"
@@ -405,7 +406,9 @@ std::string blk(uint32_t l, std::string_view t, std::string_view suffix = "weigh
 }
 
 // llama.cpp's qwen3moe block l; Mixtral's (`llama` with experts) is the same without the per-head
-// q/k norms.
+// q/k norms; gpt-oss's (openai-moe) also, with the post-attention norm in place of ffn_norm and
+// then, f32 as the converter keeps them, biases on the projections, router and experts and the
+// attention sinks.
 void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
   const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
@@ -417,44 +420,27 @@ void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
-  if (c.arch != ForgeArch::Mixtral) {
+  if (c.arch == ForgeArch::Qwen3Moe) {
     out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
     out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
   }
-  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  const bool gptoss = c.arch == ForgeArch::GptOss;
+  out.push_back({blk(l, gptoss ? "post_attention_norm" : "ffn_norm"), f32, {c.embd}});
   out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
   out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
   out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
   out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
-}
-
-// llama.cpp's gpt-oss (openai-moe) block l: qwen3moe's without q/k norms, plus biases on the
-// projections, router and experts (f32, as the converter keeps them), the sinks, and the
-// post-attention norm in place of ffn_norm.
-void gptoss_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
-  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
-  const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
-  const GgmlType dense = c.dense_type;
-  const GgmlType experts = c.expert_type;
-  constexpr GgmlType f32 = GgmlType::F32;
-  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
-  out.push_back({blk(l, "attn_q"), dense, {c.embd, q_dim}});
-  out.push_back({blk(l, "attn_q", "bias"), f32, {q_dim}});
-  out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
-  out.push_back({blk(l, "attn_k", "bias"), f32, {kv_dim}});
-  out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
-  out.push_back({blk(l, "attn_v", "bias"), f32, {kv_dim}});
-  out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
-  out.push_back({blk(l, "attn_output", "bias"), f32, {c.embd}});
+  if (!gptoss) return;
+  for (const auto& [name, n] : {std::pair<std::string_view, uint64_t>{"attn_q", q_dim},
+                                {"attn_k", kv_dim},
+                                {"attn_v", kv_dim},
+                                {"attn_output", c.embd},
+                                {"ffn_gate_inp", c.experts}}) {
+    out.push_back({blk(l, name, "bias"), f32, {n}});
+  }
   out.push_back({blk(l, "attn_sinks"), f32, {c.heads}});
-  out.push_back({blk(l, "post_attention_norm"), f32, {c.embd}});
-  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
-  out.push_back({blk(l, "ffn_gate_inp", "bias"), f32, {c.experts}});
-  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
   out.push_back({blk(l, "ffn_gate_exps", "bias"), f32, {c.ff, c.experts}});
-  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
   out.push_back({blk(l, "ffn_up_exps", "bias"), f32, {c.ff, c.experts}});
-  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
   out.push_back({blk(l, "ffn_down_exps", "bias"), f32, {c.embd, c.experts}});
 }
 
@@ -662,8 +648,6 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     for (uint32_t l = first; l < end; ++l) {
       if (ds4) {
         deepseek4_layer(c, l, ratios[l], shard_tensors[s]);
-      } else if (c.arch == ForgeArch::GptOss) {
-        gptoss_layer(c, l, shard_tensors[s]);
       } else {
         qwen3moe_layer(c, l, shard_tensors[s]);
       }

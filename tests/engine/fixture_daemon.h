@@ -1,6 +1,7 @@
-// The converter-made fixtures (tests/engine/fixture.h) through a real expertd: the daemon serving
-// each variant's GGUF as PREFIX-VARIANT, the forward with experts and dense weights from it, and
-// expert-run by model name. Shared by the families' tests.
+// The converter-made fixtures (tests/engine/fixture.h) run by the CPU engine: with the experts
+// read from the file, and through a real expertd (the daemon serving each variant's GGUF as
+// PREFIX-VARIANT, the forward with experts and dense weights from it, and expert-run by model
+// name). Shared by the families' tests.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -16,9 +17,32 @@
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "testing/temp_dir.h"
+#include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 
 namespace expertd::engine::test {
+
+// fx's `variant` with its experts read from the file: logits within `tol` relative of
+// transformers', routing and greedy tokens as transformers'; every expert got is released.
+// Returns the worst relative error.
+template <typename Fx>
+double expect_file_forward(const Fx& fx, const std::string& variant, double tol) {
+  auto model = DenseModel::load(Fx::gguf(variant));
+  EXPECT_TRUE(model) << model.error().message;
+  if (!model) return 1.0;
+  auto source = FileExpertSource::open(*model);
+  EXPECT_TRUE(source) << source.error().message;
+  if (!source) return 1.0;
+  auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 0, 0});
+  EXPECT_TRUE(engine) << engine.error().message;
+  if (!engine) return 1.0;
+  const double worst = expect_fixture_logits(**engine, fx, variant, tol, 1e-5);
+  std::printf("[ %s ] max relative error of the logits over %zu positions: %.3e\n",
+              Fx::gguf(variant).c_str(), fx.tokens.size(), worst);
+  expect_fixture_greedy(**engine, fx, variant);
+  EXPECT_EQ((*source)->gets(), (*source)->releases());
+  return worst;
+}
 
 // A daemon serving fx's variants as PREFIX-VARIANT (16 MiB cache, no mlock), stopped cleanly.
 template <typename Fx>

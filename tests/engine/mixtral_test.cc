@@ -12,7 +12,6 @@
 #include "engine/tokenizer.h"
 #include "storage/gguf_writer.h"
 #include "testing/temp_dir.h"
-#include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 #include "tests/engine/fixture_daemon.h"
 #include "tests/engine/gguf_edit.h"
@@ -29,20 +28,8 @@ std::string gguf(const std::string& variant) { return MixtralFixture::gguf(varia
 class MixtralForward : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(MixtralForward, LogitsRoutingAndGreedyTokensMatchTransformers) {
-  const std::string variant = GetParam();
-  const MixtralFixture fx = MixtralFixture::load();
-  auto model = DenseModel::load(gguf(variant));
-  ASSERT_TRUE(model) << model.error().message;
-  auto source = test::FileExpertSource::open(*model);
-  ASSERT_TRUE(source) << source.error().message;
-  auto engine = create_cpu_engine(*model, **source, EngineOptions{128, 0, 0});
-  ASSERT_TRUE(engine) << engine.error().message;
-  const double worst = test::expect_fixture_logits(**engine, fx, variant, kMaxRelErr, 1e-5);
+  const double worst = test::expect_file_forward(MixtralFixture::load(), GetParam(), kMaxRelErr);
   RecordProperty("max_rel_err", std::to_string(worst));
-  std::printf("[ mixtral %s ] max relative error of the logits over %zu positions: %.3e\n",
-              variant.c_str(), fx.tokens.size(), worst);
-  test::expect_fixture_greedy(**engine, fx, variant);
-  EXPECT_EQ((*source)->gets(), (*source)->releases());
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MixtralForward, ::testing::Values("f32", "q8_0"),
