@@ -104,6 +104,8 @@ struct ModelParams {
   bool is_gptoss() const { return architecture == "gpt-oss"; }
   // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
   bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
+  // Whether create_gpu_engine runs this architecture (gpt-oss runs on the CPU engine only).
+  bool cuda_engine_runs() const { return !is_gptoss(); }
 };
 
 // gpt-oss's SwiGLU constants (transformers' GptOssExperts and llama.cpp's SWIGLU_OAI_MOE hard-code
