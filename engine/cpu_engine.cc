@@ -9,6 +9,7 @@
 #include "base/check.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/ds3_cpu_engine.h"
 #include "engine/ds4_cpu_engine.h"
 
 namespace expertd::engine {
@@ -412,6 +413,10 @@ Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, Exper
                                                   const EngineOptions& options) {
   if (model.params().is_ds4()) {
     EXPERTD_TRY_ASSIGN(auto e, Ds4CpuEngine::create(model, source, options));
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+  if (model.params().is_ds3()) {
+    EXPERTD_TRY_ASSIGN(auto e, Ds3CpuEngine::create(model, source, options));
     return std::unique_ptr<Engine>(std::move(e));
   }
   EXPERTD_TRY_ASSIGN(auto e, CpuEngine::create(model, source, options));

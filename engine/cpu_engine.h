@@ -140,7 +140,8 @@ class CpuEngine final : public Engine {
   std::vector<float> cdown_;       // [C][n_embd]
 };
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe) or Ds4CpuEngine (deepseek4).
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe), Ds4CpuEngine (deepseek4) or
+// Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

@@ -1,6 +1,7 @@
-// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe` or
-// `deepseek4` model and, from it, one GgufWriter per shard holding the model's metadata and
-// tensor infos (llama.cpp's names, types and shapes). The tensor data comes from forge/content.h.
+// What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe`,
+// `deepseek4` or `deepseek2` (DeepSeek-V3, --arch deepseek3) model and, from it, one GgufWriter per
+// shard holding the model's metadata and tensor infos (llama.cpp's names, types and shapes). The
+// tensor data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,9 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4 };
-std::string_view forge_arch_name(ForgeArch arch);  // "qwen3moe", "deepseek4"
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Deepseek3 };
+// The GGUF architecture: "qwen3moe", "deepseek4", "deepseek2" (llama.cpp's name for DeepSeek-V3).
+std::string_view forge_arch_name(ForgeArch arch);
 Result<ForgeArch> parse_forge_arch(std::string_view value);
 
 // deepseek4's compressed-attention ratios per block (0 sliding window only, 4 CSA with the
@@ -60,11 +62,22 @@ struct ForgeConfig {
   uint32_t nextn = 0;  // MTP blocks after the `layers` main ones
   // One per block (layers + nextn); empty: deepseek4_default_compress_ratios.
   std::vector<int32_t> compress_ratios;
+
+  // deepseek3 only (kv_heads must be 1: MLA's one latent; head_dim is the query/key head, qk_nope
+  // + rope_dim; q_lora_rank, rope_dim and shared_experts above apply too).
+  uint32_t kv_lora_rank = 512;
+  uint32_t v_head_dim = 128;
+  uint32_t dense_layers = 3;  // leading blocks with a dense MLP instead of experts
+  uint64_t dense_ff = 18432;  // their MLP width
+  uint32_t expert_groups = 8;
+  uint32_t groups_used = 4;  // groups the top-k is chosen from
 };
 
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
 // DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
-// the q8_0 dense type of llama.cpp's converter. Layers, vocab, context and the rest are shared.
+// the q8_0 dense type of llama.cpp's converter; deepseek3's DeepSeek-V3's (256 experts in 8
+// groups, top 8 from 4 groups, embd 7168, ff 2048, 128 heads of 128 + 64 rope, q LoRA 1536,
+// kv LoRA 512, 3 dense layers of 18432). Layers, vocab, context and the rest are shared.
 ForgeConfig forge_defaults(ForgeArch arch);
 
 // transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2
