@@ -14,6 +14,7 @@
 #include "testing/temp_dir.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
+#include "tests/engine/gguf_rewrite.h"
 
 namespace expertd::engine {
 namespace {
@@ -219,56 +220,9 @@ TEST(Ds4Forward, ResetStartsTheSequenceAgain) {
 // --- Malformed files: a copy of the fixture with one thing changed must fail to load with an
 // error that names the tensor or key.
 
-struct Edit {
-  std::string drop_tensor;                   // leave this tensor out
-  std::string key;                           // replace this key's value ...
-  std::function<void(GgufWriter&)> set_key;  // ... with this
-  std::string reshape_tensor;                // write this tensor with ne ...
-  std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
-};
-
-std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
-  auto file = GgufFile::open(src);
-  EXPECT_TRUE(file) << file.error().message;
-  GgufWriter w(file->alignment());
-  for (const GgufKv& kv : file->kvs()) {
-    if (kv.key == edit.key) {
-      edit.set_key(w);
-    } else if (kv.key != "general.alignment") {
-      EXPECT_TRUE(w.set_value(kv.key, kv.value));
-    }
-  }
-  if (!edit.key.empty() && !w.has_key(edit.key)) edit.set_key(w);
-  std::vector<const GgufTensorInfo*> kept;
-  std::vector<uint64_t> sizes;
-  for (const GgufTensorInfo& t : file->tensors()) {
-    if (t.name == edit.drop_tensor) continue;
-    std::vector<uint64_t> ne(t.ne.begin(), t.ne.begin() + t.n_dims);
-    if (t.name == edit.reshape_tensor) ne = edit.new_ne;
-    EXPECT_TRUE(w.add_tensor(t.name, t.type, ne)) << t.name;
-    kept.push_back(&t);
-    sizes.push_back(w.tensors().back().bytes);
-  }
-  EXPECT_TRUE(
-      w.begin(dst, GgufWriterOptions{.overwrite = true, .sync = false, .direct_io = false}));
-  std::ifstream in(src, std::ios::binary);
-  for (size_t i = 0; i < kept.size(); ++i) {
-    std::vector<uint8_t> bytes(sizes[i], 0);
-    in.seekg(static_cast<std::streamoff>(kept[i]->offset));
-    in.read(reinterpret_cast<char*>(bytes.data()),
-            static_cast<std::streamsize>(std::min(sizes[i], kept[i]->bytes)));
-    EXPECT_TRUE(w.write(bytes));
-  }
-  EXPECT_TRUE(w.finish());
-  EXPECT_TRUE(w.commit());
-  return dst;
-}
-
-std::string load_error(const std::string& path) {
-  auto model = DenseModel::load(path);
-  if (model) return "(loaded)";
-  return model.error().message;
-}
+using test::Edit;
+using test::load_error;
+using test::rewrite;
 
 TEST(Ds4Malformed, TheUnchangedCopyLoads) {
   expertd::test::TempDir dir;
