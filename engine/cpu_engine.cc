@@ -27,11 +27,7 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, Ex
                                           "create_cpu_engine)",
                                           model.path(), p.architecture));
   }
-  if (model.deferred()) {
-    return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
-                                          "this model was loaded with DenseLoad::Deferred",
-                                          model.path()));
-  }
+  EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_engine_options(p, options));
   const uint64_t kv_values = uint64_t{p.n_layer} * options.max_context * p.n_head_kv * p.head_dim;
   if (kv_values > (uint64_t{1} << 34)) {  // 64 GiB per cache: a typo, not a plan

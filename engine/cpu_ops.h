@@ -32,12 +32,6 @@ void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base);
 // blend of interpolated (/ factor) and extrapolated frequencies over the correction range of
 // beta_fast..beta_slow rotations in orig_ctx positions (transformers' _compute_yarn_parameters,
 // truncated).
-struct Yarn {
-  double factor = 0.0;
-  uint32_t orig_ctx = 0;
-  double beta_fast = 32.0;
-  double beta_slow = 1.0;
-};
 std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn);
 
 // Rotary embedding on adjacent pairs (llama.cpp's rope type 0; the interleaved layout DeepSeek's

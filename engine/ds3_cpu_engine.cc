@@ -36,15 +36,14 @@ WeightView rows_of(const Matrix& m, uint64_t first, uint64_t n) {
 
 std::vector<double> ds3_inv_freq(const ModelParams& p) {
   const Ds3Params& d = p.ds3;
-  return rope_inv_freq(p.n_rot, p.rope_base,
-                       Yarn{d.yarn_factor, d.yarn_orig_ctx, d.yarn_beta_fast, d.yarn_beta_slow});
+  return rope_inv_freq(p.n_rot, p.rope_base, d.yarn);
 }
 
 double ds3_kq_scale(const ModelParams& p) {
   const Ds3Params& d = p.ds3;
   double mscale = 1.0;
-  if (d.yarn_factor > 1.0 && d.yarn_log_mul > 0.0) {
-    mscale = 1.0 + d.yarn_log_mul * std::log(d.yarn_factor);
+  if (d.yarn.factor > 1.0 && d.yarn_log_mul > 0.0) {
+    mscale = 1.0 + d.yarn_log_mul * std::log(d.yarn.factor);
   }
   return mscale * mscale / std::sqrt(static_cast<double>(p.head_dim));
 }
@@ -126,11 +125,7 @@ Status check_ds3_engine(const DenseModel& model, const EngineOptions& options) {
 Result<std::unique_ptr<Ds3CpuEngine>> Ds3CpuEngine::create(const DenseModel& model,
                                                            ExpertSource& source,
                                                            const EngineOptions& options) {
-  if (model.deferred()) {
-    return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
-                                          "this model was loaded with DenseLoad::Deferred",
-                                          model.path()));
-  }
+  EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_ds3_engine(model, options));
   return std::unique_ptr<Ds3CpuEngine>(new Ds3CpuEngine(model, source, options));
 }

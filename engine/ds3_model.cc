@@ -84,23 +84,9 @@ Status read_ds3_params(const GgufModel& g, ModelParams& p) {
                      fmt::format("= {}: {} groups of {} experts cannot hold the top-{}", used, used,
                                  p.n_expert / groups, p.n_expert_used));
   }
-  if (const GgufValue* v = g.find_arch("rope.scaling.type")) {
-    const std::string* type = v->as_string();
-    if (type == nullptr) return key_error(g, "rope.scaling.type", "is not a string");
-    if (*type == "yarn") {
-      EXPERTD_TRY_ASSIGN(d.yarn_factor, get_f64(g, "rope.scaling.factor", {}));
-      EXPERTD_TRY_ASSIGN(const uint64_t octx, get_u64(g, "rope.scaling.original_context_length", {},
-                                                      1, uint64_t{1} << 32));
-      d.yarn_orig_ctx = static_cast<uint32_t>(octx);
-      EXPERTD_TRY_ASSIGN(d.yarn_beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
-      EXPERTD_TRY_ASSIGN(d.yarn_beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
-      if (g.find_arch("rope.scaling.yarn_log_multiplier") != nullptr) {
-        EXPERTD_TRY_ASSIGN(d.yarn_log_mul, get_f64(g, "rope.scaling.yarn_log_multiplier", {}));
-      }
-    } else if (*type != "none") {
-      return key_error(g, "rope.scaling.type",
-                       fmt::format("= '{}': deepseek2 supports yarn or none", *type));
-    }
+  EXPERTD_TRY_ASSIGN(d.yarn, detail::read_yarn(g, "deepseek2"));
+  if (d.yarn.factor > 0 && g.find_arch("rope.scaling.yarn_log_multiplier") != nullptr) {
+    EXPERTD_TRY_ASSIGN(d.yarn_log_mul, get_f64(g, "rope.scaling.yarn_log_multiplier", {}));
   }
   d.q_lora_rank = static_cast<uint32_t>(qlr);
   d.kv_lora_rank = static_cast<uint32_t>(kvlr);

@@ -105,11 +105,7 @@ Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {
 Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
                                                            ExpertSource& source,
                                                            const EngineOptions& options) {
-  if (model.deferred()) {
-    return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
-                                          "this model was loaded with DenseLoad::Deferred",
-                                          model.path()));
-  }
+  EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_ds4_engine(model, options));
   return std::unique_ptr<Ds4CpuEngine>(new Ds4CpuEngine(model, source, options));
 }

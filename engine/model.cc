@@ -54,6 +54,29 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
   return *x;
 }
 
+Result<Yarn> read_yarn(const GgufModel& g, std::string_view family) {
+  Yarn y;
+  const GgufValue* v = g.find_arch("rope.scaling.type");
+  if (v == nullptr) return y;
+  const std::string* type = v->as_string();
+  if (type == nullptr || (*type != "yarn" && *type != "none")) {
+    return make_error(EINVAL,
+                      fmt::format("{}: {} {}", g.meta().path(), g.arch_key("rope.scaling.type"),
+                                  type == nullptr ? "is not a string"
+                                                  : fmt::format("= '{}': {} supports yarn "
+                                                                "or none",
+                                                                *type, family)));
+  }
+  if (*type == "none") return y;
+  EXPERTD_TRY_ASSIGN(y.factor, get_f64(g, "rope.scaling.factor", {}));
+  EXPERTD_TRY_ASSIGN(const uint64_t octx,
+                     get_u64(g, "rope.scaling.original_context_length", {}, 1, uint64_t{1} << 32));
+  y.orig_ctx = static_cast<uint32_t>(octx);
+  EXPERTD_TRY_ASSIGN(y.beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
+  EXPERTD_TRY_ASSIGN(y.beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
+  return y;
+}
+
 Result<Sources> open_sources(const GgufModel& g, DenseLoad how) {
   Sources src;
   src.defer_matrices = how == DenseLoad::Deferred;

@@ -64,6 +64,14 @@ struct Ds4Params {
   uint32_t nextn_layers = 0;       // nextn_predict_layers (MTP, skipped)
 };
 
+// YaRN context extension of the rope (rope.scaling.type "yarn"; factor 0 = none).
+struct Yarn {
+  double factor = 0.0;      // rope.scaling.factor
+  uint32_t orig_ctx = 0;    // rope.scaling.original_context_length
+  double beta_fast = 32.0;  // rope.scaling.yarn_beta_fast
+  double beta_slow = 1.0;   // rope.scaling.yarn_beta_slow
+};
+
 // DeepSeek-V3's own hyperparameters (llama.cpp's `deepseek2` keys). Multi-head latent attention:
 // ModelParams::head_dim is the query/key head (attention.key_length_mla = qk_nope + n_rot); keys
 // and values are kept as one compressed latent of kv_lora_rank per position plus the shared rope
@@ -81,12 +89,9 @@ struct Ds3Params {
   bool sigmoid = true;         // expert_gating_func: sigmoid (V3) or softmax (V2)
   float weights_scale = 1.0f;  // expert_weights_scale (routed_scaling_factor)
   bool weights_norm = false;   // expert_weights_norm
-  // YaRN (rope.scaling.type "yarn"); factor 0 = none. log_mul is yarn_log_multiplier, which
-  // llama.cpp's converter writes as 0.1 * mscale_all_dim (0 = absent).
-  double yarn_factor = 0.0;
-  uint32_t yarn_orig_ctx = 0;
-  double yarn_beta_fast = 32.0;
-  double yarn_beta_slow = 1.0;
+  Yarn yarn;
+  // rope.scaling.yarn_log_multiplier, which llama.cpp's converter writes as 0.1 * mscale_all_dim
+  // (0 = absent).
   double yarn_log_mul = 0.0;
 };
 

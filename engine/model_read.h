@@ -39,6 +39,9 @@ Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::st
 // rows: matrix i is rows [i * rows, (i + 1) * rows).
 Result<Matrix> read_matrices(const GgufModel& g, const Sources& src, const std::string& name,
                              uint64_t n, uint64_t rows, uint64_t cols);
+// `<arch>.rope.scaling.*` when the type is "yarn" (none when absent or "none"; another type is an
+// error naming `family`, which supports only these).
+Result<Yarn> read_yarn(const GgufModel& g, std::string_view family);
 // A tensor of `n` elements (ne [n]) as floats.
 Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t n);

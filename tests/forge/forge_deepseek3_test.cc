@@ -40,11 +40,7 @@ std::string forge_args(const Shape& s, const std::string& out, const std::string
       s.kv_lora, s.v_head, s.dense_ff, s.groups, s.used, s.vocab, extra, out);
 }
 
-struct Want {
-  std::string name;
-  GgmlType type;
-  std::vector<uint64_t> ne;
-};
+using Want = test::WantTensor;
 
 // What llama.cpp's deepseek2 load_arch_tensors creates for an MLA model with a q LoRA, written
 // out from the loader, not from the forge's plan.
@@ -111,15 +107,7 @@ TEST_F(ForgeDeepseek3, EveryTensorLlamaCppLoadsWithItsShapeAndBytes) {
   ASSERT_TRUE(model) << model.error().message;
   EXPECT_EQ(model->architecture(), "deepseek2");
   const auto want = llama_cpp_tensors(s, GgmlType::Q8_0, GgmlType::Q4_K);
-  EXPECT_EQ(model->tensor_count(), want.size());
-  for (const Want& w : want) {
-    SCOPED_TRACE(w.name);
-    const auto ref = model->find_tensor(w.name);
-    ASSERT_TRUE(ref) << "missing";
-    EXPECT_EQ(ggml_type_name(ref->info->type), ggml_type_name(w.type));
-    ASSERT_EQ(ref->info->n_dims, w.ne.size());
-    for (size_t d = 0; d < w.ne.size(); ++d) EXPECT_EQ(ref->info->ne[d], w.ne[d]) << "ne " << d;
-  }
+  test::expect_tensors(*model, want);
   EXPECT_EQ(test::validate_forged_model(*model), want.size());
 
   // Routed experts are streamed; the dense layer and the shared experts are not.

@@ -41,8 +41,9 @@ from safetensors.numpy import save_file
 from transformers import DeepseekV3ForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_deepseek4_fixture import (LLAMA_CPP, gguf_module, q8_0_dequant, rel_err,  # noqa: E402
-                                    rewrite_gguf, sha256, write_byte_tokenizer)
+from make_deepseek4_fixture import (LLAMA_CPP, gguf_module, greedy, q8_0_dequant,  # noqa: E402
+                                    rel_err, rewrite_gguf, run_sequence, sha256,
+                                    write_byte_tokenizer)
 
 LAYERS = 3
 DENSE = 1  # first_k_dense_replace: layer 0 has a dense MLP
@@ -216,31 +217,6 @@ def convert(ckpt_dir, out):
     wrapper.write_text(CONVERT_WRAPPER.format(root=str(LLAMA_CPP)))
     subprocess.run([sys.executable, str(wrapper), str(ckpt_dir), "--outfile", str(out),
                     "--outtype", "f32"], check=True)
-
-
-def run_sequence(model, tokens):
-    """Cached token-by-token logits, and an uncached forward over all of them."""
-    cache = None
-    rows = []
-    with torch.no_grad():
-        for t in tokens:
-            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            rows.append(out.logits[0, -1].float().numpy())
-        full = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
-    return np.stack(rows), full
-
-
-def greedy(model, prompt, n):
-    tokens = list(prompt)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens]), use_cache=True)
-        for _ in range(n):
-            nxt = int(out.logits[0, -1].argmax())
-            tokens.append(nxt)
-            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values,
-                        use_cache=True)
-    return tokens
 
 
 def routes_and_margin(model, tokens):
