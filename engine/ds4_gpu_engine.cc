@@ -28,19 +28,12 @@ using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::PinnedBytes;
 using gpu::align_up;
+using gpu::Carver;
+using gpu::DevMat;
 using gpu::ExpertPtrs;
 using gpu::gib;
 using gpu::GpuExperts;
 using gpu::kAlign;
-
-// A dense weight in VRAM, in its GGUF encoding.
-struct DevMat {
-  GgmlType type = GgmlType::F32;
-  const uint8_t* data = nullptr;
-  uint32_t rows = 0;
-  uint32_t cols = 0;
-  uint64_t row_bytes = 0;
-};
 
 struct DevComp {
   DevMat wkv, wgate;
@@ -83,37 +76,6 @@ struct DevCompState {
 struct DevLayerState {
   float* window = nullptr;  // [window][head_dim] ring
   DevCompState comp, index;
-};
-
-// Sub-allocates one device buffer: a first pass (counting) sums the aligned sizes, a second
-// (after alloc) hands out the addresses and uploads.
-class Carver {
- public:
-  bool counting() const { return base_ == nullptr; }
-  uint64_t total() const { return total_; }
-  void start(uint8_t* base) {
-    base_ = base;
-    total_ = 0;
-  }
-  // `bytes` of device memory, filled from `src` when it is not null.
-  uint8_t* take(uint64_t bytes, const void* src = nullptr) {
-    uint8_t* out = base_ == nullptr ? nullptr : base_ + total_;
-    total_ += align_up(std::max<uint64_t>(bytes, 1), kAlign);
-    if (out != nullptr && src != nullptr && error_ == cudaSuccess) {
-      error_ = cudaMemcpy(out, src, bytes, cudaMemcpyHostToDevice);
-    }
-    return out;
-  }
-  template <typename T>
-  T* take_n(uint64_t n, const T* src = nullptr) {
-    return reinterpret_cast<T*>(take(n * sizeof(T), src));
-  }
-  cudaError_t error() const { return error_; }
-
- private:
-  uint8_t* base_ = nullptr;
-  uint64_t total_ = 0;
-  cudaError_t error_ = cudaSuccess;
 };
 
 }  // namespace
@@ -276,29 +238,8 @@ Status Ds4GpuEngine::Impl::carve_dense(Carver& c) {
   // Each matrix as read; the kernels read f32, f16, bf16, q8_0, q4_k, q6_k and mxfp4. A deferred
   // model's matrices are read from the file one at a time (DenseLoad::Deferred).
   std::vector<uint8_t> scratch;
-  auto mat = [&](const Matrix& m, DevMat& dst) -> Status {
-    if (c.counting()) {
-      if (!expert_type_supported(m.type)) {
-        return make_error(EINVAL, fmt::format("{}: tensor {} is {}, which the GPU kernels do not "
-                                              "read",
-                                              model.path(), m.name, ggml_type_name(m.type)));
-      }
-      if (m.rows > UINT32_MAX || m.cols > UINT32_MAX) {
-        return make_error(EINVAL, fmt::format("{}: tensor {} is too large for the GPU kernels",
-                                              model.path(), m.name));
-      }
-    }
-    dst.type = m.type;
-    dst.rows = static_cast<uint32_t>(m.rows);
-    dst.cols = static_cast<uint32_t>(m.cols);
-    dst.row_bytes = m.row_bytes;
-    const uint8_t* src = nullptr;
-    if (!c.counting()) {
-      EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
-      src = bytes.data();
-    }
-    dst.data = c.take(m.size(), src);
-    return Ok{};
+  auto mat = [&](const Matrix& m, DevMat& dst) {
+    return gpu::carve_matrix(c, model, m, dst, scratch);
   };
   auto vec = [&](const std::vector<float>& v) -> const float* {
     return c.take_n<float>(v.size(), v.data());

@@ -18,6 +18,32 @@ std::string gib(uint64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
 }
 
+Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat& dst,
+                    std::vector<uint8_t>& scratch) {
+  if (c.counting()) {
+    if (!expert_type_supported(m.type)) {
+      return make_error(EINVAL, fmt::format("{}: tensor {} is {}, which the GPU kernels do not "
+                                            "read",
+                                            model.path(), m.name, ggml_type_name(m.type)));
+    }
+    if (m.rows > UINT32_MAX || m.cols > UINT32_MAX) {
+      return make_error(EINVAL, fmt::format("{}: tensor {} is too large for the GPU kernels",
+                                            model.path(), m.name));
+    }
+  }
+  dst.type = m.type;
+  dst.rows = static_cast<uint32_t>(m.rows);
+  dst.cols = static_cast<uint32_t>(m.cols);
+  dst.row_bytes = m.row_bytes;
+  const uint8_t* src = nullptr;
+  if (!c.counting()) {
+    EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
+    src = bytes.data();
+  }
+  dst.data = c.take(m.size(), src);
+  return Ok{};
+}
+
 Result<DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
                                 const std::string& model_path, const std::string& device_name) {
   size_t free_b = 0;
