@@ -375,8 +375,8 @@ Status Ds3GpuEngine::Impl::route(uint32_t layer) {
     EXPERTD_TRY(mv(layers[next].gate_inp, in, rlogits + uint64_t{j} * ne));
     rows = j + 1;
   }
-  const bool need_logits = (!dense && scripted == nullptr) || rows > 1;
-  if (need_logits) {
+  // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
+  if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
