@@ -7,6 +7,7 @@
 
 #include "base/check.h"
 #include "base/clock.h"
+#include "engine/cpu_engine.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 
@@ -173,6 +174,20 @@ Ds3CpuEngine::Ds3CpuEngine(const DenseModel& model, ExpertSource& source,
   up_.resize(ff);
   tmp_.resize(e);
   views_.resize(p_.n_expert_used);
+  chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
+  const uint64_t c = chunk_;
+  const uint32_t k = p_.n_expert_used;
+  cx_.resize(c * e);
+  cxn_.resize(c * e);
+  csel_.resize(c * k);
+  cweights_.resize(c * k);
+  cout_.resize(c * k * e);
+  groups_.reserve(p_.n_expert, c * k);
+  exact_.resize(p_.n_expert);
+  cgx_.resize(c * e);
+  cgate_.resize(c * p_.n_ff_exp);
+  cup_.resize(c * p_.n_ff_exp);
+  cdown_.resize(c * e);
 }
 
 std::string Ds3CpuEngine::description() const {
@@ -195,15 +210,19 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds3LayerWeights& l = w_.layers[layer];
     rms_norm(x_.data(), l.attn_norm.data(), xn_.data(), e, p_.rms_eps);
-    attention(layer);
+    attention(layer, pos_);
     for (uint64_t j = 0; j < e; ++j) x_[j] += out_[j];
     rms_norm(x_.data(), l.ffn_norm.data(), xn_.data(), e, p_.rms_eps);
     if (!source_.set_cursor(pos_, layer)) ++stats_.hint_errors;
-    send_hints(layer);
+    planner_.from_layer(layer);
+    add_lookahead(layer, pos_, x_.data());
+    flush_hints();
     if (layer < d_.dense_lead) {
       mlp(l.ffn_gate.view(), l.ffn_up.view(), l.ffn_down.view(), /*add=*/false);
     } else {
-      route(layer);
+      route(layer, pos_, selected_, weights_);
+      planner_.routed(layer, selected_, stats_,
+                      routing_log_ != nullptr ? &routing_log_->back() : nullptr);
       EXPERTD_TRY(moe(layer));
     }
     for (uint64_t j = 0; j < e; ++j) x_[j] += out_[j];
@@ -216,7 +235,7 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-void Ds3CpuEngine::attention(uint32_t layer) {
+void Ds3CpuEngine::attention(uint32_t layer, uint32_t pos) {
   const Ds3LayerWeights& l = w_.layers[layer];
   const uint32_t hd = p_.head_dim;
   const uint32_t nope = d_.qk_nope;
@@ -231,17 +250,17 @@ void Ds3CpuEngine::attention(uint32_t layer) {
   }
   // This position's latent and rope key go straight into the cache.
   matvec(l.wkv_a.view(), xn_.data(), kva_.data(), row_.data());
-  float* c = latent_.data() + (layer * ctx + pos_) * lat;
-  float* kr = krope_.data() + (layer * ctx + pos_) * p_.n_rot;
+  float* c = latent_.data() + (layer * ctx + pos) * lat;
+  float* kr = krope_.data() + (layer * ctx + pos) * p_.n_rot;
   rms_norm(kva_.data(), l.kv_a_norm.data(), c, lat, p_.rms_eps);
   std::copy_n(kva_.data() + lat, p_.n_rot, kr);
-  rope_pairs(kr, inv_freq_, pos_);
+  rope_pairs(kr, inv_freq_, pos);
   const float* lat0 = latent_.data() + layer * ctx * lat;
   const float* kr0 = krope_.data() + layer * ctx * p_.n_rot;
-  const uint32_t n = pos_ + 1;
+  const uint32_t n = pos + 1;
   for (uint32_t h = 0; h < p_.n_head; ++h) {
     float* qh = q_.data() + uint64_t{h} * hd;
-    rope_pairs(qh + nope, inv_freq_, pos_);
+    rope_pairs(qh + nope, inv_freq_, pos);
     // Absorb k_b into the query: its key part becomes a vector in the latent space.
     matvec(rows_of(l.wk_b, h * lat, lat), qh, qabs_.data(), row_.data());
     for (uint32_t t = 0; t < n; ++t) {
@@ -273,35 +292,36 @@ void Ds3CpuEngine::mlp(const WeightView& gate, const WeightView& up, const Weigh
   }
 }
 
-void Ds3CpuEngine::send_hints(uint32_t layer) {
-  planner_.from_layer(layer);
+void Ds3CpuEngine::add_lookahead(uint32_t layer, uint32_t pos, const float* x) {
   for (uint32_t j = 1; j <= opts_.prefetch_depth && layer + j < p_.n_layer; ++j) {
     const uint32_t next = layer + j;
     if (next < d_.dense_lead) continue;  // no experts
     if (opts_.script != nullptr && opts_.hints == HintSource::Script) {
-      add_scripted_hints(*opts_.script, pos_, layer, next, planner_);
+      add_scripted_hints(*opts_.script, pos, layer, next, planner_);
       continue;
     }
     // The next layer's router on this layer's residual, through the next layer's norm.
     const Ds3LayerWeights& w = w_.layers[next];
-    rms_norm(x_.data(), w.ffn_norm.data(), tmp_.data(), p_.n_embd, p_.rms_eps);
+    rms_norm(x, w.ffn_norm.data(), tmp_.data(), p_.n_embd, p_.rms_eps);
     matvec(w.gate_inp.view(), tmp_.data(), router_.data(), row_.data());
     ds3_hint_probs(d_, w.exp_bias, router_, probs_);
     planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
   }
+}
+
+void Ds3CpuEngine::flush_hints() {
   const std::span<const ExpertHint> hints = planner_.take(stats_);
   if (!hints.empty() && !source_.prefetch(hints)) ++stats_.hint_errors;
 }
 
-void Ds3CpuEngine::route(uint32_t layer) {
+void Ds3CpuEngine::route(uint32_t layer, uint32_t pos, std::span<uint32_t> sel,
+                         std::span<float> wts) {
   const Ds3LayerWeights& l = w_.layers[layer];
-  const uint32_t k = p_.n_expert_used;
-  if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
+  if (!take_scripted_route(opts_, pos, layer, sel, wts, stats_)) {
     matvec(l.gate_inp.view(), xn_.data(), router_.data(), row_.data());
-    ds3_route(d_, l.exp_bias, router_, k, probs_, sel_, order_, selected_, weights_);
+    ds3_route(d_, l.exp_bias, router_, p_.n_expert_used, probs_, sel_, order_, sel, wts);
   }
-  RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
-  planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
+  log_route(routing_log_, pos, layer, sel, wts);
 }
 
 Status Ds3CpuEngine::moe(uint32_t layer) {
@@ -328,6 +348,94 @@ Status Ds3CpuEngine::moe(uint32_t layer) {
   for (uint64_t j = 0; j < e; ++j) out_[j] = static_cast<float>(acc_[j]);
   if (d_.n_shared > 0) {
     mlp(l.shexp_gate.view(), l.shexp_up.view(), l.shexp_down.view(), /*add=*/true);
+  }
+  return Ok{};
+}
+
+Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t e = p_.n_embd;
+  const uint32_t k = p_.n_expert_used;
+  const Matrix& embd = model_.token_embd();
+  for (uint32_t i = 0; i < n; ++i) {
+    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes,
+                   cx_.data() + i * e, e);
+  }
+  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
+  // One pass over the layers, as qwen3moe's prefill: hints dedup over the chunk, and the cursor
+  // starts at the position before's last layer so this chunk's hints target this pass.
+  planner_.begin_token();
+  const uint32_t last = pos_ + n - 1;
+  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
+    const Ds3LayerWeights& l = w_.layers[layer];
+    planner_.from_layer(layer);
+    for (uint32_t i = 0; i < n; ++i) {
+      float* x = cx_.data() + i * e;
+      rms_norm(x, l.attn_norm.data(), xn_.data(), e, p_.rms_eps);
+      attention(layer, pos_ + i);
+      for (uint64_t j = 0; j < e; ++j) x[j] += out_[j];
+      add_lookahead(layer, pos_ + i, x);
+      rms_norm(x, l.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
+      if (layer < d_.dense_lead) {
+        std::copy_n(cxn_.data() + i * e, e, xn_.data());
+        mlp(l.ffn_gate.view(), l.ffn_up.view(), l.ffn_down.view(), /*add=*/false);
+        for (uint64_t j = 0; j < e; ++j) x[j] += out_[j];
+      }
+    }
+    flush_hints();
+    if (layer < d_.dense_lead) continue;
+    for (uint32_t i = 0; i < n; ++i) {
+      std::copy_n(cxn_.data() + i * e, e, xn_.data());
+      route(layer, pos_ + i, std::span<uint32_t>(csel_.data() + uint64_t{i} * k, k),
+            std::span<float>(cweights_.data() + uint64_t{i} * k, k));
+    }
+    groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
+    routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_,
+                 routing_log_ != nullptr ? routing_log_->size() - n : 0);
+    EXPERTD_TRY(prefill_moe(layer, n));
+  }
+  if (routing_log_ != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log_->begin() + static_cast<int64_t>(logged), routing_log_->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  if (!logits.empty()) {
+    rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
+    matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+  }
+  pos_ += n;
+  stats_.tokens += n;
+  stats_.prefill_tokens += n;
+  ++stats_.prefill_chunks;
+  return Ok{};
+}
+
+Status Ds3CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
+  const Ds3LayerWeights& l = w_.layers[layer];
+  const uint32_t k = p_.n_expert_used;
+  const uint64_t e = p_.n_embd;
+  EXPERTD_TRY(run_chunk_experts(source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e,
+                                p_.n_ff_exp, cout_.data(),
+                                ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(),
+                                             cup_.data(), cdown_.data(), row_.data()},
+                                stats_));
+  // Each position sums its experts in its route's order, then adds the shared experts, as moe().
+  for (uint32_t i = 0; i < n; ++i) {
+    std::fill(acc_.begin(), acc_.end(), 0.0);
+    for (uint32_t s = 0; s < k; ++s) {
+      const double wt = cweights_[uint64_t{i} * k + s];
+      const float* o = cout_.data() + (uint64_t{i} * k + s) * e;
+      for (uint64_t j = 0; j < e; ++j) acc_[j] += wt * static_cast<double>(o[j]);
+    }
+    for (uint64_t j = 0; j < e; ++j) out_[j] = static_cast<float>(acc_[j]);
+    if (d_.n_shared > 0) {
+      std::copy_n(cxn_.data() + i * e, e, xn_.data());
+      mlp(l.shexp_gate.view(), l.shexp_up.view(), l.shexp_down.view(), /*add=*/true);
+    }
+    float* x = cx_.data() + i * e;
+    for (uint64_t j = 0; j < e; ++j) x[j] += out_[j];
   }
   return Ok{};
 }

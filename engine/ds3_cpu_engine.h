@@ -17,10 +17,18 @@
 //   experts, which are dense weights.
 //
 // Router lookahead as qwen3moe's: the next MoE layers' routers on the current residual stream.
-// prefill() is decode() of each token (the default). truncate() cuts the KV cache anywhere.
+// truncate() cuts the KV cache anywhere.
 //
-// Owns the KV cache (sized by max_context at create()) and every scratch buffer; decode()
-// allocates nothing unless a routing log is attached. Not thread-safe.
+// prefill() runs a prompt in chunks of EngineOptions::prefill_chunk positions, layer by layer over
+// the chunk: attention, the dense MLP, routing and the shared experts position by position (as
+// decode() computes them), the routed experts grouped by expert as qwen3moe's prefill does (each
+// expert a chunk's layer routed to acquired once, at most top-k held at a time, applied to all its
+// positions). Each position sums its experts in decode()'s order, so the logits are decode()'s to
+// the bit.
+//
+// Owns the KV cache (sized by max_context at create()) and every scratch buffer (the prefill ones
+// sized by the chunk); decode() and prefill() allocate nothing unless a routing log is attached.
+// Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +36,7 @@
 #include <span>
 #include <vector>
 
+#include "engine/cpu_ops.h"
 #include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/model.h"
@@ -60,11 +69,17 @@ class Ds3CpuEngine final : public Engine {
   EngineStats& mutable_stats() override { return stats_; }
   Ds3CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
 
-  void attention(uint32_t layer);
-  void dense_mlp(uint32_t layer);
-  void send_hints(uint32_t layer);
-  void route(uint32_t layer);
+  // Position `pos`'s attention on xn_ into out_ (its latent and rope key into the cache).
+  void attention(uint32_t layer, uint32_t pos);
+  // The next layers' candidates from position `pos`'s residual `x` (hints are sent by flush).
+  void add_lookahead(uint32_t layer, uint32_t pos, const float* x);
+  void flush_hints();
+  // Position `pos`'s routing from xn_ into sel / wts (k each), logged.
+  void route(uint32_t layer, uint32_t pos, std::span<uint32_t> sel, std::span<float> wts);
   Status moe(uint32_t layer);
+  uint32_t prefill_chunk_size() const override { return chunk_; }
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
+  Status prefill_moe(uint32_t layer, uint32_t n);
   // SwiGLU MLP of xn_ into out_ (+= when `add`).
   void mlp(const WeightView& gate, const WeightView& up, const WeightView& down, bool add);
 
@@ -105,6 +120,20 @@ class Ds3CpuEngine final : public Engine {
   std::vector<float> gate_, up_, tmp_;  // max(n_ff, n_ff_exp * max(1, n_shared)), n_embd
   std::vector<ExpertView> views_;
   HintPlanner planner_;
+
+  // prefill(): C = min(prefill_chunk, max_context) positions.
+  uint32_t chunk_ = 0;
+  std::vector<float> cx_;          // residuals, [C][n_embd]
+  std::vector<float> cxn_;         // normalised MoE inputs, [C][n_embd]
+  std::vector<uint32_t> csel_;     // routes, [C][k]
+  std::vector<float> cweights_;    // [C][k]
+  std::vector<float> cout_;        // each route slot's expert output, [C][k][n_embd]
+  ExpertGroups groups_;            // the chunk's layer's route slots by expert
+  std::vector<ExpertHint> exact_;  // n_expert
+  std::vector<float> cgx_;         // one expert's inputs, [C][n_embd]
+  std::vector<float> cgate_;       // [C][n_ff_exp]
+  std::vector<float> cup_;         // [C][n_ff_exp]
+  std::vector<float> cdown_;       // [C][n_embd]
 };
 
 // The host side of the deepseek2 forward, shared by the CPU and CUDA engines.

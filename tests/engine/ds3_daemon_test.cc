@@ -129,6 +129,57 @@ TEST_F(Ds3DaemonTest, TruncateKeepsThePrefix) {
   EXPECT_LE(test::rel_err(logits.data(), expected.data() + 10 * vocab, vocab), 1e-4);
 }
 
+// prefill() gives decode()'s logits to the bit, in chunks of any size, routes as decode() does,
+// and acquires each (layer, expert) of a chunk once.
+TEST_F(Ds3DaemonTest, PrefillMatchesDecodeAndAcquiresEachExpertOncePerChunk) {
+  const std::vector<uint32_t> prompt(tokens_.begin(), tokens_.begin() + prompt_);
+  for (const std::string variant : {"f32", "q8_0"}) {
+    auto model = DenseModel::load(ds3_path("model-" + variant + ".gguf"));
+    ASSERT_TRUE(model) << model.error().message;
+    const uint32_t vocab = model->params().n_vocab;
+    auto by_decode = DaemonExpertSource::connect(socket_, "v3-" + variant, *model, "decode");
+    ASSERT_TRUE(by_decode) << by_decode.error().message;
+    auto dec = create_cpu_engine(*model, **by_decode, EngineOptions{64, 1, 0});
+    ASSERT_TRUE(dec) << dec.error().message;
+    std::vector<RoutingRecord> want_routes;
+    (*dec)->set_routing_log(&want_routes);
+    std::vector<float> want(vocab);
+    for (const uint32_t t : prompt) ASSERT_TRUE((*dec)->decode(t, want));
+    const uint64_t decode_experts = (*dec)->stats().experts_used;
+    (*dec)->set_routing_log(nullptr);
+    std::vector<float> want_next(vocab);
+    ASSERT_TRUE((*dec)->decode(tokens_[prompt_], want_next));
+    for (const uint32_t chunk : {7u, 64u}) {
+      SCOPED_TRACE(variant + " chunk " + std::to_string(chunk));
+      auto source = DaemonExpertSource::connect(socket_, "v3-" + variant, *model, "prefill");
+      ASSERT_TRUE(source) << source.error().message;
+      EngineOptions o{64, 1, 0};
+      o.prefill_chunk = chunk;
+      auto eng = create_cpu_engine(*model, **source, o);
+      ASSERT_TRUE(eng) << eng.error().message;
+      std::vector<RoutingRecord> routes;
+      (*eng)->set_routing_log(&routes);
+      std::vector<float> got(vocab);
+      ASSERT_TRUE((*eng)->prefill(prompt, got));
+      EXPECT_EQ(got, want);
+      ASSERT_EQ(routes.size(), want_routes.size());
+      for (size_t i = 0; i < routes.size(); ++i) {
+        EXPECT_EQ(routes[i].token, want_routes[i].token);
+        EXPECT_EQ(routes[i].layer, want_routes[i].layer);
+        EXPECT_EQ(routes[i].experts, want_routes[i].experts) << "record " << i;
+      }
+      const EngineStats& s = (*eng)->stats();
+      EXPECT_EQ(s.prefill_tokens, prompt.size());
+      EXPECT_EQ(s.prefill_chunks, (prompt.size() + chunk - 1) / chunk);
+      EXPECT_LT(s.prefill_experts, decode_experts);
+      EXPECT_EQ(s.experts_used, s.prefill_experts);
+      // It continues as decode() does.
+      ASSERT_TRUE((*eng)->decode(tokens_[prompt_], got));
+      EXPECT_EQ(got, want_next);
+    }
+  }
+}
+
 TEST_F(Ds3DaemonTest, ExpertRunDecodesTheModelByName) {
   const std::string text = meta_.at("prompt").get<std::string>();
   const uint32_t n = static_cast<uint32_t>(tokens_.size()) - prompt_;
