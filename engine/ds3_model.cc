@@ -130,6 +130,13 @@ Status load_ds3(DenseModel& m) {
                                             uint64_t{d.kv_lora_rank} + p.n_rot, e));
     EXPERTD_TRY_ASSIGN(l.kv_a_norm,
                        read_vector(g, src, b + "attn_kv_a_norm.weight", d.kv_lora_rank));
+    if (!g.find_tensor(b + "attn_k_b.weight") && g.find_tensor(b + "attn_kv_b.weight")) {
+      // llama.cpp's converter wrote the joint kv_b before it split it for MLA (early 2025 files).
+      return make_error(ENOTSUP, fmt::format("{}: tensor {}attn_k_b.weight is missing: the file "
+                                             "has {}attn_kv_b.weight (converted before llama.cpp "
+                                             "split it for MLA); convert the model again",
+                                             g.meta().path(), b, b));
+    }
     EXPERTD_TRY_ASSIGN(
         l.wk_b, read_matrices(g, src, b + "attn_k_b.weight", p.n_head, d.kv_lora_rank, d.qk_nope));
     EXPERTD_TRY_ASSIGN(l.wv_b, read_matrices(g, src, b + "attn_v_b.weight", p.n_head, d.v_head_dim,

@@ -88,6 +88,19 @@ TEST(Ds3Malformed, AMissingAbsorbedKeyProjectionNamesTheTensor) {
       << msg2;
 }
 
+// Files converted before llama.cpp split kv_b for MLA hold attn_kv_b instead: say so.
+TEST(Ds3Malformed, AnOldJointKvBSaysToConvertAgain) {
+  Edit e;
+  e.rename_tensor = "blk.0.attn_k_b.weight";
+  e.new_name = "blk.0.attn_kv_b.weight";
+  const std::string msg = error_of(e);
+  EXPECT_NE(msg.find("m.gguf: tensor blk.0.attn_k_b.weight is missing: the file has "
+                     "blk.0.attn_kv_b.weight (converted before llama.cpp split it for MLA); "
+                     "convert the model again"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(Ds3Malformed, SeveralKvHeadsAreRefused) {
   const std::string msg = error_of(set_u32("deepseek2.attention.head_count_kv", 2));
   EXPECT_NE(msg.find("deepseek2.attention.head_count_kv = 2: deepseek2 files hold MLA as one "

@@ -22,6 +22,8 @@ struct Edit {
   std::function<void(GgufWriter&)> set_key;  // ... with this (doing nothing drops the key)
   std::string reshape_tensor;                // write this tensor with ne ...
   std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
+  std::string rename_tensor;                 // write this tensor ...
+  std::string new_name;                      // ... under this name
 };
 
 inline std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
@@ -42,7 +44,8 @@ inline std::string rewrite(const std::string& src, const std::string& dst, const
     if (t.name == edit.drop_tensor) continue;
     std::vector<uint64_t> ne(t.ne.begin(), t.ne.begin() + t.n_dims);
     if (t.name == edit.reshape_tensor) ne = edit.new_ne;
-    EXPECT_TRUE(w.add_tensor(t.name, t.type, ne)) << t.name;
+    const std::string& name = t.name == edit.rename_tensor ? edit.new_name : t.name;
+    EXPECT_TRUE(w.add_tensor(name, t.type, ne)) << t.name;
     kept.push_back(&t);
     sizes.push_back(w.tensors().back().bytes);
   }
