@@ -218,6 +218,8 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
     add_lookahead(layer, pos_, x_.data());
     flush_hints();
     if (layer < d_.dense_lead) {
+      // A dense layer routes nothing: this closes its hints, as routed() does a MoE layer's.
+      planner_.routed(layer, {}, stats_, nullptr);
       mlp(l.ffn_gate.view(), l.ffn_up.view(), l.ffn_down.view(), /*add=*/false);
     } else {
       route(layer, pos_, selected_, weights_);
@@ -384,7 +386,10 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
       }
     }
     flush_hints();
-    if (layer < d_.dense_lead) continue;
+    if (layer < d_.dense_lead) {
+      planner_.routed(layer, {}, stats_, nullptr);  // closes the dense layer's hints
+      continue;
+    }
     for (uint32_t i = 0; i < n; ++i) {
       std::copy_n(cxn_.data() + i * e, e, xn_.data());
       route(layer, pos_ + i, std::span<uint32_t>(csel_.data() + uint64_t{i} * k, k),

@@ -402,7 +402,10 @@ Status Ds3GpuEngine::Impl::route(uint32_t layer) {
   const std::span<const ExpertHint> hints = planner.take(stats);
   last_hints.assign(hints.begin(), hints.end());
   if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
-  if (dense) return Ok{};
+  if (dense) {
+    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+    return Ok{};
+  }
 
   // The routing decision, as Ds3CpuEngine::route makes it.
   if (scripted != nullptr) {

@@ -97,17 +97,24 @@ TEST_F(Ds3DaemonTest, LogitsRoutingAndGreedyTokensMatchTransformers) {
     }
     // Only the MoE layers acquire experts; the dense first layer never asks the daemon.
     const uint32_t moe_layers = p.n_layer - p.ds3.dense_lead;
+    // Every router-lookahead hint (depth 1, from the dense layer too) reached the daemon.
+    const EngineStats& s = (*engine)->stats();
+    EXPECT_GT(s.hints_sent, 0u);
     auto ss = (*session)->stats();
     expertd::test::wait_until(
         [&] {
           ss = (*session)->stats();
-          return !ss || ss->releases == ss->acquires;
+          return !ss || (ss->releases == ss->acquires && ss->prefetches == s.hints_sent);
         },
         std::chrono::seconds(10));
     ASSERT_TRUE(ss) << ss.error().message;
     EXPECT_EQ(ss->acquires, tokens_.size() * moe_layers * p.n_expert_used);
+    EXPECT_EQ(ss->prefetches, s.hints_sent);
     EXPECT_EQ((*session)->holds(), 0u);
-    EXPECT_EQ((*engine)->stats().hint_errors, 0u);
+    EXPECT_EQ(s.hint_errors, 0u);
+    // Depth 1, width k: layer 1's top-k from the dense layer 0 and layer 2's from layer 1, each
+    // sent once per token.
+    EXPECT_EQ(s.hints_sent, tokens_.size() * moe_layers * p.n_expert_used);
   }
 }
 
