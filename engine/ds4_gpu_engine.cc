@@ -658,39 +658,9 @@ Status Ds4GpuEngine::Impl::moe(uint32_t layer) {
   (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
 
   // gate and up of every expert, the clamped SwiGLU, down.
-  const GpuExperts::LayerShape& sh = experts->shape(layer);
-  const uint32_t ff = p.n_ff_exp;
   const uint32_t e = p.n_embd;
-  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
-    kernels::MatvecBatch b;
-    b.count = 2 * k;
-    for (uint32_t i = 0; i < k; ++i) {
-      b.w[i] = ptrs[i].gate;
-      b.x[i] = xn;
-      b.y[i] = gu + uint64_t{i} * ff;
-      b.w[k + i] = ptrs[i].up;
-      b.x[k + i] = xn;
-      b.y[k + i] = gu + uint64_t{k + i} * ff;
-    }
-    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
-  } else {
-    for (uint32_t i = 0; i < k; ++i) {
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes, ff, e, xn,
-                                       gu + uint64_t{i} * ff, st));
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes, ff, e, xn,
-                                       gu + uint64_t{k + i} * ff, st));
-    }
-  }
-  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, hbuf, uint64_t{k} * ff,
-                                       d.clamp_exp[layer], st));
-  kernels::MatvecBatch b;
-  b.count = k;
-  for (uint32_t i = 0; i < k; ++i) {
-    b.w[i] = ptrs[i].down;
-    b.x[i] = hbuf + uint64_t{i} * ff;
-    b.y[i] = eo + uint64_t{i} * e;
-  }
-  EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
+                               p.n_ff_exp, e, xn, d.clamp_exp[layer], gu, hbuf, eo, st));
   EXPERTD_TRY(experts->finish_layer());
   if (dl.has_shexp) {
     EXPERTD_TRY(mv(dl.shexp_gate, xn, sg));

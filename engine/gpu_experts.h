@@ -256,4 +256,11 @@ class GpuExperts {
   std::vector<uint8_t> host_resident_;  // measure_tiers(): [layer][expert]
 };
 
+// The routed experts of one layer on `x` (n_embd): gate and up of each (batched when they share a
+// type), SwiGLU (clamped at `clamp` as DeepSeek-V4's; 0: none), down; expert i's output at
+// out + i * n_embd. gu: [2k][n_ff] (gate outputs, then up), h: [k][n_ff]. Enqueued on `stream`.
+Status run_experts(const GpuExperts::LayerShape& shape, std::span<const ExpertPtrs> experts,
+                   uint32_t n_ff, uint32_t n_embd, const float* x, float clamp, float* gu, float* h,
+                   float* out, cudaStream_t stream);
+
 }  // namespace expertd::engine::gpu
