@@ -385,29 +385,21 @@ Status Ds4GpuEngine::Impl::init() {
   EXPERTD_TRY_ASSIGN(compute, CudaStream::create(cudaStreamNonBlocking));
   EXPERTD_TRY_ASSIGN(copy, CudaStream::create(cudaStreamNonBlocking));
 
-  // Dense weights: count, check the free memory, allocate, upload.
-  Carver dc;
-  EXPERTD_TRY(carve_dense(dc));
-  dense_device_bytes = dc.total();
+  // Dense weights: count, check the free memory, allocate, upload. Then caches and activations.
+  EXPERTD_TRY_ASSIGN(dense_mem, gpu::carve_device([&](Carver& c) { return carve_dense(c); },
+                                                  [&](uint64_t n) {
+                                                    dense_device_bytes = n;
+                                                    return gpu::alloc_dense(n, "as in the file",
+                                                                            model.path(),
+                                                                            device_name);
+                                                  }));
   EXPERTD_TRY_ASSIGN(
-      dense_mem, gpu::alloc_dense(dense_device_bytes, "as in the file", model.path(), device_name));
-  dc.start(dense_mem.get());
-  EXPERTD_TRY(carve_dense(dc));
-  EXPERTD_CUDA_TRY(dc.error());
-
-  // Caches and activations.
-  Carver wc;
-  carve_work(wc);
-  Result<DeviceBytes> work = DeviceBytes::alloc(wc.total());
-  if (!work) {
-    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the caches "
-                                          "({} positions) and activations on {}",
-                                          gib(wc.total()), opts.max_context, device_name));
-  }
-  work_mem = std::move(*work);
-  wc.start(work_mem.get());
-  carve_work(wc);
-  EXPERTD_CUDA_TRY(cudaMemset(work_mem.get(), 0, wc.total()));
+      work_mem, gpu::carve_device(
+                    [&](Carver& c) -> Status {
+                      carve_work(c);
+                      return Ok{};
+                    },
+                    [&](uint64_t n) { return gpu::alloc_work(n, opts.max_context, device_name); }));
 
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;

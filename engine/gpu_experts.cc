@@ -82,6 +82,17 @@ Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs>
   return Ok{};
 }
 
+Result<DeviceBytes> alloc_work(uint64_t bytes, uint32_t positions, const std::string& device_name) {
+  Result<DeviceBytes> work = DeviceBytes::alloc(bytes);
+  if (!work) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the caches "
+                                          "({} positions) and activations on {}",
+                                          gib(bytes), positions, device_name));
+  }
+  EXPERTD_CUDA_TRY(cudaMemset(work->get(), 0, bytes));
+  return work;
+}
+
 Result<DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
                                 const std::string& model_path, const std::string& device_name) {
   size_t free_b = 0;

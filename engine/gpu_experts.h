@@ -37,6 +37,7 @@
 #include "engine/gpu_engine.h"
 #include "engine/model.h"
 #include "engine/vram_tier.h"
+#include "kernels/check.h"
 #include "kernels/cuda_raii.h"
 #include "storage/ggml_types.h"
 
@@ -87,6 +88,25 @@ class Carver {
   uint64_t total_ = 0;
   cudaError_t error_ = cudaSuccess;
 };
+
+// One device allocation sub-allocated by `carve` (Status(Carver&)), run twice: to count, then, in
+// what `alloc` (Result<DeviceBytes>(uint64_t bytes)) made of the count, to hand out the addresses
+// and upload.
+template <typename Carve, typename Alloc>
+Result<cuda::DeviceBytes> carve_device(Carve&& carve, Alloc&& alloc) {
+  Carver c;
+  EXPERTD_TRY(carve(c));
+  EXPERTD_TRY_ASSIGN(cuda::DeviceBytes mem, alloc(c.total()));
+  c.start(mem.get());
+  EXPERTD_TRY(carve(c));
+  EXPERTD_CUDA_TRY(c.error());
+  return mem;
+}
+
+// `bytes` of device memory for the caches and activations of `positions` (zeroed); the error
+// names the size, the positions and the device.
+Result<cuda::DeviceBytes> alloc_work(uint64_t bytes, uint32_t positions,
+                                     const std::string& device_name);
 
 // Takes `m` from `c` as it is in the file (its bytes uploaded unless counting; a deferred model's
 // read through `scratch`) and describes it in `dst`; errors name the tensor whose type the kernels
