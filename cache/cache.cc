@@ -200,6 +200,12 @@ void ExpertCache::set_client_copy(uint32_t slot) {
   }
 }
 
+void ExpertCache::clear_client_copy(ExpertKey key) {
+  const int32_t slot = lookup(key);
+  // The list entry goes at the next victim search, as for a hold.
+  if (slot >= 0) at(static_cast<uint32_t>(slot)).client_copy = false;
+}
+
 std::optional<uint32_t> ExpertCache::client_copy_victim() {
   for (size_t i = 0; i < client_copies_.size();) {
     const uint32_t local = client_copies_[i];

@@ -81,6 +81,8 @@ class ExpertCache {
   // A client keeps its own copy of the expert in READY `slot`: the slot is the first victim once
   // evictable, until the next hold(). No-op for a slot that is not READY.
   void set_client_copy(uint32_t slot);
+  // The client dropped its own copy of `key`: its slot, if READY here, is ordinary again.
+  void clear_client_copy(ExpertKey key);
   bool client_copy(uint32_t slot) const { return at(slot).client_copy; }
 
   // Caps the slots in use at `slots` (0 or more than slot_count(): every slot), evicting what it

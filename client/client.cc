@@ -1067,6 +1067,25 @@ Status Session::release(uint32_t slot, uint32_t flags) {
   return Ok{};
 }
 
+Status Session::unkeep(uint32_t layer, uint32_t expert) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPERTD_TRY(check_open());
+  if (header_->max_op < abi::kOpUnkeep) return Ok{};
+  if (layer >= layout_.block_count || expert >= layout_.expert_count) {
+    return make_error(EINVAL,
+                      fmt::format("unkeep of layer {} expert {}: the model has {} layers "
+                                  "of {} experts",
+                                  layer, expert, layout_.block_count, layout_.expert_count));
+  }
+  abi::Request r{};
+  r.op = abi::kOpUnkeep;
+  r.layer = layer;
+  r.expert = expert;
+  EXPERTD_TRY(push(r));
+  ring_daemon();
+  return Ok{};
+}
+
 Status Session::release(std::span<const SlotView> views) {
   std::lock_guard<std::mutex> lock(mu_);
   EXPERTD_TRY(check_open());

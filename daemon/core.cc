@@ -558,6 +558,7 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
   s->header->magic = abi::kSessionMagic;
   s->header->version = abi::kProtocolVersion;
   s->header->session_id = id;
+  s->header->max_op = abi::kOpUnkeep;
   s->header->request_ring_offset = layout.request_ring_offset;
   s->header->completion_ring_offset = layout.completion_ring_offset;
   s->header->region_bytes = s->region.size();
@@ -718,6 +719,14 @@ void DaemonCore::handle_request(Session& s, const abi::Request& r) {
         m.store->cache().set_client_copy(r.arg);
       }
       (void)sched.release(s.id, r.arg);
+      return;
+    case abi::kOpUnkeep:
+      if (!valid_key) {
+        return close_session(
+            s, -EINVAL,
+            fmt::format("unkeep of layer {} expert {}: out of range", r.layer, r.expert));
+      }
+      m.store->cache().clear_client_copy({r.layer, r.expert});
       return;
     case abi::kOpCursor:
       if (r.layer >= map.block_count()) {

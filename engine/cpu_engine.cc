@@ -22,8 +22,8 @@ float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe") {
-    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, not '{}' (use "
+  if (p.architecture != "qwen3moe" && p.architecture != "llama") {
+    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe and llama, not '{}' (use "
                                           "create_cpu_engine)",
                                           model.path(), p.architecture));
   }
@@ -133,13 +133,13 @@ void CpuEngine::place_qkv(uint32_t layer, uint32_t pos, float* q_all, float* k_a
   const uint32_t hd = p_.head_dim;
   for (uint32_t h = 0; h < p_.n_head; ++h) {
     float* q = q_all + uint64_t{h} * hd;
-    rms_norm(q, w.q_norm.data(), q, hd, p_.rms_eps);
-    rope_neox(q, p_.n_rot, pos, p_.rope_base);
+    if (p_.qk_norm) rms_norm(q, w.q_norm.data(), q, hd, p_.rms_eps);
+    rope(p_.rope, q, p_.n_rot, pos, p_.rope_base);
   }
   for (uint32_t h = 0; h < p_.n_head_kv; ++h) {
     float* k = k_all + uint64_t{h} * hd;
-    rms_norm(k, w.k_norm.data(), k, hd, p_.rms_eps);
-    rope_neox(k, p_.n_rot, pos, p_.rope_base);
+    if (p_.qk_norm) rms_norm(k, w.k_norm.data(), k, hd, p_.rms_eps);
+    rope(p_.rope, k, p_.n_rot, pos, p_.rope_base);
   }
   std::copy_n(k_all, kv_dim_, k_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
   std::copy_n(v, kv_dim_, v_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));

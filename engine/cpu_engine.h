@@ -1,4 +1,5 @@
-// The CPU reference forward of qwen3moe, one token at a time over a KV cache.
+// The CPU reference forward of qwen3moe and Mixtral (`llama` with experts: no q/k norms, NORM
+// RoPE), one token at a time over a KV cache.
 //
 // Per layer: RMSNorm → q/k/v projections → per-head q/k RMSNorm → NEOX RoPE → causal GQA attention
 // over the cache → output projection → residual; RMSNorm → router (softmax over the experts, top-k,
@@ -160,8 +161,8 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
                          uint64_t n_ff, float* out, const ChunkExperts& scratch,
                          EngineStats& stats);
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe), Ds4CpuEngine (deepseek4) or
-// Ds3CpuEngine (deepseek2).
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama), Ds4CpuEngine
+// (deepseek4) or Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

@@ -55,18 +55,32 @@ void rms_norm(const float* x, const float* weight, float* y, size_t n, float eps
   }
 }
 
-void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base) {
-  const uint32_t half = n_rot / 2;
-  for (uint32_t i = 0; i < half; ++i) {
+namespace {
+
+// Rotates pair i, (v[i * step], v[i * step + offset]), for i < n_rot / 2.
+void rotate_pairs(float* v, uint32_t n_rot, uint32_t pos, double base, uint32_t step,
+                  uint32_t offset) {
+  for (uint32_t i = 0; i < n_rot / 2; ++i) {
     const double theta =
         static_cast<double>(pos) * std::pow(base, -2.0 * static_cast<double>(i) / n_rot);
     const double c = std::cos(theta);
     const double s = std::sin(theta);
-    const double x0 = v[i];
-    const double x1 = v[i + half];
-    v[i] = static_cast<float>(x0 * c - x1 * s);
-    v[i + half] = static_cast<float>(x0 * s + x1 * c);
+    float* a = v + uint64_t{i} * step;
+    const double x0 = a[0];
+    const double x1 = a[offset];
+    a[0] = static_cast<float>(x0 * c - x1 * s);
+    a[offset] = static_cast<float>(x0 * s + x1 * c);
   }
+}
+
+}  // namespace
+
+void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base) {
+  rotate_pairs(v, n_rot, pos, base, /*step=*/1, /*offset=*/n_rot / 2);
+}
+
+void rope_norm(float* v, uint32_t n_rot, uint32_t pos, double base) {
+  rotate_pairs(v, n_rot, pos, base, /*step=*/2, /*offset=*/1);
 }
 
 std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn) {

@@ -27,6 +27,16 @@ void rms_norm(const float* x, const float* weight, float* y, size_t n, float eps
 // NEOX rotary embedding (llama.cpp's rope type 2, Hugging Face's rotate_half): the first n_rot
 // dimensions of `v` are rotated in pairs (i, i + n_rot/2) by pos * base^(-2i/n_rot).
 void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base);
+// NORM rotary embedding (llama.cpp's rope type 0, `llama`): pairs (2i, 2i + 1), the same angles.
+void rope_norm(float* v, uint32_t n_rot, uint32_t pos, double base);
+// The model's rope type.
+inline void rope(RopeType type, float* v, uint32_t n_rot, uint32_t pos, double base) {
+  if (type == RopeType::Norm) {
+    rope_norm(v, n_rot, pos, base);
+  } else {
+    rope_neox(v, n_rot, pos, base);
+  }
+}
 
 // Inverse frequencies of n_rot / 2 rope pairs: base^(-2i/n_rot), or with YaRN (factor > 0) the
 // blend of interpolated (/ factor) and extrapolated frequencies over the correction range of

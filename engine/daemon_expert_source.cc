@@ -172,6 +172,10 @@ Status DaemonExpertSource::release_kept(std::span<const ExpertView> views) {
   return result;
 }
 
+Status DaemonExpertSource::unkeep(uint32_t layer, uint32_t expert) {
+  return session_->unkeep(layer, expert);
+}
+
 Status DaemonExpertSource::prefetch(std::span<const ExpertHint> hints) {
   while (!hints.empty()) {
     const size_t n = std::min(hints.size(), hints_.size());

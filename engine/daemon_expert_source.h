@@ -39,6 +39,7 @@ class DaemonExpertSource final : public ExpertSource {
   Status release(std::span<const ExpertView> views) override;
   // Releases with abi::kReleaseClientCopy: the daemon's cache makes those slots its first victims.
   Status release_kept(std::span<const ExpertView> views) override;
+  Status unkeep(uint32_t layer, uint32_t expert) override;
   Status prefetch(std::span<const ExpertHint> hints) override;
   Status set_cursor(uint32_t token, uint32_t layer) override;
   std::span<const uint8_t> host_memory() const override;

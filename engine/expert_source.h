@@ -44,6 +44,10 @@ class ExpertSource {
   // The same for experts the engine copied into memory of its own (its VRAM tier): the source may
   // drop its copies first, so the two tiers hold different experts. The default is release().
   virtual Status release_kept(std::span<const ExpertView> views) { return release(views); }
+  // The engine no longer keeps (layer, expert) (its VRAM tier evicted it): a copy the source
+  // still has from release_kept() is worth keeping again. Without this, every expert that ever
+  // passed through a churning tier stays the source's first victim. The default does nothing.
+  virtual Status unkeep(uint32_t /*layer*/, uint32_t /*expert*/) { return Ok{}; }
   // Experts wanted soon, with the router's confidence.
   virtual Status prefetch(std::span<const ExpertHint> hints) = 0;
   // The engine is at (token, layer): hints for layers it has passed are stale.

@@ -45,11 +45,31 @@ struct DevLayer {
   float* wqkv = nullptr;  // [q_dim + 2 kv_dim rows][n_embd]
   float* wo = nullptr;    // [n_embd][q_dim]
   float* attn_norm = nullptr;
-  float* q_norm = nullptr;
+  float* q_norm = nullptr;  // nullptr without qk_norm (llama)
   float* k_norm = nullptr;
   float* ffn_norm = nullptr;
   float* router = nullptr;  // [n_expert][n_embd]
 };
+
+// The model's RoPE (NEOX for qwen3moe, NORM for llama) over `rows` consecutive rows of `heads`
+// vectors, row r at position pos0 + r.
+cudaError_t rope_rows(const ModelParams& p, float* x, uint32_t rows, uint32_t heads, uint32_t pos0,
+                      cudaStream_t stream) {
+  const float base = static_cast<float>(p.rope_base);
+  if (p.rope == RopeType::Norm) {
+    return kernels::rope_norm_rows(x, rows, heads, p.head_dim, p.n_rot, pos0, base, stream);
+  }
+  return kernels::rope_neox_rows(x, rows, heads, p.head_dim, p.n_rot, pos0, base, stream);
+}
+
+cudaError_t rope(const ModelParams& p, float* x, uint32_t heads, uint32_t pos,
+                 cudaStream_t stream) {
+  const float base = static_cast<float>(p.rope_base);
+  if (p.rope == RopeType::Norm) {
+    return kernels::rope_norm(x, heads, p.head_dim, p.n_rot, pos, base, stream);
+  }
+  return kernels::rope_neox(x, heads, p.head_dim, p.n_rot, pos, base, stream);
+}
 
 }  // namespace
 
@@ -308,7 +328,7 @@ Status GpuEngine::Impl::upload_dense() {
   const bool tied = &model.output() == &model.token_embd();
   const uint64_t per_layer = align_up((q_dim + 2 * kv_dim) * e * 4, kAlign) +
                              align_up(e * q_dim * 4, kAlign) + 2 * align_up(e * 4, kAlign) +
-                             2 * align_up(uint64_t{p.head_dim} * 4, kAlign) +
+                             (p.qk_norm ? 2 * align_up(uint64_t{p.head_dim} * 4, kAlign) : 0) +
                              align_up(uint64_t{p.n_expert} * e * 4, kAlign);
   const uint64_t table = align_up(uint64_t{p.n_vocab} * e * 4, kAlign);
   dense_device_bytes = per_layer * p.n_layer + table * (tied ? 1 : 2) + align_up(e * 4, kAlign);
@@ -368,10 +388,12 @@ Status GpuEngine::Impl::upload_dense() {
     EXPERTD_TRY(upload(d.attn_norm, w.attn_norm.data(), e));
     d.ffn_norm = take(e * 4);
     EXPERTD_TRY(upload(d.ffn_norm, w.ffn_norm.data(), e));
-    d.q_norm = take(uint64_t{p.head_dim} * 4);
-    EXPERTD_TRY(upload(d.q_norm, w.q_norm.data(), p.head_dim));
-    d.k_norm = take(uint64_t{p.head_dim} * 4);
-    EXPERTD_TRY(upload(d.k_norm, w.k_norm.data(), p.head_dim));
+    if (p.qk_norm) {
+      d.q_norm = take(uint64_t{p.head_dim} * 4);
+      EXPERTD_TRY(upload(d.q_norm, w.q_norm.data(), p.head_dim));
+      d.k_norm = take(uint64_t{p.head_dim} * 4);
+      EXPERTD_TRY(upload(d.k_norm, w.k_norm.data(), p.head_dim));
+    }
     d.router = take(uint64_t{p.n_expert} * e * 4);
     EXPERTD_TRY(upload_matrix(w.gate_inp, d.router));
   }
@@ -398,11 +420,12 @@ Status GpuEngine::Impl::attention(uint32_t layer) {
   float* v = k + kv_dim;
   EXPERTD_CUDA_TRY(kernels::rms_norm(x, w.attn_norm, xn, 1, p.n_embd, p.rms_eps, compute.get()));
   EXPERTD_TRY(gemv(w.wqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), p.n_embd, xn, qkv, 0.0f));
-  EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute.get()));
-  EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute.get()));
-  const float base = static_cast<float>(p.rope_base);
-  EXPERTD_CUDA_TRY(kernels::rope_neox(q, p.n_head, hd, p.n_rot, pos, base, compute.get()));
-  EXPERTD_CUDA_TRY(kernels::rope_neox(k, p.n_head_kv, hd, p.n_rot, pos, base, compute.get()));
+  if (p.qk_norm) {
+    EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute.get()));
+    EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute.get()));
+  }
+  EXPERTD_CUDA_TRY(rope(p, q, p.n_head, pos, compute.get()));
+  EXPERTD_CUDA_TRY(rope(p, k, p.n_head_kv, pos, compute.get()));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(k_cache + kv_index(layer, pos), k, kv_dim * 4,
                                    cudaMemcpyDeviceToDevice, compute.get()));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(v_cache + kv_index(layer, pos), v, kv_dim * 4,
@@ -645,15 +668,14 @@ Status GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t rows) {
   EXPERTD_TRY(gemm(w.wqkv, q_dim, p.n_embd, cxn, rows, cq, 0.0f));
   EXPERTD_TRY(gemm(w.wqkv + uint64_t{q_dim} * e, kv_dim, p.n_embd, cxn, rows, kc, 0.0f));
   EXPERTD_TRY(gemm(w.wqkv + uint64_t{q_dim + kv_dim} * e, kv_dim, p.n_embd, cxn, rows, vc, 0.0f));
-  EXPERTD_CUDA_TRY(
-      kernels::rms_norm(cq, w.q_norm, cq, rows * p.n_head, hd, p.rms_eps, compute.get()));
-  EXPERTD_CUDA_TRY(
-      kernels::rms_norm(kc, w.k_norm, kc, rows * p.n_head_kv, hd, p.rms_eps, compute.get()));
-  const float base = static_cast<float>(p.rope_base);
-  EXPERTD_CUDA_TRY(
-      kernels::rope_neox_rows(cq, rows, p.n_head, hd, p.n_rot, pos0, base, compute.get()));
-  EXPERTD_CUDA_TRY(
-      kernels::rope_neox_rows(kc, rows, p.n_head_kv, hd, p.n_rot, pos0, base, compute.get()));
+  if (p.qk_norm) {
+    EXPERTD_CUDA_TRY(
+        kernels::rms_norm(cq, w.q_norm, cq, rows * p.n_head, hd, p.rms_eps, compute.get()));
+    EXPERTD_CUDA_TRY(
+        kernels::rms_norm(kc, w.k_norm, kc, rows * p.n_head_kv, hd, p.rms_eps, compute.get()));
+  }
+  EXPERTD_CUDA_TRY(rope_rows(p, cq, rows, p.n_head, pos0, compute.get()));
+  EXPERTD_CUDA_TRY(rope_rows(p, kc, rows, p.n_head_kv, pos0, compute.get()));
   // Per query head: scores[row][t] = q_row . k_t * scale over the cache's positions 0..n_ctx-1
   // (column-major: S^T[n_ctx x rows] = K^T-as-stored^T Q^T), the causal softmax, then
   // att[row][head] = P V.
@@ -842,9 +864,9 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                                      const EngineOptions& options,
                                                      const GpuOptions& gpu) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe") {
-    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe; '{}' runs on the "
-                                           "CPU engine (--cpu)",
+  if (p.architecture != "qwen3moe" && p.architecture != "llama") {
+    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe and llama; '{}' runs "
+                                           "on the CPU engine (--cpu)",
                                            model.path(), p.architecture));
   }
   EXPERTD_TRY(check_engine_options(p, options));

@@ -1,6 +1,7 @@
-// The CUDA engine: the qwen3moe forward of CpuEngine on the GPU, with dense weights in VRAM
-// (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of kernels/, and the
-// routed experts streamed from an ExpertSource (the daemon's pinned arena) through a VRAM tier.
+// The CUDA engine: the qwen3moe and Mixtral (`llama`) forward of CpuEngine on the GPU, with dense
+// weights in VRAM (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of
+// kernels/, and the routed experts streamed from an ExpertSource (the daemon's pinned arena)
+// through a VRAM tier.
 //
 // Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
 // read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
@@ -36,8 +37,11 @@ struct GpuOptions {
   int device = 0;
   // Tiers that act as one: an expert copied into the VRAM tier is released to the daemon as a
   // client copy (abi::kReleaseClientCopy), so its host slot is the daemon's first victim and the
-  // host cache holds other experts. False: the tiers are independent (for measuring the gain).
-  bool coordinate = true;
+  // host cache holds other experts (and kOpUnkeep when the tier evicts it). Off by default: on the
+  // H200 a 32-expert tier against the Mixtral shape's 64 experts a token churned, the marked host
+  // copies went first and were soon wanted again, and decode read 4-8x the bytes of independent
+  // tiers (docs/ENGINE.md "Tiers that act as one").
+  bool coordinate = false;
   // The VRAM tier's replacement policy (policy/policy.h names); empty: VramTier::kDefaultPolicy.
   std::string policy;
 };
@@ -89,7 +93,7 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe, Ds4GpuEngine for
+// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe and llama, Ds4GpuEngine for
 // deepseek4 (engine/ds4_gpu_engine.h), Ds3GpuEngine for deepseek2 (engine/ds3_gpu_engine.h);
 // GpuEngine's error for any other.
 Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,

@@ -401,7 +401,9 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
   // Without a registered arena there is no way to read an expert but from VRAM: admit every miss.
   const bool force = !arena_.valid();
   for (size_t j = 0; j < missing_.size(); ++j) {
-    const uint32_t slot = tier_->insert(layer, missing_[j], false, force);
+    VramTier::Entry evicted;
+    const uint32_t slot = tier_->insert(layer, missing_[j], false, force, &evicted);
+    EXPERTD_TRY(unkeep(evicted));
     if (slot == VramTier::kNone) {
       if (force) return make_error(EIO, fmt::format("layer {}: every VRAM slot is pinned", layer));
       // Not admitted: read in place from the registered arena for this use, displacing nothing.
@@ -460,7 +462,9 @@ Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
         continue;  // evicted meanwhile: a hint, not a failure
       }
       // Not forced: a prefetch never displaces an expert the policy values more.
-      const uint32_t slot = tier_->insert(next, candidates_[i], true);
+      VramTier::Entry evicted;
+      const uint32_t slot = tier_->insert(next, candidates_[i], true, false, &evicted);
+      EXPERTD_TRY(unkeep(evicted));
       if (slot == VramTier::kNone) {
         EXPERTD_TRY(source_.release(std::span<const ExpertView>(&v, 1)));
         continue;
@@ -480,6 +484,11 @@ Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
 
 Status GpuExperts::give_back(std::span<const ExpertView> views, bool kept) {
   return kept && gpu_.coordinate ? source_.release_kept(views) : source_.release(views);
+}
+
+Status GpuExperts::unkeep(const VramTier::Entry& evicted) {
+  if (!gpu_.coordinate || evicted.layer == VramTier::kNone) return Ok{};
+  return source_.unkeep(evicted.layer, evicted.expert);
 }
 
 Status GpuExperts::release_demand_holds() {

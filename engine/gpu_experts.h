@@ -227,6 +227,8 @@ class GpuExperts {
   Status setup_tier(const std::string& device_name);
   Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
   Status give_back(std::span<const ExpertView> views, bool kept);
+  // Coordinated tiers: tells the source the tier no longer keeps `evicted` (no-op when empty).
+  Status unkeep(const VramTier::Entry& evicted);
   Result<ExpertPtrs> in_place(const ExpertView& v) const;
 
   const DenseModel& model_;

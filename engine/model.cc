@@ -162,6 +162,30 @@ Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
 
 }  // namespace detail
 
+namespace {
+
+// The routed experts are read by the daemon, not here, but a layer without them would fail only
+// at its first token: each layer needs merged gate and up (or a fused gate_up) and down tensors.
+Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
+  const bool fused = g.find_tensor(blk + "ffn_gate_up_exps.weight").has_value();
+  for (const char* kind : {"gate", "up", "down"}) {
+    if (fused && std::string_view(kind) != "down") continue;
+    const std::string name = blk + "ffn_" + kind + "_exps.weight";
+    if (g.find_tensor(name)) continue;
+    if (g.find_tensor(blk + "ffn_" + kind + ".0.weight")) {
+      return make_error(ENOTSUP, fmt::format("{}: tensor {} is missing: the experts are one tensor "
+                                             "each ({}ffn_{}.0.weight, llama.cpp's early Mixtral "
+                                             "layout, which llama.cpp no longer loads either); "
+                                             "convert the model again",
+                                             g.meta().path(), name, blk, kind));
+    }
+    return make_error(ENOENT, fmt::format("{}: tensor {} is missing", g.meta().path(), name));
+  }
+  return Ok{};
+}
+
+}  // namespace
+
 using detail::get_f64;
 using detail::get_u64;
 using detail::read_matrix;
@@ -171,11 +195,17 @@ using detail::Sources;
 Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
-  if (p.architecture != "qwen3moe" && p.architecture != "deepseek4" &&
+  if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4" &&
       p.architecture != "deepseek2") {
-    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, "
-                                           "deepseek4 and deepseek2",
+    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, llama "
+                                           "(Mixtral), deepseek4 and deepseek2",
                                            g.meta().path(), p.architecture));
+  }
+  const bool llama = p.architecture == "llama";
+  if (llama && g.find_arch("expert_count") == nullptr) {
+    return make_error(ENOTSUP, fmt::format("{}: llama.expert_count is missing: the engine runs "
+                                           "llama models with routed experts (Mixtral) only",
+                                           g.meta().path()));
   }
   // deepseek2's key/value_length describe the latent (kv_lora_rank + rope, kv_lora_rank); its
   // query/key head is the _mla one.
@@ -208,8 +238,12 @@ Result<ModelParams> read_params(const GgufModel& g) {
   EXPERTD_TRY_ASSIGN(const uint64_t n_expert, get_u64(g, "expert_count", {}, 1, kMaxExperts));
   EXPERTD_TRY_ASSIGN(const uint64_t n_used,
                      get_u64(g, "expert_used_count", {}, 1, std::min(n_expert, kMaxExpertsUsed)));
+  // Mixtral's experts are as wide as its dense FFN would be: llama.cpp's `llama` has only
+  // feed_forward_length.
+  const bool ff_exp_key = !llama || g.find_arch("expert_feed_forward_length") != nullptr;
   EXPERTD_TRY_ASSIGN(const uint64_t n_ff,
-                     get_u64(g, "expert_feed_forward_length", {}, 1, kMaxEmbd * 16));
+                     get_u64(g, ff_exp_key ? "expert_feed_forward_length" : "feed_forward_length",
+                             {}, 1, kMaxEmbd * 16));
   EXPERTD_TRY_ASSIGN(const uint64_t n_ctx, get_u64(g, "context_length", 4096, 1, 1ull << 24));
   EXPERTD_TRY_ASSIGN(const double eps, get_f64(g, "attention.layer_norm_rms_epsilon", {}));
   EXPERTD_TRY_ASSIGN(const double base, get_f64(g, "rope.freq_base", 10000.0));
@@ -226,6 +260,20 @@ Result<ModelParams> read_params(const GgufModel& g) {
   p.rms_eps = static_cast<float>(eps);
   p.rope_base = base;
   p.norm_topk = true;  // llama.cpp's qwen3moe graph always renormalises the top-k weights
+  if (llama) {
+    // Mixtral: softmax top-k renormalised as qwen3moe, no q/k norms, llama.cpp's NORM RoPE.
+    p.rope = RopeType::Norm;
+    p.qk_norm = false;
+    if (const GgufValue* v = g.find_arch("rope.scaling.type")) {
+      const std::string* type = v->as_string();
+      if (type == nullptr || *type != "none") {
+        return make_error(ENOTSUP, fmt::format("{}: {} = {}: the engine runs llama without RoPE "
+                                               "scaling",
+                                               g.meta().path(), g.arch_key("rope.scaling.type"),
+                                               type != nullptr ? *type : "(not a string)"));
+      }
+    }
+  }
   if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
   if (p.is_ds3()) EXPERTD_TRY(read_ds3_params(g, p));
   return p;
@@ -294,10 +342,13 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
     EXPERTD_TRY_ASSIGN(l.wk, read_matrix(gg, src, b + "attn_k.weight", kv_dim, e));
     EXPERTD_TRY_ASSIGN(l.wv, read_matrix(gg, src, b + "attn_v.weight", kv_dim, e));
     EXPERTD_TRY_ASSIGN(l.wo, read_matrix(gg, src, b + "attn_output.weight", e, q_dim));
-    EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
-    EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
+    if (p.qk_norm) {
+      EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
+      EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
+    }
     EXPERTD_TRY_ASSIGN(l.ffn_norm, read_vector(gg, src, b + "ffn_norm.weight", e));
     EXPERTD_TRY_ASSIGN(l.gate_inp, read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
+    EXPERTD_TRY(check_expert_tensors(gg, b));
   }
   return m;
 }

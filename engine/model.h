@@ -1,5 +1,6 @@
 // A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
-// (`qwen3moe`), DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc) or
+// (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
+// with NORM RoPE), DeepSeek-V4 (`deepseek4`, the Ds4* types below; engine/ds4_model.cc) or
 // DeepSeek-V3 / Kimi-K2 (`deepseek2`, the Ds3* types; engine/ds3_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
@@ -95,8 +96,13 @@ struct Ds3Params {
   double yarn_log_mul = 0.0;
 };
 
+// Which dimensions RoPE rotates together (llama.cpp's rope types): NEOX pairs i with i + n_rot/2
+// (Hugging Face's rotate_half), NORM pairs 2i with 2i + 1. llama.cpp's converter permutes a `llama`
+// model's q/k rows so that NORM on its file computes what rotate_half did on the original.
+enum class RopeType : uint8_t { Neox, Norm };
+
 struct ModelParams {
-  std::string architecture;    // "qwen3moe", "deepseek4" or "deepseek2"
+  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "deepseek4" or "deepseek2"
   uint32_t n_layer = 0;        // block_count
   uint32_t n_embd = 0;         // embedding_length
   uint32_t n_head = 0;         // attention.head_count
@@ -113,6 +119,10 @@ struct ModelParams {
   bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
   Ds4Params ds4;               // deepseek4 only
   Ds3Params ds3;               // deepseek2 only
+  // Mixtral (`llama`): NORM RoPE, no per-head attn_q_norm/attn_k_norm, and n_ff_exp is
+  // feed_forward_length.
+  RopeType rope = RopeType::Neox;
+  bool qk_norm = true;
   bool is_ds4() const { return architecture == "deepseek4"; }
   bool is_ds3() const { return architecture == "deepseek2"; }
 };
@@ -159,8 +169,8 @@ struct LayerWeights {
   Matrix wk;                     // [n_head_kv * head_dim, n_embd]
   Matrix wv;                     // [n_head_kv * head_dim, n_embd]
   Matrix wo;                     // [n_embd, n_head * head_dim]
-  std::vector<float> q_norm;     // head_dim
-  std::vector<float> k_norm;     // head_dim
+  std::vector<float> q_norm;     // head_dim; empty without qk_norm
+  std::vector<float> k_norm;     // head_dim; empty without qk_norm
   std::vector<float> ffn_norm;   // n_embd
   Matrix gate_inp;               // router: [n_expert, n_embd]
 };

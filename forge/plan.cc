@@ -211,19 +211,28 @@ std::string_view forge_arch_name(ForgeArch arch) {
   switch (arch) {
     case ForgeArch::Deepseek4:
       return "deepseek4";
+    case ForgeArch::Mixtral:
+      return "mixtral";
     case ForgeArch::Deepseek3:
-      return "deepseek2";
+      return "deepseek3";
     case ForgeArch::Qwen3Moe:
       break;
   }
   return "qwen3moe";
 }
 
+std::string_view forge_gguf_arch(ForgeArch arch) {
+  if (arch == ForgeArch::Mixtral) return "llama";
+  if (arch == ForgeArch::Deepseek3) return "deepseek2";
+  return forge_arch_name(arch);
+}
+
 Result<ForgeArch> parse_forge_arch(std::string_view value) {
   if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
   if (value == "deepseek4") return ForgeArch::Deepseek4;
+  if (value == "mixtral") return ForgeArch::Mixtral;
   if (value == "deepseek3" || value == "deepseek2") return ForgeArch::Deepseek3;
-  return flag_error("--arch", value, "must be qwen3moe, deepseek4 or deepseek3");
+  return flag_error("--arch", value, "must be qwen3moe, deepseek4, mixtral or deepseek3");
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -238,6 +247,12 @@ ForgeConfig forge_defaults(ForgeArch arch) {
     c.kv_heads = 1;
     c.head_dim = 512;
     c.dense_type = GgmlType::Q8_0;
+  } else if (arch == ForgeArch::Mixtral) {
+    c.embd = 4096;
+    c.ff = 14336;
+    c.heads = 32;
+    c.kv_heads = 8;
+    c.head_dim = 128;
   }
   if (arch == ForgeArch::Deepseek3) {
     c.experts = 256;
@@ -447,6 +462,8 @@ std::string blk(uint32_t l, std::string_view t, std::string_view suffix = "weigh
   return fmt::format("blk.{}.{}.{}", l, t, suffix);
 }
 
+// llama.cpp's qwen3moe block l; Mixtral's (`llama` with experts) is the same without the per-head
+// q/k norms.
 void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
   const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
@@ -458,8 +475,10 @@ void qwen3moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
   out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
-  out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
-  out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  if (c.arch != ForgeArch::Mixtral) {
+    out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
+    out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  }
   out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
   out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
   out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
@@ -608,6 +627,28 @@ void set_deepseek3_metadata(const ForgeConfig& c, GgufWriter& meta) {
   meta.set_u32(key("rope.dimension_count"), c.rope_dim);
 }
 
+// The keys llama.cpp's converter writes for Mixtral (conversion/llama.py): the experts' width is
+// feed_forward_length, and the head size is embd / heads unless key_length says otherwise.
+void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("llama.{}", suffix); };
+  meta.set_u32(key("block_count"), c.layers);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
+  if (c.head_dim * c.heads != c.embd) {
+    meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
+    meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  }
+  meta.set_f32(key("rope.freq_base"), 1e6f);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
+  meta.set_u32(key("vocab_size"), static_cast<uint32_t>(c.vocab));
+  meta.set_u32(key("rope.dimension_count"), static_cast<uint32_t>(c.head_dim));
+}
+
 void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
   auto key = [](std::string_view suffix) { return fmt::format("qwen3moe.{}", suffix); };
   meta.set_u32(key("block_count"), c.layers);
@@ -722,7 +763,7 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   // Model metadata, first shard only (as llama.cpp's gguf-split does).
   GgufWriter& meta = shards[0].writer;
   const std::string_view arch = forge_arch_name(c.arch);
-  meta.set_string("general.architecture", arch);
+  meta.set_string("general.architecture", forge_gguf_arch(c.arch));
   meta.set_string("general.name", c.name.empty()
                                       ? fmt::format("forge-{}-{}L-{}x{}-{}", arch, c.layers,
                                                     c.experts, c.ff, ggml_type_name(c.expert_type))
@@ -731,6 +772,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   meta.set_u32("general.quantization_version", 2);
   if (ds4) {
     set_deepseek4_metadata(c, meta);
+  } else if (c.arch == ForgeArch::Mixtral) {
+    set_mixtral_metadata(c, meta);
   } else if (c.arch == ForgeArch::Deepseek3) {
     set_deepseek3_metadata(c, meta);
   } else {

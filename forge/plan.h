@@ -1,7 +1,7 @@
 // What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe`,
-// `deepseek4` or `deepseek2` (DeepSeek-V3, --arch deepseek3) model and, from it, one GgufWriter per
-// shard holding the model's metadata and tensor infos (llama.cpp's names, types and shapes). The
-// tensor data comes from forge/content.h.
+// `deepseek4`, Mixtral (`llama` with routed experts) or DeepSeek-V3 (`deepseek2`) model and, from
+// it, one GgufWriter per shard holding the model's metadata and tensor infos (llama.cpp's names,
+// types and shapes). The tensor data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +15,12 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Deepseek3 };
-// The GGUF architecture: "qwen3moe", "deepseek4", "deepseek2" (llama.cpp's name for DeepSeek-V3).
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, Deepseek3 };
+// "qwen3moe", "deepseek4", "mixtral", "deepseek3" (--arch).
 std::string_view forge_arch_name(ForgeArch arch);
+// general.architecture: the name, except Mixtral's and DeepSeek-V3's, which llama.cpp calls
+// `llama` and `deepseek2`.
+std::string_view forge_gguf_arch(ForgeArch arch);
 Result<ForgeArch> parse_forge_arch(std::string_view value);
 
 // deepseek4's compressed-attention ratios per block (0 sliding window only, 4 CSA with the
@@ -26,7 +29,8 @@ inline constexpr int32_t kDs4RatioSliding = 0;
 inline constexpr int32_t kDs4RatioCsa = 4;
 inline constexpr int32_t kDs4RatioHca = 128;
 
-// The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's.
+// The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's,
+// forge_defaults(Mixtral) Mixtral-8x7B's.
 struct ForgeConfig {
   ForgeArch arch = ForgeArch::Qwen3Moe;
   uint32_t layers = 4;
@@ -75,7 +79,8 @@ struct ForgeConfig {
 
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
 // DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
-// the q8_0 dense type of llama.cpp's converter; deepseek3's DeepSeek-V3's (256 experts in 8
+// the q8_0 dense type of llama.cpp's converter; mixtral's Mixtral-8x7B's (8 experts, top 2, embd
+// 4096, ff 14336, 32 heads of 128, 8 KV heads); deepseek3's DeepSeek-V3's (256 experts in 8
 // groups, top 8 from 4 groups, embd 7168, ff 2048, 128 heads of 128 + 64 rope, q LoRA 1536,
 // kv LoRA 512, 3 dense layers of 18432). Layers, vocab, context and the rest are shared.
 ForgeConfig forge_defaults(ForgeArch arch);

@@ -1,4 +1,5 @@
 #include "kernels/prefill.cuh"
+#include "kernels/rope_pair.cuh"
 
 namespace expertd::kernels {
 namespace {
@@ -11,10 +12,11 @@ uint32_t blocks_for(uint64_t n) {
   return static_cast<uint32_t>(b < kMaxBlocks ? b : kMaxBlocks);
 }
 
-// As rope_neox_kernel (rope.cu), with the position taken from the row.
+// As rope_kernel (rope.cu), with the position taken from the row.
+template <bool kNeox>
 __global__ void __launch_bounds__(kThreads)
-    rope_neox_rows_kernel(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
-                          uint32_t n_rot, uint32_t pos0, double base) {
+    rope_rows_kernel(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim, uint32_t n_rot,
+                     uint32_t pos0, double base) {
   const uint32_t half = n_rot / 2;
   const uint64_t per_row = uint64_t{heads} * half;
   const uint64_t total = per_row * rows;
@@ -23,18 +25,22 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t r = idx / per_row;
     const uint64_t rem = idx % per_row;
     const uint64_t h = rem / half;
-    const uint32_t i = static_cast<uint32_t>(rem % half);
-    const double pos = static_cast<double>(pos0 + r);
-    const double theta = pos * pow(base, -2.0 * static_cast<double>(i) / n_rot);
-    double s = 0.0;
-    double c = 0.0;
-    sincos(theta, &s, &c);
-    float* v = x + (r * heads + h) * head_dim;
-    const double x0 = v[i];
-    const double x1 = v[i + half];
-    v[i] = static_cast<float>(x0 * c - x1 * s);
-    v[i + half] = static_cast<float>(x0 * s + x1 * c);
+    detail::rope_pair<kNeox>(x + (r * heads + h) * head_dim, static_cast<uint32_t>(rem % half),
+                             n_rot, static_cast<double>(pos0 + r), base);
   }
+}
+
+template <bool kNeox>
+cudaError_t launch_rope_rows(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
+                             uint32_t n_rot, uint32_t pos0, float base, cudaStream_t stream) {
+  if (x == nullptr || rows == 0 || heads == 0 || head_dim == 0 || n_rot == 0 || n_rot % 2 != 0 ||
+      n_rot > head_dim || !(base > 0.0f)) {
+    return cudaErrorInvalidValue;
+  }
+  rope_rows_kernel<kNeox>
+      <<<blocks_for(uint64_t{rows} * heads * (n_rot / 2)), kThreads, 0, stream>>>(
+          x, rows, heads, head_dim, n_rot, pos0, static_cast<double>(base));
+  return cudaGetLastError();
 }
 
 template <bool kMax, typename T>
@@ -123,13 +129,12 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t rope_neox_rows(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
                            uint32_t n_rot, uint32_t pos0, float base, cudaStream_t stream) {
-  if (x == nullptr || rows == 0 || heads == 0 || head_dim == 0 || n_rot == 0 || n_rot % 2 != 0 ||
-      n_rot > head_dim || !(base > 0.0f)) {
-    return cudaErrorInvalidValue;
-  }
-  rope_neox_rows_kernel<<<blocks_for(uint64_t{rows} * heads * (n_rot / 2)), kThreads, 0, stream>>>(
-      x, rows, heads, head_dim, n_rot, pos0, static_cast<double>(base));
-  return cudaGetLastError();
+  return launch_rope_rows<true>(x, rows, heads, head_dim, n_rot, pos0, base, stream);
+}
+
+cudaError_t rope_norm_rows(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
+                           uint32_t n_rot, uint32_t pos0, float base, cudaStream_t stream) {
+  return launch_rope_rows<false>(x, rows, heads, head_dim, n_rot, pos0, base, stream);
 }
 
 cudaError_t causal_softmax(float* s, uint32_t rows, uint32_t n_ctx, uint32_t pos0,

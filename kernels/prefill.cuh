@@ -3,7 +3,7 @@
 //
 // rope_neox_rows: rope_neox (kernels/rope.cuh) of `rows` consecutive rows of `heads` vectors of
 //   head_dim, row r at position pos0 + r; the same double angle math, so each row is
-//   bit-identical to rope_neox at its position.
+//   bit-identical to rope_neox at its position. rope_norm_rows: the same for rope_norm.
 // causal_softmax: s is `rows` rows of n_ctx scores (row stride n_ctx); row r is the query at
 //   position pos0 + r and keeps columns 0..pos0+r (softmax over them, max-subtracted, exp and sum
 //   in double), the rest become 0. Needs pos0 + rows <= n_ctx.
@@ -23,6 +23,8 @@
 namespace expertd::kernels {
 
 cudaError_t rope_neox_rows(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
+                           uint32_t n_rot, uint32_t pos0, float base, cudaStream_t stream);
+cudaError_t rope_norm_rows(float* x, uint32_t rows, uint32_t heads, uint32_t head_dim,
                            uint32_t n_rot, uint32_t pos0, float base, cudaStream_t stream);
 
 cudaError_t causal_softmax(float* s, uint32_t rows, uint32_t n_ctx, uint32_t pos0,

@@ -12,9 +12,10 @@
 #            ff 14336, q4_k experts: ~25 GB of experts) on the device's disk, unless present
 #   disk     expert-bench storage on it: expertd's O_DIRECT GB/s against raw O_DIRECT
 #   sweep    expert-tune sweep (docs/TUNING.md) on a 1.6 GB Mixtral-shaped model
-#   run:NAME:CACHE:VRAM:DEPTH:TOKENS
-#            a fresh expertd (cache CACHE) and expert-run replaying the Mixtral humaneval1 trace
-#            (benchmark mode) with --vram-experts VRAM and --prefetch-depth DEPTH for TOKENS tokens
+#   run:NAME:CACHE:VRAM:DEPTH:TOKENS[:DAEMON]
+#            a fresh expertd (cache CACHE, --prefetch-depth DAEMON: auto, the default, or 0..64) and
+#            expert-run replaying the Mixtral humaneval1 trace (benchmark mode) with --vram-experts
+#            VRAM and --prefetch-depth DEPTH (its hints) for TOKENS tokens
 #   forge4   a DeepSeek-V4-shaped deepseek4 GGUF (DeepseekV4Config widths: 256 experts, top-6,
 #            hidden 4096, expert width 2048, 3 hash layers, q4_k experts; $DS4_LAYERS layers, 9 by
 #            default: ~32 GB of experts) on the device's disk, unless present
@@ -174,12 +175,12 @@ phase_run4() {  # NAME CACHE VRAM DEPTH TOKENS HASH
   return $rc
 }
 
-phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
-  local name=$1 cache=$2 vram=$3 depth=$4 tokens=$5
+phase_run() {  # NAME CACHE VRAM DEPTH TOKENS [DAEMON]
+  local name=$1 cache=$2 vram=$3 depth=$4 tokens=$5 daemon_depth=${6:-auto}
   local sock=$work/expertd.sock
   rm -f "$sock"
   "$bin/expertd" --model "mix=$model" --socket "$sock" --cache "$cache" --staging 1GiB \
-    --queue-depth 32 --prefetch-depth 3 2> "$work/expertd-$name.log" &
+    --queue-depth 32 --prefetch-depth "$daemon_depth" 2> "$work/expertd-$name.log" &
   local pid=$!
   for _ in $(seq 600); do [ -S "$sock" ] && break; sleep 0.1; done
   [ -S "$sock" ] || { cat "$work/expertd-$name.log"; kill $pid; return 1; }
@@ -188,7 +189,8 @@ phase_run() {  # NAME CACHE VRAM DEPTH TOKENS
     --max-tokens "$tokens" --vram-experts "$vram" --prefetch-depth "$depth" \
     --routing-trace "$trace" --json > "$out/run-$name.json" || rc=$?
   kill -TERM $pid; wait $pid || true
-  echo "run $name (cache $cache, vram $vram, depth $depth): $(head -c 600 "$out/run-$name.json")"
+  echo "run $name (cache $cache, vram $vram, depth $depth, daemon depth $daemon_depth):" \
+    "$(head -c 600 "$out/run-$name.json")"
   return $rc
 }
 
@@ -295,7 +297,7 @@ phase_serve() {
 
 for p in "$@"; do
   case $p in
-    run:*) IFS=: read -r _ n c v d t <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" ;;
+    run:*) IFS=: read -r _ n c v d t dd <<< "$p"; phase_run "$n" "$c" "$v" "$d" "$t" "${dd:-auto}" ;;
     run4:*) IFS=: read -r _ n c v d t h <<< "$p"; phase_run4 "$n" "$c" "$v" "$d" "$t" "$h" ;;
     prefill:*) IFS=: read -r _ n c v k l m <<< "$p"; phase_prefill "$n" "$c" "$v" "$k" "$l" "$m" ;;
     prefill4:*) IFS=: read -r _ n c v k l m <<< "$p"

@@ -17,7 +17,10 @@
 # swap off), a wall-clock limit, and one process (or expertd and expert-run together) measuring
 # prefill of PP random tokens and then decode of TG tokens:
 #   expertd     expertd (cache = cap - staging - engine host memory - margin) + expert-run (GPU engine,
-#               --vram-experts V, --prefill-chunk PP, temperature 1)
+#               --vram-experts V, --prefill-chunk PP, temperature 1); the daemon's default
+#               prefetch depth (auto)
+#   expertd-d0  the same with expertd --prefetch-depth 0: no reads ahead (prefetch off), the
+#               baseline that prefetch must never lose to
 #   cuda-tier   llama-bench, CUDA build, -ngl 99 -ncmoe N: experts of N layers stay on the CPU
 #               side; the other layers' experts in VRAM take the same bytes as expertd's VRAM tier
 #   cuda-all    llama-bench, CUDA build, -ngl 99 -ncmoe <all layers>
@@ -29,7 +32,8 @@
 #                     top-2, 4096/14336, 28.6 GB) and Qwen3-30B-A3B shape (48 layers, 128
 #                     experts, top-8, 2048/768, 18.4 GB), q4_k experts, f16 dense weights
 #   --caps LIST       memory caps in GiB (default 8,16)
-#   --configs LIST    expertd,cuda-tier,cuda-all,cpu (default all; run in this order of priority)
+#   --configs LIST    expertd,expertd-d0,cuda-tier,cuda-all,cpu (default all; run in this order of
+#                     priority)
 #   --out DIR         results.jsonl, table.md, raw/ (default $OUT/peer, else /tmp/peer-out); runs
 #                     already in DIR/results.jsonl with status ok are not run again
 #   --fresh           start DIR/results.jsonl afresh
@@ -57,9 +61,9 @@
 #   -h, --help        this text
 #
 # Expected time on the H200 machine (16 cores, ~2 GB/s disk): build ~6 min in the background
-# (CUDA ~5, then CPU ~1), forge ~40 s once, then 16 runs (tg 16, pp 512): expertd's 4 ~2.5 min
-# (they may go while llama.cpp builds: steps build-start forge run), llama.cpp's 8 CUDA runs
-# ~6.5 min, its 4 CPU-only runs ~5 min; ~17 min in all. With --budget and PEER_T0 exported, the
+# (CUDA ~5, then CPU ~1), forge ~40 s once, then 20 runs (tg 16, pp 512): expertd's 8 (auto and
+# depth 0) ~5 min (they may go while llama.cpp builds: steps build-start forge run), llama.cpp's 8
+# CUDA runs ~6.5 min, its 4 CPU-only runs ~5 min; ~20 min in all. With --budget and PEER_T0 exported, the
 # same command repeated resumes where the last call stopped.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -70,15 +74,15 @@ root=$(cd "$here/../.." && pwd)
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//p}' "$0"; }
 
 # --- the expertd + expert-run pair, run inside the cgroup (peer.sh __pair ...) ----------------
-# __pair BIN GGUF SOCK CACHE STAGING LOG -- EXPERT-RUN-ARGS...: expertd, then expert-run against
-# it; stops expertd and exits with expert-run's status.
+# __pair BIN GGUF SOCK CACHE STAGING LOG DEPTH -- EXPERT-RUN-ARGS...: expertd (--prefetch-depth
+# DEPTH), then expert-run against it; stops expertd and exits with expert-run's status.
 if [ "${1:-}" = __pair ]; then
   shift
-  bin=$1 gguf=$2 sock=$3 cache=$4 staging=$5 log=$6
-  shift 7
+  bin=$1 gguf=$2 sock=$3 cache=$4 staging=$5 log=$6 depth=$7
+  shift 8
   rm -f "$sock"
   "$bin/expertd" --model "m=$gguf" --socket "$sock" --cache "$cache" --staging "$staging" \
-    --queue-depth 32 2> "$log" &
+    --queue-depth 32 --prefetch-depth "$depth" 2> "$log" &
   dpid=$!
   for _ in $(seq 1200); do
     [ -S "$sock" ] && break
@@ -96,7 +100,7 @@ fi
 # --- options ----------------------------------------------------------------------------------
 models=mixtral,qwen3
 caps=8,16
-configs=expertd,cuda-tier,cuda-all,cpu
+configs=expertd,expertd-d0,cuda-tier,cuda-all,cpu
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536
@@ -162,8 +166,8 @@ for c in "${cap_list[@]}"; do
   is_uint "$c" && [ "$c" -ge 1 ] || bad "--caps: '$c' is not a size in GiB (a whole number >= 1)"
 done
 for c in "${config_list[@]}"; do
-  case $c in expertd | cuda-tier | cuda-all | cpu) ;;
-    *) bad "--configs: '$c' is not expertd, cuda-tier, cuda-all or cpu" ;;
+  case $c in expertd | expertd-d0 | cuda-tier | cuda-all | cpu) ;;
+    *) bad "--configs: '$c' is not expertd, expertd-d0, cuda-tier, cuda-all or cpu" ;;
   esac
 done
 declare -A vram
@@ -256,9 +260,15 @@ llama_mem_flags() {  # BIN
 selected() { [[ ",$configs," == *",$1,"* ]]; }
 plan() {
   local c m cap
-  if selected expertd; then
-    for m in "${model_list[@]}"; do for cap in "${cap_list[@]}"; do echo "$m $cap expertd"; done; done
-  fi
+  # Prefetch on and off side by side for each model and cap, so that both see the same
+  # conditions (a llama.cpp build beside them or not).
+  for m in "${model_list[@]}"; do
+    for cap in "${cap_list[@]}"; do
+      for c in expertd expertd-d0; do
+        if selected $c; then echo "$m $cap $c"; fi
+      done
+    done
+  done
   for m in "${model_list[@]}"; do
     for cap in "${cap_list[@]}"; do
       for c in cuda-tier cuda-all; do
@@ -280,6 +290,7 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
   shape "$m"
   local id="$m-${cap}g-$c" capb=$((cap * gib)) dense eng_config=$c tool=llama.cpp cmd=() what
   [ "$c" = expertd ] && [ $cpu_engine = 1 ] && eng_config=expertd-cpu
+  [ "$c" = expertd-d0 ] && [ $cpu_engine = 1 ] && eng_config=expertd-cpu-d0
   id="$m-${cap}g-$eng_config"
   dense=$(dense_bytes)
   local cgcap=$capb
@@ -290,8 +301,10 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
     --field "expert_bytes=$EB" --field "dense_bytes=$dense" --field "tg_tokens=$tg"
     --field "pp_tokens=$pp" --field "uncapped=$no_cgroup")
   case $c in
-    expertd)
+    expertd | expertd-d0)
       tool=expertd
+      local depth=auto
+      [ "$c" = expertd ] || depth=0
       # The CUDA engine reads each dense matrix from the file as it uploads it (DenseLoad::Deferred):
       # its host peak is the largest one, the embeddings, as read and as f32. The CPU engine holds
       # them all.
@@ -306,11 +319,12 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
       local vflag=(--vram-experts "$V")
       [ $cpu_engine = 1 ] && vflag=(--cpu)
       cmd=("$here/peer.sh" __pair "$bin" "$file" "$work/peer-expertd.sock" "${cache}MiB"
-        "${staging}MiB" "$raw.expertd.log" -- --prompt-tokens "$(prompt_ids "$pp")"
+        "${staging}MiB" "$raw.expertd.log" "$depth" -- --prompt-tokens "$(prompt_ids "$pp")"
         --max-tokens $((tg + 1)) "${vflag[@]}" --prefill-chunk "$pp" --temperature 1 --seed 1
         --ignore-eos --json)
       what="expertd cache ${cache} MiB, staging $staging MiB, $([ $cpu_engine = 1 ] && echo "CPU engine" || echo "VRAM tier $V experts")"
-      fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging")
+      what+=", daemon prefetch depth $depth"
+      fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth")
       [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
       ;;
     cuda-tier | cuda-all | cpu)

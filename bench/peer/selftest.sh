@@ -29,7 +29,7 @@ for args in "--models llama" "--caps 0" "--caps 8,x" "--configs gpu" "--tg" "--v
 done
 
 plan=$("$peer" --dry-run --bin /b --work /w --out "$tmp/o" --llama-src /s.tgz)
-has "$plan" "run: 16 runs, tg 16, pp 512" "plan"
+has "$plan" "run: 20 runs, tg 16, pp 512" "plan"
 has "$plan" "unpack /s.tgz to /w/llama.cpp" "plan"
 has "$plan" "/b/expert-forge --layers 48 --experts 128 --top-k 8 --embd 2048 --ff 768" "plan"
 # Mixtral: 32 layers of 8 experts, a tier of 32 experts = 4 layers in VRAM; Qwen3: 48 of 128, 256.
@@ -39,13 +39,17 @@ has "$plan" "-ncmoe 46 (256 experts in VRAM)" "plan"
 has "$plan" "qwen3-30b-a3b-q4k.gguf -p 512 -n 16 -r 1 --no-warmup -lm mmap --repack 0 -o jsonl -ngl 99 -ncmoe 48" "plan"
 has "$plan" "--max-tokens 17 --vram-experts 32 --prefill-chunk 512" "plan"
 # cache = 8 GiB - 1 GiB staging - the estimated 3,134 MiB of dense weights - 1.5 GiB margin
-has "$plan" "run 1/16 mixtral-8g-expertd: expertd cache 4882 MiB" "plan"
+has "$plan" "run 1/20 mixtral-8g-expertd: expertd cache 4882 MiB" "plan"
 has "$plan" "memory.max 17179869184" "plan"
 # The CPU-only build runs last.
 [ "$(grep -c '^run .*: llama.cpp CPU-only build' <<< "$plan")" = 4 ] || fail "plan: not 4 cpu runs"
-grep -q '^run 13/16 mixtral-8g-cpu' <<< "$plan" || fail "plan: the cpu runs are not last"
+grep -q '^run 17/20 mixtral-8g-cpu' <<< "$plan" || fail "plan: the cpu runs are not last"
 # expertd's runs first (they can go while llama.cpp builds).
-grep -q '^run 4/16 qwen3-16g-expertd' <<< "$plan" || fail "plan: expertd's runs are not first"
+grep -q '^run 7/20 qwen3-16g-expertd:' <<< "$plan" || fail "plan: expertd's runs are not first"
+# Each beside the same run with prefetch off, the baseline of the prefetch comparison.
+grep -q '^run 2/20 mixtral-8g-expertd-d0: .*daemon prefetch depth 0' <<< "$plan" ||
+  fail "plan: no depth-0 run beside expertd's"
+has "$plan" "mixtral-8g-expertd-d0.expertd.log 0 -- --prompt-tokens" "plan"
 quick=$("$peer" --dry-run --quick --models qwen3 --caps 16 --configs expertd,cpu --vram qwen3=384)
 has "$quick" "run: 2 runs, tg 8, pp 512" "quick plan"
 has "$quick" "--max-tokens 9 --vram-experts 384 --prefill-chunk 512" "quick plan"

@@ -93,6 +93,7 @@ def parse_expertd(path, rec):
         "hits": o.get("hits"),
         "prefetch_depth": o.get("prefetch_depth"),
         "prefetch_precision": o.get("prefetch_precision"),
+        "daemon_prefetch": o.get("daemon", {}).get("prefetch"),
     }
 
 
@@ -155,15 +156,20 @@ def cmd_done(args):
     return 1
 
 
-CONFIG_ORDER = ["expertd", "expertd-cpu", "cuda-tier", "cuda-all", "cpu"]
+CONFIG_ORDER = ["expertd", "expertd-cpu", "expertd-d0", "expertd-cpu-d0", "cuda-tier", "cuda-all",
+                "cpu"]
 MODEL_NAMES = {"mixtral": "Mixtral-8x7B shape", "qwen3": "Qwen3-30B-A3B shape"}
 
 
 def describe(r):
     c = r["config"]
     if c.startswith("expertd"):
-        engine = "CPU engine" if c == "expertd-cpu" else f"VRAM tier {r.get('vram_experts')} experts"
-        return f"expertd + expert-run: cache {r.get('cache_mib', 0) / 1024:.1f} GiB, {engine}"
+        engine = ("CPU engine" if c.startswith("expertd-cpu")
+                  else f"VRAM tier {r.get('vram_experts')} experts")
+        depth = r.get("daemon_depth", "auto")
+        prefetch = "prefetch off (depth 0)" if str(depth) == "0" else f"prefetch {depth}"
+        return (f"expertd + expert-run: cache {r.get('cache_mib', 0) / 1024:.1f} GiB, {engine}, "
+                f"{prefetch}")
     if c == "cpu":
         return "llama.cpp, CPU-only build"
     return (f"llama.cpp CUDA, -ngl 99 -ncmoe {r.get('ncmoe')} "
@@ -186,6 +192,7 @@ def cmd_table(args):
     print(f"| model | cap | tool / config | tg tokens/s | {pp_name} tokens/s | status, wall, peak |")
     print("|---|---:|---|---:|---:|---|")
     summary = []
+    prefetch = []
     for model, cap in keys:
         rs = [r for r in runs.values() if r["model"] == model and r["cap_gib"] == cap]
         rs.sort(key=lambda r: CONFIG_ORDER.index(r["config"]) if r["config"] in CONFIG_ORDER else 9)
@@ -201,6 +208,10 @@ def cmd_table(args):
         theirs = [r for r in rs if r["tool"] == "llama.cpp"]
         if ours:
             summary.append((model, cap, ours[0], theirs))
+        on = [r for r in ours if not r["config"].endswith("-d0")]
+        off = [r for r in ours if r["config"].endswith("-d0")]
+        if on and off:
+            prefetch.append((model, cap, on[0], off[0]))
     print()
     print(f"| model | cap | expertd tg | llama.cpp best tg (config) | tg ratio | expertd {pp_name} "
           f"| llama.cpp best {pp_name} (config) | {pp_name} ratio |")
@@ -216,7 +227,39 @@ def cmd_table(args):
             ratio = mine / best[key] if mine is not None and best is not None and best[key] else None
             row.append("–" if ratio is None else f"**{ratio:.2f}×**")
         print("| " + " | ".join(row) + " |")
+    if prefetch:
+        prefetch_table(prefetch)
     return 0
+
+
+def prefetch_table(pairs):
+    """Prefetch on (the daemon's default) against off (depth 0), in the same runs' decode."""
+    def mb(r, key):
+        x = r.get("expertd", {}).get(key)
+        return None if x is None else x / 1e6
+
+    print()
+    print("| model | cap | tg on / off | on ÷ off | decode MB read per token on / off "
+          "| stall ms per token on / off | engine hint precision | auto at the end: depth, disk busy, bar |")
+    print("|---|---:|---|---:|---|---|---:|---|")
+    for model, cap, on, off in pairs:
+        a, b = on.get("tg_tokens_per_s"), off.get("tg_tokens_per_s")
+        ratio = f"**{a / b:.2f}×**" if a is not None and b else "–"
+        stall = [r.get("expertd", {}).get("stall_ms_per_token") for r in (on, off)]
+        print(f"| {MODEL_NAMES.get(model, model)} | {cap} GiB | {cell(on, 'tg_tokens_per_s')} / "
+              f"{cell(off, 'tg_tokens_per_s')} | {ratio} | {fmt(mb(on, 'decode_bytes_read_per_token'), 0)}"
+              f" / {fmt(mb(off, 'decode_bytes_read_per_token'), 0)} | {fmt(stall[0], 1)} / "
+              f"{fmt(stall[1], 1)} | {fmt(on.get('expertd', {}).get('prefetch_precision'), 3)} | "
+              f"{auto_state(on)} |")
+
+
+def auto_state(r):
+    d = r.get("expertd", {}).get("daemon_prefetch") or {}
+    if "prefetch_depth_now" not in d:
+        return "–"
+    busy = d.get("disk_busy", -1)
+    busy_s = "unmeasured" if busy is None or busy < 0 else f"{busy:.2f}"
+    return f"{d['prefetch_depth_now']}, {busy_s}, {fmt(d.get('prefetch_auto_need'))}"
 
 
 def main():

@@ -376,6 +376,7 @@ INSTANTIATE_TEST_SUITE_P(
                       HostileCase{"release_unheld", {req(abi::kOpRelease, 0, 0, 5)}},
                       HostileCase{"prefetch_nan", {req(abi::kOpPrefetch, 0, 0, 0, NAN)}},
                       HostileCase{"cursor_out_of_range", {req(abi::kOpCursor, 1u << 30, 0)}},
+                      HostileCase{"unkeep_out_of_range", {req(abi::kOpUnkeep, 0, 1000)}},
                       // Acquires whose completions are never read, past the completion ring.
                       HostileCase{"acquire_flood", {req(abi::kOpAcquire, 1, 2)}, 4096}),
     [](const ::testing::TestParamInfo<HostileCase>& p) { return std::string(p.param.name); });

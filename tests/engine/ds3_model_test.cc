@@ -7,7 +7,7 @@
 #include "storage/gguf_writer.h"
 #include "testing/temp_dir.h"
 #include "tests/engine/fixture.h"
-#include "tests/engine/gguf_rewrite.h"
+#include "tests/engine/gguf_edit.h"
 
 namespace expertd::engine {
 namespace {
@@ -91,8 +91,9 @@ TEST(Ds3Malformed, AMissingAbsorbedKeyProjectionNamesTheTensor) {
 // Files converted before llama.cpp split kv_b for MLA hold attn_kv_b instead: say so.
 TEST(Ds3Malformed, AnOldJointKvBSaysToConvertAgain) {
   Edit e;
-  e.rename_tensor = "blk.0.attn_k_b.weight";
-  e.new_name = "blk.0.attn_kv_b.weight";
+  e.reshape_tensor = "blk.0.attn_k_b.weight";
+  e.new_ne = {16, 32, 4};  // unchanged
+  e.rename_to = "blk.0.attn_kv_b.weight";
   const std::string msg = error_of(e);
   EXPECT_NE(msg.find("m.gguf: tensor blk.0.attn_k_b.weight is missing: the file has "
                      "blk.0.attn_kv_b.weight (converted before llama.cpp split it for MLA); "

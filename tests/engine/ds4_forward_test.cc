@@ -14,12 +14,15 @@
 #include "testing/temp_dir.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
-#include "tests/engine/gguf_rewrite.h"
+#include "tests/engine/gguf_edit.h"
 
 namespace expertd::engine {
 namespace {
 
+using test::Edit;
 using test::FileExpertSource;
+using test::load_error;
+using test::rewrite;
 
 constexpr double kMaxRelErr = 1e-4;
 
@@ -219,10 +222,6 @@ TEST(Ds4Forward, ResetStartsTheSequenceAgain) {
 
 // --- Malformed files: a copy of the fixture with one thing changed must fail to load with an
 // error that names the tensor or key.
-
-using test::Edit;
-using test::load_error;
-using test::rewrite;
 
 TEST(Ds4Malformed, TheUnchangedCopyLoads) {
   expertd::test::TempDir dir;

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "testing/paths.h"
 
 namespace expertd::engine::test {
@@ -90,6 +92,38 @@ struct TinyFixture {
   }
 };
 
+// The mixtral-tiny fixture (tools/reference/make_mixtral_fixture.py): `tokens` is the prompt
+// then transformers' greedy continuation on the f32 weights; per variant ("f32", "q8_0") the GGUF
+// llama.cpp's converter made, the expected logits [n_tokens][vocab], the routing trace and the
+// greedy tokens (the q8_0 ones computed on the dequantised experts).
+struct MixtralFixture {
+  nlohmann::json meta;
+  std::vector<uint32_t> tokens;
+  uint32_t prompt = 0;
+  uint32_t vocab = 0;
+
+  static MixtralFixture load() {
+    MixtralFixture f;
+    f.meta = read_json(fixture_path("mixtral-tiny/fixture.json"));
+    f.tokens = f.meta.at("tokens").get<std::vector<uint32_t>>();
+    f.prompt = f.meta.at("prompt_tokens").get<uint32_t>();
+    f.vocab = f.meta.at("logits_shape").at(1).get<uint32_t>();
+    return f;
+  }
+  static std::string gguf(const std::string& variant) {
+    return fixture_path("mixtral-tiny/model-" + variant + ".gguf");
+  }
+  std::vector<float> logits(const std::string& variant) const {
+    return read_f32(fixture_path("mixtral-tiny/logits-" + variant + ".bin"));
+  }
+  std::vector<TraceEntry> trace(const std::string& variant) const {
+    return read_trace(fixture_path("mixtral-tiny/trace-" + variant + ".jsonl"));
+  }
+  std::vector<uint32_t> greedy(const std::string& variant) const {
+    return variant == "f32" ? tokens : meta.at("greedy_q8_0").get<std::vector<uint32_t>>();
+  }
+};
+
 // ||a - b|| / ||b||, in double.
 inline double rel_err(const float* a, const float* b, size_t n) {
   double num = 0.0;
@@ -100,6 +134,60 @@ inline double rel_err(const float* a, const float* b, size_t n) {
     den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
   }
   return std::sqrt(num / den);
+}
+
+inline uint32_t argmax(const std::vector<float>& v) {
+  return static_cast<uint32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// Feeds fx.tokens to `engine`: the logits of every position within `tol` (relative) of
+// transformers' (returns the worst), and the routing as transformers routed (weights within
+// `weight_tol`).
+inline double expect_mixtral_logits(Engine& engine, const MixtralFixture& fx,
+                                    const std::string& variant, double tol, double weight_tol) {
+  std::vector<RoutingRecord> routing;
+  engine.set_routing_log(&routing);
+  const std::vector<float> expected = fx.logits(variant);
+  EXPECT_EQ(expected.size(), fx.tokens.size() * fx.vocab);
+  std::vector<float> logits(fx.vocab);
+  double worst = 0.0;
+  for (size_t t = 0; t < fx.tokens.size(); ++t) {
+    const Status st = engine.decode(fx.tokens[t], logits);
+    EXPECT_TRUE(st) << st.error().message;
+    if (!st) break;
+    const double err = test::rel_err(logits.data(), expected.data() + t * fx.vocab, fx.vocab);
+    EXPECT_LE(err, tol) << variant << " position " << t;
+    worst = std::max(worst, err);
+  }
+  const std::vector<test::TraceEntry> trace = fx.trace(variant);
+  EXPECT_EQ(routing.size(), trace.size());
+  for (size_t i = 0; i < std::min(trace.size(), routing.size()); ++i) {
+    EXPECT_EQ(routing[i].token, trace[i].token);
+    EXPECT_EQ(routing[i].layer, trace[i].layer);
+    EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
+    for (size_t k = 0; k < trace[i].weights.size(); ++k) {
+      EXPECT_NEAR(routing[i].weights[k], trace[i].weights[k], weight_tol) << "record " << i;
+    }
+  }
+  engine.set_routing_log(nullptr);
+  return worst;
+}
+
+// After reset(), the prompt as one prefill() and greedy decoding give transformers' greedy tokens
+// for `variant`.
+inline void expect_mixtral_greedy(Engine& engine, const MixtralFixture& fx,
+                                  const std::string& variant) {
+  const std::vector<uint32_t> want = fx.greedy(variant);
+  engine.reset();
+  std::vector<float> logits(fx.vocab);
+  std::vector<uint32_t> seq(want.begin(), want.begin() + fx.prompt);
+  const Status st = engine.prefill(seq, logits);
+  ASSERT_TRUE(st) << st.error().message;
+  while (seq.size() < want.size()) {
+    seq.push_back(argmax(logits));
+    ASSERT_TRUE(engine.decode(seq.back(), logits));
+  }
+  EXPECT_EQ(seq, want) << variant;
 }
 
 }  // namespace expertd::engine::test

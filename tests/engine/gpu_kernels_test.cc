@@ -6,9 +6,9 @@
 // Tolerances (normalised error):
 //   dequantize, moe_combine, add                    0 (bit-identical: same float operations)
 //   gather/scatter_rows, moe_combine_rows           0 (moves, and moe_combine's operations)
-//   rope_neox_rows                                  0 against rope_neox at each row's position
-//   causal_softmax                                  1e-6 (double exp and sum on both sides)
-//   swiglu, rope_neox, router probs and weights      1e-6 (double math on both sides)
+//   rope_{neox,norm}_rows                           0 against rope_{neox,norm} at each row's
+//   position causal_softmax                                  1e-6 (double exp and sum on both
+//   sides) swiglu, rope_neox/norm, router probs and weights 1e-6 (double math on both sides)
 //   rms_norm                                         1e-5 (float sum of squares vs double)
 //   decode_attention                                 2e-5 (float online softmax vs double)
 //   matvec, every type                               1e-5 (against dequantise + dot in double)
@@ -299,7 +299,20 @@ TEST_F(GpuKernels, RmsNormMatchesCpu) {
   }
 }
 
-TEST_F(GpuKernels, RopeNeoxMatchesCpu) {
+// Both rope types, NEOX (qwen3moe) and NORM (llama/Mixtral), against the CPU's.
+struct RopeKind {
+  const char* name;
+  void (*cpu)(float*, uint32_t, uint32_t, double);
+  cudaError_t (*gpu)(float*, uint32_t, uint32_t, uint32_t, uint32_t, float, cudaStream_t);
+  cudaError_t (*gpu_rows)(float*, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float,
+                          cudaStream_t);
+};
+constexpr RopeKind kRopeKinds[] = {
+    {"neox", engine::rope_neox, rope_neox, rope_neox_rows},
+    {"norm", engine::rope_norm, rope_norm, rope_norm_rows},
+};
+
+TEST_F(GpuKernels, RopeMatchesCpu) {
   std::mt19937_64 rng(2);
   struct Shape {
     uint32_t heads;
@@ -312,23 +325,24 @@ TEST_F(GpuKernels, RopeNeoxMatchesCpu) {
        {Shape{32, 128, 128, 0, 1e6f}, Shape{32, 128, 128, 5, 1e6f}, Shape{8, 128, 64, 31000, 1e6f},
         Shape{4, 64, 64, 1, 10000.0f}, Shape{3, 80, 32, 12345, 10000.0f},
         Shape{1, 256, 256, 32767, 5e5f}, Shape{40, 128, 2, 77, 1e6f}}) {
-    SCOPED_TRACE(testing::Message() << "heads " << s.heads << " head_dim " << s.head_dim
-                                    << " n_rot " << s.n_rot << " pos " << s.pos);
-    const std::vector<float> x = uniform(size_t{s.heads} * s.head_dim, rng);
-    std::vector<float> want = x;
-    for (uint32_t h = 0; h < s.heads; ++h) {
-      engine::rope_neox(want.data() + size_t{h} * s.head_dim, s.n_rot, s.pos,
-                        static_cast<double>(s.base));
-    }
-    DeviceBuffer<float> dx(x);
-    CUDA_OK(rope_neox(dx.get(), s.heads, s.head_dim, s.n_rot, s.pos, s.base, stream_));
-    CUDA_OK(sync());
-    const std::vector<float> got = dx.download();
-    EXPECT_LE(normalised_error(got, want), 1e-6);
-    // Dimensions from n_rot on are untouched.
-    for (uint32_t h = 0; h < s.heads; ++h) {
-      for (uint32_t i = s.n_rot; i < s.head_dim; ++i) {
-        ASSERT_EQ(got[size_t{h} * s.head_dim + i], x[size_t{h} * s.head_dim + i]);
+    for (const RopeKind& k : kRopeKinds) {
+      SCOPED_TRACE(testing::Message() << k.name << " heads " << s.heads << " head_dim "
+                                      << s.head_dim << " n_rot " << s.n_rot << " pos " << s.pos);
+      const std::vector<float> x = uniform(size_t{s.heads} * s.head_dim, rng);
+      std::vector<float> want = x;
+      for (uint32_t h = 0; h < s.heads; ++h) {
+        k.cpu(want.data() + size_t{h} * s.head_dim, s.n_rot, s.pos, static_cast<double>(s.base));
+      }
+      DeviceBuffer<float> dx(x);
+      CUDA_OK(k.gpu(dx.get(), s.heads, s.head_dim, s.n_rot, s.pos, s.base, stream_));
+      CUDA_OK(sync());
+      const std::vector<float> got = dx.download();
+      EXPECT_LE(normalised_error(got, want), 1e-6);
+      // Dimensions from n_rot on are untouched.
+      for (uint32_t h = 0; h < s.heads; ++h) {
+        for (uint32_t i = s.n_rot; i < s.head_dim; ++i) {
+          ASSERT_EQ(got[size_t{h} * s.head_dim + i], x[size_t{h} * s.head_dim + i]);
+        }
       }
     }
   }
@@ -542,9 +556,9 @@ TEST_F(GpuKernels, CombineAndAddAreBitIdenticalToCpu) {
 
 // --- prefill's row-batched kernels ---------------------------------------------------------------
 
-// Each row of rope_neox_rows is rope_neox at its own position, bit for bit, and within 1e-6 of
-// the CPU's rope.
-TEST_F(GpuKernels, RopeNeoxRowsIsRopeNeoxAtEachRowsPosition) {
+// Each row of rope_{neox,norm}_rows is rope_{neox,norm} at its own position, bit for bit, and
+// within 1e-6 of the CPU's rope.
+TEST_F(GpuKernels, RopeRowsIsRopeAtEachRowsPosition) {
   std::mt19937_64 rng(21);
   struct Shape {
     uint32_t rows;
@@ -555,30 +569,33 @@ TEST_F(GpuKernels, RopeNeoxRowsIsRopeNeoxAtEachRowsPosition) {
   };
   for (const Shape s : {Shape{1, 4, 16, 16, 0}, Shape{5, 4, 16, 16, 7}, Shape{17, 2, 64, 32, 0},
                         Shape{64, 8, 128, 128, 30000}, Shape{3, 1, 80, 2, 12}}) {
-    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " heads " << s.heads << " head_dim "
-                                    << s.head_dim << " n_rot " << s.n_rot << " pos0 " << s.pos0);
-    const size_t row = size_t{s.heads} * s.head_dim;
-    const std::vector<float> x = uniform(row * s.rows, rng);
-    std::vector<float> want_cpu = x;
-    std::vector<float> want_gpu(x.size());
-    for (uint32_t r = 0; r < s.rows; ++r) {
-      for (uint32_t h = 0; h < s.heads; ++h) {
-        engine::rope_neox(want_cpu.data() + r * row + size_t{h} * s.head_dim, s.n_rot, s.pos0 + r,
-                          1e6);
+    for (const RopeKind& k : kRopeKinds) {
+      SCOPED_TRACE(testing::Message()
+                   << k.name << " rows " << s.rows << " heads " << s.heads << " head_dim "
+                   << s.head_dim << " n_rot " << s.n_rot << " pos0 " << s.pos0);
+      const size_t row = size_t{s.heads} * s.head_dim;
+      const std::vector<float> x = uniform(row * s.rows, rng);
+      std::vector<float> want_cpu = x;
+      std::vector<float> want_gpu(x.size());
+      for (uint32_t r = 0; r < s.rows; ++r) {
+        for (uint32_t h = 0; h < s.heads; ++h) {
+          k.cpu(want_cpu.data() + r * row + size_t{h} * s.head_dim, s.n_rot, s.pos0 + r, 1e6);
+        }
+        DeviceBuffer<float> one(
+            std::vector<float>(x.begin() + static_cast<int64_t>(r * row),
+                               x.begin() + static_cast<int64_t>((r + 1) * row)));
+        CUDA_OK(k.gpu(one.get(), s.heads, s.head_dim, s.n_rot, s.pos0 + r, 1e6f, stream_));
+        CUDA_OK(sync());
+        const std::vector<float> got_one = one.download();
+        std::copy(got_one.begin(), got_one.end(), want_gpu.begin() + static_cast<int64_t>(r * row));
       }
-      DeviceBuffer<float> one(std::vector<float>(x.begin() + static_cast<int64_t>(r * row),
-                                                 x.begin() + static_cast<int64_t>((r + 1) * row)));
-      CUDA_OK(rope_neox(one.get(), s.heads, s.head_dim, s.n_rot, s.pos0 + r, 1e6f, stream_));
+      DeviceBuffer<float> dx(x);
+      CUDA_OK(k.gpu_rows(dx.get(), s.rows, s.heads, s.head_dim, s.n_rot, s.pos0, 1e6f, stream_));
       CUDA_OK(sync());
-      const std::vector<float> got_one = one.download();
-      std::copy(got_one.begin(), got_one.end(), want_gpu.begin() + static_cast<int64_t>(r * row));
+      const std::vector<float> got = dx.download();
+      EXPECT_EQ(bit_mismatches(got, want_gpu), 0u);
+      EXPECT_LE(normalised_error(got, want_cpu), 1e-6);
     }
-    DeviceBuffer<float> dx(x);
-    CUDA_OK(rope_neox_rows(dx.get(), s.rows, s.heads, s.head_dim, s.n_rot, s.pos0, 1e6f, stream_));
-    CUDA_OK(sync());
-    const std::vector<float> got = dx.download();
-    EXPECT_EQ(bit_mismatches(got, want_gpu), 0u);
-    EXPECT_LE(normalised_error(got, want_cpu), 1e-6);
   }
 }
 

@@ -100,7 +100,7 @@ TEST_F(ForgeDeepseek3, EveryTensorLlamaCppLoadsWithItsShapeAndBytes) {
   const std::string out = path("ds3.gguf");
   const auto r = test::run_forge(forge_args(s, out, "--expert-type q4_k"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("expert-forge: deepseek2 4 layers x 16 experts (top 4)"),
+  EXPECT_NE(r.output.find("expert-forge: deepseek3 4 layers x 16 experts (top 4)"),
             std::string::npos)
       << r.output;
   auto model = GgufModel::open(out);

@@ -345,26 +345,10 @@ TEST_F(ForgeDeepseek4, TheEngineLoadsItAndTheForwardStaysSane) {
   ASSERT_TRUE(source) << source.error().message;
   auto eng = engine::create_cpu_engine(*model, **source, engine::EngineOptions{64, 0, 0});
   ASSERT_TRUE(eng) << eng.error().message;
-  std::vector<engine::RoutingRecord> routing;
-  (*eng)->set_routing_log(&routing);
-  std::vector<float> logits(s.vocab), previous;
-  std::set<uint32_t> used;
-  for (uint32_t t = 0; t < 40; ++t) {  // > window 16, > 8 CSA blocks of 4
-    const uint32_t token = (t * 37 + 11) % static_cast<uint32_t>(s.vocab);
-    ASSERT_TRUE((*eng)->decode(token, logits)) << "position " << t;
-    double sq = 0;
-    for (const float x : logits) {
-      ASSERT_TRUE(std::isfinite(x)) << "position " << t;
-      sq += double{x} * x;
-    }
-    const double rms = std::sqrt(sq / static_cast<double>(logits.size()));
-    EXPECT_GT(rms, 1e-3) << "position " << t;
-    EXPECT_LT(rms, 100.0) << "position " << t;
-    EXPECT_NE(logits, previous) << "position " << t;
-    previous = logits;
-  }
-  for (const auto& r : routing) used.insert(r.experts.begin(), r.experts.end());
+  // > window 16, > 8 CSA blocks of 4
+  const auto routing = test::expect_sane_forward(**eng, static_cast<uint32_t>(s.vocab), 40);
   EXPECT_EQ(routing.size(), 40u * (s.layers));
+  const std::set<uint32_t> used = test::experts_used(routing);
   EXPECT_GE(used.size(), s.experts * 3 / 4);
 }
 
@@ -456,7 +440,7 @@ TEST(ForgeDeepseek4Flags, BadFlagsAreRefusedNamingTheFlag) {
   const std::string o = " -o " + dir.file("bad.gguf");
   const std::string small = "--arch deepseek4 --layers 3 --experts 8 --embd 256 --ff 256";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--arch llama" + o, "--arch llama: must be qwen3moe, deepseek4 or deepseek3"},
+      {"--arch llama" + o, "--arch llama: must be qwen3moe, deepseek4, mixtral or deepseek3"},
       {small + " --kv-heads 2" + o, "--kv-heads 2: must be 1 for deepseek4"},
       {small + " --compress-ratios 0,4" + o, "--compress-ratios: 2 values for 3 blocks"},
       {small + " --compress-ratios 0,4,64" + o, "'64' is not 0, 4 or 128"},

@@ -1,5 +1,5 @@
-// What the forge tests share: run the real expert-forge, read a file back, and check that every
-// tensor of a forged model holds forge_expected_bytes.
+// What the forge tests share: run the real expert-forge, read a file back, check that every
+// tensor of a forged model holds forge_expected_bytes, and that the engine's forward on it is sane.
 #pragma once
 
 #include <fcntl.h>
@@ -7,12 +7,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "forge/content.h"
 #include "storage/gguf.h"
 #include "testing/paths.h"
@@ -105,6 +108,38 @@ inline uint64_t validate_forged_model(const GgufModel& model) {
     }
   }
   return checked;
+}
+
+// Decodes `n` tokens spread over the vocabulary: every step's logits are finite, of moderate size
+// (rms in (1e-3, 100)) and differ from the step before. Returns the routing of every (token,
+// layer).
+inline std::vector<engine::RoutingRecord> expect_sane_forward(engine::Engine& eng, uint32_t vocab,
+                                                              uint32_t n) {
+  std::vector<engine::RoutingRecord> routing;
+  eng.set_routing_log(&routing);
+  std::vector<float> logits(vocab), previous;
+  for (uint32_t t = 0; t < n; ++t) {
+    const Status st = eng.decode((t * 37 + 11) % vocab, logits);
+    EXPECT_TRUE(st) << "position " << t << ": " << st.error().message;
+    if (!st) break;
+    double sq = 0;
+    for (const float x : logits) sq += double{x} * x;
+    const double rms = std::sqrt(sq / static_cast<double>(logits.size()));
+    EXPECT_TRUE(std::isfinite(rms)) << "position " << t;
+    EXPECT_GT(rms, 1e-3) << "position " << t;
+    EXPECT_LT(rms, 100.0) << "position " << t;
+    EXPECT_NE(logits, previous) << "position " << t;
+    previous = logits;
+  }
+  eng.set_routing_log(nullptr);
+  return routing;
+}
+
+// The distinct experts of a routing log.
+inline std::set<uint32_t> experts_used(const std::vector<engine::RoutingRecord>& routing) {
+  std::set<uint32_t> used;
+  for (const auto& r : routing) used.insert(r.experts.begin(), r.experts.end());
+  return used;
 }
 
 }  // namespace expertd::test

@@ -1,6 +1,6 @@
-// expert-forge: writes a synthetic llama.cpp `qwen3moe`, `deepseek4` or `deepseek2` (DeepSeek-V3)
-// GGUF model whose every byte is derived from a seed (forge/content.h), fast enough to make
-// tens-of-GB models at disk speed.
+// expert-forge: writes a synthetic llama.cpp `qwen3moe`, `deepseek4`, Mixtral or DeepSeek-V3
+// (`deepseek2`) GGUF model whose every byte is derived from a seed (forge/content.h), fast enough
+// to make tens-of-GB models at disk speed.
 //
 // Generator threads fill fixed 8 MiB chunk buffers in parallel; the main thread writes the chunks
 // in file order, so the disk is never idle while content is computed. Nothing appears under an
@@ -273,6 +273,7 @@ Status forge(const ForgeConfig& config, std::vector<ForgeShard>& shards, bool fo
 int run(int argc, char** argv) {
   const ForgeConfig q = forge_defaults(ForgeArch::Qwen3Moe);
   const ForgeConfig d = forge_defaults(ForgeArch::Deepseek4);
+  const ForgeConfig m = forge_defaults(ForgeArch::Mixtral);
   const ForgeConfig v3 = forge_defaults(ForgeArch::Deepseek3);
   ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
   std::string arch = "qwen3moe";
@@ -286,27 +287,31 @@ int run(int argc, char** argv) {
   uint32_t threads = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
 
   CLI::App app{
-      "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4 or deepseek2 (DeepSeek-V3) "
-      "GGUF model whose every byte is derived from --seed (and can be recomputed to verify a "
-      "read)"};
+      "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4, mixtral or deepseek3 "
+      "(DeepSeek-V3, llama.cpp's deepseek2) GGUF model whose every byte is derived from --seed "
+      "(and can be recomputed to verify a read)"};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  // "(qwen3moe Q, deepseek4 D)": the default of a flag that depends on --arch.
-  auto both = [](auto qv, auto dv) {
-    return fmt::format(" (default: qwen3moe {}, deepseek4 {})", qv, dv);
+  // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.
+  auto both = [](auto qv, auto dv, auto mv) {
+    return fmt::format(" (default: qwen3moe {}, deepseek4 {}, mixtral {})", qv, dv, mv);
   };
   app.add_option("--arch", arch,
-                 "model architecture: qwen3moe, deepseek4 (DeepSeek-V4) or deepseek3 (DeepSeek-V3, "
-                 "Kimi-K2: llama.cpp's deepseek2; its defaults are DeepSeek-V3's widths)")
+                 "model architecture: qwen3moe, deepseek4 (DeepSeek-V4), mixtral (llama.cpp's "
+                 "`llama` with routed experts) or deepseek3 (DeepSeek-V3, Kimi-K2: llama.cpp's "
+                 "deepseek2; its defaults are DeepSeek-V3's widths)")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
-  app.add_option("--experts", experts, "routed experts per layer" + both(q.experts, d.experts));
-  app.add_option("--top-k", top_k, "experts used per token" + both(q.top_k, d.top_k));
-  app.add_option("--embd", embd, "embedding length" + both(q.embd, d.embd));
-  app.add_option("--ff", ff, "expert feed-forward length" + both(q.ff, d.ff));
-  app.add_option("--heads", heads, "attention heads" + both(q.heads, d.heads));
-  app.add_option("--kv-heads", kv_heads, "key/value heads" + both(q.kv_heads, d.kv_heads));
-  app.add_option("--head-dim", head_dim, "head dimension" + both(q.head_dim, d.head_dim));
+  app.add_option("--experts", experts,
+                 "routed experts per layer" + both(q.experts, d.experts, m.experts));
+  app.add_option("--top-k", top_k, "experts used per token" + both(q.top_k, d.top_k, m.top_k));
+  app.add_option("--embd", embd, "embedding length" + both(q.embd, d.embd, m.embd));
+  app.add_option("--ff", ff, "expert feed-forward length" + both(q.ff, d.ff, m.ff));
+  app.add_option("--heads", heads, "attention heads" + both(q.heads, d.heads, m.heads));
+  app.add_option("--kv-heads", kv_heads,
+                 "key/value heads" + both(q.kv_heads, d.kv_heads, m.kv_heads));
+  app.add_option("--head-dim", head_dim,
+                 "head dimension" + both(q.head_dim, d.head_dim, m.head_dim));
   app.add_option("--vocab", c.vocab, "vocabulary size (>= 258)")->capture_default_str();
   app.add_option("--context", c.context, "context length (metadata)")->capture_default_str();
   app.add_option("--expert-type", expert_type,
@@ -316,7 +321,8 @@ int run(int argc, char** argv) {
                  fmt::format("type of embeddings, attention, shared experts and output: {} "
                              "(norms, routers and deepseek4's hyper-connections are f32)",
                              forge_type_names()) +
-                     both(ggml_type_name(q.dense_type), ggml_type_name(d.dense_type)));
+                     both(ggml_type_name(q.dense_type), ggml_type_name(d.dense_type),
+                          ggml_type_name(m.dense_type)));
   app.add_option("--alignment", c.alignment, "data alignment in bytes, a power of two")
       ->capture_default_str();
   app.add_option("--split", c.split, "number of shards (NAME-0000i-of-0000N.gguf)")
@@ -404,6 +410,7 @@ int run(int argc, char** argv) {
   if (!parsed_arch) return usage_error(parsed_arch.error());
   c.arch = *parsed_arch;
   const ForgeConfig& base = c.arch == ForgeArch::Deepseek4   ? d
+                            : c.arch == ForgeArch::Mixtral   ? m
                             : c.arch == ForgeArch::Deepseek3 ? v3
                                                              : q;
   c.experts = experts.value_or(base.experts);

@@ -58,7 +58,7 @@ struct Options {
   uint32_t prefill_chunk = 512;
   bool cpu = false;
   std::string vram_experts = "auto";
-  std::string tiers = "coordinated";
+  std::string tiers = "independent";
   std::string vram_policy;
   uint32_t prefetch_depth = 1;
   uint32_t prefetch_width = 0;
@@ -105,6 +105,22 @@ expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
     }
   }
   return {};
+}
+
+// The daemon's prefetch state for one model after the run: the depth auto chose, the disk-busy
+// fraction it measured and the precision it asks of a depth (a benchmark reports what auto did).
+nlohmann::json daemon_prefetch_state(expertd::client::Client& client, const std::string& model) {
+  auto stats = client.stats();
+  if (stats) {
+    for (const auto& m : stats->models) {
+      if (m.name == model) {
+        return {{"prefetch_depth_now", m.prefetch_depth_now},
+                {"disk_busy", m.disk_busy},
+                {"prefetch_auto_need", m.prefetch_auto_need}};
+      }
+    }
+  }
+  return nlohmann::json::object();
 }
 
 double seconds(uint64_t ns) { return static_cast<double>(ns) / 1e9; }
@@ -493,7 +509,8 @@ int run(Options o) {
           {"misses", after.misses - before.misses},
           {"bytes_read", after.bytes_read - before.bytes_read},
           {"prefetch_loads", after.prefetch_loads - before.prefetch_loads},
-          {"prefetch_useful", after.prefetch_useful - before.prefetch_useful}}},
+          {"prefetch_useful", after.prefetch_useful - before.prefetch_useful},
+          {"prefetch", daemon_prefetch_state(client, o.model)}}},
         {"vram",
          {{"hits", s.vram_hits},
           {"misses", s.vram_misses},
@@ -650,8 +667,9 @@ int main(int argc, char** argv) {
                  "The VRAM tier's replacement policy (the daemon's names: default, cyclic-hint, "
                  "cyclic, lru, fifo; default: the daemon's default, cyclic-hint)");
   app.add_option("--tiers", o.tiers,
-                 "coordinated (experts copied into VRAM are the daemon's first victims, so the "
-                 "host cache holds others) or independent")
+                 "independent (the default) or coordinated (experts copied into VRAM are the "
+                 "daemon's first victims, so the host cache holds others; docs/ENGINE.md says "
+                 "when that loses)")
       ->check(CLI::IsMember({"coordinated", "independent"}));
   app.add_option("--prefetch-depth", o.prefetch_depth,
                  "Layers ahead to predict experts for with their routers (1; 0 = no hints)");

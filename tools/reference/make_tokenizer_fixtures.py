@@ -194,8 +194,15 @@ def train_spm(training_text):
     learned = sorted(base.get_vocab().items(), key=lambda kv: kv[1])
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += [p for p, _ in learned if p not in pieces]
-    vocab = {p: i for i, p in enumerate(pieces)}
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)]
+    return spm_tokenizer(pieces, scores), pieces, scores
+
+
+def spm_tokenizer(pieces, scores):
+    """HF's tokenizer for a SentencePiece BPE vocabulary (piece 0 `<unk>`, 1 `<s>`, 2 `</s>`), in
+    the form transformers' converter writes for Mixtral-8x7B: merges extracted from the scores as
+    tokenizers' SentencePieceExtractor does, Prepend/Replace normaliser, byte fallback, BOS."""
+    vocab = {p: i for i, p in enumerate(pieces)}
     merges = []
     for piece, score in zip(pieces, scores):
         local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
@@ -211,7 +218,7 @@ def train_spm(training_text):
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
-    return tok, pieces, scores
+    return tok
 
 
 def write_spm_gguf(gguf, path, pieces, scores):

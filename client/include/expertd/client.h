@@ -114,6 +114,10 @@ class Session {
   // The same with abi::kRelease* flags: kReleaseClientCopy tells the daemon this client keeps its
   // own copy of the expert (in VRAM), so the slot becomes the cache's first victim.
   Status release(uint32_t slot, uint32_t flags);
+  // This client no longer keeps its own copy of (layer, expert) (its VRAM tier evicted it): the
+  // daemon's copy, released earlier with kReleaseClientCopy, is an ordinary slot again. Needs no
+  // hold; a no-op against a daemon that predates it (abi::kOpUnkeep).
+  Status unkeep(uint32_t layer, uint32_t expert);
   // Where the engine is: prefetches for layers it has passed are dropped.
   Status set_cursor(uint32_t token, uint32_t layer);
   // The daemon's counters for this session (an RPC).

@@ -72,6 +72,10 @@ enum RequestOp : uint32_t {
   kOpPrefetch = 2,  // layer, expert, score in [0, 1]: no completion
   kOpRelease = 3,   // slot, flags: drops one hold taken by an acquire; no completion
   kOpCursor = 4,    // token (arg), layer: the engine's position; no completion
+  // layer, expert: the client no longer keeps its own copy (its VRAM tier evicted it), so the
+  // daemon's copy, if it still has one, is an ordinary slot again, not a first victim; no
+  // completion. Only to a daemon whose SessionHeader::max_op says it takes it.
+  kOpUnkeep = 5,
 };
 
 // Request::flags of kOpRelease. A daemon that predates a flag ignores it (it was reserved, 0).
@@ -121,7 +125,9 @@ struct alignas(64) SessionHeader {
   uint32_t magic;
   uint32_t version;
   uint32_t session_id;
-  uint32_t reserved0;
+  // The highest RequestOp this daemon takes: kOpUnkeep; 0 from a daemon older than it (ops
+  // kOpAcquire..kOpCursor), which closes a session that sends another.
+  uint32_t max_op;
   uint64_t request_ring_offset;     // from the start of the region
   uint64_t completion_ring_offset;  // from the start of the region
   uint64_t region_bytes;

@@ -1,5 +1,5 @@
-// Malformed copies of the committed fixtures: a GGUF rewritten with one thing changed (a tensor
-// left out or reshaped, a key replaced or dropped), for the loaders' error tests.
+// Malformed-file tests: a copy of a committed fixture GGUF with one thing changed (a tensor left
+// out or reshaped, a key replaced or added), and the message DenseModel::load gives for it.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,12 +18,12 @@ namespace expertd::engine::test {
 
 struct Edit {
   std::string drop_tensor;                   // leave this tensor out
-  std::string key;                           // replace this key's value ...
-  std::function<void(GgufWriter&)> set_key;  // ... with this (doing nothing drops the key)
+  std::string key;                           // replace this key's value (a set_key that
+                                             // writes nothing drops the key) ...
+  std::function<void(GgufWriter&)> set_key;  // ... with this
   std::string reshape_tensor;                // write this tensor with ne ...
   std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
-  std::string rename_tensor;                 // write this tensor ...
-  std::string new_name;                      // ... under this name
+  std::string rename_to;                     // and, if set, under this name
 };
 
 inline std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
@@ -43,9 +43,12 @@ inline std::string rewrite(const std::string& src, const std::string& dst, const
   for (const GgufTensorInfo& t : file->tensors()) {
     if (t.name == edit.drop_tensor) continue;
     std::vector<uint64_t> ne(t.ne.begin(), t.ne.begin() + t.n_dims);
-    if (t.name == edit.reshape_tensor) ne = edit.new_ne;
-    const std::string& name = t.name == edit.rename_tensor ? edit.new_name : t.name;
-    EXPECT_TRUE(w.add_tensor(name, t.type, ne)) << t.name;
+    std::string name = t.name;
+    if (t.name == edit.reshape_tensor) {
+      ne = edit.new_ne;
+      if (!edit.rename_to.empty()) name = edit.rename_to;
+    }
+    EXPECT_TRUE(w.add_tensor(name, t.type, ne)) << name;
     kept.push_back(&t);
     sizes.push_back(w.tensors().back().bytes);
   }
@@ -64,7 +67,6 @@ inline std::string rewrite(const std::string& src, const std::string& dst, const
   return dst;
 }
 
-// The loader's error for `path`, or "(loaded)".
 inline std::string load_error(const std::string& path) {
   auto model = DenseModel::load(path);
   if (model) return "(loaded)";
