@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 
 #include "engine/dequant.h"
 
@@ -80,6 +81,39 @@ void rope_neox(float* v, uint32_t n_rot, uint32_t pos, double base) {
 
 void rope_norm(float* v, uint32_t n_rot, uint32_t pos, double base) {
   rotate_pairs(v, n_rot, pos, base, /*step=*/2, /*offset=*/1);
+}
+
+std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn) {
+  const uint32_t dim = n_rot;
+  std::vector<double> f(dim / 2);
+  for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
+  if (yarn.factor <= 0.0) return f;
+  const double orig = yarn.orig_ctx;
+  auto corr = [&](double rot) {
+    return dim * std::log(orig / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+  };
+  const double low = std::max(std::floor(corr(yarn.beta_fast)), 0.0);
+  double high = std::min(std::ceil(corr(yarn.beta_slow)), static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;
+  for (uint32_t i = 0; i < dim / 2; ++i) {
+    const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+    const double extrapolate = 1.0 - ramp;
+    const double interp = f[i] / yarn.factor;
+    f[i] = interp * (1.0 - extrapolate) + f[i] * extrapolate;
+  }
+  return f;
+}
+
+void rope_pairs(float* v, std::span<const double> inv_freq, uint32_t pos, bool inverse) {
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    const double a = static_cast<double>(pos) * inv_freq[i];
+    const double c = std::cos(a);
+    const double s = inverse ? -std::sin(a) : std::sin(a);
+    const double x0 = v[2 * i];
+    const double x1 = v[2 * i + 1];
+    v[2 * i] = static_cast<float>(x0 * c - x1 * s);
+    v[2 * i + 1] = static_cast<float>(x1 * c + x0 * s);
+  }
 }
 
 void softmax(double* p, size_t n) {

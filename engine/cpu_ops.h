@@ -38,6 +38,17 @@ inline void rope(RopeType type, float* v, uint32_t n_rot, uint32_t pos, double b
   }
 }
 
+// Inverse frequencies of n_rot / 2 rope pairs: base^(-2i/n_rot), or with YaRN (factor > 0) the
+// blend of interpolated (/ factor) and extrapolated frequencies over the correction range of
+// beta_fast..beta_slow rotations in orig_ctx positions (transformers' _compute_yarn_parameters,
+// truncated).
+std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn);
+
+// Rotary embedding on adjacent pairs (llama.cpp's rope type 0; the interleaved layout DeepSeek's
+// checkpoints use): pair (2i, 2i + 1) of v[0, 2 * inv_freq.size()) turns by pos * inv_freq[i],
+// backwards when `inverse`.
+void rope_pairs(float* v, std::span<const double> inv_freq, uint32_t pos, bool inverse = false);
+
 // In place: p[i] = exp(p[i] - max) / sum over n elements, computed in double.
 void softmax(double* p, size_t n);
 

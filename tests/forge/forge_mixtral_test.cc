@@ -132,7 +132,7 @@ TEST(ForgeMixtral, DefaultsAreMixtral8x7B) {
 TEST(ForgeMixtral, AnUnknownArchIsRefusedNamingTheChoices) {
   const auto r = test::run_forge("--arch mistral -o /nonexistent/x.gguf");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--arch mistral: must be qwen3moe, deepseek4 or mixtral"),
+  EXPECT_NE(r.output.find("--arch mistral: must be qwen3moe, deepseek4, mixtral or deepseek3"),
             std::string::npos)
       << r.output;
 }

@@ -319,19 +319,9 @@ def check_bit_identical(model, sd):
             raise SystemExit(f"{name}: transformers did not load the checkpoint bit-identically")
 
 
-def write_checkpoint(ckpt, d):
-    d.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, a in ckpt.items():
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if name.endswith(".scale") and ".experts." in name:
-            t = t.view(torch.float8_e8m0fnu)  # the release's dtype for MXFP4 scales
-        elif name.endswith(".weight") and ".experts." in name:
-            t = t.view(torch.int8)  # packed e2m1 pairs, as released
-        tensors[name] = t
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps(ORIG, indent=2))
-    # Byte-level BPE: token b is byte b (GPT-2's byte alphabet), no merges.
+def write_byte_tokenizer(d, max_len):
+    """A byte-level BPE tokenizer.json: token b is byte b (GPT-2's byte alphabet), no merges;
+    bos = byte 0, eos = byte 1."""
     alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     tok = {
@@ -351,7 +341,22 @@ def write_checkpoint(ckpt, d):
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": alphabet[0],
         "eos_token": alphabet[1], "add_bos_token": False, "add_eos_token": False,
-        "model_max_length": 64}))
+        "model_max_length": max_len}))
+
+
+def write_checkpoint(ckpt, d):
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, a in ckpt.items():
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if name.endswith(".scale") and ".experts." in name:
+            t = t.view(torch.float8_e8m0fnu)  # the release's dtype for MXFP4 scales
+        elif name.endswith(".weight") and ".experts." in name:
+            t = t.view(torch.int8)  # packed e2m1 pairs, as released
+        tensors[name] = t
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(ORIG, indent=2))
+    write_byte_tokenizer(d, ORIG["max_position_embeddings"])
 
 
 def read_checkpoint(d):
