@@ -619,7 +619,13 @@ bool Scheduler::checksum_matches(ExpertKey key, const uint8_t* data) const {
   std::array<ExpertSlice, 3> slices{};
   std::array<SlicePlacement, 3> place{};
   const uint32_t n = layouts_.place(key.layer, key.expert, slices, place);
-  return expert_checksum(data, {slices.data(), n}, {place.data(), n}) == checksums_[key_index(key)];
+  return checksum_matches(key, data, {slices.data(), n}, {place.data(), n});
+}
+
+bool Scheduler::checksum_matches(ExpertKey key, const uint8_t* data,
+                                 std::span<const ExpertSlice> slices,
+                                 std::span<const SlicePlacement> place) const {
+  return expert_checksum(data, slices, place) == checksums_[key_index(key)];
 }
 
 void Scheduler::finish_load(uint32_t id) {
@@ -627,9 +633,8 @@ void Scheduler::finish_load(uint32_t id) {
   ExpertCache& owner = owner_of(l.slot);
   int err = l.cancelled ? -ECANCELED : l.error;
   if (err == 0 && !checksums_.empty()) {
-    const uint64_t sum = expert_checksum(slot_data(l.slot), {l.slices.data(), l.slice_count},
-                                         {l.place.data(), l.slice_count});
-    if (sum != checksums_[key_index(l.key)]) {
+    if (!checksum_matches(l.key, slot_data(l.slot), {l.slices.data(), l.slice_count},
+                          {l.place.data(), l.slice_count})) {
       // The bytes arrived but are not the expert's: a disk or file system that returned wrong
       // data, or a file changed in place without a new mtime.
       err = -EBADMSG;

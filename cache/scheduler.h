@@ -257,6 +257,10 @@ class Scheduler final : private EvictionListener {
   uint8_t* slot_data(uint32_t slot) const { return arena_ + slot * layouts_.slot_bytes(); }
 
  private:
+  // The one comparison of an expert's bytes, placed as `place` says, with its manifest checksum
+  // (a finished load and a warm restart's adoption both use it).
+  bool checksum_matches(ExpertKey key, const uint8_t* data, std::span<const ExpertSlice> slices,
+                        std::span<const SlicePlacement> place) const;
   static constexpr uint32_t kNil = UINT32_MAX;
   static constexpr uint16_t kNoSession = UINT16_MAX;
 

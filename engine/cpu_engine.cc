@@ -9,6 +9,7 @@
 #include "base/check.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/ds3_cpu_engine.h"
 #include "engine/ds4_cpu_engine.h"
 
 namespace expertd::engine {
@@ -29,15 +30,9 @@ std::span<const float> expert_row(const std::vector<float>& b, uint32_t expert, 
   return {b.data() + uint64_t{expert} * len, len};
 }
 
-// The experts' activation over n rows of n_ff: gate[j] = silu(gate[j]) * up[j], or gpt-oss's
-// clamped SwiGLU on the biased gate and up of `expert`.
-void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t expert, float* gate,
-                       const float* up, uint64_t n) {
-  const uint64_t ff = p.n_ff_exp;
-  if (!p.is_gptoss()) {
-    for (uint64_t j = 0; j < n * ff; ++j) gate[j] = silu(gate[j]) * up[j];
-    return;
-  }
+// gpt-oss's clamped SwiGLU over n rows of ff on the biased gate and up of `expert`.
+void oai_swiglu(const LayerWeights& w, uint32_t expert, float* gate, const float* up, uint64_t n,
+                uint64_t ff) {
   const float* bg = w.exp_gate_b.data() + uint64_t{expert} * ff;
   const float* bu = w.exp_up_b.data() + uint64_t{expert} * ff;
   for (uint64_t j = 0; j < n * ff; ++j) {
@@ -45,6 +40,18 @@ void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t exp
     const double u = std::clamp(up[j] + bu[j % ff], -kGptOssLimit, kGptOssLimit);
     gate[j] = static_cast<float>((u + 1.0) * g / (1.0 + std::exp(-kGptOssAlpha * g)));
   }
+}
+
+// The experts' activation over n rows of n_ff: gate[j] = silu(gate[j]) * up[j], or gpt-oss's
+// clamped SwiGLU on the biased gate and up of `expert`.
+void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t expert, float* gate,
+                       const float* up, uint64_t n) {
+  const uint64_t ff = p.n_ff_exp;
+  if (p.is_gptoss()) {
+    oai_swiglu(w, expert, gate, up, n, ff);
+    return;
+  }
+  for (uint64_t j = 0; j < n * ff; ++j) gate[j] = silu(gate[j]) * up[j];
 }
 
 }  // namespace
@@ -57,11 +64,7 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, Ex
                                           "'{}' (use create_cpu_engine)",
                                           model.path(), p.architecture));
   }
-  if (model.deferred()) {
-    return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
-                                          "this model was loaded with DenseLoad::Deferred",
-                                          model.path()));
-  }
+  EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_engine_options(p, options));
   const uint64_t kv_values = uint64_t{p.n_layer} * options.max_context * p.n_head_kv * p.head_dim;
   if (kv_values > (uint64_t{1} << 34)) {  // 64 GiB per cache: a typo, not a plan
@@ -122,15 +125,10 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   cgate_.resize(c * p_.n_ff_exp);
   cup_.resize(c * p_.n_ff_exp);
   cdown_.resize(c * p_.n_embd);
-  if (p_.yarn_factor > 0.0) {
+  if (p_.yarn.factor > 0.0) {
     // gpt-oss's config says truncate: false (the GGUF has no key for it).
-    inv_freq_ = yarn_inv_freq(p_.n_rot, p_.rope_base,
-                              YarnParams{.factor = p_.yarn_factor,
-                                         .orig_ctx = static_cast<double>(p_.yarn_orig_ctx),
-                                         .beta_fast = p_.yarn_beta_fast,
-                                         .beta_slow = p_.yarn_beta_slow,
-                                         .truncate = false});
-    mscale_ = yarn_mscale(p_.yarn_factor);
+    inv_freq_ = rope_inv_freq(p_.n_rot, p_.rope_base, p_.yarn, /*truncate=*/false);
+    mscale_ = yarn_mscale(p_.yarn.factor);
   }
 }
 
@@ -438,48 +436,68 @@ void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
   routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
 }
 
-Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
-  const uint32_t k = p_.n_expert_used;
-  const uint64_t e = p_.n_embd;
-  const uint64_t ff = p_.n_ff_exp;
-  const uint32_t last = pos_ + n - 1;
-  const std::span<const uint32_t> needed = groups_.needed();
-  const LayerWeights& w = model_.layer(layer);
+Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroups& groups,
+                         uint32_t k, uint32_t last_pos, const float* x, uint64_t n_embd,
+                         uint64_t n_ff, float* out, const ChunkExperts& scratch,
+                         EngineStats& stats) {
+  const uint64_t e = n_embd;
+  const uint64_t ff = n_ff;
+  const std::span<const uint32_t> needed = groups.needed();
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Every needed expert is hinted before any is acquired, so the daemon loads the later groups
   // while the first ones compute (the cursor is still before this layer, so they target it).
-  if (n_needed > k) hint_needed(source_, layer, needed, exact_, stats_);
-  if (!source_.set_cursor(last, layer)) ++stats_.hint_errors;
+  if (n_needed > k) hint_needed(source, layer, needed, scratch.exact, stats);
+  if (!source.set_cursor(last_pos, layer)) ++stats.hint_errors;
 
   // Held at most top-k at a time: a daemon cache sized for decode never has to hold a layer.
   for (uint32_t g = 0; g < n_needed; g += k) {
     const uint32_t m = std::min(k, n_needed - g);
     const std::span<const uint32_t> group = needed.subspan(g, m);
+    const std::span<ExpertView> views = scratch.views.first(m);
     const uint64_t t0 = monotonic_ns();
-    EXPERTD_TRY(source_.get(layer, group, std::span<ExpertView>(views_.data(), m)));
-    stats_.stall_ns += monotonic_ns() - t0;
-    stats_.experts_used += m;
-    stats_.prefill_experts += m;
+    EXPERTD_TRY(source.get(layer, group, views));
+    stats.stall_ns += monotonic_ns() - t0;
+    stats.experts_used += m;
+    stats.prefill_experts += m;
     for (uint32_t v = 0; v < m; ++v) {
-      const ExpertView& ev = views_[v];
+      const ExpertView& ev = views[v];
       EXPERTD_CHECK_EQ(ev.layer, layer);
       EXPERTD_CHECK_EQ(ev.expert, group[v]);
-      const std::span<const uint32_t> slots = groups_.slots(group[v]);
+      const std::span<const uint32_t> slots = groups.slots(group[v]);
       const auto count = static_cast<uint32_t>(slots.size());
       for (uint32_t r = 0; r < count; ++r) {
-        std::copy_n(cxn_.data() + uint64_t{slots[r] / k} * e, e, cgx_.data() + r * e);
+        std::copy_n(x + uint64_t{slots[r] / k} * e, e, scratch.gx + r * e);
       }
-      matmul(ev.gate, cgx_.data(), e, cgate_.data(), ff, count, row_.data());
-      matmul(ev.up, cgx_.data(), e, cup_.data(), ff, count, row_.data());
-      expert_activation(p_, w, ev.expert, cgate_.data(), cup_.data(), count);
-      matmul(ev.down, cgate_.data(), ff, cdown_.data(), e, count, row_.data());
-      add_bias(cdown_.data(), expert_row(w.exp_down_b, ev.expert, e), count, e);
+      matmul(ev.gate, scratch.gx, e, scratch.gate, ff, count, scratch.row);
+      matmul(ev.up, scratch.gx, e, scratch.up, ff, count, scratch.row);
+      if (scratch.gptoss != nullptr) {
+        oai_swiglu(*scratch.gptoss, ev.expert, scratch.gate, scratch.up, count, ff);
+      } else {
+        for (uint64_t j = 0; j < uint64_t{count} * ff; ++j) {
+          scratch.gate[j] = silu(scratch.gate[j]) * scratch.up[j];
+        }
+      }
+      matmul(ev.down, scratch.gate, ff, scratch.down, e, count, scratch.row);
+      if (scratch.gptoss != nullptr) {
+        add_bias(scratch.down, expert_row(scratch.gptoss->exp_down_b, ev.expert, e), count, e);
+      }
       for (uint32_t r = 0; r < count; ++r) {
-        std::copy_n(cdown_.data() + r * e, e, cout_.data() + uint64_t{slots[r]} * e);
+        std::copy_n(scratch.down + r * e, e, out + uint64_t{slots[r]} * e);
       }
     }
-    EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), m)));
+    EXPERTD_TRY(source.release(views));
   }
+  return Ok{};
+}
+
+Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
+  const uint32_t k = p_.n_expert_used;
+  const uint64_t e = p_.n_embd;
+  EXPERTD_TRY(run_chunk_experts(
+      source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e, p_.n_ff_exp, cout_.data(),
+      ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(), cup_.data(), cdown_.data(),
+                   row_.data(), p_.is_gptoss() ? &model_.layer(layer) : nullptr},
+      stats_));
   // Each position sums its experts in its route's order, as decode() does.
   for (uint32_t i = 0; i < n; ++i) {
     std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
@@ -498,6 +516,10 @@ Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, Exper
                                                   const EngineOptions& options) {
   if (model.params().is_ds4()) {
     EXPERTD_TRY_ASSIGN(auto e, Ds4CpuEngine::create(model, source, options));
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+  if (model.params().is_ds3()) {
+    EXPERTD_TRY_ASSIGN(auto e, Ds3CpuEngine::create(model, source, options));
     return std::unique_ptr<Engine>(std::move(e));
   }
   EXPERTD_TRY_ASSIGN(auto e, CpuEngine::create(model, source, options));

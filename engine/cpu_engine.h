@@ -148,8 +148,31 @@ class CpuEngine final : public Engine {
   double mscale_ = 1.0;            // YaRN's attention factor
 };
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama) or Ds4CpuEngine
-// (deepseek4).
+// prefill() on the CPU: the routed-expert half of a chunk's MoE layer, shared by the CPU engines
+// whose experts are a SwiGLU (plain, or gpt-oss's clamped one with biases). Every expert `groups`
+// needs is hinted first when there are more than k, then acquired k at a time (a cache sized for
+// decode never has to hold a layer) and applied to all its positions: route slot s (position s / k)
+// gets down(silu(gate x) * up x) at out + s * n_embd, x the position's row of `x`
+// ([position][n_embd]). The matmuls give each output the double-accumulated dot decode()'s matvec
+// computes, so the results are decode()'s.
+struct ChunkExperts {
+  std::span<ExpertView> views;  // k
+  std::span<ExpertHint> exact;  // n_expert
+  float* gx = nullptr;          // [C][n_embd]: one expert's inputs
+  float* gate = nullptr;        // [C][n_ff]
+  float* up = nullptr;          // [C][n_ff]
+  float* down = nullptr;        // [C][n_embd]
+  float* row = nullptr;         // one dequantised weight row (max of n_embd, n_ff)
+  // gpt-oss: the layer whose expert biases and clamped SwiGLU apply (null: plain SwiGLU).
+  const LayerWeights* gptoss = nullptr;
+};
+Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroups& groups,
+                         uint32_t k, uint32_t last_pos, const float* x, uint64_t n_embd,
+                         uint64_t n_ff, float* out, const ChunkExperts& scratch,
+                         EngineStats& stats);
+
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama), Ds4CpuEngine
+// (deepseek4) or Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

@@ -97,16 +97,18 @@ void rope_neox_freqs(float* v, uint32_t n_rot, uint32_t pos, const double* inv_f
   }
 }
 
-std::vector<double> yarn_inv_freq(uint32_t dim, double base, const YarnParams& y) {
+std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn, bool truncate) {
+  const uint32_t dim = n_rot;
   std::vector<double> f(dim / 2);
   for (uint32_t i = 0; i < dim / 2; ++i) f[i] = 1.0 / std::pow(base, 2.0 * i / dim);
-  if (y.factor <= 0.0) return f;
+  if (yarn.factor <= 0.0) return f;
+  const double orig = yarn.orig_ctx;
   auto corr = [&](double rot) {
-    return dim * std::log(y.orig_ctx / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+    return dim * std::log(orig / (rot * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
   };
-  double low = corr(y.beta_fast);
-  double high = corr(y.beta_slow);
-  if (y.truncate) {
+  double low = corr(yarn.beta_fast);
+  double high = corr(yarn.beta_slow);
+  if (truncate) {
     low = std::floor(low);
     high = std::ceil(high);
   }
@@ -115,9 +117,21 @@ std::vector<double> yarn_inv_freq(uint32_t dim, double base, const YarnParams& y
   if (low == high) high += 0.001;
   for (uint32_t i = 0; i < dim / 2; ++i) {
     const double extrapolate = 1.0 - std::clamp((i - low) / (high - low), 0.0, 1.0);
-    f[i] = f[i] / y.factor * (1.0 - extrapolate) + f[i] * extrapolate;
+    f[i] = f[i] / yarn.factor * (1.0 - extrapolate) + f[i] * extrapolate;
   }
   return f;
+}
+
+void rope_pairs(float* v, std::span<const double> inv_freq, uint32_t pos, bool inverse) {
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    const double a = static_cast<double>(pos) * inv_freq[i];
+    const double c = std::cos(a);
+    const double s = inverse ? -std::sin(a) : std::sin(a);
+    const double x0 = v[2 * i];
+    const double x1 = v[2 * i + 1];
+    v[2 * i] = static_cast<float>(x0 * c - x1 * s);
+    v[2 * i + 1] = static_cast<float>(x1 * c + x0 * s);
+  }
 }
 
 void softmax(double* p, size_t n) {

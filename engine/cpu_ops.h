@@ -43,22 +43,22 @@ inline void rope(RopeType type, float* v, uint32_t n_rot, uint32_t pos, double b
 // factor, as transformers applies it).
 void rope_neox_freqs(float* v, uint32_t n_rot, uint32_t pos, const double* inv_freq, double mscale);
 
-// YaRN (transformers' _compute_yarn_parameters): `factor` 0 means plain RoPE. DeepSeek-V4 rounds
-// the correction range outwards (truncate); gpt-oss's config says truncate: false.
-struct YarnParams {
-  double factor = 0.0;
-  double orig_ctx = 0.0;
-  double beta_fast = 32.0;
-  double beta_slow = 1.0;
-  bool truncate = true;
-};
-// The inverse frequencies of the dim / 2 rope pairs: base^(-2i/dim), or YaRN's blend of the
-// interpolated and extrapolated ones.
-std::vector<double> yarn_inv_freq(uint32_t dim, double base, const YarnParams& y);
+// Inverse frequencies of n_rot / 2 rope pairs: base^(-2i/n_rot), or with YaRN (factor > 0) the
+// blend of interpolated (/ factor) and extrapolated frequencies over the correction range of
+// beta_fast..beta_slow rotations in orig_ctx positions (transformers' _compute_yarn_parameters).
+// DeepSeek rounds the correction range outwards (`truncate`); gpt-oss's config says truncate:
+// false.
+std::vector<double> rope_inv_freq(uint32_t n_rot, double base, const Yarn& yarn,
+                                  bool truncate = true);
 // YaRN's attention factor for `factor` (1 without scaling).
 inline double yarn_mscale(double factor) {
   return factor > 1.0 ? 0.1 * std::log(factor) + 1.0 : 1.0;
 }
+
+// Rotary embedding on adjacent pairs (llama.cpp's rope type 0; the interleaved layout DeepSeek's
+// checkpoints use): pair (2i, 2i + 1) of v[0, 2 * inv_freq.size()) turns by pos * inv_freq[i],
+// backwards when `inverse`.
+void rope_pairs(float* v, std::span<const double> inv_freq, uint32_t pos, bool inverse = false);
 
 // In place: p[i] = exp(p[i] - max) / sum over n elements, computed in double.
 void softmax(double* p, size_t n);

@@ -57,7 +57,7 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
                                                                        const DenseModel& model) {
   const client::ModelLayout& l = session.layout();
   const ModelParams& p = model.params();
-  // Every block of the file has experts, deepseek4's MTP blocks too (the engine skips those).
+  // Every block of the file counts, deepseek4's MTP blocks too (the engine skips those).
   const uint32_t n_layer = p.n_layer + p.ds4.nextn_layers;
   if (l.block_count != n_layer || l.expert_count != p.n_expert || l.top_k != p.n_expert_used) {
     return make_error(EINVAL, fmt::format("model '{}': the daemon has {} layers, {} experts, top-k "
@@ -101,6 +101,8 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
   }
   for (uint32_t layer = 0; layer < n_layer; ++layer) {
     const LayerParts& lp = src->layers_[layer];
+    // Dense layers (deepseek2's leading ones) have no experts in the file or the daemon.
+    if (map.find_layer(layer) == nullptr && seen[layer] == 0) continue;
     if (lp.gate.shape.rows == 0 || lp.up.shape.rows == 0 || lp.down.shape.rows == 0) {
       return make_error(EINVAL, fmt::format("model '{}' layer {}: {} expert slices, expected gate, "
                                             "up and down (or gate_up and down)",

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 #include <numeric>
 
 #include "base/check.h"
@@ -47,13 +46,10 @@ void swiglu(float* gate, const float* up, uint64_t n, float limit) {
 // extrapolated frequencies (transformers' _compute_yarn_parameters with truncate; DeepSeek-V4
 // keeps the attention factor at 1).
 std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yarn) {
-  if (yarn == nullptr) return yarn_inv_freq(dim, base, YarnParams{});
-  return yarn_inv_freq(dim, base,
-                       YarnParams{.factor = yarn->yarn_factor,
-                                  .orig_ctx = static_cast<double>(yarn->yarn_orig_ctx),
-                                  .beta_fast = yarn->yarn_beta_fast,
-                                  .beta_slow = yarn->yarn_beta_slow,
-                                  .truncate = true});
+  if (yarn == nullptr) return rope_inv_freq(dim, base, Yarn{});
+  return rope_inv_freq(
+      dim, base,
+      Yarn{yarn->yarn_factor, yarn->yarn_orig_ctx, yarn->yarn_beta_fast, yarn->yarn_beta_slow});
 }
 
 void ds4_route(const Ds4Params& d, const Ds4LayerWeights& l, bool hash, uint32_t token,
@@ -109,11 +105,7 @@ Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {
 Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& model,
                                                            ExpertSource& source,
                                                            const EngineOptions& options) {
-  if (model.deferred()) {
-    return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
-                                          "this model was loaded with DenseLoad::Deferred",
-                                          model.path()));
-  }
+  EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_ds4_engine(model, options));
   return std::unique_ptr<Ds4CpuEngine>(new Ds4CpuEngine(model, source, options));
 }
@@ -231,16 +223,7 @@ void Ds4CpuEngine::reset() {
 
 void Ds4CpuEngine::rope(float* v, uint32_t dim, uint32_t pos, bool compress, bool inverse) const {
   const std::vector<double>& f = compress ? inv_freq_compress_ : inv_freq_main_;
-  float* r = v + (dim - p_.n_rot);  // heads are [nope | rope]
-  for (uint32_t i = 0; i < p_.n_rot / 2; ++i) {
-    const double a = static_cast<double>(pos) * f[i];
-    const double c = std::cos(a);
-    const double s = inverse ? -std::sin(a) : std::sin(a);
-    const double x0 = r[2 * i];
-    const double x1 = r[2 * i + 1];
-    r[2 * i] = static_cast<float>(x0 * c - x1 * s);
-    r[2 * i + 1] = static_cast<float>(x1 * c + x0 * s);
-  }
+  rope_pairs(v + (dim - p_.n_rot), f, pos, inverse);  // heads are [nope | rope]
 }
 
 Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {

@@ -28,19 +28,12 @@ using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::PinnedBytes;
 using gpu::align_up;
+using gpu::Carver;
+using gpu::DevMat;
 using gpu::ExpertPtrs;
 using gpu::gib;
 using gpu::GpuExperts;
 using gpu::kAlign;
-
-// A dense weight in VRAM, in its GGUF encoding.
-struct DevMat {
-  GgmlType type = GgmlType::F32;
-  const uint8_t* data = nullptr;
-  uint32_t rows = 0;
-  uint32_t cols = 0;
-  uint64_t row_bytes = 0;
-};
 
 struct DevComp {
   DevMat wkv, wgate;
@@ -83,37 +76,6 @@ struct DevCompState {
 struct DevLayerState {
   float* window = nullptr;  // [window][head_dim] ring
   DevCompState comp, index;
-};
-
-// Sub-allocates one device buffer: a first pass (counting) sums the aligned sizes, a second
-// (after alloc) hands out the addresses and uploads.
-class Carver {
- public:
-  bool counting() const { return base_ == nullptr; }
-  uint64_t total() const { return total_; }
-  void start(uint8_t* base) {
-    base_ = base;
-    total_ = 0;
-  }
-  // `bytes` of device memory, filled from `src` when it is not null.
-  uint8_t* take(uint64_t bytes, const void* src = nullptr) {
-    uint8_t* out = base_ == nullptr ? nullptr : base_ + total_;
-    total_ += align_up(std::max<uint64_t>(bytes, 1), kAlign);
-    if (out != nullptr && src != nullptr && error_ == cudaSuccess) {
-      error_ = cudaMemcpy(out, src, bytes, cudaMemcpyHostToDevice);
-    }
-    return out;
-  }
-  template <typename T>
-  T* take_n(uint64_t n, const T* src = nullptr) {
-    return reinterpret_cast<T*>(take(n * sizeof(T), src));
-  }
-  cudaError_t error() const { return error_; }
-
- private:
-  uint8_t* base_ = nullptr;
-  uint64_t total_ = 0;
-  cudaError_t error_ = cudaSuccess;
 };
 
 }  // namespace
@@ -276,29 +238,8 @@ Status Ds4GpuEngine::Impl::carve_dense(Carver& c) {
   // Each matrix as read; the kernels read f32, f16, bf16, q8_0, q4_k, q6_k and mxfp4. A deferred
   // model's matrices are read from the file one at a time (DenseLoad::Deferred).
   std::vector<uint8_t> scratch;
-  auto mat = [&](const Matrix& m, DevMat& dst) -> Status {
-    if (c.counting()) {
-      if (!expert_type_supported(m.type)) {
-        return make_error(EINVAL, fmt::format("{}: tensor {} is {}, which the GPU kernels do not "
-                                              "read",
-                                              model.path(), m.name, ggml_type_name(m.type)));
-      }
-      if (m.rows > UINT32_MAX || m.cols > UINT32_MAX) {
-        return make_error(EINVAL, fmt::format("{}: tensor {} is too large for the GPU kernels",
-                                              model.path(), m.name));
-      }
-    }
-    dst.type = m.type;
-    dst.rows = static_cast<uint32_t>(m.rows);
-    dst.cols = static_cast<uint32_t>(m.cols);
-    dst.row_bytes = m.row_bytes;
-    const uint8_t* src = nullptr;
-    if (!c.counting()) {
-      EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
-      src = bytes.data();
-    }
-    dst.data = c.take(m.size(), src);
-    return Ok{};
+  auto mat = [&](const Matrix& m, DevMat& dst) {
+    return gpu::carve_matrix(c, model, m, dst, scratch);
   };
   auto vec = [&](const std::vector<float>& v) -> const float* {
     return c.take_n<float>(v.size(), v.data());
@@ -444,29 +385,21 @@ Status Ds4GpuEngine::Impl::init() {
   EXPERTD_TRY_ASSIGN(compute, CudaStream::create(cudaStreamNonBlocking));
   EXPERTD_TRY_ASSIGN(copy, CudaStream::create(cudaStreamNonBlocking));
 
-  // Dense weights: count, check the free memory, allocate, upload.
-  Carver dc;
-  EXPERTD_TRY(carve_dense(dc));
-  dense_device_bytes = dc.total();
+  // Dense weights: count, check the free memory, allocate, upload. Then caches and activations.
+  EXPERTD_TRY_ASSIGN(dense_mem, gpu::carve_device([&](Carver& c) { return carve_dense(c); },
+                                                  [&](uint64_t n) {
+                                                    dense_device_bytes = n;
+                                                    return gpu::alloc_dense(n, "as in the file",
+                                                                            model.path(),
+                                                                            device_name);
+                                                  }));
   EXPERTD_TRY_ASSIGN(
-      dense_mem, gpu::alloc_dense(dense_device_bytes, "as in the file", model.path(), device_name));
-  dc.start(dense_mem.get());
-  EXPERTD_TRY(carve_dense(dc));
-  EXPERTD_CUDA_TRY(dc.error());
-
-  // Caches and activations.
-  Carver wc;
-  carve_work(wc);
-  Result<DeviceBytes> work = DeviceBytes::alloc(wc.total());
-  if (!work) {
-    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the caches "
-                                          "({} positions) and activations on {}",
-                                          gib(wc.total()), opts.max_context, device_name));
-  }
-  work_mem = std::move(*work);
-  wc.start(work_mem.get());
-  carve_work(wc);
-  EXPERTD_CUDA_TRY(cudaMemset(work_mem.get(), 0, wc.total()));
+      work_mem, gpu::carve_device(
+                    [&](Carver& c) -> Status {
+                      carve_work(c);
+                      return Ok{};
+                    },
+                    [&](uint64_t n) { return gpu::alloc_work(n, opts.max_context, device_name); }));
 
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
@@ -717,39 +650,9 @@ Status Ds4GpuEngine::Impl::moe(uint32_t layer) {
   (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
 
   // gate and up of every expert, the clamped SwiGLU, down.
-  const GpuExperts::LayerShape& sh = experts->shape(layer);
-  const uint32_t ff = p.n_ff_exp;
   const uint32_t e = p.n_embd;
-  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
-    kernels::MatvecBatch b;
-    b.count = 2 * k;
-    for (uint32_t i = 0; i < k; ++i) {
-      b.w[i] = ptrs[i].gate;
-      b.x[i] = xn;
-      b.y[i] = gu + uint64_t{i} * ff;
-      b.w[k + i] = ptrs[i].up;
-      b.x[k + i] = xn;
-      b.y[k + i] = gu + uint64_t{k + i} * ff;
-    }
-    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
-  } else {
-    for (uint32_t i = 0; i < k; ++i) {
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes, ff, e, xn,
-                                       gu + uint64_t{i} * ff, st));
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes, ff, e, xn,
-                                       gu + uint64_t{k + i} * ff, st));
-    }
-  }
-  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, hbuf, uint64_t{k} * ff,
-                                       d.clamp_exp[layer], st));
-  kernels::MatvecBatch b;
-  b.count = k;
-  for (uint32_t i = 0; i < k; ++i) {
-    b.w[i] = ptrs[i].down;
-    b.x[i] = hbuf + uint64_t{i} * ff;
-    b.y[i] = eo + uint64_t{i} * e;
-  }
-  EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
+                               p.n_ff_exp, e, xn, d.clamp_exp[layer], gu, hbuf, eo, st));
   EXPERTD_TRY(experts->finish_layer());
   if (dl.has_shexp) {
     EXPERTD_TRY(mv(dl.shexp_gate, xn, sg));

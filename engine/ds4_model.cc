@@ -182,21 +182,11 @@ Status read_ds4_params(const GgufModel& g, ModelParams& p) {
                                  "key_length {}",
                                  p.n_rot, p.head_dim, idim));
   }
-  if (const GgufValue* v = g.find_arch("rope.scaling.type")) {
-    const std::string* type = v->as_string();
-    if (type == nullptr) return key_error(g, "rope.scaling.type", "is not a string");
-    if (*type == "yarn") {
-      EXPERTD_TRY_ASSIGN(d.yarn_factor, get_f64(g, "rope.scaling.factor", {}));
-      EXPERTD_TRY_ASSIGN(const uint64_t octx, get_u64(g, "rope.scaling.original_context_length", {},
-                                                      1, uint64_t{1} << 32));
-      d.yarn_orig_ctx = static_cast<uint32_t>(octx);
-      EXPERTD_TRY_ASSIGN(d.yarn_beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
-      EXPERTD_TRY_ASSIGN(d.yarn_beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
-    } else if (*type != "none") {
-      return key_error(g, "rope.scaling.type",
-                       fmt::format("= '{}': deepseek4 supports yarn or none", *type));
-    }
-  }
+  EXPERTD_TRY_ASSIGN(const Yarn yarn, detail::read_yarn(g, "deepseek4"));
+  d.yarn_factor = yarn.factor;
+  d.yarn_orig_ctx = yarn.orig_ctx;
+  d.yarn_beta_fast = yarn.beta_fast;
+  d.yarn_beta_slow = yarn.beta_slow;
   d.q_lora_rank = static_cast<uint32_t>(qlr);
   d.o_groups = static_cast<uint32_t>(og);
   d.o_lora_rank = static_cast<uint32_t>(olr);

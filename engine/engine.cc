@@ -212,6 +212,13 @@ void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, 
   if (!out.empty() && !source.prefetch(out)) ++stats.hint_errors;
 }
 
+Status check_cpu_model(const DenseModel& model) {
+  if (!model.deferred()) return Ok{};
+  return make_error(EINVAL, fmt::format("{}: the CPU engine needs the dense weights in memory; "
+                                        "this model was loaded with DenseLoad::Deferred",
+                                        model.path()));
+}
+
 Status check_engine_options(const ModelParams& p, const EngineOptions& o) {
   if (o.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
   if (o.prefetch_width > p.n_expert) {

@@ -273,6 +273,8 @@ void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, 
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.
 Status check_engine_options(const ModelParams& p, const EngineOptions& o);
+// The CPU engines' check of the model: its dense weights in memory (not DenseLoad::Deferred).
+Status check_cpu_model(const DenseModel& model);
 Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,
                     size_t logits);
 // prefill()'s checks before anything runs: a non-empty prompt that fits the KV cache from `pos`,

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "engine/dequant.h"
+#include "engine/ds3_gpu_engine.h"
 #include "engine/ds4_gpu_engine.h"
 #include "engine/gpu_experts.h"
 #include "kernels/attention.cuh"
@@ -880,6 +881,11 @@ Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, Exper
   if (model.params().is_ds4()) {
     EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds4GpuEngine> e,
                        Ds4GpuEngine::create(model, source, options, gpu));
+    return std::unique_ptr<Engine>(std::move(e));
+  }
+  if (model.params().is_ds3()) {
+    EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds3GpuEngine> e,
+                       Ds3GpuEngine::create(model, source, options, gpu));
     return std::unique_ptr<Engine>(std::move(e));
   }
   EXPERTD_TRY_ASSIGN(std::unique_ptr<GpuEngine> e, GpuEngine::create(model, source, options, gpu));

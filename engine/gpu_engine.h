@@ -94,7 +94,8 @@ class GpuEngine final : public Engine {
 };
 
 // The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe and llama, Ds4GpuEngine for
-// deepseek4 (engine/ds4_gpu_engine.h); GpuEngine's error for any other.
+// deepseek4 (engine/ds4_gpu_engine.h), Ds3GpuEngine for deepseek2 (engine/ds3_gpu_engine.h);
+// GpuEngine's error for any other.
 Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options,
                                                   const GpuOptions& gpu);

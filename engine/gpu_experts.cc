@@ -6,6 +6,8 @@
 
 #include "base/clock.h"
 #include "kernels/check.h"
+#include "kernels/ds4.cuh"
+#include "kernels/matvec.cuh"
 #include "storage/slice_map.h"
 
 namespace expertd::engine::gpu {
@@ -16,6 +18,79 @@ using cuda::HostRegistration;
 
 std::string gib(uint64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
+}
+
+Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat& dst,
+                    std::vector<uint8_t>& scratch) {
+  if (c.counting()) {
+    if (!expert_type_supported(m.type)) {
+      return make_error(EINVAL, fmt::format("{}: tensor {} is {}, which the GPU kernels do not "
+                                            "read",
+                                            model.path(), m.name, ggml_type_name(m.type)));
+    }
+    if (m.rows > UINT32_MAX || m.cols > UINT32_MAX) {
+      return make_error(EINVAL, fmt::format("{}: tensor {} is too large for the GPU kernels",
+                                            model.path(), m.name));
+    }
+  }
+  dst.type = m.type;
+  dst.rows = static_cast<uint32_t>(m.rows);
+  dst.cols = static_cast<uint32_t>(m.cols);
+  dst.row_bytes = m.row_bytes;
+  const uint8_t* src = nullptr;
+  if (!c.counting()) {
+    EXPERTD_TRY_ASSIGN(const std::span<const uint8_t> bytes, m.data(scratch));
+    src = bytes.data();
+  }
+  dst.data = c.take(m.size(), src);
+  return Ok{};
+}
+
+Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs> ptrs, uint32_t ff,
+                   uint32_t e, const float* x, float clamp, float* gu, float* h, float* out,
+                   cudaStream_t st) {
+  const auto k = static_cast<uint32_t>(ptrs.size());
+  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
+    kernels::MatvecBatch b;
+    b.count = 2 * k;
+    for (uint32_t i = 0; i < k; ++i) {
+      b.w[i] = ptrs[i].gate;
+      b.x[i] = x;
+      b.y[i] = gu + uint64_t{i} * ff;
+      b.w[k + i] = ptrs[i].up;
+      b.x[k + i] = x;
+      b.y[k + i] = gu + uint64_t{k + i} * ff;
+    }
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
+  } else {
+    for (uint32_t i = 0; i < k; ++i) {
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes, ff, e, x,
+                                       gu + uint64_t{i} * ff, st));
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes, ff, e, x,
+                                       gu + uint64_t{k + i} * ff, st));
+    }
+  }
+  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, h, uint64_t{k} * ff, clamp, st));
+  kernels::MatvecBatch b;
+  b.count = k;
+  for (uint32_t i = 0; i < k; ++i) {
+    b.w[i] = ptrs[i].down;
+    b.x[i] = h + uint64_t{i} * ff;
+    b.y[i] = out + uint64_t{i} * e;
+  }
+  EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  return Ok{};
+}
+
+Result<DeviceBytes> alloc_work(uint64_t bytes, uint32_t positions, const std::string& device_name) {
+  Result<DeviceBytes> work = DeviceBytes::alloc(bytes);
+  if (!work) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the caches "
+                                          "({} positions) and activations on {}",
+                                          gib(bytes), positions, device_name));
+  }
+  EXPERTD_CUDA_TRY(cudaMemset(work->get(), 0, bytes));
+  return work;
 }
 
 Result<DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,

@@ -1,4 +1,5 @@
-// Internal to the CUDA engines (GpuEngine, Ds4GpuEngine): how routed experts reach the device.
+// Internal to the CUDA engines (GpuEngine, Ds4GpuEngine, Ds3GpuEngine): how routed experts reach
+// the device, and the dense-weight upload helpers the DeepSeek engines share (DevMat, Carver).
 // Owns the registration of the source's host memory (the daemon's arena, read-only and mapped),
 // the VRAM tier's device slots with their copy/use events and bookkeeping (VramTier, replaced by
 // the daemon's policy), and the holds on the source's experts that are still to be given back.
@@ -24,6 +25,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -35,6 +37,7 @@
 #include "engine/gpu_engine.h"
 #include "engine/model.h"
 #include "engine/vram_tier.h"
+#include "kernels/check.h"
 #include "kernels/cuda_raii.h"
 #include "storage/ggml_types.h"
 
@@ -45,6 +48,71 @@ inline constexpr uint64_t kAlign = 256;  // device sub-allocation alignment
 inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string gib(uint64_t bytes);
+
+// A dense weight in VRAM, in its GGUF encoding.
+struct DevMat {
+  GgmlType type = GgmlType::F32;
+  const uint8_t* data = nullptr;
+  uint32_t rows = 0;
+  uint32_t cols = 0;
+  uint64_t row_bytes = 0;
+};
+
+// Sub-allocates one device buffer: a first pass (counting) sums the aligned sizes, a second
+// (after alloc) hands out the addresses and uploads.
+class Carver {
+ public:
+  bool counting() const { return base_ == nullptr; }
+  uint64_t total() const { return total_; }
+  void start(uint8_t* base) {
+    base_ = base;
+    total_ = 0;
+  }
+  // `bytes` of device memory, filled from `src` when it is not null.
+  uint8_t* take(uint64_t bytes, const void* src = nullptr) {
+    uint8_t* out = base_ == nullptr ? nullptr : base_ + total_;
+    total_ += align_up(std::max<uint64_t>(bytes, 1), kAlign);
+    if (out != nullptr && src != nullptr && error_ == cudaSuccess) {
+      error_ = cudaMemcpy(out, src, bytes, cudaMemcpyHostToDevice);
+    }
+    return out;
+  }
+  template <typename T>
+  T* take_n(uint64_t n, const T* src = nullptr) {
+    return reinterpret_cast<T*>(take(n * sizeof(T), src));
+  }
+  cudaError_t error() const { return error_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t total_ = 0;
+  cudaError_t error_ = cudaSuccess;
+};
+
+// One device allocation sub-allocated by `carve` (Status(Carver&)), run twice: to count, then, in
+// what `alloc` (Result<DeviceBytes>(uint64_t bytes)) made of the count, to hand out the addresses
+// and upload.
+template <typename Carve, typename Alloc>
+Result<cuda::DeviceBytes> carve_device(Carve&& carve, Alloc&& alloc) {
+  Carver c;
+  EXPERTD_TRY(carve(c));
+  EXPERTD_TRY_ASSIGN(cuda::DeviceBytes mem, alloc(c.total()));
+  c.start(mem.get());
+  EXPERTD_TRY(carve(c));
+  EXPERTD_CUDA_TRY(c.error());
+  return mem;
+}
+
+// `bytes` of device memory for the caches and activations of `positions` (zeroed); the error
+// names the size, the positions and the device.
+Result<cuda::DeviceBytes> alloc_work(uint64_t bytes, uint32_t positions,
+                                     const std::string& device_name);
+
+// Takes `m` from `c` as it is in the file (its bytes uploaded unless counting; a deferred model's
+// read through `scratch`) and describes it in `dst`; errors name the tensor whose type the kernels
+// do not read or whose size they do not take.
+Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat& dst,
+                    std::vector<uint8_t>& scratch);
 
 // `bytes` of device memory for a model's dense weights (`what` says how they are stored), after
 // checking that they fit with 256 MiB to spare; errors name the model, both sizes and the device.
@@ -209,5 +277,12 @@ class GpuExperts {
   std::vector<uint32_t> candidates_;
   std::vector<uint8_t> host_resident_;  // measure_tiers(): [layer][expert]
 };
+
+// The routed experts of one layer on `x` (n_embd): gate and up of each (batched when they share a
+// type), SwiGLU (clamped at `clamp` as DeepSeek-V4's; 0: none), down; expert i's output at
+// out + i * n_embd. gu: [2k][n_ff] (gate outputs, then up), h: [k][n_ff]. Enqueued on `stream`.
+Status run_experts(const GpuExperts::LayerShape& shape, std::span<const ExpertPtrs> experts,
+                   uint32_t n_ff, uint32_t n_embd, const float* x, float clamp, float* gu, float* h,
+                   float* out, cudaStream_t stream);
 
 }  // namespace expertd::engine::gpu

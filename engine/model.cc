@@ -54,6 +54,29 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
   return *x;
 }
 
+Result<Yarn> read_yarn(const GgufModel& g, std::string_view family) {
+  Yarn y;
+  const GgufValue* v = g.find_arch("rope.scaling.type");
+  if (v == nullptr) return y;
+  const std::string* type = v->as_string();
+  if (type == nullptr || (*type != "yarn" && *type != "none")) {
+    return make_error(EINVAL,
+                      fmt::format("{}: {} {}", g.meta().path(), g.arch_key("rope.scaling.type"),
+                                  type == nullptr ? "is not a string"
+                                                  : fmt::format("= '{}': {} supports yarn "
+                                                                "or none",
+                                                                *type, family)));
+  }
+  if (*type == "none") return y;
+  EXPERTD_TRY_ASSIGN(y.factor, get_f64(g, "rope.scaling.factor", {}));
+  EXPERTD_TRY_ASSIGN(const uint64_t octx,
+                     get_u64(g, "rope.scaling.original_context_length", {}, 1, uint64_t{1} << 32));
+  y.orig_ctx = static_cast<uint32_t>(octx);
+  EXPERTD_TRY_ASSIGN(y.beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
+  EXPERTD_TRY_ASSIGN(y.beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
+  return y;
+}
+
 Result<Sources> open_sources(const GgufModel& g, DenseLoad how) {
   Sources src;
   src.defer_matrices = how == DenseLoad::Deferred;
@@ -70,18 +93,21 @@ Result<Sources> open_sources(const GgufModel& g, DenseLoad how) {
 
 namespace {
 
+// `planes` > 1: a 3-D tensor ne [cols, rows, planes], read as one matrix of planes * rows rows.
 Result<Matrix> read_tensor(const GgufModel& g, const Sources& src, const std::string& name,
-                           uint64_t rows, uint64_t cols, bool defer) {
+                           uint64_t rows, uint64_t cols, bool defer, uint64_t planes = 1) {
   const auto ref = g.find_tensor(name);
   if (!ref)
     return make_error(ENOENT, fmt::format("{}: tensor {} is missing", g.meta().path(), name));
   const GgufTensorInfo& t = *ref->info;
   const std::string& file = g.shards()[ref->shard].path();
-  if (t.ne[0] != cols || t.ne[1] != rows || t.ne[2] != 1 || t.ne[3] != 1) {
+  if (t.ne[0] != cols || t.ne[1] != rows || t.ne[2] != planes || t.ne[3] != 1) {
     return make_error(
-        EINVAL, fmt::format("{}: tensor {}: shape [{}, {}, {}, {}], expected [{}, {}]", file, name,
-                            t.ne[0], t.ne[1], t.ne[2], t.ne[3], cols, rows));
+        EINVAL, fmt::format("{}: tensor {}: shape [{}, {}, {}, {}], expected [{}, {}{}]", file,
+                            name, t.ne[0], t.ne[1], t.ne[2], t.ne[3], cols, rows,
+                            planes == 1 ? std::string() : fmt::format(", {}", planes)));
   }
+  rows *= planes;
   if (auto st = dequant_check(t.type, cols); !st) {
     return make_error(st.error().code,
                       fmt::format("{}: tensor {}: {}", file, name, st.error().message));
@@ -109,6 +135,11 @@ Result<Matrix> read_tensor(const GgufModel& g, const Sources& src, const std::st
 Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
                            uint64_t rows, uint64_t cols) {
   return read_tensor(g, src, name, rows, cols, src.defer_matrices);
+}
+
+Result<Matrix> read_matrices(const GgufModel& g, const Sources& src, const std::string& name,
+                             uint64_t n, uint64_t rows, uint64_t cols) {
+  return read_tensor(g, src, name, rows, cols, src.defer_matrices, n);
 }
 
 Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
@@ -184,20 +215,7 @@ Status read_gptoss_params(const GgufModel& g, ModelParams& p) {
   EXPERTD_TRY_ASSIGN(const uint64_t window,
                      get_u64(g, "attention.sliding_window", {}, 1, uint64_t{1} << 24));
   p.swa_window = static_cast<uint32_t>(window);
-  const GgufValue* v = g.find_arch("rope.scaling.type");
-  const std::string* type = v != nullptr ? v->as_string() : nullptr;
-  if (v == nullptr || (type != nullptr && *type == "none")) return Ok{};
-  if (type == nullptr || *type != "yarn") {
-    return make_error(ENOTSUP, fmt::format("{}: {} = {}: gpt-oss supports yarn or none",
-                                           g.meta().path(), g.arch_key("rope.scaling.type"),
-                                           type != nullptr ? *type : "(not a string)"));
-  }
-  EXPERTD_TRY_ASSIGN(p.yarn_factor, get_f64(g, "rope.scaling.factor", {}));
-  EXPERTD_TRY_ASSIGN(const uint64_t orig,
-                     get_u64(g, "rope.scaling.original_context_length", {}, 1, uint64_t{1} << 24));
-  p.yarn_orig_ctx = static_cast<uint32_t>(orig);
-  EXPERTD_TRY_ASSIGN(p.yarn_beta_fast, get_f64(g, "rope.scaling.yarn_beta_fast", 32.0));
-  EXPERTD_TRY_ASSIGN(p.yarn_beta_slow, get_f64(g, "rope.scaling.yarn_beta_slow", 1.0));
+  EXPERTD_TRY_ASSIGN(p.yarn, detail::read_yarn(g, "gpt-oss"));
   return Ok{};
 }
 using detail::read_matrix;
@@ -208,9 +226,9 @@ Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
   if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4" &&
-      p.architecture != "gpt-oss") {
+      p.architecture != "gpt-oss" && p.architecture != "deepseek2") {
     return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, llama "
-                                           "(Mixtral), gpt-oss and deepseek4",
+                                           "(Mixtral), gpt-oss, deepseek4 and deepseek2",
                                            g.meta().path(), p.architecture));
   }
   const bool llama = p.architecture == "llama";
@@ -219,6 +237,9 @@ Result<ModelParams> read_params(const GgufModel& g) {
                                            "llama models with routed experts (Mixtral) only",
                                            g.meta().path()));
   }
+  // deepseek2's key/value_length describe the latent (kv_lora_rank + rope, kv_lora_rank); its
+  // query/key head is the _mla one.
+  const bool mla = p.architecture == "deepseek2";
   EXPERTD_TRY_ASSIGN(const uint64_t n_layer, get_u64(g, "block_count", {}, 1, kMaxLayers));
   EXPERTD_TRY_ASSIGN(const uint64_t n_embd, get_u64(g, "embedding_length", {}, 1, kMaxEmbd));
   EXPERTD_TRY_ASSIGN(const uint64_t n_head, get_u64(g, "attention.head_count", {}, 1, kMaxHeads));
@@ -229,10 +250,12 @@ Result<ModelParams> read_params(const GgufModel& g) {
                                           g.meta().path(), n_head, n_head_kv));
   }
   EXPERTD_TRY_ASSIGN(const uint64_t head_dim,
-                     get_u64(g, "attention.key_length", n_embd / n_head, 2, kMaxHeadDim));
+                     get_u64(g, mla ? "attention.key_length_mla" : "attention.key_length",
+                             n_embd / n_head, 2, kMaxHeadDim));
   EXPERTD_TRY_ASSIGN(const uint64_t v_dim,
-                     get_u64(g, "attention.value_length", head_dim, 2, kMaxHeadDim));
-  if (v_dim != head_dim) {
+                     get_u64(g, mla ? "attention.value_length_mla" : "attention.value_length",
+                             head_dim, 2, kMaxHeadDim));
+  if (v_dim != head_dim && !mla) {
     return make_error(ENOTSUP, fmt::format("{}: key_length {} != value_length {}", g.meta().path(),
                                            head_dim, v_dim));
   }
@@ -283,6 +306,7 @@ Result<ModelParams> read_params(const GgufModel& g) {
   }
   if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
   if (p.is_gptoss()) EXPERTD_TRY(read_gptoss_params(g, p));
+  if (p.is_ds3()) EXPERTD_TRY(read_ds3_params(g, p));
   return p;
 }
 
@@ -336,6 +360,10 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
     EXPERTD_TRY(load_ds4(m));
     return m;
   }
+  if (p.is_ds3()) {
+    EXPERTD_TRY(load_ds3(m));
+    return m;
+  }
   m.layers_.resize(p.n_layer);
   for (uint32_t i = 0; i < p.n_layer; ++i) {
     LayerWeights& l = m.layers_[i];
@@ -368,6 +396,7 @@ uint64_t DenseModel::count_bytes(bool held) const {
   uint64_t n = mat(token_embd_) + output_norm_.size() * sizeof(float);
   if (output_) n += mat(*output_);
   if (ds4_) n += ds4_dense_bytes(*ds4_, held);
+  if (ds3_) n += ds3_dense_bytes(*ds3_, held);
   for (const LayerWeights& l : layers_) {
     for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += mat(*x);
     n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *

@@ -1,8 +1,8 @@
 // A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
 // (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
 // with NORM RoPE), gpt-oss (`gpt-oss`; the same forward with biases, sinks, a sliding window and
-// its own router and SwiGLU) or DeepSeek-V4 (`deepseek4`, the Ds4* types below;
-// engine/ds4_model.cc).
+// its own router and SwiGLU), DeepSeek-V4 (`deepseek4`, the Ds4* types below;
+// engine/ds4_model.cc) or DeepSeek-V3 / Kimi-K2 (`deepseek2`, the Ds3* types; engine/ds3_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
@@ -66,13 +66,45 @@ struct Ds4Params {
   uint32_t nextn_layers = 0;       // nextn_predict_layers (MTP, skipped)
 };
 
+// YaRN context extension of the rope (rope.scaling.type "yarn"; factor 0 = none).
+struct Yarn {
+  double factor = 0.0;      // rope.scaling.factor
+  uint32_t orig_ctx = 0;    // rope.scaling.original_context_length
+  double beta_fast = 32.0;  // rope.scaling.yarn_beta_fast
+  double beta_slow = 1.0;   // rope.scaling.yarn_beta_slow
+};
+
+// DeepSeek-V3's own hyperparameters (llama.cpp's `deepseek2` keys). Multi-head latent attention:
+// ModelParams::head_dim is the query/key head (attention.key_length_mla = qk_nope + n_rot); keys
+// and values are kept as one compressed latent of kv_lora_rank per position plus the shared rope
+// key of n_rot.
+struct Ds3Params {
+  uint32_t q_lora_rank = 0;    // attention.q_lora_rank (0: one attn_q projection, as V2-Lite)
+  uint32_t kv_lora_rank = 0;   // attention.kv_lora_rank
+  uint32_t qk_nope = 0;        // head_dim - n_rot: the part of a head without rope
+  uint32_t v_head_dim = 0;     // attention.value_length_mla
+  uint32_t dense_lead = 0;     // leading_dense_block_count: layers [0, dense_lead) have a dense MLP
+  uint32_t n_ff = 0;           // feed_forward_length: the dense MLP's width
+  uint32_t n_shared = 0;       // expert_shared_count
+  uint32_t n_group = 1;        // expert_group_count: experts in n_group equal groups
+  uint32_t n_group_used = 1;   // expert_group_used_count: the top-k comes from this many groups
+  bool sigmoid = true;         // expert_gating_func: sigmoid (V3) or softmax (V2)
+  float weights_scale = 1.0f;  // expert_weights_scale (routed_scaling_factor)
+  bool weights_norm = false;   // expert_weights_norm
+  Yarn yarn;
+  // rope.scaling.yarn_log_multiplier, which llama.cpp's converter writes as 0.1 * mscale_all_dim
+  // (0 = absent).
+  double yarn_log_mul = 0.0;
+};
+
 // Which dimensions RoPE rotates together (llama.cpp's rope types): NEOX pairs i with i + n_rot/2
 // (Hugging Face's rotate_half), NORM pairs 2i with 2i + 1. llama.cpp's converter permutes a `llama`
 // model's q/k rows so that NORM on its file computes what rotate_half did on the original.
 enum class RopeType : uint8_t { Neox, Norm };
 
 struct ModelParams {
-  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "deepseek4" or "gpt-oss"
+  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "gpt-oss", "deepseek4" or
+                               // "deepseek2"
   uint32_t n_layer = 0;        // block_count
   uint32_t n_embd = 0;         // embedding_length
   uint32_t n_head = 0;         // attention.head_count
@@ -88,19 +120,18 @@ struct ModelParams {
   double rope_base = 10000.0;  // rope.freq_base
   bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
   Ds4Params ds4;               // deepseek4 only
+  Ds3Params ds3;               // deepseek2 only
   // Mixtral (`llama`): NORM RoPE, no per-head attn_q_norm/attn_k_norm, and n_ff_exp is
   // feed_forward_length.
   RopeType rope = RopeType::Neox;
   bool qk_norm = true;
   bool is_ds4() const { return architecture == "deepseek4"; }
+  bool is_ds3() const { return architecture == "deepseek2"; }
   // gpt-oss (`gpt-oss`): q/k/v/o, router and expert biases, attention sinks, the even layers
   // attend to their last `swa_window` positions, the router's softmax is over the top-k logits,
   // the experts use the clamped SwiGLU (kGptOssAlpha, kGptOssLimit) and RoPE is YaRN.
-  uint32_t swa_window = 0;       // attention.sliding_window (0: every layer attends to all)
-  double yarn_factor = 0.0;      // rope.scaling.factor when rope.scaling.type is yarn (0: none)
-  uint32_t yarn_orig_ctx = 0;    // rope.scaling.original_context_length
-  double yarn_beta_fast = 32.0;  // rope.scaling.yarn_beta_fast
-  double yarn_beta_slow = 1.0;   // rope.scaling.yarn_beta_slow
+  uint32_t swa_window = 0;  // attention.sliding_window (0: every layer attends to all)
+  Yarn yarn;                // gpt-oss only (DeepSeek-V3 keeps its own in ds3)
   bool is_gptoss() const { return architecture == "gpt-oss"; }
   // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
   bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
@@ -206,6 +237,28 @@ struct Ds4LayerWeights {
   Matrix shexp_gate, shexp_up, shexp_down;  // the shared expert
 };
 
+struct Ds3LayerWeights {
+  std::vector<float> attn_norm;  // n_embd
+  Matrix wq_a;                   // [q_lora_rank, n_embd] (q LoRA)
+  std::vector<float> q_a_norm;   // q_lora_rank
+  Matrix wq_b;                   // [n_head * head_dim, q_lora_rank]
+  Matrix wq;                     // [n_head * head_dim, n_embd] (no q LoRA)
+  Matrix wkv_a;                  // [kv_lora_rank + n_rot, n_embd]
+  std::vector<float> kv_a_norm;  // kv_lora_rank
+  Matrix wk_b;                   // per head h, rows [h * kv_lora_rank, +kv_lora_rank) x qk_nope
+  Matrix wv_b;                   // per head h, rows [h * v_head_dim, +v_head_dim) x kv_lora_rank
+  Matrix wo;                     // [n_embd, n_head * v_head_dim]
+  std::vector<float> ffn_norm;   // n_embd
+  Matrix ffn_gate, ffn_up, ffn_down;        // dense layers: [n_ff, n_embd] x2, [n_embd, n_ff]
+  Matrix gate_inp;                          // MoE layers: [n_expert, n_embd]
+  std::vector<float> exp_bias;              // e_score_correction_bias (n_expert; zeros if absent)
+  Matrix shexp_gate, shexp_up, shexp_down;  // the shared experts
+};
+
+struct Ds3Weights {
+  std::vector<Ds3LayerWeights> layers;
+};
+
 struct Ds4Weights {
   Matrix hc_head_fn;  // [hc, hc * n_embd]
   std::vector<float> hc_head_base;
@@ -243,6 +296,8 @@ class DenseModel {
   const LayerWeights& layer(uint32_t i) const { return layers_[i]; }
   // DeepSeek-V4's weights (nullptr for other architectures).
   const Ds4Weights* ds4() const { return ds4_.get(); }
+  // DeepSeek-V3's weights (nullptr for other architectures).
+  const Ds3Weights* ds3() const { return ds3_.get(); }
   // Bytes of the dense weights (in their file encoding; for the run summary).
   uint64_t dense_bytes() const;
   // Bytes of them held in memory now (the vectors alone when the matrices are deferred).
@@ -261,11 +316,13 @@ class DenseModel {
   std::vector<float> output_norm_;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<Ds4Weights> ds4_;
+  std::unique_ptr<Ds3Weights> ds3_;
   bool deferred_ = false;
 
   uint64_t count_bytes(bool held) const;
 
   friend Status load_ds4(DenseModel& m);
+  friend Status load_ds3(DenseModel& m);
 };
 
 // The hyperparameters of a GGUF model (exposed for tests and tools). Errors name the missing or
@@ -279,6 +336,10 @@ Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
 // deepseek4's dense weights into m (called by DenseModel::load), and their bytes.
 Status load_ds4(DenseModel& m);
 uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held);
+// deepseek2's (engine/ds3_model.cc): hyperparameters, dense weights, their bytes.
+Status read_ds3_params(const GgufModel& gguf, ModelParams& p);
+Status load_ds3(DenseModel& m);
+uint64_t ds3_dense_bytes(const Ds3Weights& w, bool held);
 // Calls f(Matrix&) for every weight matrix of `w`.
 template <typename W, typename F>
 void ds4_for_each_matrix(W& w, F&& f) {

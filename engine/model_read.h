@@ -1,6 +1,6 @@
 // Reading hyperparameters and dense tensors from a GGUF model, checked: the helpers the model
-// loaders (engine/model.cc for qwen3moe, engine/ds4_model.cc for deepseek4) share. Every error
-// names the file and the key or tensor. Internal to the engine.
+// loaders (engine/model.cc for qwen3moe, engine/ds4_model.cc for deepseek4, engine/ds3_model.cc
+// for deepseek2) share. Every error names the file and the key or tensor. Internal to the engine.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,13 @@ Result<Sources> open_sources(const GgufModel& g, DenseLoad how);
 // the engine dequantises; its bytes are left in the file when `src.defer_matrices`.
 Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::string& name,
                            uint64_t rows, uint64_t cols);
+// A 3-D tensor of n matrices of rows x cols (GGUF ne [cols, rows, n]) as one matrix of n * rows
+// rows: matrix i is rows [i * rows, (i + 1) * rows).
+Result<Matrix> read_matrices(const GgufModel& g, const Sources& src, const std::string& name,
+                             uint64_t n, uint64_t rows, uint64_t cols);
+// `<arch>.rope.scaling.*` when the type is "yarn" (none when absent or "none"; another type is an
+// error naming `family`, which supports only these).
+Result<Yarn> read_yarn(const GgufModel& g, std::string_view family);
 // A tensor of `n` elements (ne [n]) as floats.
 Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t n);

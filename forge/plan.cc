@@ -156,6 +156,54 @@ Status validate_deepseek4(const ForgeConfig& c) {
       c.dense_type, "--dense-type", "; ffn_down_shexp rows are that long");
 }
 
+Status validate_deepseek3(const ForgeConfig& c) {
+  EXPERTD_TRY(check_range("--q-lora-rank", c.q_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--kv-lora-rank", c.kv_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--v-head-dim", c.v_head_dim, 1, 4096));
+  EXPERTD_TRY(check_range("--shared-experts", c.shared_experts, 0, 64));
+  EXPERTD_TRY(check_range("--dense-ff", c.dense_ff, 1, kMaxDim));
+  if (c.dense_layers >= c.layers) {
+    return flag_error(
+        "--dense-layers", c.dense_layers,
+        fmt::format("must be below --layers ({}): at least one layer has experts", c.layers));
+  }
+  if (c.rope_dim < 2 || c.rope_dim % 2 != 0 || c.rope_dim >= c.head_dim) {
+    return flag_error(
+        "--rope-dim", c.rope_dim,
+        fmt::format("must be even, at least 2 and below --head-dim ({})", c.head_dim));
+  }
+  if (c.expert_groups < 1 || c.experts % c.expert_groups != 0) {
+    return flag_error("--expert-groups", c.expert_groups,
+                      fmt::format("must divide --experts ({})", c.experts));
+  }
+  const uint64_t per_group = c.experts / c.expert_groups;
+  if (c.groups_used < 1 || c.groups_used > c.expert_groups || c.groups_used * per_group < c.top_k) {
+    return flag_error("--groups-used", c.groups_used,
+                      fmt::format("must be between 1 and --expert-groups ({}) and hold --top-k "
+                                  "({}) experts of {} per group",
+                                  c.expert_groups, c.top_k, per_group));
+  }
+  // Row lengths (ne0) of the dense tensors, each a whole number of --dense-type blocks.
+  const uint64_t nope = c.head_dim - c.rope_dim;
+  const uint64_t v_dim = uint64_t{c.heads} * c.v_head_dim;
+  const uint64_t shexp = c.ff * c.shared_experts;
+  const std::vector<std::pair<std::string, uint64_t>> rows = {
+      {fmt::format("--embd {}", c.embd), c.embd},
+      {fmt::format("--q-lora-rank {}", c.q_lora_rank), c.q_lora_rank},
+      {fmt::format("--head-dim {} - --rope-dim {} = {}", c.head_dim, c.rope_dim, nope), nope},
+      {fmt::format("--kv-lora-rank {}", c.kv_lora_rank), c.kv_lora_rank},
+      {fmt::format("--heads {} x --v-head-dim {} = {}", c.heads, c.v_head_dim, v_dim), v_dim},
+      {fmt::format("--dense-ff {}", c.dense_ff), c.dense_ff},
+      {fmt::format("--ff {} x --shared-experts {} = {}", c.ff, c.shared_experts, shexp), shexp},
+  };
+  for (const auto& [what, n] : rows) {
+    if (n == 0) continue;
+    EXPERTD_TRY(check_block(what, n, c.dense_type, "--dense-type",
+                            "; it is a row length of the attention or dense MLP tensors"));
+  }
+  return Ok{};
+}
+
 }  // namespace
 
 std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"; }
@@ -166,6 +214,8 @@ std::string_view forge_arch_name(ForgeArch arch) {
       return "deepseek4";
     case ForgeArch::Mixtral:
       return "mixtral";
+    case ForgeArch::Deepseek3:
+      return "deepseek3";
     case ForgeArch::GptOss:
       return "gpt-oss";
     case ForgeArch::Qwen3Moe:
@@ -175,15 +225,18 @@ std::string_view forge_arch_name(ForgeArch arch) {
 }
 
 std::string_view forge_gguf_arch(ForgeArch arch) {
-  return arch == ForgeArch::Mixtral ? "llama" : forge_arch_name(arch);
+  if (arch == ForgeArch::Mixtral) return "llama";
+  if (arch == ForgeArch::Deepseek3) return "deepseek2";
+  return forge_arch_name(arch);
 }
 
 Result<ForgeArch> parse_forge_arch(std::string_view value) {
   if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
   if (value == "deepseek4") return ForgeArch::Deepseek4;
   if (value == "mixtral") return ForgeArch::Mixtral;
+  if (value == "deepseek3" || value == "deepseek2") return ForgeArch::Deepseek3;
   if (value == "gpt-oss") return ForgeArch::GptOss;
-  return flag_error("--arch", value, "must be qwen3moe, deepseek4, mixtral or gpt-oss");
+  return flag_error("--arch", value, "must be qwen3moe, deepseek4, mixtral, deepseek3 or gpt-oss");
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -212,6 +265,18 @@ ForgeConfig forge_defaults(ForgeArch arch) {
     c.heads = 64;
     c.kv_heads = 8;
     c.head_dim = 64;
+  }
+  if (arch == ForgeArch::Deepseek3) {
+    c.experts = 256;
+    c.top_k = 8;
+    c.embd = 7168;
+    c.ff = 2048;
+    c.heads = 128;
+    c.kv_heads = 1;
+    c.head_dim = 192;
+    c.q_lora_rank = 1536;
+    c.rope_dim = 64;
+    c.dense_type = GgmlType::Q8_0;
   }
   return c;
 }
@@ -274,6 +339,9 @@ Status validate_forge_config(const ForgeConfig& c) {
   if (c.arch == ForgeArch::Deepseek4 && c.kv_heads != 1) {
     return flag_error("--kv-heads", c.kv_heads, "must be 1 for deepseek4 (one shared KV head)");
   }
+  if (c.arch == ForgeArch::Deepseek3 && c.kv_heads != 1) {
+    return flag_error("--kv-heads", c.kv_heads, "must be 1 for deepseek3 (one latent KV head)");
+  }
   if (c.heads % c.kv_heads != 0) {
     return flag_error("--heads", c.heads,
                       fmt::format("must be a multiple of --kv-heads ({})", c.kv_heads));
@@ -316,6 +384,7 @@ Status validate_forge_config(const ForgeConfig& c) {
   EXPERTD_TRY(check_block(fmt::format("--ff {}", c.ff), c.ff, c.expert_type, "--expert-type",
                           "; ffn_down_exps rows are ff long"));
   if (c.arch == ForgeArch::Deepseek4) return validate_deepseek4(c);
+  if (c.arch == ForgeArch::Deepseek3) return validate_deepseek3(c);
   EXPERTD_TRY(check_block(embd, c.embd, c.dense_type, "--dense-type",
                           "; token_embd and attn_q/k/v rows are embd long"));
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
@@ -509,6 +578,82 @@ void deepseek4_layer(const ForgeConfig& c, uint32_t l, int32_t ratio, TensorList
   }
 }
 
+// llama.cpp's deepseek2 load_arch_tensors, block l, for the tensors its converter writes from a
+// DeepSeek-V3 checkpoint (the absorbed-MLA split of kv_b into attn_k_b and attn_v_b).
+void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+  const GgmlType dense = c.dense_type;
+  const GgmlType experts = c.expert_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t nope = c.head_dim - c.rope_dim;
+  const uint64_t shexp = c.ff * c.shared_experts;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
+  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.kv_lora_rank}});
+  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
+  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
+  out.push_back({blk(l, "attn_kv_a_mqa"), dense, {c.embd, uint64_t{c.kv_lora_rank} + c.rope_dim}});
+  out.push_back({blk(l, "attn_k_b"), dense, {nope, c.kv_lora_rank, c.heads}});
+  out.push_back({blk(l, "attn_v_b"), dense, {c.kv_lora_rank, c.v_head_dim, c.heads}});
+  out.push_back({blk(l, "attn_output"), dense, {uint64_t{c.heads} * c.v_head_dim, c.embd}});
+  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  if (l < c.dense_layers) {
+    out.push_back({blk(l, "ffn_gate"), dense, {c.embd, c.dense_ff}});
+    out.push_back({blk(l, "ffn_down"), dense, {c.dense_ff, c.embd}});
+    out.push_back({blk(l, "ffn_up"), dense, {c.embd, c.dense_ff}});
+    return;
+  }
+  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
+  out.push_back({blk(l, "exp_probs_b", "bias"), f32, {c.experts}});
+  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
+  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
+  if (c.shared_experts > 0) {
+    out.push_back({blk(l, "ffn_gate_shexp"), dense, {c.embd, shexp}});
+    out.push_back({blk(l, "ffn_down_shexp"), dense, {shexp, c.embd}});
+    out.push_back({blk(l, "ffn_up_shexp"), dense, {c.embd, shexp}});
+  }
+}
+
+// The keys llama.cpp's converter writes for DeepSeek-V3 (conversion/deepseek.py,
+// DeepseekV2Model), with the release's config where the forge has no flag (routed scaling 2.5,
+// YaRN factor 40 over 4096 positions, mscale_all_dim 1).
+void set_deepseek3_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("deepseek2.{}", suffix); };
+  meta.set_u32(key("block_count"), c.layers);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.dense_ff));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), 1);
+  meta.set_string(key("rope.scaling.type"), "yarn");
+  meta.set_f32(key("rope.scaling.factor"), 40.0f);
+  meta.set_u32(key("rope.scaling.original_context_length"), 4096);
+  meta.set_f32(key("rope.scaling.yarn_beta_fast"), 32.0f);
+  meta.set_f32(key("rope.scaling.yarn_beta_slow"), 1.0f);
+  meta.set_f32(key("rope.scaling.yarn_log_multiplier"), 0.1f);
+  meta.set_f32(key("rope.freq_base"), 10000.0f);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
+  meta.set_u32(key("expert_group_count"), c.expert_groups);
+  meta.set_u32(key("expert_group_used_count"), c.groups_used);
+  meta.set_u32(key("expert_gating_func"), 2);  // LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+  meta.set_u32(key("attention.key_length"), c.kv_lora_rank + c.rope_dim);
+  meta.set_u32(key("attention.value_length"), c.kv_lora_rank);
+  meta.set_u32(key("leading_dense_block_count"), c.dense_layers);
+  meta.set_u32(key("vocab_size"), static_cast<uint32_t>(c.vocab));
+  meta.set_u32(key("attention.q_lora_rank"), c.q_lora_rank);
+  meta.set_u32(key("attention.kv_lora_rank"), c.kv_lora_rank);
+  meta.set_u32(key("attention.key_length_mla"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("attention.value_length_mla"), c.v_head_dim);
+  meta.set_u32(key("expert_feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("expert_shared_count"), c.shared_experts);
+  meta.set_f32(key("expert_weights_scale"), 2.5f);
+  meta.set_bool(key("expert_weights_norm"), true);
+  meta.set_u32(key("rope.dimension_count"), c.rope_dim);
+}
+
 // The keys llama.cpp's converter writes for Mixtral (conversion/llama.py): the experts' width is
 // feed_forward_length, and the head size is embd / heads unless key_length says otherwise.
 void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
@@ -648,6 +793,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     for (uint32_t l = first; l < end; ++l) {
       if (ds4) {
         deepseek4_layer(c, l, ratios[l], shard_tensors[s]);
+      } else if (c.arch == ForgeArch::Deepseek3) {
+        deepseek3_layer(c, l, shard_tensors[s]);
       } else {
         qwen3moe_layer(c, l, shard_tensors[s]);
       }
@@ -675,6 +822,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     set_deepseek4_metadata(c, meta);
   } else if (c.arch == ForgeArch::Mixtral) {
     set_mixtral_metadata(c, meta);
+  } else if (c.arch == ForgeArch::Deepseek3) {
+    set_deepseek3_metadata(c, meta);
   } else if (c.arch == ForgeArch::GptOss) {
     set_gptoss_metadata(c, meta);
   } else {

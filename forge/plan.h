@@ -1,7 +1,7 @@
 // What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe`,
-// `deepseek4` or Mixtral (`llama` with routed experts) model and, from it, one GgufWriter per shard
-// holding the model's metadata and tensor infos (llama.cpp's names, types and shapes). The tensor
-// data comes from forge/content.h.
+// `deepseek4`, Mixtral (`llama` with routed experts) or DeepSeek-V3 (`deepseek2`) model and, from
+// it, one GgufWriter per shard holding the model's metadata and tensor infos (llama.cpp's names,
+// types and shapes). The tensor data comes from forge/content.h.
 #pragma once
 
 #include <cstdint>
@@ -15,10 +15,11 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, GptOss };
-// "qwen3moe", "deepseek4", "mixtral", "gpt-oss" (--arch)
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, Deepseek3, GptOss };
+// "qwen3moe", "deepseek4", "mixtral", "deepseek3", "gpt-oss" (--arch).
 std::string_view forge_arch_name(ForgeArch arch);
-// general.architecture: the name, except Mixtral's, which llama.cpp calls `llama`.
+// general.architecture: the name, except Mixtral's and DeepSeek-V3's, which llama.cpp calls
+// `llama` and `deepseek2`.
 std::string_view forge_gguf_arch(ForgeArch arch);
 Result<ForgeArch> parse_forge_arch(std::string_view value);
 
@@ -65,14 +66,24 @@ struct ForgeConfig {
   uint32_t nextn = 0;  // MTP blocks after the `layers` main ones
   // One per block (layers + nextn); empty: deepseek4_default_compress_ratios.
   std::vector<int32_t> compress_ratios;
+
+  // deepseek3 only (kv_heads must be 1: MLA's one latent; head_dim is the query/key head, qk_nope
+  // + rope_dim; q_lora_rank, rope_dim and shared_experts above apply too).
+  uint32_t kv_lora_rank = 512;
+  uint32_t v_head_dim = 128;
+  uint32_t dense_layers = 3;  // leading blocks with a dense MLP instead of experts
+  uint64_t dense_ff = 18432;  // their MLP width
+  uint32_t expert_groups = 8;
+  uint32_t groups_used = 4;  // groups the top-k is chosen from
 };
 
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
 // DeepseekV4Config (256 experts, top 6, embd 4096, ff 2048, 64 heads of 512, one KV head) with
 // the q8_0 dense type of llama.cpp's converter; mixtral's Mixtral-8x7B's (8 experts, top 2, embd
-// 4096, ff 14336, 32 heads of 128, 8 KV heads); gpt-oss's gpt-oss-120b's (128 experts, top 4,
-// embd 2880, ff 2880, 64 heads of 64, 8 KV heads). Layers, vocab, context and the rest are
-// shared.
+// 4096, ff 14336, 32 heads of 128, 8 KV heads); deepseek3's DeepSeek-V3's (256 experts in 8
+// groups, top 8 from 4 groups, embd 7168, ff 2048, 128 heads of 128 + 64 rope, q LoRA 1536,
+// kv LoRA 512, 3 dense layers of 18432); gpt-oss's gpt-oss-120b's (128 experts, top 4, embd 2880,
+// ff 2880, 64 heads of 64, 8 KV heads). Layers, vocab, context and the rest are shared.
 ForgeConfig forge_defaults(ForgeArch arch);
 
 // transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2

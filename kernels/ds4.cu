@@ -3,37 +3,16 @@
 #include <cmath>
 
 #include "kernels/ds4.cuh"
+#include "kernels/reduce.cuh"
 
 namespace expertd::kernels {
 namespace {
 
-constexpr uint32_t kThreads = 256;
-
-// A block-wide reduction of one double per thread (kThreads threads), sum or max; every thread
-// gets the result. `red` holds kThreads doubles of shared memory.
-template <bool kMax>
-__device__ double block_reduce(double v, double* red) {
-  red[threadIdx.x] = v;
-  __syncthreads();
-  for (uint32_t s = kThreads / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) {
-      const double o = red[threadIdx.x + s];
-      red[threadIdx.x] = kMax ? fmax(red[threadIdx.x], o) : red[threadIdx.x] + o;
-    }
-    __syncthreads();
-  }
-  const double r = red[0];
-  __syncthreads();  // red may be reused right after
-  return r;
-}
+using detail::block_reduce;
+using detail::dot;
+using detail::kThreads;
 
 __device__ double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
-
-__device__ double dot(const float* a, const float* b, uint32_t n) {
-  double s = 0.0;
-  for (uint32_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
 
 uint32_t blocks_for(uint64_t n) { return static_cast<uint32_t>((n + kThreads - 1) / kThreads); }
 

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,18 @@ class Daemon {
 
  private:
   DaemonProcess p_;
+};
+
+// A test with one forged model "m" (4 layers of 8 experts) served by a real expertd (a 64 MiB
+// cache, no mlock) started in SetUp; TearDown stops it and requires exit status 0.
+class ForgedDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+
+  TempDir dir_;
+  std::string model_;
+  std::unique_ptr<Daemon> daemon_;
 };
 
 }  // namespace expertd::test

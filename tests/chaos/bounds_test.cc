@@ -42,6 +42,12 @@
 namespace expertd {
 namespace {
 
+// Time since t0, in the unit D, for the figures the tests report.
+template <typename D = std::chrono::milliseconds>
+int64_t since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<D>(std::chrono::steady_clock::now() - t0).count();
+}
+
 using namespace std::chrono_literals;
 using client::Client;
 
@@ -208,9 +214,7 @@ int victim_body(const std::string& sock, AsUid& me) {
       me.say("stats: " + s.error().message);
       return 1;
     }
-    us.push_back(static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
-            .count()));
+    us.push_back(static_cast<uint64_t>(since<std::chrono::microseconds>(t0)));
   }
   auto session = (*c)->attach("m", "victim");
   if (!session) {
@@ -348,10 +352,7 @@ TEST_F(Bounds, IdleConnectionsAreClosedButNotOnesWithASession) {
     for (int i = 0; i < 10; ++i) fds.push_back(connect_raw(sock));
     const auto t0 = std::chrono::steady_clock::now();
     const uint32_t closed = count_closed(fds, 30s);
-    me.say(fmt::format(
-        "closed {} in {} ms", closed,
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
-            .count()));
+    me.say(fmt::format("closed {} in {} ms", closed, since(t0)));
     return 0;
   });
   const auto closed = flooder.line(60s);
@@ -496,10 +497,7 @@ TEST_F(Bounds, PipelinedCallsThatAreReadAreAnsweredInBoundedMemory) {
         in.erase(0, at);
       }
     }
-    me.say(fmt::format(
-        "answers {} in {} ms", answers,
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
-            .count()));
+    me.say(fmt::format("answers {} in {} ms", answers, since(t0)));
     return 0;
   });
   const auto line = flooder.line(180s);

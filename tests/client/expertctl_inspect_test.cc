@@ -64,6 +64,31 @@ TEST(ExpertctlInspect, Deepseek4StructureInText) {
   EXPECT_TRUE(has_line(r.out, "  layers       0:SWA# 1:CSA# 2:HCA 3:CSA 4:HCA 5:SWA+")) << r.out;
 }
 
+// DeepSeek-V3: the dense first layer has no routed experts; the shared expert is not streamed.
+TEST(ExpertctlInspect, Deepseek3StructureInText) {
+  test::TempDir dir;
+  const std::string model = test::forge(
+      dir.path(), "ds3",
+      "--arch deepseek3 --layers 3 --dense-layers 1 --experts 16 --top-k 4 --embd 256 --ff 256 "
+      "--heads 4 --head-dim 96 --rope-dim 32 --q-lora-rank 64 --kv-lora-rank 64 --v-head-dim 64 "
+      "--dense-ff 512 --expert-groups 4 --groups-used 2 --vocab 300");
+  const test::RunResult r = inspect({model});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(has_line(r.out, "architecture   deepseek2")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "layers         3 (2 with routed experts)")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "experts        16 per layer, top-k 4")) << r.out;
+  EXPECT_TRUE(has_line(r.out,
+                       "  attention    4 heads, MLA: q LoRA 64, kv LoRA 64 (+ rope 32 cached per "
+                       "position), qk 64 + rope 32, v 64"))
+      << r.out;
+  EXPECT_TRUE(has_line(r.out, "  dense layers 1: 0 (ff 512)")) << r.out;
+  EXPECT_TRUE(has_line(r.out,
+                       "  routing      sigmoid, 16 experts in 4 groups, top-4 from 2 groups, "
+                       "scale 2.5, renormalised"))
+      << r.out;
+  EXPECT_TRUE(has_line(r.out, "  shared exp.  1 (ff 256, dense weights)")) << r.out;
+}
+
 TEST(ExpertctlInspect, Deepseek4StructureFirstInJson) {
   test::TempDir dir;
   const std::string model = test::forge(dir.path(), "ds4", kDs4);

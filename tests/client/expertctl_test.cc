@@ -21,23 +21,8 @@ using test::Daemon;
 using test::RunResult;
 using test::TempDir;
 
-class ExpertctlTest : public ::testing::Test {
+class ExpertctlTest : public test::ForgedDaemonTest {
  protected:
-  void SetUp() override {
-    model_ = test::forge(dir_.path(), "m", "--layers 4 --experts 8 --embd 256 --ff 512");
-    daemon_ = std::make_unique<Daemon>(
-        dir_.path(),
-        std::vector<std::string>{"--model", "m=" + model_, "--socket",
-                                 dir_.path() + "/expertd.sock", "--cache", "64MiB", "--no-mlock"});
-    ASSERT_TRUE(daemon_->start());
-  }
-  void TearDown() override {
-    if (daemon_->pid() > 0) {
-      const std::string log = daemon_->log();
-      EXPECT_EQ(daemon_->stop(), 0) << log;
-    }
-  }
-
   test::RunResult ctl(std::vector<std::string> args) {
     return test::expertctl(daemon_->socket(), std::move(args));
   }
@@ -55,10 +40,6 @@ class ExpertctlTest : public ::testing::Test {
     ASSERT_TRUE(v) << v.error().message;
     ASSERT_TRUE((*s)->release(*v));
   }
-
-  TempDir dir_;
-  std::string model_;
-  std::unique_ptr<Daemon> daemon_;
 };
 
 TEST_F(ExpertctlTest, StatusModelsAndStatsAsJson) {

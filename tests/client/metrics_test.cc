@@ -132,27 +132,7 @@ void expectations(capnp::StructSchema s, const std::string& path, size_t labels,
   }
 }
 
-class MetricsTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    model_ = test::forge(dir_.path(), "m", "--layers 4 --experts 8 --embd 256 --ff 512");
-    daemon_ = std::make_unique<Daemon>(
-        dir_.path(),
-        std::vector<std::string>{"--model", "m=" + model_, "--socket",
-                                 dir_.path() + "/expertd.sock", "--cache", "64MiB", "--no-mlock"});
-    ASSERT_TRUE(daemon_->start());
-  }
-  void TearDown() override {
-    if (daemon_->pid() > 0) {
-      const std::string log = daemon_->log();
-      EXPECT_EQ(daemon_->stop(), 0) << log;
-    }
-  }
-
-  TempDir dir_;
-  std::string model_;
-  std::unique_ptr<Daemon> daemon_;
-};
+class MetricsTest : public test::ForgedDaemonTest {};
 
 TEST_F(MetricsTest, EveryStatsFieldIsExportedWithTheNumbersTheClientCaused) {
   auto c = Client::connect(daemon_->socket());

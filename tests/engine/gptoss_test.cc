@@ -43,8 +43,8 @@ TEST(GptOssForward, ReadsGptOssFromTheFile) {
   EXPECT_EQ(p.swa_window, 8u);
   EXPECT_TRUE(p.sliding(0));
   EXPECT_FALSE(p.sliding(1));
-  EXPECT_DOUBLE_EQ(p.yarn_factor, 4.0);
-  EXPECT_EQ(p.yarn_orig_ctx, 32u);
+  EXPECT_DOUBLE_EQ(p.yarn.factor, 4.0);
+  EXPECT_EQ(p.yarn.orig_ctx, 32u);
   EXPECT_EQ(p.n_expert, 8u);
   EXPECT_EQ(p.n_expert_used, 2u);
   EXPECT_EQ(p.n_ff_exp, 32u);

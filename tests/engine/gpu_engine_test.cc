@@ -18,6 +18,8 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
+#include "engine/ds3_cpu_engine.h"
+#include "engine/ds3_gpu_engine.h"
 #include "engine/ds4_cpu_engine.h"
 #include "engine/ds4_gpu_engine.h"
 #include "expertd/client.h"
@@ -1030,6 +1032,131 @@ TEST(MixtralGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
   }
   const std::string log = d.log();
   EXPECT_EQ(d.stop(), 0) << log;
+}
+
+// --- deepseek2 (Ds3GpuEngine) ------------------------------------------------------------------
+
+std::string ds3_path(const std::string& file) {
+  return test::fixture_path("deepseek3-tiny/" + file);
+}
+
+// The deepseek3-tiny fixtures against transformers (logits, routing, greedy tokens), with a VRAM
+// tier that evicts and one that holds every expert; reset() starts the sequence again.
+TEST(Ds3GpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
+  REQUIRE_GPU();
+  const nlohmann::json meta = test::read_json(ds3_path("fixture.json"));
+  const auto tokens = meta.at("tokens").get<std::vector<uint32_t>>();
+  const uint32_t prompt = meta.at("prompt_tokens").get<uint32_t>();
+  for (const auto& [variant, tol] : {std::pair{"f32", 1e-3}, std::pair{"q8_0", 2e-2}}) {
+    for (const uint64_t slots : {6u, 40u}) {
+      SCOPED_TRACE(fmt::format("{} tier {}", variant, slots));
+      auto model =
+          DenseModel::load(ds3_path(fmt::format("model-{}.gguf", variant)), DenseLoad::Deferred);
+      ASSERT_TRUE(model) << model.error().message;
+      const ModelParams& p = model->params();
+      auto source = test::FileExpertSource::open(*model);
+      ASSERT_TRUE(source) << source.error().message;
+      auto engine = create_gpu_engine(*model, **source, EngineOptions{64, 0, 0},
+                                      tier(GpuOptions::Tier::Experts, slots));
+      ASSERT_TRUE(engine) << engine.error().message;
+      EXPECT_EQ((*engine)->name(), "gpu");
+      std::vector<RoutingRecord> routing;
+      (*engine)->set_routing_log(&routing);
+      const std::vector<float> expected =
+          test::read_f32(ds3_path(fmt::format("logits-{}.bin", variant)));
+      const auto greedy = std::string(variant) == "f32"
+                              ? tokens
+                              : meta.at("greedy_q8_0").get<std::vector<uint32_t>>();
+      const uint32_t vocab = p.n_vocab;
+      std::vector<float> logits(vocab);
+      double worst = 0.0;
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        auto st = (*engine)->decode(tokens[t], logits);
+        ASSERT_TRUE(st) << st.error().message;
+        const double err = test::rel_err(logits.data(), expected.data() + t * vocab, vocab);
+        EXPECT_LE(err, tol) << "position " << t;
+        worst = std::max(worst, err);
+        if (t + 1 >= prompt && t + 1 < greedy.size()) {
+          const auto best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+          EXPECT_EQ(static_cast<uint32_t>(best), greedy[t + 1]) << "position " << t;
+        }
+      }
+      std::printf(
+          "[ %s tier %llu ] deepseek3 GPU logits vs transformers: max relative error "
+          "%.3e over %zu positions\n",
+          variant, static_cast<unsigned long long>(slots), worst, tokens.size());
+      const std::vector<test::TraceEntry> trace =
+          test::read_trace(ds3_path(fmt::format("trace-{}.jsonl", variant)));
+      ASSERT_EQ(routing.size(), trace.size());
+      for (size_t i = 0; i < trace.size(); ++i) {
+        EXPECT_EQ(routing[i].layer, trace[i].layer);
+        EXPECT_EQ(routing[i].experts, trace[i].experts) << "record " << i;
+      }
+      const EngineStats& s = (*engine)->stats();
+      EXPECT_EQ(s.experts_used, tokens.size() * (p.n_layer - p.ds3.dense_lead) * p.n_expert_used);
+      EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+      (*engine)->reset();
+      for (size_t t = 0; t < 12; ++t) {
+        ASSERT_TRUE((*engine)->decode(tokens[t], logits));
+        EXPECT_LE(test::rel_err(logits.data(), expected.data() + t * vocab, vocab), tol)
+            << "after reset, position " << t;
+      }
+      EXPECT_EQ((*source)->gets(), (*source)->releases());
+    }
+  }
+}
+
+// The GPU engine against the CPU engine on the same file with router lookahead (depth 2, from the
+// dense layer too): logits, routing records, the hints the source received and the counters.
+TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
+  REQUIRE_GPU();
+  const auto tokens =
+      test::read_json(ds3_path("fixture.json")).at("tokens").get<std::vector<uint32_t>>();
+  for (const char* variant : {"f32", "q8_0"}) {
+    SCOPED_TRACE(variant);
+    auto model = DenseModel::load(ds3_path(fmt::format("model-{}.gguf", variant)));
+    ASSERT_TRUE(model) << model.error().message;
+    const uint32_t vocab = model->params().n_vocab;
+    auto fs_cpu = test::FileExpertSource::open(*model);
+    auto fs_gpu = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(fs_cpu && fs_gpu);
+    const EngineOptions o{64, 2, 0};
+    auto cpu = Ds3CpuEngine::create(*model, **fs_cpu, o);
+    ASSERT_TRUE(cpu) << cpu.error().message;
+    auto gpu = Ds3GpuEngine::create(*model, **fs_gpu, o, tier(GpuOptions::Tier::Experts, 12));
+    ASSERT_TRUE(gpu) << gpu.error().message;
+    std::vector<RoutingRecord> rc;
+    std::vector<RoutingRecord> rg;
+    (*cpu)->set_routing_log(&rc);
+    (*gpu)->set_routing_log(&rg);
+    std::vector<float> a(vocab);
+    std::vector<float> b(vocab);
+    double worst = 0.0;
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      ASSERT_TRUE((*cpu)->decode(tokens[t], a));
+      auto st = (*gpu)->decode(tokens[t], b);
+      ASSERT_TRUE(st) << st.error().message;
+      const double err = test::rel_err(b.data(), a.data(), vocab);
+      EXPECT_LE(err, 1e-3) << "position " << t;
+      worst = std::max(worst, err);
+    }
+    std::printf("[ %s ] deepseek3 GPU vs CPU engine: max relative error %.3e\n", variant, worst);
+    ASSERT_EQ(rc.size(), rg.size());
+    for (size_t i = 0; i < rc.size(); ++i) {
+      EXPECT_EQ(rg[i].experts, rc[i].experts) << "record " << i;
+      EXPECT_EQ(rg[i].predicted, rc[i].predicted) << "record " << i;
+    }
+    const std::vector<ExpertHint>& hc = (*fs_cpu)->hints();
+    const std::vector<ExpertHint>& hg = (*fs_gpu)->hints();
+    ASSERT_EQ(hg.size(), hc.size());
+    for (size_t i = 0; i < hc.size(); ++i) {
+      EXPECT_EQ(hg[i].layer, hc[i].layer) << "hint " << i;
+      EXPECT_EQ(hg[i].expert, hc[i].expert) << "hint " << i;
+    }
+    EXPECT_EQ((*gpu)->stats().hints_sent, (*cpu)->stats().hints_sent);
+    EXPECT_EQ((*gpu)->stats().experts_used, (*cpu)->stats().experts_used);
+    EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
+  }
 }
 
 }  // namespace

@@ -42,6 +42,7 @@
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
 #include "kernels/dequant.cuh"
+#include "kernels/ds3.cuh"
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
@@ -1474,6 +1475,51 @@ TEST_F(GpuKernels, Ds4AttentionWithSinkMatchesCpu) {
     CUDA_OK(cudaStreamSynchronize(stream_));
     EXPECT_LE(normalised_error(out.download(), want), 1e-6);
   }
+}
+
+// DeepSeek-V3's absorbed MLA attention against the CPU engine's loops (Ds3CpuEngine::attention):
+// positions past what one thread covers (300 > 256), query heads strided as [nope | rope].
+TEST_F(GpuKernels, Ds3MlaAttentionMatchesCpu) {
+  std::mt19937_64 rng(33);
+  const uint32_t n_head = 5;
+  const uint32_t lat = 48;
+  const uint32_t n_rot = 8;
+  const uint32_t hd = 24;  // 16 nope + 8 rope
+  const uint32_t n = 300;
+  const double scale = 1.3 / std::sqrt(double{hd});
+  const std::vector<float> qabs = uniform(size_t{n_head} * lat, rng, -1.0f, 1.0f);
+  const std::vector<float> q = uniform(size_t{n_head} * hd, rng, -1.0f, 1.0f);
+  const std::vector<float> latent = uniform(size_t{n} * lat, rng, -1.0f, 1.0f);
+  const std::vector<float> krope = uniform(size_t{n} * n_rot, rng, -1.0f, 1.0f);
+  std::vector<float> want(size_t{n_head} * lat);
+  for (uint32_t h = 0; h < n_head; ++h) {
+    std::vector<double> sc(n);
+    for (uint32_t t = 0; t < n; ++t) {
+      sc[t] =
+          (engine::dot(qabs.data() + size_t{h} * lat, latent.data() + size_t{t} * lat, lat) +
+           engine::dot(q.data() + size_t{h} * hd + 16, krope.data() + size_t{t} * n_rot, n_rot)) *
+          scale;
+    }
+    engine::softmax(sc.data(), n);
+    for (uint32_t c = 0; c < lat; ++c) {
+      double acc = 0.0;
+      for (uint32_t t = 0; t < n; ++t) acc += sc[t] * latent[size_t{t} * lat + c];
+      want[size_t{h} * lat + c] = static_cast<float>(acc);
+    }
+  }
+  DeviceBuffer<float> dqabs(qabs);
+  DeviceBuffer<float> dq(q);
+  DeviceBuffer<float> dlat(latent);
+  DeviceBuffer<float> dkr(krope);
+  DeviceBuffer<double> scratch(size_t{n_head} * n);
+  DeviceBuffer<float> out(size_t{n_head} * lat);
+  CUDA_OK(ds3_mla_attention(dqabs.get(), dq.get() + 16, hd, dlat.get(), dkr.get(), n, n_head, lat,
+                            n_rot, scale, scratch.get(), n, out.get(), stream_));
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_LE(normalised_error(out.download(), want), 1e-6);
+  EXPECT_EQ(ds3_mla_attention(dqabs.get(), dq.get(), hd, dlat.get(), dkr.get(), n, n_head, lat,
+                              n_rot, scale, scratch.get(), n - 1, out.get(), stream_),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(GpuKernels, Ds4SwigluClampsGateAboveAndUpBothWays) {

@@ -50,11 +50,7 @@ std::string forge_args(const Shape& s, const std::string& out, const std::string
       ratios, s.vocab, extra, out);
 }
 
-struct Want {
-  std::string name;
-  GgmlType type;
-  std::vector<uint64_t> ne;
-};
+using Want = test::WantTensor;
 
 // What llama.cpp's deepseek4 load_arch_tensors creates (the file's shape for attn_output_a: it
 // reshapes that one on load), written out from the loader, not from the forge's plan.
@@ -146,15 +142,7 @@ TEST_F(ForgeDeepseek4, EveryTensorLlamaCppLoadsWithItsShapeAndBytes) {
   EXPECT_EQ(model->architecture(), "deepseek4");
 
   const auto want = llama_cpp_tensors(s, GgmlType::Q8_0, GgmlType::Q4_K);
-  EXPECT_EQ(model->tensor_count(), want.size());
-  for (const Want& w : want) {
-    SCOPED_TRACE(w.name);
-    const auto ref = model->find_tensor(w.name);
-    ASSERT_TRUE(ref) << "missing";
-    EXPECT_EQ(ggml_type_name(ref->info->type), ggml_type_name(w.type));
-    ASSERT_EQ(ref->info->n_dims, w.ne.size());
-    for (size_t d = 0; d < w.ne.size(); ++d) EXPECT_EQ(ref->info->ne[d], w.ne[d]) << "ne " << d;
-  }
+  test::expect_tensors(*model, want);
   // ffn_exp_probs_b exactly where tid2eid is not: a loader checks both.
   EXPECT_FALSE(model->find_tensor("blk.0.exp_probs_b.bias"));
   EXPECT_FALSE(model->find_tensor("blk.2.ffn_gate_tid2eid.weight"));
@@ -452,7 +440,8 @@ TEST(ForgeDeepseek4Flags, BadFlagsAreRefusedNamingTheFlag) {
   const std::string o = " -o " + dir.file("bad.gguf");
   const std::string small = "--arch deepseek4 --layers 3 --experts 8 --embd 256 --ff 256";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--arch llama" + o, "--arch llama: must be qwen3moe, deepseek4, mixtral or gpt-oss"},
+      {"--arch llama" + o,
+       "--arch llama: must be qwen3moe, deepseek4, mixtral, deepseek3 or gpt-oss"},
       {small + " --kv-heads 2" + o, "--kv-heads 2: must be 1 for deepseek4"},
       {small + " --compress-ratios 0,4" + o, "--compress-ratios: 2 values for 3 blocks"},
       {small + " --compress-ratios 0,4,64" + o, "'64' is not 0, 4 or 128"},

@@ -43,6 +43,26 @@ inline std::vector<uint8_t> read_all(const std::string& path) {
   return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
 }
 
+// A tensor a loader asks for: name, GGUF type, ne.
+struct WantTensor {
+  std::string name;
+  GgmlType type;
+  std::vector<uint64_t> ne;
+};
+
+// `model` has exactly the tensors of `want`, each with its type and shape.
+inline void expect_tensors(const GgufModel& model, const std::vector<WantTensor>& want) {
+  EXPECT_EQ(model.tensor_count(), want.size());
+  for (const WantTensor& w : want) {
+    SCOPED_TRACE(w.name);
+    const auto ref = model.find_tensor(w.name);
+    ASSERT_TRUE(ref) << "missing";
+    EXPECT_EQ(ggml_type_name(ref->info->type), ggml_type_name(w.type));
+    ASSERT_EQ(ref->info->n_dims, w.ne.size());
+    for (size_t d = 0; d < w.ne.size(); ++d) EXPECT_EQ(ref->info->ne[d], w.ne[d]) << "ne " << d;
+  }
+}
+
 // Reads `n` bytes at `offset` of `path` with pread.
 inline std::vector<uint8_t> pread_bytes(const std::string& path, uint64_t offset, uint64_t n) {
   std::vector<uint8_t> out(n);

@@ -75,7 +75,7 @@ TEST(ForgeGptOss, TheEngineRunsIt) {
   ASSERT_TRUE(model) << model.error().message;
   EXPECT_TRUE(model->params().is_gptoss());
   EXPECT_EQ(model->params().swa_window, 8u);
-  EXPECT_DOUBLE_EQ(model->params().yarn_factor, 32.0);
+  EXPECT_DOUBLE_EQ(model->params().yarn.factor, 32.0);
   auto source = engine::test::FileExpertSource::open(*model);
   ASSERT_TRUE(source) << source.error().message;
   auto eng = engine::create_cpu_engine(*model, **source, engine::EngineOptions{32, 0, 0});

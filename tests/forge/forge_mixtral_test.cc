@@ -132,8 +132,9 @@ TEST(ForgeMixtral, DefaultsAreMixtral8x7B) {
 TEST(ForgeMixtral, AnUnknownArchIsRefusedNamingTheChoices) {
   const auto r = test::run_forge("--arch mistral -o /nonexistent/x.gguf");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--arch mistral: must be qwen3moe, deepseek4, mixtral or gpt-oss"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("--arch mistral: must be qwen3moe, deepseek4, mixtral, deepseek3 or gpt-oss"),
+      std::string::npos)
       << r.output;
 }
 

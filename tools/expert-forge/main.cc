@@ -1,6 +1,6 @@
-// expert-forge: writes a synthetic llama.cpp `qwen3moe`, `deepseek4` or Mixtral GGUF model whose
-// every byte is derived from a seed (forge/content.h), fast enough to make tens-of-GB models at
-// disk speed.
+// expert-forge: writes a synthetic llama.cpp `qwen3moe`, `deepseek4`, Mixtral or DeepSeek-V3
+// (`deepseek2`) GGUF model whose every byte is derived from a seed (forge/content.h), fast enough
+// to make tens-of-GB models at disk speed.
 //
 // Generator threads fill fixed 8 MiB chunk buffers in parallel; the main thread writes the chunks
 // in file order, so the disk is never idle while content is computed. Nothing appears under an
@@ -274,12 +274,13 @@ int run(int argc, char** argv) {
   const ForgeConfig q = forge_defaults(ForgeArch::Qwen3Moe);
   const ForgeConfig d = forge_defaults(ForgeArch::Deepseek4);
   const ForgeConfig m = forge_defaults(ForgeArch::Mixtral);
+  const ForgeConfig v3 = forge_defaults(ForgeArch::Deepseek3);
   const ForgeConfig g = forge_defaults(ForgeArch::GptOss);
   ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
   std::string arch = "qwen3moe";
   std::optional<uint32_t> experts, top_k, heads, kv_heads;
   std::optional<uint64_t> embd, ff, head_dim;
-  std::optional<uint32_t> hash_layers;
+  std::optional<uint32_t> hash_layers, dense_layers;
   std::string expert_type = "q8_0";
   std::optional<std::string> dense_type;
   std::string compress_ratios;
@@ -287,8 +288,9 @@ int run(int argc, char** argv) {
   uint32_t threads = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
 
   CLI::App app{
-      "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4 or mixtral GGUF model whose "
-      "every byte is derived from --seed (and can be recomputed to verify a read)"};
+      "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4, mixtral, deepseek3 "
+      "(DeepSeek-V3, llama.cpp's deepseek2) or gpt-oss GGUF model whose every byte is derived from "
+      "--seed (and can be recomputed to verify a read)"};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.
@@ -297,8 +299,9 @@ int run(int argc, char** argv) {
   };
   app.add_option("--arch", arch,
                  "model architecture: qwen3moe, deepseek4 (DeepSeek-V4), mixtral (llama.cpp's "
-                 "`llama` with routed experts) or gpt-oss (defaults: gpt-oss-120b's; "
-                 "--window is its sliding window)")
+                 "`llama` with routed experts), deepseek3 (DeepSeek-V3, Kimi-K2: llama.cpp's "
+                 "deepseek2; its defaults are DeepSeek-V3's widths) or gpt-oss (defaults: "
+                 "gpt-oss-120b's; --window is its sliding window)")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--experts", experts,
@@ -373,6 +376,28 @@ int run(int argc, char** argv) {
                  "per block 0 (sliding), 4 (CSA) or 128 (HCA), comma-separated (default: "
                  "transformers' schedule: 128, 128, then 128/4 alternating; MTP blocks 0)")
       ->group(ds4);
+  const std::string v3g =
+      "DeepSeek-V3 (--arch deepseek3; also --q-lora-rank, --rope-dim, "
+      "--shared-experts)";
+  app.add_option("--kv-lora-rank", c.kv_lora_rank, "compressed KV latent width")
+      ->capture_default_str()
+      ->group(v3g);
+  app.add_option("--v-head-dim", c.v_head_dim, "value head dimension")
+      ->capture_default_str()
+      ->group(v3g);
+  app.add_option("--dense-layers", dense_layers,
+                 fmt::format("leading blocks with a dense MLP (default: {}, below --layers)",
+                             v3.dense_layers))
+      ->group(v3g);
+  app.add_option("--dense-ff", c.dense_ff, "the dense MLP's width")
+      ->capture_default_str()
+      ->group(v3g);
+  app.add_option("--expert-groups", c.expert_groups, "expert groups")
+      ->capture_default_str()
+      ->group(v3g);
+  app.add_option("--groups-used", c.groups_used, "groups the top-k is chosen from")
+      ->capture_default_str()
+      ->group(v3g);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -386,10 +411,11 @@ int run(int argc, char** argv) {
   auto parsed_arch = parse_forge_arch(arch);
   if (!parsed_arch) return usage_error(parsed_arch.error());
   c.arch = *parsed_arch;
-  const ForgeConfig& base = c.arch == ForgeArch::Deepseek4 ? d
-                            : c.arch == ForgeArch::Mixtral ? m
-                            : c.arch == ForgeArch::GptOss  ? g
-                                                           : q;
+  const ForgeConfig& base = c.arch == ForgeArch::Deepseek4   ? d
+                            : c.arch == ForgeArch::Mixtral   ? m
+                            : c.arch == ForgeArch::Deepseek3 ? v3
+                            : c.arch == ForgeArch::GptOss    ? g
+                                                             : q;
   c.experts = experts.value_or(base.experts);
   c.top_k = top_k.value_or(base.top_k);
   c.embd = embd.value_or(base.embd);
@@ -399,6 +425,11 @@ int run(int argc, char** argv) {
   c.head_dim = head_dim.value_or(base.head_dim);
   // As transformers does: the first min(layers, 3) blocks hash-route unless told otherwise.
   c.hash_layers = hash_layers.value_or(std::min(base.hash_layers, c.layers));
+  // DeepSeek-V3's 3 dense blocks, fewer in a smaller model: at least one block has experts.
+  c.dense_layers = dense_layers.value_or(std::min(v3.dense_layers, c.layers - 1));
+  if (c.arch == ForgeArch::Deepseek3) {
+    if (app.count("--q-lora-rank") == 0) c.q_lora_rank = v3.q_lora_rank;
+  }
   auto et = parse_forge_type("--expert-type", expert_type);
   if (!et) return usage_error(et.error());
   c.expert_type = *et;

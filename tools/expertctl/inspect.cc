@@ -1,6 +1,7 @@
 // `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon); for a deepseek4
 // (DeepSeek-V4) model also its structure: hash-routed layers, each layer's attention type and
-// compress ratio, hyper-connections, the indexer, the LoRA ranks, shared experts and MTP layers.
+// compress ratio, hyper-connections, the indexer, the LoRA ranks, shared experts and MTP layers;
+// for a deepseek2 (DeepSeek-V3) model its MLA widths, dense layers and group-limited routing.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -244,6 +245,43 @@ void print_deepseek4(const GgufModel& m) {
       "+ MTP)\n");
 }
 
+// DeepSeek-V3 / Kimi-K2 (`deepseek2`): MLA widths, the dense first layers (not in the slice map),
+// the group-limited routing and the shared experts (dense weights, never streamed).
+void print_deepseek2(const GgufModel& m) {
+  auto u = [&](std::string_view suffix) -> std::optional<uint64_t> {
+    const auto* v = m.find_arch(suffix);
+    return v != nullptr ? v->as_u64() : std::nullopt;
+  };
+  auto f = [&](std::string_view suffix) -> std::string {
+    const auto* v = m.find_arch(suffix);
+    const auto x = v != nullptr ? v->as_f64() : std::nullopt;
+    return x ? fmt::format("{:g}", *x) : "-";
+  };
+  const auto kv = u("attention.kv_lora_rank");
+  const auto rope = u("rope.dimension_count");
+  const auto qk = u("attention.key_length_mla");
+  const uint64_t dense = u("leading_dense_block_count").value_or(0);
+  const auto gating = u("expert_gating_func");
+  bool norm = false;
+  if (const auto* v = m.find_arch("expert_weights_norm")) norm = v->as_bool().value_or(false);
+  fmt::print("deepseek2\n");
+  fmt::print(
+      "  attention    {} heads, MLA: q LoRA {}, kv LoRA {} (+ rope {} cached per position), "
+      "qk {} + rope {}, v {}\n",
+      opt(u("attention.head_count")), opt(u("attention.q_lora_rank")), opt(kv), opt(rope),
+      qk && rope && *qk >= *rope ? fmt::format("{}", *qk - *rope) : "-", opt(rope),
+      opt(u("attention.value_length_mla")));
+  fmt::print("  dense layers {}: {} (ff {})\n", dense, layer_range(0, dense),
+             opt(u("feed_forward_length")));
+  fmt::print("  routing      {}, {} experts in {} groups, top-{} from {} groups, scale {}{}\n",
+             gating == 2u ? "sigmoid" : "softmax", opt(u("expert_count")),
+             opt(u("expert_group_count")), opt(u("expert_used_count")),
+             opt(u("expert_group_used_count")), f("expert_weights_scale"),
+             norm ? ", renormalised" : "");
+  fmt::print("  shared exp.  {} (ff {}, dense weights)\n", opt(u("expert_shared_count")),
+             opt(u("expert_feed_forward_length")));
+}
+
 nlohmann::ordered_json deepseek4_json(const GgufModel& m) {
   const Ds4Structure d = read_deepseek4(m);
   const uint64_t main_layers = ds4_main_layers(d);
@@ -346,6 +384,7 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
     fmt::print("  {:<8} {:>5} tensors  {}\n", name, e.first, human_bytes(e.second));
   }
   if (m.architecture() == "deepseek4") print_deepseek4(m);
+  if (m.architecture() == "deepseek2") print_deepseek2(m);
 }
 
 void print_types_json() {

@@ -321,7 +321,7 @@ def check_bit_identical(model, sd):
 
 def write_byte_tokenizer(d, max_len):
     """tokenizer.json / tokenizer_config.json: byte-level BPE, token b is byte b (GPT-2's byte
-    alphabet), no merges; bos is byte 0, eos byte 1."""
+    alphabet), no merges; bos is byte 0, eos byte 1. Shared by the deepseek3 and gpt-oss scripts."""
     alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     tok = {

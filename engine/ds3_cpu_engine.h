@@ -1,0 +1,158 @@
+// The CPU reference forward of DeepSeek-V3 / Kimi-K2 (llama.cpp's `deepseek2`), one token at a
+// time, matching transformers (models/deepseek_v3/modeling_deepseek_v3.py):
+//
+// - Multi-head latent attention in the absorbed form llama.cpp's deepseek2 graph uses: q from the
+//   q LoRA (attn_q_a, q_a_norm, attn_q_b) split per head into [nope | rope]; one latent per
+//   position, c = kv_a_norm(attn_kv_a_mqa · x)[0, kv_lora_rank), and one shared rope key, the
+//   rest of that projection. A head scores position t as (wk_bᵀ q_nope) · c_t + q_rope · k_rope_t,
+//   so keys are never decompressed; its output is wv_b · Σ_t p_t c_t. The KV cache holds only
+//   c_t and k_rope_t (kv_lora_rank + n_rot floats per position and layer).
+// - RoPE on adjacent pairs (the checkpoint's interleaved layout), with YaRN frequencies when the
+//   file has them, and the score scale 1/sqrt(head_dim) × mscale², mscale = 1 + yarn_log_mul ·
+//   ln(factor) (transformers' yarn_get_mscale(factor, mscale_all_dim)).
+// - The first leading_dense_block_count layers have a dense SwiGLU MLP. The others route:
+//   sigmoid (or softmax) scores; selection on scores + e_score_correction_bias restricted to the
+//   expert_group_used_count groups whose two best corrected scores sum highest; weights are the
+//   chosen scores, renormalised (expert_weights_norm) × expert_weights_scale; plus the shared
+//   experts, which are dense weights.
+//
+// Router lookahead as qwen3moe's: the next MoE layers' routers on the current residual stream.
+// truncate() cuts the KV cache anywhere.
+//
+// prefill() runs a prompt in chunks of EngineOptions::prefill_chunk positions, layer by layer over
+// the chunk: attention, the dense MLP, routing and the shared experts position by position (as
+// decode() computes them), the routed experts grouped by expert as qwen3moe's prefill does (each
+// expert a chunk's layer routed to acquired once, at most top-k held at a time, applied to all its
+// positions). Each position sums its experts in decode()'s order, so the logits are decode()'s to
+// the bit.
+//
+// Owns the KV cache (sized by max_context at create()) and every scratch buffer (the prefill ones
+// sized by the chunk); decode() and prefill() allocate nothing unless a routing log is attached.
+// Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "engine/cpu_ops.h"
+#include "engine/engine.h"
+#include "engine/expert_source.h"
+#include "engine/model.h"
+
+namespace expertd::engine {
+
+// What both DeepSeek-V3 engines check at create(): a deepseek2 model, the options, a KV cache
+// that is not absurd.
+Status check_ds3_engine(const DenseModel& model, const EngineOptions& options);
+
+class Ds3CpuEngine final : public Engine {
+ public:
+  // `model` (a deepseek2 model) and `source` must outlive the engine.
+  static Result<std::unique_ptr<Ds3CpuEngine>> create(const DenseModel& model, ExpertSource& source,
+                                                      const EngineOptions& options);
+
+  Status decode(uint32_t token, std::span<float> logits) override;
+  void reset() override { pos_ = 0; }
+  // The cache holds positions independently: any prefix can be kept.
+  bool truncate(uint32_t n) override;
+  uint32_t position() const override { return pos_; }
+  const EngineStats& stats() const override { return stats_; }
+  const ModelParams& params() const override { return p_; }
+  const EngineOptions& options() const override { return opts_; }
+  void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
+  std::string name() const override { return "cpu"; }
+  std::string description() const override;
+
+ private:
+  EngineStats& mutable_stats() override { return stats_; }
+  Ds3CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
+
+  // Position `pos`'s attention on xn_ into out_ (its latent and rope key into the cache).
+  void attention(uint32_t layer, uint32_t pos);
+  // The next layers' candidates from position `pos`'s residual `x` (hints are sent by flush).
+  void add_lookahead(uint32_t layer, uint32_t pos, const float* x);
+  void flush_hints();
+  // Position `pos`'s routing from xn_ into sel / wts (k each), logged.
+  void route(uint32_t layer, uint32_t pos, std::span<uint32_t> sel, std::span<float> wts);
+  Status moe(uint32_t layer);
+  uint32_t prefill_chunk_size() const override { return chunk_; }
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
+  Status prefill_moe(uint32_t layer, uint32_t n);
+  // SwiGLU MLP of xn_ into out_ (+= when `add`).
+  void mlp(const WeightView& gate, const WeightView& up, const WeightView& down, bool add);
+
+  const DenseModel& model_;
+  ExpertSource& source_;
+  const ModelParams& p_;
+  const Ds3Params& d_;
+  const Ds3Weights& w_;
+  EngineOptions opts_;
+  uint32_t pos_ = 0;
+  EngineStats stats_;
+  std::vector<RoutingRecord>* routing_log_ = nullptr;
+
+  std::vector<double> inv_freq_;  // n_rot / 2
+  double kq_scale_ = 1.0;
+  std::vector<float> latent_;  // [layer][max_context][kv_lora_rank]
+  std::vector<float> krope_;   // [layer][max_context][n_rot]
+
+  std::vector<float> x_;        // residual, n_embd
+  std::vector<float> xn_;       // normalised sublayer input, n_embd
+  std::vector<float> qa_;       // q LoRA, q_lora_rank
+  std::vector<float> q_;        // n_head * head_dim
+  std::vector<float> kva_;      // kv_lora_rank + n_rot
+  std::vector<float> qabs_;     // one head's query in the latent space, kv_lora_rank
+  std::vector<float> olat_;     // one head's attention output in the latent space, kv_lora_rank
+  std::vector<double> oacc_;    // its accumulator
+  std::vector<float> att_;      // n_head * v_head_dim
+  std::vector<double> scores_;  // max_context
+  std::vector<float> out_;      // sublayer output, n_embd
+  std::vector<double> acc_;     // n_embd
+  std::vector<float> row_;      // one dequantised weight row (the widest)
+  std::vector<float> router_;   // n_expert
+  std::vector<double> probs_;   // n_expert
+  std::vector<double> sel_;     // n_expert
+  std::vector<uint32_t> order_;
+  std::vector<uint32_t> selected_;
+  std::vector<float> weights_;
+  std::vector<float> gate_, up_, tmp_;  // max(n_ff, n_ff_exp * max(1, n_shared)), n_embd
+  std::vector<ExpertView> views_;
+  HintPlanner planner_;
+
+  // prefill(): C = min(prefill_chunk, max_context) positions.
+  uint32_t chunk_ = 0;
+  std::vector<float> cx_;          // residuals, [C][n_embd]
+  std::vector<float> cxn_;         // normalised MoE inputs, [C][n_embd]
+  std::vector<uint32_t> csel_;     // routes, [C][k]
+  std::vector<float> cweights_;    // [C][k]
+  std::vector<float> cout_;        // each route slot's expert output, [C][k][n_embd]
+  ExpertGroups groups_;            // the chunk's layer's route slots by expert
+  std::vector<ExpertHint> exact_;  // n_expert
+  std::vector<float> cgx_;         // one expert's inputs, [C][n_embd]
+  std::vector<float> cgate_;       // [C][n_ff_exp]
+  std::vector<float> cup_;         // [C][n_ff_exp]
+  std::vector<float> cdown_;       // [C][n_embd]
+};
+
+// The host side of the deepseek2 forward, shared by the CPU and CUDA engines.
+
+// The inverse rope frequencies (YaRN when the file has it) and the attention score scale.
+std::vector<double> ds3_inv_freq(const ModelParams& p);
+double ds3_kq_scale(const ModelParams& p);
+
+// A layer's routing from its router logits (n_expert): probs = sigmoid (or softmax) of them;
+// the top-k of probs + bias over the best n_group_used groups (ties to the lower index);
+// experts[0, k) by descending probability, weights their probabilities renormalised
+// (weights_norm) × weights_scale. probs, sel and order: n_expert scratch.
+void ds3_route(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+               uint32_t k, std::span<double> probs, std::span<double> sel,
+               std::vector<uint32_t>& order, std::span<uint32_t> experts, std::span<float> weights);
+
+// A layer's router lookahead, the probabilities its hints are ranked by: max(0, score + bias),
+// normalised to sum 1.
+void ds3_hint_probs(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+                    std::span<double> probs);
+
+}  // namespace expertd::engine

@@ -1,0 +1,524 @@
+#include "engine/ds3_gpu_engine.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/clock.h"
+#include "engine/ds3_cpu_engine.h"
+#include "engine/gpu_experts.h"
+#include "kernels/check.h"
+#include "kernels/combine.cuh"
+#include "kernels/cuda_raii.h"
+#include "kernels/dequant.cuh"
+#include "kernels/ds3.cuh"
+#include "kernels/ds4.cuh"
+#include "kernels/matvec.cuh"
+
+namespace expertd::engine {
+namespace {
+
+using cuda::CudaStream;
+using cuda::DeviceBytes;
+using cuda::PinnedBytes;
+using gpu::Carver;
+using gpu::DevMat;
+using gpu::ExpertPtrs;
+using gpu::gib;
+using gpu::GpuExperts;
+
+struct DevLayer {
+  const float* attn_norm = nullptr;
+  const float* q_a_norm = nullptr;
+  const float* kv_a_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  DevMat wq_a, wq_b, wq, wkv_a, wk_b, wv_b, wo;
+  DevMat ffn_gate, ffn_up, ffn_down;  // dense layers
+  DevMat gate_inp;                    // MoE layers
+  DevMat shexp_gate, shexp_up, shexp_down;
+};
+
+// The rows of matrix `head` of a stacked per-head matrix ([n_head * rows][cols]).
+const uint8_t* head_rows(const DevMat& m, uint32_t head, uint32_t rows) {
+  return m.data + uint64_t{head} * rows * m.row_bytes;
+}
+
+}  // namespace
+
+struct Ds3GpuEngine::Impl {
+  const DenseModel& model;
+  ExpertSource& source;
+  const ModelParams& p;
+  const Ds3Params& d;
+  const Ds3Weights& w;
+  EngineOptions opts;
+  GpuOptions gpu;
+  HintPlanner planner;
+  EngineStats stats;
+  std::vector<RoutingRecord>* routing_log = nullptr;
+  uint32_t pos = 0;
+  std::string device_name;
+  uint64_t dense_device_bytes = 0;
+  double kq_scale = 1.0;
+
+  // The CUDA resources, destroyed last to first after ~Impl's body synchronised both streams:
+  // the experts' owner (gives back its holds, then its events, registration and tier memory),
+  // the streams (nothing is enqueued on them), then the pinned mirrors and device memory.
+  DeviceBytes dense_mem;  // the dense weights, as in the file
+  DeviceBytes work_mem;   // the latent cache and activations
+  PinnedBytes host_mem;   // pinned mirrors of the router logits, the weights and the logits
+  CudaStream copy;
+  CudaStream compute;
+  std::unique_ptr<GpuExperts> experts;
+
+  // Dense weights.
+  std::vector<DevLayer> layers;
+  DevMat embd, output;
+  const float* output_norm = nullptr;
+  const double* freq = nullptr;      // n_rot / 2
+  std::vector<const float*> biases;  // per MoE layer: exp_probs_b on the host (model's)
+
+  // Cache and activations.
+  float* latent = nullptr;  // [layer][max_context][kv_lora_rank]
+  float* krope = nullptr;   // [layer][max_context][n_rot]
+  float* x = nullptr;       // residual, n_embd
+  float* xn = nullptr;
+  float* qa = nullptr;       // q_lora_rank
+  float* q = nullptr;        // n_head * head_dim
+  float* kva = nullptr;      // kv_lora_rank + n_rot
+  float* qabs = nullptr;     // n_head * kv_lora_rank
+  float* olat = nullptr;     // n_head * kv_lora_rank
+  float* att = nullptr;      // n_head * v_head_dim
+  double* scores = nullptr;  // [n_head][max_context]
+  float* out = nullptr;
+  float* pxn = nullptr;      // [depth][n_embd]
+  float* rlogits = nullptr;  // [1 + depth][n_expert]
+  float* d_weights = nullptr;
+  float* gu = nullptr;  // [2k][n_ff]: gate outputs then up outputs
+  float* hbuf = nullptr;
+  float* eo = nullptr;  // [k][n_embd]
+  float* sg = nullptr;  // dense MLP / shared experts: gate, up (the widest)
+  float* su = nullptr;
+  float* sout = nullptr;  // n_embd
+  float* d_logits = nullptr;
+  float* h_rlogits = nullptr;  // pinned mirrors
+  float* h_weights = nullptr;
+  float* h_logits = nullptr;
+
+  // Host scratch.
+  std::vector<double> probs, sel;
+  std::vector<uint32_t> order;
+  std::vector<uint32_t> selected;
+  std::vector<float> weights;
+  std::vector<ExpertPtrs> ptrs;
+  std::vector<ExpertHint> last_hints;
+
+  Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
+      : model(m),
+        source(s),
+        p(m.params()),
+        d(m.params().ds3),
+        w(*m.ds3()),
+        opts(o),
+        gpu(g),
+        planner(m.params(), o) {
+    if (opts.prefetch_width == 0) opts.prefetch_width = p.n_expert_used;
+  }
+  ~Impl();
+
+  Status init();
+  Status carve_dense(Carver& c);
+  void carve_work(Carver& c);
+  Status mv(const DevMat& m, const float* in, float* y);
+  // One matvec per head of a stacked per-head matrix (rows x cols each), batched.
+  Status per_head(const DevMat& m, uint32_t rows, const float* in, uint64_t in_stride, float* y,
+                  uint64_t y_stride);
+  Status attention(uint32_t layer);
+  Status mlp(const DevMat& gate, const DevMat& up, const DevMat& down, float* y);
+  Status route(uint32_t layer);
+  Status moe(uint32_t layer);
+  Status head(std::span<float> logits);
+};
+
+Ds3GpuEngine::Impl::~Impl() {
+  // The streams' work reads the held experts' bytes and every buffer: it must be done before a
+  // hold is given back (experts' destructor) or an owner goes.
+  if (compute.valid()) (void)cudaStreamSynchronize(compute.get());
+  if (copy.valid()) (void)cudaStreamSynchronize(copy.get());
+}
+
+Status Ds3GpuEngine::Impl::carve_dense(Carver& c) {
+  std::vector<uint8_t> scratch;
+  auto mat = [&](const Matrix& m, DevMat& dst) {
+    return gpu::carve_matrix(c, model, m, dst, scratch);
+  };
+  auto vec = [&](const std::vector<float>& v) -> const float* {
+    return c.take_n<float>(v.size(), v.data());
+  };
+  EXPERTD_TRY(mat(model.token_embd(), embd));
+  EXPERTD_TRY(mat(model.output(), output));
+  output_norm = vec(model.output_norm());
+  const std::vector<double> f = ds3_inv_freq(p);
+  freq = c.take_n<double>(f.size(), f.data());
+  layers.resize(p.n_layer);
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    const Ds3LayerWeights& l = w.layers[i];
+    DevLayer& dl = layers[i];
+    dl.attn_norm = vec(l.attn_norm);
+    dl.kv_a_norm = vec(l.kv_a_norm);
+    dl.ffn_norm = vec(l.ffn_norm);
+    if (d.q_lora_rank > 0) {
+      dl.q_a_norm = vec(l.q_a_norm);
+      EXPERTD_TRY(mat(l.wq_a, dl.wq_a));
+      EXPERTD_TRY(mat(l.wq_b, dl.wq_b));
+    } else {
+      EXPERTD_TRY(mat(l.wq, dl.wq));
+    }
+    EXPERTD_TRY(mat(l.wkv_a, dl.wkv_a));
+    EXPERTD_TRY(mat(l.wk_b, dl.wk_b));
+    EXPERTD_TRY(mat(l.wv_b, dl.wv_b));
+    EXPERTD_TRY(mat(l.wo, dl.wo));
+    if (i < d.dense_lead) {
+      EXPERTD_TRY(mat(l.ffn_gate, dl.ffn_gate));
+      EXPERTD_TRY(mat(l.ffn_up, dl.ffn_up));
+      EXPERTD_TRY(mat(l.ffn_down, dl.ffn_down));
+      continue;
+    }
+    EXPERTD_TRY(mat(l.gate_inp, dl.gate_inp));
+    if (d.n_shared > 0) {
+      EXPERTD_TRY(mat(l.shexp_gate, dl.shexp_gate));
+      EXPERTD_TRY(mat(l.shexp_up, dl.shexp_up));
+      EXPERTD_TRY(mat(l.shexp_down, dl.shexp_down));
+    }
+  }
+  return Ok{};
+}
+
+void Ds3GpuEngine::Impl::carve_work(Carver& c) {
+  const uint64_t e = p.n_embd;
+  const uint64_t ctx = opts.max_context;
+  const uint64_t lat = d.kv_lora_rank;
+  const uint64_t heads = p.n_head;
+  const uint32_t k = p.n_expert_used;
+  const uint32_t depth = opts.prefetch_depth;
+  const uint64_t ff = std::max<uint64_t>(d.n_ff, uint64_t{p.n_ff_exp} * std::max(1u, d.n_shared));
+  latent = c.take_n<float>(p.n_layer * ctx * lat);
+  krope = c.take_n<float>(p.n_layer * ctx * p.n_rot);
+  x = c.take_n<float>(e);
+  xn = c.take_n<float>(e);
+  qa = c.take_n<float>(d.q_lora_rank);
+  q = c.take_n<float>(heads * p.head_dim);
+  kva = c.take_n<float>(lat + p.n_rot);
+  qabs = c.take_n<float>(heads * lat);
+  olat = c.take_n<float>(heads * lat);
+  att = c.take_n<float>(heads * d.v_head_dim);
+  scores = c.take_n<double>(heads * ctx);
+  out = c.take_n<float>(e);
+  pxn = c.take_n<float>(uint64_t{std::max(depth, 1u)} * e);
+  rlogits = c.take_n<float>(uint64_t{1 + depth} * p.n_expert);
+  d_weights = c.take_n<float>(k);
+  gu = c.take_n<float>(2 * uint64_t{k} * p.n_ff_exp);
+  hbuf = c.take_n<float>(uint64_t{k} * p.n_ff_exp);
+  eo = c.take_n<float>(uint64_t{k} * e);
+  sg = c.take_n<float>(ff);
+  su = c.take_n<float>(ff);
+  sout = c.take_n<float>(e);
+  d_logits = c.take_n<float>(p.n_vocab);
+}
+
+Status Ds3GpuEngine::Impl::init() {
+  std::string why;
+  if (!cuda_device_available(&why)) return make_error(ENODEV, why);
+  EXPERTD_CUDA_TRY(cudaSetDevice(gpu.device));
+  cudaDeviceProp prop{};
+  EXPERTD_CUDA_TRY(cudaGetDeviceProperties(&prop, gpu.device));
+  device_name =
+      fmt::format("{} (sm_{}{}, {})", prop.name, prop.major, prop.minor, gib(prop.totalGlobalMem));
+  if (2 * p.n_expert_used > kernels::kMaxBatch) {
+    return make_error(EINVAL, fmt::format("the GPU engine runs at most top-{} experts; the model "
+                                          "has top-{}",
+                                          kernels::kMaxBatch / 2, p.n_expert_used));
+  }
+  kq_scale = ds3_kq_scale(p);
+  EXPERTD_TRY_ASSIGN(compute, CudaStream::create(cudaStreamNonBlocking));
+  EXPERTD_TRY_ASSIGN(copy, CudaStream::create(cudaStreamNonBlocking));
+
+  // Dense weights: count, check the free memory, allocate, upload. Then caches and activations.
+  EXPERTD_TRY_ASSIGN(dense_mem, gpu::carve_device([&](Carver& c) { return carve_dense(c); },
+                                                  [&](uint64_t n) {
+                                                    dense_device_bytes = n;
+                                                    return gpu::alloc_dense(n, "as in the file",
+                                                                            model.path(),
+                                                                            device_name);
+                                                  }));
+  EXPERTD_TRY_ASSIGN(
+      work_mem, gpu::carve_device(
+                    [&](Carver& c) -> Status {
+                      carve_work(c);
+                      return Ok{};
+                    },
+                    [&](uint64_t n) { return gpu::alloc_work(n, opts.max_context, device_name); }));
+
+  const uint32_t k = p.n_expert_used;
+  const uint32_t depth = opts.prefetch_depth;
+  const uint64_t host_floats = uint64_t{1 + depth} * p.n_expert + k + p.n_vocab;
+  EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
+  h_rlogits = host_mem.get<float>();
+  h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
+  h_logits = h_weights + k;
+
+  experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
+  EXPERTD_TRY(experts->init(device_name));
+  for (uint32_t i = d.dense_lead; i < p.n_layer; ++i) {
+    if (!experts->shape(i).present) {
+      return make_error(EINVAL, fmt::format("{}: layer {} has no routed experts", model.path(), i));
+    }
+  }
+  probs.resize(p.n_expert);
+  sel.resize(p.n_expert);
+  order.resize(p.n_expert);
+  selected.resize(k);
+  weights.resize(k);
+  ptrs.resize(k);
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::mv(const DevMat& m, const float* in, float* y) {
+  EXPERTD_CUDA_TRY(
+      kernels::matvec(m.type, m.data, m.row_bytes, m.rows, m.cols, in, y, compute.get()));
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::per_head(const DevMat& m, uint32_t rows, const float* in,
+                                    uint64_t in_stride, float* y, uint64_t y_stride) {
+  for (uint32_t h0 = 0; h0 < p.n_head; h0 += kernels::kMaxBatch) {
+    kernels::MatvecBatch b;
+    b.count = std::min(kernels::kMaxBatch, p.n_head - h0);
+    for (uint32_t j = 0; j < b.count; ++j) {
+      b.w[j] = head_rows(m, h0 + j, rows);
+      b.x[j] = in + (h0 + j) * in_stride;
+      b.y[j] = y + (h0 + j) * y_stride;
+    }
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(m.type, b, m.row_bytes, rows, m.cols, compute.get()));
+  }
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::attention(uint32_t layer) {
+  const DevLayer& l = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t hd = p.head_dim;
+  const uint32_t lat = d.kv_lora_rank;
+  const uint64_t ctx = opts.max_context;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, l.attn_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  if (d.q_lora_rank > 0) {
+    EXPERTD_TRY(mv(l.wq_a, xn, qa));
+    EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(qa, l.q_a_norm, qa, 1, d.q_lora_rank, p.rms_eps, st));
+    EXPERTD_TRY(mv(l.wq_b, qa, q));
+  } else {
+    EXPERTD_TRY(mv(l.wq, xn, q));
+  }
+  // This position's latent and rope key go straight into the cache.
+  EXPERTD_TRY(mv(l.wkv_a, xn, kva));
+  float* c = latent + (layer * ctx + pos) * lat;
+  float* kr = krope + (layer * ctx + pos) * p.n_rot;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(kva, l.kv_a_norm, c, 1, lat, p.rms_eps, st));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(kr, kva + lat, uint64_t{p.n_rot} * 4, cudaMemcpyDeviceToDevice, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(kr, 1, p.n_rot, p.n_rot, pos, freq, false, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(q, p.n_head, hd, p.n_rot, pos, freq, false, st));
+  // attn_k_b folds each head's non-rope query into the latent space.
+  EXPERTD_TRY(per_head(l.wk_b, lat, q, hd, qabs, lat));
+  EXPERTD_CUDA_TRY(kernels::ds3_mla_attention(
+      qabs, q + d.qk_nope, hd, latent + layer * ctx * lat, krope + layer * ctx * p.n_rot, pos + 1,
+      p.n_head, lat, p.n_rot, kq_scale, scores, static_cast<uint32_t>(ctx), olat, st));
+  EXPERTD_TRY(per_head(l.wv_b, d.v_head_dim, olat, lat, att, d.v_head_dim));
+  EXPERTD_TRY(mv(l.wo, att, out));
+  EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::mlp(const DevMat& gate, const DevMat& up, const DevMat& down, float* y) {
+  EXPERTD_TRY(mv(gate, xn, sg));
+  EXPERTD_TRY(mv(up, xn, su));
+  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(sg, su, sg, gate.rows, 0.0f, compute.get()));
+  EXPERTD_TRY(mv(down, sg, y));
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::route(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
+  const bool dense = layer < d.dense_lead;
+  // The routers on the device: this layer's, and the lookahead layers' on the same residual
+  // through their own norms.
+  const ScriptedRoute* scripted =
+      opts.script != nullptr && !dense ? opts.script->find(pos, layer) : nullptr;
+  if (!dense && scripted == nullptr) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rlogits));
+  uint32_t rows = 1;
+  for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
+    const uint32_t next = layer + j;
+    if (next >= p.n_layer || next < d.dense_lead || scripted_hints) continue;
+    float* in = pxn + uint64_t{j - 1} * p.n_embd;
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_rms_norm(x, layers[next].ffn_norm, in, 1, p.n_embd, p.rms_eps, st));
+    EXPERTD_TRY(mv(layers[next].gate_inp, in, rlogits + uint64_t{j} * ne));
+    rows = j + 1;
+  }
+  // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
+  if (!dense || rows > 1) {
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    // Everything launched before (the previous layer's experts among it) has finished.
+    EXPERTD_TRY(experts->release_demand_holds());
+    EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+    EXPERTD_TRY(experts->account_copy_time());
+  }
+
+  // Hints for the next layers, as Ds3CpuEngine::send_hints sends them.
+  planner.from_layer(layer);
+  for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
+    const uint32_t next = layer + j;
+    if (next < d.dense_lead) continue;
+    if (scripted_hints) {
+      add_scripted_hints(*opts.script, pos, layer, next, planner);
+      continue;
+    }
+    ds3_hint_probs(d, w.layers[next].exp_bias,
+                   std::span<const float>(h_rlogits + uint64_t{j} * ne, ne), probs);
+    planner.add_ranked(next, std::span<const double>(probs.data(), ne));
+  }
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  last_hints.assign(hints.begin(), hints.end());
+  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
+  if (dense) {
+    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+    return Ok{};
+  }
+
+  // The routing decision, as Ds3CpuEngine::route makes it.
+  if (scripted != nullptr) {
+    std::copy(scripted->experts.begin(), scripted->experts.end(), selected.begin());
+    std::copy(scripted->weights.begin(), scripted->weights.end(), weights.begin());
+    ++stats.scripted_routes;
+  } else {
+    ds3_route(d, w.layers[layer].exp_bias, std::span<const float>(h_rlogits, ne), k, probs, sel,
+              order, selected, weights);
+  }
+  std::memcpy(h_weights, weights.data(), uint64_t{k} * 4);
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, st));
+  RoutingRecord* rec = log_route(routing_log, pos, layer, selected, weights);
+  planner.routed(layer, std::span<const uint32_t>(selected.data(), k), stats, rec);
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::moe(uint32_t layer) {
+  const DevLayer& dl = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const std::span<const uint32_t> chosen(selected.data(), k);
+  uint64_t waited = 0;
+  EXPERTD_TRY(experts->acquire(layer, chosen, ptrs, &waited));
+  stats.experts_used += k;
+
+  const uint32_t e = p.n_embd;
+  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
+                               p.n_ff_exp, e, xn, 0.0f, gu, hbuf, eo, st));
+  EXPERTD_TRY(experts->finish_layer());
+  const bool shared = d.n_shared > 0;
+  if (shared) EXPERTD_TRY(mlp(dl.shexp_gate, dl.shexp_up, dl.shexp_down, sout));
+  EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(eo, d_weights, k, shared ? sout : nullptr, e, out, st));
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
+  const cudaStream_t st = compute.get();
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(mv(output, xn, d_logits));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
+  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  EXPERTD_TRY(experts->release_demand_holds());
+  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
+  return Ok{};
+}
+
+// --- Ds3GpuEngine ------------------------------------------------------------------------------
+
+Ds3GpuEngine::Ds3GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Ds3GpuEngine::~Ds3GpuEngine() = default;
+
+Result<std::unique_ptr<Ds3GpuEngine>> Ds3GpuEngine::create(const DenseModel& model,
+                                                           ExpertSource& source,
+                                                           const EngineOptions& options,
+                                                           const GpuOptions& gpu) {
+  EXPERTD_TRY(check_ds3_engine(model, options));
+  auto impl = std::make_unique<Impl>(model, source, options, gpu);
+  EXPERTD_TRY(impl->init());
+  return std::unique_ptr<Ds3GpuEngine>(new Ds3GpuEngine(std::move(impl)));
+}
+
+Status Ds3GpuEngine::decode(uint32_t token, std::span<float> logits) {
+  Impl& m = *impl_;
+  const ModelParams& p = m.p;
+  EXPERTD_TRY(check_decode(p, m.opts, m.pos, token, logits.size()));
+  const uint64_t t0 = monotonic_ns();
+  const cudaStream_t st = m.compute.get();
+  EXPERTD_CUDA_TRY(kernels::dequantize(
+      m.embd.type, m.embd.data + uint64_t{token} * m.embd.row_bytes, m.x, p.n_embd, st));
+  m.planner.begin_token();
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    if (!m.source.set_cursor(m.pos, layer)) ++m.stats.hint_errors;
+    const DevLayer& l = m.layers[layer];
+    EXPERTD_TRY(m.attention(layer));
+    EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(m.x, l.ffn_norm, m.xn, 1, p.n_embd, p.rms_eps, st));
+    EXPERTD_TRY(m.route(layer));
+    if (layer < m.d.dense_lead) {
+      EXPERTD_TRY(m.mlp(l.ffn_gate, l.ffn_up, l.ffn_down, m.out));
+    } else {
+      EXPERTD_TRY(m.moe(layer));
+    }
+    EXPERTD_CUDA_TRY(kernels::add(m.x, m.out, p.n_embd, st));
+    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.last_hints));
+  }
+  EXPERTD_TRY(m.head(logits));
+  m.experts->measure_tiers();
+  ++m.pos;
+  ++m.stats.tokens;
+  m.stats.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+void Ds3GpuEngine::reset() { impl_->pos = 0; }
+
+bool Ds3GpuEngine::truncate(uint32_t n) {
+  if (n > impl_->pos) return false;
+  impl_->pos = n;
+  return true;
+}
+
+uint32_t Ds3GpuEngine::position() const { return impl_->pos; }
+const EngineStats& Ds3GpuEngine::stats() const { return impl_->stats; }
+EngineStats& Ds3GpuEngine::mutable_stats() { return impl_->stats; }
+const ModelParams& Ds3GpuEngine::params() const { return impl_->p; }
+const EngineOptions& Ds3GpuEngine::options() const { return impl_->opts; }
+void Ds3GpuEngine::set_routing_log(std::vector<RoutingRecord>* log) { impl_->routing_log = log; }
+
+std::string Ds3GpuEngine::description() const {
+  const Impl& m = *impl_;
+  const GpuExperts& x = *m.experts;
+  return fmt::format(
+      "CUDA engine (deepseek2) on {}: dense weights {} as in the file (fused "
+      "matvec), latent KV cache, {}{}",
+      m.device_name, gib(m.dense_device_bytes), x.description(),
+      x.arena_registered() ? "" : "; arena not registered: pageable copies");
+}
+
+}  // namespace expertd::engine

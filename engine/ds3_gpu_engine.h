@@ -1,0 +1,63 @@
+// The CUDA engine for DeepSeek-V3 / Kimi-K2 (`deepseek2`): the forward of Ds3CpuEngine (the
+// specification, engine/ds3_cpu_engine.h) on the GPU, one token per decode().
+//
+// Device: every dense weight in its GGUF encoding (read by the fused matvec kernels of
+// kernels/matvec.cuh as they read experts), the norm vectors and router biases as f32, the latent
+// KV cache (kv_lora_rank + n_rot floats per position and layer) and every activation. Per token:
+// the q LoRA and latent projections, RMSNorms, adjacent-pair RoPE, attn_k_b absorbed into the
+// queries and attn_v_b applied to the latent outputs (batched matvecs, one job per head), the MLA
+// attention of kernels/ds3.cuh, the dense MLP or the routed and shared experts (SwiGLU, the MoE
+// sum).
+//
+// Host: the routing decision. Each MoE layer copies its router logits (and the lookahead layers')
+// back and synchronises once; the group-limited top-k, the weights and the hints are the CPU
+// engine's own code (ds3_route, ds3_hint_probs), so routing records, hint streams and stats are
+// Ds3CpuEngine's. That sync is also where the previous layer's expert holds are given back.
+// Experts reach the device through GpuExperts (in place from the registered arena, or a VRAM
+// tier), as in GpuEngine.
+//
+// prefill() is decode() of each token (Engine's default). decode() allocates nothing unless a
+// routing log is attached. Not thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+#include "engine/expert_source.h"
+#include "engine/gpu_engine.h"
+#include "engine/model.h"
+
+namespace expertd::engine {
+
+class Ds3GpuEngine final : public Engine {
+ public:
+  // `model` (a deepseek2 model) and `source` must outlive the engine. Uploads the dense weights
+  // (errors name the tensor whose type the kernels do not read, or the bytes wanted when VRAM is
+  // short) and registers the source's host memory.
+  static Result<std::unique_ptr<Ds3GpuEngine>> create(const DenseModel& model, ExpertSource& source,
+                                                      const EngineOptions& options,
+                                                      const GpuOptions& gpu);
+  ~Ds3GpuEngine() override;
+
+  Status decode(uint32_t token, std::span<float> logits) override;
+  void reset() override;
+  // The cache holds positions independently: any prefix can be kept.
+  bool truncate(uint32_t n) override;
+  uint32_t position() const override;
+  const EngineStats& stats() const override;
+  const ModelParams& params() const override;
+  const EngineOptions& options() const override;
+  void set_routing_log(std::vector<RoutingRecord>* log) override;
+  std::string name() const override { return "gpu"; }
+  std::string description() const override;
+
+  struct Impl;
+
+ private:
+  EngineStats& mutable_stats() override;
+  explicit Ds3GpuEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expertd::engine
