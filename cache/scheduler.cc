@@ -753,7 +753,8 @@ bool Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, ui
     const Cursor& c = cursors_[session];
     if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return false;
   }
-  m = HintMark{token, static_cast<uint16_t>(session), bit};
+  ExpertCache* owner = nullptr;
+  m = HintMark{token, static_cast<uint16_t>(session), bit, find_slot(key, &owner) < 0};
   return true;
 }
 
@@ -765,7 +766,7 @@ void Scheduler::count_recall(uint32_t session, ExpertKey key) {
     if ((m.buckets >> b & 1u) == 0) continue;
     ++depths_[b].hinted_acquires;
     ++session_depths_[session][b].hinted_acquires;
-    count_estimate_hit(session, c.token, b);
+    if (m.cold) count_estimate_hit(session, c.token, b);
   }
 }
 
@@ -816,7 +817,10 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   const uint32_t bucket = depth_bucket(session, target);
   ++depths_[bucket].hints;
   ++session_depths_[session][bucket].hints;
-  if (mark_hinted(session, key, target, bucket)) {
+  // The estimate counts only hints for experts absent when their target was first hinted: a
+  // hint for a resident expert reads nothing, and counting those (right nearly always) made the
+  // estimate clear the bar while the reads it let through were mostly wrong (docs/CACHE.md).
+  if (mark_hinted(session, key, target, bucket) && hinted_[key_index(key)].cold) {
     count_estimate_hint(session, static_cast<uint32_t>(target >> 32), bucket);
   }
   // Every hint, resident or not: a policy may protect a resident expert the router wants soon.

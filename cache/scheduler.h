@@ -316,11 +316,14 @@ class Scheduler final : private EvictionListener {
     uint32_t bucket = 0;  // depth bucket when the (nearest) hint arrived
     bool live = false;
   };
-  // The depths at which an expert was hinted for one target token (recall telemetry).
+  // The depths at which an expert was hinted for one target token (recall telemetry), and whether
+  // the first hint for that target found it absent (neither cached nor loading): only such hints,
+  // which would need a read, enter the precision estimate.
   struct HintMark {
     uint32_t token = 0;
     uint16_t session = kNoSession;
     uint8_t buckets = 0;  // bit b: hinted at depth bucket b
+    bool cold = false;
   };
   // A READY slot filled by a prefetch and not yet acquired: who hinted it, how deep, its bytes.
   struct PrefetchedSlot {
