@@ -40,6 +40,22 @@ using test::TinyFixture;
     if (!cuda_device_available(&why_)) GTEST_SKIP() << why_; \
   } while (0)
 
+// The GPU engine's hints are the CPU engine's, in order, less those for experts its VRAM tier
+// holds (TierHintFilter drops them: the source would read what VRAM already has).
+void expect_cpu_hints_less_the_tiers(const std::vector<ExpertHint>& hc,
+                                     const std::vector<ExpertHint>& hg) {
+  ASSERT_LE(hg.size(), hc.size());
+  ASSERT_GT(hg.size(), 0u);
+  size_t j = 0;
+  for (size_t i = 0; i < hg.size(); ++i) {
+    while (j < hc.size() && (hc[j].layer != hg[i].layer || hc[j].expert != hg[i].expert)) ++j;
+    ASSERT_LT(j, hc.size()) << "GPU hint " << i << " (layer " << hg[i].layer << " expert "
+                            << hg[i].expert << ") is not among the CPU's, in order";
+    EXPECT_NEAR(hg[i].score, hc[j].score, 1e-5) << "hint " << i;
+    ++j;
+  }
+}
+
 GpuOptions tier(GpuOptions::Tier t, uint64_t value = 0) {
   GpuOptions g;
   g.tier = t;
@@ -692,20 +708,7 @@ TEST(Ds4GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
         EXPECT_NEAR(rg[i].weights[k], rc[i].weights[k], 1e-5) << "record " << i;
       }
     }
-    // The GPU engine's hints are the CPU engine's, in order, less those for experts its VRAM
-    // tier holds (TierHintFilter drops them: the source would read what VRAM already has).
-    const std::vector<ExpertHint>& hc = (*fs_cpu)->hints();
-    const std::vector<ExpertHint>& hg = (*fs_gpu)->hints();
-    ASSERT_LE(hg.size(), hc.size());
-    ASSERT_GT(hg.size(), 0u);
-    size_t j = 0;
-    for (size_t i = 0; i < hg.size(); ++i) {
-      while (j < hc.size() && (hc[j].layer != hg[i].layer || hc[j].expert != hg[i].expert)) ++j;
-      ASSERT_LT(j, hc.size()) << "GPU hint " << i << " (layer " << hg[i].layer << " expert "
-                              << hg[i].expert << ") is not among the CPU's, in order";
-      EXPECT_NEAR(hg[i].score, hc[j].score, 1e-5) << "hint " << i;
-      ++j;
-    }
+    expect_cpu_hints_less_the_tiers((*fs_cpu)->hints(), (*fs_gpu)->hints());
     const EngineStats& sc = (*cpu)->stats();
     const EngineStats& sg = (*gpu)->stats();
     EXPECT_EQ(sg.hash_hints, sc.hash_hints);
@@ -1146,13 +1149,7 @@ TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
       EXPECT_EQ(rg[i].experts, rc[i].experts) << "record " << i;
       EXPECT_EQ(rg[i].predicted, rc[i].predicted) << "record " << i;
     }
-    const std::vector<ExpertHint>& hc = (*fs_cpu)->hints();
-    const std::vector<ExpertHint>& hg = (*fs_gpu)->hints();
-    ASSERT_EQ(hg.size(), hc.size());
-    for (size_t i = 0; i < hc.size(); ++i) {
-      EXPECT_EQ(hg[i].layer, hc[i].layer) << "hint " << i;
-      EXPECT_EQ(hg[i].expert, hc[i].expert) << "hint " << i;
-    }
+    expect_cpu_hints_less_the_tiers((*fs_cpu)->hints(), (*fs_gpu)->hints());
     EXPECT_EQ((*gpu)->stats().hints_sent, (*cpu)->stats().hints_sent);
     EXPECT_EQ((*gpu)->stats().experts_used, (*cpu)->stats().experts_used);
     EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
