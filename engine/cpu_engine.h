@@ -1,7 +1,9 @@
 // The CPU reference forward of qwen3moe, Mixtral (`llama` with experts: no q/k norms, NORM
-// RoPE) and gpt-oss (no q/k norms; biases on q/k/v/o, router and experts; attention sinks; a
-// sliding window on even layers; softmax over the top-k router logits; the clamped SwiGLU; YaRN),
-// one token at a time over a KV cache.
+// RoPE), gpt-oss (no q/k norms; biases on q/k/v/o, router and experts; attention sinks; a
+// sliding window on even layers; softmax over the top-k router logits; the clamped SwiGLU; YaRN)
+// and GLM-4.5 (`glm4moe`: q/k/v biases, optional q/k norms, NEOX RoPE on the first n_rot
+// dimensions only, leading dense layers, DeepSeek-V3's routing (ds3_route) and a shared expert;
+// the MTP blocks are not run), one token at a time over a KV cache.
 //
 // Per layer: RMSNorm → q/k/v projections → per-head q/k RMSNorm → NEOX RoPE → causal GQA attention
 // over the cache → output projection → residual; RMSNorm → router (softmax over the experts, top-k,
@@ -179,8 +181,8 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
                          uint64_t n_ff, float* out, const ChunkExperts& scratch,
                          EngineStats& stats);
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama), Ds4CpuEngine
-// (deepseek4) or Ds3CpuEngine (deepseek2).
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama, gpt-oss, glm4moe),
+// Ds4CpuEngine (deepseek4) or Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

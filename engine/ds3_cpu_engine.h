@@ -136,7 +136,8 @@ class Ds3CpuEngine final : public Engine {
   std::vector<float> cdown_;       // [C][n_embd]
 };
 
-// The host side of the deepseek2 forward, shared by the CPU and CUDA engines.
+// The host side of the deepseek2 forward, shared by the CPU and CUDA engines (the routing also by
+// CpuEngine's glm4moe, whose MoE block is DeepSeek-V3's).
 
 // The inverse rope frequencies (YaRN when the file has it) and the attention score scale.
 std::vector<double> ds3_inv_freq(const ModelParams& p);

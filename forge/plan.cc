@@ -637,25 +637,13 @@ void deepseek4_layer(const ForgeConfig& c, uint32_t l, int32_t ratio, TensorList
   }
 }
 
-// llama.cpp's deepseek2 load_arch_tensors, block l, for the tensors its converter writes from a
-// DeepSeek-V3 checkpoint (the absorbed-MLA split of kv_b into attn_k_b and attn_v_b).
-void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+// The FFN half of DeepSeek-V3's block l, which GLM-4.5's shares: a dense MLP in the first
+// dense_layers blocks, else the router, exp_probs_b, the routed experts and the shared experts.
+void sigmoid_moe_ffn(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const GgmlType dense = c.dense_type;
   const GgmlType experts = c.expert_type;
   constexpr GgmlType f32 = GgmlType::F32;
-  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
-  const uint64_t nope = c.head_dim - c.rope_dim;
   const uint64_t shexp = c.ff * c.shared_experts;
-  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
-  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
-  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.kv_lora_rank}});
-  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
-  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
-  out.push_back({blk(l, "attn_kv_a_mqa"), dense, {c.embd, uint64_t{c.kv_lora_rank} + c.rope_dim}});
-  out.push_back({blk(l, "attn_k_b"), dense, {nope, c.kv_lora_rank, c.heads}});
-  out.push_back({blk(l, "attn_v_b"), dense, {c.kv_lora_rank, c.v_head_dim, c.heads}});
-  out.push_back({blk(l, "attn_output"), dense, {uint64_t{c.heads} * c.v_head_dim, c.embd}});
-  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
   if (l < c.dense_layers) {
     out.push_back({blk(l, "ffn_gate"), dense, {c.embd, c.dense_ff}});
     out.push_back({blk(l, "ffn_down"), dense, {c.dense_ff, c.embd}});
@@ -674,17 +662,35 @@ void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   }
 }
 
+// llama.cpp's deepseek2 load_arch_tensors, block l, for the tensors its converter writes from a
+// DeepSeek-V3 checkpoint (the absorbed-MLA split of kv_b into attn_k_b and attn_v_b).
+void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+  const GgmlType dense = c.dense_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t nope = c.head_dim - c.rope_dim;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
+  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.kv_lora_rank}});
+  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
+  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
+  out.push_back({blk(l, "attn_kv_a_mqa"), dense, {c.embd, uint64_t{c.kv_lora_rank} + c.rope_dim}});
+  out.push_back({blk(l, "attn_k_b"), dense, {nope, c.kv_lora_rank, c.heads}});
+  out.push_back({blk(l, "attn_v_b"), dense, {c.kv_lora_rank, c.v_head_dim, c.heads}});
+  out.push_back({blk(l, "attn_output"), dense, {uint64_t{c.heads} * c.v_head_dim, c.embd}});
+  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  sigmoid_moe_ffn(c, l, out);
+}
+
 // llama.cpp's glm4moe block l as its converter writes GLM-4.5 (conversion/glm.py): q/k/v biases
 // (f32), optional per-head q/k norms, the post-attention norm, a dense MLP in the first
 // dense_layers blocks, else the router, exp_probs_b, the routed and shared experts; an MTP block
 // (l >= layers) is a MoE block with its own projection and norms.
 void glm4moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const GgmlType dense = c.dense_type;
-  const GgmlType experts = c.expert_type;
   constexpr GgmlType f32 = GgmlType::F32;
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
   const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
-  const uint64_t shexp = c.ff * c.shared_experts;
   out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
   out.push_back({blk(l, "attn_q"), dense, {c.embd, q_dim}});
   out.push_back({blk(l, "attn_q", "bias"), f32, {q_dim}});
@@ -698,22 +704,7 @@ void glm4moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
     out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
   }
   out.push_back({blk(l, "post_attention_norm"), f32, {c.embd}});
-  if (l < c.dense_layers) {
-    out.push_back({blk(l, "ffn_gate"), dense, {c.embd, c.dense_ff}});
-    out.push_back({blk(l, "ffn_down"), dense, {c.dense_ff, c.embd}});
-    out.push_back({blk(l, "ffn_up"), dense, {c.embd, c.dense_ff}});
-    return;
-  }
-  out.push_back({blk(l, "ffn_gate_inp"), f32, {c.embd, c.experts}});
-  out.push_back({blk(l, "exp_probs_b", "bias"), f32, {c.experts}});
-  out.push_back({blk(l, "ffn_gate_exps"), experts, {c.embd, c.ff, c.experts}});
-  out.push_back({blk(l, "ffn_up_exps"), experts, {c.embd, c.ff, c.experts}});
-  out.push_back({blk(l, "ffn_down_exps"), experts, {c.ff, c.embd, c.experts}});
-  if (c.shared_experts > 0) {
-    out.push_back({blk(l, "ffn_gate_shexp"), dense, {c.embd, shexp}});
-    out.push_back({blk(l, "ffn_down_shexp"), dense, {shexp, c.embd}});
-    out.push_back({blk(l, "ffn_up_shexp"), dense, {c.embd, shexp}});
-  }
+  sigmoid_moe_ffn(c, l, out);
   if (l >= c.layers) {  // the MTP block
     out.push_back({blk(l, "nextn.eh_proj"), dense, {2 * c.embd, c.embd}});
     out.push_back({blk(l, "nextn.enorm"), f32, {c.embd}});
