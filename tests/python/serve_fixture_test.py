@@ -11,14 +11,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_test import Http, check_same_as_expert_run, free_port, wait_for  # noqa: E402
+from serve_test import check_same_as_expert_run, start_expertd, start_serve  # noqa: E402
 
 MODEL = "fixture"
 
@@ -39,20 +38,7 @@ def main():
     sock = os.path.join(args.workdir, "expertd.sock")
     procs = []
     try:
-        daemon_log = open(os.path.join(args.workdir, "expertd.log"), "w")
-        procs.append(subprocess.Popen(
-            [os.path.join(args.bin, "expertd"), "--model", f"{MODEL}={gguf}", "--socket", sock,
-             "--cache", "16MiB", "--no-mlock"], stdout=daemon_log, stderr=daemon_log))
-
-        def daemon_up():
-            with socket.socket(socket.AF_UNIX) as s:
-                try:
-                    s.connect(sock)
-                    return True
-                except OSError:
-                    return False
-        wait_for("expertd's socket", daemon_up)
-
+        start_expertd(args, [f"{MODEL}={gguf}"], sock, procs)
         ref = json.loads(subprocess.run(
             [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--json",
              "--cpu", "--prompt", prompt, "--max-tokens", str(n), "--ignore-eos"],
@@ -61,23 +47,7 @@ def main():
             f"expert-run {ref['prompt_tokens'] + ref['generated']}, transformers {want}"
         print(f"ok: expert-run: transformers' {n} greedy tokens")
 
-        port = free_port()
-        log_path = os.path.join(args.workdir, "expert-serve.log")
-        serve_log = open(log_path, "w")
-        procs.append(subprocess.Popen(
-            [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", MODEL,
-             "--port", str(port), "--ctx", "128", "--cpu"], stdout=serve_log, stderr=serve_log))
-        h = Http(port)
-
-        def serve_up():
-            if procs[-1].poll() is not None:
-                raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
-            try:
-                return h.health()["status"] == "ok"
-            except OSError:
-                return False
-        wait_for("expert-serve's /health", serve_up)
-
+        port, _, _ = start_serve(args, sock, MODEL, ["--ctx", "128", "--cpu"], procs)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                max_retries=0, timeout=60)
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
