@@ -59,9 +59,10 @@ void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t exp
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !p.is_gptoss()) {
-    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, llama and gpt-oss, not "
-                                          "'{}' (use create_cpu_engine)",
+  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !p.is_gptoss() &&
+      !p.is_glm4moe()) {
+    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, llama, gpt-oss and "
+                                          "glm4moe, not '{}' (use create_cpu_engine)",
                                           model.path(), p.architecture));
   }
   EXPERTD_TRY(check_cpu_model(model));
@@ -92,17 +93,21 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   v_.resize(kv_dim_);
   att_.resize(q_dim);
   tmp_.resize(p_.n_embd);
-  row_.resize(std::max<uint64_t>({p_.n_embd, q_dim, p_.n_ff_exp}));
+  // glm4moe's dense MLP and shared expert are wider than a routed expert.
+  const uint64_t ff =
+      std::max<uint64_t>({p_.n_ff_exp, p_.glm.n_ff, uint64_t{p_.n_ff_exp} * p_.glm.n_shared});
+  row_.resize(std::max<uint64_t>({p_.n_embd, q_dim, ff}));
   scores_.resize(opts_.max_context + 1);  // + gpt-oss's sink
   acc_.resize(std::max(p_.n_embd, p_.head_dim));
   router_.resize(p_.n_expert);
   probs_.resize(p_.n_expert);
+  sel_.resize(p_.n_expert);
   order_.resize(p_.n_expert);
   selected_.resize(p_.n_expert_used);
   weights_.resize(p_.n_expert_used);
   topk_.resize(p_.n_expert_used);
-  gate_.resize(p_.n_ff_exp);
-  up_.resize(p_.n_ff_exp);
+  gate_.resize(ff);
+  up_.resize(ff);
   views_.resize(p_.n_expert_used);
   pxn_.resize(p_.n_embd);
   chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
@@ -122,8 +127,8 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   groups_.reserve(p_.n_expert, c * k);
   exact_.resize(p_.n_expert);
   cgx_.resize(c * p_.n_embd);
-  cgate_.resize(c * p_.n_ff_exp);
-  cup_.resize(c * p_.n_ff_exp);
+  cgate_.resize(c * ff);
+  cup_.resize(c * ff);
   cdown_.resize(c * p_.n_embd);
   if (p_.yarn.factor > 0.0) {
     // gpt-oss's config says truncate: false (the GGUF has no key for it).
@@ -237,12 +242,12 @@ void CpuEngine::send_hints(uint32_t layer) {
       add_scripted_hints(*opts_.script, pos_, layer, next, planner_);
       continue;
     }
+    if (p_.dense_layer(next)) continue;  // no experts
     const LayerWeights& w = model_.layer(next);
     rms_norm(x_.data(), w.ffn_norm.data(), pxn_.data(), p_.n_embd, p_.rms_eps);
     matvec(w.gate_inp.view(), pxn_.data(), router_.data(), row_.data());
     add_bias(router_.data(), w.gate_inp_b);
-    for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = router_[e];
-    softmax(probs_.data(), p_.n_expert);
+    hint_probs(w, router_.data());
     planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
   }
   const std::span<const ExpertHint> hints = planner_.take(stats_);
@@ -250,21 +255,41 @@ void CpuEngine::send_hints(uint32_t layer) {
   if (!source_.prefetch(hints)) ++stats_.hint_errors;
 }
 
+void CpuEngine::hint_probs(const LayerWeights& w, const float* logits) {
+  if (p_.is_glm4moe()) {
+    ds3_hint_probs(p_.glm, w.exp_bias, std::span<const float>(logits, p_.n_expert), probs_);
+    return;
+  }
+  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
+  softmax(probs_.data(), p_.n_expert);
+}
+
 void CpuEngine::route(uint32_t layer) {
   const LayerWeights& w = model_.layer(layer);
   const uint32_t k = p_.n_expert_used;
   rms_norm(x_.data(), w.ffn_norm.data(), xn_.data(), p_.n_embd, p_.rms_eps);
+  if (p_.dense_layer(layer)) {
+    // A dense layer routes nothing: this closes its hints, as routed() does a MoE layer's.
+    planner_.routed(layer, {}, stats_, nullptr);
+    return;
+  }
   if (!take_scripted_route(opts_, pos_, layer, selected_, weights_, stats_)) {
     matvec(w.gate_inp.view(), xn_.data(), router_.data(), row_.data());
     add_bias(router_.data(), w.gate_inp_b);
-    select(router_.data(), selected_.data(), weights_.data());
+    select(w, router_.data(), selected_.data(), weights_.data());
   }
   RoutingRecord* rec = log_route(routing_log_, pos_, layer, selected_, weights_);
   planner_.routed(layer, std::span<const uint32_t>(selected_.data(), k), stats_, rec);
 }
 
-void CpuEngine::select(const float* logits, uint32_t* selected, float* weights) {
+void CpuEngine::select(const LayerWeights& w, const float* logits, uint32_t* selected,
+                       float* weights) {
   const uint32_t k = p_.n_expert_used;
+  if (p_.is_glm4moe()) {
+    ds3_route(p_.glm, w.exp_bias, std::span<const float>(logits, p_.n_expert), k, probs_, sel_,
+              order_, std::span<uint32_t>(selected, k), std::span<float>(weights, k));
+    return;
+  }
   for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
   if (p_.is_gptoss()) {
     // gpt-oss: the top-k logits first, then the softmax over those k alone.
@@ -288,14 +313,29 @@ void CpuEngine::select(const float* logits, uint32_t* selected, float* weights) 
   }
 }
 
+void CpuEngine::mlp(const Matrix& gate, const Matrix& up, const Matrix& down, const float* x,
+                    uint32_t n, float* g, float* u, float* out) {
+  const uint64_t e = p_.n_embd;
+  const uint64_t ff = gate.rows;
+  matmul(gate.view(), x, e, g, ff, n, row_.data());
+  matmul(up.view(), x, e, u, ff, n, row_.data());
+  for (uint64_t j = 0; j < n * ff; ++j) g[j] = silu(g[j]) * u[j];
+  matmul(down.view(), g, ff, out, e, n, row_.data());
+}
+
 Status CpuEngine::moe(uint32_t layer) {
+  const LayerWeights& w = model_.layer(layer);
+  if (p_.dense_layer(layer)) {
+    mlp(w.ffn_gate, w.ffn_up, w.ffn_down, xn_.data(), 1, gate_.data(), up_.data(), tmp_.data());
+    for (uint32_t j = 0; j < p_.n_embd; ++j) x_[j] += tmp_[j];
+    return Ok{};
+  }
   const uint32_t k = p_.n_expert_used;
   const uint64_t t0 = monotonic_ns();
   EXPERTD_TRY(source_.get(layer, std::span<const uint32_t>(selected_.data(), k),
                           std::span<ExpertView>(views_.data(), k)));
   stats_.stall_ns += monotonic_ns() - t0;
   stats_.experts_used += k;
-  const LayerWeights& w = model_.layer(layer);
   std::fill(acc_.begin(), acc_.begin() + p_.n_embd, 0.0);
   for (uint32_t i = 0; i < k; ++i) {
     const ExpertView& ev = views_[i];
@@ -311,6 +351,13 @@ Status CpuEngine::moe(uint32_t layer) {
     }
   }
   EXPERTD_TRY(source_.release(std::span<const ExpertView>(views_.data(), k)));
+  if (w.shexp_gate.rows > 0) {
+    // glm4moe's shared expert, on the same input, added to the routed experts' sum.
+    mlp(w.shexp_gate, w.shexp_up, w.shexp_down, xn_.data(), 1, gate_.data(), up_.data(),
+        tmp_.data());
+    for (uint32_t j = 0; j < p_.n_embd; ++j) x_[j] += static_cast<float>(acc_[j]) + tmp_[j];
+    return Ok{};
+  }
   for (uint32_t j = 0; j < p_.n_embd; ++j) x_[j] += static_cast<float>(acc_[j]);
   return Ok{};
 }
@@ -396,6 +443,7 @@ void CpuEngine::prefill_hints(uint32_t layer, uint32_t n) {
         add_scripted_hints(*opts_.script, pos_ + i, layer, next, planner_);
       continue;
     }
+    if (p_.dense_layer(next)) continue;  // no experts
     const LayerWeights& w = model_.layer(next);
     for (uint32_t i = 0; i < n; ++i) {
       rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
@@ -403,9 +451,7 @@ void CpuEngine::prefill_hints(uint32_t layer, uint32_t n) {
     matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
     add_bias(clogits_.data(), w.gate_inp_b, n, p_.n_expert);
     for (uint32_t i = 0; i < n; ++i) {
-      for (uint32_t x = 0; x < p_.n_expert; ++x)
-        probs_[x] = clogits_[uint64_t{i} * p_.n_expert + x];
-      softmax(probs_.data(), p_.n_expert);
+      hint_probs(w, clogits_.data() + uint64_t{i} * p_.n_expert);
       planner_.add_ranked(next, std::span<const double>(probs_.data(), p_.n_expert));
     }
   }
@@ -421,6 +467,10 @@ void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) {
     rms_norm(cx_.data() + i * e, w.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
   }
+  if (p_.dense_layer(layer)) {
+    planner_.routed(layer, {}, stats_, nullptr);  // closes the dense layer's hints
+    return;
+  }
   matmul(w.gate_inp.view(), cxn_.data(), e, clogits_.data(), p_.n_expert, n, row_.data());
   add_bias(clogits_.data(), w.gate_inp_b, n, p_.n_expert);
   const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
@@ -428,7 +478,7 @@ void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
     const std::span<uint32_t> sel(csel_.data() + uint64_t{i} * k, k);
     const std::span<float> wts(cweights_.data() + uint64_t{i} * k, k);
     if (!take_scripted_route(opts_, pos_ + i, layer, sel, wts, stats_)) {
-      select(clogits_.data() + uint64_t{i} * p_.n_expert, sel.data(), wts.data());
+      select(w, clogits_.data() + uint64_t{i} * p_.n_expert, sel.data(), wts.data());
     }
     log_route(routing_log_, pos_ + i, layer, sel, wts);
   }
@@ -493,12 +543,25 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
 Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   const uint32_t k = p_.n_expert_used;
   const uint64_t e = p_.n_embd;
+  const LayerWeights& w = model_.layer(layer);
+  // glm4moe's dense MLP and shared expert over the chunk: one matmul each, decode()'s results.
+  if (p_.dense_layer(layer)) {
+    mlp(w.ffn_gate, w.ffn_up, w.ffn_down, cxn_.data(), n, cgate_.data(), cup_.data(), ctmp_.data());
+    for (uint64_t j = 0; j < uint64_t{n} * e; ++j) cx_[j] += ctmp_[j];
+    return Ok{};
+  }
   EXPERTD_TRY(run_chunk_experts(
       source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e, p_.n_ff_exp, cout_.data(),
       ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(), cup_.data(), cdown_.data(),
                    row_.data(), p_.is_gptoss() ? &model_.layer(layer) : nullptr},
       stats_));
-  // Each position sums its experts in its route's order, as decode() does.
+  const bool shared = w.shexp_gate.rows > 0;
+  if (shared) {
+    mlp(w.shexp_gate, w.shexp_up, w.shexp_down, cxn_.data(), n, cgate_.data(), cup_.data(),
+        ctmp_.data());
+  }
+  // Each position sums its experts in its route's order (then the shared expert), as decode()
+  // does.
   for (uint32_t i = 0; i < n; ++i) {
     std::fill(acc_.begin(), acc_.begin() + static_cast<int64_t>(e), 0.0);
     for (uint32_t s = 0; s < k; ++s) {
@@ -507,7 +570,12 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
       for (uint64_t j = 0; j < e; ++j) acc_[j] += wt * static_cast<double>(out[j]);
     }
     float* x = cx_.data() + i * e;
-    for (uint64_t j = 0; j < e; ++j) x[j] += static_cast<float>(acc_[j]);
+    if (shared) {
+      const float* sh = ctmp_.data() + i * e;
+      for (uint64_t j = 0; j < e; ++j) x[j] += static_cast<float>(acc_[j]) + sh[j];
+    } else {
+      for (uint64_t j = 0; j < e; ++j) x[j] += static_cast<float>(acc_[j]);
+    }
   }
   return Ok{};
 }

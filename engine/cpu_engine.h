@@ -1,7 +1,9 @@
 // The CPU reference forward of qwen3moe, Mixtral (`llama` with experts: no q/k norms, NORM
-// RoPE) and gpt-oss (no q/k norms; biases on q/k/v/o, router and experts; attention sinks; a
-// sliding window on even layers; softmax over the top-k router logits; the clamped SwiGLU; YaRN),
-// one token at a time over a KV cache.
+// RoPE), gpt-oss (no q/k norms; biases on q/k/v/o, router and experts; attention sinks; a
+// sliding window on even layers; softmax over the top-k router logits; the clamped SwiGLU; YaRN)
+// and GLM-4.5 (`glm4moe`: q/k/v biases, optional q/k norms, NEOX RoPE on the first n_rot
+// dimensions only, leading dense layers, DeepSeek-V3's routing (ds3_route) and a shared expert;
+// the MTP blocks are not run), one token at a time over a KV cache.
 //
 // Per layer: RMSNorm → q/k/v projections → per-head q/k RMSNorm → NEOX RoPE → causal GQA attention
 // over the cache → output projection → residual; RMSNorm → router (softmax over the experts, top-k,
@@ -77,8 +79,15 @@ class CpuEngine final : public Engine {
   // RoPE of one head at `pos` (YaRN's frequencies when the model has them).
   void rotate(float* v, uint32_t pos) const;
   void route(uint32_t layer);
-  // Top-k of router logits (n_expert) into selected/weights (k each), renormalised as configured.
-  void select(const float* logits, uint32_t* selected, float* weights);
+  // Top-k of layer w's router logits (n_expert) into selected/weights (k each), renormalised as
+  // configured (glm4moe: DeepSeek-V3's ds3_route).
+  void select(const LayerWeights& w, const float* logits, uint32_t* selected, float* weights);
+  // probs_ = the lookahead's ranking of layer w's experts from its router logits.
+  void hint_probs(const LayerWeights& w, const float* logits);
+  // SwiGLU MLP (glm4moe's dense layers and shared expert) of n rows of x ([n][n_embd]) into out
+  // ([n][n_embd]); g and u hold [n][gate.rows].
+  void mlp(const Matrix& gate, const Matrix& up, const Matrix& down, const float* x, uint32_t n,
+           float* g, float* u, float* out);
   void send_hints(uint32_t layer);
   Status moe(uint32_t layer);
   // prefill() of one chunk (n <= prefill chunk positions from pos_); logits only when non-empty.
@@ -115,11 +124,12 @@ class CpuEngine final : public Engine {
   std::vector<double> acc_;      // head output / MoE combine accumulator (max of n_embd, head_dim)
   std::vector<float> router_;    // router logits, n_expert
   std::vector<double> probs_;    // router probabilities, n_expert
+  std::vector<double> sel_;      // glm4moe: the selection scores (probs + bias), n_expert
   std::vector<uint32_t> order_;  // expert indices sorted by probability
   std::vector<uint32_t> selected_;  // routed experts of the current layer, top-k
   std::vector<float> weights_;      // their renormalised weights
-  std::vector<float> gate_;         // n_ff
-  std::vector<float> up_;           // n_ff
+  std::vector<float> gate_;         // the widest MLP (n_ff_exp; glm4moe's dense or shared one)
+  std::vector<float> up_;           // as gate_
   std::vector<ExpertView> views_;   // top-k held experts
   std::vector<float> pxn_;          // prefetch: normalised residual, n_embd
   HintPlanner planner_;
@@ -140,8 +150,8 @@ class CpuEngine final : public Engine {
   ExpertGroups groups_;            // the chunk's layer's route slots by expert
   std::vector<ExpertHint> exact_;  // their hints
   std::vector<float> cgx_;         // one expert's inputs, [C][n_embd]
-  std::vector<float> cgate_;       // [C][n_ff]
-  std::vector<float> cup_;         // [C][n_ff]
+  std::vector<float> cgate_;       // [C][the widest MLP]
+  std::vector<float> cup_;         // [C][the widest MLP]
   std::vector<float> cdown_;       // [C][n_embd]
   std::vector<double> topk_;       // gpt-oss: the selected router logits, k
   std::vector<double> inv_freq_;   // YaRN's rope frequencies (empty: plain RoPE)
@@ -171,8 +181,8 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
                          uint64_t n_ff, float* out, const ChunkExperts& scratch,
                          EngineStats& stats);
 
-// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama), Ds4CpuEngine
-// (deepseek4) or Ds3CpuEngine (deepseek2).
+// The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama, gpt-oss, glm4moe),
+// Ds4CpuEngine (deepseek4) or Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options);
 

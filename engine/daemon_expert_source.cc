@@ -57,8 +57,8 @@ Result<std::unique_ptr<DaemonExpertSource>> DaemonExpertSource::create(client::S
                                                                        const DenseModel& model) {
   const client::ModelLayout& l = session.layout();
   const ModelParams& p = model.params();
-  // Every block of the file counts, deepseek4's MTP blocks too (the engine skips those).
-  const uint32_t n_layer = p.n_layer + p.ds4.nextn_layers;
+  // Every block of the file counts, the MTP blocks too (deepseek4, glm4moe; the engines skip them).
+  const uint32_t n_layer = p.n_layer + p.nextn_layers;
   if (l.block_count != n_layer || l.expert_count != p.n_expert || l.top_k != p.n_expert_used) {
     return make_error(EINVAL, fmt::format("model '{}': the daemon has {} layers, {} experts, top-k "
                                           "{}; {} has {}, {}, {}",

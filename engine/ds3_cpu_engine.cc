@@ -17,7 +17,7 @@ namespace {
 float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
 
 // probs[e] = the router's score of expert e: sigmoid (DeepSeek-V3) or softmax over all (V2).
-void ds3_scores(const Ds3Params& d, std::span<const float> logits, std::span<double> probs) {
+void ds3_scores(const SigmoidMoe& d, std::span<const float> logits, std::span<double> probs) {
   const size_t n = logits.size();
   for (size_t e = 0; e < n; ++e) {
     probs[e] = d.sigmoid ? 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e]))) : logits[e];
@@ -49,7 +49,7 @@ double ds3_kq_scale(const ModelParams& p) {
   return mscale * mscale / std::sqrt(static_cast<double>(p.head_dim));
 }
 
-void ds3_route(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+void ds3_route(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
                uint32_t k, std::span<double> probs, std::span<double> sel,
                std::vector<uint32_t>& order, std::span<uint32_t> experts,
                std::span<float> weights) {
@@ -96,7 +96,7 @@ void ds3_route(const Ds3Params& d, std::span<const float> bias, std::span<const 
   }
 }
 
-void ds3_hint_probs(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+void ds3_hint_probs(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
                     std::span<double> probs) {
   const size_t n = logits.size();
   ds3_scores(d, logits, probs);

@@ -136,7 +136,8 @@ class Ds3CpuEngine final : public Engine {
   std::vector<float> cdown_;       // [C][n_embd]
 };
 
-// The host side of the deepseek2 forward, shared by the CPU and CUDA engines.
+// The host side of the deepseek2 forward, shared by the CPU and CUDA engines (the routing also by
+// CpuEngine's glm4moe, whose MoE block is DeepSeek-V3's).
 
 // The inverse rope frequencies (YaRN when the file has it) and the attention score scale.
 std::vector<double> ds3_inv_freq(const ModelParams& p);
@@ -146,13 +147,13 @@ double ds3_kq_scale(const ModelParams& p);
 // the top-k of probs + bias over the best n_group_used groups (ties to the lower index);
 // experts[0, k) by descending probability, weights their probabilities renormalised
 // (weights_norm) × weights_scale. probs, sel and order: n_expert scratch.
-void ds3_route(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+void ds3_route(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
                uint32_t k, std::span<double> probs, std::span<double> sel,
                std::vector<uint32_t>& order, std::span<uint32_t> experts, std::span<float> weights);
 
 // A layer's router lookahead, the probabilities its hints are ranked by: max(0, score + bias),
 // normalised to sum 1.
-void ds3_hint_probs(const Ds3Params& d, std::span<const float> bias, std::span<const float> logits,
+void ds3_hint_probs(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
                     std::span<double> probs);
 
 }  // namespace expertd::engine

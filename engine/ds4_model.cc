@@ -124,14 +124,8 @@ Status read_ds4_params(const GgufModel& g, ModelParams& p) {
                  fmt::format("{}: {} = {}: deepseek4 attention has one shared KV head",
                              g.meta().path(), g.arch_key("attention.head_count_kv"), p.n_head_kv)};
   }
-  EXPERTD_TRY_ASSIGN(const uint64_t nextn, get_u64(g, "nextn_predict_layers", 0, 0, p.n_layer - 1));
-  // As llama.cpp: next-n (MTP) blocks are the last `nextn` blocks; a file converted without them
-  // may still carry the key, so they count only when the first one's projection is there.
-  if (nextn > 0 && has_tensor(g, fmt::format("blk.{}.nextn.eh_proj.weight", p.n_layer - nextn))) {
-    d.nextn_layers = static_cast<uint32_t>(nextn);
-  }
   const uint32_t n_all = p.n_layer;
-  p.n_layer -= d.nextn_layers;
+  EXPERTD_TRY(read_nextn(g, p));
   EXPERTD_TRY_ASSIGN(const uint64_t qlr, get_u64(g, "attention.q_lora_rank", {}, 1, kMaxRank));
   EXPERTD_TRY_ASSIGN(const uint64_t og,
                      get_u64(g, "attention.output_group_count", {}, 1, p.n_head));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <tuple>
 
 #include "engine/dequant.h"
 #include "engine/model_read.h"
@@ -185,6 +186,22 @@ Status load_gptoss_layer(const GgufModel& g, const detail::Sources& src, const s
   return Ok{};
 }
 
+// glm4moe's q/k/v biases (every GLM-4.5 has them; llama.cpp reads them where the file has them)
+// and its SigmoidMoe part: the dense MLP of a leading layer, or the selection bias and shared
+// expert of a MoE layer.
+Status load_glm4moe_layer(const GgufModel& g, const detail::Sources& src, const std::string& b,
+                          const ModelParams& p, uint32_t layer, LayerWeights& l) {
+  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
+  const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
+  for (auto [name, v, n] :
+       {std::tuple{"attn_q.bias", &l.bq, q_dim}, std::tuple{"attn_k.bias", &l.bk, kv_dim},
+        std::tuple{"attn_v.bias", &l.bv, kv_dim}}) {
+    if (!g.find_tensor(b + name)) continue;
+    EXPERTD_TRY_ASSIGN(*v, detail::read_vector(g, src, b + name, n));
+  }
+  return detail::read_sigmoid_moe_layer(g, src, b, p, p.glm, layer, /*bias_required=*/true, l);
+}
+
 // The routed experts are read by the daemon, not here, but a layer without them would fail only
 // at its first token: each layer needs merged gate and up (or a fused gate_up) and down tensors.
 Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
@@ -210,6 +227,18 @@ Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
 using detail::get_f64;
 using detail::get_u64;
 
+Status read_nextn(const GgufModel& g, ModelParams& p) {
+  EXPERTD_TRY_ASSIGN(const uint64_t nextn, get_u64(g, "nextn_predict_layers", 0, 0, p.n_layer - 1));
+  // As llama.cpp: next-n (MTP) blocks are the last `nextn` blocks; a file converted without them
+  // may still carry the key, so they count only when the first one's projection is there.
+  if (nextn > 0 &&
+      g.find_tensor(fmt::format("blk.{}.nextn.eh_proj.weight", p.n_layer - nextn)).has_value()) {
+    p.nextn_layers = static_cast<uint32_t>(nextn);
+  }
+  p.n_layer -= p.nextn_layers;
+  return Ok{};
+}
+
 Status read_gptoss_params(const GgufModel& g, ModelParams& p) {
   p.qk_norm = false;
   EXPERTD_TRY_ASSIGN(const uint64_t window,
@@ -226,9 +255,10 @@ Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
   if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4" &&
-      p.architecture != "gpt-oss" && p.architecture != "deepseek2") {
+      p.architecture != "gpt-oss" && p.architecture != "deepseek2" && p.architecture != "glm4moe") {
     return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, llama "
-                                           "(Mixtral), gpt-oss, deepseek4 and deepseek2",
+                                           "(Mixtral), gpt-oss, glm4moe (GLM-4.5), deepseek4 and "
+                                           "deepseek2",
                                            g.meta().path(), p.architecture));
   }
   const bool llama = p.architecture == "llama";
@@ -307,6 +337,10 @@ Result<ModelParams> read_params(const GgufModel& g) {
   if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
   if (p.is_gptoss()) EXPERTD_TRY(read_gptoss_params(g, p));
   if (p.is_ds3()) EXPERTD_TRY(read_ds3_params(g, p));
+  if (p.is_glm4moe()) {
+    EXPERTD_TRY(read_nextn(g, p));
+    EXPERTD_TRY(read_glm4moe_params(g, p));
+  }
   return p;
 }
 
@@ -377,13 +411,18 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
       EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
       EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
     }
+    const bool post_norm = p.is_gptoss() || p.is_glm4moe();
     EXPERTD_TRY_ASSIGN(
         l.ffn_norm,
-        read_vector(gg, src, b + (p.is_gptoss() ? "post_attention_norm.weight" : "ffn_norm.weight"),
+        read_vector(gg, src, b + (post_norm ? "post_attention_norm.weight" : "ffn_norm.weight"),
                     e));
-    EXPERTD_TRY_ASSIGN(l.gate_inp, read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
-    EXPERTD_TRY(check_expert_tensors(gg, b));
+    if (!p.dense_layer(i)) {
+      EXPERTD_TRY_ASSIGN(l.gate_inp,
+                         read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
+      EXPERTD_TRY(check_expert_tensors(gg, b));
+    }
     if (p.is_gptoss()) EXPERTD_TRY(load_gptoss_layer(gg, src, b, p, l));
+    if (p.is_glm4moe()) EXPERTD_TRY(load_glm4moe_layer(gg, src, b, p, i, l));
   }
   return m;
 }
@@ -398,11 +437,14 @@ uint64_t DenseModel::count_bytes(bool held) const {
   if (ds4_) n += ds4_dense_bytes(*ds4_, held);
   if (ds3_) n += ds3_dense_bytes(*ds3_, held);
   for (const LayerWeights& l : layers_) {
-    for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp}) n += mat(*x);
+    for (const Matrix* x : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp, &l.ffn_gate, &l.ffn_up,
+                            &l.ffn_down, &l.shexp_gate, &l.shexp_up, &l.shexp_down}) {
+      n += mat(*x);
+    }
     n += (l.attn_norm.size() + l.q_norm.size() + l.k_norm.size() + l.ffn_norm.size()) *
          sizeof(float);
     for (const auto* v : {&l.bq, &l.bk, &l.bv, &l.bo, &l.sinks, &l.gate_inp_b, &l.exp_gate_b,
-                          &l.exp_up_b, &l.exp_down_b}) {
+                          &l.exp_up_b, &l.exp_down_b, &l.exp_bias}) {
       n += v->size() * sizeof(float);
     }
   }

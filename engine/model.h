@@ -1,7 +1,8 @@
 // A model's hyperparameters and dense weights, loaded from GGUF for the engines: Qwen3-MoE
 // (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
 // with NORM RoPE), gpt-oss (`gpt-oss`; the same forward with biases, sinks, a sliding window and
-// its own router and SwiGLU), DeepSeek-V4 (`deepseek4`, the Ds4* types below;
+// its own router and SwiGLU), GLM-4.5 (`glm4moe`; the same forward with q/k/v biases, partial RoPE
+// and DeepSeek-V3's MoE: SigmoidMoe below), DeepSeek-V4 (`deepseek4`, the Ds4* types below;
 // engine/ds4_model.cc) or DeepSeek-V3 / Kimi-K2 (`deepseek2`, the Ds3* types; engine/ds3_model.cc).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
@@ -63,7 +64,6 @@ struct Ds4Params {
   bool weights_norm = true;        // expert_weights_norm
   std::vector<float> clamp_exp;    // swiglu_clamp_exp per layer (0 = none)
   std::vector<float> clamp_shexp;  // swiglu_clamp_shexp per layer
-  uint32_t nextn_layers = 0;       // nextn_predict_layers (MTP, skipped)
 };
 
 // YaRN context extension of the rope (rope.scaling.type "yarn"; factor 0 = none).
@@ -74,23 +74,29 @@ struct Yarn {
   double beta_slow = 1.0;   // rope.scaling.yarn_beta_slow
 };
 
-// DeepSeek-V3's own hyperparameters (llama.cpp's `deepseek2` keys). Multi-head latent attention:
-// ModelParams::head_dim is the query/key head (attention.key_length_mla = qk_nope + n_rot); keys
-// and values are kept as one compressed latent of kv_lora_rank per position plus the shared rope
-// key of n_rot.
-struct Ds3Params {
-  uint32_t q_lora_rank = 0;    // attention.q_lora_rank (0: one attn_q projection, as V2-Lite)
-  uint32_t kv_lora_rank = 0;   // attention.kv_lora_rank
-  uint32_t qk_nope = 0;        // head_dim - n_rot: the part of a head without rope
-  uint32_t v_head_dim = 0;     // attention.value_length_mla
+// DeepSeek-V3's MoE block, which GLM-4.5 (`glm4moe`) shares (the same keys under each
+// architecture's prefix): leading dense layers, sigmoid (or softmax) scores with a selection bias
+// (exp_probs_b), group-limited top-k, weights renormalised and scaled, shared experts.
+struct SigmoidMoe {
   uint32_t dense_lead = 0;     // leading_dense_block_count: layers [0, dense_lead) have a dense MLP
   uint32_t n_ff = 0;           // feed_forward_length: the dense MLP's width
   uint32_t n_shared = 0;       // expert_shared_count
   uint32_t n_group = 1;        // expert_group_count: experts in n_group equal groups
   uint32_t n_group_used = 1;   // expert_group_used_count: the top-k comes from this many groups
-  bool sigmoid = true;         // expert_gating_func: sigmoid (V3) or softmax (V2)
+  bool sigmoid = true;         // expert_gating_func: sigmoid (V3, GLM) or softmax (V2)
   float weights_scale = 1.0f;  // expert_weights_scale (routed_scaling_factor)
   bool weights_norm = false;   // expert_weights_norm
+};
+
+// DeepSeek-V3's own hyperparameters (llama.cpp's `deepseek2` keys). Multi-head latent attention:
+// ModelParams::head_dim is the query/key head (attention.key_length_mla = qk_nope + n_rot); keys
+// and values are kept as one compressed latent of kv_lora_rank per position plus the shared rope
+// key of n_rot.
+struct Ds3Params : SigmoidMoe {
+  uint32_t q_lora_rank = 0;   // attention.q_lora_rank (0: one attn_q projection, as V2-Lite)
+  uint32_t kv_lora_rank = 0;  // attention.kv_lora_rank
+  uint32_t qk_nope = 0;       // head_dim - n_rot: the part of a head without rope
+  uint32_t v_head_dim = 0;    // attention.value_length_mla
   Yarn yarn;
   // rope.scaling.yarn_log_multiplier, which llama.cpp's converter writes as 0.1 * mscale_all_dim
   // (0 = absent).
@@ -103,9 +109,9 @@ struct Ds3Params {
 enum class RopeType : uint8_t { Neox, Norm };
 
 struct ModelParams {
-  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "gpt-oss", "deepseek4" or
-                               // "deepseek2"
-  uint32_t n_layer = 0;        // block_count
+  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "gpt-oss", "glm4moe",
+                               // "deepseek4" or "deepseek2"
+  uint32_t n_layer = 0;        // block_count less the MTP blocks (nextn_layers)
   uint32_t n_embd = 0;         // embedding_length
   uint32_t n_head = 0;         // attention.head_count
   uint32_t n_head_kv = 0;      // attention.head_count_kv
@@ -135,8 +141,21 @@ struct ModelParams {
   bool is_gptoss() const { return architecture == "gpt-oss"; }
   // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
   bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
-  // Whether create_gpu_engine runs this architecture (gpt-oss runs on the CPU engine only).
-  bool cuda_engine_runs() const { return !is_gptoss(); }
+  // GLM-4.5 (`glm4moe`): q/k/v biases, optional per-head q/k norms (GLM-4.5 has them, -Air not),
+  // NEOX RoPE on the first n_rot (partial_rotary_factor × head_dim) dimensions, the
+  // post-attention norm before the FFN, and DeepSeek-V3's MoE with its dense first layers.
+  SigmoidMoe glm;  // glm4moe only (DeepSeek-V3 keeps its own in ds3)
+  bool is_glm4moe() const { return architecture == "glm4moe"; }
+  // Whether `layer` has a dense MLP instead of routed experts (CpuEngine's families: glm4moe's
+  // leading layers).
+  bool dense_layer(uint32_t layer) const { return is_glm4moe() && layer < glm.dense_lead; }
+  // nextn_predict_layers: the MTP (next-n prediction) blocks after the n_layer main ones, as
+  // llama.cpp's converter writes DeepSeek-V4's and GLM-4.5's. The engines skip them; their routed
+  // experts are in the file and the slice map all the same.
+  uint32_t nextn_layers = 0;
+  // Whether create_gpu_engine runs this architecture (gpt-oss and GLM-4.5 run on the CPU engine
+  // only).
+  bool cuda_engine_runs() const { return !is_gptoss() && !is_glm4moe(); }
 };
 
 // gpt-oss's SwiGLU constants (transformers' GptOssExperts and llama.cpp's SWIGLU_OAI_MOE hard-code
@@ -181,7 +200,16 @@ struct Matrix {
 // a deferred model.
 enum class DenseLoad { Eager, Deferred };
 
-struct LayerWeights {
+// The dense part of SigmoidMoe's layers: a dense layer's MLP, or a MoE layer's selection bias and
+// shared experts.
+struct SigmoidMoeWeights {
+  Matrix ffn_gate, ffn_up, ffn_down;        // dense layers: [n_ff, n_embd] x2, [n_embd, n_ff]
+  std::vector<float> exp_bias;              // MoE layers: exp_probs_b (n_expert; zeros if absent)
+  Matrix shexp_gate, shexp_up, shexp_down;  // the shared experts
+};
+
+// glm4moe's layers use the SigmoidMoeWeights part; the other CpuEngine families leave it empty.
+struct LayerWeights : SigmoidMoeWeights {
   std::vector<float> attn_norm;  // n_embd
   Matrix wq;                     // [n_head * head_dim rows, n_embd cols]
   Matrix wk;                     // [n_head_kv * head_dim, n_embd]
@@ -189,10 +217,11 @@ struct LayerWeights {
   Matrix wo;                     // [n_embd, n_head * head_dim]
   std::vector<float> q_norm;     // head_dim; empty without qk_norm
   std::vector<float> k_norm;     // head_dim; empty without qk_norm
-  std::vector<float> ffn_norm;   // n_embd
-  Matrix gate_inp;               // router: [n_expert, n_embd]
-  // gpt-oss only (empty otherwise). The expert biases are dense, not streamed: n_ff_exp * 2 +
-  // n_embd floats per expert, under 1% of an MXFP4 expert, indexed [expert][row].
+  std::vector<float> ffn_norm;   // n_embd (gpt-oss's and glm4moe's post_attention_norm)
+  Matrix gate_inp;               // router: [n_expert, n_embd] (empty on a dense layer)
+  // gpt-oss (and glm4moe's q/k/v biases, where the file has them); empty otherwise. The expert
+  // biases are dense, not streamed: n_ff_exp * 2 + n_embd floats per expert, under 1% of an MXFP4
+  // expert, indexed [expert][row].
   std::vector<float> bq, bk, bv, bo;  // projection biases
   std::vector<float> sinks;           // n_head: each head's sink logit
   std::vector<float> gate_inp_b;      // n_expert
@@ -237,7 +266,7 @@ struct Ds4LayerWeights {
   Matrix shexp_gate, shexp_up, shexp_down;  // the shared expert
 };
 
-struct Ds3LayerWeights {
+struct Ds3LayerWeights : SigmoidMoeWeights {
   std::vector<float> attn_norm;  // n_embd
   Matrix wq_a;                   // [q_lora_rank, n_embd] (q LoRA)
   std::vector<float> q_a_norm;   // q_lora_rank
@@ -249,10 +278,7 @@ struct Ds3LayerWeights {
   Matrix wv_b;                   // per head h, rows [h * v_head_dim, +v_head_dim) x kv_lora_rank
   Matrix wo;                     // [n_embd, n_head * v_head_dim]
   std::vector<float> ffn_norm;   // n_embd
-  Matrix ffn_gate, ffn_up, ffn_down;        // dense layers: [n_ff, n_embd] x2, [n_embd, n_ff]
-  Matrix gate_inp;                          // MoE layers: [n_expert, n_embd]
-  std::vector<float> exp_bias;              // e_score_correction_bias (n_expert; zeros if absent)
-  Matrix shexp_gate, shexp_up, shexp_down;  // the shared experts
+  Matrix gate_inp;               // MoE layers: [n_expert, n_embd]
 };
 
 struct Ds3Weights {
@@ -338,6 +364,10 @@ Status load_ds4(DenseModel& m);
 uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held);
 // deepseek2's (engine/ds3_model.cc): hyperparameters, dense weights, their bytes.
 Status read_ds3_params(const GgufModel& gguf, ModelParams& p);
+// glm4moe's hyperparameters into `p` (engine/ds3_model.cc, beside DeepSeek-V3's MoE keys).
+Status read_glm4moe_params(const GgufModel& gguf, ModelParams& p);
+// nextn_predict_layers into p.nextn_layers, and n_layer less them (deepseek4, glm4moe).
+Status read_nextn(const GgufModel& gguf, ModelParams& p);
 Status load_ds3(DenseModel& m);
 uint64_t ds3_dense_bytes(const Ds3Weights& w, bool held);
 // Calls f(Matrix&) for every weight matrix of `w`.

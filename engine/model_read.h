@@ -49,4 +49,11 @@ Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
 Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t rows, uint64_t cols);
 
+// The SigmoidMoe part of layer `layer` (block prefix `b`, "blk.N."; engine/ds3_model.cc): a dense
+// layer's ffn_gate/up/down, or a MoE layer's exp_probs_b.bias (zeros when absent unless
+// `bias_required`) and shared experts. The router and the routed experts are not read here.
+Status read_sigmoid_moe_layer(const GgufModel& g, const Sources& src, const std::string& b,
+                              const ModelParams& p, const SigmoidMoe& m, uint32_t layer,
+                              bool bias_required, SigmoidMoeWeights& w);
+
 }  // namespace expertd::engine::detail

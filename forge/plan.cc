@@ -156,21 +156,25 @@ Status validate_deepseek4(const ForgeConfig& c) {
       c.dense_type, "--dense-type", "; ffn_down_shexp rows are that long");
 }
 
-Status validate_deepseek3(const ForgeConfig& c) {
-  EXPERTD_TRY(check_range("--q-lora-rank", c.q_lora_rank, 1, kMaxDim));
-  EXPERTD_TRY(check_range("--kv-lora-rank", c.kv_lora_rank, 1, kMaxDim));
-  EXPERTD_TRY(check_range("--v-head-dim", c.v_head_dim, 1, 4096));
+// Each (what, row length) of the dense tensors a whole number of --dense-type blocks (0: absent).
+Status check_dense_rows(const ForgeConfig& c,
+                        const std::vector<std::pair<std::string, uint64_t>>& rows) {
+  for (const auto& [what, n] : rows) {
+    if (n == 0) continue;
+    EXPERTD_TRY(check_block(what, n, c.dense_type, "--dense-type",
+                            "; it is a row length of the attention or dense MLP tensors"));
+  }
+  return Ok{};
+}
+
+// DeepSeek-V3's MoE block, which GLM-4.5 shares: dense layers, shared experts, expert groups.
+Status validate_sigmoid_moe(const ForgeConfig& c) {
   EXPERTD_TRY(check_range("--shared-experts", c.shared_experts, 0, 64));
   EXPERTD_TRY(check_range("--dense-ff", c.dense_ff, 1, kMaxDim));
   if (c.dense_layers >= c.layers) {
     return flag_error(
         "--dense-layers", c.dense_layers,
         fmt::format("must be below --layers ({}): at least one layer has experts", c.layers));
-  }
-  if (c.rope_dim < 2 || c.rope_dim % 2 != 0 || c.rope_dim >= c.head_dim) {
-    return flag_error(
-        "--rope-dim", c.rope_dim,
-        fmt::format("must be even, at least 2 and below --head-dim ({})", c.head_dim));
   }
   if (c.expert_groups < 1 || c.experts % c.expert_groups != 0) {
     return flag_error("--expert-groups", c.expert_groups,
@@ -182,6 +186,19 @@ Status validate_deepseek3(const ForgeConfig& c) {
                       fmt::format("must be between 1 and --expert-groups ({}) and hold --top-k "
                                   "({}) experts of {} per group",
                                   c.expert_groups, c.top_k, per_group));
+  }
+  return Ok{};
+}
+
+Status validate_deepseek3(const ForgeConfig& c) {
+  EXPERTD_TRY(check_range("--q-lora-rank", c.q_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--kv-lora-rank", c.kv_lora_rank, 1, kMaxDim));
+  EXPERTD_TRY(check_range("--v-head-dim", c.v_head_dim, 1, 4096));
+  EXPERTD_TRY(validate_sigmoid_moe(c));
+  if (c.rope_dim < 2 || c.rope_dim % 2 != 0 || c.rope_dim >= c.head_dim) {
+    return flag_error(
+        "--rope-dim", c.rope_dim,
+        fmt::format("must be even, at least 2 and below --head-dim ({})", c.head_dim));
   }
   // Row lengths (ne0) of the dense tensors, each a whole number of --dense-type blocks.
   const uint64_t nope = c.head_dim - c.rope_dim;
@@ -196,12 +213,33 @@ Status validate_deepseek3(const ForgeConfig& c) {
       {fmt::format("--dense-ff {}", c.dense_ff), c.dense_ff},
       {fmt::format("--ff {} x --shared-experts {} = {}", c.ff, c.shared_experts, shexp), shexp},
   };
-  for (const auto& [what, n] : rows) {
-    if (n == 0) continue;
-    EXPERTD_TRY(check_block(what, n, c.dense_type, "--dense-type",
-                            "; it is a row length of the attention or dense MLP tensors"));
+  return check_dense_rows(c, rows);
+}
+
+Status validate_glm4moe(const ForgeConfig& c) {
+  EXPERTD_TRY(validate_sigmoid_moe(c));
+  EXPERTD_TRY(check_range("--nextn", c.nextn, 0, 16));
+  if (c.rope_dim < 2 || c.rope_dim % 2 != 0 || c.rope_dim > c.head_dim) {
+    return flag_error(
+        "--rope-dim", c.rope_dim,
+        fmt::format("must be even, at least 2 and at most --head-dim ({})", c.head_dim));
   }
-  return Ok{};
+  // Row lengths (ne0) of the dense tensors, each a whole number of --dense-type blocks.
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t shexp = c.ff * c.shared_experts;
+  const std::vector<std::pair<std::string, uint64_t>> rows = {
+      {fmt::format("--embd {}", c.embd), c.embd},
+      {fmt::format("--heads {} x --head-dim {} = {}", c.heads, c.head_dim, q_dim), q_dim},
+      {fmt::format("--dense-ff {}", c.dense_ff), c.dense_ff},
+      {fmt::format("--ff {} x --shared-experts {} = {}", c.ff, c.shared_experts, shexp), shexp},
+  };
+  return check_dense_rows(c, rows);
+}
+
+// Blocks in the file: the main layers and, for the families that have them, the MTP blocks.
+uint32_t forge_blocks(const ForgeConfig& c) {
+  const bool mtp = c.arch == ForgeArch::Deepseek4 || c.arch == ForgeArch::Glm4Moe;
+  return c.layers + (mtp ? c.nextn : 0);
 }
 
 }  // namespace
@@ -218,6 +256,8 @@ std::string_view forge_arch_name(ForgeArch arch) {
       return "deepseek3";
     case ForgeArch::GptOss:
       return "gpt-oss";
+    case ForgeArch::Glm4Moe:
+      return "glm4moe";
     case ForgeArch::Qwen3Moe:
       break;
   }
@@ -236,7 +276,9 @@ Result<ForgeArch> parse_forge_arch(std::string_view value) {
   if (value == "mixtral") return ForgeArch::Mixtral;
   if (value == "deepseek3" || value == "deepseek2") return ForgeArch::Deepseek3;
   if (value == "gpt-oss") return ForgeArch::GptOss;
-  return flag_error("--arch", value, "must be qwen3moe, deepseek4, mixtral, deepseek3 or gpt-oss");
+  if (value == "glm4moe") return ForgeArch::Glm4Moe;
+  return flag_error("--arch", value,
+                    "must be qwen3moe, deepseek4, mixtral, deepseek3, gpt-oss or glm4moe");
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -277,6 +319,22 @@ ForgeConfig forge_defaults(ForgeArch arch) {
     c.q_lora_rank = 1536;
     c.rope_dim = 64;
     c.dense_type = GgmlType::Q8_0;
+  }
+  if (arch == ForgeArch::Glm4Moe) {  // GLM-4.5-Air (zai-org/GLM-4.5-Air's config.json)
+    c.experts = 128;
+    c.top_k = 8;
+    c.embd = 4096;
+    c.ff = 1408;
+    c.heads = 96;
+    c.kv_heads = 8;
+    c.head_dim = 128;
+    c.rope_dim = 64;  // partial_rotary_factor 0.5
+    c.dense_layers = 1;
+    c.dense_ff = 10944;
+    c.shared_experts = 1;
+    c.expert_groups = 1;
+    c.groups_used = 1;
+    c.nextn = 1;
   }
   return c;
 }
@@ -368,7 +426,7 @@ Status validate_forge_config(const ForgeConfig& c) {
   if (c.alignment < 1 || c.alignment > (1u << 30) || (c.alignment & (c.alignment - 1)) != 0) {
     return flag_error("--alignment", c.alignment, "must be a power of two from 1 to 1073741824");
   }
-  const uint32_t blocks = c.layers + (c.arch == ForgeArch::Deepseek4 ? c.nextn : 0);
+  const uint32_t blocks = forge_blocks(c);
   if (c.split < 1 || c.split > blocks || c.split > kMaxShards) {
     return flag_error("--split", c.split,
                       fmt::format("must be between 1 and --layers ({}): every shard holds at "
@@ -385,6 +443,7 @@ Status validate_forge_config(const ForgeConfig& c) {
                           "; ffn_down_exps rows are ff long"));
   if (c.arch == ForgeArch::Deepseek4) return validate_deepseek4(c);
   if (c.arch == ForgeArch::Deepseek3) return validate_deepseek3(c);
+  if (c.arch == ForgeArch::Glm4Moe) return validate_glm4moe(c);
   EXPERTD_TRY(check_block(embd, c.embd, c.dense_type, "--dense-type",
                           "; token_embd and attn_q/k/v rows are embd long"));
   const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
@@ -578,25 +637,13 @@ void deepseek4_layer(const ForgeConfig& c, uint32_t l, int32_t ratio, TensorList
   }
 }
 
-// llama.cpp's deepseek2 load_arch_tensors, block l, for the tensors its converter writes from a
-// DeepSeek-V3 checkpoint (the absorbed-MLA split of kv_b into attn_k_b and attn_v_b).
-void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+// The FFN half of DeepSeek-V3's block l, which GLM-4.5's shares: a dense MLP in the first
+// dense_layers blocks, else the router, exp_probs_b, the routed experts and the shared experts.
+void sigmoid_moe_ffn(const ForgeConfig& c, uint32_t l, TensorList& out) {
   const GgmlType dense = c.dense_type;
   const GgmlType experts = c.expert_type;
   constexpr GgmlType f32 = GgmlType::F32;
-  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
-  const uint64_t nope = c.head_dim - c.rope_dim;
   const uint64_t shexp = c.ff * c.shared_experts;
-  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
-  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
-  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.kv_lora_rank}});
-  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
-  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
-  out.push_back({blk(l, "attn_kv_a_mqa"), dense, {c.embd, uint64_t{c.kv_lora_rank} + c.rope_dim}});
-  out.push_back({blk(l, "attn_k_b"), dense, {nope, c.kv_lora_rank, c.heads}});
-  out.push_back({blk(l, "attn_v_b"), dense, {c.kv_lora_rank, c.v_head_dim, c.heads}});
-  out.push_back({blk(l, "attn_output"), dense, {uint64_t{c.heads} * c.v_head_dim, c.embd}});
-  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
   if (l < c.dense_layers) {
     out.push_back({blk(l, "ffn_gate"), dense, {c.embd, c.dense_ff}});
     out.push_back({blk(l, "ffn_down"), dense, {c.dense_ff, c.embd}});
@@ -613,6 +660,86 @@ void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
     out.push_back({blk(l, "ffn_down_shexp"), dense, {shexp, c.embd}});
     out.push_back({blk(l, "ffn_up_shexp"), dense, {c.embd, shexp}});
   }
+}
+
+// llama.cpp's deepseek2 load_arch_tensors, block l, for the tensors its converter writes from a
+// DeepSeek-V3 checkpoint (the absorbed-MLA split of kv_b into attn_k_b and attn_v_b).
+void deepseek3_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+  const GgmlType dense = c.dense_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t nope = c.head_dim - c.rope_dim;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q_a_norm"), f32, {c.q_lora_rank}});
+  out.push_back({blk(l, "attn_kv_a_norm"), f32, {c.kv_lora_rank}});
+  out.push_back({blk(l, "attn_q_a"), dense, {c.embd, c.q_lora_rank}});
+  out.push_back({blk(l, "attn_q_b"), dense, {c.q_lora_rank, q_dim}});
+  out.push_back({blk(l, "attn_kv_a_mqa"), dense, {c.embd, uint64_t{c.kv_lora_rank} + c.rope_dim}});
+  out.push_back({blk(l, "attn_k_b"), dense, {nope, c.kv_lora_rank, c.heads}});
+  out.push_back({blk(l, "attn_v_b"), dense, {c.kv_lora_rank, c.v_head_dim, c.heads}});
+  out.push_back({blk(l, "attn_output"), dense, {uint64_t{c.heads} * c.v_head_dim, c.embd}});
+  out.push_back({blk(l, "ffn_norm"), f32, {c.embd}});
+  sigmoid_moe_ffn(c, l, out);
+}
+
+// llama.cpp's glm4moe block l as its converter writes GLM-4.5 (conversion/glm.py): q/k/v biases
+// (f32), optional per-head q/k norms, the post-attention norm, a dense MLP in the first
+// dense_layers blocks, else the router, exp_probs_b, the routed and shared experts; an MTP block
+// (l >= layers) is a MoE block with its own projection and norms.
+void glm4moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
+  const GgmlType dense = c.dense_type;
+  constexpr GgmlType f32 = GgmlType::F32;
+  const uint64_t q_dim = uint64_t{c.heads} * c.head_dim;
+  const uint64_t kv_dim = uint64_t{c.kv_heads} * c.head_dim;
+  out.push_back({blk(l, "attn_norm"), f32, {c.embd}});
+  out.push_back({blk(l, "attn_q"), dense, {c.embd, q_dim}});
+  out.push_back({blk(l, "attn_q", "bias"), f32, {q_dim}});
+  out.push_back({blk(l, "attn_k"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_k", "bias"), f32, {kv_dim}});
+  out.push_back({blk(l, "attn_v"), dense, {c.embd, kv_dim}});
+  out.push_back({blk(l, "attn_v", "bias"), f32, {kv_dim}});
+  out.push_back({blk(l, "attn_output"), dense, {q_dim, c.embd}});
+  if (c.qk_norm) {
+    out.push_back({blk(l, "attn_q_norm"), f32, {c.head_dim}});
+    out.push_back({blk(l, "attn_k_norm"), f32, {c.head_dim}});
+  }
+  out.push_back({blk(l, "post_attention_norm"), f32, {c.embd}});
+  sigmoid_moe_ffn(c, l, out);
+  if (l >= c.layers) {  // the MTP block
+    out.push_back({blk(l, "nextn.eh_proj"), dense, {2 * c.embd, c.embd}});
+    out.push_back({blk(l, "nextn.enorm"), f32, {c.embd}});
+    out.push_back({blk(l, "nextn.hnorm"), f32, {c.embd}});
+    out.push_back({blk(l, "nextn.shared_head_norm"), f32, {c.embd}});
+  }
+}
+
+// The keys llama.cpp's converter writes for GLM-4.5 (conversion/glm.py and the base class), with
+// GLM-4.5-Air's config where the forge has no flag (rope theta 1e6, rms eps 1e-5, routed scaling
+// 1.0, norm_topk_prob true).
+void set_glm4moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
+  auto key = [](std::string_view suffix) { return fmt::format("glm4moe.{}", suffix); };
+  meta.set_u32(key("block_count"), c.layers + c.nextn);
+  meta.set_u32(key("context_length"), c.context);
+  meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
+  meta.set_u32(key("feed_forward_length"), static_cast<uint32_t>(c.dense_ff));
+  meta.set_u32(key("attention.head_count"), c.heads);
+  meta.set_u32(key("attention.head_count_kv"), c.kv_heads);
+  meta.set_f32(key("rope.freq_base"), 1e6f);
+  meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
+  meta.set_u32(key("expert_count"), c.experts);
+  meta.set_u32(key("expert_used_count"), c.top_k);
+  meta.set_u32(key("expert_group_count"), c.expert_groups);
+  meta.set_u32(key("expert_group_used_count"), c.groups_used);
+  meta.set_u32(key("attention.key_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("attention.value_length"), static_cast<uint32_t>(c.head_dim));
+  meta.set_u32(key("rope.dimension_count"), c.rope_dim);
+  meta.set_u32(key("expert_feed_forward_length"), static_cast<uint32_t>(c.ff));
+  meta.set_u32(key("expert_shared_count"), c.shared_experts);
+  meta.set_u32(key("leading_dense_block_count"), c.dense_layers);
+  meta.set_u32(key("expert_gating_func"), 2);  // LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+  meta.set_f32(key("expert_weights_scale"), 1.0f);
+  meta.set_bool(key("expert_weights_norm"), true);
+  if (c.nextn > 0) meta.set_u32(key("nextn_predict_layers"), c.nextn);
 }
 
 // The keys llama.cpp's converter writes for DeepSeek-V3 (conversion/deepseek.py,
@@ -768,7 +895,7 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
   const std::vector<std::string> paths = forge_shard_paths(c);
   const uint32_t n = c.split;
   const bool ds4 = c.arch == ForgeArch::Deepseek4;
-  const uint32_t blocks = c.layers + (ds4 ? c.nextn : 0);
+  const uint32_t blocks = forge_blocks(c);
   const std::vector<int32_t> ratios = ds4 ? forge_compress_ratios(c) : std::vector<int32_t>{};
   EXPERTD_CHECK_EQ(ratios.size(), ds4 ? blocks : 0u);
 
@@ -795,6 +922,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
         deepseek4_layer(c, l, ratios[l], shard_tensors[s]);
       } else if (c.arch == ForgeArch::Deepseek3) {
         deepseek3_layer(c, l, shard_tensors[s]);
+      } else if (c.arch == ForgeArch::Glm4Moe) {
+        glm4moe_layer(c, l, shard_tensors[s]);
       } else {
         qwen3moe_layer(c, l, shard_tensors[s]);
       }
@@ -826,6 +955,8 @@ Result<std::vector<ForgeShard>> plan_forge_model(const ForgeConfig& c) {
     set_deepseek3_metadata(c, meta);
   } else if (c.arch == ForgeArch::GptOss) {
     set_gptoss_metadata(c, meta);
+  } else if (c.arch == ForgeArch::Glm4Moe) {
+    set_glm4moe_metadata(c, meta);
   } else {
     set_qwen3moe_metadata(c, meta);
   }

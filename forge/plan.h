@@ -1,5 +1,6 @@
 // What expert-forge writes: the checked configuration of a synthetic llama.cpp `qwen3moe`,
-// `deepseek4`, Mixtral (`llama` with routed experts) or DeepSeek-V3 (`deepseek2`) model and, from
+// `deepseek4`, Mixtral (`llama` with routed experts), DeepSeek-V3 (`deepseek2`), gpt-oss or GLM-4.5
+// (`glm4moe`) model and, from
 // it, one GgufWriter per shard holding the model's metadata and tensor infos (llama.cpp's names,
 // types and shapes). The tensor data comes from forge/content.h.
 #pragma once
@@ -15,8 +16,8 @@
 
 namespace expertd {
 
-enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, Deepseek3, GptOss };
-// "qwen3moe", "deepseek4", "mixtral", "deepseek3", "gpt-oss" (--arch).
+enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, Deepseek3, GptOss, Glm4Moe };
+// "qwen3moe", "deepseek4", "mixtral", "deepseek3", "gpt-oss", "glm4moe" (--arch).
 std::string_view forge_arch_name(ForgeArch arch);
 // general.architecture: the name, except Mixtral's and DeepSeek-V3's, which llama.cpp calls
 // `llama` and `deepseek2`.
@@ -30,7 +31,8 @@ inline constexpr int32_t kDs4RatioCsa = 4;
 inline constexpr int32_t kDs4RatioHca = 128;
 
 // The defaults below are qwen3moe's; forge_defaults(Deepseek4) gives DeepseekV4Config's,
-// forge_defaults(Mixtral) Mixtral-8x7B's, forge_defaults(GptOss) gpt-oss-120b's.
+// forge_defaults(Mixtral) Mixtral-8x7B's, forge_defaults(GptOss) gpt-oss-120b's,
+// forge_defaults(Glm4Moe) GLM-4.5-Air's.
 struct ForgeConfig {
   ForgeArch arch = ForgeArch::Qwen3Moe;
   uint32_t layers = 4;
@@ -63,7 +65,7 @@ struct ForgeConfig {
   uint32_t hash_layers = 3;  // blocks 0 .. hash_layers-1 route by token id (ffn_gate_tid2eid)
   uint32_t hc_mult = 4;      // hyper-connection streams
   uint32_t shared_experts = 1;
-  uint32_t nextn = 0;  // MTP blocks after the `layers` main ones
+  uint32_t nextn = 0;  // MTP blocks after the `layers` main ones (glm4moe's too)
   // One per block (layers + nextn); empty: deepseek4_default_compress_ratios.
   std::vector<int32_t> compress_ratios;
 
@@ -75,6 +77,11 @@ struct ForgeConfig {
   uint64_t dense_ff = 18432;  // their MLP width
   uint32_t expert_groups = 8;
   uint32_t groups_used = 4;  // groups the top-k is chosen from
+
+  // glm4moe: the DeepSeek-V3 MoE fields above (dense_layers, dense_ff, shared_experts,
+  // expert_groups, groups_used) and rope_dim (partial RoPE) and nextn apply, with GLM's own
+  // defaults; kv_heads is free (GQA) and head_dim is key and value length.
+  bool qk_norm = false;  // GLM-4.5's per-head q/k norms (GLM-4.5-Air has none)
 };
 
 // The defaults of `arch`: qwen3moe's as above; deepseek4's those of transformers'
@@ -83,7 +90,10 @@ struct ForgeConfig {
 // 4096, ff 14336, 32 heads of 128, 8 KV heads); deepseek3's DeepSeek-V3's (256 experts in 8
 // groups, top 8 from 4 groups, embd 7168, ff 2048, 128 heads of 128 + 64 rope, q LoRA 1536,
 // kv LoRA 512, 3 dense layers of 18432); gpt-oss's gpt-oss-120b's (128 experts, top 4, embd 2880,
-// ff 2880, 64 heads of 64, 8 KV heads). Layers, vocab, context and the rest are shared.
+// ff 2880, 64 heads of 64, 8 KV heads); glm4moe's GLM-4.5-Air's (128 experts, top 8, embd 4096,
+// ff 1408, 96 heads of 128 with 8 KV heads and 64 rotary dimensions, one dense layer of 10944, one
+// shared expert, one expert group, one MTP block, no q/k norms). Layers, vocab, context and the
+// rest are shared.
 ForgeConfig forge_defaults(ForgeArch arch);
 
 // transformers' default schedule: blocks 0 and 1 HCA, then CSA and HCA alternating from block 2

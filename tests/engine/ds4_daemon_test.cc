@@ -304,7 +304,7 @@ TEST(Ds4Forged, MtpBlocksAreSkippedAndExpertRunSaysSo) {
   auto model = DenseModel::load(*path);
   ASSERT_TRUE(model) << model.error().message;
   EXPECT_EQ(model->params().n_layer, 3u);
-  EXPECT_EQ(model->params().ds4.nextn_layers, 1u);
+  EXPECT_EQ(model->params().nextn_layers, 1u);
 
   const std::string socket = dir.path() + "/expertd.sock";
   Daemon daemon(dir.path(),

@@ -151,7 +151,7 @@ TEST(Ds4Forward, ReadsTheV4StructureFromTheFile) {
                                        Ds4Attention::Sliding, Ds4Attention::Compressed,
                                        Ds4Attention::Heavy}));
   EXPECT_DOUBLE_EQ(p.ds4.yarn_factor, 4.0);
-  EXPECT_EQ(p.ds4.nextn_layers, 0u);
+  EXPECT_EQ(p.nextn_layers, 0u);
 }
 
 // Hash layers route by tid2eid[token]: their experts are hinted, exactly, as soon as the token is

@@ -108,28 +108,40 @@ struct SequenceFixture {
   }
 };
 
-// The mixtral-tiny fixture (tools/reference/make_mixtral_fixture.py): `tokens` is the prompt
-// then transformers' greedy continuation on the f32 weights; per variant ("f32", "q8_0") the GGUF
-// llama.cpp's converter made, the expected logits [n_tokens][vocab], the routing trace and the
-// greedy tokens (the q8_0 ones computed on the dequantised experts).
-struct MixtralFixture : SequenceFixture {
-  static MixtralFixture load() {
-    MixtralFixture f;
-    f.read("mixtral-tiny");
+// A converter-made fixture with a file set per variant ("f32", "q8_0"; Self::kDir under
+// tests/fixtures): `tokens` is the prompt then transformers' greedy continuation on the f32
+// weights; per variant the GGUF llama.cpp's converter made (model-V.gguf), the expected logits
+// [n_tokens][vocab] (logits-V.bin), the routing trace (trace-V.jsonl) and the greedy tokens (the
+// q8_0 ones, greedy_q8_0, computed on the dequantised experts).
+template <typename Self>
+struct VariantFixture : SequenceFixture {
+  static Self load() {
+    Self f;
+    f.read(Self::kDir);
     return f;
   }
   static std::string gguf(const std::string& variant) {
-    return fixture_path("mixtral-tiny/model-" + variant + ".gguf");
+    return fixture_path(std::string(Self::kDir) + "/model-" + variant + ".gguf");
   }
   std::vector<float> logits(const std::string& variant) const {
-    return read_f32(fixture_path("mixtral-tiny/logits-" + variant + ".bin"));
+    return read_f32(fixture_path(std::string(Self::kDir) + "/logits-" + variant + ".bin"));
   }
   std::vector<TraceEntry> trace(const std::string& variant) const {
-    return read_trace(fixture_path("mixtral-tiny/trace-" + variant + ".jsonl"));
+    return read_trace(fixture_path(std::string(Self::kDir) + "/trace-" + variant + ".jsonl"));
   }
   std::vector<uint32_t> greedy(const std::string& variant) const {
     return variant == "f32" ? tokens : meta.at("greedy_q8_0").get<std::vector<uint32_t>>();
   }
+};
+
+// tools/reference/make_mixtral_fixture.py's.
+struct MixtralFixture : VariantFixture<MixtralFixture> {
+  static constexpr const char* kDir = "mixtral-tiny";
+};
+
+// tools/reference/make_glm4moe_fixture.py's: GLM-4.5 with its MTP block (which the engine skips).
+struct Glm4MoeFixture : VariantFixture<Glm4MoeFixture> {
+  static constexpr const char* kDir = "glm4moe-tiny";
 };
 
 // The gptoss-tiny fixture (tools/reference/make_gptoss_fixture.py): "mxfp4" (the release's

@@ -93,9 +93,10 @@ class FixtureDaemonTest : public ::testing::Test {
   }
 
   // expert-run --model PREFIX-VARIANT --prompt TEXT on the CPU: the fixture's prompt ids and
-  // transformers' greedy continuation.
+  // transformers' greedy continuation on that variant's weights.
   void expect_expert_run_by_name(const std::string& variant) {
-    const uint32_t n = static_cast<uint32_t>(fx_.tokens.size()) - fx_.prompt;
+    const std::vector<uint32_t> want = fx_.greedy(variant);
+    const uint32_t n = static_cast<uint32_t>(want.size()) - fx_.prompt;
     const auto r = expertd::test::run_command(
         {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model",
          prefix_ + "-" + variant, "--prompt", fx_.meta.at("prompt").template get<std::string>(),
@@ -105,7 +106,7 @@ class FixtureDaemonTest : public ::testing::Test {
     EXPECT_EQ(j.at("prompt_tokens").template get<std::vector<uint32_t>>(),
               std::vector<uint32_t>(fx_.tokens.begin(), fx_.tokens.begin() + fx_.prompt));
     EXPECT_EQ(j.at("generated").template get<std::vector<uint32_t>>(),
-              std::vector<uint32_t>(fx_.tokens.begin() + fx_.prompt, fx_.tokens.end()));
+              std::vector<uint32_t>(want.begin() + fx_.prompt, want.end()));
   }
 
   expertd::test::TempDir dir_;

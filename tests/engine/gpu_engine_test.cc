@@ -593,6 +593,24 @@ TEST(Ds4GpuEngine, GpuEngineRefusesDeepseek4AndTheFactoryPicksTheDs4Engine) {
   EXPECT_NE((*picked)->description().find("deepseek4"), std::string::npos);
 }
 
+// The CUDA engine does not run GLM-4.5 yet: both the engine and the factory refuse it, naming the
+// architecture and the CPU engine, before touching a device (expert-run and expert-serve then run
+// it on the CPU engine: ModelParams::cuda_engine_runs).
+TEST(Glm4MoeGpuEngine, TheCudaEngineRefusesGlm45NamingTheCpuEngine) {
+  auto model = DenseModel::load(test::Glm4MoeFixture::gguf("q8_0"));
+  ASSERT_TRUE(model) << model.error().message;
+  EXPECT_FALSE(model->params().cuda_engine_runs());
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto refused = create_gpu_engine(*model, **source, EngineOptions{16, 0, 0},
+                                   tier(GpuOptions::Tier::Experts, 8));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("the CUDA engine runs qwen3moe and llama; 'glm4moe' runs "
+                                         "on the CPU engine (--cpu)"),
+            std::string::npos)
+      << refused.error().message;
+}
+
 // The fixture token by token through a VRAM tier that evicts (8 slots for 5 layers x 16 experts)
 // and one that holds every expert: logits against transformers, greedy tokens, the routing
 // against the fixture's trace, then reset() and the first positions again.

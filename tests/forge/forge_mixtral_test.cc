@@ -133,7 +133,8 @@ TEST(ForgeMixtral, AnUnknownArchIsRefusedNamingTheChoices) {
   const auto r = test::run_forge("--arch mistral -o /nonexistent/x.gguf");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(
-      r.output.find("--arch mistral: must be qwen3moe, deepseek4, mixtral, deepseek3 or gpt-oss"),
+      r.output.find(
+          "--arch mistral: must be qwen3moe, deepseek4, mixtral, deepseek3, gpt-oss or glm4moe"),
       std::string::npos)
       << r.output;
 }

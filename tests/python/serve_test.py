@@ -74,6 +74,47 @@ class Http:
         return json.loads(data)
 
 
+def start_expertd(args, models, sock, procs):
+    """expertd serving `models` (NAME=GGUF each) on `sock` (16 MiB cache), up when it returns;
+    appended to `procs`."""
+    daemon_log = open(os.path.join(args.workdir, "expertd.log"), "w")
+    cmd = [os.path.join(args.bin, "expertd"), "--socket", sock, "--cache", "16MiB", "--no-mlock"]
+    for m in models:
+        cmd += ["--model", m]
+    procs.append(subprocess.Popen(cmd, stdout=daemon_log, stderr=daemon_log))
+
+    def daemon_up():
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(sock)
+                return True
+            except OSError:
+                return False
+    wait_for("expertd's socket", daemon_up)
+
+
+def start_serve(args, sock, model, extra, procs):
+    """expert-serve for `model` on a free port, up (/health ok) when it returns; appended to
+    `procs`. Returns the port, an Http on it and the log's path."""
+    port = free_port()
+    log_path = os.path.join(args.workdir, "expert-serve.log")
+    serve_log = open(log_path, "w")
+    procs.append(subprocess.Popen(
+        [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", model,
+         "--port", str(port)] + extra, stdout=serve_log, stderr=serve_log))
+    h = Http(port)
+
+    def serve_up():
+        if procs[-1].poll() is not None:
+            raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
+        try:
+            return h.health()["status"] == "ok"
+        except OSError:
+            return False
+    wait_for("expert-serve's /health", serve_up)
+    return port, h, log_path
+
+
 def expert_run(args, socket_path, extra):
     out = subprocess.run(
         [os.path.join(args.bin, "expert-run"), "--socket", socket_path, "--model", MODEL,
@@ -369,38 +410,9 @@ def main():
                    check=True, capture_output=True, timeout=60)
     procs = []
     try:
-        daemon_log = open(os.path.join(args.workdir, "expertd.log"), "w")
-        procs.append(subprocess.Popen(
-            [os.path.join(args.bin, "expertd"), "--model", f"{MODEL}={args.gguf}", "--model",
-             f"odd={odd}", "--socket", sock, "--cache", "16MiB", "--no-mlock"],
-            stdout=daemon_log, stderr=daemon_log))
-
-        def daemon_up():
-            with socket.socket(socket.AF_UNIX) as s:
-                try:
-                    s.connect(sock)
-                    return True
-                except OSError:
-                    return False
-        wait_for("expertd's socket", daemon_up)
-
-        port = free_port()
-        log_path = os.path.join(args.workdir, "expert-serve.log")
-        serve_log = open(log_path, "w")
-        procs.append(subprocess.Popen(
-            [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", MODEL,
-             "--port", str(port), "--ctx", str(CTX), "--queue", "1", "--cpu"],
-            stdout=serve_log, stderr=serve_log))
-        h = Http(port)
-
-        def serve_up():
-            if procs[-1].poll() is not None:
-                raise AssertionError(f"expert-serve exited: {open(log_path).read()}")
-            try:
-                return h.health()["status"] == "ok"
-            except OSError:
-                return False
-        wait_for("expert-serve's /health", serve_up)
+        start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}"], sock, procs)
+        port, h, log_path = start_serve(args, sock, MODEL,
+                                        ["--ctx", str(CTX), "--queue", "1", "--cpu"], procs)
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                max_retries=0, timeout=60)

@@ -276,6 +276,7 @@ int run(int argc, char** argv) {
   const ForgeConfig m = forge_defaults(ForgeArch::Mixtral);
   const ForgeConfig v3 = forge_defaults(ForgeArch::Deepseek3);
   const ForgeConfig g = forge_defaults(ForgeArch::GptOss);
+  const ForgeConfig glm = forge_defaults(ForgeArch::Glm4Moe);
   ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
   std::string arch = "qwen3moe";
   std::optional<uint32_t> experts, top_k, heads, kv_heads;
@@ -289,8 +290,8 @@ int run(int argc, char** argv) {
 
   CLI::App app{
       "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4, mixtral, deepseek3 "
-      "(DeepSeek-V3, llama.cpp's deepseek2) or gpt-oss GGUF model whose every byte is derived from "
-      "--seed (and can be recomputed to verify a read)"};
+      "(DeepSeek-V3, llama.cpp's deepseek2), gpt-oss or glm4moe (GLM-4.5) GGUF model whose every "
+      "byte is derived from --seed (and can be recomputed to verify a read)"};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.
@@ -300,8 +301,9 @@ int run(int argc, char** argv) {
   app.add_option("--arch", arch,
                  "model architecture: qwen3moe, deepseek4 (DeepSeek-V4), mixtral (llama.cpp's "
                  "`llama` with routed experts), deepseek3 (DeepSeek-V3, Kimi-K2: llama.cpp's "
-                 "deepseek2; its defaults are DeepSeek-V3's widths) or gpt-oss (defaults: "
-                 "gpt-oss-120b's; --window is its sliding window)")
+                 "deepseek2; its defaults are DeepSeek-V3's widths), gpt-oss (defaults: "
+                 "gpt-oss-120b's; --window is its sliding window) or glm4moe (GLM-4.5; defaults: "
+                 "GLM-4.5-Air's, with one MTP block; --qk-norm for GLM-4.5's q/k norms)")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--experts", experts,
@@ -398,6 +400,12 @@ int run(int argc, char** argv) {
   app.add_option("--groups-used", c.groups_used, "groups the top-k is chosen from")
       ->capture_default_str()
       ->group(v3g);
+  const std::string glmg =
+      "GLM-4.5 (--arch glm4moe; also --rope-dim (default --head-dim / 2), --nextn, "
+      "--shared-experts, --dense-layers, --dense-ff, --expert-groups, --groups-used, with "
+      "GLM-4.5-Air's defaults)";
+  app.add_flag("--qk-norm", c.qk_norm, "per-head q/k norms (GLM-4.5 has them, GLM-4.5-Air not)")
+      ->group(glmg);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -415,6 +423,7 @@ int run(int argc, char** argv) {
                             : c.arch == ForgeArch::Mixtral   ? m
                             : c.arch == ForgeArch::Deepseek3 ? v3
                             : c.arch == ForgeArch::GptOss    ? g
+                            : c.arch == ForgeArch::Glm4Moe   ? glm
                                                              : q;
   c.experts = experts.value_or(base.experts);
   c.top_k = top_k.value_or(base.top_k);
@@ -429,6 +438,17 @@ int run(int argc, char** argv) {
   c.dense_layers = dense_layers.value_or(std::min(v3.dense_layers, c.layers - 1));
   if (c.arch == ForgeArch::Deepseek3) {
     if (app.count("--q-lora-rank") == 0) c.q_lora_rank = v3.q_lora_rank;
+  }
+  if (c.arch == ForgeArch::Glm4Moe) {
+    // GLM-4.5-Air's MoE block where the flag is not given; half the head rotates.
+    c.dense_layers = dense_layers.value_or(std::min(glm.dense_layers, c.layers - 1));
+    if (app.count("--rope-dim") == 0) c.rope_dim = static_cast<uint32_t>(c.head_dim / 2);
+    if (app.count("--dense-ff") == 0) c.dense_ff = glm.dense_ff;
+    if (app.count("--expert-groups") == 0) c.expert_groups = glm.expert_groups;
+    if (app.count("--groups-used") == 0) c.groups_used = glm.groups_used;
+    if (app.count("--nextn") == 0) c.nextn = glm.nextn;
+  } else if (c.qk_norm) {
+    return usage_error(make_error(EINVAL, "--qk-norm: only with --arch glm4moe"));
   }
   auto et = parse_forge_type("--expert-type", expert_type);
   if (!et) return usage_error(et.error());

@@ -367,12 +367,12 @@ int run(Options o) {
                                   : "their experts are hinted exactly when the token is known",
                   p.ds4.hc);
     }
-    if (p.ds4.nextn_layers > 0) {
-      std::printf(
-          "deepseek4: the file's %u MTP (next-n) layer%s skipped: expert-run decodes one "
-          "token per step\n",
-          p.ds4.nextn_layers, p.ds4.nextn_layers == 1 ? " is" : "s are");
-    }
+  }
+  if (!o.json && p.nextn_layers > 0) {
+    std::printf(
+        "%s: the file's %u MTP (next-n) layer%s skipped: expert-run decodes one token per "
+        "step\n",
+        p.architecture.c_str(), p.nextn_layers, p.nextn_layers == 1 ? " is" : "s are");
   }
 
   std::fflush(stdout);  // the header before any progress line on stderr
@@ -552,7 +552,7 @@ int run(Options o) {
           {"hash_layers", p.ds4.hash_layers},
           {"hash_hints", s.hash_hints},
           {"hash_hints_enabled", !o.no_hash_hints},
-          {"mtp_layers_skipped", p.ds4.nextn_layers},
+          {"mtp_layers_skipped", p.nextn_layers},
           {"hash", cls(s.hash_experts, s.hash_ready, s.hash_stall_ns, s.tokens)},
           {"learned", cls(s.learned_experts, s.learned_ready, s.learned_stall_ns, s.tokens)}};
     }

@@ -1,7 +1,9 @@
 // `expertctl inspect MODEL`: a model's expert slice map, offline (no daemon); for a deepseek4
 // (DeepSeek-V4) model also its structure: hash-routed layers, each layer's attention type and
 // compress ratio, hyper-connections, the indexer, the LoRA ranks, shared experts and MTP layers;
-// for a deepseek2 (DeepSeek-V3) model its MLA widths, dense layers and group-limited routing.
+// for a deepseek2 (DeepSeek-V3) model its MLA widths, dense layers and group-limited routing; for
+// a glm4moe (GLM-4.5) model its attention (partial RoPE, q/k norms), the same MoE block and its MTP
+// layers.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -245,32 +247,24 @@ void print_deepseek4(const GgufModel& m) {
       "+ MTP)\n");
 }
 
-// DeepSeek-V3 / Kimi-K2 (`deepseek2`): MLA widths, the dense first layers (not in the slice map),
+std::optional<uint64_t> arch_u64(const GgufModel& m, std::string_view suffix) {
+  const auto* v = m.find_arch(suffix);
+  return v != nullptr ? v->as_u64() : std::nullopt;
+}
+
+// DeepSeek-V3's MoE block (deepseek2, glm4moe): the dense first layers (not in the slice map),
 // the group-limited routing and the shared experts (dense weights, never streamed).
-void print_deepseek2(const GgufModel& m) {
-  auto u = [&](std::string_view suffix) -> std::optional<uint64_t> {
-    const auto* v = m.find_arch(suffix);
-    return v != nullptr ? v->as_u64() : std::nullopt;
-  };
+void print_sigmoid_moe(const GgufModel& m) {
+  auto u = [&](std::string_view suffix) { return arch_u64(m, suffix); };
   auto f = [&](std::string_view suffix) -> std::string {
     const auto* v = m.find_arch(suffix);
     const auto x = v != nullptr ? v->as_f64() : std::nullopt;
     return x ? fmt::format("{:g}", *x) : "-";
   };
-  const auto kv = u("attention.kv_lora_rank");
-  const auto rope = u("rope.dimension_count");
-  const auto qk = u("attention.key_length_mla");
   const uint64_t dense = u("leading_dense_block_count").value_or(0);
   const auto gating = u("expert_gating_func");
   bool norm = false;
   if (const auto* v = m.find_arch("expert_weights_norm")) norm = v->as_bool().value_or(false);
-  fmt::print("deepseek2\n");
-  fmt::print(
-      "  attention    {} heads, MLA: q LoRA {}, kv LoRA {} (+ rope {} cached per position), "
-      "qk {} + rope {}, v {}\n",
-      opt(u("attention.head_count")), opt(u("attention.q_lora_rank")), opt(kv), opt(rope),
-      qk && rope && *qk >= *rope ? fmt::format("{}", *qk - *rope) : "-", opt(rope),
-      opt(u("attention.value_length_mla")));
   fmt::print("  dense layers {}: {} (ff {})\n", dense, layer_range(0, dense),
              opt(u("feed_forward_length")));
   fmt::print("  routing      {}, {} experts in {} groups, top-{} from {} groups, scale {}{}\n",
@@ -280,6 +274,40 @@ void print_deepseek2(const GgufModel& m) {
              norm ? ", renormalised" : "");
   fmt::print("  shared exp.  {} (ff {}, dense weights)\n", opt(u("expert_shared_count")),
              opt(u("expert_feed_forward_length")));
+}
+
+// DeepSeek-V3 / Kimi-K2 (`deepseek2`): MLA widths and the MoE block.
+void print_deepseek2(const GgufModel& m) {
+  auto u = [&](std::string_view suffix) { return arch_u64(m, suffix); };
+  const auto kv = u("attention.kv_lora_rank");
+  const auto rope = u("rope.dimension_count");
+  const auto qk = u("attention.key_length_mla");
+  fmt::print("deepseek2\n");
+  fmt::print(
+      "  attention    {} heads, MLA: q LoRA {}, kv LoRA {} (+ rope {} cached per position), "
+      "qk {} + rope {}, v {}\n",
+      opt(u("attention.head_count")), opt(u("attention.q_lora_rank")), opt(kv), opt(rope),
+      qk && rope && *qk >= *rope ? fmt::format("{}", *qk - *rope) : "-", opt(rope),
+      opt(u("attention.value_length_mla")));
+  print_sigmoid_moe(m);
+}
+
+// GLM-4.5 (`glm4moe`): GQA with q/k/v biases, partial RoPE and optional q/k norms; DeepSeek-V3's
+// MoE block; the MTP blocks after the main ones (the engine skips them; their experts are in the
+// slice map all the same).
+void print_glm4moe(const GgufModel& m) {
+  auto u = [&](std::string_view suffix) { return arch_u64(m, suffix); };
+  const uint64_t blocks = u("block_count").value_or(0);
+  const uint64_t nextn = std::min(u("nextn_predict_layers").value_or(0), blocks);
+  fmt::print("glm4moe\n");
+  fmt::print(
+      "  attention    {} heads, {} KV heads of {}, rope on {} of them (NEOX), q/k norms {}\n",
+      opt(u("attention.head_count")), opt(u("attention.head_count_kv")),
+      opt(u("attention.key_length")), opt(u("rope.dimension_count")),
+      m.find_tensor("blk.0.attn_q_norm.weight") ? "yes" : "no");
+  print_sigmoid_moe(m);
+  fmt::print("  MTP layers   {}: {} (skipped by the engine)\n", nextn,
+             layer_range(blocks - nextn, blocks));
 }
 
 nlohmann::ordered_json deepseek4_json(const GgufModel& m) {
@@ -385,6 +413,7 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
   }
   if (m.architecture() == "deepseek4") print_deepseek4(m);
   if (m.architecture() == "deepseek2") print_deepseek2(m);
+  if (m.architecture() == "glm4moe") print_glm4moe(m);
 }
 
 void print_types_json() {

@@ -23,9 +23,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = HERE.parents[1] / "tests/fixtures/deepseek3-tiny"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--work", default="/tmp/ds3-llama-check")
+def main(fixture=FIXTURE, work="/tmp/ds3-llama-check", doc=__doc__):
+    """Checks `fixture` (a converter-made fixture with model-{f32,q8_0}.gguf, logits-*.bin and
+    greedy_q8_0, as deepseek3-tiny and glm4moe-tiny are)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--work", default=work)
     args = ap.parse_args()
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -34,14 +36,14 @@ def main():
     from check_deepseek4_llama_cpp import add_merges
     from llama_cpp import Llama
 
-    meta = json.loads((FIXTURE / "fixture.json").read_text())
+    meta = json.loads((fixture / "fixture.json").read_text())
     tokens, prompt = meta["tokens"], meta["prompt_tokens"]
     report = {}
     for variant, kv in (("f32", "f16"), ("f32", "f32"), ("q8_0", "f16"), ("q8_0", "f32")):
         path = work / f"model-{variant}-llama.gguf"
         if not path.exists():
-            add_merges(make, FIXTURE / f"model-{variant}.gguf", path)
-        expected = np.fromfile(FIXTURE / f"logits-{variant}.bin", dtype="<f4").reshape(
+            add_merges(make, fixture / f"model-{variant}.gguf", path)
+        expected = np.fromfile(fixture / f"logits-{variant}.bin", dtype="<f4").reshape(
             len(tokens), -1)
         want = (tokens if variant == "f32" else meta["greedy_q8_0"])[prompt:]
         kv_type = {"f16": 1, "f32": 0}[kv]  # ggml type ids; llama.cpp's default KV cache is f16
@@ -55,8 +57,9 @@ def main():
             greedy.append(nxt)
             llm.eval([nxt])
         llm.reset()
-        # Logits of the fixture's own sequence.
-        seq = tokens if variant == "f32" else meta["greedy_q8_0"]
+        # Logits of the fixture's sequence: both logits files are transformers' on `tokens` (the
+        # f32 greedy run), whatever the q8_0 weights' own greedy continuation is.
+        seq = tokens
         llm.eval(seq)
         got = np.array(llm.scores[: len(seq)], dtype=np.float32)
         err = [float(np.linalg.norm(got[t] - expected[t]) / np.linalg.norm(expected[t]))

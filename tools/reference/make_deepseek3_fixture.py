@@ -90,6 +90,7 @@ PROMPT = b"DeepSeek-V3 streams its experts.\n"  # 33 tokens: token id = byte val
 GENERATE = 8
 DEFAULT_SEED = 7  # seeds 1-6, 8 and 9 fail the margin (on the f32 or the q8_0 weights)
 MIN_ROUTING_MARGIN = 1e-3
+GENERATOR = "tools/reference/make_deepseek3_fixture.py"
 
 # Dense weights the q8_0 file also holds as Q8_0 (gguf name -> transformers name, {p} = the
 # layer's prefix, names without "blk.N."); attn_k_b / attn_v_b stay f32 (kv_b_proj split per head, rows of 16).
@@ -124,13 +125,14 @@ def local_name(name):
     return name.split(".", 2)[2] if name.startswith("blk.") else name
 
 
-def random_checkpoint(seed):
-    """Every weight, released Hugging Face names -> f32 numpy."""
+def random_sigmoid_moe(seed, c, blocks, dense, attention, after=None):
+    """The checkpoint of a DeepSeek-V3-style MoE model (shared with make_glm4moe_fixture.py):
+    embeddings, then per block its norms, attention(a, h, normal, norm_weight) (a dict of the
+    block's `self_attn.` weights), a dense MLP below `dense` or the router, correction bias, routed
+    and shared experts, then after(i, normal, norm_weight) (more weights of block i, by name after
+    "model.layers.i."); the final norm and head. One PCG64 stream in that order."""
     rng = np.random.default_rng(seed)
-    c = ORIG
-    h, v, nh = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
-    qlr, kvlr = c["q_lora_rank"], c["kv_lora_rank"]
-    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    h, v = c["hidden_size"], c["vocab_size"]
     ne, ff, dff = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
     sff = ff * c["n_shared_experts"]
 
@@ -146,19 +148,13 @@ def random_checkpoint(seed):
         w[p + "down_proj.weight"] = normal((h, width), width**-0.5)
 
     w = {"model.embed_tokens.weight": normal((v, h), 1.0)}
-    for i in range(LAYERS):
+    for i in range(blocks):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm_weight(h)
         w[p + "post_attention_layernorm.weight"] = norm_weight(h)
-        a = p + "self_attn."
-        w[a + "q_a_proj.weight"] = normal((qlr, h), h**-0.5)
-        w[a + "q_a_layernorm.weight"] = norm_weight(qlr)
-        w[a + "q_b_proj.weight"] = normal((nh * (nope + rope), qlr), qlr**-0.5)
-        w[a + "kv_a_proj_with_mqa.weight"] = normal((kvlr + rope, h), h**-0.5)
-        w[a + "kv_a_layernorm.weight"] = norm_weight(kvlr)
-        w[a + "kv_b_proj.weight"] = normal((nh * (nope + vd), kvlr), kvlr**-0.5)
-        w[a + "o_proj.weight"] = normal((h, nh * vd), (nh * vd) ** -0.5)
-        if i < DENSE:
+        for k, a in attention(h, normal, norm_weight).items():
+            w[p + "self_attn." + k] = a
+        if i < dense:
             mlp(p + "mlp.", dff)
             continue
         # Router logits with a std of about 1.5: sigmoid scores spread over (0, 1).
@@ -167,9 +163,31 @@ def random_checkpoint(seed):
         for e in range(ne):
             mlp(p + f"mlp.experts.{e}.", ff)
         mlp(p + "mlp.shared_experts.", sff)
+        for k, a in (after(i, normal, norm_weight) if after else {}).items():
+            w[p + k] = a
     w["model.norm.weight"] = norm_weight(h)
     w["lm_head.weight"] = normal((v, h), 2.0 * h**-0.5)
     return w
+
+
+def random_checkpoint(seed):
+    """Every weight, released Hugging Face names -> f32 numpy."""
+    c = ORIG
+    nh, qlr, kvlr = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+
+    def mla(h, normal, norm_weight):
+        a = {}
+        a["q_a_proj.weight"] = normal((qlr, h), h**-0.5)
+        a["q_a_layernorm.weight"] = norm_weight(qlr)
+        a["q_b_proj.weight"] = normal((nh * (nope + rope), qlr), qlr**-0.5)
+        a["kv_a_proj_with_mqa.weight"] = normal((kvlr + rope, h), h**-0.5)
+        a["kv_a_layernorm.weight"] = norm_weight(kvlr)
+        a["kv_b_proj.weight"] = normal((nh * (nope + vd), kvlr), kvlr**-0.5)
+        a["o_proj.weight"] = normal((h, nh * vd), (nh * vd) ** -0.5)
+        return a
+
+    return random_sigmoid_moe(seed, c, LAYERS, DENSE, mla)
 
 
 def write_checkpoint(ckpt, d):
@@ -260,14 +278,19 @@ def routes_and_margin(model, tokens):
             e, w = routes[(t, i)]
             records.append({"token": t, "layer": i, "experts": e,
                             "weights": [round(x, 7) for x in w]})
-    return records, float(margin[0]), changed[0]
+    return records, float(margin[0]), {"routes_changed_by_group_limit": changed[0]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def build_fixture(fam, default_out, doc):
+    """The fixture of family module `fam` (this one, or make_glm4moe_fixture): its ORIG config,
+    DENSE and LAYERS, Q8_DENSE (the dense weights the q8_0 file also re-encodes), PROMPT, GENERATE,
+    DEFAULT_SEED, MIN_ROUTING_MARGIN and GENERATOR, and its random_checkpoint, write_checkpoint,
+    load_model, check_bit_identical and routes_and_margin (-> trace, margin, extra fixture.json
+    entries)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[2] /
-                                         "tests/fixtures/deepseek3-tiny"))
-    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+                                         default_out))
+    ap.add_argument("--seed", type=int, default=fam.DEFAULT_SEED)
     ap.add_argument("--keep", help="keep the checkpoint in this folder (default: a temp dir)")
     args = ap.parse_args()
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
@@ -279,11 +302,12 @@ def main():
     torch.use_deterministic_algorithms(True)
     work = pathlib.Path(args.keep) if args.keep else pathlib.Path(tempfile.mkdtemp())
     ckpt_dir = work / "checkpoint"
+    cfg, dense, layers = fam.ORIG, fam.DENSE, fam.LAYERS
 
-    ckpt = random_checkpoint(args.seed)
-    write_checkpoint(ckpt, ckpt_dir)
-    model = load_model(ckpt_dir)
-    check_bit_identical(model, ckpt)
+    ckpt = fam.random_checkpoint(args.seed)
+    fam.write_checkpoint(ckpt, ckpt_dir)
+    model = fam.load_model(ckpt_dir)
+    fam.check_bit_identical(model, ckpt)
     print("checkpoint: transformers loads it back bit-identically")
 
     f32_path = out / "model-f32.gguf"
@@ -291,7 +315,7 @@ def main():
     q8_values = {}
 
     def to_q8(name, ttype, a):
-        if "_exps." in name or (local_name(name) in Q8_DENSE and a.shape[-1] % 32 == 0):
+        if "_exps." in name or (local_name(name) in fam.Q8_DENSE and a.shape[-1] % 32 == 0):
             q, deq = q8_0_dequant(gguf, a)
             q8_values[name] = deq
             return q, gguf.GGMLQuantizationType.Q8_0
@@ -299,32 +323,33 @@ def main():
 
     rewrite_gguf(gguf, f32_path, out / "model-q8_0.gguf", to_q8)
 
-    prompt = list(PROMPT)
-    tokens = greedy(model, prompt, GENERATE)
+    prompt = list(fam.PROMPT)
+    tokens = greedy(model, prompt, fam.GENERATE)
     cached, full = run_sequence(model, tokens)
     cache_err = rel_err(cached, full)
-    trace, margin, group_changed = routes_and_margin(model, tokens)
-    if margin < MIN_ROUTING_MARGIN:
-        raise SystemExit(f"seed {args.seed}: routing margin {margin:.2e} < {MIN_ROUTING_MARGIN}")
+    trace, margin, extra = fam.routes_and_margin(model, tokens)
+    if margin < fam.MIN_ROUTING_MARGIN:
+        raise SystemExit(f"seed {args.seed}: routing margin {margin:.2e} < "
+                         f"{fam.MIN_ROUTING_MARGIN}")
     if cache_err > 1e-5:
         raise SystemExit(f"cached and uncached transformers disagree ({cache_err:.2e})")
     full64 = None
     with torch.no_grad():
-        m64 = load_model(ckpt_dir).double()
+        m64 = fam.load_model(ckpt_dir).double()
         full64 = m64(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].numpy()
 
     # The q8_0 reference: transformers with those weights as their Q8_0 dequantisation.
-    model_q8 = load_model(ckpt_dir)
-    ne, ff, h = ORIG["n_routed_experts"], ORIG["moe_intermediate_size"], ORIG["hidden_size"]
+    model_q8 = fam.load_model(ckpt_dir)
+    ne, ff, h = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
     own = dict(model_q8.named_parameters())
     with torch.no_grad():
         for name, deq in q8_values.items():
             if "_exps." in name:
                 continue
             prefix = f"model.layers.{name.split('.')[1]}." if name.startswith("blk.") else ""
-            target = own[Q8_DENSE[local_name(name)].format(p=prefix)]
+            target = own[fam.Q8_DENSE[local_name(name)].format(p=prefix)]
             target.copy_(torch.from_numpy(deq.reshape(target.shape)))
-        for i in range(DENSE, LAYERS):
+        for i in range(dense, layers):
             g = q8_values[f"blk.{i}.ffn_gate_exps.weight"].reshape(ne, ff, h)
             u = q8_values[f"blk.{i}.ffn_up_exps.weight"].reshape(ne, ff, h)
             d = q8_values[f"blk.{i}.ffn_down_exps.weight"].reshape(ne, h, ff)
@@ -332,9 +357,9 @@ def main():
             ex.gate_up_proj.copy_(torch.from_numpy(np.concatenate([g, u], axis=1)))
             ex.down_proj.copy_(torch.from_numpy(d))
     cached_q8, full_q8 = run_sequence(model_q8, tokens)
-    tokens_q8 = greedy(model_q8, prompt, GENERATE)
-    trace_q8, margin_q8, _ = routes_and_margin(model_q8, tokens)
-    if margin_q8 < MIN_ROUTING_MARGIN:
+    tokens_q8 = greedy(model_q8, prompt, fam.GENERATE)
+    trace_q8, margin_q8, _ = fam.routes_and_margin(model_q8, tokens)
+    if margin_q8 < fam.MIN_ROUTING_MARGIN:
         raise SystemExit(f"seed {args.seed}: q8_0 routing margin {margin_q8:.2e} too small")
 
     full.astype("<f4").tofile(out / "logits-f32.bin")
@@ -347,15 +372,15 @@ def main():
              "trace-f32.jsonl", "trace-q8_0.jsonl"]
     logit_sorted = np.sort(full, axis=1)
     meta = {
-        "generator": "tools/reference/make_deepseek3_fixture.py",
+        "generator": fam.GENERATOR,
         "seed": args.seed,
-        "config": ORIG,
-        "prompt": PROMPT.decode(),
+        "config": cfg,
+        "prompt": fam.PROMPT.decode(),
         "prompt_tokens": len(prompt),
         "tokens": tokens,
         "greedy_q8_0": tokens_q8,
-        "vocab": ORIG["vocab_size"],
-        "logits_shape": [len(tokens), ORIG["vocab_size"]],
+        "vocab": cfg["vocab_size"],
+        "logits_shape": [len(tokens), cfg["vocab_size"]],
         "logits": "raw little-endian f32, row t = logits after tokens 0..t (the uncached forward; "
                   "the cached one agrees)",
         "trace": "JSON Lines {token, layer, experts, weights} for the sparse layers; experts by "
@@ -366,7 +391,7 @@ def main():
         "q8_0_vs_f32_rel_err": rel_err(full_q8, full),
         "min_routing_margin": margin,
         "min_routing_margin_q8_0": margin_q8,
-        "routes_changed_by_group_limit": group_changed,
+        **extra,
         "distinct_experts_routed": len({(r["layer"], e) for r in trace for e in r["experts"]}),
         "min_top2_logit_margin": float((logit_sorted[:, -1] - logit_sorted[:, -2]).min()),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -381,4 +406,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    build_fixture(sys.modules[__name__], "tests/fixtures/deepseek3-tiny", __doc__)

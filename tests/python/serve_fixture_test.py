@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""expert-serve runs a converter-made fixture's family by model name (the engine tests cover the
+forward; serve_test.py covers the API on qwen3moe): a real expertd serving FIXTURE/model-VARIANT.gguf,
+a real expert-serve on a free loopback port. Its greedy completion of the fixture's prompt, plain
+and streamed, is transformers' greedy continuation (the fixture's token ids, through expert-run
+--json) and the same text and usage as expert-run's.
+
+usage: serve_fixture_test.py --bin BUILD/bin --fixture DIR --variant q8_0 --workdir DIR
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import openai
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_test import check_same_as_expert_run, start_expertd, start_serve  # noqa: E402
+
+MODEL = "fixture"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--variant", default="f32")
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    meta = json.load(open(os.path.join(args.fixture, "fixture.json")))
+    want = meta["tokens"] if args.variant == "f32" else meta[f"greedy_{args.variant}"]
+    prompt, n = meta["prompt"], len(want) - meta["prompt_tokens"]
+    gguf = os.path.join(args.fixture, f"model-{args.variant}.gguf")
+    sock = os.path.join(args.workdir, "expertd.sock")
+    procs = []
+    try:
+        start_expertd(args, [f"{MODEL}={gguf}"], sock, procs)
+        ref = json.loads(subprocess.run(
+            [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--json",
+             "--cpu", "--prompt", prompt, "--max-tokens", str(n), "--ignore-eos"],
+            capture_output=True, text=True, timeout=60, check=True).stdout)
+        assert ref["prompt_tokens"] + ref["generated"] == want, \
+            f"expert-run {ref['prompt_tokens'] + ref['generated']}, transformers {want}"
+        print(f"ok: expert-run: transformers' {n} greedy tokens")
+
+        port, _, _ = start_serve(args, sock, MODEL, ["--ctx", "128", "--cpu"], procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+        check_same_as_expert_run("completion", ref, r.choices[0].text, r.choices[0].finish_reason,
+                                 r.usage)
+        pieces, finish, usage = [], None, None
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True}):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        check_same_as_expert_run("streamed completion", ref, "".join(pieces), finish, usage)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=20)
+
+
+if __name__ == "__main__":
+    main()
