@@ -30,7 +30,11 @@
 # Options:
 #   --models LIST     mixtral,qwen3 (default both): Mixtral-8x7B shape (32 layers, 8 experts,
 #                     top-2, 4096/14336, 28.6 GB) and Qwen3-30B-A3B shape (48 layers, 128
-#                     experts, top-8, 2048/768, 18.4 GB), q4_k experts, f16 dense weights
+#                     experts, top-8, 2048/768, 18.4 GB), both forged as qwen3moe; also
+#                     mixtral-llama (Mixtral-8x7B as llama.cpp's own `llama` arch with experts,
+#                     28.6 GB) and ds3 (a DeepSeek-V3 slice, llama.cpp's deepseek2: 6 blocks, the
+#                     first dense, 5 x 256 experts of 7168/2048, top-8 of 8 groups, 36 GB: 31.7 GB
+#                     of experts); q4_k experts, f16 dense weights. The disk holds about two at once
 #   --caps LIST       memory caps in GiB (default 8,16)
 #   --configs LIST    expertd,expertd-d0,cuda-tier,cuda-all,cpu (default all; run in this order of
 #                     priority)
@@ -43,7 +47,8 @@
 #   --cpu-timeout S   that of a run of the CPU-only build (default 120)
 #   --budget S        start no run S seconds or more after the start (default: none), counted from
 #                     $PEER_T0 (epoch seconds) when exported, so one budget spans several calls
-#   --vram LIST       expertd's VRAM tier in experts per model (default mixtral=32,qwen3=256)
+#   --vram LIST       expertd's VRAM tier in experts per model (default mixtral=32,qwen3=256,
+#                     mixtral-llama=32,ds3=256)
 #   --staging MIB     expertd's staging ring (default 1024)
 #   --margin MIB      host memory left in the cap for expert-run beyond its dense weights
 #                     (default 1536)
@@ -160,7 +165,9 @@ IFS=, read -ra config_list <<< "$configs"
 [ ${#model_list[@]} -gt 0 ] && [ ${#cap_list[@]} -gt 0 ] && [ ${#config_list[@]} -gt 0 ] ||
   bad "--models, --caps and --configs need at least one entry"
 for m in "${model_list[@]}"; do
-  case $m in mixtral | qwen3) ;; *) bad "--models: '$m' is not mixtral or qwen3" ;; esac
+  case $m in mixtral | qwen3 | mixtral-llama | ds3) ;;
+    *) bad "--models: '$m' is not mixtral, qwen3, mixtral-llama or ds3" ;;
+  esac
 done
 for c in "${cap_list[@]}"; do
   is_uint "$c" && [ "$c" -ge 1 ] || bad "--caps: '$c' is not a size in GiB (a whole number >= 1)"
@@ -172,7 +179,8 @@ for c in "${config_list[@]}"; do
 done
 declare -A vram
 for kv in ${vram_list//,/ }; do
-  [[ $kv =~ ^(mixtral|qwen3)=([0-9]+)$ ]] || bad "--vram: '$kv' is not mixtral=N or qwen3=N"
+  [[ $kv =~ ^(mixtral|qwen3|mixtral-llama|ds3)=([0-9]+)$ ]] ||
+    bad "--vram: '$kv' is not MODEL=N (MODEL: mixtral, qwen3, mixtral-llama or ds3)"
   vram[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
 done
 if [ -z "$builds" ]; then
@@ -195,11 +203,23 @@ llroot=$work/llama-build
 llsrc=$work/llama.cpp
 
 # --- models -----------------------------------------------------------------------------------
-# Sets the shape of model $1: layers, experts, top-k, widths, heads, vocab, seed, file, and the
-# bytes of one q4_k expert (gate, up and down: 3 x embd x ff elements at 144 bytes per 256).
+# Sets the shape of model $1: layers, experts, top-k, widths, heads, vocab, seed, file, the
+# forge's arch and extra flags, the leading dense layers D (no routed experts), and the bytes of
+# one q4_k expert (gate, up and down: 3 x embd x ff elements at 144 bytes per 256).
 shape() {
   local name=$1
+  ARCH=qwen3moe D=0 XF=()
   case $name:$tiny in
+    mixtral-llama:0) L=32 E=8 K=2 EMBD=4096 FF=14336 HEADS=32 KV=8 HD=128 VOCAB=32000 SEED=9
+      ARCH=mixtral file=$work/mixtral-llama-q4k.gguf ;;
+    ds3:0) L=6 E=256 K=8 EMBD=7168 FF=2048 HEADS=128 KV=1 HD=128 VOCAB=32000 SEED=31
+      ARCH=deepseek3 D=1 XF=(--dense-layers 1) file=$work/ds3-slice-q4k.gguf ;;
+    mixtral-llama:1) L=4 E=8 K=2 EMBD=256 FF=512 HEADS=4 KV=2 HD=64 VOCAB=1024 SEED=9
+      ARCH=mixtral file=$work/mixtral-llama-tiny-q4k.gguf ;;
+    ds3:1) L=3 E=32 K=4 EMBD=256 FF=256 HEADS=4 KV=1 HD=64 VOCAB=1024 SEED=31
+      ARCH=deepseek3 D=1 file=$work/ds3-tiny-q4k.gguf
+      XF=(--dense-layers 1 --dense-ff 512 --q-lora-rank 64 --kv-lora-rank 64 --rope-dim 32
+        --v-head-dim 64 --expert-groups 4 --groups-used 2) ;;
     mixtral:0) L=32 E=8 K=2 EMBD=4096 FF=14336 HEADS=32 KV=8 HD=128 VOCAB=32000 SEED=8
       file=$work/mixtral-q4k.gguf ;;  # the file of scripts/device-engine-bench.sh forge
     qwen3:0) L=48 E=128 K=8 EMBD=2048 FF=768 HEADS=32 KV=4 HD=128 VOCAB=32000 SEED=30
@@ -210,20 +230,22 @@ shape() {
       file=$work/qwen3-tiny-q4k.gguf ;;
   esac
   EB=$((3 * EMBD * FF * 144 / 256))
-  V=${vram[$name]:-$([ "$name" = mixtral ] && echo 32 || echo 256)}
+  ML=$((L - D))  # blocks with routed experts
+  V=${vram[$name]:-$([[ $name == mixtral* ]] && echo 32 || echo 256)}
 }
 
 forge_cmd() {  # sets fcmd
-  fcmd=("$bin/expert-forge" --layers "$L" --experts "$E" --top-k "$K" --embd "$EMBD" --ff "$FF"
-    --heads "$HEADS" --kv-heads "$KV" --head-dim "$HD" --vocab "$VOCAB" --expert-type q4_k
-    --dense-type f16 --seed "$SEED" --threads "$(nproc)" -o "$file" --force)
+  fcmd=("$bin/expert-forge" --arch "$ARCH" --layers "$L" --experts "$E" --top-k "$K" --embd "$EMBD"
+    --ff "$FF" --heads "$HEADS" --kv-heads "$KV" --head-dim "$HD" --vocab "$VOCAB"
+    --expert-type q4_k --dense-type f16 --seed "$SEED" --threads "$(nproc)" "${XF[@]}" -o "$file"
+    --force)
 }
 
 # Dense bytes (everything but the routed experts): from the file when it exists, else estimated
 # from the shape (f16 attention, embeddings and head; f32 router and norms).
 dense_bytes() {
   if [ -f "$file" ]; then
-    echo $(($(stat -c %s "$file") - L * E * EB))
+    echo $(($(stat -c %s "$file") - ML * E * EB))
   else
     local q=$((HEADS * HD)) kv=$((KV * HD))
     echo $((L * (EMBD * (2 * q + 2 * kv) * 2 + EMBD * E * 4) + 2 * VOCAB * EMBD * 2))
@@ -449,7 +471,7 @@ step_forge() {
     fi
     [ -x "$bin/expert-forge" ] || peer_die "no $bin/expert-forge (--bin)"
     mkdir -p "$work"
-    local need=$(((L * E * EB + $(dense_bytes)) / mib + 1024)) free
+    local need=$(((ML * E * EB + $(dense_bytes)) / mib + 1024)) free
     free=$(($(df -Pk "$work" | awk 'NR == 2 { print $4 }') / 1024))
     [ "$free" -ge "$need" ] || peer_die "forge $m: $work has $free MiB free, $need MiB needed"
     peer_log "forge $m: $L layers x $E experts (top-$K, $EMBD/$FF) -> $file"

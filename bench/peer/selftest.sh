@@ -31,7 +31,7 @@ done
 plan=$("$peer" --dry-run --bin /b --work /w --out "$tmp/o" --llama-src /s.tgz)
 has "$plan" "run: 20 runs, tg 16, pp 512" "plan"
 has "$plan" "unpack /s.tgz to /w/llama.cpp" "plan"
-has "$plan" "/b/expert-forge --layers 48 --experts 128 --top-k 8 --embd 2048 --ff 768" "plan"
+has "$plan" "/b/expert-forge --arch qwen3moe --layers 48 --experts 128 --top-k 8 --embd 2048 --ff 768" "plan"
 # Mixtral: 32 layers of 8 experts, a tier of 32 experts = 4 layers in VRAM; Qwen3: 48 of 128, 256.
 has "$plan" "-p 512 -n 16 -r 1 --no-warmup -lm mmap --repack 0 -o jsonl -ngl 99 -ncmoe 28" "plan"
 has "$plan" "mixtral-q4k.gguf -p 512 -n 16 -r 1 --no-warmup -lm mmap --repack 0 -o jsonl -ngl 99 -ncmoe 32" "plan"
@@ -41,6 +41,15 @@ has "$plan" "--max-tokens 17 --vram-experts 32 --prefill-chunk 512" "plan"
 # cache = 8 GiB - 1 GiB staging - the estimated 3,134 MiB of dense weights - 1.5 GiB margin
 has "$plan" "run 1/20 mixtral-8g-expertd: expertd cache 4882 MiB" "plan"
 has "$plan" "memory.max 17179869184" "plan"
+# The issue-15 models: Mixtral as llama.cpp's own arch, and a DeepSeek-V3 slice whose first block
+# is dense (its 5 MoE blocks of 256 experts: a tier of 256 = 1 block in VRAM, so -ncmoe 5).
+plan15=$("$peer" --dry-run --bin /b --work /w --out "$tmp/o" --llama-src /s.tgz \
+  --models mixtral-llama,ds3 --caps 8 --configs expertd,cuda-tier)
+has "$plan15" "/b/expert-forge --arch mixtral --layers 32 --experts 8 --top-k 2" "plan15"
+has "$plan15" "/b/expert-forge --arch deepseek3 --layers 6 --experts 256 --top-k 8 --embd 7168" "plan15"
+has "$plan15" "--dense-layers 1 -o /w/ds3-slice-q4k.gguf" "plan15"
+has "$plan15" "ds3-slice-q4k.gguf -p 512 -n 16 -r 1 --no-warmup -lm mmap --repack 0 -o jsonl -ngl 99 -ncmoe 5" "plan15"
+has "$plan15" "mixtral-llama-q4k.gguf -p 512 -n 16 -r 1 --no-warmup -lm mmap --repack 0 -o jsonl -ngl 99 -ncmoe 28" "plan15"
 # The CPU-only build runs last.
 [ "$(grep -c '^run .*: llama.cpp CPU-only build' <<< "$plan")" = 4 ] || fail "plan: not 4 cpu runs"
 grep -q '^run 17/20 mixtral-8g-cpu' <<< "$plan" || fail "plan: the cpu runs are not last"

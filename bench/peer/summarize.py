@@ -158,7 +158,12 @@ def cmd_done(args):
 
 CONFIG_ORDER = ["expertd", "expertd-cpu", "expertd-d0", "expertd-cpu-d0", "cuda-tier", "cuda-all",
                 "cpu"]
-MODEL_NAMES = {"mixtral": "Mixtral-8x7B shape", "qwen3": "Qwen3-30B-A3B shape"}
+MODEL_NAMES = {
+    "mixtral": "Mixtral-8x7B shape",
+    "qwen3": "Qwen3-30B-A3B shape",
+    "mixtral-llama": "Mixtral-8x7B (llama arch)",
+    "ds3": "DeepSeek-V3 slice (6 blocks)",
+}
 
 
 def describe(r):
