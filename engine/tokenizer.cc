@@ -32,6 +32,14 @@ constexpr const char* kQwen2[] = {
 constexpr const char* kLlama3[] = {
     R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+)re"
     R"re([\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re"};
+// gpt-oss's o200k (llama.cpp's "gpt-4o"): case runs with the contraction suffix, digits in threes,
+// a slash kept with punctuation.
+constexpr const char* kGpt4o[] = {
+    R"re([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+)re"
+    R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*)re"
+    R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)re"};
 // Three Splits in sequence, each on the pieces the one before left.
 constexpr const char* kDeepseekV3[] = {
     R"re(\p{N}{1,3})re", R"re([\x{4e00}-\x{9fa5}\x{3040}-\x{309f}\x{30a0}-\x{30ff}]+)re",
@@ -46,9 +54,15 @@ struct PreTokenizer {
 };
 
 constexpr PreTokenizer kPreTokenizers[] = {
-    {"default", kGpt2, false, false}, {"gpt-2", kGpt2, false, false},
-    {"qwen2", kQwen2, true, false},   {"llama-bpe", kLlama3, false, true},
-    {"llama3", kLlama3, false, true}, {"deepseek-v3", kDeepseekV3, false, false},
+    {"default", kGpt2, false, false},
+    {"gpt-2", kGpt2, false, false},
+    {"qwen2", kQwen2, true, false},
+    {"llama-bpe", kLlama3, false, true},
+    {"llama3", kLlama3, false, true},
+    {"deepseek-v3", kDeepseekV3, false, false},
+    // GLM-4.5's tokenizer.json splits as Llama 3's does, with ignore_merges (llama.cpp: glm4).
+    {"glm4", kLlama3, false, true},
+    {"gpt-4o", kGpt4o, false, false},
 };
 
 // Length of the UTF-8 sequence starting at s[i], 0 if malformed (overlong, surrogate, > U+10FFFF).
@@ -274,7 +288,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
   if (spec == nullptr) {
     return make_error(ENOTSUP, fmt::format("{}: tokenizer.ggml.pre \"{}\" is not supported "
                                            "(supported: default, gpt-2, qwen2, llama-bpe, llama3, "
-                                           "deepseek-v3)",
+                                           "deepseek-v3, glm4, gpt-4o)",
                                            f.path(), pre_name));
   }
 

@@ -34,6 +34,10 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"""
                   r"""\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+                 r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}"
+                 r"\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DSV3_PATTERNS = [
     r"\p{N}{1,3}",
     "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -78,6 +82,22 @@ FAMILIES = [
                    "<｜Assistant｜>", "<think>", "</think>"],
          bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", add_bos=True,
          ignore_merges=False),
+    # GLM-4.5: Llama 3's split with ignore_merges, no BOS added (llama.cpp's glm4).
+    dict(name="glm4", pre="glm4",
+         pre_tokenizer=lambda: pre_tokenizers.Sequence([split(LLAMA3_PATTERN),
+                                                        byte_level_after_split()]),
+         normalizer=None,
+         specials=["<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>", "<|system|>",
+                   "<|user|>", "<|assistant|>", "<|observation|>"],
+         bos="[gMASK]", eos="<|endoftext|>", add_bos=False, ignore_merges=True),
+    # gpt-oss: o200k_harmony's split (llama.cpp's gpt-4o), no BOS added.
+    dict(name="gpt-oss", pre="gpt-4o",
+         pre_tokenizer=lambda: pre_tokenizers.Sequence([split(GPT4O_PATTERN),
+                                                        byte_level_after_split()]),
+         normalizer=None,
+         specials=["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|start|>", "<|end|>",
+                   "<|message|>", "<|channel|>", "<|call|>", "<|constrain|>"],
+         bos="<|startoftext|>", eos="<|return|>", add_bos=False, ignore_merges=False),
 ]
 
 WORDS = ("the of and to in is was for that on with as by at from it an be this are or have not "
