@@ -40,6 +40,18 @@ constexpr const char* kGpt4o[] = {
     R"re(|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*)re"
     R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
     R"re(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)re"};
+// Kimi-K2's tiktoken split (tokenization_kimi.py): Han runs alone, then o200k-like words that
+// exclude Han. The original writes the exclusion as class intersection ([...&&[^\p{Han}]]), which
+// PCRE2 lacks: each such class is a negative lookahead before the class here. `sc:` because
+// PCRE2's bare \p{Han} is the script extension (it takes 「」 and 々-like marks shared with kana,
+// 22 of the corpus strings differed), while tiktoken's and Oniguruma's is the script.
+constexpr const char* kKimiK2[] = {
+    R"re(\p{sc:Han}+)re"
+    R"re(|[^\r\n\p{L}\p{N}]?(?:(?!\p{sc:Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])*)re"
+    R"re((?:(?!\p{sc:Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|[^\r\n\p{L}\p{N}]?(?:(?!\p{sc:Han})[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])+)re"
+    R"re((?:(?!\p{sc:Han})[\p{Ll}\p{Lm}\p{Lo}\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re"};
 // Three Splits in sequence, each on the pieces the one before left.
 constexpr const char* kDeepseekV3[] = {
     R"re(\p{N}{1,3})re", R"re([\x{4e00}-\x{9fa5}\x{3040}-\x{309f}\x{30a0}-\x{30ff}]+)re",
@@ -63,6 +75,8 @@ constexpr PreTokenizer kPreTokenizers[] = {
     // GLM-4.5's tokenizer.json splits as Llama 3's does, with ignore_merges (llama.cpp: glm4).
     {"glm4", kLlama3, false, true},
     {"gpt-4o", kGpt4o, false, false},
+    // tiktoken takes a pre-token that is itself a token whole: ignore_merges.
+    {"kimi-k2", kKimiK2, false, true},
 };
 
 // Length of the UTF-8 sequence starting at s[i], 0 if malformed (overlong, surrogate, > U+10FFFF).
@@ -99,6 +113,24 @@ struct MatchDataDeleter {
 };
 using Code = std::unique_ptr<pcre2_code, CodeDeleter>;
 using MatchData = std::unique_ptr<pcre2_match_data, MatchDataDeleter>;
+
+// A JIT stack of up to 256 MiB (reserved, committed as used) and the match context that hands it
+// to pcre2_match; one per encode call that needs it, so concurrent encodes never share one.
+struct JitStack {
+  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 << 10, 256 << 20, nullptr);
+  pcre2_match_context* context = nullptr;
+  JitStack() {
+    if (stack == nullptr) return;
+    context = pcre2_match_context_create(nullptr);
+    if (context != nullptr) pcre2_jit_stack_assign(context, nullptr, stack);
+  }
+  ~JitStack() {
+    pcre2_match_context_free(context);
+    pcre2_jit_stack_free(stack);
+  }
+  JitStack(const JitStack&) = delete;
+  JitStack& operator=(const JitStack&) = delete;
+};
 
 struct Span {
   size_t begin;
@@ -288,7 +320,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
   if (spec == nullptr) {
     return make_error(ENOTSUP, fmt::format("{}: tokenizer.ggml.pre \"{}\" is not supported "
                                            "(supported: default, gpt-2, qwen2, llama-bpe, llama3, "
-                                           "deepseek-v3, glm4, gpt-4o)",
+                                           "deepseek-v3, glm4, gpt-4o, kimi-k2)",
                                            f.path(), pre_name));
   }
 
@@ -425,6 +457,7 @@ Status Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& o
   std::vector<Span> next;
   MatchData md(pcre2_match_data_create(1, nullptr));
   EXPERTD_CHECK(md != nullptr);
+  std::optional<JitStack> big_stack;
   for (const Code& re : regexes_->codes) {
     next.clear();
     for (const Span p : pieces) {
@@ -433,8 +466,18 @@ Status Tokenizer::encode_segment(std::string_view text, std::vector<uint32_t>& o
       size_t at = 0;
       size_t last = 0;
       while (at < len) {
-        const int rc =
-            pcre2_match(re.get(), subject, len, at, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
+        int rc = pcre2_match(re.get(), subject, len, at, PCRE2_NO_UTF_CHECK, md.get(),
+                             big_stack ? big_stack->context : nullptr);
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT && !big_stack) {
+          // A pattern with a lookahead inside a repeat (kimi-k2's) takes JIT stack per character:
+          // a long run outgrows the default 32 KiB. Retried once with a stack for this encode.
+          big_stack.emplace();
+          if (big_stack->context == nullptr) {
+            return make_error(ENOMEM, "tokenizer: no memory for the regex's JIT stack");
+          }
+          rc = pcre2_match(re.get(), subject, len, at, PCRE2_NO_UTF_CHECK, md.get(),
+                           big_stack->context);
+        }
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc <= 0) {  // PCRE2's match or depth limit: input, not a bug
           PCRE2_UCHAR msg[256];

@@ -91,7 +91,7 @@ TEST_P(TokenizerVsHf, EveryCorpusStringEncodesAndDecodesAsHf) {
 
 INSTANTIATE_TEST_SUITE_P(Families, TokenizerVsHf,
                          ::testing::Values("gpt2", "qwen2", "llama3", "deepseek-v3", "mixtral",
-                                           "glm4", "gpt-oss"),
+                                           "glm4", "gpt-oss", "kimi-k2"),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -127,7 +127,7 @@ TEST(Tokenizer, LongRunsEncodeAndRoundTrip) {
   const std::string text = std::string(200000, ' ') + "a" + std::string(200000, 'x') +
                            std::string(100000, '7') + std::string(50000, '\n') + "\xe4\xbd\xa0";
   for (const char* name :
-       {"gpt2", "qwen2", "llama3", "deepseek-v3", "mixtral", "glm4", "gpt-oss"}) {
+       {"gpt2", "qwen2", "llama3", "deepseek-v3", "mixtral", "glm4", "gpt-oss", "kimi-k2"}) {
     const Tokenizer tok = load(name);
     auto ids = tok.encode(text, false);
     ASSERT_TRUE(ids) << name << ": " << ids.error().message;

@@ -38,6 +38,13 @@ GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
                  r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}"
                  r"\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Kimi-K2's tokenization_kimi.py (tiktoken; Oniguruma, like tiktoken's regex, has class
+# intersection).
+KIMI_K2_PATTERN = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+                   r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}"
+                   r"\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&"
+                   r"[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
 DSV3_PATTERNS = [
     r"\p{N}{1,3}",
     "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -98,6 +105,14 @@ FAMILIES = [
          specials=["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|start|>", "<|end|>",
                    "<|message|>", "<|channel|>", "<|call|>", "<|constrain|>"],
          bos="<|startoftext|>", eos="<|return|>", add_bos=False, ignore_merges=False),
+    # Kimi-K2 (deepseek2): tiktoken, so a pre-token that is a token is taken whole.
+    dict(name="kimi-k2", pre="kimi-k2",
+         pre_tokenizer=lambda: pre_tokenizers.Sequence([split(KIMI_K2_PATTERN),
+                                                        byte_level_after_split()]),
+         normalizer=None,
+         specials=["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                   "<|im_system|>", "<|im_middle|>"],
+         bos="[BOS]", eos="[EOS]", add_bos=False, ignore_merges=True),
 ]
 
 WORDS = ("the of and to in is was for that on with as by at from it an be this are or have not "
