@@ -212,7 +212,8 @@ class HintPlanner {
   void add_ranked(uint32_t next, std::span<const float> probs);
   // Candidates for layer `next` given as a list (a script's prediction), each with `score`.
   void add_listed(uint32_t next, std::span<const uint32_t> experts, float score);
-  // Hints added since the last take(), and counts them as sent.
+  // Hints added since the last routed() or begin_token() (which clear them; the span stays valid
+  // until then), and counts them as sent: call it once per layer.
   std::span<const ExpertHint> take(EngineStats& stats);
   // Layer `layer` routed to `experts`: counts hinted ones and fills rec->predicted if given.
   void routed(uint32_t layer, std::span<const uint32_t> experts, EngineStats& stats,
