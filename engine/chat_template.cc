@@ -72,7 +72,9 @@ const std::vector<Signature>& signatures() {
        {"strftime_now"}},
       {K::kGlm45,
        "glm4.5",
-       {"[gMASK]<sop>", "<|user|>\n{{ visible_text(m.content) }}",
+       // The user line is spelled two ways (the vendor's, and llama.cpp's converter's that sets
+       // `content` first); both write the text on the line after <|user|>.
+       {"[gMASK]<sop>", "{%- if m.role == 'user' -%}<|user|>\n",
         "<|system|>\n{{ visible_text(m.content) }}",
         "{%- if loop.index0 > ns.last_user_index and reasoning_content -%}",
         R"({{ '\n<think>' + reasoning_content.strip() +  '</think>'}})",

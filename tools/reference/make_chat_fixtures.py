@@ -58,6 +58,17 @@ INLINE = {
         "{% endif %}"),
 }
 
+# Templates as GGUFs carry them where a converter rewrote the vendor's: llama.cpp's
+# convert_hf_to_gguf.py (Glm4MoeModel, 2025 versions) replaced GLM-4.5's user line with one that
+# sets `content` first, so GLM GGUFs in the wild hold either spelling.
+PATCHES = {
+    "glm4.5-gguf": (
+        "{{ visible_text(m.content) }}\n{{- '/nothink' if (enable_thinking is defined and not "
+        "enable_thinking and not visible_text(m.content).endswith(\"/nothink\")) else '' -}}",
+        "{% set content = visible_text(m.content) %}{{ content }}\n{{- '/nothink' if (enable_thinking "
+        "is defined and not enable_thinking and not content.endswith(\"/nothink\")) else '' -}}"),
+}
+
 DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 # name → (file in --templates or INLINE key, bos, eos, family engine/chat_template detects or None)
 TEMPLATES = {
@@ -87,6 +98,7 @@ TEMPLATES = {
     "deepseek-r1-distill-llama": ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", DS_BOS, DS_EOS, None),
     # The MoE families of issue 15 (bos/eos as llama.cpp's converter writes them into the GGUF).
     "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", "glm4.5"),
+    "glm4.5-gguf": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", "glm4.5"),
     "gpt-oss": ("openai-gpt-oss-120b.jinja", "<|startoftext|>", "<|return|>", "gpt-oss"),
     "kimi-k2": ("Kimi-K2-Instruct.jinja", "[BOS]", "[EOS]", "kimi-k2"),
     "kimi-k2-helpful": ("moonshotai-Kimi-K2.jinja", "[BOS]", "[EOS]", "kimi-k2-helpful"),
@@ -167,6 +179,10 @@ def main():
         else:
             with open(os.path.join(args.templates, src), encoding="utf-8") as f:
                 text = f.read()
+        if name in PATCHES:
+            before, after = PATCHES[name]
+            assert before in text, name
+            text = text.replace(before, after)
         cases = []
         if family is not None:
             for messages in CONVERSATIONS:
