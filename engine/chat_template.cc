@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <fstream>
 #include <iterator>
 #include <utility>
@@ -12,7 +14,8 @@
 namespace expertd::engine {
 namespace {
 
-constexpr std::string_view kKnown = "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3";
+constexpr std::string_view kKnown =
+    "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2";
 
 // A family is recognised when its template contains every one of these fragments of the vendor
 // template (the expressions that decide the output for plain conversations) and none of `absent`.
@@ -67,6 +70,44 @@ const std::vector<Signature>& signatures() {
         R"(set date_string = "26 Jul 2024")", "set system_message = messages[0]['content']|trim",
         R"('<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>')"},
        {"strftime_now"}},
+      {K::kGlm45,
+       "glm4.5",
+       // The user line is spelled two ways (the vendor's, and llama.cpp's converter's that sets
+       // `content` first); both write the text on the line after <|user|>.
+       {"[gMASK]<sop>", "{%- if m.role == 'user' -%}<|user|>\n",
+        "<|system|>\n{{ visible_text(m.content) }}",
+        "{%- if loop.index0 > ns.last_user_index and reasoning_content -%}",
+        R"({{ '\n<think>' + reasoning_content.strip() +  '</think>'}})",
+        R"({{ '\n<think></think>' }})", R"({{ '\n' + content.strip() }})",
+        R"(<|assistant|>{{- '\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}})"},
+       {"clear_thinking"}},
+      {K::kGptOss,
+       "gpt-oss",
+       {"<|start|>system<|message|>", R"(Knowledge cutoff: 2024-06\n)",
+        R"("Current date: " + strftime_now("%Y-%m-%d") + "\n\n")",
+        R"({%- set reasoning_effort = "medium" %})", R"({{- "<|start|>developer<|message|>" }})",
+        R"({{- "# Instructions\n\n" }})",
+        R"("<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>")",
+        R"("<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>")",
+        R"("<|start|>user<|message|>" + message.content + "<|end|>")"},
+       {}},
+      {K::kKimiK2,
+       "kimi-k2",
+       {"<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot "
+        "AI.<|im_end|>\n  {% endif %}",
+        "{%- if loop.first and messages[0]['role'] != 'system' -%}",
+        "<|im_user|>{{role_name}}<|im_middle|>", "<|im_assistant|>{{role_name}}<|im_middle|>",
+        "<|im_system|>{{role_name}}<|im_middle|>",
+        "{%- elif message['content'] is not none -%}\n    {{render_content(message)}}",
+        "<|im_assistant|>assistant<|im_middle|>"},
+       {"<think>"}},
+      {K::kKimiK2Helpful,
+       "kimi-k2-helpful",
+       {"<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>\n  {%- endif -%}",
+        "{%- if loop.first and messages[0]['role'] != 'system' -%}", "<|im_user|>user<|im_middle|>",
+        "<|im_assistant|>assistant<|im_middle|>",
+        "{%- elif message['content'] is string -%}\n    {{ message['content'] }}"},
+       {"<think>", "role_name"}},
       {K::kLlama3,
        "llama3",
        {"<|start_header_id|>",
@@ -364,6 +405,109 @@ std::string render_llama31(std::span<const ChatMessage> m, bool gen, const std::
   return out;
 }
 
+// The text after the last `sep` of s (all of s when there is none): Python's s.split(sep)[-1].
+std::string_view after_last(std::string_view s, std::string_view sep) {
+  const size_t at = s.rfind(sep);
+  return at == std::string_view::npos ? s : s.substr(at + sep.size());
+}
+
+// GLM-4.5/4.6, thinking on (the default: no enable_thinking): every answer opens with a <think>
+// block, filled only after the last user turn; the generation prompt leaves thinking to the model.
+std::string render_glm45(std::span<const ChatMessage> m, bool gen) {
+  std::string out = "[gMASK]<sop>";
+  ptrdiff_t last_user = -1;  // none: every turn is after it
+  for (size_t k = 0; k < m.size(); ++k) {
+    if (m[k].role == "user") last_user = static_cast<ptrdiff_t>(k);
+  }
+  for (size_t i = 0; i < m.size(); ++i) {
+    const ChatMessage& msg = m[i];
+    if (msg.role != "assistant") {
+      out += "<|" + msg.role + "|>\n" + msg.content;
+      continue;
+    }
+    std::string_view content = msg.content;
+    std::string_view reasoning;
+    const size_t first_end = content.find("</think>");
+    if (first_end != std::string_view::npos) {
+      reasoning = lstrip_nl(after_last(rstrip_nl(content.substr(0, first_end)), "<think>"));
+      content = lstrip_nl(after_last(content, "</think>"));
+    }
+    out += "<|assistant|>\n<think>";
+    if (static_cast<ptrdiff_t>(i) > last_user) out += py_strip(reasoning);
+    out += "</think>";
+    if (!py_strip(content).empty()) {
+      out += "\n";
+      out += py_strip(content);
+    }
+  }
+  if (gen) out += "<|assistant|>";
+  return out;
+}
+
+// Today's date as strftime_now("%Y-%m-%d") gives it (the local time, as Python's datetime.now()).
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[16];
+  return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
+}
+
+// gpt-oss (harmony), reasoning effort medium (the default): the system block with the model
+// identity and date, a first system message as the developer's instructions, answers in the final
+// channel; the last one ends with <|return|> when no generation prompt follows.
+Result<std::string> render_gpt_oss(std::span<const ChatMessage> m, bool gen,
+                                   const std::string& date) {
+  std::string out =
+      "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+      "Knowledge cutoff: 2024-06\nCurrent date: " +
+      (date.empty() ? today() : date) +
+      "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be "
+      "included for every message.<|end|>";
+  std::span<const ChatMessage> rest = m;
+  if (m[0].role == "system") {
+    if (!m[0].content.empty()) {
+      out += "<|start|>developer<|message|># Instructions\n\n" + m[0].content + "\n\n<|end|>";
+    }
+    rest = m.subspan(1);
+  }
+  for (size_t i = 0; i < rest.size(); ++i) {
+    const ChatMessage& msg = rest[i];
+    if (msg.role == "user") {
+      out += "<|start|>user<|message|>" + msg.content + "<|end|>";
+    } else if (msg.role == "assistant") {
+      if (contains(msg.content, "<|channel|>analysis<|message|>") ||
+          contains(msg.content, "<|channel|>final<|message|>")) {
+        return template_error(
+            "You have passed a message containing <|channel|> tags in the content field. Instead "
+            "of doing this, you should pass analysis messages (the string between '<|message|>' "
+            "and '<|end|>') in the 'thinking' field, and final messages (the string between "
+            "'<|message|>' and '<|end|>') in the 'content' field.");
+      }
+      const bool last = i + 1 == rest.size() && !gen;
+      out += "<|start|>assistant<|channel|>final<|message|>" + msg.content +
+             (last ? "<|return|>" : "<|end|>");
+    }  // a later system message: the template drops it
+  }
+  if (gen) out += "<|start|>assistant";
+  return out;
+}
+
+// Kimi-K2: a default system turn (`preamble`) when the first message is not a system one.
+std::string render_kimi_k2(std::span<const ChatMessage> m, bool gen, std::string_view preamble) {
+  std::string out;
+  if (m[0].role != "system") out += preamble;
+  for (const ChatMessage& msg : m) {
+    const std::string_view tag = msg.role == "user"        ? "<|im_user|>"
+                                 : msg.role == "assistant" ? "<|im_assistant|>"
+                                                           : "<|im_system|>";
+    out += tag;
+    out += msg.role + "<|im_middle|>" + msg.content + "<|im_end|>";
+  }
+  if (gen) out += "<|im_assistant|>assistant<|im_middle|>";
+  return out;
+}
+
 }  // namespace
 
 ChatTemplate::ChatTemplate(Kind kind, std::string family, std::string bos, std::string eos)
@@ -385,6 +529,16 @@ ChatTemplate::ChatTemplate(Kind kind, std::string family, std::string bos, std::
     case Kind::kLlama3:
     case Kind::kLlama31:
       stop_strings_ = {"<|eot_id|>"};
+      break;
+    case Kind::kGlm45:
+      stop_strings_ = {"<|user|>", "<|observation|>"};
+      break;
+    case Kind::kGptOss:
+      stop_strings_ = {"<|return|>", "<|call|>"};
+      break;
+    case Kind::kKimiK2:
+    case Kind::kKimiK2Helpful:
+      stop_strings_ = {"<|im_end|>"};
       break;
   }
 }
@@ -432,7 +586,7 @@ Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string
 
 Result<ChatTemplate> ChatTemplate::named(std::string_view family, std::string bos,
                                          std::string eos) {
-  static const std::array<std::pair<std::string_view, Kind>, 9> names = {{
+  static const std::array<std::pair<std::string_view, Kind>, 13> names = {{
       {"chatml", Kind::kChatml},
       {"qwen3", Kind::kQwen3},
       {"qwen2.5", Kind::kQwen25},
@@ -442,14 +596,20 @@ Result<ChatTemplate> ChatTemplate::named(std::string_view family, std::string bo
       {"mistral-v0.1", Kind::kMistralV01},
       {"llama3", Kind::kLlama3},
       {"llama3.1", Kind::kLlama31},
+      {"glm4.5", Kind::kGlm45},
+      {"gpt-oss", Kind::kGptOss},
+      {"kimi-k2", Kind::kKimiK2},
+      {"kimi-k2-helpful", Kind::kKimiK2Helpful},
   }};
   for (const auto& [name, kind] : names) {
     if (name == family)
       return ChatTemplate(kind, std::string(name), std::move(bos), std::move(eos));
   }
-  return make_error(EINVAL, "chat template family '" + std::string(family) +
-                                "' unknown; known: chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
-                                "mistral, mistral-v0.1, llama3, llama3.1");
+  return make_error(EINVAL,
+                    "chat template family '" + std::string(family) +
+                        "' unknown; known: chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
+                        "mistral, mistral-v0.1, llama3, llama3.1, glm4.5, gpt-oss, kimi-k2, "
+                        "kimi-k2-helpful");
 }
 
 Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
@@ -481,8 +641,27 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
       return render_llama3(messages, add_generation_prompt, bos_);
     case Kind::kLlama31:
       return render_llama31(messages, add_generation_prompt, bos_);
+    case Kind::kGlm45:
+      return render_glm45(messages, add_generation_prompt);
+    case Kind::kGptOss:
+      return render_gpt_oss(messages, add_generation_prompt, date_);
+    case Kind::kKimiK2:
+      // Kimi-K2-Instruct's template; its system turn ends with the template's stray newline.
+      return render_kimi_k2(messages, add_generation_prompt,
+                            "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created "
+                            "by Moonshot AI.<|im_end|>\n");
+    case Kind::kKimiK2Helpful:
+      return render_kimi_k2(messages, add_generation_prompt,
+                            "<|im_system|>system<|im_middle|>You are a helpful "
+                            "assistant<|im_end|>");
   }
   return make_error(EINVAL, "chat template: unknown family");
+}
+
+ChatTemplate ChatTemplate::with_date(std::string date) const {
+  ChatTemplate t = *this;
+  t.date_ = std::move(date);
+  return t;
 }
 
 Result<ChatTemplate> ChatTemplate::from_flag(const std::string& flag, const GgufFile& file,

@@ -5,7 +5,8 @@
 // recognises the known families by fragments of their vendor templates and reproduces what those
 // templates render for plain conversations (system/user/assistant messages with string content; no
 // tools, each template's default thinking mode): ChatML, Qwen3, Qwen2.5, DeepSeek-V3.1,
-// DeepSeek-V4, Mistral/Mixtral (v0.1 and the Mixtral-8x7B form), Llama 3 and Llama 3.1/3.3.
+// DeepSeek-V4, Mistral/Mixtral (v0.1 and the Mixtral-8x7B form), Llama 3, Llama 3.1/3.3,
+// GLM-4.5/4.6 (thinking on), gpt-oss (harmony, reasoning medium, today's date) and Kimi-K2.
 // Anything else is refused, naming the template's first line, rather than rendered as a look-alike
 // family: a wrong template gives plausible but degraded answers that nobody notices.
 // tests/fixtures/chat/ holds transformers' renderings (tools/reference/make_chat_fixtures.py) that
@@ -38,8 +39,9 @@ class ChatTemplate {
   // come from the tokenizer.
   static Result<ChatTemplate> from_gguf(const GgufFile& file, const Tokenizer& tok);
   // From template text (a .jinja file's contents) or a family name ("chatml", "qwen3", "deepseek3",
-  // "deepseek4", "mistral", "llama3"). An unknown template: EINVAL, message "chat template not
-  // supported (first line: '...'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3".
+  // "deepseek4", "mistral", "llama3", "glm4.5", "gpt-oss", "kimi-k2"). An unknown template:
+  // EINVAL, message "chat template not supported (first line: '...'); known: ChatML/Qwen3,
+  // DeepSeek-V3/V4, Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2".
   static Result<ChatTemplate> from_text(std::string_view jinja, std::string bos, std::string eos);
   static Result<ChatTemplate> named(std::string_view family, std::string bos, std::string eos);
   // A --chat-template flag's value: a .jinja file when one exists at that path, else a family name;
@@ -72,8 +74,17 @@ class ChatTemplate {
     kMistralV01,
     kLlama3,
     kLlama31,
+    kGlm45,
+    kGptOss,
+    kKimiK2,
+    kKimiK2Helpful,
   };
   Kind kind() const { return kind_; }
+
+  // The same template with strftime_now's date fixed ("2026-01-15"), for templates that write
+  // today's date (gpt-oss's "Current date: ..."); by default render() takes the local date at the
+  // time of the call, as transformers' strftime_now does.
+  ChatTemplate with_date(std::string date) const;
 
  private:
   ChatTemplate(Kind kind, std::string family, std::string bos, std::string eos);
@@ -83,6 +94,7 @@ class ChatTemplate {
   std::string bos_;
   std::string eos_;
   std::vector<std::string> stop_strings_;
+  std::string date_;  // empty: today's
 };
 
 }  // namespace expertd::engine

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -58,11 +59,13 @@ TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAs
     EXPECT_EQ(t.error().code, EINVAL);
     EXPECT_EQ(t.error().message, "chat template not supported (first line: '" + first +
                                      "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, "
-                                     "Llama 3");
+                                     "Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
     return;
   }
   ASSERT_TRUE(t) << t.error().message;
   EXPECT_EQ(t->family(), f["family"].get<std::string>());
+  // strftime_now's date, fixed by the generator (gpt-oss's "Current date: ...").
+  if (f.contains("date")) t = t->with_date(f["date"]);
   ASSERT_GE(f["cases"].size(), 40u);
   int i = 0;
   for (const nlohmann::json& c : f["cases"]) {
@@ -92,11 +95,13 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ChatTemplateVsTransformers, ::testing::Values
                          });
 
 TEST(ChatTemplate, NamedFamiliesRenderAsTheirTemplates) {
-  for (const char* n : {"chatml", "qwen3", "deepseek3", "deepseek4", "mistral", "llama3"}) {
+  for (const char* n : {"chatml", "qwen3", "deepseek3", "deepseek4", "mistral", "llama3", "glm4.5",
+                        "gpt-oss", "kimi-k2", "kimi-k2-helpful"}) {
     const nlohmann::json f = read_json(fixture_path(std::string("chat/") + n + ".json"));
     auto t = ChatTemplate::named(n, f["bos"], f["eos"]);
     ASSERT_TRUE(t) << t.error().message;
     EXPECT_EQ(t->family(), n);
+    if (f.contains("date")) t = t->with_date(f["date"]);
     const nlohmann::json& c = f["cases"][3];
     auto out = t->render(messages_of(c["messages"]), c["add_generation_prompt"]);
     ASSERT_TRUE(out) << out.error().message;
@@ -116,7 +121,7 @@ TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
   EXPECT_EQ(t.error().message,
             "chat template not supported (first line: '{{ bos_token }}{% for m in messages "
             "%}<start_of_turn>{{ m.role }}'); known: ChatML/Qwen3, DeepSeek-V3/V4, "
-            "Mistral/Mixtral, Llama 3");
+            "Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
 }
 
 TEST(ChatTemplate, UnknownRoleAndEmptyConversationAreErrors) {
@@ -139,6 +144,32 @@ TEST(ChatTemplate, StopStringsEndEachFamilysAssistantTurn) {
             std::vector<std::string>{"</s>"});
   EXPECT_EQ(ChatTemplate::named("llama3", "", "")->stop_strings(),
             std::vector<std::string>{"<|eot_id|>"});
+  // GLM's turn ends where the next role tag would begin (its generation_config's eos ids).
+  EXPECT_EQ(ChatTemplate::named("glm4.5", "[gMASK]", "<|endoftext|>")->stop_strings(),
+            (std::vector<std::string>{"<|user|>", "<|observation|>"}));
+  // Not <|end|>: it closes the analysis channel before the final one.
+  EXPECT_EQ(ChatTemplate::named("gpt-oss", "", "")->stop_strings(),
+            (std::vector<std::string>{"<|return|>", "<|call|>"}));
+  EXPECT_EQ(ChatTemplate::named("kimi-k2", "", "")->stop_strings(),
+            std::vector<std::string>{"<|im_end|>"});
+}
+
+TEST(ChatTemplate, GptOssWritesTodaysDateUnlessOneIsFixed) {
+  auto t = ChatTemplate::named("gpt-oss", "<|startoftext|>", "<|return|>");
+  ASSERT_TRUE(t) << t.error().message;
+  const std::vector<ChatMessage> m = {{"user", "Hi"}};
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char today[16];
+  today[std::strftime(today, sizeof today, "%Y-%m-%d", &tm)] = '\0';
+  auto out = t->render(m, true);
+  ASSERT_TRUE(out) << out.error().message;
+  EXPECT_NE(out->find(std::string("\nCurrent date: ") + today + "\n\n"), std::string::npos) << *out;
+  auto fixed = t->with_date("1999-12-31").render(m, true);
+  ASSERT_TRUE(fixed) << fixed.error().message;
+  EXPECT_NE(fixed->find("\nCurrent date: 1999-12-31\n\n"), std::string::npos) << *fixed;
+  EXPECT_EQ(t->with_date("1999-12-31").family(), "gpt-oss");
 }
 
 TEST(ChatTemplate, FromGgufReadsTheDeepseek4TemplateAndItsBosFromTheTokenizer) {

@@ -658,8 +658,8 @@ int main(int argc, char** argv) {
   app.add_option("--system", o.system, "With --chat: a system message before the prompt");
   app.add_option("--chat-template", o.chat_template,
                  "With --chat: a family name (chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
-                 "mistral, mistral-v0.1, llama3, llama3.1) or a .jinja file, instead of the "
-                 "model's template");
+                 "mistral, mistral-v0.1, llama3, llama3.1, glm4.5, gpt-oss, kimi-k2) or a .jinja "
+                 "file, instead of the model's template");
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
   app.add_option("--prefill-chunk", o.prefill_chunk,

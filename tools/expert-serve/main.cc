@@ -616,7 +616,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 4096u));
   app.add_option("--chat-template", o.chat_template,
                  "Chat template instead of the model's own: a family name (chatml, qwen3, "
-                 "deepseek3, deepseek4, mistral, llama3) or a .jinja file");
+                 "deepseek3, deepseek4, mistral, llama3, glm4.5, gpt-oss, kimi-k2) or a .jinja "
+                 "file");
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "

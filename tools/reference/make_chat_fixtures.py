@@ -14,7 +14,9 @@ Run with a Python that has jinja2 and transformers (e.g. /tmp/refvenv/bin/python
 import argparse
 import json
 import os
+from datetime import datetime
 
+from transformers.utils import chat_template_utils
 from transformers.utils.chat_template_utils import render_jinja_template
 
 # Templates that are not in llama.cpp's models/templates, as their Hugging Face repositories ship
@@ -56,6 +58,17 @@ INLINE = {
         "{% endif %}"),
 }
 
+# Templates as GGUFs carry them where a converter rewrote the vendor's: llama.cpp's
+# convert_hf_to_gguf.py (Glm4MoeModel, 2025 versions) replaced GLM-4.5's user line with one that
+# sets `content` first, so GLM GGUFs in the wild hold either spelling.
+PATCHES = {
+    "glm4.5-gguf": (
+        "{{ visible_text(m.content) }}\n{{- '/nothink' if (enable_thinking is defined and not "
+        "enable_thinking and not visible_text(m.content).endswith(\"/nothink\")) else '' -}}",
+        "{% set content = visible_text(m.content) %}{{ content }}\n{{- '/nothink' if (enable_thinking "
+        "is defined and not enable_thinking and not content.endswith(\"/nothink\")) else '' -}}"),
+}
+
 DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 # name → (file in --templates or INLINE key, bos, eos, family engine/chat_template detects or None)
 TEMPLATES = {
@@ -83,6 +96,15 @@ TEMPLATES = {
     "hermes2-pro": ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "<|begin_of_text|>", "<|im_end|>", None),
     "smollm3": ("HuggingFaceTB-SmolLM3-3B.jinja", "", "<|im_end|>", None),
     "deepseek-r1-distill-llama": ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", DS_BOS, DS_EOS, None),
+    # The MoE families of issue 15 (bos/eos as llama.cpp's converter writes them into the GGUF).
+    "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", "glm4.5"),
+    "glm4.5-gguf": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", "glm4.5"),
+    "gpt-oss": ("openai-gpt-oss-120b.jinja", "<|startoftext|>", "<|return|>", "gpt-oss"),
+    "kimi-k2": ("Kimi-K2-Instruct.jinja", "[BOS]", "[EOS]", "kimi-k2"),
+    "kimi-k2-helpful": ("moonshotai-Kimi-K2.jinja", "[BOS]", "[EOS]", "kimi-k2-helpful"),
+    "glm4.7-flash": ("GLM-4.7-Flash.jinja", "[gMASK]", "<|endoftext|>", None),
+    "kimi-k2-thinking": ("Kimi-K2-Thinking.jinja", "[BOS]", "[EOS]", None),
+    "kimi-k3": ("Kimi-K3.jinja", "[BOS]", "[EOS]", None),
 }
 
 
@@ -124,6 +146,20 @@ CONVERSATIONS = [
 ]
 
 
+# strftime_now's date (gpt-oss's "Current date: ..."): transformers renders today's; the fixtures
+# fix it, and record it as "date" for the test to pass to ChatTemplate::with_date.
+FIXED_DATE = datetime(2026, 1, 15, 12, 0, 0)
+
+
+class _FixedDatetime(datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return FIXED_DATE
+
+
+chat_template_utils.datetime = _FixedDatetime
+
+
 def render(template, bos, eos, messages, add_generation_prompt):
     out = render_jinja_template(conversations=[messages], chat_template=template,
                                 add_generation_prompt=add_generation_prompt,
@@ -143,6 +179,10 @@ def main():
         else:
             with open(os.path.join(args.templates, src), encoding="utf-8") as f:
                 text = f.read()
+        if name in PATCHES:
+            before, after = PATCHES[name]
+            assert before in text, name
+            text = text.replace(before, after)
         cases = []
         if family is not None:
             for messages in CONVERSATIONS:
@@ -154,7 +194,10 @@ def main():
                         case["error"] = str(e)
                     cases.append(case)
         doc = {"name": name, "source": src, "template": text, "bos": bos, "eos": eos,
-               "family": family, "cases": cases}
+               "family": family}
+        if family is not None and "strftime_now" in text:
+            doc["date"] = FIXED_DATE.strftime("%Y-%m-%d")
+        doc["cases"] = cases
         with open(os.path.join(args.out, name + ".json"), "w", encoding="utf-8") as f:
             json.dump(doc, f, ensure_ascii=False, indent=1)
             f.write("\n")
