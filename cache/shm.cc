@@ -67,15 +67,15 @@ Result<SharedRegion> SharedRegion::create(const std::string& name, size_t bytes,
   }
   r.map_ = Mapping::map(size, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd_.get(), 0);
   if (!r.map_.valid()) return fail("mmap");
-  // Every page is populated with a write fault, so that each of the memfd's pages is dirty from
-  // the start and stays so (tmpfs never cleans a page without swapping it out). MAP_POPULATE
-  // faults a shared mapping for read: its pages start clean, and a page written only by an
-  // io_uring READ_FIXED (O_DIRECT into a registered, pinned buffer: the kernel writes the page,
-  // never through our page table, and does not dirty it) stays clean. Once our mapping and the
-  // ring's pin are gone (SIGUSR2's exec, a crash under systemd's fd store) such a page is clean,
-  // unmapped and unreferenced: page-cache invalidation (`echo 1 > /proc/sys/vm/drop_caches`,
-  // 24 times since boot on the dev VM) drops it, and the successor's copy reads zeros
-  // (docs/RELIABILITY.md, "Warm restart": the io_uring hand-over's wrong bytes).
+  // Every page is populated with a write fault, so each page of the memfd is dirty from the start
+  // and stays so (tmpfs cleans a page only by swapping it out). MAP_POPULATE faults a shared
+  // mapping for read ("we would not want to dirty them for nothing", mm/gup.c): its pages start
+  // clean, and a page written only by an io_uring READ_FIXED (O_DIRECT into a registered, pinned
+  // buffer: the kernel writes the page, never through our page table, and does not dirty it)
+  // stays clean. Once our mapping and the ring's pin are gone (SIGUSR2's exec, a crash under
+  // systemd's fd store) such a page is clean, unmapped and unreferenced: page-cache invalidation
+  // (`echo 1 > /proc/sys/vm/drop_caches`) drops it, and the successor's copy reads zeros
+  // (docs/RELIABILITY.md, "Warm restart").
   populate_dirty(r.map_.data(), size);
   // From here on only this mapping can write; clients get EPERM for PROT_WRITE mappings.
   const int seals = client_writable ? F_SEAL_SEAL : F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;

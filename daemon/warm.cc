@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
+#include <unistd.h>
 
 #include <array>
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "cache/store.h"
 #include "client/include/expertd/protocol.h"
@@ -181,6 +183,23 @@ struct Group {
   UniqueFd manifest, arena, slots;
 };
 
+// Whether a byte of `key`'s slices in the old arena's slot at `slot_offset` lies in a hole of the
+// arena's memfd: a page the kernel dropped reads back as zeros, never as the expert's bytes
+// (docs/RELIABILITY.md, "Warm restart": how io_uring's fixed reads once left such pages). tmpfs
+// answers SEEK_HOLE from its page cache: a page swapped out counts as data. An lseek that fails
+// counts as a hole (the expert is read again rather than trusted).
+bool bytes_missing(int arena_fd, const ExpertStore& store, ExpertKey key, uint64_t slot_offset) {
+  std::array<ExpertSlice, 3> slices{};
+  std::array<SlicePlacement, 3> place{};
+  const uint32_t n = store.layouts().place(key.layer, key.expert, slices, place);
+  for (uint32_t s = 0; s < n; ++s) {
+    const uint64_t begin = slot_offset + place[s].data_slot_offset;
+    const off_t hole = ::lseek(arena_fd, static_cast<off_t>(begin), SEEK_HOLE);
+    if (hole < 0 || static_cast<uint64_t>(hole) < begin + slices[s].bytes) return true;
+  }
+  return false;
+}
+
 // Copies one model's READY slots; the error says why it starts cold.
 Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
   if (!g.manifest.valid() || !g.arena.valid() || !g.slots.valid()) {
@@ -234,18 +253,39 @@ Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
       header.arena_bytes != old.arena_bytes) {
     return make_error(EINVAL, "the slot table's header does not match the manifest");
   }
-  // Populated in one call: a page fault per 4 KiB page made the copy several times slower.
-  const Mapping arena =
-      Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, g.arena.get(), 0);
-  if (!arena.valid()) return make_error(errno, "cannot map the arena");
   const auto* entries = reinterpret_cast<const abi::SlotEntry*>(table.data() + sizeof(header));
   ExpertStore& store = core.store(index);
-  uint64_t copied = 0;
+  // The slots to copy, decided before the arena is mapped: a fault on a hole fills it (with zeros).
+  std::vector<uint8_t> take(old.slot_count, 0);
+  uint64_t missing_count = 0;
   for (uint32_t i = 0; i < old.slot_count; ++i) {
     // LOADING or FREE slots hold no whole expert (a crash mid-read leaves LOADING).
     if (entries[i].state.load(std::memory_order_acquire) != abi::kSlotReady) continue;
     const ExpertKey key{entries[i].layer, entries[i].expert};
+    const bool valid = store.slice_map().find_layer(key.layer) != nullptr &&
+                       key.expert < store.slice_map().expert_count();
+    if (valid && bytes_missing(g.arena.get(), store, key, uint64_t{i} * old.slot_bytes)) {
+      ++missing_count;
+      continue;
+    }
+    take[i] = 1;  // adopt() checks the key
+  }
+  // Populated in one call: a page fault per 4 KiB page made the copy several times slower.
+  const Mapping arena =
+      Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, g.arena.get(), 0);
+  if (!arena.valid()) return make_error(errno, "cannot map the arena");
+  uint64_t copied = 0;
+  for (uint32_t i = 0; i < old.slot_count; ++i) {
+    if (take[i] == 0) continue;
+    const ExpertKey key{entries[i].layer, entries[i].expert};
     if (store.adopt(key, arena.data() + static_cast<uint64_t>(i) * old.slot_bytes)) ++copied;
+  }
+  if (missing_count > 0) {
+    spdlog::warn(
+        "warm restart: model '{}': {} experts handed over had pages missing from the arena "
+        "(holes: dropped by the kernel) and were not taken over (docs/RELIABILITY.md, Warm "
+        "restart)",
+        *model, missing_count);
   }
   const uint64_t mismatches = store.scheduler().stats().checksum_mismatches;
   if (mismatches > 0) {
