@@ -32,6 +32,21 @@ SharedRegion& SharedRegion::operator=(SharedRegion&& other) noexcept {
   return *this;
 }
 
+namespace {
+
+// Faults every page of [data, data + bytes) for write (see create()): MADV_POPULATE_WRITE (Linux
+// 5.14), else one store per page (the pages are new, so a zero changes nothing).
+void populate_dirty(uint8_t* data, size_t bytes) {
+  if (::madvise(data, bytes, MADV_POPULATE_WRITE) == 0) return;
+  const size_t page = page_bytes();
+  for (size_t at = 0; at < bytes; at += page) {
+    // Volatile: a store of the zero already there must still reach the page.
+    *static_cast<volatile uint8_t*>(data + at) = 0;
+  }
+}
+
+}  // namespace
+
 Result<SharedRegion> SharedRegion::create(const std::string& name, size_t bytes, bool lock,
                                           bool client_writable) {
   const size_t page = page_bytes();
@@ -50,8 +65,18 @@ Result<SharedRegion> SharedRegion::create(const std::string& name, size_t bytes,
   if (::fcntl(r.fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return fail("F_ADD_SEALS(shrink|grow)");
   }
-  r.map_ = Mapping::map(size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r.fd_.get(), 0);
+  r.map_ = Mapping::map(size, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd_.get(), 0);
   if (!r.map_.valid()) return fail("mmap");
+  // Every page is populated with a write fault, so each page of the memfd is dirty from the start
+  // and stays so (tmpfs cleans a page only by swapping it out). MAP_POPULATE faults a shared
+  // mapping for read ("we would not want to dirty them for nothing", mm/gup.c): its pages start
+  // clean, and a page written only by an io_uring READ_FIXED (O_DIRECT into a registered, pinned
+  // buffer: the kernel writes the page, never through our page table, and does not dirty it)
+  // stays clean. Once our mapping and the ring's pin are gone (SIGUSR2's exec, a crash under
+  // systemd's fd store) such a page is clean, unmapped and unreferenced: page-cache invalidation
+  // (`echo 1 > /proc/sys/vm/drop_caches`) drops it, and the successor's copy reads zeros
+  // (docs/RELIABILITY.md, "Warm restart").
+  populate_dirty(r.map_.data(), size);
   // From here on only this mapping can write; clients get EPERM for PROT_WRITE mappings.
   const int seals = client_writable ? F_SEAL_SEAL : F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
   if (::fcntl(r.fd_.get(), F_ADD_SEALS, seals) != 0) {

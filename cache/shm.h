@@ -1,9 +1,10 @@
 // SharedRegion: a sealed memfd mapped read-write by its owner (the daemon) and shareable with
 // clients, who can only map it read-only.
 //
-// Created with MFD_ALLOW_SEALING, sized once, sealed against shrink and grow, mapped shared, then
-// sealed with F_SEAL_FUTURE_WRITE: the daemon's mapping stays writable, any later writable
-// mapping (or write(2)) of the fd fails with EPERM. Optionally mlock()ed so expert bytes never hit
+// Created with MFD_ALLOW_SEALING, sized once, sealed against shrink and grow, mapped shared and
+// populated with write faults (every page dirty: see create()), then sealed with
+// F_SEAL_FUTURE_WRITE: the daemon's mapping stays writable, any later writable mapping (or
+// write(2)) of the fd fails with EPERM. Optionally mlock()ed so expert bytes never hit
 // swap; a failed mlock is reported, not fatal (the caller decides what to log). Owns the memfd and
 // the daemon's mapping; move-only, and a moved-from region holds nothing.
 #pragma once

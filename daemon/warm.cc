@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
+#include <unistd.h>
 
 #include <array>
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "cache/store.h"
 #include "client/include/expertd/protocol.h"
@@ -28,6 +30,16 @@ constexpr uint32_t kWarmVersion = 1;
 constexpr uint32_t kMaxShards = 64;
 constexpr size_t kMaxModelName = 255;
 constexpr int kAllSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+// Manifest::arena_fill: how the arena's pages were written.
+// Plain: written through the daemon's own mapping (pread, io_uring without registered buffers) or
+// by a daemon whose arena pages are all dirty; the pages stay in the memfd.
+constexpr uint32_t kFillPlain = 0;
+// An io_uring daemon older than the fix of docs/RELIABILITY.md "Warm restart": pages written only
+// by READ_FIXED were clean, and page-cache invalidation after that daemon's exit could drop them
+// (the successor read zeros). Trusted only with the checksum manifest.
+constexpr uint32_t kFillUringCleanPages = 1;
+// io_uring into an arena populated with write faults (SharedRegion::create): every page dirty.
+constexpr uint32_t kFillUringDirtyPages = 2;
 
 struct ShardRecord {
   uint64_t dev;
@@ -51,7 +63,7 @@ struct Manifest {
   uint32_t experts;
   // Of the daemon that wrote it: a successor's may differ (another cache size).
   uint32_t slot_count;
-  uint32_t filled_by_uring;  // 1: the io_uring backend wrote the arena (see restore_model)
+  uint32_t arena_fill;  // kFill*: how the arena's pages were written (see restore_model)
   uint64_t arena_bytes;
   ShardRecord shards[kMaxShards];
 };
@@ -111,7 +123,7 @@ std::optional<Manifest> describe(DaemonCore& core, uint32_t i, std::string* why)
   m.layers = store.slice_map().block_count();
   m.experts = store.slice_map().expert_count();
   m.slot_count = store.slot_count();
-  m.filled_by_uring = core.backend_name() == "io_uring" ? 1 : 0;
+  m.arena_fill = core.backend_name() == "io_uring" ? kFillUringDirtyPages : kFillPlain;
   m.arena_bytes = store.arena().size();
   for (size_t s = 0; s < ids.size(); ++s) {
     m.shards[s] =
@@ -171,6 +183,23 @@ struct Group {
   UniqueFd manifest, arena, slots;
 };
 
+// Whether a byte of `key`'s slices in the old arena's slot at `slot_offset` lies in a hole of the
+// arena's memfd: a page the kernel dropped reads back as zeros, never as the expert's bytes
+// (docs/RELIABILITY.md, "Warm restart": how io_uring's fixed reads once left such pages). tmpfs
+// answers SEEK_HOLE from its page cache: a page swapped out counts as data. An lseek that fails
+// counts as a hole (the expert is read again rather than trusted).
+bool bytes_missing(int arena_fd, const ExpertStore& store, ExpertKey key, uint64_t slot_offset) {
+  std::array<ExpertSlice, 3> slices{};
+  std::array<SlicePlacement, 3> place{};
+  const uint32_t n = store.layouts().place(key.layer, key.expert, slices, place);
+  for (uint32_t s = 0; s < n; ++s) {
+    const uint64_t begin = slot_offset + place[s].data_slot_offset;
+    const off_t hole = ::lseek(arena_fd, static_cast<off_t>(begin), SEEK_HOLE);
+    if (hole < 0 || static_cast<uint64_t>(hole) < begin + slices[s].bytes) return true;
+  }
+  return false;
+}
+
 // Copies one model's READY slots; the error says why it starts cold.
 Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
   if (!g.manifest.valid() || !g.arena.valid() || !g.slots.valid()) {
@@ -196,15 +225,14 @@ Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
   why = mismatch(old, *now);
   if (!why.empty()) return make_error(ESTALE, why);
 
-  // Known issue (docs/RELIABILITY.md, "Warm restart"): an arena the io_uring backend filled showed,
-  // in about one run in five of tests/chaos/restart_test.cc, some READY slots whose bytes had
-  // changed after their load was verified. Not understood yet, so such an arena is taken over
-  // only when every expert is checked against the checksum manifest as it is copied in (adopt()):
-  // wrong bytes must never be served.
-  if (old.filled_by_uring != 0 && !core.store(index).scheduler().has_checksums()) {
+  // A daemon before the fix of docs/RELIABILITY.md "Warm restart" (its io_uring arena's pages
+  // could be dropped after it exited, reading back as zeros): its arena is taken over only when
+  // every expert is checked against the checksum manifest as it is copied in (adopt()).
+  if (old.arena_fill == kFillUringCleanPages && !core.store(index).scheduler().has_checksums()) {
     return make_error(EINVAL,
-                      "the io_uring backend filled it, and without checksums (--checksums) its "
-                      "hand-over is not trusted (docs/SYSTEMD.md, Warm restart)");
+                      "an io_uring daemon of an earlier version filled it, whose pages may have "
+                      "been dropped since; without checksums (--checksums) it is not trusted "
+                      "(docs/SYSTEMD.md, Warm restart)");
   }
   // Sizes come from the manifest, checked against the memfds (sealed: they cannot shrink under
   // the copy) and against each other before anything is mapped.
@@ -225,18 +253,39 @@ Result<uint64_t> restore_model(DaemonCore& core, Group& g, std::string* model) {
       header.arena_bytes != old.arena_bytes) {
     return make_error(EINVAL, "the slot table's header does not match the manifest");
   }
-  // Populated in one call: a page fault per 4 KiB page made the copy several times slower.
-  const Mapping arena =
-      Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, g.arena.get(), 0);
-  if (!arena.valid()) return make_error(errno, "cannot map the arena");
   const auto* entries = reinterpret_cast<const abi::SlotEntry*>(table.data() + sizeof(header));
   ExpertStore& store = core.store(index);
-  uint64_t copied = 0;
+  // The slots to copy, decided before the arena is mapped: a fault on a hole fills it (with zeros).
+  std::vector<uint8_t> take(old.slot_count, 0);
+  uint64_t missing_count = 0;
   for (uint32_t i = 0; i < old.slot_count; ++i) {
     // LOADING or FREE slots hold no whole expert (a crash mid-read leaves LOADING).
     if (entries[i].state.load(std::memory_order_acquire) != abi::kSlotReady) continue;
     const ExpertKey key{entries[i].layer, entries[i].expert};
+    const bool valid = store.slice_map().find_layer(key.layer) != nullptr &&
+                       key.expert < store.slice_map().expert_count();
+    if (valid && bytes_missing(g.arena.get(), store, key, uint64_t{i} * old.slot_bytes)) {
+      ++missing_count;
+      continue;
+    }
+    take[i] = 1;  // adopt() checks the key
+  }
+  // Populated in one call: a page fault per 4 KiB page made the copy several times slower.
+  const Mapping arena =
+      Mapping::map(old.arena_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, g.arena.get(), 0);
+  if (!arena.valid()) return make_error(errno, "cannot map the arena");
+  uint64_t copied = 0;
+  for (uint32_t i = 0; i < old.slot_count; ++i) {
+    if (take[i] == 0) continue;
+    const ExpertKey key{entries[i].layer, entries[i].expert};
     if (store.adopt(key, arena.data() + static_cast<uint64_t>(i) * old.slot_bytes)) ++copied;
+  }
+  if (missing_count > 0) {
+    spdlog::warn(
+        "warm restart: model '{}': {} experts handed over had pages missing from the arena "
+        "(holes: dropped by the kernel) and were not taken over (docs/RELIABILITY.md, Warm "
+        "restart)",
+        *model, missing_count);
   }
   const uint64_t mismatches = store.scheduler().stats().checksum_mismatches;
   if (mismatches > 0) {
@@ -329,19 +378,6 @@ WarmRestore restore_warm(DaemonCore& core, std::vector<NamedFd> passed) {
 
 WarmExport WarmExport::create(DaemonCore& core) {
   WarmExport out;
-  // A successor would not trust it (restore_model's known issue): handing it over would only keep
-  // a second arena alive in the fd store across the restart.
-  bool checked = true;
-  for (uint32_t i = 0; i < core.model_names().size(); ++i) {
-    checked &= core.store(i).scheduler().has_checksums();
-  }
-  if (core.backend_name() == "io_uring" && !checked) {
-    spdlog::info(
-        "warm restart: off with the io_uring backend unless checksums are on (docs/SYSTEMD.md, "
-        "Warm restart); checksums = true or backend = \"pread\" keeps the cache across "
-        "restarts");
-    return out;
-  }
   for (uint32_t i = 0; i < core.model_names().size(); ++i) {
     std::string why;
     const auto m = describe(core, i, &why);
