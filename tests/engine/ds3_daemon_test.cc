@@ -1,6 +1,7 @@
 // DeepSeek-V3 (`deepseek2`) on the product path: the real expertd serves the committed
-// deepseek3-tiny fixtures (llama.cpp's converter's output) and the CPU engine gets its experts
-// through libexpertd-client; expert-run decodes them by model name.
+// deepseek3-tiny and kimi-k2-tiny fixtures (llama.cpp's converter's output; Kimi-K2 is a
+// DeepSeek-V3 with one expert group, its own scaling and YaRN betas) and the CPU engine gets its
+// experts through libexpertd-client; expert-run decodes them by model name.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -17,12 +18,11 @@ namespace {
 using expertd::test::Daemon;
 using expertd::test::TempDir;
 
-std::string ds3_path(const std::string& file) {
-  return test::fixture_path("deepseek3-tiny/" + file);
-}
-
-class Ds3DaemonTest : public ::testing::Test {
+class Ds3DaemonTest : public ::testing::TestWithParam<const char*> {
  protected:
+  static std::string ds3_path(const std::string& file) {
+    return test::fixture_path(std::string(GetParam()) + "/" + file);
+  }
   void SetUp() override {
     meta_ = test::read_json(ds3_path("fixture.json"));
     tokens_ = meta_.at("tokens").get<std::vector<uint32_t>>();
@@ -48,7 +48,7 @@ class Ds3DaemonTest : public ::testing::Test {
   std::unique_ptr<Daemon> daemon_;
 };
 
-TEST_F(Ds3DaemonTest, LogitsRoutingAndGreedyTokensMatchTransformers) {
+TEST_P(Ds3DaemonTest, LogitsRoutingAndGreedyTokensMatchTransformers) {
   for (const std::string variant : {"f32", "q8_0"}) {
     SCOPED_TRACE(variant);
     auto model = DenseModel::load(ds3_path("model-" + variant + ".gguf"));
@@ -82,7 +82,7 @@ TEST_F(Ds3DaemonTest, LogitsRoutingAndGreedyTokensMatchTransformers) {
         EXPECT_EQ(static_cast<uint32_t>(best), greedy[t + 1]) << "position " << t;
       }
     }
-    std::printf("[ deepseek3 %s via expertd ] max relative error over %zu positions: %.3e\n",
+    std::printf("[ %s %s via expertd ] max relative error over %zu positions: %.3e\n", GetParam(),
                 variant.c_str(), tokens_.size(), worst);
     const std::vector<test::TraceEntry> trace =
         test::read_trace(ds3_path("trace-" + variant + ".jsonl"));
@@ -119,7 +119,7 @@ TEST_F(Ds3DaemonTest, LogitsRoutingAndGreedyTokensMatchTransformers) {
 }
 
 // A truncated sequence continues as if the cut positions had never been fed.
-TEST_F(Ds3DaemonTest, TruncateKeepsThePrefix) {
+TEST_P(Ds3DaemonTest, TruncateKeepsThePrefix) {
   auto model = DenseModel::load(ds3_path("model-f32.gguf"));
   ASSERT_TRUE(model) << model.error().message;
   auto source = DaemonExpertSource::connect(socket_, "v3-f32", *model, "engine_tests");
@@ -138,7 +138,7 @@ TEST_F(Ds3DaemonTest, TruncateKeepsThePrefix) {
 
 // prefill() gives decode()'s logits to the bit, in chunks of any size, routes as decode() does,
 // and acquires each (layer, expert) of a chunk once.
-TEST_F(Ds3DaemonTest, PrefillMatchesDecodeAndAcquiresEachExpertOncePerChunk) {
+TEST_P(Ds3DaemonTest, PrefillMatchesDecodeAndAcquiresEachExpertOncePerChunk) {
   const std::vector<uint32_t> prompt(tokens_.begin(), tokens_.begin() + prompt_);
   for (const std::string variant : {"f32", "q8_0"}) {
     auto model = DenseModel::load(ds3_path("model-" + variant + ".gguf"));
@@ -187,7 +187,7 @@ TEST_F(Ds3DaemonTest, PrefillMatchesDecodeAndAcquiresEachExpertOncePerChunk) {
   }
 }
 
-TEST_F(Ds3DaemonTest, ExpertRunDecodesTheModelByName) {
+TEST_P(Ds3DaemonTest, ExpertRunDecodesTheModelByName) {
   const std::string text = meta_.at("prompt").get<std::string>();
   const uint32_t n = static_cast<uint32_t>(tokens_.size()) - prompt_;
   const auto r = expertd::test::run_command(
@@ -202,6 +202,14 @@ TEST_F(Ds3DaemonTest, ExpertRunDecodesTheModelByName) {
             std::vector<uint32_t>(greedy.begin() + prompt_, greedy.end()));
   EXPECT_EQ(j.at("engine").get<std::string>(), "cpu");
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Ds3DaemonTest,
+                         ::testing::Values("deepseek3-tiny", "kimi-k2-tiny"),
+                         [](const auto& param_info) {
+                           std::string n = param_info.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace expertd::engine

@@ -257,7 +257,8 @@ def routes_and_margin(model, tokens):
             gscore = -np.sort(-groups, axis=2)[:, :, :2].sum(axis=2)
             for t in range(corr.shape[0]):
                 gs = -np.sort(-gscore[t])
-                margin[0] = min(margin[0], gs[tg - 1] - gs[tg])
+                if tg < ng:  # with every group allowed (Kimi-K2: one group) there is no choice
+                    margin[0] = min(margin[0], gs[tg - 1] - gs[tg])
                 chosen = np.argsort(-gscore[t], kind="stable")[:tg]
                 allowed = np.concatenate([groups[t, g] for g in chosen])
                 srt = -np.sort(-allowed)
