@@ -106,7 +106,7 @@ struct Ds3GpuEngine::Impl {
   float* h_logits = nullptr;
 
   // Host scratch.
-  gpu::SigmoidRouter router;  // the routing decisions and hints
+  gpu::HostRouter router;  // the routing decisions and hints
   std::vector<ExpertPtrs> ptrs;
 
   Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)

@@ -5,10 +5,13 @@
 #include <algorithm>
 
 #include "base/clock.h"
+#include "engine/cpu_ops.h"
 #include "engine/ds3_cpu_engine.h"
 #include "kernels/check.h"
+#include "kernels/combine.cuh"
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
+#include "kernels/swiglu.cuh"
 #include "storage/slice_map.h"
 
 namespace expertd::engine::gpu {
@@ -81,31 +84,31 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
   return Ok{};
 }
 
-SigmoidRouter::SigmoidRouter(const ModelParams& p_, const SigmoidMoe& d_,
-                             const EngineOptions& opts_)
+HostRouter::HostRouter(const ModelParams& p_, const SigmoidMoe& d_, const EngineOptions& opts_)
     : p(p_),
       d(d_),
       opts(opts_),
+      gptoss(p_.is_gptoss()),
       selected(p_.n_expert_used),
       weights(p_.n_expert_used),
       probs(p_.n_expert),
       sel(p_.n_expert),
       order(p_.n_expert) {}
 
-bool SigmoidRouter::computes(uint32_t pos, uint32_t layer) const {
+bool HostRouter::computes(uint32_t pos, uint32_t layer) const {
   return layer >= d.dense_lead &&
          (opts.script == nullptr || opts.script->find(pos, layer) == nullptr);
 }
 
-bool SigmoidRouter::looks_ahead(uint32_t layer, uint32_t j) const {
+bool HostRouter::looks_ahead(uint32_t layer, uint32_t j) const {
   const uint32_t next = layer + j;
   return next < p.n_layer && next >= d.dense_lead &&
          !(opts.script != nullptr && opts.hints == HintSource::Script);
 }
 
-void SigmoidRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
-                          EngineStats& stats, ExpertSource& hints_to,
-                          std::vector<RoutingRecord>* log) {
+void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
+                       EngineStats& stats, ExpertSource& hints_to,
+                       std::vector<RoutingRecord>* log) {
   const uint32_t ne = p.n_expert;
   const uint32_t k = p.n_expert_used;
   const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
@@ -118,7 +121,14 @@ void SigmoidRouter::route(uint32_t pos, uint32_t layer, const float* logits, Hin
       add_scripted_hints(*opts.script, pos, layer, next, planner);
       continue;
     }
-    ds3_hint_probs(d, bias[next], std::span<const float>(logits + uint64_t{j} * ne, ne), probs);
+    const float* row = logits + uint64_t{j} * ne;
+    if (gptoss) {
+      // CpuEngine::hint_probs: the softmax over every expert.
+      for (uint32_t e = 0; e < ne; ++e) probs[e] = row[e];
+      softmax(probs.data(), ne);
+    } else {
+      ds3_hint_probs(d, bias[next], std::span<const float>(row, ne), probs);
+    }
     planner.add_ranked(next, std::span<const double>(probs.data(), ne));
   }
   const std::span<const ExpertHint> hints = planner.take(stats);
@@ -129,7 +139,12 @@ void SigmoidRouter::route(uint32_t pos, uint32_t layer, const float* logits, Hin
     return;
   }
   // The routing decision, as the CPU engines' route makes it.
-  if (!take_scripted_route(opts, pos, layer, selected, weights, stats)) {
+  if (take_scripted_route(opts, pos, layer, selected, weights, stats)) {
+    // the script's route
+  } else if (gptoss) {
+    gptoss_route(std::span<const float>(logits, ne), k, probs, order,
+                 std::span<double>(sel.data(), k), selected, weights);
+  } else {
     ds3_route(d, bias[layer], std::span<const float>(logits, ne), k, probs, sel, order, selected,
               weights);
   }
@@ -150,7 +165,7 @@ Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const f
 
 Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs> ptrs, uint32_t ff,
                    uint32_t e, const float* x, float clamp, float* gu, float* h, float* out,
-                   cudaStream_t st) {
+                   cudaStream_t st, const OaiExperts* oai) {
   const auto k = static_cast<uint32_t>(ptrs.size());
   if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
     kernels::MatvecBatch b;
@@ -172,7 +187,17 @@ Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs>
                                        gu + uint64_t{k + i} * ff, st));
     }
   }
-  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, h, uint64_t{k} * ff, clamp, st));
+  if (oai == nullptr) {
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, h, uint64_t{k} * ff, clamp, st));
+  } else {
+    for (uint32_t i = 0; i < k; ++i) {
+      const uint64_t at = uint64_t{oai->selected[i]} * ff;
+      EXPERTD_CUDA_TRY(kernels::oai_swiglu(gu + uint64_t{i} * ff, gu + uint64_t{k + i} * ff,
+                                           oai->gate_b + at, oai->up_b + at, h + uint64_t{i} * ff,
+                                           ff, kGptOssAlpha, kGptOssLimit, st));
+    }
+  }
   kernels::MatvecBatch b;
   b.count = k;
   for (uint32_t i = 0; i < k; ++i) {
@@ -181,6 +206,10 @@ Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs>
     b.y[i] = out + uint64_t{i} * e;
   }
   EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  for (uint32_t i = 0; oai != nullptr && i < k; ++i) {
+    EXPERTD_CUDA_TRY(
+        kernels::add(out + uint64_t{i} * e, oai->down_b + uint64_t{oai->selected[i]} * e, e, st));
+  }
   return Ok{};
 }
 

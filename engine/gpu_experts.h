@@ -132,26 +132,29 @@ Status carve_sigmoid_moe(Carver& c, const DenseModel& model, const SigmoidMoe& d
 Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const float* x, float* g,
                float* u, float* y, cudaStream_t stream);
 
-// DeepSeek-V3's MoE block routed on the host (Ds3GpuEngine, GpuEngine's glm4moe) as the CPU
-// engines route it (ds3_route, ds3_hint_probs), so routing records, hints and counters are
-// theirs. The engine computes the routers it needs on the device (computes(), looks_ahead()),
-// copies their logits back and synchronises; route() then does the rest on the host.
-struct SigmoidRouter {
-  SigmoidRouter(const ModelParams& p, const SigmoidMoe& d, const EngineOptions& opts);
+// Routing on the host, as the CPU engines route (so routing records, hints and counters are
+// theirs): DeepSeek-V3's MoE block (ds3_route, ds3_hint_probs: Ds3GpuEngine, GpuEngine's
+// glm4moe) or gpt-oss's (the softmax over the top-k logits; hints ranked by the softmax over all).
+// The engine computes the routers it needs on the device (computes(), looks_ahead()), copies
+// their logits back and synchronises; route() then does the rest on the host.
+struct HostRouter {
+  HostRouter(const ModelParams& p, const SigmoidMoe& d, const EngineOptions& opts);
   // Whether the engine computes layer `layer`'s router at `pos` (a MoE layer the script does
   // not route), and layer + j's for the lookahead (a MoE layer, router-ranked hints).
   bool computes(uint32_t pos, uint32_t layer) const;
   bool looks_ahead(uint32_t layer, uint32_t j) const;
-  // From the logits copied back (row 0 the layer's, row j layer + j's where looks_ahead): the
-  // hints for the next prefetch_depth layers (ds3_hint_probs, or the script's) sent through
-  // `hints_to` and kept in last_hints; then, unless `layer` is dense, its experts and weights (the
-  // script's route, else ds3_route) into selected/weights, logged to `log` and counted.
+  // From the logits copied back (row 0 the layer's, row j layer + j's where looks_ahead; with
+  // any router bias added): the hints for the next prefetch_depth layers (ranked from the logits,
+  // or the script's) sent through `hints_to` and kept in last_hints; then, unless `layer` is
+  // dense, its experts and weights (the script's route, else the family's) into
+  // selected/weights, logged to `log` and counted.
   void route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
              EngineStats& stats, ExpertSource& hints_to, std::vector<RoutingRecord>* log);
 
   const ModelParams& p;
   const SigmoidMoe& d;
   const EngineOptions& opts;
+  bool gptoss = false;                       // gpt-oss's routing (p.is_gptoss())
   std::vector<std::span<const float>> bias;  // per layer: exp_probs_b (the engine fills it)
   std::vector<uint32_t> selected;            // the layer's experts (k)
   std::vector<float> weights;                // and their weights
@@ -331,9 +334,17 @@ class GpuExperts {
 // The routed experts of one layer on `x` (n_embd): gate and up of each (batched when they share a
 // type), SwiGLU (clamped at `clamp` as DeepSeek-V4's; 0: none), down; expert i's output at
 // out + i * n_embd. gu: [2k][n_ff] (gate outputs, then up), h: [k][n_ff]. Enqueued on `stream`.
+// With `oai` (gpt-oss): gate and up get their experts' biases and gpt-oss's clamped SwiGLU
+// (kernels::oai_swiglu), and down its bias, instead.
+struct OaiExperts {
+  const float* gate_b = nullptr;       // [n_expert][n_ff], device
+  const float* up_b = nullptr;         // [n_expert][n_ff]
+  const float* down_b = nullptr;       // [n_expert][n_embd]
+  std::span<const uint32_t> selected;  // the expert of each of `experts` (host)
+};
 Status run_experts(const GpuExperts::LayerShape& shape, std::span<const ExpertPtrs> experts,
                    uint32_t n_ff, uint32_t n_embd, const float* x, float clamp, float* gu, float* h,
-                   float* out, cudaStream_t stream);
+                   float* out, cudaStream_t stream, const OaiExperts* oai = nullptr);
 
 // A SigmoidMoe layer's experts on x (Ds3GpuEngine, GpuEngine's glm4moe): the routed `selected`
 // acquired from `experts` (into ptrs), run (run_experts) and weighted by the device `weights`,

@@ -79,22 +79,23 @@ void expect_factory_picks(const DenseModel& model, ExpertSource& source, const s
   EXPECT_NE((*picked)->description().find(says), std::string::npos) << (*picked)->description();
 }
 
-// Fx's fixture (both files) token by token on the GPU through a VRAM tier of `small` slots, which
-// evicts (more than `min_misses` misses), and one of `all` (every expert): logits within 1e-3 (f32)
-// and 2e-2 (q8_0) of transformers', routing against the trace, every expert counted, then the
-// prompt as one prefill and transformers' greedy tokens.
+// Fx's fixture (each file of `variants`, with its tolerance) token by token on the GPU through a
+// VRAM tier of `small` slots, which evicts (more than `min_misses` misses), and one of `all` (every
+// expert): logits within the tolerance of transformers', routing against the trace, every expert
+// counted, then the prompt as one prefill and transformers' greedy tokens.
+using Variants = std::initializer_list<std::pair<const char*, double>>;
+constexpr Variants kF32AndQ8 = {{"f32", 1e-3}, {"q8_0", 2e-2}};
 template <typename Fx>
-void expect_tiny_fixture_on_gpu(const char* name, uint64_t small, uint64_t all,
-                                uint64_t min_misses) {
+void expect_tiny_fixture_on_gpu(const char* name, uint64_t small, uint64_t all, uint64_t min_misses,
+                                Variants variants = kF32AndQ8) {
   const Fx fx = Fx::load();
-  for (const auto& [variant, tol] : {std::pair{"f32", 1e-3}, std::pair{"q8_0", 2e-2}}) {
+  for (const auto& [variant, tol] : variants) {
     for (const uint64_t slots : {small, all}) {
       SCOPED_TRACE(fmt::format("{} {} tier {}", name, variant, slots));
       // As expert-run loads it for a CUDA engine: the matrices stay in the file until uploaded.
       auto model = DenseModel::load(Fx::gguf(variant), DenseLoad::Deferred);
       ASSERT_TRUE(model) << model.error().message;
       const ModelParams& p = model->params();
-      ASSERT_TRUE(p.cuda_engine_runs());
       auto source = test::FileExpertSource::open(*model);
       ASSERT_TRUE(source) << source.error().message;
       auto engine = create_gpu_engine(*model, **source, EngineOptions{128, 0, 0},
@@ -166,12 +167,32 @@ void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<u
   EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
 }
 
-// `gguf` served by a real expertd as `name`: the CPU engine's logits and routing over fx.tokens,
-// then the GPU engine's, in place and through a 6-slot VRAM tier with router lookahead (depth 2):
-// logits within 1e-3 of the CPU engine's, the same routing, every hold given back.
+// prefill() on the GPU is decode() of each token (glm4moe, gpt-oss): the last logits to the bit.
+void expect_prefill_is_decode(const std::string& gguf, const std::vector<uint32_t>& tokens) {
+  auto model = DenseModel::load(gguf);
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  auto fs = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(fs);
+  auto gpu =
+      create_gpu_engine(*model, **fs, EngineOptions{64, 2, 0}, tier(GpuOptions::Tier::Experts, 12));
+  ASSERT_TRUE(gpu) << gpu.error().message;
+  std::vector<float> decoded(vocab);
+  for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
+  (*gpu)->reset();
+  std::vector<float> prefilled(vocab);
+  ASSERT_TRUE((*gpu)->prefill(tokens, prefilled));
+  EXPECT_EQ(prefilled, decoded);
+  EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+}
+
+// Fx's `variant` file served by a real expertd as `name`: the CPU engine's logits and routing over
+// fx.tokens, then the GPU engine's, in place and through a 6-slot VRAM tier with router lookahead
+// (depth 2): logits within 1e-3 of the CPU engine's, the same routing, every hold given back.
 template <typename Fx>
-void expect_gpu_matches_cpu_through_expertd(const Fx& fx, const std::string& name) {
-  const std::string gguf = Fx::gguf("q8_0");
+void expect_gpu_matches_cpu_through_expertd(const Fx& fx, const std::string& name,
+                                            const std::string& variant = "q8_0") {
+  const std::string gguf = Fx::gguf(variant);
   TempDir dir;
   const std::string sock = dir.path() + "/expertd.sock";
   Daemon d(dir.path(),
@@ -225,8 +246,8 @@ void expect_gpu_matches_cpu_through_expertd(const Fx& fx, const std::string& nam
       EXPECT_LE(err, 1e-3) << "position " << i;
       worst = std::max(worst, err);
     }
-    std::printf("[ %s q8_0 %s ] GPU vs CPU engine through expertd: max rel err %.3e\n",
-                name.c_str(), label, worst);
+    std::printf("[ %s %s %s ] GPU vs CPU engine through expertd: max rel err %.3e\n", name.c_str(),
+                variant.c_str(), label, worst);
     ASSERT_EQ(routing.size(), ref_routing.size());
     for (size_t i = 0; i < routing.size(); ++i) {
       EXPECT_EQ(routing[i].experts, ref_routing[i].experts) << "record " << i;
@@ -750,9 +771,9 @@ TEST(Ds4GpuEngine, GpuEngineRefusesDeepseek4AndTheFactoryPicksTheDs4Engine) {
   auto refused = GpuEngine::create(*model, **source, EngineOptions{16, 0, 0},
                                    tier(GpuOptions::Tier::Experts, 8));
   ASSERT_FALSE(refused);
-  EXPECT_NE(
-      refused.error().message.find("the CUDA engine runs qwen3moe, llama and glm4moe; 'deepseek4'"),
-      std::string::npos)
+  EXPECT_NE(refused.error().message.find(
+                "the CUDA engine runs qwen3moe, llama, glm4moe and gpt-oss; 'deepseek4'"),
+            std::string::npos)
       << refused.error().message;
   expect_factory_picks(*model, **source, "deepseek4");
 }
@@ -1120,12 +1141,10 @@ TEST(MixtralGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
 // DeepSeek-V3's sigmoid routing with a selection bias, a shared expert, the MTP block skipped) ---
 
 // create_gpu_engine takes glm4moe to GpuEngine (expert-run and expert-serve use it when a device is
-// present: ModelParams::cuda_engine_runs); without a device it gives the device's error, not a
-// refusal of the architecture.
+// present); without a device it gives the device's error, not a refusal of the architecture.
 TEST(Glm4MoeGpuEngine, TheFactoryPicksTheCudaEngineForGlm45) {
   auto model = DenseModel::load(test::Glm4MoeFixture::gguf("q8_0"), DenseLoad::Deferred);
   ASSERT_TRUE(model) << model.error().message;
-  EXPECT_TRUE(model->params().cuda_engine_runs());
   auto source = test::FileExpertSource::open(*model);
   ASSERT_TRUE(source);
   expect_factory_picks(*model, **source, "dense MLPs and shared experts as in the file");
@@ -1150,21 +1169,7 @@ TEST(Glm4MoeGpuEngine, MatchesTheCpuEngineOnTheSameFile) {
     SCOPED_TRACE(variant);
     const std::string gguf = test::Glm4MoeFixture::gguf(variant);
     expect_gpu_matches_cpu_on_file(gguf, fx.tokens, fmt::format("glm4moe {}", variant));
-    // prefill() is decode() of each token: the last logits to the bit.
-    auto model = DenseModel::load(gguf);
-    ASSERT_TRUE(model) << model.error().message;
-    auto fs = test::FileExpertSource::open(*model);
-    ASSERT_TRUE(fs);
-    auto gpu = create_gpu_engine(*model, **fs, EngineOptions{64, 2, 0},
-                                 tier(GpuOptions::Tier::Experts, 12));
-    ASSERT_TRUE(gpu) << gpu.error().message;
-    std::vector<float> decoded(fx.vocab);
-    for (const uint32_t t : fx.tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
-    (*gpu)->reset();
-    std::vector<float> prefilled(fx.vocab);
-    ASSERT_TRUE((*gpu)->prefill(fx.tokens, prefilled));
-    EXPECT_EQ(prefilled, decoded);
-    EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+    expect_prefill_is_decode(gguf, fx.tokens);
   }
 }
 
@@ -1173,6 +1178,48 @@ TEST(Glm4MoeGpuEngine, MatchesTheCpuEngineOnTheSameFile) {
 TEST(Glm4MoeGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
   REQUIRE_GPU();
   expect_gpu_matches_cpu_through_expertd(test::Glm4MoeFixture::load(), "glm");
+}
+
+// --- gpt-oss (biases on q/k/v/o, router and experts; attention sinks; a sliding window on even
+// layers; the softmax over the top-k logits; the clamped SwiGLU; YaRN) ----------------------------
+
+// create_gpu_engine takes gpt-oss to GpuEngine; without a device it gives the device's error.
+TEST(GptOssGpuEngine, TheFactoryPicksTheCudaEngineForGptOss) {
+  auto model = DenseModel::load(test::GptOssFixture::gguf("mxfp4"), DenseLoad::Deferred);
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  expect_factory_picks(*model, **source, "prefill token by token");
+}
+
+// The gptoss-tiny fixture (window 8 under a 41-token prompt, non-zero sinks and biases, clamped
+// SwiGLU inputs; MXFP4 experts and the same values in f32, one set of transformers' logits)
+// token by token through a 4-slot tier (4 layers x 8 experts, top-2) and one holding every expert:
+// logits within 1e-3 of transformers' for both files, routing against the trace, then the prompt
+// as one prefill and the greedy tokens.
+TEST(GptOssGpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
+  REQUIRE_GPU();
+  expect_tiny_fixture_on_gpu<test::GptOssFixture>("gpt-oss", 4, 32, 32,
+                                                  {{"f32", 1e-3}, {"mxfp4", 1e-3}});
+}
+
+// The GPU engine against the CPU engine on the same file with router lookahead (depth 2): logits,
+// routing, hints less the tier's, counters; then prefill() against decode() on the GPU.
+TEST(GptOssGpuEngine, MatchesTheCpuEngineOnTheSameFile) {
+  REQUIRE_GPU();
+  const test::GptOssFixture fx = test::GptOssFixture::load();
+  for (const char* variant : {"f32", "mxfp4"}) {
+    SCOPED_TRACE(variant);
+    const std::string gguf = test::GptOssFixture::gguf(variant);
+    expect_gpu_matches_cpu_on_file(gguf, fx.tokens, fmt::format("gpt-oss {}", variant));
+    expect_prefill_is_decode(gguf, fx.tokens);
+  }
+}
+
+// Through a real expertd (the MXFP4 file), in place and with a tier plus prefetch.
+TEST(GptOssGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
+  REQUIRE_GPU();
+  expect_gpu_matches_cpu_through_expertd(test::GptOssFixture::load(), "gptoss", "mxfp4");
 }
 
 // --- deepseek2 (Ds3GpuEngine) ------------------------------------------------------------------
