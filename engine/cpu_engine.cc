@@ -290,18 +290,13 @@ void CpuEngine::select(const LayerWeights& w, const float* logits, uint32_t* sel
               order_, std::span<uint32_t>(selected, k), std::span<float>(weights, k));
     return;
   }
-  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
   if (p_.is_gptoss()) {
     // gpt-oss: the top-k logits first, then the softmax over those k alone.
-    top_indices(std::span<const double>(probs_), order_, k);
-    for (uint32_t i = 0; i < k; ++i) topk_[i] = probs_[order_[i]];
-    softmax(topk_.data(), k);
-    for (uint32_t i = 0; i < k; ++i) {
-      selected[i] = order_[i];
-      weights[i] = static_cast<float>(topk_[i]);
-    }
+    gptoss_route(std::span<const float>(logits, p_.n_expert), k, probs_, order_, topk_,
+                 std::span<uint32_t>(selected, k), std::span<float>(weights, k));
     return;
   }
+  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
   softmax(probs_.data(), p_.n_expert);
   top_indices(std::span<const double>(probs_), order_, k);
   double sum = 0.0;

@@ -35,9 +35,8 @@ struct DevLayer {
   const float* kv_a_norm = nullptr;
   const float* ffn_norm = nullptr;
   DevMat wq_a, wq_b, wq, wkv_a, wk_b, wv_b, wo;
-  DevMat ffn_gate, ffn_up, ffn_down;  // dense layers
-  DevMat gate_inp;                    // MoE layers
-  DevMat shexp_gate, shexp_up, shexp_down;
+  DevMat gate_inp;         // MoE layers
+  gpu::DevSigmoidMoe moe;  // the dense MLP, or the shared experts
 };
 
 // The rows of matrix `head` of a stacked per-head matrix ([n_head * rows][cols]).
@@ -77,8 +76,7 @@ struct Ds3GpuEngine::Impl {
   std::vector<DevLayer> layers;
   DevMat embd, output;
   const float* output_norm = nullptr;
-  const double* freq = nullptr;      // n_rot / 2
-  std::vector<const float*> biases;  // per MoE layer: exp_probs_b on the host (model's)
+  const double* freq = nullptr;  // n_rot / 2
 
   // Cache and activations.
   float* latent = nullptr;  // [layer][max_context][kv_lora_rank]
@@ -108,12 +106,8 @@ struct Ds3GpuEngine::Impl {
   float* h_logits = nullptr;
 
   // Host scratch.
-  std::vector<double> probs, sel;
-  std::vector<uint32_t> order;
-  std::vector<uint32_t> selected;
-  std::vector<float> weights;
+  gpu::HostRouter router;  // the routing decisions and hints
   std::vector<ExpertPtrs> ptrs;
-  std::vector<ExpertHint> last_hints;
 
   Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
       : model(m),
@@ -123,8 +117,10 @@ struct Ds3GpuEngine::Impl {
         w(*m.ds3()),
         opts(o),
         gpu(g),
-        planner(m.params(), o) {
+        planner(m.params(), o),
+        router(m.params(), m.params().ds3, opts) {
     if (opts.prefetch_width == 0) opts.prefetch_width = p.n_expert_used;
+    for (const Ds3LayerWeights& l : w.layers) router.bias.emplace_back(l.exp_bias);
   }
   ~Impl();
 
@@ -180,18 +176,8 @@ Status Ds3GpuEngine::Impl::carve_dense(Carver& c) {
     EXPERTD_TRY(mat(l.wk_b, dl.wk_b));
     EXPERTD_TRY(mat(l.wv_b, dl.wv_b));
     EXPERTD_TRY(mat(l.wo, dl.wo));
-    if (i < d.dense_lead) {
-      EXPERTD_TRY(mat(l.ffn_gate, dl.ffn_gate));
-      EXPERTD_TRY(mat(l.ffn_up, dl.ffn_up));
-      EXPERTD_TRY(mat(l.ffn_down, dl.ffn_down));
-      continue;
-    }
-    EXPERTD_TRY(mat(l.gate_inp, dl.gate_inp));
-    if (d.n_shared > 0) {
-      EXPERTD_TRY(mat(l.shexp_gate, dl.shexp_gate));
-      EXPERTD_TRY(mat(l.shexp_up, dl.shexp_up));
-      EXPERTD_TRY(mat(l.shexp_down, dl.shexp_down));
-    }
+    EXPERTD_TRY(gpu::carve_sigmoid_moe(c, model, d, i, l, dl.moe, scratch));
+    if (i >= d.dense_lead) EXPERTD_TRY(mat(l.gate_inp, dl.gate_inp));
   }
   return Ok{};
 }
@@ -276,11 +262,6 @@ Status Ds3GpuEngine::Impl::init() {
       return make_error(EINVAL, fmt::format("{}: layer {} has no routed experts", model.path(), i));
     }
   }
-  probs.resize(p.n_expert);
-  sel.resize(p.n_expert);
-  order.resize(p.n_expert);
-  selected.resize(k);
-  weights.resize(k);
   ptrs.resize(k);
   return Ok{};
 }
@@ -341,32 +322,24 @@ Status Ds3GpuEngine::Impl::attention(uint32_t layer) {
 }
 
 Status Ds3GpuEngine::Impl::mlp(const DevMat& gate, const DevMat& up, const DevMat& down, float* y) {
-  EXPERTD_TRY(mv(gate, xn, sg));
-  EXPERTD_TRY(mv(up, xn, su));
-  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(sg, su, sg, gate.rows, 0.0f, compute.get()));
-  EXPERTD_TRY(mv(down, sg, y));
-  return Ok{};
+  return gpu::run_mlp(gate, up, down, xn, sg, su, y, compute.get());
 }
 
 Status Ds3GpuEngine::Impl::route(uint32_t layer) {
   const cudaStream_t st = compute.get();
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
-  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
   const bool dense = layer < d.dense_lead;
   // The routers on the device: this layer's, and the lookahead layers' on the same residual
   // through their own norms.
-  const ScriptedRoute* scripted =
-      opts.script != nullptr && !dense ? opts.script->find(pos, layer) : nullptr;
-  if (!dense && scripted == nullptr) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rlogits));
+  if (router.computes(pos, layer)) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rlogits));
   uint32_t rows = 1;
   for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
-    const uint32_t next = layer + j;
-    if (next >= p.n_layer || next < d.dense_lead || scripted_hints) continue;
+    if (!router.looks_ahead(layer, j)) continue;
     float* in = pxn + uint64_t{j - 1} * p.n_embd;
     EXPERTD_CUDA_TRY(
-        kernels::ds4_rms_norm(x, layers[next].ffn_norm, in, 1, p.n_embd, p.rms_eps, st));
-    EXPERTD_TRY(mv(layers[next].gate_inp, in, rlogits + uint64_t{j} * ne));
+        kernels::ds4_rms_norm(x, layers[layer + j].ffn_norm, in, 1, p.n_embd, p.rms_eps, st));
+    EXPERTD_TRY(mv(layers[layer + j].gate_inp, in, rlogits + uint64_t{j} * ne));
     rows = j + 1;
   }
   // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
@@ -374,67 +347,21 @@ Status Ds3GpuEngine::Impl::route(uint32_t layer) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
-    // Everything launched before (the previous layer's experts among it) has finished.
-    EXPERTD_TRY(experts->release_demand_holds());
-    EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-    EXPERTD_TRY(experts->account_copy_time());
+    EXPERTD_TRY(experts->synced());
   }
-
-  // Hints for the next layers, as Ds3CpuEngine::send_hints sends them.
-  planner.from_layer(layer);
-  for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
-    const uint32_t next = layer + j;
-    if (next < d.dense_lead) continue;
-    if (scripted_hints) {
-      add_scripted_hints(*opts.script, pos, layer, next, planner);
-      continue;
-    }
-    ds3_hint_probs(d, w.layers[next].exp_bias,
-                   std::span<const float>(h_rlogits + uint64_t{j} * ne, ne), probs);
-    planner.add_ranked(next, std::span<const double>(probs.data(), ne));
-  }
-  const std::span<const ExpertHint> hints = planner.take(stats);
-  last_hints.assign(hints.begin(), hints.end());
-  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
-  if (dense) {
-    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
-    return Ok{};
-  }
-
-  // The routing decision, as Ds3CpuEngine::route makes it.
-  if (scripted != nullptr) {
-    std::copy(scripted->experts.begin(), scripted->experts.end(), selected.begin());
-    std::copy(scripted->weights.begin(), scripted->weights.end(), weights.begin());
-    ++stats.scripted_routes;
-  } else {
-    ds3_route(d, w.layers[layer].exp_bias, std::span<const float>(h_rlogits, ne), k, probs, sel,
-              order, selected, weights);
-  }
-  std::memcpy(h_weights, weights.data(), uint64_t{k} * 4);
+  // Hints and the routing decision, as Ds3CpuEngine makes them.
+  router.route(pos, layer, h_rlogits, planner, stats, experts->hint_source(), routing_log);
+  if (dense) return Ok{};
+  std::memcpy(h_weights, router.weights.data(), uint64_t{k} * 4);
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, st));
-  RoutingRecord* rec = log_route(routing_log, pos, layer, selected, weights);
-  planner.routed(layer, std::span<const uint32_t>(selected.data(), k), stats, rec);
   return Ok{};
 }
 
 Status Ds3GpuEngine::Impl::moe(uint32_t layer) {
-  const DevLayer& dl = layers[layer];
-  const cudaStream_t st = compute.get();
-  const uint32_t k = p.n_expert_used;
-  const std::span<const uint32_t> chosen(selected.data(), k);
-  uint64_t waited = 0;
-  EXPERTD_TRY(experts->acquire(layer, chosen, ptrs, &waited));
-  stats.experts_used += k;
-
-  const uint32_t e = p.n_embd;
-  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
-                               p.n_ff_exp, e, xn, 0.0f, gu, hbuf, eo, st));
-  EXPERTD_TRY(experts->finish_layer());
-  const bool shared = d.n_shared > 0;
-  if (shared) EXPERTD_TRY(mlp(dl.shexp_gate, dl.shexp_up, dl.shexp_down, sout));
-  EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(eo, d_weights, k, shared ? sout : nullptr, e, out, st));
-  return Ok{};
+  return gpu::run_sigmoid_moe(*experts, layer, router.selected, ptrs, layers[layer].moe, p, xn,
+                              d_weights, gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out,
+                              stats, compute.get());
 }
 
 Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
@@ -481,12 +408,12 @@ Status Ds3GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(m.x, l.ffn_norm, m.xn, 1, p.n_embd, p.rms_eps, st));
     EXPERTD_TRY(m.route(layer));
     if (layer < m.d.dense_lead) {
-      EXPERTD_TRY(m.mlp(l.ffn_gate, l.ffn_up, l.ffn_down, m.out));
+      EXPERTD_TRY(m.mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, m.out));
     } else {
       EXPERTD_TRY(m.moe(layer));
     }
     EXPERTD_CUDA_TRY(kernels::add(m.x, m.out, p.n_embd, st));
-    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.last_hints));
+    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.router.last_hints));
   }
   EXPERTD_TRY(m.head(logits));
   m.experts->measure_tiers();

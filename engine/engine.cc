@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "engine/cpu_ops.h"
+
 namespace expertd::engine {
 
 Status RoutingScript::set(uint32_t pos, uint32_t layer, ScriptedRoute route, const ModelParams& p) {
@@ -125,6 +127,19 @@ void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_
 }
 template void top_indices(std::span<const double>, std::vector<uint32_t>&, uint32_t);
 template void top_indices(std::span<const float>, std::vector<uint32_t>&, uint32_t);
+
+void gptoss_route(std::span<const float> logits, uint32_t k, std::span<double> probs,
+                  std::vector<uint32_t>& order, std::span<double> topk, std::span<uint32_t> experts,
+                  std::span<float> weights) {
+  for (size_t e = 0; e < logits.size(); ++e) probs[e] = logits[e];
+  top_indices(std::span<const double>(probs.data(), logits.size()), order, k);
+  for (uint32_t i = 0; i < k; ++i) topk[i] = probs[order[i]];
+  softmax(topk.data(), k);
+  for (uint32_t i = 0; i < k; ++i) {
+    experts[i] = order[i];
+    weights[i] = static_cast<float>(topk[i]);
+  }
+}
 
 void HintPlanner::add_ranked(uint32_t next, std::span<const double> probs) {
   top_indices(probs, order_, width_);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 #include "engine/ds3_gpu_engine.h"
 #include "engine/ds4_gpu_engine.h"
@@ -20,6 +21,7 @@
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
 #include "kernels/dequant.cuh"
+#include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/prefill.cuh"
@@ -36,6 +38,7 @@ using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::PinnedBytes;
 using gpu::align_up;
+using gpu::Carver;
 using gpu::ExpertPtrs;
 using gpu::gib;
 using gpu::GpuExperts;
@@ -48,8 +51,30 @@ struct DevLayer {
   float* q_norm = nullptr;  // nullptr without qk_norm (llama)
   float* k_norm = nullptr;
   float* ffn_norm = nullptr;
-  float* router = nullptr;  // [n_expert][n_embd]
+  float* router = nullptr;  // [n_expert][n_embd]; nullptr on glm4moe's dense layers
+  float* bqkv = nullptr;    // glm4moe's q/k/v biases, as wqkv's rows (zeros where absent)
+  gpu::DevSigmoidMoe moe;   // glm4moe: the dense MLP or the shared expert, as in the file
+  // gpt-oss (nullptr otherwise): the output projection's and router's biases, each head's sink
+  // logit, and the experts' biases ([n_expert][n_ff_exp] gate and up, [n_expert][n_embd] down).
+  float* bo = nullptr;
+  float* router_b = nullptr;
+  float* sinks = nullptr;
+  float* exp_gate_b = nullptr;
+  float* exp_up_b = nullptr;
+  float* exp_down_b = nullptr;
 };
+
+// Device bytes of a vector uploaded as f32 (none when it is empty).
+uint64_t vec_bytes(const std::vector<float>& v) {
+  return v.empty() ? 0 : align_up(v.size() * 4, kAlign);
+}
+
+// The families whose routing is made on the host (HostRouter) and whose prompt is decoded token by
+// token: glm4moe and gpt-oss.
+bool host_routed(const ModelParams& p) { return p.is_glm4moe() || p.is_gptoss(); }
+
+// Whether a layer has q/k/v biases (glm4moe's attention_bias; any of the three).
+bool has_qkv_bias(const LayerWeights& w) { return !w.bq.empty() || !w.bk.empty() || !w.bv.empty(); }
 
 // The model's RoPE (NEOX for qwen3moe, NORM for llama) over `rows` consecutive rows of `heads`
 // vectors, row r at position pos0 + r.
@@ -138,6 +163,7 @@ struct GpuEngine::Impl {
   // (nothing is enqueued on them); then the pinned mirrors and the device memory the streams'
   // work used.
   DeviceBytes dense_mem;   // the dense weights, as f32
+  DeviceBytes moe_mem;     // glm4moe's dense MLPs and shared experts, as in the file
   DeviceBytes work_mem;    // activations, the KV cache and the routing buffers
   PinnedBytes host_mem;    // pinned mirrors of the routing results and logits
   DeviceBytes chunk_mem;   // prefill's per-chunk activations and the dequantised expert
@@ -166,6 +192,12 @@ struct GpuEngine::Impl {
   float* h = nullptr;             // [k][n_ff]
   float* eo = nullptr;            // [k][n_embd]
   float* d_logits = nullptr;      // [n_vocab]
+  double* inv_freq = nullptr;     // gpt-oss: YaRN's rope frequencies, n_rot / 2 (else nullptr)
+  double mscale = 1.0;            // and its attention factor
+  float* sg = nullptr;            // glm4moe: the dense MLP's / shared expert's gate, up (widest)
+  float* su = nullptr;
+  float* sout = nullptr;          // glm4moe: its output, n_embd
+  float* mout = nullptr;          // glm4moe: the MoE block's output, n_embd
   uint32_t* h_experts = nullptr;  // pinned mirrors
   float* h_weights = nullptr;
   float* h_probs = nullptr;
@@ -202,9 +234,20 @@ struct GpuEngine::Impl {
   std::vector<float> weights;
   std::vector<ExpertPtrs> ptrs;
   std::vector<ExpertHint> last_hints;  // this layer's hints, for the VRAM prefetch
+  gpu::HostRouter router;              // glm4moe's and gpt-oss's routing decisions and hints
 
   Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
-      : model(m), source(s), p(m.params()), opts(o), gpu(g), planner(m.params(), o) {}
+      : model(m),
+        source(s),
+        p(m.params()),
+        opts(o),
+        gpu(g),
+        planner(m.params(), o),
+        router(m.params(), m.params().glm, opts) {
+    if (p.is_glm4moe()) {
+      for (uint32_t l = 0; l < p.n_layer; ++l) router.bias.emplace_back(m.layer(l).exp_bias);
+    }
+  }
   ~Impl();
 
   Status init();
@@ -219,6 +262,14 @@ struct GpuEngine::Impl {
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
   Status moe(uint32_t layer);
+  Status upload_sigmoid_moe();
+  // glm4moe and gpt-oss: the router logits (this layer's and the lookahead's) copied back, the
+  // routing and hints made on the host (HostRouter) as CpuEngine makes them.
+  Status host_route(uint32_t layer);
+  // glm4moe: the dense MLP, or the routed experts plus the shared expert, into x.
+  Status glm_ffn(uint32_t layer);
+  // gpt-oss: the routed experts with their biases and clamped SwiGLU, weighted into x.
+  Status gptoss_ffn(uint32_t layer);
   Status gemv(const float* w, uint32_t rows, uint32_t cols, const float* in, float* out,
               float beta);
   uint64_t kv_index(uint32_t layer, uint32_t p_) const {
@@ -257,7 +308,20 @@ Status GpuEngine::Impl::init() {
                                           "the model has top-{} of {}",
                                           p.n_expert_used, p.n_expert));
   }
+  const bool glm = p.is_glm4moe();
+  if (host_routed(p) && 2 * p.n_expert_used > kernels::kMaxBatch) {
+    return make_error(EINVAL, fmt::format("the GPU engine runs {} with at most top-{} experts; "
+                                          "the model has top-{}",
+                                          p.architecture, kernels::kMaxBatch / 2, p.n_expert_used));
+  }
   EXPERTD_TRY(upload_dense());
+  uint64_t mlp_ff = 0;  // the widest dense MLP or shared expert
+  if (glm) {
+    EXPERTD_TRY(upload_sigmoid_moe());
+    for (const DevLayer& l : layers) {
+      mlp_ff = std::max<uint64_t>({mlp_ff, l.moe.ffn_gate.rows, l.moe.shexp_gate.rows});
+    }
+  }
 
   // Activations, KV cache and the routing buffers.
   const uint32_t k = p.n_expert_used;
@@ -285,6 +349,10 @@ Status GpuEngine::Impl::init() {
       {reinterpret_cast<void**>(&h), uint64_t{k} * p.n_ff_exp * 4},
       {reinterpret_cast<void**>(&eo), uint64_t{k} * p.n_embd * 4},
       {reinterpret_cast<void**>(&d_logits), uint64_t{p.n_vocab} * 4},
+      {reinterpret_cast<void**>(&sg), mlp_ff * 4},
+      {reinterpret_cast<void**>(&su), mlp_ff * 4},
+      {reinterpret_cast<void**>(&sout), glm ? uint64_t{p.n_embd} * 4 : 0},
+      {reinterpret_cast<void**>(&mout), glm ? uint64_t{p.n_embd} * 4 : 0},
   };
   uint64_t total = 0;
   for (const Part& part : parts) total += align_up(part.bytes, kAlign);
@@ -308,16 +376,42 @@ Status GpuEngine::Impl::init() {
   h_probs = h_weights + uint64_t{1 + d} * k;
   h_logits = h_probs + uint64_t{1 + d} * p.n_expert;
 
-  // Before the tier: Tier::Auto sizes itself from what is left.
-  EXPERTD_TRY(init_prefill());
+  // Before the tier: Tier::Auto sizes itself from what is left. glm4moe's and gpt-oss's prefill
+  // is decode() of each token (Engine's default): no chunk scratch.
+  if (!host_routed(p)) EXPERTD_TRY(init_prefill());
 
   // The source's host memory (registered once) and the VRAM tier.
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
   EXPERTD_TRY(experts->init(device_name));
 
+  for (uint32_t l = 0; l < p.n_layer; ++l) {
+    if (glm && !p.dense_layer(l) && !experts->shape(l).present) {
+      return make_error(EINVAL, fmt::format("{}: layer {} has no routed experts", model.path(), l));
+    }
+  }
   selected.resize(k);
   weights.resize(k);
   ptrs.resize(k);
+  return Ok{};
+}
+
+Status GpuEngine::Impl::upload_sigmoid_moe() {
+  std::vector<uint8_t> scratch;
+  uint64_t bytes = 0;
+  EXPERTD_TRY_ASSIGN(
+      moe_mem, gpu::carve_device(
+                   [&](Carver& c) -> Status {
+                     for (uint32_t l = 0; l < p.n_layer; ++l) {
+                       EXPERTD_TRY(gpu::carve_sigmoid_moe(c, model, p.glm, l, model.layer(l),
+                                                          layers[l].moe, scratch));
+                     }
+                     return Ok{};
+                   },
+                   [&](uint64_t n) {
+                     bytes = std::max(n, kAlign);
+                     return gpu::alloc_dense(bytes, "as in the file", model.path(), device_name);
+                   }));
+  dense_device_bytes += bytes;
   return Ok{};
 }
 
@@ -326,12 +420,26 @@ Status GpuEngine::Impl::upload_dense() {
   const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
   const uint64_t e = p.n_embd;
   const bool tied = &model.output() == &model.token_embd();
-  const uint64_t per_layer = align_up((q_dim + 2 * kv_dim) * e * 4, kAlign) +
-                             align_up(e * q_dim * 4, kAlign) + 2 * align_up(e * 4, kAlign) +
-                             (p.qk_norm ? 2 * align_up(uint64_t{p.head_dim} * 4, kAlign) : 0) +
-                             align_up(uint64_t{p.n_expert} * e * 4, kAlign);
+  uint64_t layer_bytes = 0;
+  for (uint32_t l = 0; l < p.n_layer; ++l) {
+    layer_bytes += align_up((q_dim + 2 * kv_dim) * e * 4, kAlign) +
+                   align_up(e * q_dim * 4, kAlign) + 2 * align_up(e * 4, kAlign) +
+                   (p.qk_norm ? 2 * align_up(uint64_t{p.head_dim} * 4, kAlign) : 0) +
+                   (has_qkv_bias(model.layer(l)) ? align_up((q_dim + 2 * kv_dim) * 4, kAlign) : 0) +
+                   (p.dense_layer(l) ? 0 : align_up(uint64_t{p.n_expert} * e * 4, kAlign));
+    const LayerWeights& w = model.layer(l);
+    layer_bytes += vec_bytes(w.bo) + vec_bytes(w.gate_inp_b) + vec_bytes(w.sinks) +
+                   vec_bytes(w.exp_gate_b) + vec_bytes(w.exp_up_b) + vec_bytes(w.exp_down_b);
+  }
+  std::vector<double> freqs;
+  if (p.is_gptoss() && p.yarn.factor > 0.0) {
+    // gpt-oss's config says truncate: false (the GGUF has no key for it), as CpuEngine.
+    freqs = rope_inv_freq(p.n_rot, p.rope_base, p.yarn, /*truncate=*/false);
+    mscale = yarn_mscale(p.yarn.factor);
+    layer_bytes += align_up(freqs.size() * 8, kAlign);
+  }
   const uint64_t table = align_up(uint64_t{p.n_vocab} * e * 4, kAlign);
-  dense_device_bytes = per_layer * p.n_layer + table * (tied ? 1 : 2) + align_up(e * 4, kAlign);
+  dense_device_bytes = layer_bytes + table * (tied ? 1 : 2) + align_up(e * 4, kAlign);
   EXPERTD_TRY_ASSIGN(dense_mem,
                      gpu::alloc_dense(dense_device_bytes, "as f32", model.path(), device_name));
   uint8_t* cursor = dense_mem.get();
@@ -356,6 +464,12 @@ Status GpuEngine::Impl::upload_dense() {
   auto upload = [&](float* dst, const float* src, uint64_t count) -> Status {
     EXPERTD_CUDA_TRY(cudaMemcpy(dst, src, count * 4, cudaMemcpyHostToDevice));
     return Ok{};
+  };
+  // A non-empty vector into its own f32 buffer (dst stays nullptr for an empty one).
+  auto upload_vec = [&](const std::vector<float>& v, float*& dst) -> Status {
+    if (v.empty()) return Ok{};
+    dst = take(v.size() * 4);
+    return upload(dst, v.data(), v.size());
   };
   auto upload_matrix = [&](const Matrix& m, float* dst) -> Status {
     host.resize(m.rows * m.cols);
@@ -394,8 +508,36 @@ Status GpuEngine::Impl::upload_dense() {
       d.k_norm = take(uint64_t{p.head_dim} * 4);
       EXPERTD_TRY(upload(d.k_norm, w.k_norm.data(), p.head_dim));
     }
+    if (has_qkv_bias(w)) {
+      // One vector beside wqkv's rows, zeros for a projection without one (adding 0 is exact).
+      d.bqkv = take((q_dim + 2 * kv_dim) * 4);
+      host.assign(q_dim + 2 * kv_dim, 0.0f);
+      const std::pair<const std::vector<float>*, uint64_t> parts[] = {
+          {&w.bq, 0}, {&w.bk, q_dim}, {&w.bv, q_dim + kv_dim}};
+      for (const auto& [b, at] : parts) {
+        const uint64_t want = at == 0 ? q_dim : kv_dim;
+        if (!b->empty() && b->size() != want) {
+          return make_error(EINVAL, fmt::format("{}: layer {}: a q/k/v bias of {} values, the "
+                                                "projection has {} rows",
+                                                model.path(), l, b->size(), want));
+        }
+        std::copy(b->begin(), b->end(), host.begin() + static_cast<int64_t>(at));
+      }
+      EXPERTD_TRY(upload(d.bqkv, host.data(), host.size()));
+    }
+    EXPERTD_TRY(upload_vec(w.bo, d.bo));
+    EXPERTD_TRY(upload_vec(w.gate_inp_b, d.router_b));
+    EXPERTD_TRY(upload_vec(w.sinks, d.sinks));
+    EXPERTD_TRY(upload_vec(w.exp_gate_b, d.exp_gate_b));
+    EXPERTD_TRY(upload_vec(w.exp_up_b, d.exp_up_b));
+    EXPERTD_TRY(upload_vec(w.exp_down_b, d.exp_down_b));
+    if (p.dense_layer(l)) continue;  // no router
     d.router = take(uint64_t{p.n_expert} * e * 4);
     EXPERTD_TRY(upload_matrix(w.gate_inp, d.router));
+  }
+  if (!freqs.empty()) {
+    inv_freq = reinterpret_cast<double*>(take(freqs.size() * 8));
+    EXPERTD_CUDA_TRY(cudaMemcpy(inv_freq, freqs.data(), freqs.size() * 8, cudaMemcpyHostToDevice));
   }
   return Ok{};
 }
@@ -420,22 +562,37 @@ Status GpuEngine::Impl::attention(uint32_t layer) {
   float* v = k + kv_dim;
   EXPERTD_CUDA_TRY(kernels::rms_norm(x, w.attn_norm, xn, 1, p.n_embd, p.rms_eps, compute.get()));
   EXPERTD_TRY(gemv(w.wqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), p.n_embd, xn, qkv, 0.0f));
+  if (w.bqkv != nullptr) {
+    EXPERTD_CUDA_TRY(
+        kernels::add(qkv, w.bqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), compute.get()));
+  }
   if (p.qk_norm) {
     EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute.get()));
     EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute.get()));
   }
-  EXPERTD_CUDA_TRY(rope(p, q, p.n_head, pos, compute.get()));
-  EXPERTD_CUDA_TRY(rope(p, k, p.n_head_kv, pos, compute.get()));
+  if (inv_freq != nullptr) {
+    EXPERTD_CUDA_TRY(
+        kernels::rope_neox_freqs(q, p.n_head, hd, p.n_rot, pos, inv_freq, mscale, compute.get()));
+    EXPERTD_CUDA_TRY(kernels::rope_neox_freqs(k, p.n_head_kv, hd, p.n_rot, pos, inv_freq, mscale,
+                                              compute.get()));
+  } else {
+    EXPERTD_CUDA_TRY(rope(p, q, p.n_head, pos, compute.get()));
+    EXPERTD_CUDA_TRY(rope(p, k, p.n_head_kv, pos, compute.get()));
+  }
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(k_cache + kv_index(layer, pos), k, kv_dim * 4,
                                    cudaMemcpyDeviceToDevice, compute.get()));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(v_cache + kv_index(layer, pos), v, kv_dim * 4,
                                    cudaMemcpyDeviceToDevice, compute.get()));
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  EXPERTD_CUDA_TRY(kernels::decode_attention(q, k_cache + kv_index(layer, 0),
-                                             v_cache + kv_index(layer, 0), att, p.n_head,
-                                             p.n_head_kv, hd, pos + 1, scale, compute.get()));
-  // x += Wo att (beta = 1 accumulates into the residual stream).
-  return gemv(w.wo, p.n_embd, static_cast<uint32_t>(q_dim), att, x, 1.0f);
+  // gpt-oss: a sliding layer sees its last swa_window positions, as CpuEngine::attend.
+  const uint32_t first = p.sliding(layer) && pos >= p.swa_window ? pos + 1 - p.swa_window : 0;
+  EXPERTD_CUDA_TRY(kernels::decode_attention(
+      q, k_cache + kv_index(layer, 0), v_cache + kv_index(layer, 0), att, p.n_head, p.n_head_kv, hd,
+      pos + 1, scale, compute.get(), first, w.sinks));
+  // x += Wo att (beta = 1 accumulates into the residual stream), then gpt-oss's output bias.
+  EXPERTD_TRY(gemv(w.wo, p.n_embd, static_cast<uint32_t>(q_dim), att, x, 1.0f));
+  if (w.bo != nullptr) EXPERTD_CUDA_TRY(kernels::add(x, w.bo, p.n_embd, compute.get()));
+  return Ok{};
 }
 
 Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
@@ -570,6 +727,83 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
   }
   EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, compute.get()));
   return experts->finish_layer();
+}
+
+Status GpuEngine::Impl::host_route(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const uint32_t e = p.n_embd;
+  const bool dense = p.dense_layer(layer);
+  EXPERTD_CUDA_TRY(kernels::rms_norm(x, layers[layer].ffn_norm, xn, 1, e, p.rms_eps, st));
+  // The routers on the device (f32 GEMVs): this layer's, and the lookahead layers' on the same
+  // residual through their own norms, as CpuEngine::send_hints applies them.
+  if (router.computes(pos, layer)) {
+    EXPERTD_TRY(gemv(layers[layer].router, ne, e, xn, rlogits, 0.0f));
+    if (layers[layer].router_b != nullptr) {
+      EXPERTD_CUDA_TRY(kernels::add(rlogits, layers[layer].router_b, ne, st));
+    }
+  }
+  uint32_t rows = 1;
+  for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
+    if (!router.looks_ahead(layer, j)) continue;
+    float* in = pxn + uint64_t{j - 1} * e;
+    const DevLayer& next = layers[layer + j];
+    EXPERTD_CUDA_TRY(kernels::rms_norm(x, next.ffn_norm, in, 1, e, p.rms_eps, st));
+    EXPERTD_TRY(gemv(next.router, ne, e, in, rlogits + uint64_t{j} * ne, 0.0f));
+    if (next.router_b != nullptr) {
+      EXPERTD_CUDA_TRY(kernels::add(rlogits + uint64_t{j} * ne, next.router_b, ne, st));
+    }
+    rows = j + 1;
+  }
+  // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
+  // h_probs is the pinned mirror of the logits ([1 + depth][n_expert]).
+  if (!dense || rows > 1) {
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(h_probs, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_TRY(experts->synced());
+  }
+  // Hints and the routing decision, as CpuEngine makes them.
+  router.route(pos, layer, h_probs, planner, stats, experts->hint_source(), routing_log);
+  if (dense) return Ok{};
+  std::memcpy(h_weights, router.weights.data(), uint64_t{k} * 4);
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, st));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::glm_ffn(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const gpu::DevSigmoidMoe& m = layers[layer].moe;
+  if (p.dense_layer(layer)) {
+    EXPERTD_TRY(gpu::run_mlp(m.ffn_gate, m.ffn_up, m.ffn_down, xn, sg, su, sout, st));
+    EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
+    return Ok{};
+  }
+  // x += the weighted routed sum plus the shared expert, as CpuEngine::moe adds them.
+  EXPERTD_TRY(gpu::run_sigmoid_moe(*experts, layer, router.selected, ptrs, m, p, xn, d_weights,
+                                   gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats,
+                                   st));
+  EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::gptoss_ffn(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const DevLayer& l = layers[layer];
+  const uint32_t k = p.n_expert_used;
+  const std::span<const uint32_t> selected_k(router.selected.data(), k);
+  uint64_t waited = 0;
+  EXPERTD_TRY(experts->acquire(layer, selected_k, ptrs, &waited));
+  stats.experts_used += k;
+  const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, selected_k};
+  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
+                               p.n_ff_exp, p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
+  EXPERTD_TRY(experts->finish_layer());
+  // x += the experts' outputs weighted (double sum, one rounding), as CpuEngine::moe.
+  EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, st));
+  return Ok{};
 }
 
 // --- prefill -----------------------------------------------------------------------------------
@@ -864,10 +1098,19 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                                      const EngineOptions& options,
                                                      const GpuOptions& gpu) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama") {
-    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe and llama; '{}' runs "
-                                           "on the CPU engine (--cpu)",
+  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !host_routed(p)) {
+    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe, llama, glm4moe and "
+                                           "gpt-oss; '{}' runs on the CPU engine (--cpu)",
                                            model.path(), p.architecture));
+  }
+  if (p.is_gptoss()) {
+    for (uint32_t l = 0; l < p.n_layer; ++l) {
+      const LayerWeights& w = model.layer(l);
+      if (w.exp_gate_b.empty() || w.exp_up_b.empty() || w.exp_down_b.empty()) {
+        return make_error(
+            EINVAL, fmt::format("{}: gpt-oss layer {} lacks its expert biases", model.path(), l));
+      }
+    }
   }
   EXPERTD_TRY(check_engine_options(p, options));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
@@ -903,9 +1146,16 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     if (!m.source.set_cursor(m.pos, layer)) ++m.stats.hint_errors;
     EXPERTD_TRY(m.attention(layer));
-    EXPERTD_TRY(m.route_and_hint(layer));
-    EXPERTD_TRY(m.moe(layer));
-    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, m.last_hints));
+    if (host_routed(p)) {
+      EXPERTD_TRY(m.host_route(layer));
+      EXPERTD_TRY(p.is_gptoss() ? m.gptoss_ffn(layer) : m.glm_ffn(layer));
+    } else {
+      EXPERTD_TRY(m.route_and_hint(layer));
+      EXPERTD_TRY(m.moe(layer));
+    }
+    const std::span<const ExpertHint> hinted =
+        host_routed(p) ? std::span<const ExpertHint>(m.router.last_hints) : m.last_hints;
+    EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, hinted));
   }
   EXPERTD_CUDA_TRY(
       kernels::rms_norm(m.x, m.output_norm, m.xn, 1, p.n_embd, p.rms_eps, m.compute.get()));
@@ -923,9 +1173,15 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-uint32_t GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
+uint32_t GpuEngine::prefill_chunk_size() const {
+  // glm4moe, gpt-oss: no chunk scratch; the whole prompt is one call of Engine's default.
+  return host_routed(impl_->p) ? Engine::prefill_chunk_size() : impl_->chunk;
+}
 
 Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  // glm4moe's and gpt-oss's batched forward (biases, dense layers, host routing, shared expert,
+  // sinks, windows) is not written yet: decode() of each token gives the same logits.
+  if (host_routed(impl_->p)) return Engine::prefill_chunk(tokens, logits);
   return impl_->prefill_chunk(tokens, !logits.empty(), logits);
 }
 
@@ -952,12 +1208,15 @@ std::string GpuEngine::description() const {
   const GpuExperts& x = *m.experts;
   const std::string tier = x.description();
   const std::string prefill =
-      m.chunk == m.chunk_asked
+      host_routed(m.p) ? std::string("prefill token by token")
+      : m.chunk == m.chunk_asked
           ? fmt::format("prefill in chunks of {} ({} scratch)", m.chunk, gib(m.chunk_bytes))
           : fmt::format("prefill in chunks of {}, clamped from {} to fit its {} scratch", m.chunk,
                         m.chunk_asked, gib(m.chunk_bytes));
-  return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS), {}, {}{}", m.device_name,
-                     gib(m.dense_device_bytes), tier, prefill,
+  return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}",
+                     m.device_name, gib(m.dense_device_bytes),
+                     m.p.is_glm4moe() ? ", dense MLPs and shared experts as in the file" : "", tier,
+                     prefill,
                      x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

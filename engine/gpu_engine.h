@@ -1,7 +1,19 @@
-// The CUDA engine: the qwen3moe and Mixtral (`llama`) forward of CpuEngine on the GPU, with dense
-// weights in VRAM (dequantised to f32 at load; cuBLAS does their GEMVs), the decode kernels of
-// kernels/, and the routed experts streamed from an ExpertSource (the daemon's pinned arena)
-// through a VRAM tier.
+// The CUDA engine: the qwen3moe, Mixtral (`llama`), GLM-4.5 (`glm4moe`) and gpt-oss forward of
+// CpuEngine on the GPU, with dense weights in VRAM (dequantised to f32 at load; cuBLAS does their
+// GEMVs), the decode kernels of kernels/, and the routed experts streamed from an ExpertSource (the
+// daemon's pinned arena) through a VRAM tier.
+//
+// glm4moe: the q/k/v biases are added after the fused q/k/v GEMV; the q/k norms and the NEOX RoPE
+// (on the first n_rot dimensions of each head) are the qwen3moe kernels. Its FFN half is
+// Ds3GpuEngine's (DeepSeek-V3's MoE block, engine/gpu_experts.h): dense MLPs and the shared expert
+// in their GGUF encoding (run_mlp), routed experts through run_experts, and the routing on the
+// host with the CPU engine's ds3_route / ds3_hint_probs after one copy of the router logits per
+// layer. Its prefill() is decode() of each token (Engine's default).
+//
+// gpt-oss: the q/k/v biases as glm4moe's, the output bias after the Wo GEMV, YaRN's frequencies
+// (kernels::rope_neox_freqs), the sliding window and sinks in the decode attention kernel, the
+// router bias, the routing on the host (gpu::HostRouter: the softmax over the top-k logits), the
+// experts' biases and clamped SwiGLU in run_experts (gpu::OaiExperts). Prefill as glm4moe's.
 //
 // Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
 // read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
@@ -93,9 +105,9 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe and llama, Ds4GpuEngine for
-// deepseek4 (engine/ds4_gpu_engine.h), Ds3GpuEngine for deepseek2 (engine/ds3_gpu_engine.h);
-// GpuEngine's error for any other.
+// The CUDA engine for `model`'s architecture: GpuEngine for qwen3moe, llama and glm4moe,
+// Ds4GpuEngine for deepseek4 (engine/ds4_gpu_engine.h), Ds3GpuEngine for deepseek2
+// (engine/ds3_gpu_engine.h); GpuEngine's error for any other.
 Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options,
                                                   const GpuOptions& gpu);

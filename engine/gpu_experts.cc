@@ -5,9 +5,13 @@
 #include <algorithm>
 
 #include "base/clock.h"
+#include "engine/cpu_ops.h"
+#include "engine/ds3_cpu_engine.h"
 #include "kernels/check.h"
+#include "kernels/combine.cuh"
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
+#include "kernels/swiglu.cuh"
 #include "storage/slice_map.h"
 
 namespace expertd::engine::gpu {
@@ -46,9 +50,122 @@ Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat&
   return Ok{};
 }
 
+Status carve_sigmoid_moe(Carver& c, const DenseModel& model, const SigmoidMoe& d, uint32_t layer,
+                         const SigmoidMoeWeights& w, DevSigmoidMoe& dst,
+                         std::vector<uint8_t>& scratch) {
+  if (layer < d.dense_lead) {
+    EXPERTD_TRY(carve_matrix(c, model, w.ffn_gate, dst.ffn_gate, scratch));
+    EXPERTD_TRY(carve_matrix(c, model, w.ffn_up, dst.ffn_up, scratch));
+    return carve_matrix(c, model, w.ffn_down, dst.ffn_down, scratch);
+  }
+  if (d.n_shared == 0) return Ok{};
+  EXPERTD_TRY(carve_matrix(c, model, w.shexp_gate, dst.shexp_gate, scratch));
+  EXPERTD_TRY(carve_matrix(c, model, w.shexp_up, dst.shexp_up, scratch));
+  return carve_matrix(c, model, w.shexp_down, dst.shexp_down, scratch);
+}
+
+Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint32_t> selected,
+                       std::span<ExpertPtrs> ptrs, const DevSigmoidMoe& m, const ModelParams& p,
+                       const float* x, const float* weights, const SigmoidMoeScratch& s, float* y,
+                       EngineStats& stats, cudaStream_t st) {
+  const auto k = static_cast<uint32_t>(selected.size());
+  uint64_t waited = 0;
+  EXPERTD_TRY(experts.acquire(layer, selected, ptrs, &waited));
+  stats.experts_used += k;
+  EXPERTD_TRY(run_experts(experts.shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
+                          p.n_ff_exp, p.n_embd, x, 0.0f, s.gu, s.h, s.eo, st));
+  EXPERTD_TRY(experts.finish_layer());
+  const bool shared = m.shexp_gate.rows > 0;
+  if (shared) {
+    EXPERTD_TRY(run_mlp(m.shexp_gate, m.shexp_up, m.shexp_down, x, s.g, s.u, s.shared, st));
+  }
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_moe_sum(s.eo, weights, k, shared ? s.shared : nullptr, p.n_embd, y, st));
+  return Ok{};
+}
+
+HostRouter::HostRouter(const ModelParams& p_, const SigmoidMoe& d_, const EngineOptions& opts_)
+    : p(p_),
+      d(d_),
+      opts(opts_),
+      gptoss(p_.is_gptoss()),
+      selected(p_.n_expert_used),
+      weights(p_.n_expert_used),
+      probs(p_.n_expert),
+      sel(p_.n_expert),
+      order(p_.n_expert) {}
+
+bool HostRouter::computes(uint32_t pos, uint32_t layer) const {
+  return layer >= d.dense_lead &&
+         (opts.script == nullptr || opts.script->find(pos, layer) == nullptr);
+}
+
+bool HostRouter::looks_ahead(uint32_t layer, uint32_t j) const {
+  const uint32_t next = layer + j;
+  return next < p.n_layer && next >= d.dense_lead &&
+         !(opts.script != nullptr && opts.hints == HintSource::Script);
+}
+
+void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
+                       EngineStats& stats, ExpertSource& hints_to,
+                       std::vector<RoutingRecord>* log) {
+  const uint32_t ne = p.n_expert;
+  const uint32_t k = p.n_expert_used;
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
+  // Hints for the next layers, as the CPU engines' send_hints sends them.
+  planner.from_layer(layer);
+  for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
+    const uint32_t next = layer + j;
+    if (next < d.dense_lead) continue;  // no experts
+    if (scripted_hints) {
+      add_scripted_hints(*opts.script, pos, layer, next, planner);
+      continue;
+    }
+    const float* row = logits + uint64_t{j} * ne;
+    if (gptoss) {
+      // CpuEngine::hint_probs: the softmax over every expert.
+      for (uint32_t e = 0; e < ne; ++e) probs[e] = row[e];
+      softmax(probs.data(), ne);
+    } else {
+      ds3_hint_probs(d, bias[next], std::span<const float>(row, ne), probs);
+    }
+    planner.add_ranked(next, std::span<const double>(probs.data(), ne));
+  }
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  last_hints.assign(hints.begin(), hints.end());
+  if (!hints.empty() && !hints_to.prefetch(hints)) ++stats.hint_errors;
+  if (layer < d.dense_lead) {
+    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+    return;
+  }
+  // The routing decision, as the CPU engines' route makes it.
+  if (take_scripted_route(opts, pos, layer, selected, weights, stats)) {
+    // the script's route
+  } else if (gptoss) {
+    gptoss_route(std::span<const float>(logits, ne), k, probs, order,
+                 std::span<double>(sel.data(), k), selected, weights);
+  } else {
+    ds3_route(d, bias[layer], std::span<const float>(logits, ne), k, probs, sel, order, selected,
+              weights);
+  }
+  RoutingRecord* rec = log_route(log, pos, layer, selected, weights);
+  planner.routed(layer, std::span<const uint32_t>(selected.data(), k), stats, rec);
+}
+
+Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const float* x, float* g,
+               float* u, float* y, cudaStream_t st) {
+  EXPERTD_CUDA_TRY(
+      kernels::matvec(gate.type, gate.data, gate.row_bytes, gate.rows, gate.cols, x, g, st));
+  EXPERTD_CUDA_TRY(kernels::matvec(up.type, up.data, up.row_bytes, up.rows, up.cols, x, u, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(g, u, g, gate.rows, 0.0f, st));
+  EXPERTD_CUDA_TRY(
+      kernels::matvec(down.type, down.data, down.row_bytes, down.rows, down.cols, g, y, st));
+  return Ok{};
+}
+
 Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs> ptrs, uint32_t ff,
                    uint32_t e, const float* x, float clamp, float* gu, float* h, float* out,
-                   cudaStream_t st) {
+                   cudaStream_t st, const OaiExperts* oai) {
   const auto k = static_cast<uint32_t>(ptrs.size());
   if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
     kernels::MatvecBatch b;
@@ -70,7 +187,17 @@ Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs>
                                        gu + uint64_t{k + i} * ff, st));
     }
   }
-  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, h, uint64_t{k} * ff, clamp, st));
+  if (oai == nullptr) {
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_swiglu(gu, gu + uint64_t{k} * ff, h, uint64_t{k} * ff, clamp, st));
+  } else {
+    for (uint32_t i = 0; i < k; ++i) {
+      const uint64_t at = uint64_t{oai->selected[i]} * ff;
+      EXPERTD_CUDA_TRY(kernels::oai_swiglu(gu + uint64_t{i} * ff, gu + uint64_t{k + i} * ff,
+                                           oai->gate_b + at, oai->up_b + at, h + uint64_t{i} * ff,
+                                           ff, kGptOssAlpha, kGptOssLimit, st));
+    }
+  }
   kernels::MatvecBatch b;
   b.count = k;
   for (uint32_t i = 0; i < k; ++i) {
@@ -79,6 +206,10 @@ Status run_experts(const GpuExperts::LayerShape& sh, std::span<const ExpertPtrs>
     b.y[i] = out + uint64_t{i} * e;
   }
   EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  for (uint32_t i = 0; oai != nullptr && i < k; ++i) {
+    EXPERTD_CUDA_TRY(
+        kernels::add(out + uint64_t{i} * e, oai->down_b + uint64_t{oai->selected[i]} * e, e, st));
+  }
   return Ok{};
 }
 
@@ -531,6 +662,12 @@ Status GpuExperts::release_finished_prefetch_holds(bool all) {
   }
   prefetch_holds_.resize(kept);
   return result;
+}
+
+Status GpuExperts::synced() {
+  EXPERTD_TRY(release_demand_holds());
+  EXPERTD_TRY(release_finished_prefetch_holds(false));
+  return account_copy_time();
 }
 
 Status GpuExperts::account_copy_time() {

@@ -114,6 +114,55 @@ Result<cuda::DeviceBytes> alloc_work(uint64_t bytes, uint32_t positions,
 Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat& dst,
                     std::vector<uint8_t>& scratch);
 
+// The dense half of a SigmoidMoe layer (DeepSeek-V3's and GLM-4.5's) on the device, in its GGUF
+// encoding: a dense layer's MLP, or a MoE layer's shared experts (absent: rows == 0).
+struct DevSigmoidMoe {
+  DevMat ffn_gate, ffn_up, ffn_down;
+  DevMat shexp_gate, shexp_up, shexp_down;
+};
+
+// Takes layer `layer`'s half from `c` (carve_matrix's errors): the dense MLP when layer <
+// d.dense_lead, else the shared experts when d.n_shared > 0.
+Status carve_sigmoid_moe(Carver& c, const DenseModel& model, const SigmoidMoe& d, uint32_t layer,
+                         const SigmoidMoeWeights& w, DevSigmoidMoe& dst,
+                         std::vector<uint8_t>& scratch);
+
+// The SwiGLU MLP of DeepSeek-V3's and GLM-4.5's dense layers and shared experts on x:
+// y = down(silu(gate x) * up x); g and u hold gate.rows floats. Enqueued on `stream`.
+Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const float* x, float* g,
+               float* u, float* y, cudaStream_t stream);
+
+// Routing on the host, as the CPU engines route (so routing records, hints and counters are
+// theirs): DeepSeek-V3's MoE block (ds3_route, ds3_hint_probs: Ds3GpuEngine, GpuEngine's
+// glm4moe) or gpt-oss's (the softmax over the top-k logits; hints ranked by the softmax over all).
+// The engine computes the routers it needs on the device (computes(), looks_ahead()), copies
+// their logits back and synchronises; route() then does the rest on the host.
+struct HostRouter {
+  HostRouter(const ModelParams& p, const SigmoidMoe& d, const EngineOptions& opts);
+  // Whether the engine computes layer `layer`'s router at `pos` (a MoE layer the script does
+  // not route), and layer + j's for the lookahead (a MoE layer, router-ranked hints).
+  bool computes(uint32_t pos, uint32_t layer) const;
+  bool looks_ahead(uint32_t layer, uint32_t j) const;
+  // From the logits copied back (row 0 the layer's, row j layer + j's where looks_ahead; with
+  // any router bias added): the hints for the next prefetch_depth layers (ranked from the logits,
+  // or the script's) sent through `hints_to` and kept in last_hints; then, unless `layer` is
+  // dense, its experts and weights (the script's route, else the family's) into
+  // selected/weights, logged to `log` and counted.
+  void route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
+             EngineStats& stats, ExpertSource& hints_to, std::vector<RoutingRecord>* log);
+
+  const ModelParams& p;
+  const SigmoidMoe& d;
+  const EngineOptions& opts;
+  bool gptoss = false;                       // gpt-oss's routing (p.is_gptoss())
+  std::vector<std::span<const float>> bias;  // per layer: exp_probs_b (the engine fills it)
+  std::vector<uint32_t> selected;            // the layer's experts (k)
+  std::vector<float> weights;                // and their weights
+  std::vector<ExpertHint> last_hints;        // route()'s hints, for GpuExperts::prefetch
+  std::vector<double> probs, sel;            // n_expert scratch
+  std::vector<uint32_t> order;
+};
+
 // `bytes` of device memory for a model's dense weights (`what` says how they are stored), after
 // checking that they fit with 256 MiB to spare; errors name the model, both sizes and the device.
 Result<cuda::DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
@@ -206,6 +255,10 @@ class GpuExperts {
   Status release_finished_prefetch_holds(bool all);
   // Adds the last demand copies' time to stats.copy_ns once their end event has completed.
   Status account_copy_time();
+  // After a sync of the compute stream (everything launched before has finished, the previous
+  // layer's experts among it): the demand holds and finished prefetch holds go back, and the copy
+  // time is accounted.
+  Status synced();
   // Samples both tiers into stats.tiers_*: distinct experts in VRAM or the source's host memory,
   // and the sum of their capacities (nothing in place, or when the source does not say).
   void measure_tiers();
@@ -281,8 +334,34 @@ class GpuExperts {
 // The routed experts of one layer on `x` (n_embd): gate and up of each (batched when they share a
 // type), SwiGLU (clamped at `clamp` as DeepSeek-V4's; 0: none), down; expert i's output at
 // out + i * n_embd. gu: [2k][n_ff] (gate outputs, then up), h: [k][n_ff]. Enqueued on `stream`.
+// With `oai` (gpt-oss): gate and up get their experts' biases and gpt-oss's clamped SwiGLU
+// (kernels::oai_swiglu), and down its bias, instead.
+struct OaiExperts {
+  const float* gate_b = nullptr;       // [n_expert][n_ff], device
+  const float* up_b = nullptr;         // [n_expert][n_ff]
+  const float* down_b = nullptr;       // [n_expert][n_embd]
+  std::span<const uint32_t> selected;  // the expert of each of `experts` (host)
+};
 Status run_experts(const GpuExperts::LayerShape& shape, std::span<const ExpertPtrs> experts,
                    uint32_t n_ff, uint32_t n_embd, const float* x, float clamp, float* gu, float* h,
-                   float* out, cudaStream_t stream);
+                   float* out, cudaStream_t stream, const OaiExperts* oai = nullptr);
+
+// A SigmoidMoe layer's experts on x (Ds3GpuEngine, GpuEngine's glm4moe): the routed `selected`
+// acquired from `experts` (into ptrs), run (run_experts) and weighted by the device `weights`,
+// plus the shared experts of `m` where it has them (run_mlp), summed into y (ds4_moe_sum, as the
+// CPU engines sum them). Scratch: gu [2k][n_ff_exp], h [k][n_ff_exp], eo [k][n_embd]; g, u the
+// shared experts' width; shared n_embd.
+struct SigmoidMoeScratch {
+  float* gu = nullptr;
+  float* h = nullptr;
+  float* eo = nullptr;
+  float* g = nullptr;
+  float* u = nullptr;
+  float* shared = nullptr;
+};
+Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint32_t> selected,
+                       std::span<ExpertPtrs> ptrs, const DevSigmoidMoe& m, const ModelParams& p,
+                       const float* x, const float* weights, const SigmoidMoeScratch& s, float* y,
+                       EngineStats& stats, cudaStream_t stream);
 
 }  // namespace expertd::engine::gpu

@@ -153,9 +153,6 @@ struct ModelParams {
   // llama.cpp's converter writes DeepSeek-V4's and GLM-4.5's. The engines skip them; their routed
   // experts are in the file and the slice map all the same.
   uint32_t nextn_layers = 0;
-  // Whether create_gpu_engine runs this architecture (gpt-oss and GLM-4.5 run on the CPU engine
-  // only).
-  bool cuda_engine_runs() const { return !is_gptoss() && !is_glm4moe(); }
 };
 
 // gpt-oss's SwiGLU constants (transformers' GptOssExperts and llama.cpp's SWIGLU_OAI_MOE hard-code

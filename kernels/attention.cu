@@ -23,7 +23,8 @@ template <int P, int U>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, uint32_t n_head_kv,
-                     uint32_t head_dim, uint32_t group, uint32_t n_pos, float scale) {
+                     uint32_t head_dim, uint32_t group, uint32_t n_pos, float scale, uint32_t first,
+                     const float* __restrict__ sinks) {
   extern __shared__ float smem[];  // acc[n_warps][head_dim], then m[n_warps], l[n_warps]
   const uint32_t h = blockIdx.x;
   const uint32_t lane = threadIdx.x % 32;
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
   for (int j = 0; j < P; ++j) acc[j] = 0.0f;
 
-  for (uint32_t t0 = warp * U; t0 < n_pos; t0 += n_warps * U) {
+  for (uint32_t t0 = first + warp * U; t0 < n_pos; t0 += n_warps * U) {
     // All loads of the step first, so U k rows and U v rows are in flight together.
     float kr[U][P];
     float vr[U][P];
@@ -100,12 +101,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     s_l[warp] = l;
   }
   __syncthreads();
-  // Warp 0 always saw position 0, so the overall max is finite; a warp that saw no position has
-  // m = -inf, l = 0 and acc = 0 and weighs exp(-inf) = 0.
+  // Warp 0 always saw position `first`, so the overall max is finite; a warp that saw no position
+  // has m = -inf, l = 0 and acc = 0 and weighs exp(-inf) = 0. A sink joins the max and the
+  // denominator only.
   float mall = -INFINITY;
   for (uint32_t w = 0; w < n_warps; ++w) mall = fmaxf(mall, s_m[w]);
+  if (sinks != nullptr) mall = fmaxf(mall, sinks[h]);
   float lall = 0.0f;
   for (uint32_t w = 0; w < n_warps; ++w) lall += s_l[w] * expf(s_m[w] - mall);
+  if (sinks != nullptr) lall += expf(sinks[h] - mall);
   for (uint32_t i = threadIdx.x; i < head_dim; i += blockDim.x) {
     float o = 0.0f;
     for (uint32_t w = 0; w < n_warps; ++w) o += s_acc[w * head_dim + i] * expf(s_m[w] - mall);
@@ -116,11 +120,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 template <int P, int U>
 cudaError_t launch(const float* q, const float* k_cache, const float* v_cache, float* out,
                    uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, uint32_t n_pos,
-                   float scale, cudaStream_t stream) {
-  const uint32_t warps = n_pos >= kWidePositions ? kMaxWarps : kMaxWarps / 2;
+                   float scale, uint32_t first, const float* sinks, cudaStream_t stream) {
+  const uint32_t warps = n_pos - first >= kWidePositions ? kMaxWarps : kMaxWarps / 2;
   const size_t smem = (size_t{warps} * head_dim + 2 * warps) * sizeof(float);
-  attention_kernel<P, U><<<n_head, warps * 32, smem, stream>>>(
-      q, k_cache, v_cache, out, n_head_kv, head_dim, n_head / n_head_kv, n_pos, scale);
+  attention_kernel<P, U><<<n_head, warps * 32, smem, stream>>>(q, k_cache, v_cache, out, n_head_kv,
+                                                               head_dim, n_head / n_head_kv, n_pos,
+                                                               scale, first, sinks);
   return cudaGetLastError();
 }
 
@@ -128,30 +133,31 @@ cudaError_t launch(const float* q, const float* k_cache, const float* v_cache, f
 
 cudaError_t decode_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                              uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim, uint32_t n_pos,
-                             float scale, cudaStream_t stream) {
+                             float scale, cudaStream_t stream, uint32_t first, const float* sinks) {
   if (q == nullptr || k_cache == nullptr || v_cache == nullptr || out == nullptr || n_head == 0 ||
       n_head_kv == 0 || n_head % n_head_kv != 0 || head_dim == 0 || head_dim > kMaxHeadDim ||
-      n_pos == 0 || n_head > 0x7fffffffu) {
+      n_pos == 0 || first >= n_pos || n_head > 0x7fffffffu) {
     return cudaErrorInvalidValue;
   }
   const uint32_t per_lane = (head_dim + 31) / 32;
   if (per_lane == 1) {
-    return launch<1, 8>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
-                        stream);
+    return launch<1, 8>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, first,
+                        sinks, stream);
   }
   if (per_lane == 2) {
-    return launch<2, 4>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
-                        stream);
+    return launch<2, 4>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, first,
+                        sinks, stream);
   }
   if (per_lane <= 4) {
-    return launch<4, 4>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
-                        stream);
+    return launch<4, 4>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, first,
+                        sinks, stream);
   }
   if (per_lane <= 8) {
-    return launch<8, 2>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale,
-                        stream);
+    return launch<8, 2>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, first,
+                        sinks, stream);
   }
-  return launch<16, 1>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, stream);
+  return launch<16, 1>(q, k_cache, v_cache, out, n_head, n_head_kv, head_dim, n_pos, scale, first,
+                       sinks, stream);
 }
 
 }  // namespace expertd::kernels

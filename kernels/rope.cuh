@@ -16,4 +16,11 @@ cudaError_t rope_neox(float* x, uint32_t heads, uint32_t head_dim, uint32_t n_ro
 cudaError_t rope_norm(float* x, uint32_t heads, uint32_t head_dim, uint32_t n_rot, uint32_t pos,
                       float base, cudaStream_t stream);
 
+// rope_neox_freqs: rope_neox with given inverse frequencies (n_rot / 2 doubles in device memory:
+// YaRN's, for gpt-oss) and both rotated values scaled by `mscale` (YaRN's attention factor), in
+// double as CpuEngine's rope_neox_freqs.
+cudaError_t rope_neox_freqs(float* x, uint32_t heads, uint32_t head_dim, uint32_t n_rot,
+                            uint32_t pos, const double* inv_freq, double mscale,
+                            cudaStream_t stream);
+
 }  // namespace expertd::kernels

@@ -17,7 +17,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    oai_swiglu_kernel(const float* gate, const float* up, const float* bg, const float* bu,
+                      float* out, uint64_t n, float alpha, float limit) {
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
+    // The sums and clamps in float, the rest in double: CpuEngine's operations.
+    const double g = fminf(__fadd_rn(gate[i], bg[i]), limit);
+    const double u = fminf(fmaxf(__fadd_rn(up[i], bu[i]), -limit), limit);
+    out[i] = static_cast<float>((u + 1.0) * g / (1.0 + exp(-static_cast<double>(alpha) * g)));
+  }
+}
+
 }  // namespace
+
+cudaError_t oai_swiglu(const float* gate, const float* up, const float* bg, const float* bu,
+                       float* out, uint64_t n, float alpha, float limit, cudaStream_t stream) {
+  if (gate == nullptr || up == nullptr || bg == nullptr || bu == nullptr || out == nullptr ||
+      n == 0) {
+    return cudaErrorInvalidValue;
+  }
+  uint64_t blocks = (n + kThreads - 1) / kThreads;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  oai_swiglu_kernel<<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(gate, up, bg, bu, out,
+                                                                            n, alpha, limit);
+  return cudaGetLastError();
+}
 
 cudaError_t swiglu(const float* gate, const float* up, float* out, uint64_t n,
                    cudaStream_t stream) {

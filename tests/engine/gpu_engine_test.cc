@@ -63,6 +63,200 @@ GpuOptions tier(GpuOptions::Tier t, uint64_t value = 0) {
   return g;
 }
 
+// create_gpu_engine on `model`: without a device, the device's error (and the test skips); with
+// one, a "gpu" engine whose description() says `says`.
+void expect_factory_picks(const DenseModel& model, ExpertSource& source, const std::string& says) {
+  std::string why;
+  auto picked =
+      create_gpu_engine(model, source, EngineOptions{16, 0, 0}, tier(GpuOptions::Tier::Experts, 8));
+  if (!cuda_device_available(&why)) {
+    ASSERT_FALSE(picked);
+    EXPECT_EQ(picked.error().message, why);
+    GTEST_SKIP() << why;
+  }
+  ASSERT_TRUE(picked) << picked.error().message;
+  EXPECT_EQ((*picked)->name(), "gpu");
+  EXPECT_NE((*picked)->description().find(says), std::string::npos) << (*picked)->description();
+}
+
+// Fx's fixture (each file of `variants`, with its tolerance) token by token on the GPU through a
+// VRAM tier of `small` slots, which evicts (more than `min_misses` misses), and one of `all` (every
+// expert): logits within the tolerance of transformers', routing against the trace, every expert
+// counted, then the prompt as one prefill and transformers' greedy tokens.
+using Variants = std::initializer_list<std::pair<const char*, double>>;
+constexpr Variants kF32AndQ8 = {{"f32", 1e-3}, {"q8_0", 2e-2}};
+template <typename Fx>
+void expect_tiny_fixture_on_gpu(const char* name, uint64_t small, uint64_t all, uint64_t min_misses,
+                                Variants variants = kF32AndQ8) {
+  const Fx fx = Fx::load();
+  for (const auto& [variant, tol] : variants) {
+    for (const uint64_t slots : {small, all}) {
+      SCOPED_TRACE(fmt::format("{} {} tier {}", name, variant, slots));
+      // As expert-run loads it for a CUDA engine: the matrices stay in the file until uploaded.
+      auto model = DenseModel::load(Fx::gguf(variant), DenseLoad::Deferred);
+      ASSERT_TRUE(model) << model.error().message;
+      const ModelParams& p = model->params();
+      auto source = test::FileExpertSource::open(*model);
+      ASSERT_TRUE(source) << source.error().message;
+      auto engine = create_gpu_engine(*model, **source, EngineOptions{128, 0, 0},
+                                      tier(GpuOptions::Tier::Experts, slots));
+      ASSERT_TRUE(engine) << engine.error().message;
+      EXPECT_EQ((*engine)->name(), "gpu");
+      const double worst = test::expect_fixture_logits(**engine, fx, variant, tol, 1e-4);
+      std::printf("[ %s %s tier %llu ] GPU logits vs transformers: max relative error %.3e\n", name,
+                  variant, static_cast<unsigned long long>(slots), worst);
+      const EngineStats& s = (*engine)->stats();
+      // glm4moe's dense first layer routes nothing (dense_lead is 0 for the other families).
+      EXPECT_EQ(s.experts_used,
+                fx.tokens.size() * (p.n_layer - p.glm.dense_lead) * p.n_expert_used);
+      test::expect_fixture_greedy(**engine, fx, variant);
+      EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
+      if (slots == small) {
+        EXPECT_GT(s.vram_misses, min_misses);  // a tier this small evicts
+      }
+      EXPECT_EQ((*source)->gets(), (*source)->releases());
+    }
+  }
+}
+
+// The model in `gguf` on the CPU and the GPU engine (a 12-slot tier), each over its own file
+// source, with router lookahead (depth 2, from a dense layer too): logits within 1e-3, the same
+// routing (experts, weights, predictions), the CPU engine's hints less the tier's, the same
+// counters, every hold given back.
+void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<uint32_t>& tokens,
+                                    const std::string& label) {
+  auto model = DenseModel::load(gguf);
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  auto fs_cpu = test::FileExpertSource::open(*model);
+  auto fs_gpu = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(fs_cpu && fs_gpu);
+  const EngineOptions o{64, 2, 0};
+  auto cpu = create_cpu_engine(*model, **fs_cpu, o);
+  ASSERT_TRUE(cpu) << cpu.error().message;
+  auto gpu = create_gpu_engine(*model, **fs_gpu, o, tier(GpuOptions::Tier::Experts, 12));
+  ASSERT_TRUE(gpu) << gpu.error().message;
+  std::vector<RoutingRecord> rc;
+  std::vector<RoutingRecord> rg;
+  (*cpu)->set_routing_log(&rc);
+  (*gpu)->set_routing_log(&rg);
+  std::vector<float> a(vocab);
+  std::vector<float> b(vocab);
+  double worst = 0.0;
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    ASSERT_TRUE((*cpu)->decode(tokens[t], a));
+    auto st = (*gpu)->decode(tokens[t], b);
+    ASSERT_TRUE(st) << st.error().message;
+    const double err = test::rel_err(b.data(), a.data(), vocab);
+    EXPECT_LE(err, 1e-3) << "position " << t;
+    worst = std::max(worst, err);
+  }
+  std::printf("[ %s ] GPU vs CPU engine: max relative error %.3e\n", label.c_str(), worst);
+  ASSERT_EQ(rc.size(), rg.size());
+  for (size_t i = 0; i < rc.size(); ++i) {
+    EXPECT_EQ(rg[i].experts, rc[i].experts) << "record " << i;
+    ASSERT_EQ(rg[i].weights.size(), rc[i].weights.size()) << "record " << i;
+    for (size_t j = 0; j < rc[i].weights.size(); ++j) {
+      EXPECT_NEAR(rg[i].weights[j], rc[i].weights[j], 1e-5) << "record " << i;
+    }
+    EXPECT_EQ(rg[i].predicted, rc[i].predicted) << "record " << i;
+  }
+  expect_cpu_hints_less_the_tiers((*fs_cpu)->hints(), (*fs_gpu)->hints());
+  EXPECT_EQ((*gpu)->stats().hints_sent, (*cpu)->stats().hints_sent);
+  EXPECT_EQ((*gpu)->stats().experts_used, (*cpu)->stats().experts_used);
+  EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
+}
+
+// prefill() on the GPU is decode() of each token (glm4moe, gpt-oss): the last logits to the bit.
+void expect_prefill_is_decode(const std::string& gguf, const std::vector<uint32_t>& tokens) {
+  auto model = DenseModel::load(gguf);
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  auto fs = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(fs);
+  auto gpu =
+      create_gpu_engine(*model, **fs, EngineOptions{64, 2, 0}, tier(GpuOptions::Tier::Experts, 12));
+  ASSERT_TRUE(gpu) << gpu.error().message;
+  std::vector<float> decoded(vocab);
+  for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
+  (*gpu)->reset();
+  std::vector<float> prefilled(vocab);
+  ASSERT_TRUE((*gpu)->prefill(tokens, prefilled));
+  EXPECT_EQ(prefilled, decoded);
+  EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+}
+
+// Fx's `variant` file served by a real expertd as `name`: the CPU engine's logits and routing over
+// fx.tokens, then the GPU engine's, in place and through a 6-slot VRAM tier with router lookahead
+// (depth 2): logits within 1e-3 of the CPU engine's, the same routing, every hold given back.
+template <typename Fx>
+void expect_gpu_matches_cpu_through_expertd(const Fx& fx, const std::string& name,
+                                            const std::string& variant = "q8_0") {
+  const std::string gguf = Fx::gguf(variant);
+  TempDir dir;
+  const std::string sock = dir.path() + "/expertd.sock";
+  Daemon d(dir.path(),
+           {"--model", name + "=" + gguf, "--socket", sock, "--cache", "16MiB", "--no-mlock"});
+  ASSERT_TRUE(d.start());
+  auto model = DenseModel::load(gguf);
+  ASSERT_TRUE(model) << model.error().message;
+  auto run = [&](bool gpu, const GpuOptions& g, uint32_t depth,
+                 std::vector<RoutingRecord>& routing) {
+    std::vector<std::vector<float>> out;
+    auto client = client::Client::connect(sock);
+    EXPECT_TRUE(client);
+    if (!client) return out;
+    auto session = (*client)->attach(name, "gpu_engine_tests");
+    EXPECT_TRUE(session);
+    if (!session) return out;
+    auto source = DaemonExpertSource::create(**session, *model);
+    EXPECT_TRUE(source) << source.error().message;
+    if (!source) return out;
+    const EngineOptions o{128, depth, 0};
+    auto engine =
+        gpu ? create_gpu_engine(*model, **source, o, g) : create_cpu_engine(*model, **source, o);
+    EXPECT_TRUE(engine) << engine.error().message;
+    if (!engine) return out;
+    (*engine)->set_routing_log(&routing);
+    std::vector<float> l(fx.vocab);
+    for (const uint32_t t : fx.tokens) {
+      const Status st = (*engine)->decode(t, l);
+      EXPECT_TRUE(st) << st.error().message;
+      if (!st) break;
+      out.push_back(l);
+    }
+    (*engine)->set_routing_log(nullptr);
+    engine->reset();
+    EXPECT_EQ((*session)->holds(), 0u) << "every hold is given back";
+    return out;
+  };
+  std::vector<RoutingRecord> ref_routing;
+  const auto ref = run(false, GpuOptions{}, 0, ref_routing);
+  ASSERT_EQ(ref.size(), fx.tokens.size());
+  for (const auto& [label, g, depth] :
+       {std::tuple{"in-place", tier(GpuOptions::Tier::InPlace), 0u},
+        std::tuple{"tier-6+prefetch", tier(GpuOptions::Tier::Experts, 6), 2u}}) {
+    SCOPED_TRACE(label);
+    std::vector<RoutingRecord> routing;
+    const auto got = run(true, g, depth, routing);
+    ASSERT_EQ(got.size(), ref.size());
+    double worst = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double err = test::rel_err(got[i].data(), ref[i].data(), fx.vocab);
+      EXPECT_LE(err, 1e-3) << "position " << i;
+      worst = std::max(worst, err);
+    }
+    std::printf("[ %s %s %s ] GPU vs CPU engine through expertd: max rel err %.3e\n", name.c_str(),
+                variant.c_str(), label, worst);
+    ASSERT_EQ(routing.size(), ref_routing.size());
+    for (size_t i = 0; i < routing.size(); ++i) {
+      EXPECT_EQ(routing[i].experts, ref_routing[i].experts) << "record " << i;
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
+}
+
 TEST(GpuEngine, TinyFixtureLogitsMatchTransformers) {
   REQUIRE_GPU();
   const TinyFixture fx = TinyFixture::load();
@@ -577,38 +771,11 @@ TEST(Ds4GpuEngine, GpuEngineRefusesDeepseek4AndTheFactoryPicksTheDs4Engine) {
   auto refused = GpuEngine::create(*model, **source, EngineOptions{16, 0, 0},
                                    tier(GpuOptions::Tier::Experts, 8));
   ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find("the CUDA engine runs qwen3moe and llama; 'deepseek4'"),
+  EXPECT_NE(refused.error().message.find(
+                "the CUDA engine runs qwen3moe, llama, glm4moe and gpt-oss; 'deepseek4'"),
             std::string::npos)
       << refused.error().message;
-  std::string why;
-  auto picked = create_gpu_engine(*model, **source, EngineOptions{16, 0, 0},
-                                  tier(GpuOptions::Tier::Experts, 8));
-  if (!cuda_device_available(&why)) {
-    ASSERT_FALSE(picked);
-    EXPECT_EQ(picked.error().message, why);
-    GTEST_SKIP() << why;
-  }
-  ASSERT_TRUE(picked) << picked.error().message;
-  EXPECT_EQ((*picked)->name(), "gpu");
-  EXPECT_NE((*picked)->description().find("deepseek4"), std::string::npos);
-}
-
-// The CUDA engine does not run GLM-4.5 yet: both the engine and the factory refuse it, naming the
-// architecture and the CPU engine, before touching a device (expert-run and expert-serve then run
-// it on the CPU engine: ModelParams::cuda_engine_runs).
-TEST(Glm4MoeGpuEngine, TheCudaEngineRefusesGlm45NamingTheCpuEngine) {
-  auto model = DenseModel::load(test::Glm4MoeFixture::gguf("q8_0"));
-  ASSERT_TRUE(model) << model.error().message;
-  EXPECT_FALSE(model->params().cuda_engine_runs());
-  auto source = test::FileExpertSource::open(*model);
-  ASSERT_TRUE(source);
-  auto refused = create_gpu_engine(*model, **source, EngineOptions{16, 0, 0},
-                                   tier(GpuOptions::Tier::Experts, 8));
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find("the CUDA engine runs qwen3moe and llama; 'glm4moe' runs "
-                                         "on the CPU engine (--cpu)"),
-            std::string::npos)
-      << refused.error().message;
+  expect_factory_picks(*model, **source, "deepseek4");
 }
 
 // The fixture token by token through a VRAM tier that evicts (8 slots for 5 layers x 16 experts)
@@ -960,99 +1127,99 @@ TEST(Ds4GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
 // tokens.
 TEST(MixtralGpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
   REQUIRE_GPU();
-  const test::MixtralFixture fx = test::MixtralFixture::load();
-  for (const auto& [variant, tol] : {std::pair{"f32", 1e-3}, std::pair{"q8_0", 2e-2}}) {
-    for (const uint64_t slots : {4u, 24u}) {
-      SCOPED_TRACE(fmt::format("{} tier {}", variant, slots));
-      // As expert-run loads it for a CUDA engine: the matrices stay in the file until uploaded.
-      auto model = DenseModel::load(test::MixtralFixture::gguf(variant), DenseLoad::Deferred);
-      ASSERT_TRUE(model) << model.error().message;
-      auto source = test::FileExpertSource::open(*model);
-      ASSERT_TRUE(source) << source.error().message;
-      auto engine = create_gpu_engine(*model, **source, EngineOptions{128, 0, 0},
-                                      tier(GpuOptions::Tier::Experts, slots));
-      ASSERT_TRUE(engine) << engine.error().message;
-      const double worst = test::expect_fixture_logits(**engine, fx, variant, tol, 1e-4);
-      std::printf("[ mixtral %s tier %llu ] GPU logits vs transformers: max relative error %.3e\n",
-                  variant, static_cast<unsigned long long>(slots), worst);
-      test::expect_fixture_greedy(**engine, fx, variant);
-      const EngineStats& s = (*engine)->stats();
-      EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
-      if (slots == 4) {
-        EXPECT_GT(s.vram_misses, 24u);  // a tier this small evicts
-      }
-      EXPECT_EQ((*source)->gets(), (*source)->releases());
-    }
-  }
+  expect_tiny_fixture_on_gpu<test::MixtralFixture>("mixtral", 4, 24, 24);
 }
 
 // Through a real expertd, in place and with a VRAM tier plus router lookahead: the GPU engine gives
 // the CPU engine's logits and routing on the same daemon and gives every hold back.
 TEST(MixtralGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
   REQUIRE_GPU();
-  const test::MixtralFixture fx = test::MixtralFixture::load();
-  TempDir dir;
-  const std::string sock = dir.path() + "/expertd.sock";
-  Daemon d(dir.path(), {"--model", "mixtral=" + test::MixtralFixture::gguf("q8_0"), "--socket",
-                        sock, "--cache", "16MiB", "--no-mlock"});
-  ASSERT_TRUE(d.start());
-  auto model = DenseModel::load(test::MixtralFixture::gguf("q8_0"));
+  expect_gpu_matches_cpu_through_expertd(test::MixtralFixture::load(), "mixtral");
+}
+
+// --- GLM-4.5 (`glm4moe`: q/k/v biases, q/k norms, partial NEOX RoPE, a dense first layer,
+// DeepSeek-V3's sigmoid routing with a selection bias, a shared expert, the MTP block skipped) ---
+
+// create_gpu_engine takes glm4moe to GpuEngine (expert-run and expert-serve use it when a device is
+// present); without a device it gives the device's error, not a refusal of the architecture.
+TEST(Glm4MoeGpuEngine, TheFactoryPicksTheCudaEngineForGlm45) {
+  auto model = DenseModel::load(test::Glm4MoeFixture::gguf("q8_0"), DenseLoad::Deferred);
   ASSERT_TRUE(model) << model.error().message;
-  auto run = [&](bool gpu, const GpuOptions& g, uint32_t depth,
-                 std::vector<RoutingRecord>& routing) {
-    std::vector<std::vector<float>> out;
-    auto client = client::Client::connect(sock);
-    EXPECT_TRUE(client);
-    if (!client) return out;
-    auto session = (*client)->attach("mixtral", "gpu_engine_tests");
-    EXPECT_TRUE(session);
-    if (!session) return out;
-    auto source = DaemonExpertSource::create(**session, *model);
-    EXPECT_TRUE(source) << source.error().message;
-    if (!source) return out;
-    const EngineOptions o{128, depth, 0};
-    auto engine =
-        gpu ? create_gpu_engine(*model, **source, o, g) : create_cpu_engine(*model, **source, o);
-    EXPECT_TRUE(engine) << engine.error().message;
-    if (!engine) return out;
-    (*engine)->set_routing_log(&routing);
-    std::vector<float> l(fx.vocab);
-    for (const uint32_t t : fx.tokens) {
-      const Status st = (*engine)->decode(t, l);
-      EXPECT_TRUE(st) << st.error().message;
-      if (!st) break;
-      out.push_back(l);
-    }
-    (*engine)->set_routing_log(nullptr);
-    engine->reset();
-    EXPECT_EQ((*session)->holds(), 0u) << "every hold is given back";
-    return out;
-  };
-  std::vector<RoutingRecord> ref_routing;
-  const auto ref = run(false, GpuOptions{}, 0, ref_routing);
-  ASSERT_EQ(ref.size(), fx.tokens.size());
-  for (const auto& [label, g, depth] :
-       {std::tuple{"in-place", tier(GpuOptions::Tier::InPlace), 0u},
-        std::tuple{"tier-6+prefetch", tier(GpuOptions::Tier::Experts, 6), 2u}}) {
-    SCOPED_TRACE(label);
-    std::vector<RoutingRecord> routing;
-    const auto got = run(true, g, depth, routing);
-    ASSERT_EQ(got.size(), ref.size());
-    double worst = 0.0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double err = test::rel_err(got[i].data(), ref[i].data(), fx.vocab);
-      EXPECT_LE(err, 1e-3) << "position " << i;
-      worst = std::max(worst, err);
-    }
-    std::printf("[ mixtral q8_0 %s ] GPU vs CPU engine through expertd: max rel err %.3e\n", label,
-                worst);
-    ASSERT_EQ(routing.size(), ref_routing.size());
-    for (size_t i = 0; i < routing.size(); ++i) {
-      EXPECT_EQ(routing[i].experts, ref_routing[i].experts) << "record " << i;
-    }
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  expect_factory_picks(*model, **source, "dense MLPs and shared experts as in the file");
+}
+
+// The glm4moe-tiny fixture token by token through a VRAM tier that evicts (4 slots, top-4 of 16
+// experts on 2 sparse layers) and one that holds every expert: logits against transformers,
+// routing and weights against its trace, then the prompt as one prefill and transformers' greedy
+// tokens.
+TEST(Glm4MoeGpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
+  REQUIRE_GPU();
+  expect_tiny_fixture_on_gpu<test::Glm4MoeFixture>("glm4moe", 4, 48, 32);
+}
+
+// The GPU engine against the CPU engine on the same file with router lookahead (depth 2, from the
+// dense layer too): logits, routing records, the hints the source received (less the VRAM
+// tier's) and the counters; then prefill() against decode() on the GPU.
+TEST(Glm4MoeGpuEngine, MatchesTheCpuEngineOnTheSameFile) {
+  REQUIRE_GPU();
+  const test::Glm4MoeFixture fx = test::Glm4MoeFixture::load();
+  for (const char* variant : {"f32", "q8_0"}) {
+    SCOPED_TRACE(variant);
+    const std::string gguf = test::Glm4MoeFixture::gguf(variant);
+    expect_gpu_matches_cpu_on_file(gguf, fx.tokens, fmt::format("glm4moe {}", variant));
+    expect_prefill_is_decode(gguf, fx.tokens);
   }
-  const std::string log = d.log();
-  EXPECT_EQ(d.stop(), 0) << log;
+}
+
+// Through a real expertd, in place and with a VRAM tier plus router lookahead: the GPU engine gives
+// the CPU engine's logits and routing on the same daemon and gives every hold back.
+TEST(Glm4MoeGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
+  REQUIRE_GPU();
+  expect_gpu_matches_cpu_through_expertd(test::Glm4MoeFixture::load(), "glm");
+}
+
+// --- gpt-oss (biases on q/k/v/o, router and experts; attention sinks; a sliding window on even
+// layers; the softmax over the top-k logits; the clamped SwiGLU; YaRN) ----------------------------
+
+// create_gpu_engine takes gpt-oss to GpuEngine; without a device it gives the device's error.
+TEST(GptOssGpuEngine, TheFactoryPicksTheCudaEngineForGptOss) {
+  auto model = DenseModel::load(test::GptOssFixture::gguf("mxfp4"), DenseLoad::Deferred);
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = test::FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  expect_factory_picks(*model, **source, "prefill token by token");
+}
+
+// The gptoss-tiny fixture (window 8 under a 41-token prompt, non-zero sinks and biases, clamped
+// SwiGLU inputs; MXFP4 experts and the same values in f32, one set of transformers' logits)
+// token by token through a 4-slot tier (4 layers x 8 experts, top-2) and one holding every expert:
+// logits within 1e-3 of transformers' for both files, routing against the trace, then the prompt
+// as one prefill and the greedy tokens.
+TEST(GptOssGpuEngine, TinyFixtureLogitsRoutingAndGreedyTokensMatchTransformers) {
+  REQUIRE_GPU();
+  expect_tiny_fixture_on_gpu<test::GptOssFixture>("gpt-oss", 4, 32, 32,
+                                                  {{"f32", 1e-3}, {"mxfp4", 1e-3}});
+}
+
+// The GPU engine against the CPU engine on the same file with router lookahead (depth 2): logits,
+// routing, hints less the tier's, counters; then prefill() against decode() on the GPU.
+TEST(GptOssGpuEngine, MatchesTheCpuEngineOnTheSameFile) {
+  REQUIRE_GPU();
+  const test::GptOssFixture fx = test::GptOssFixture::load();
+  for (const char* variant : {"f32", "mxfp4"}) {
+    SCOPED_TRACE(variant);
+    const std::string gguf = test::GptOssFixture::gguf(variant);
+    expect_gpu_matches_cpu_on_file(gguf, fx.tokens, fmt::format("gpt-oss {}", variant));
+    expect_prefill_is_decode(gguf, fx.tokens);
+  }
+}
+
+// Through a real expertd (the MXFP4 file), in place and with a tier plus prefetch.
+TEST(GptOssGpuEngine, ThroughExpertdMatchesTheCpuEngine) {
+  REQUIRE_GPU();
+  expect_gpu_matches_cpu_through_expertd(test::GptOssFixture::load(), "gptoss", "mxfp4");
 }
 
 // --- deepseek2 (Ds3GpuEngine) ------------------------------------------------------------------
@@ -1135,42 +1302,8 @@ TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
       test::read_json(ds3_path("fixture.json")).at("tokens").get<std::vector<uint32_t>>();
   for (const char* variant : {"f32", "q8_0"}) {
     SCOPED_TRACE(variant);
-    auto model = DenseModel::load(ds3_path(fmt::format("model-{}.gguf", variant)));
-    ASSERT_TRUE(model) << model.error().message;
-    const uint32_t vocab = model->params().n_vocab;
-    auto fs_cpu = test::FileExpertSource::open(*model);
-    auto fs_gpu = test::FileExpertSource::open(*model);
-    ASSERT_TRUE(fs_cpu && fs_gpu);
-    const EngineOptions o{64, 2, 0};
-    auto cpu = Ds3CpuEngine::create(*model, **fs_cpu, o);
-    ASSERT_TRUE(cpu) << cpu.error().message;
-    auto gpu = Ds3GpuEngine::create(*model, **fs_gpu, o, tier(GpuOptions::Tier::Experts, 12));
-    ASSERT_TRUE(gpu) << gpu.error().message;
-    std::vector<RoutingRecord> rc;
-    std::vector<RoutingRecord> rg;
-    (*cpu)->set_routing_log(&rc);
-    (*gpu)->set_routing_log(&rg);
-    std::vector<float> a(vocab);
-    std::vector<float> b(vocab);
-    double worst = 0.0;
-    for (size_t t = 0; t < tokens.size(); ++t) {
-      ASSERT_TRUE((*cpu)->decode(tokens[t], a));
-      auto st = (*gpu)->decode(tokens[t], b);
-      ASSERT_TRUE(st) << st.error().message;
-      const double err = test::rel_err(b.data(), a.data(), vocab);
-      EXPECT_LE(err, 1e-3) << "position " << t;
-      worst = std::max(worst, err);
-    }
-    std::printf("[ %s ] deepseek3 GPU vs CPU engine: max relative error %.3e\n", variant, worst);
-    ASSERT_EQ(rc.size(), rg.size());
-    for (size_t i = 0; i < rc.size(); ++i) {
-      EXPECT_EQ(rg[i].experts, rc[i].experts) << "record " << i;
-      EXPECT_EQ(rg[i].predicted, rc[i].predicted) << "record " << i;
-    }
-    expect_cpu_hints_less_the_tiers((*fs_cpu)->hints(), (*fs_gpu)->hints());
-    EXPECT_EQ((*gpu)->stats().hints_sent, (*cpu)->stats().hints_sent);
-    EXPECT_EQ((*gpu)->stats().experts_used, (*cpu)->stats().experts_used);
-    EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
+    expect_gpu_matches_cpu_on_file(ds3_path(fmt::format("model-{}.gguf", variant)), tokens,
+                                   fmt::format("deepseek3 {}", variant));
   }
 }
 

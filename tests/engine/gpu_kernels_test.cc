@@ -348,25 +348,32 @@ TEST_F(GpuKernels, RopeMatchesCpu) {
   }
 }
 
-// The CPU engine's attention loop for one token over positions 0..n_pos-1.
+// The CPU engine's attention loop for one token over positions first..n_pos-1, with gpt-oss's
+// per-head sink logit in the softmax's denominator when `sinks` is not empty.
 std::vector<float> cpu_attention(const std::vector<float>& q, const std::vector<float>& k,
                                  const std::vector<float>& v, uint32_t n_head, uint32_t n_head_kv,
-                                 uint32_t hd, uint32_t n_pos) {
+                                 uint32_t hd, uint32_t n_pos, uint32_t first = 0,
+                                 const std::vector<float>& sinks = {}) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint32_t group = n_head / n_head_kv;
   const uint64_t kv_dim = uint64_t{n_head_kv} * hd;
   std::vector<float> out(size_t{n_head} * hd);
-  std::vector<double> scores(n_pos);
+  std::vector<double> scores(n_pos + 1);
   std::vector<double> acc(hd);
   for (uint32_t h = 0; h < n_head; ++h) {
     const float* qh = q.data() + uint64_t{h} * hd;
     const uint64_t off = uint64_t{h / group} * hd;
-    for (uint32_t t = 0; t < n_pos; ++t) {
+    for (uint32_t t = first; t < n_pos; ++t) {
       scores[t] = engine::dot(qh, k.data() + t * kv_dim + off, hd) * scale;
     }
-    engine::softmax(scores.data(), n_pos);
+    if (sinks.empty()) {
+      engine::softmax(scores.data() + first, n_pos - first);
+    } else {
+      scores[n_pos] = sinks[h];
+      engine::softmax(scores.data() + first, n_pos + 1 - first);
+    }
     std::fill(acc.begin(), acc.end(), 0.0);
-    for (uint32_t t = 0; t < n_pos; ++t) {
+    for (uint32_t t = first; t < n_pos; ++t) {
       for (uint32_t i = 0; i < hd; ++i) acc[i] += scores[t] * v[t * kv_dim + off + i];
     }
     for (uint32_t i = 0; i < hd; ++i) out[uint64_t{h} * hd + i] = static_cast<float>(acc[i]);
@@ -415,6 +422,103 @@ TEST_F(GpuKernels, DecodeAttentionMatchesCpu) {
     }
     got.resize(want.size());
     EXPECT_LE(normalised_error(got, want), 2e-5);
+  }
+}
+
+// gpt-oss's attention: a window (positions before `first` hold NaN and must not be read) and a sink
+// logit per head, against the CPU engine's loop.
+TEST_F(GpuKernels, DecodeAttentionWindowAndSinksMatchCpu) {
+  std::mt19937_64 rng(13);
+  struct Shape {
+    uint32_t n_head;
+    uint32_t n_head_kv;
+    uint32_t head_dim;
+    uint32_t n_pos;
+    uint32_t first;
+    bool sinks;
+  };
+  for (const Shape s : {Shape{4, 2, 16, 9, 1, true}, Shape{4, 2, 16, 49, 41, true},
+                        Shape{8, 1, 64, 300, 172, false}, Shape{64, 8, 64, 5000, 4872, true},
+                        Shape{4, 4, 32, 3, 0, true}, Shape{2, 1, 128, 200, 199, true}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "heads " << s.n_head << "/" << s.n_head_kv << " head_dim " << s.head_dim
+                 << " n_pos " << s.n_pos << " first " << s.first << " sinks " << s.sinks);
+    const uint64_t kv_dim = uint64_t{s.n_head_kv} * s.head_dim;
+    const std::vector<float> q = uniform(size_t{s.n_head} * s.head_dim, rng, -2.0f, 2.0f);
+    std::vector<float> k = uniform(s.n_pos * kv_dim, rng, -2.0f, 2.0f);
+    std::vector<float> v = uniform(s.n_pos * kv_dim, rng);
+    // Sinks that matter: around the scores' own range, some above every score.
+    const std::vector<float> sinks =
+        s.sinks ? uniform(s.n_head, rng, -1.0f, 6.0f) : std::vector<float>{};
+    const std::vector<float> want =
+        cpu_attention(q, k, v, s.n_head, s.n_head_kv, s.head_dim, s.n_pos, s.first, sinks);
+    std::fill(k.begin(), k.begin() + static_cast<int64_t>(s.first * kv_dim), std::nanf(""));
+    std::fill(v.begin(), v.begin() + static_cast<int64_t>(s.first * kv_dim), std::nanf(""));
+    DeviceBuffer<float> dq(q);
+    DeviceBuffer<float> dk(k);
+    DeviceBuffer<float> dv(v);
+    DeviceBuffer<float> dsinks(s.sinks ? sinks : std::vector<float>{0.0f});
+    DeviceBuffer<float> dout(std::vector<float>(size_t{s.n_head} * s.head_dim, 0.0f));
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    CUDA_OK(decode_attention(dq.get(), dk.get(), dv.get(), dout.get(), s.n_head, s.n_head_kv,
+                             s.head_dim, s.n_pos, scale, stream_, s.first,
+                             s.sinks ? dsinks.get() : nullptr));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dout.download(), want), 2e-5);
+  }
+  EXPECT_EQ(
+      decode_attention(nullptr, nullptr, nullptr, nullptr, 4, 4, 64, 5, 1.0f, stream_, 5, nullptr),
+      cudaErrorInvalidValue);
+}
+
+// gpt-oss's clamped SwiGLU on biased inputs against CpuEngine's operations, with inputs on both
+// sides of the clamps.
+TEST_F(GpuKernels, OaiSwigluMatchesCpu) {
+  std::mt19937_64 rng(14);
+  const uint64_t n = 3000;
+  const std::vector<float> g = uniform(n, rng, -12.0f, 12.0f);
+  const std::vector<float> u = uniform(n, rng, -12.0f, 12.0f);
+  const std::vector<float> bg = uniform(n, rng, -1.0f, 1.0f);
+  const std::vector<float> bu = uniform(n, rng, -1.0f, 1.0f);
+  std::vector<float> want(n);
+  for (uint64_t j = 0; j < n; ++j) {
+    const double gg = std::min(g[j] + bg[j], engine::kGptOssLimit);
+    const double uu = std::clamp(u[j] + bu[j], -engine::kGptOssLimit, engine::kGptOssLimit);
+    want[j] = static_cast<float>((uu + 1.0) * gg / (1.0 + std::exp(-engine::kGptOssAlpha * gg)));
+  }
+  DeviceBuffer<float> dg(g);
+  DeviceBuffer<float> du(u);
+  DeviceBuffer<float> dbg(bg);
+  DeviceBuffer<float> dbu(bu);
+  CUDA_OK(oai_swiglu(dg.get(), du.get(), dbg.get(), dbu.get(), dg.get(), n, engine::kGptOssAlpha,
+                     engine::kGptOssLimit, stream_));
+  CUDA_OK(sync());
+  EXPECT_LE(normalised_error(dg.download(), want), 1e-6);
+}
+
+// YaRN's NEOX rope (gpt-oss) against CpuEngine's rope_neox_freqs with the same frequencies.
+TEST_F(GpuKernels, RopeNeoxFreqsMatchesCpu) {
+  std::mt19937_64 rng(15);
+  engine::Yarn yarn;
+  yarn.factor = 32.0;
+  yarn.orig_ctx = 4096;
+  const uint32_t heads = 6;
+  const uint32_t head_dim = 64;
+  const uint32_t n_rot = 64;
+  const std::vector<double> freqs = engine::rope_inv_freq(n_rot, 150000.0, yarn, false);
+  const double mscale = engine::yarn_mscale(yarn.factor);
+  DeviceBuffer<double> dfreqs(freqs);
+  for (const uint32_t pos : {0u, 1u, 40u, 31000u}) {
+    SCOPED_TRACE(pos);
+    const std::vector<float> x = uniform(size_t{heads} * head_dim, rng, -2.0f, 2.0f);
+    std::vector<float> want = x;
+    for (uint32_t h = 0; h < heads; ++h) {
+      engine::rope_neox_freqs(want.data() + size_t{h} * head_dim, n_rot, pos, freqs.data(), mscale);
+    }
+    DeviceBuffer<float> dx(x);
+    CUDA_OK(rope_neox_freqs(dx.get(), heads, head_dim, n_rot, pos, dfreqs.get(), mscale, stream_));
+    CUDA_OK(sync());
+    EXPECT_LE(normalised_error(dx.download(), want), 1e-6);
   }
 }
 

@@ -489,13 +489,6 @@ int run(const Options& o) {
   const DenseLoad how = use_gpu ? DenseLoad::Deferred : DenseLoad::Eager;
   auto model = o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model, how)
                               : DenseModel::load(o.gguf, how);
-  if (model && use_gpu && !model->params().cuda_engine_runs()) {
-    // Run it by name all the same: the CPU engine needs the dense weights in memory.
-    why_cpu = fmt::format("the CUDA engine does not run {} yet", model->params().architecture);
-    use_gpu = false;
-    model =
-        o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model) : DenseModel::load(o.gguf);
-  }
   if (!model) return fail(model.error().message);
   const ModelParams& p = model->params();
   auto tok = Tokenizer::from_gguf(model->gguf().meta());
