@@ -46,12 +46,18 @@ void expect_cpu_hints_less_the_tiers(const std::vector<ExpertHint>& hc,
                                      const std::vector<ExpertHint>& hg) {
   ASSERT_LE(hg.size(), hc.size());
   ASSERT_GT(hg.size(), 0u);
+  // The same (layer, expert) comes back token after token, so a GPU hint is matched with the next
+  // CPU hint that has its score too: matching on the expert alone paired a hint the tier dropped
+  // at one token with the GPU's of a later token (a 1.5e-3 "difference" on the H200).
+  auto same = [](const ExpertHint& a, const ExpertHint& b) {
+    return a.layer == b.layer && a.expert == b.expert && std::fabs(a.score - b.score) <= 1e-5f;
+  };
   size_t j = 0;
   for (size_t i = 0; i < hg.size(); ++i) {
-    while (j < hc.size() && (hc[j].layer != hg[i].layer || hc[j].expert != hg[i].expert)) ++j;
+    while (j < hc.size() && !same(hc[j], hg[i])) ++j;
     ASSERT_LT(j, hc.size()) << "GPU hint " << i << " (layer " << hg[i].layer << " expert "
-                            << hg[i].expert << ") is not among the CPU's, in order";
-    EXPECT_NEAR(hg[i].score, hc[j].score, 1e-5) << "hint " << i;
+                            << hg[i].expert << " score " << hg[i].score
+                            << ") is not among the CPU's, in order, with its score";
     ++j;
   }
 }
