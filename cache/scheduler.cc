@@ -737,7 +737,8 @@ uint32_t Scheduler::depth_bucket(uint32_t session, uint64_t target) const {
   return std::min<uint32_t>(depth_of(session, target), kPrefetchDepthBuckets) - 1;
 }
 
-bool Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket) {
+bool Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket,
+                            bool resident) {
   HintMark& m = hinted_[key_index(key)];
   const auto token = static_cast<uint32_t>(target >> 32);
   const auto bit = static_cast<uint8_t>(1u << bucket);
@@ -753,8 +754,7 @@ bool Scheduler::mark_hinted(uint32_t session, ExpertKey key, uint64_t target, ui
     const Cursor& c = cursors_[session];
     if (pack_target(m.token, key.layer) >= pack_target(c.token, c.layer)) return false;
   }
-  ExpertCache* owner = nullptr;
-  m = HintMark{token, static_cast<uint16_t>(session), bit, find_slot(key, &owner) < 0};
+  m = HintMark{token, static_cast<uint16_t>(session), bit, !resident};
   return true;
 }
 
@@ -820,13 +820,14 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   // The estimate counts only hints for experts absent when their target was first hinted: a
   // hint for a resident expert reads nothing, and counting those (right nearly always) made the
   // estimate clear the bar while the reads it let through were mostly wrong (docs/CACHE.md).
-  if (mark_hinted(session, key, target, bucket) && hinted_[key_index(key)].cold) {
+  ExpertCache* owner = nullptr;
+  const bool resident = find_slot(key, &owner) >= 0;  // cached or loading
+  if (mark_hinted(session, key, target, bucket, resident) && hinted_[key_index(key)].cold) {
     count_estimate_hint(session, static_cast<uint32_t>(target >> 32), bucket);
   }
   // Every hint, resident or not: a policy may protect a resident expert the router wants soon.
   cache_.policy().on_hint(key, depth_of(session, target), hint_probability(bucket));
-  ExpertCache* owner = nullptr;
-  if (find_slot(key, &owner) >= 0) return 0;  // already cached or loading
+  if (resident) return 0;
   // Merge with a queued hint for the same expert, else take a free entry, else replace the
   // farthest queued hint if this one is nearer.
   uint32_t free_entry = kNil;

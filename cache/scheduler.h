@@ -366,7 +366,9 @@ class Scheduler final : private EvictionListener {
   uint32_t depth_bucket(uint32_t session, uint64_t target) const;
   void cancel_load(uint32_t load);
   // Returns false when `key` was already hinted at this bucket for this target.
-  bool mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket);
+  // `resident`: the expert is cached or loading (a new mark for this target is cold otherwise).
+  bool mark_hinted(uint32_t session, ExpertKey key, uint64_t target, uint32_t bucket,
+                   bool resident);
   // The estimator: hints and matched acquires per (session, target token mod kTokenRing, bucket)
   // until that token is passed, then folded into the decayed per-bucket sums.
   void count_estimate_hint(uint32_t session, uint32_t token, uint32_t bucket);

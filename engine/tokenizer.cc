@@ -318,10 +318,12 @@ Result<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     if (p.name == pre_name) spec = &p;
   }
   if (spec == nullptr) {
+    std::string names;  // the table's own names, so the message cannot fall behind it
+    for (const PreTokenizer& p : kPreTokenizers)
+      names += (names.empty() ? "" : ", ") + std::string(p.name);
     return make_error(ENOTSUP, fmt::format("{}: tokenizer.ggml.pre \"{}\" is not supported "
-                                           "(supported: default, gpt-2, qwen2, llama-bpe, llama3, "
-                                           "deepseek-v3, glm4, gpt-4o, kimi-k2)",
-                                           f.path(), pre_name));
+                                           "(supported: {})",
+                                           f.path(), pre_name, names));
   }
 
   Tokenizer t;

@@ -182,6 +182,10 @@ TEST(Tokenizer, UnknownPreTokenizerOrModelIsRefusedByName) {
   EXPECT_NE(unknown.error().message.find("tokenizer.ggml.pre \"chameleon\" is not supported"),
             std::string::npos)
       << unknown.error().message;
+  EXPECT_NE(unknown.error().message.find("(supported: default, gpt-2, qwen2, llama-bpe, llama3, "
+                                         "deepseek-v3, glm4, gpt-4o, kimi-k2)"),
+            std::string::npos)
+      << unknown.error().message;
   auto rwkv = with_keys(dir.path(), "rwkv", "default");
   ASSERT_FALSE(rwkv);
   EXPECT_NE(rwkv.error().message.find("tokenizer.ggml.model \"rwkv\" is not supported"),
