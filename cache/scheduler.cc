@@ -299,6 +299,7 @@ void Scheduler::uncharge(uint32_t session) {
 }
 
 void Scheduler::expire(uint64_t now_ns) {
+  expire_reads(now_ns);
   if (pending_.empty()) return;
   // Compacted in place (no allocation); completions do not call back into the scheduler.
   size_t kept = 0;
@@ -312,6 +313,53 @@ void Scheduler::expire(uint64_t now_ns) {
     }
   }
   pending_.resize(kept);
+}
+
+// How often expire_reads() looks at the chunks: a deadline of seconds needs no finer check, and the
+// reactor may loop many thousand times a second.
+inline constexpr uint64_t kReadCheckNs = 100'000'000;
+
+void Scheduler::expire_reads(uint64_t now_ns) {
+  if (ops_in_flight_ == 0 || options_.read_timeout_ns == 0 || now_ns < next_read_check_ns_) return;
+  next_read_check_ns_ = now_ns + kReadCheckNs;
+  for (uint32_t c = 0; c < chunks_.size(); ++c) {
+    Chunk& ch = chunks_[c];
+    if (!ch.in_flight || ch.timed_out || now_ns - ch.submitted_ns < options_.read_timeout_ns) {
+      continue;
+    }
+    ch.timed_out = true;
+    ++stats_.reads_timed_out;
+    Load& l = loads_[ch.load];
+    if (!l.cancelled && l.error == 0) {
+      l.error = -ETIME;
+      l.error_shard = ch.shard;
+      record_failure(c);
+      fail_waiters(l, -ETIME);
+    }
+    // It still comes back exactly once (cancelled, or with its result); until then the load keeps
+    // the slot, which the read may yet write.
+    io_.cancel(&ch.op);
+  }
+}
+
+void Scheduler::fail_waiters(Load& l, int32_t error) {
+  for (uint32_t w = l.waiters; w != kNil;) {
+    const Waiter wt = waiters_[w];
+    uncharge(wt.session);
+    sink_.complete(Completion{wt.session, wt.tag, error, 0, l.key});
+    waiters_[w].next = free_waiter_;
+    free_waiter_ = w;
+    w = wt.next;
+  }
+  l.waiters = kNil;
+  l.waiters_tail = kNil;
+}
+
+void Scheduler::submitted(uint32_t c) {
+  Chunk& ch = chunks_[c];
+  ch.submitted_ns = monotonic_ns();
+  ch.in_flight = true;
+  ch.timed_out = false;
 }
 
 bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
@@ -337,6 +385,13 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
     load = static_cast<uint32_t>(slot_load_[static_cast<uint32_t>(slot)]);
     // A cancelled prefetch owns the slot until its reads return: wait for it to free.
     if (loads_[load].cancelled) return false;
+    if (loads_[load].error != 0) {
+      // A failed load whose reads are not all back (one past its deadline, say): joining it would
+      // wait for them, for ever on a stalled device. Its error now; once its reads are back the
+      // slot frees and the next acquire reads afresh.
+      sink_.complete(Completion{session, tag, loads_[load].error, 0, key});
+      return true;
+    }
     ++stats_.coalesced;
     const Load& l = loads_[load];
     if (l.prefetched && !l.demand) {
@@ -431,6 +486,7 @@ bool Scheduler::submit_chunk_of(uint32_t load) {
     return false;
   }
   if (l.next_slice == 0 && l.next_offset == 0) l.start_ns = monotonic_ns();  // first read
+  submitted(c);
   ++l.ops;
   op_started();
   ++stats_.reads;
@@ -448,6 +504,7 @@ bool Scheduler::submit_next_chunk() {
     const uint32_t c = requeued_.back();
     if (!io_.submit(&chunks_[c].op)) return false;
     requeued_.pop_back();
+    submitted(c);
     op_started();
     ++stats_.reads;
     return true;
@@ -478,6 +535,7 @@ void Scheduler::on_read(ReadOp* op) {
   EXPERTD_CHECK_LT(c, chunks_.size());
   EXPERTD_CHECK_EQ(&chunks_[c].op, op);
   Chunk& ch = chunks_[c];
+  ch.in_flight = false;
   Load& l = loads_[ch.load];
   const int32_t res = op->result;
   if (res > 0) {
@@ -1045,6 +1103,19 @@ void Scheduler::pump() {
   while (submit_next_chunk()) {
   }
   io_.flush();
+}
+
+bool Scheduler::only_stalled_reads_left() const {
+  if (ops_in_flight_ == 0 || !requeued_.empty() || !deferred_.empty() || !pending_.empty()) {
+    return false;
+  }
+  uint32_t stalled = 0;
+  for (const Chunk& ch : chunks_) stalled += ch.in_flight && ch.timed_out ? 1 : 0;
+  if (stalled != ops_in_flight_) return false;
+  for (const Load& l : loads_) {
+    if (l.active && l.error == 0 && !l.cancelled) return false;
+  }
+  return true;
 }
 
 bool Scheduler::idle() const {

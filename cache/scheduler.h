@@ -32,6 +32,11 @@
 //    finds a slot that is free, evictable or finishing a prefetch read: no cycle of waits. A
 //    session at reservation + unreserved slots is refused at once (-EBUSY); an acquire that waits
 //    for a slot longer than acquire_timeout_ns completes with -ETIMEDOUT (expire()).
+//  - a read out longer than read_timeout_ns (a stalled device or file system) fails its load with
+//    -ETIME: the acquires waiting on it complete at once, the backend is asked to cancel the read,
+//    and the slot stays with the load until the read comes back (the kernel may still write it).
+//    Meanwhile an acquire of that expert gets -ETIME at once rather than joining the failed load;
+//    once the read is back the slot frees and the next acquire reads afresh.
 //  - bytes in flight are bounded: at most `queue_depth` chunk reads, and prefetch loads only for
 //    layers within `prefetch_depth` of the cursor.
 //  - each expert's slices are read widened to the DIO alignment, in chunks of `chunk_bytes`
@@ -107,6 +112,9 @@ struct SchedulerOptions {
   // first after retry_backoff_ns, each later one after twice the previous wait.
   uint32_t read_retries = 3;
   uint64_t retry_backoff_ns = 2'000'000;
+  // A read the backend has not given back after this long fails its load with -ETIME (its
+  // waiting acquires at once) and is asked to cancel; 0: no deadline (expire_reads()).
+  uint64_t read_timeout_ns = 30'000'000'000;
 };
 
 // One load that failed on a read: where, and why (for the owner's log).
@@ -122,7 +130,8 @@ struct LoadFailure {
 
 // What a finished acquire reports. slot >= 0: READY and held for the session (release it);
 // else -errno (EIO: the read failed; ECANCELED: the session went away; EBUSY: the session holds
-// the most slots it may, or the wait queue is full; ETIMEDOUT: no slot within the deadline).
+// the most slots it may, or the wait queue is full; ETIMEDOUT: no slot within the deadline; ETIME:
+// the expert's read did not come back within read_timeout_ns).
 struct Completion {
   uint32_t session = 0;
   uint64_t tag = 0;
@@ -186,7 +195,8 @@ class Scheduler final : private EvictionListener {
   uint32_t reserved() const { return reserved_total_; }
   // The most slots `session` may hold now: its reservation and the slots nobody reserved.
   uint32_t session_bound(uint32_t session) const;
-  // Acquires waiting for a slot since before now_ns - acquire_timeout_ns complete with -ETIMEDOUT.
+  // Acquires waiting for a slot since before now_ns - acquire_timeout_ns complete with -ETIMEDOUT,
+  // and reads out since before now_ns - read_timeout_ns fail their loads (expire_reads()).
   void expire(uint64_t now_ns);
   // The session's engine is at (token, layer): prefetches for layers it has passed are dropped.
   void set_cursor(uint32_t session, uint32_t token, uint32_t layer);
@@ -201,6 +211,9 @@ class Scheduler final : private EvictionListener {
   void pump();
   // No load in progress and nothing queued.
   bool idle() const;
+  // Work is left only on reads past their deadline (their loads failed; they may never come back):
+  // a shutdown need not wait for them.
+  bool only_stalled_reads_left() const;
   // When the earliest deferred retry is due (monotonic ns), or 0 when none waits.
   uint64_t next_retry_ns() const;
 
@@ -305,8 +318,11 @@ class Scheduler final : private EvictionListener {
     uint32_t needed = 0;   // bytes of this read that hold slice data (the rest is widening)
     uint32_t next_free = kNil;
     uint32_t shard = 0;
-    uint32_t retries = 0;      // EIO / early-EOF retries so far
-    uint64_t retry_at_ns = 0;  // while deferred: when to resubmit
+    uint32_t retries = 0;       // EIO / early-EOF retries so far
+    uint64_t retry_at_ns = 0;   // while deferred: when to resubmit
+    uint64_t submitted_ns = 0;  // when the backend last took it (the read deadline's start)
+    bool in_flight = false;     // with the backend now
+    bool timed_out = false;     // out past read_timeout_ns (counted and cancelled once)
   };
   struct Hint {
     uint32_t session = 0;
@@ -357,6 +373,12 @@ class Scheduler final : private EvictionListener {
   void promote_due_retries();
   // Puts the chunk's failing read in the failure ring.
   void record_failure(uint32_t chunk);
+  // Fails, once, the loads of reads out past read_timeout_ns (a scan every kReadCheckNs at most).
+  void expire_reads(uint64_t now_ns);
+  // Completes the load's waiting acquires with `error` now and empties its waiter list.
+  void fail_waiters(Load& l, int32_t error);
+  // Chunk c is with the backend from now (the read deadline starts).
+  void submitted(uint32_t chunk);
   void start_prefetches();
   bool hint_passed(const Hint& h) const;
   uint64_t hint_distance(const Hint& h) const;
@@ -459,6 +481,7 @@ class Scheduler final : private EvictionListener {
   std::vector<HintMark> hinted_;            // per (block layer, expert)
   std::vector<PrefetchDepths> session_depths_;
   uint32_t ops_in_flight_ = 0;
+  uint64_t next_read_check_ns_ = 0;     // expire_reads(): when to scan the chunks next
   DiskBusyMeter busy_;                  // fed by op_started/op_finished and acquires
   uint32_t prefetch_loads_active_ = 0;  // active loads nobody waits for (demand == false)
 };

@@ -159,7 +159,10 @@ bool StoreReactor::drain(uint64_t timeout_ms) {
   const uint64_t deadline = monotonic_ns() + timeout_ms * 1'000'000ull;
   while (true) {
     bool idle = true;
-    for (const Entry& e : stores_) idle = idle && e.store->scheduler().idle();
+    for (const Entry& e : stores_) {
+      const Scheduler& s = e.store->scheduler();
+      idle = idle && (s.idle() || s.only_stalled_reads_left());
+    }
     if (idle) return true;
     if (monotonic_ns() > deadline) return false;
     if (run_once(10, {}) < 0) return false;

@@ -98,7 +98,8 @@ class StoreReactor {
   // Pumps every store, waits up to timeout_ms for events, dispatches reads to their stores and
   // returns the fd events (doorbells) for the caller. Returns the number of fd events or -errno.
   int run_once(int timeout_ms, std::span<IoEvent> fd_events);
-  // Runs until every store is idle (or the deadline passes); false on timeout.
+  // Runs until every store is idle, or has work left only on reads past their deadline (which may
+  // never come back), or the deadline passes; false on timeout.
   bool drain(uint64_t timeout_ms);
 
  private:

@@ -72,6 +72,7 @@ struct AttachReply {
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
   uint32_t acquire_timeout_ms = 0;  // 0 from a daemon without the deadline
+  uint32_t read_timeout_ms = 0;     // 0 from a daemon without a read deadline, or with it off
   std::array<UniqueFd, 5> fds;      // arena, slot table, session, req, comp
 };
 
@@ -514,6 +515,7 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
       a.request_capacity = r.getRequestCapacity();
       a.completion_capacity = r.getCompletionCapacity();
       a.acquire_timeout_ms = r.getAcquireTimeoutMs();
+      a.read_timeout_ms = r.getReadTimeoutMs();
       auto fds = kj::heapArrayBuilder<kj::Promise<kj::Maybe<int>>>(caps.size());
       for (auto& c : caps) fds.add(c.getFd());
       // The capabilities own their fds: they must outlive the dup()s below (an attach()ed
@@ -557,8 +559,12 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->request_capacity_ = reply.request_capacity;
   s->completion_capacity_ = reply.completion_capacity;
   s->daemon_timeout_ms_ = reply.acquire_timeout_ms;
+  // An acquire may wait for a slot, then for the read into it: both deadlines, so the daemon's own
+  // error comes first.
   s->wait_timeout_ns_ =
-      (reply.acquire_timeout_ms ? reply.acquire_timeout_ms + kWaitGraceMs : kDefaultWaitMs) *
+      (reply.acquire_timeout_ms
+           ? reply.acquire_timeout_ms + uint64_t{reply.read_timeout_ms} + kWaitGraceMs
+           : kDefaultWaitMs) *
       1'000'000;
 
   EXPERTD_TRY_ASSIGN(res.arena, map_fd(res.arena_fd, s->arena_bytes_, PROT_READ, "arena"));
@@ -983,6 +989,12 @@ Status Session::acquire(uint32_t layer, std::span<const uint32_t> experts,
 
 Error Session::acquire_error(int err, uint32_t layer, uint32_t expert) {
   const std::string what = fmt::format("acquire of layer {} expert {}", layer, expert);
+  if (err == ETIME) {
+    return make_error(ETIME, fmt::format("{}: its disk read did not come back within the daemon's "
+                                         "read_timeout_ms (a stalled device or file system; "
+                                         "expertd's log names the file and offset)",
+                                         what));
+  }
   if (err != EBUSY && err != ETIMEDOUT) {
     return make_error(err, fmt::format("{}: {}", what, std::strerror(err)));
   }

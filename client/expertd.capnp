@@ -75,6 +75,7 @@ struct SchedulerStats {
   acquireTimeouts @23 :UInt64;   # acquires that found no slot within the acquire deadline (ETIMEDOUT)
   readRetries @24 :UInt64;       # reads resubmitted after EIO or an early end of file, with backoff
   checksumMismatches @25 :UInt64;  # loads whose bytes did not match the checksum manifest
+  readsTimedOut @26 :UInt64;     # reads not back within read_timeout_ms: their loads failed (ETIME)
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint
@@ -172,7 +173,7 @@ interface Expertd {
       -> (session :Session, sessionId :UInt32, arenaBytes :UInt64, slotTableBytes :UInt64,
           sessionBytes :UInt64, requestCapacity :UInt32, completionCapacity :UInt32,
           arena :Fd, slotTable :Fd, sessionRegion :Fd, requestDoorbell :Fd,
-          completionDoorbell :Fd, acquireTimeoutMs :UInt32);
+          completionDoorbell :Fd, acquireTimeoutMs :UInt32, readTimeoutMs :UInt32);
   stats @3 () -> (stats :Stats);
   # depth 0xFFFFFFFF: auto (chosen per model from the measured hint precision).
   setPrefetchDepth @4 (depth :UInt32) -> ();

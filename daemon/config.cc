@@ -148,6 +148,7 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_uint(path, t, "queue_depth", c.queue_depth));
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
   EXPERTD_TRY(read_uint(path, t, "acquire_timeout_ms", c.acquire_timeout_ms));
+  EXPERTD_TRY(read_uint(path, t, "read_timeout_ms", c.read_timeout_ms));
   EXPERTD_TRY(read_uint(path, t, "max_connections_per_uid", c.max_connections_per_uid));
   EXPERTD_TRY(read_uint(path, t, "max_sessions_per_uid", c.max_sessions_per_uid));
   EXPERTD_TRY(read_uint(path, t, "idle_timeout_s", c.idle_timeout_s));
@@ -229,6 +230,12 @@ Status validate_config(const DaemonConfig& c) {
     return make_error(EINVAL,
                       fmt::format("acquire_timeout_ms {}: must be {}..{}", c.acquire_timeout_ms,
                                   kMinAcquireTimeoutMs, kMaxAcquireTimeoutMs));
+  }
+  if (c.read_timeout_ms != 0 &&
+      (c.read_timeout_ms < kMinReadTimeoutMs || c.read_timeout_ms > kMaxReadTimeoutMs)) {
+    return make_error(EINVAL,
+                      fmt::format("read_timeout_ms {}: must be {}..{}, or 0 for no deadline",
+                                  c.read_timeout_ms, kMinReadTimeoutMs, kMaxReadTimeoutMs));
   }
   if (c.max_connections_per_uid == 0 || c.max_connections_per_uid > kMaxConnections) {
     return make_error(EINVAL, fmt::format("max_connections_per_uid {}: must be 1..{}",

@@ -26,6 +26,9 @@ inline constexpr uint32_t kMaxQueueDepth = 4096;
 // An acquire's wait for a slot: at least a reactor sleep (100 ms), at most 10 minutes.
 inline constexpr uint32_t kMinAcquireTimeoutMs = 100;
 inline constexpr uint32_t kMaxAcquireTimeoutMs = 600'000;
+// A read's deadline: 1 s to an hour; 0 turns it off.
+inline constexpr uint32_t kMinReadTimeoutMs = 1'000;
+inline constexpr uint32_t kMaxReadTimeoutMs = 3'600'000;
 // Control-plane bounds (daemon/rpc.cc). Connections from non-admins at once; admins may open
 // kAdminReservedConnections more, so expertctl gets in when the others are all taken.
 inline constexpr uint32_t kMaxConnections = 256;
@@ -54,6 +57,9 @@ struct DaemonConfig {
   uint32_t max_sessions = 64;
   // An acquire that finds no slot waits at most this long, then fails with ETIMEDOUT.
   uint32_t acquire_timeout_ms = 10'000;
+  // A disk read not back after this long fails its expert's load with ETIME (a stalled device or
+  // file system must not hang acquires for ever; cache/scheduler.h). 0: no deadline.
+  uint32_t read_timeout_ms = 30'000;
   // Check every load against a per-expert XXH3 manifest, built at the first start with it on and
   // kept in state_directory (docs/STORAGE.md "Content checksums").
   bool checksums = false;
@@ -89,6 +95,7 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"allowed_gids", "--allow-gid"},
     {"max_sessions", "--max-sessions"},
     {"acquire_timeout_ms", "--acquire-timeout-ms"},
+    {"read_timeout_ms", "--read-timeout-ms"},
     {"admin_gids", "--admin-gid"},
     {"max_connections_per_uid", "--max-connections-per-uid"},
     {"max_sessions_per_uid", "--max-sessions-per-uid"},

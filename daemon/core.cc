@@ -201,6 +201,7 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
     so.scheduler.prefetch_depth = config.prefetch_depth;
     so.scheduler.max_sessions = config.max_sessions;
     so.scheduler.acquire_timeout_ns = uint64_t{config.acquire_timeout_ms} * 1'000'000;
+    so.scheduler.read_timeout_ns = uint64_t{config.read_timeout_ms} * 1'000'000;
     // Staging slots: the configured bytes, at least 2 slots (one streams while one is held).
     SliceMap probe_map;
     EXPERTD_TRY_ASSIGN(probe_map, SliceMap::build(opened[i]));
@@ -598,6 +599,7 @@ Result<Attachment> DaemonCore::attach(const std::string& model_name, const Clien
     return st.take_error();
   }
   a.acquire_timeout_ms = config_.acquire_timeout_ms;
+  a.read_timeout_ms = config_.read_timeout_ms;
   a.arena_bytes = store.arena().size();
   a.slot_table_bytes = store.slot_table().size();
   a.session_bytes = s->region.size();
@@ -1085,12 +1087,17 @@ void DaemonCore::log_failed_loads() {
     for (; m.failures_logged < total; ++m.failures_logged) {
       if (!load_failure_log_.allow()) continue;
       const LoadFailure& f = sched.failure(m.failures_logged);
+      const std::string why = f.error == -ETIME
+                                  ? fmt::format(
+                                        "not back after read_timeout_ms {} (a stalled device or "
+                                        "file system; the read was asked to cancel)",
+                                        config_.read_timeout_ms)
+                                  : std::string(std::strerror(-f.error));
       spdlog::error(
           "model '{}': load of layer {} expert {} failed: {}: read of {} bytes at offset {}: {} "
           "(after {} retries){}",
-          m.name, f.key.layer, f.key.expert, io_->file(f.file).path, f.len, f.offset,
-          std::strerror(-f.error), f.retries,
-          load_failure_log_.suppressed_note("failed load", "failed loads"));
+          m.name, f.key.layer, f.key.expert, io_->file(f.file).path, f.len, f.offset, why,
+          f.retries, load_failure_log_.suppressed_note("failed load", "failed loads"));
     }
     check_files(i);  // a file replaced or cut short shows first as failed reads
   }

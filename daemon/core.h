@@ -72,6 +72,7 @@ struct Attachment {
   uint32_t request_capacity = 0;
   uint32_t completion_capacity = 0;
   uint32_t acquire_timeout_ms = 0;  // an acquire waits at most this long for a slot
+  uint32_t read_timeout_ms = 0;     // and at most this long for a read (0: no read deadline)
 };
 
 // One of a model's files (a shard of a split model) opened for a client: read-only, the same file

@@ -45,6 +45,7 @@ struct Flags {
   int64_t queue_depth = -1;
   int64_t max_sessions = -1;
   int64_t acquire_timeout_ms = -1;
+  int64_t read_timeout_ms = -1;
   std::vector<int64_t> allow_uids, allow_gids;
   std::vector<int64_t> admin_gids;
   int64_t max_connections_per_uid = -1, max_sessions_per_uid = -1, idle_timeout_s = -1;
@@ -111,6 +112,7 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   if (f.queue_depth >= 0) c.queue_depth = static_cast<uint32_t>(f.queue_depth);
   if (f.max_sessions >= 0) c.max_sessions = static_cast<uint32_t>(f.max_sessions);
   if (f.acquire_timeout_ms >= 0) c.acquire_timeout_ms = static_cast<uint32_t>(f.acquire_timeout_ms);
+  if (f.read_timeout_ms >= 0) c.read_timeout_ms = static_cast<uint32_t>(f.read_timeout_ms);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
   for (const int64_t g : f.admin_gids) c.admin_gids.push_back(static_cast<gid_t>(g));
@@ -236,17 +238,25 @@ expertd::Result<expertd::FaultOptions> parse_test_faults(const std::string& spec
       (key == "eio" ? f.eio_rate : key == "short" ? f.short_rate : f.eagain_rate) = r;
     } else if (key == "seed") {
       f.seed = std::strtoull(value.c_str(), &end, 10);
-    } else if (key == "eio_range") {
+    } else if (key == "eio_range" || key == "hang_range" || key == "stuck_range") {
+      // hang_range: reads there never complete until cancelled; stuck_range: not even then.
       unsigned file = 0;
       unsigned long long offset = 0;
       unsigned long long bytes = 0;
       if (std::sscanf(value.c_str(), "%u:%llu:%llu", &file, &offset, &bytes) != 3) {
         return expertd::make_error(EINVAL,
-                                   fmt::format("eio_range={}: FILE:OFFSET:BYTES expected", value));
+                                   fmt::format("{}={}: FILE:OFFSET:BYTES expected", key, value));
       }
-      f.eio_file = file;
-      f.eio_offset = offset;
-      f.eio_bytes = bytes;
+      if (key == "eio_range") {
+        f.eio_file = file;
+        f.eio_offset = offset;
+        f.eio_bytes = bytes;
+      } else {
+        f.hang_file = file;
+        f.hang_offset = offset;
+        f.hang_bytes = bytes;
+        f.hang_ignores_cancel = key == "stuck_range";
+      }
     } else {
       return expertd::make_error(EINVAL, fmt::format("unknown key '{}'", key));
     }
@@ -503,6 +513,11 @@ int main(int argc, char** argv) {
                  fmt::format("An acquire that finds no cache slot fails with ETIMEDOUT after this "
                              "long, {}..{} ms (10000)",
                              expertd::kMinAcquireTimeoutMs, expertd::kMaxAcquireTimeoutMs))
+      ->check(u32);
+  app.add_option("--read-timeout-ms", f.read_timeout_ms,
+                 fmt::format("A disk read not back after this long fails its expert's load "
+                             "(ETIME) and is cancelled: {}..{} ms, 0 = no deadline (30000)",
+                             expertd::kMinReadTimeoutMs, expertd::kMaxReadTimeoutMs))
       ->check(u32);
   app.add_option("--admin-gid", f.admin_gids,
                  "Members of this gid may change settings, evict, pin (besides root and the "

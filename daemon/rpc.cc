@@ -409,6 +409,7 @@ class ExpertdImpl final : public rpc::Expertd::Server {
           r.setRequestDoorbell(kj::heap<FdImpl>(std::move(a.request_doorbell)));
           r.setCompletionDoorbell(kj::heap<FdImpl>(std::move(a.completion_doorbell)));
           r.setAcquireTimeoutMs(a.acquire_timeout_ms);
+          r.setReadTimeoutMs(a.read_timeout_ms);
         });
   }
 

@@ -6,6 +6,7 @@
 //   injected_  failed here (EIO/EAGAIN), never given to inner; returned at the next wait();
 //   tracked_   given to inner with a fault to apply when it completes (short read or delay);
 //   held_      completed by inner, delayed for some wait()s;
+//   hung_      in the hang range: never given to inner, back only when cancelled (if at all);
 //   ready_     events to hand out (out may be smaller than what is ready).
 #include <fmt/format.h>
 
@@ -43,7 +44,7 @@ class OpRandom {
   uint64_t state_;
 };
 
-enum class Fault : uint8_t { None, Eio, Eagain, Short, Delay };
+enum class Fault : uint8_t { None, Eio, Eagain, Short, Delay, Hang };
 
 struct Tracked {
   ReadOp* op = nullptr;
@@ -70,15 +71,17 @@ class FaultyBackendImpl final : public FaultyBackend {
     tracked_.reserve(qd);
     injected_.reserve(qd);
     held_.reserve(qd);
+    hung_.reserve(qd);
     ready_.reserve(2 * qd + kScratchEvents);
   }
 
   std::string_view name() const override { return name_; }
   std::string describe() const override {
-    return fmt::format("{}: seed {}, eio {}, eagain {}, short {}, delay {}, reorder {}; over {}",
-                       name_, options_.seed, options_.eio_rate, options_.eagain_rate,
-                       options_.short_rate, options_.delay_rate, options_.reorder,
-                       inner_->describe());
+    return fmt::format(
+        "{}: seed {}, eio {}, eagain {}, short {}, delay {}, reorder {}, hang {} bytes{}; over {}",
+        name_, options_.seed, options_.eio_rate, options_.eagain_rate, options_.short_rate,
+        options_.delay_rate, options_.reorder, options_.hang_bytes,
+        options_.hang_ignores_cancel ? " (ignoring cancel)" : "", inner_->describe());
   }
   Status open_files(std::span<const std::string> paths) override {
     return inner_->open_files(paths);
@@ -105,6 +108,7 @@ class FaultyBackendImpl final : public FaultyBackend {
  private:
   Tracked decide(ReadOp* op);
   bool eio_applies(const ReadOp& op) const;
+  bool hangs(const ReadOp& op) const;
   void apply(const IoEvent& event);
   void cut_short(ReadOp* op, const Tracked& t);
   void tick_held();
@@ -120,6 +124,7 @@ class FaultyBackendImpl final : public FaultyBackend {
   std::vector<Tracked> tracked_;
   std::vector<Tracked> injected_;
   std::vector<Held> held_;
+  std::vector<ReadOp*> hung_;
   std::vector<IoEvent> ready_;
   std::vector<IoEvent> scratch_;
   uint32_t owned_ = 0;
@@ -133,6 +138,12 @@ bool FaultyBackendImpl::eio_applies(const ReadOp& op) const {
          options_.eio_offset < op.offset + op.len;
 }
 
+bool FaultyBackendImpl::hangs(const ReadOp& op) const {
+  return options_.hang_bytes != 0 && op.file == options_.hang_file &&
+         op.offset < options_.hang_offset + options_.hang_bytes &&
+         options_.hang_offset < op.offset + op.len;
+}
+
 // Always draws the same numbers, whatever the outcome, so decision n depends on (seed, n) only.
 Tracked FaultyBackendImpl::decide(ReadOp* op) {
   OpRandom rng(options_.seed, decided_);
@@ -141,7 +152,9 @@ Tracked FaultyBackendImpl::decide(ReadOp* op) {
   const bool cut_aligned = (rng.next() & 1) != 0;
   const auto waits = static_cast<uint32_t>(1 + rng.next() % std::max(1u, options_.max_delay_waits));
   Tracked t{op, Fault::None, cut, cut_aligned, waits};
-  if (u_eio < options_.eio_rate && eio_applies(*op)) {
+  if (hangs(*op)) {
+    t.fault = Fault::Hang;
+  } else if (u_eio < options_.eio_rate && eio_applies(*op)) {
     t.fault = Fault::Eio;
   } else if (u_eagain < options_.eagain_rate) {
     t.fault = Fault::Eagain;
@@ -161,6 +174,10 @@ bool FaultyBackendImpl::submit(ReadOp* op) {
     op->result = kReadPending;
     injected_.push_back(t);
     ++(t.fault == Fault::Eio ? faults_.eio : faults_.eagain);
+  } else if (t.fault == Fault::Hang) {
+    op->result = kReadPending;
+    hung_.push_back(op);
+    ++faults_.hung;
   } else if (!inner_->submit(op)) {
     return false;  // the decision is not consumed: decided_ is unchanged
   } else if (t.fault != Fault::None) {
@@ -180,6 +197,14 @@ void FaultyBackendImpl::cancel(ReadOp* op) {
   }
   for (const Held& h : held_) {
     if (h.op == op) return;
+  }
+  auto hung = std::find(hung_.begin(), hung_.end(), op);
+  if (hung != hung_.end()) {
+    if (options_.hang_ignores_cancel) return;
+    (*hung)->result = -ECANCELED;
+    ready_.push_back(IoEvent{IoEvent::Kind::Read, *hung, 0});
+    hung_.erase(hung);
+    return;
   }
   inner_->cancel(op);
 }

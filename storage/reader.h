@@ -154,6 +154,13 @@ struct FaultOptions {
   uint32_t eio_file = 0;
   uint64_t eio_offset = 0;
   uint64_t eio_bytes = 0;
+  // Reads overlapping [hang_offset, hang_offset + hang_bytes) of hang_file never complete: a
+  // stalled device. They are held here, never passed to inner, and come back (-ECANCELED) only
+  // when cancel()ed, or, with hang_ignores_cancel (a bio the kernel cannot take back), never.
+  uint32_t hang_file = 0;
+  uint64_t hang_offset = 0;
+  uint64_t hang_bytes = 0;
+  bool hang_ignores_cancel = false;
 };
 
 // What the fault injector did so far (ops it faulted, batches it shuffled).
@@ -163,6 +170,7 @@ struct FaultStats {
   uint64_t short_reads = 0;
   uint64_t delayed = 0;
   uint64_t reordered_batches = 0;  // wait() results whose order the shuffle changed
+  uint64_t hung = 0;               // reads held as never completing
 };
 
 class FaultyBackend : public ReadBackend {

@@ -66,6 +66,25 @@ size_t count(const std::string& text, const std::string& what) {
   return n;
 }
 
+// A byte in the middle of (layer, expert)'s first slice, from a daemon's layout: a fault placed
+// there hits that expert's reads and no neighbour's widened read.
+uint64_t inside_expert(const std::string& dir, const std::string& model, uint32_t layer,
+                       uint32_t expert) {
+  Daemon probe(dir, daemon_args(model, dir));
+  EXPECT_TRUE(probe.start());
+  auto c = Client::connect(probe.socket());
+  EXPECT_TRUE(c) << c.error().message;
+  if (!c) return 0;
+  auto layout = (*c)->open_model("m");
+  EXPECT_TRUE(layout) << layout.error().message;
+  if (!layout) return 0;
+  const auto it = std::find_if(layout->slices.begin(), layout->slices.end(),
+                               [&](const auto& s) { return s.layer == layer; });
+  EXPECT_NE(it, layout->slices.end());
+  EXPECT_EQ(probe.stop(), 0);
+  return it == layout->slices.end() ? 0 : it->offset + expert * it->stride + it->bytes / 2;
+}
+
 TEST(ChaosFaults, OnePercentEioShortAndEagainAreRetriedUnderSeveralClientsWithNoWrongByte) {
   TempDir dir;
   const std::string model = test::forge(dir.path(), "m", kModel);
@@ -158,22 +177,9 @@ TEST(ChaosFaults, OnePercentEioShortAndEagainAreRetriedUnderSeveralClientsWithNo
 TEST(ChaosFaults, AnExpertWhoseReadsAlwaysFailFailsAloneAfterBoundedRetriesAndIsLogged) {
   TempDir dir;
   const std::string model = test::forge(dir.path(), "m", kModel);
-  // Where layer 1 expert 3's first slice lies: the middle of it fails every read, so no
-  // neighbour's widened read touches it.
+  // The middle of layer 1 expert 3's first slice fails every read.
   uint64_t bad_offset = 0;
-  {
-    Daemon probe(dir.path(), daemon_args(model, dir.path()));
-    ASSERT_TRUE(probe.start());
-    auto c = Client::connect(probe.socket());
-    ASSERT_TRUE(c) << c.error().message;
-    auto layout = (*c)->open_model("m");
-    ASSERT_TRUE(layout) << layout.error().message;
-    const auto it = std::find_if(layout->slices.begin(), layout->slices.end(),
-                                 [](const auto& s) { return s.layer == 1; });
-    ASSERT_NE(it, layout->slices.end());
-    bad_offset = it->offset + 3 * it->stride + it->bytes / 2;
-    EXPECT_EQ(probe.stop(), 0);
-  }
+  ASSERT_NO_FATAL_FAILURE(bad_offset = inside_expert(dir.path(), model, 1, 3));
   Daemon d(dir.path(), daemon_args(model, dir.path()),
            {fmt::format("EXPERTD_TEST_FAULTS=eio=1,eio_range=0:{}:1", bad_offset)});
   d.set_binary("expertd-test");
@@ -226,6 +232,131 @@ TEST(ChaosFaults, AnExpertWhoseReadsAlwaysFailFailsAloneAfterBoundedRetriesAndIs
               static_cast<unsigned long>(m.shard_read_retries[0]), count(log, "failed: " + model));
   EXPECT_EQ(d.stop(), 0) << log;
 }
+
+// A read that never comes back (a stalled device or file system): the daemon's read deadline
+// fails that expert's acquire with ETIME and a message saying so, logs the file and offset, and
+// every other expert is served with the right bytes meanwhile. hang_range: the read comes back
+// when cancelled, so the slot frees and the next acquire of the expert reads (and stalls) afresh.
+// stuck_range: not even cancelling brings it back (an O_DIRECT bio the kernel cannot take back),
+// so the slot stays with the failed load and later acquires of the expert fail at once; shutdown
+// does not wait for that read.
+class ChaosStalledRead : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChaosStalledRead, FailsOnlyItsExpertAtTheReadDeadline) {
+  const bool stuck = GetParam() == "stuck_range";
+  TempDir dir;
+  const std::string model = test::forge(dir.path(), "m", kModel);
+  uint64_t offset = 0;
+  ASSERT_NO_FATAL_FAILURE(offset = inside_expert(dir.path(), model, 1, 3));
+  std::vector<std::string> args = daemon_args(model, dir.path());
+  args.insert(args.end(), {"--read-timeout-ms", "1000"});
+  Daemon d(dir.path(), args, {fmt::format("EXPERTD_TEST_FAULTS={}=0:{}:1", GetParam(), offset)});
+  d.set_binary("expertd-test");
+  ASSERT_TRUE(d.start());
+  const Expected expected(model);
+  auto c = Client::connect(d.socket());
+  ASSERT_TRUE(c) << c.error().message;
+  auto s = (*c)->attach("m", "stalled-read");
+  ASSERT_TRUE(s) << s.error().message;
+  EXPECT_EQ((*s)->wait_timeout_ms(), 10'000u + 1'000u + 5'000u)
+      << "the client waits out both of the daemon's deadlines before its own";
+
+  // Another client acquires every other expert while the stalled acquire waits.
+  std::atomic<uint64_t> others_failed{0};
+  std::atomic<uint64_t> others_wrong{0};
+  std::atomic<uint64_t> others_done{0};
+  std::thread other([&] {
+    auto c2 = Client::connect(d.socket());
+    if (!c2) return others_failed.store(1);
+    auto s2 = (*c2)->attach("m", "beside-the-stall");
+    if (!s2) return others_failed.store(1);
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      for (uint32_t e = 0; e < kExperts; ++e) {
+        if (layer == 1 && e == 3) continue;
+        const uint32_t one[1] = {e};
+        auto views = (*s2)->acquire(layer, one);
+        if (!views) {
+          ++others_failed;
+          continue;
+        }
+        others_wrong += expected.wrong_bytes((*views)[0]);
+        (void)(*s2)->release(*views);
+        ++others_done;
+      }
+    }
+  });
+  const uint32_t bad[1] = {3};
+  const uint64_t t0 = monotonic_ms();
+  auto views = (*s)->acquire(1, bad);
+  const uint64_t waited_ms = monotonic_ms() - t0;
+  other.join();
+  ASSERT_FALSE(views);
+  EXPECT_EQ(views.error().code, ETIME) << views.error().message;
+  EXPECT_NE(views.error().message.find("acquire of layer 1 expert 3: its disk read did not come "
+                                       "back within the daemon's read_timeout_ms"),
+            std::string::npos)
+      << views.error().message;
+  EXPECT_GE(waited_ms, 1000u);
+  EXPECT_LT(waited_ms, 8000u) << "the read deadline, not the client's own 16 s";
+  EXPECT_EQ(others_failed.load(), 0u);
+  EXPECT_EQ(others_wrong.load(), 0u);
+  EXPECT_EQ(others_done.load(), uint64_t{kLayers} * kExperts - 1);
+
+  // Again: a fresh read that stalls too (hang_range), or at once the stuck load's error.
+  const uint64_t t1 = monotonic_ms();
+  auto again = (*s)->acquire(1, bad);
+  const uint64_t again_ms = monotonic_ms() - t1;
+  ASSERT_FALSE(again);
+  EXPECT_EQ(again.error().code, ETIME) << again.error().message;
+  if (stuck) {
+    EXPECT_LT(again_ms, 1000u) << "the load still owns the slot: its error at once";
+  } else {
+    EXPECT_GE(again_ms, 1000u) << "the slot came back with the cancel: a new read";
+  }
+  // The rest of the model still serves this session.
+  uint64_t wrong = 0;
+  const uint32_t other_expert[1] = {4};
+  auto ok = (*s)->acquire(1, other_expert);
+  ASSERT_TRUE(ok) << ok.error().message;
+  wrong += expected.wrong_bytes((*ok)[0]);
+  EXPECT_TRUE((*s)->release(*ok));
+  EXPECT_EQ(wrong, 0u);
+
+  auto st = (*c)->stats();
+  ASSERT_TRUE(st) << st.error().message;
+  const ModelStats& m = st->models[0];
+  EXPECT_EQ(m.scheduler.reads_timed_out, stuck ? 1u : 2u);
+  EXPECT_EQ(m.scheduler.loads_failed, stuck ? 0u : 2u) << "a stuck load never ends";
+  const std::string log = d.log();
+  EXPECT_NE(
+      log.find(fmt::format("model 'm': load of layer 1 expert 3 failed: {}: read of ", model)),
+      std::string::npos)
+      << log;
+  EXPECT_NE(log.find("not back after read_timeout_ms 1000"), std::string::npos) << log;
+  // expertctl's metrics carry the counter.
+  const test::RunResult r = test::expertctl(d.socket(), {"metrics"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const std::string& metrics = r.out;
+  EXPECT_NE(metrics.find(fmt::format("expertd_model_reads_timed_out_total{{model=\"m\"}} {}",
+                                     stuck ? 1 : 2)),
+            std::string::npos)
+      << metrics;
+  s->reset();
+  c->reset();
+  const uint64_t t2 = monotonic_ms();
+  EXPECT_EQ(d.stop(), 0) << log;
+  const uint64_t stop_ms = monotonic_ms() - t2;
+  EXPECT_LT(stop_ms, 8000u) << "shutdown does not wait 10 s for a read that may never return";
+  std::printf(
+      "[ figures ] %s: stalled acquire failed after %lu ms, the next after %lu ms; "
+      "%lu other acquires served meanwhile, 0 wrong bytes; stop took %lu ms\n",
+      GetParam().c_str(), static_cast<unsigned long>(waited_ms),
+      static_cast<unsigned long>(again_ms), static_cast<unsigned long>(others_done.load()),
+      static_cast<unsigned long>(stop_ms));
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, ChaosStalledRead, ::testing::Values("hang_range", "stuck_range"),
+                         [](const auto& p) { return p.param; });
 
 // Acquires every expert once and checks the bytes; returns how many acquires failed.
 uint64_t acquire_all(Session& s, const Expected& expected, uint64_t* wrong) {

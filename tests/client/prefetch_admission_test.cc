@@ -94,10 +94,16 @@ class PrefetchAdmissionTest : public ::testing::Test {
   }
   // Out of core a token's experts are gone by the time the next token's hints for them arrive:
   // the routed and wrong experts of a layer just passed leave the cache, so the hints for them are
-  // hints that would need a read, the only kind the precision estimate counts. (Evicting an
-  // expert that is not cached is refused, and ignored here.)
+  // hints that would need a read, the only kind the precision estimate counts. The routed experts
+  // were just acquired, so they are cached; their release travels on the ring and the evict over
+  // the socket, so an evict that overtakes the release finds the expert held and is retried. (A
+  // wrong expert need not be cached: evicting one that is not is refused, and ignored here.)
   void evict_passed(uint32_t layer, const std::vector<uint32_t>& wrong) {
-    for (const uint32_t e : kRouted) (void)client_->evict("m", layer, e);
+    for (const uint32_t e : kRouted) {
+      EXPECT_TRUE(test::wait_until([&] { return bool(client_->evict("m", layer, e)); },
+                                   std::chrono::seconds(5)))
+          << "layer " << layer << " expert " << e << " stayed held after its release";
+    }
     for (const uint32_t e : wrong) (void)client_->evict("m", layer, e);
   }
   // One token of acquires that leaves its experts cached (the tests that then cap the cache).

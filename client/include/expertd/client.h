@@ -146,8 +146,9 @@ class Session {
   // Spin this long for a completion before sleeping on the eventfd.
   void set_spin_us(uint32_t us) { spin_ns_ = uint64_t{us} * 1000; }
   // How long an acquire waits for each completion before it fails with ETIMEDOUT (the daemon is
-  // stopped or wedged). Default: the daemon's acquire deadline plus 5 s, so the daemon's own
-  // error (a slot not free in time) comes first; 30 s with a daemon that has none.
+  // stopped or wedged). Default: the daemon's acquire and read deadlines plus 5 s, so the
+  // daemon's own error (a slot not free in time, a read not back) comes first; 30 s with a daemon
+  // that has none.
   void set_wait_timeout_ms(uint32_t ms) { wait_timeout_ns_ = uint64_t{ms} * 1'000'000; }
   uint32_t wait_timeout_ms() const { return static_cast<uint32_t>(wait_timeout_ns_ / 1'000'000); }
   // The daemon's deadline for an acquire that waits for a slot (0: a daemon without one).
