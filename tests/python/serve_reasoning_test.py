@@ -296,6 +296,23 @@ def main():
                                     {"messages": messages, "reasoning_format": False})
         assert status == 400 and json.loads(data)["error"]["param"] == "reasoning_format"
         print(f"ok: bad reasoning_format: 400 ({body['error']['message']!r})")
+
+        # --reasoning-format none: raw for every request, unless the request asks for the split.
+        port, _, log_path = start_serve(args, sock, "fixture",
+                                        ["--ctx", "1024", "--cpu", "--reasoning-format", "none"],
+                                        procs)
+        assert "--reasoning-format none" in open(log_path).read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        m = client.chat.completions.create(model="fixture", messages=messages, max_tokens=N,
+                                           temperature=0).choices[0].message
+        assert m.content == raw and "reasoning_content" not in (m.model_extra or {}), m
+        m = client.chat.completions.create(model="fixture", messages=messages, max_tokens=N,
+                                           temperature=0,
+                                           extra_body={"reasoning_format": "deepseek"}
+                                           ).choices[0].message
+        assert (m.model_extra["reasoning_content"], m.content) == (want_r, want_c), m
+        print("ok: --reasoning-format none: the raw text; a request's \"deepseek\" splits")
     finally:
         for p in reversed(procs):
             p.terminate()
