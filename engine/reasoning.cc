@@ -215,13 +215,18 @@ void ReasoningSplitter::answer_start() {
 void ReasoningSplitter::harmony_header() {
   const size_t message = held_.find(kMessage);
   std::string_view h = std::string_view(held_).substr(0, message);
+  // A header read whole starts with its parts; one still coming agrees with them so far.
+  auto opens = [complete = message != std::string::npos](std::string_view s,
+                                                         std::string_view part) {
+    return complete ? s.starts_with(part) : agrees(s, part);
+  };
   if (after_end_) {
-    if (!agrees(h, kStartAssistant)) return to_raw();
+    if (!opens(h, kStartAssistant)) return to_raw();
     h.remove_prefix(std::min(h.size(), kStartAssistant.size()));
   }
   // A recipient (" to=functions.x": a tool call) or another role's message is not for the user
   // as reasoning or content: the text goes through as it is.
-  if (!agrees(h, kChannel) || h.find(" to=") != std::string_view::npos) return to_raw();
+  if (!opens(h, kChannel) || h.find(" to=") != std::string_view::npos) return to_raw();
   // A header longer than kMaxHeld (with its <|message|>) is not one, however it was cut.
   if (message == std::string::npos) {
     if (finishing_ || held_.size() >= kMaxHeld) to_raw();

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -209,6 +210,13 @@ TEST(ReasoningHarmony, TextThatIsNotHarmonyIsContent) {
   expect_any_cut(kHarmony, "<|channel|>secret<|message|>x", {"", "<|channel|>secret<|message|>x"});
   expect_any_cut(kHarmony, kAnalysis + "a<|end|><|start|>user<|message|>hi",
                  {"a", "<|start|>user<|message|>hi"});
+  // Headers missing their parts.
+  expect_any_cut(kHarmony, "<|message|>x", {"", "<|message|>x"});
+  expect_any_cut(kHarmony, "<|chan<|message|>x", {"", "<|chan<|message|>x"});
+  expect_any_cut(kHarmony, kAnalysis + "a<|end|><|start|><|message|>b",
+                 {"a", "<|start|><|message|>b"});
+  expect_any_cut(kHarmony, kAnalysis + "a<|end|><|start|>assistant<|message|>b",
+                 {"a", "<|start|>assistant<|message|>b"});
 }
 
 TEST(ReasoningHarmony, CutShortInAHeaderOrABody) {
@@ -230,6 +238,64 @@ TEST(ReasoningHarmony, Utf8InTheBodies) {
       kAnalysis + "Ελληνικά 🤔" + kNext + "<|channel|>final<|message|>Привет, 世界 ✓";
   expect_any_cut(kHarmony, text, {"Ελληνικά 🤔", "Привет, 世界 ✓"});
   expect_whole_characters(kHarmony, text);
+}
+
+// Answers made of tag fragments, white space and text, in both syntaxes: whole, byte by byte and
+// cut at random places, one result; and every byte of the result is one of the answer's, in order
+// within each part.
+TEST(ReasoningAnySyntax, FragmentSoupDoesNotDependOnTheCuts) {
+  const std::vector<std::string> parts = {"<|",
+                                          "|>",
+                                          "<|channel|>",
+                                          "analysis",
+                                          "final",
+                                          "commentary",
+                                          "<|message|>",
+                                          "<|end|>",
+                                          "<|start|>assistant",
+                                          " to=",
+                                          "<|return|>",
+                                          "<think>",
+                                          "</think>",
+                                          "<thi",
+                                          " ",
+                                          "\n",
+                                          "x",
+                                          "λ",
+                                          "<|start|>",
+                                          "<|constrain|>"};
+  std::mt19937 rng(7);
+  for (int round = 0; round < 400; ++round) {
+    std::string text;
+    const size_t n = 1 + rng() % 14;
+    // Most answers open as the syntax does, so the states past the opening are reached too.
+    if (rng() % 2) text += round % 2 ? "<think>" : "<|channel|>analysis<|message|>";
+    for (size_t i = 0; i < n; ++i) text += parts[rng() % parts.size()];
+    for (const ReasoningSyntax syntax : {kThink, kHarmony}) {
+      const Split want = whole(syntax, text);
+      std::vector<std::string> bytes;
+      for (const char c : text) bytes.emplace_back(1, c);
+      ASSERT_EQ(feed(syntax, false, bytes), want) << text;
+      for (int cut = 0; cut < 8; ++cut) {
+        std::vector<std::string> pieces;
+        for (size_t at = 0; at < text.size();) {
+          const size_t len = 1 + rng() % 12;
+          pieces.push_back(text.substr(at, len));
+          at += len;
+        }
+        ASSERT_EQ(feed(syntax, false, pieces), want) << text;
+      }
+      // Each part is a subsequence of the answer: nothing made up, nothing reordered.
+      for (const std::string* part : {&want.reasoning, &want.content}) {
+        size_t at = 0;
+        for (const char c : *part) {
+          at = text.find(c, at);
+          ASSERT_NE(at, std::string::npos) << text;
+          ++at;
+        }
+      }
+    }
+  }
 }
 
 TEST(ReasoningNone, EverythingIsContent) {
