@@ -63,8 +63,33 @@ EndTokens EndTokens::from_gguf(const GgufFile& meta) {
     if (!u || *u > UINT32_MAX) return std::nullopt;
     return static_cast<uint32_t>(*u);
   };
-  return EndTokens{id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"),
-                   id("tokenizer.ggml.eom_token_id")};
+  EndTokens t{id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.eot_token_id"),
+              id("tokenizer.ggml.eom_token_id")};
+  // Harmony (gpt-oss): <|end|> closes one message (the analysis before the final answer), the
+  // answer ends at <|return|> or <|call|>. A GGUF that names <|end|> as an end token would stop
+  // generation after the reasoning; as llama.cpp does, a vocabulary with <|return|> and <|call|>
+  // does not end generation at <|end|>.
+  const GgufValue* tokens = meta.find("tokenizer.ggml.tokens");
+  const GgufArray* arr = tokens != nullptr ? tokens->as_array() : nullptr;
+  if (arr == nullptr || arr->elem_type != GgufValueType::STRING) return t;
+  auto piece = [&](std::optional<uint32_t> token) {
+    return token && *token < arr->count ? arr->string_at(*token) : std::string_view();
+  };
+  if (piece(t.eos) != "<|end|>" && piece(t.eot) != "<|end|>" && piece(t.eom) != "<|end|>") {
+    return t;
+  }
+  bool has_return = false;
+  bool has_call = false;
+  for (uint64_t i = 0; i < arr->count; ++i) {
+    const std::string_view p = arr->string_at(i);
+    has_return = has_return || p == "<|return|>";
+    has_call = has_call || p == "<|call|>";
+  }
+  if (!has_return || !has_call) return t;
+  for (std::optional<uint32_t>* e : {&t.eos, &t.eot, &t.eom}) {
+    if (piece(*e) == "<|end|>") e->reset();
+  }
+  return t;
 }
 
 }  // namespace expertd::engine

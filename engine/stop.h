@@ -48,6 +48,8 @@ class StopMatcher {
 
 // The tokens that end a turn, from the GGUF's tokenizer.ggml.eos_token_id, eot_token_id and
 // eom_token_id, each where present (a negative value, or one past 2^32 - 1, counts as absent).
+// Harmony's <|end|> is left out when the vocabulary has <|return|> and <|call|> (gpt-oss): it ends
+// a message, not the answer.
 struct EndTokens {
   std::optional<uint32_t> eos;
   std::optional<uint32_t> eot;

@@ -117,6 +117,35 @@ TEST(EndTokens, ReadFromTheGgufWhereTheyArePresent) {
   EXPECT_FALSE(e.contains(UINT32_MAX));
 }
 
+// gpt-oss's GGUF names <|return|> as its EOS; one that also named <|end|> (the end of the analysis
+// message) would stop every answer before its final channel.
+TEST(EndTokens, HarmonyEndIsNotAnEndToken) {
+  TempDir dir;
+  auto write = [&](const std::string& name, std::vector<std::string> tokens) {
+    const std::string path = dir.path() + "/" + name;
+    GgufWriter w;
+    w.set_array("tokenizer.ggml.tokens", std::span<const std::string>(tokens));
+    w.set_u32("tokenizer.ggml.eos_token_id", 2);
+    w.set_u32("tokenizer.ggml.eot_token_id", 4);
+    EXPECT_TRUE(w.begin(path, GgufWriterOptions{.sync = false}));
+    EXPECT_TRUE(w.finish());
+    EXPECT_TRUE(w.commit());
+    auto f = GgufFile::open(path);
+    EXPECT_TRUE(f) << f.error().message;
+    return EndTokens::from_gguf(*f);
+  };
+  const std::vector<std::string> harmony = {"<|startoftext|>", "<|endoftext|>", "<|return|>",
+                                            "<|start|>",       "<|end|>",       "<|call|>"};
+  const EndTokens e = write("harmony.gguf", harmony);
+  EXPECT_EQ(e.eos, 2u);
+  EXPECT_FALSE(e.eot.has_value());
+  EXPECT_FALSE(e.contains(4));
+  // Without <|call|> it is not harmony's vocabulary: <|end|> stays what the file says.
+  std::vector<std::string> other = harmony;
+  other[5] = "<|other|>";
+  EXPECT_EQ(write("other.gguf", other).eot, 4u);
+}
+
 // expert-run on the fixture model through a real expertd. The fixture's vocabulary is one byte
 // per token, so token i of the output is byte i of its text.
 class ExpertRunStopTest : public ::testing::Test {

@@ -357,7 +357,8 @@ def test_startup_errors(args, sock, port):
     assert rc != 0 and f"cannot listen on 127.0.0.1:{port}" in out, f"port in use: {rc} {out}"
     rc, out = run_briefly([serve, "--help"])
     for flag in ("--socket", "--model", "--host", "--port", "--ctx", "--queue", "--cpu",
-                 "--vram-experts", "--prefetch-depth", "--chat-template"):
+                 "--vram-experts", "--prefetch-depth", "--chat-template", "--reasoning-format",
+                 "reasoning_content"):
         assert flag in out, f"--help does not mention {flag}"
     print("ok: startup errors name the socket, the model and the address in use")
 

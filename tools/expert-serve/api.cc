@@ -291,6 +291,15 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   }
   if (max) out.max_tokens = static_cast<uint64_t>(*max);
   if (auto e = get_bool(body, "ignore_eos", out.ignore_eos)) return e;
+  if (const json* v = field(body, "reasoning_format"); v && chat) {
+    if (!v->is_string()) return wrong_type("reasoning_format", "a string", *v);
+    out.reasoning_format = v->get<std::string>();
+    if (out.reasoning_format != "auto" && out.reasoning_format != "deepseek" &&
+        out.reasoning_format != "none") {
+      return bad("reasoning_format", fmt::format("reasoning_format must be one of {}, got '{}'",
+                                                 kReasoningFormats, out.reasoning_format));
+    }
+  }
   if (auto e = read_sampling(body, out.sampling)) return e;
   if (auto e = read_stop(body, out.stops)) return e;
   if (auto e = unsupported(body, chat)) return e;

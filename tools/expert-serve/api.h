@@ -44,7 +44,13 @@ struct Request {
   std::vector<std::string> stops;
   std::optional<uint64_t> max_tokens;  // absent: completions 16, chat the rest of the context
   bool ignore_eos = false;             // an extension (vLLM's): generate past the end token
+  // Chat, an extension (llama.cpp's): "auto" or "deepseek" give the reasoning apart as
+  // reasoning_content, "none" the raw text as content; "" = the server's --reasoning-format.
+  std::string reasoning_format;
 };
+
+// The values reasoning_format takes, as the error message lists them.
+inline constexpr const char* kReasoningFormats = "auto, deepseek, none";
 
 // Reads `body` (already parsed JSON) into `out`. `model` is the served model's name: another name
 // is a 404. `n_vocab` bounds token-id prompts.

@@ -149,8 +149,12 @@ std::optional<Error> Generator::run(Job& job) {
     job.error = e.message;
     return e;
   };
+  // Checked when the request was read.
+  auto ends = StopMatcher::create(job.end_strings);
+  if (!ends) return fail(ends.error());
   auto stops = StopMatcher::create(job.stops);
-  if (!stops) return fail(stops.error());  // checked when the request was read
+  if (!stops) return fail(stops.error());
+  ReasoningSplitter splitter(job.reasoning, job.starts_in_reasoning);
 
   const EngineStats before = engine_->stats();
   const uint64_t t0 = monotonic_ns();
@@ -170,9 +174,30 @@ std::optional<Error> Generator::run(Job& job) {
       at_prompt.prefill_chunks - before.prefill_chunks == 1 ? "" : "s",
       static_cast<double>(t1 - t0) / 1e6);
 
+  // One token's (or the end's) output on its way to the job: the splitter's reasoning as it is,
+  // its content through the request's stop strings.
+  std::string reasoning;
+  std::string content;
+  bool stopped = false;  // a request stop string completed: nothing more reaches the content
+  auto through = [&](ReasoningSplitter::Step s) {
+    if (stopped) return;
+    reasoning.append(s.reasoning);
+    if (s.content.empty()) return;
+    const StopMatcher::Step st = stops->push(s.content);
+    content.append(st.emit);
+    stopped = st.stop;
+  };
+  uint32_t generated = 0;
+  auto publish = [&] {
+    std::lock_guard lock(job.mu);
+    job.reasoning_text.append(reasoning);
+    job.text.append(content);
+    job.completion_tokens = generated;
+    job.cv.notify_all();
+  };
+
   Sampler sampler(job.sampling, engine_->params().n_vocab);
   for (const uint32_t t : job.prompt) sampler.accept(t);  // the penalty's window starts there
-  uint32_t generated = 0;
   std::string finish = "length";
   bool cancelled = false;
   while (generated < job.max_tokens) {
@@ -186,14 +211,12 @@ std::optional<Error> Generator::run(Job& job) {
       finish = "stop";
       break;
     }
-    const StopMatcher::Step step = stops->push(tokenizer_.decode(next));
-    if (!step.emit.empty()) {
-      std::lock_guard lock(job.mu);
-      job.text.append(step.emit);
-      job.completion_tokens = generated;
-      job.cv.notify_all();
-    }
-    if (step.stop) {
+    reasoning.clear();
+    content.clear();
+    const StopMatcher::Step end = ends->push(tokenizer_.decode(next));
+    through(splitter.push(end.emit));
+    if (!reasoning.empty() || !content.empty()) publish();
+    if (end.stop || stopped) {
       finish = "stop";
       break;
     }
@@ -205,13 +228,20 @@ std::optional<Error> Generator::run(Job& job) {
     }
     fed_.push_back(next);
   }
+  // What each stage held back: text no end string completed, the splitter's unfinished tag or
+  // header, a prefix of a request stop string.
+  reasoning.clear();
+  content.clear();
+  if (!ends->stopped()) through(splitter.push(ends->finish()));
+  through(splitter.finish());
+  if (!stopped) content.append(stops->finish());
   const uint64_t t2 = monotonic_ns();
-  const std::string held(stops->stopped() ? std::string_view() : stops->finish());
   {
     std::lock_guard lock(job.mu);
-    job.text.append(held);
+    job.reasoning_text.append(reasoning);
+    job.text.append(content);
     job.completion_tokens = generated;
-    job.finish_reason = finish;
+    job.finish_reason = stopped ? "stop" : finish;
     job.cv.notify_all();
   }
   const EngineStats& s = engine_->stats();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/reasoning.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
 #include "engine/tokenizer.h"
@@ -33,7 +34,14 @@ struct Job {
   std::string kind;  // "completion" or "chat", for the log
   std::vector<uint32_t> prompt;
   engine::SamplerOptions sampling;
+  // The raw text is cut at the chat template's turn-end strings (end_strings), then split into
+  // reasoning and content (`reasoning`; kNone: all content); the request's stop strings cut the
+  // content, the answer the user sees, so that a stop string the model writes while it reasons
+  // does not end the answer before it is given.
+  std::vector<std::string> end_strings;
   std::vector<std::string> stops;
+  engine::ReasoningSyntax reasoning = engine::ReasoningSyntax::kNone;
+  bool starts_in_reasoning = false;  // the prompt opened a <think> block
   uint32_t max_tokens = 16;
   bool ignore_eos = false;
 
@@ -43,8 +51,10 @@ struct Job {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
-  // Text generated and not yet taken by the HTTP side (bytes: not necessarily valid UTF-8).
+  // Text generated and not yet taken by the HTTP side (bytes: not necessarily valid UTF-8): the
+  // content, and the reasoning apart from it.
   std::string text;
+  std::string reasoning_text;
   std::string finish_reason;  // "stop" or "length" once done
   uint32_t completion_tokens = 0;
   uint32_t cached_tokens = 0;  // prompt positions reused from the previous sequence

@@ -33,6 +33,7 @@
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
+#include "engine/reasoning.h"
 #include "engine/stop.h"
 #include "engine/tokenizer.h"
 #include "expertd/client.h"
@@ -66,6 +67,7 @@ struct Options {
   uint32_t prefetch_depth = 1;
   uint32_t prefetch_width = 0;
   std::string chat_template;
+  std::string reasoning_format = "auto";
   std::string log_level = "info";
 };
 
@@ -217,10 +219,10 @@ class Service {
             {"prompt_tokens_details", {{"cached_tokens", job.cached_tokens}}}};
   }
 
-  // The prompt's tokens, or the error to answer with.
-  std::optional<ApiError> prompt_tokens(const expertd::serve::Request& r,
-                                        std::vector<uint32_t>& out,
-                                        std::vector<std::string>& stops) const {
+  // The prompt's tokens into `job`, with how its answer is cut and split; or the error to answer
+  // with.
+  std::optional<ApiError> prompt_tokens(const expertd::serve::Request& r, Job& job) const {
+    std::vector<uint32_t>& out = job.prompt;
     if (r.chat) {
       if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
       std::vector<ChatMessage> messages;
@@ -232,8 +234,12 @@ class Service {
       if (!ids) return api_error(400, "messages: " + ids.error().message, "messages");
       out = std::move(*ids);
       // The turn's end marker stops the answer where it is text rather than an end token.
-      for (const std::string& s : chat_->stop_strings()) {
-        if (std::find(stops.begin(), stops.end(), s) == stops.end()) stops.push_back(s);
+      job.end_strings = chat_->stop_strings();
+      const std::string& format =
+          r.reasoning_format.empty() ? o_.reasoning_format : r.reasoning_format;
+      if (format != "none") {
+        job.reasoning = reasoning_syntax(chat_->kind());
+        job.starts_in_reasoning = prompt_opens_think(*text);
       }
       return std::nullopt;
     }
@@ -263,7 +269,7 @@ class Service {
     }
     auto job = std::make_shared<Job>();
     job->stops = r.stops;
-    if (auto e = prompt_tokens(r, job->prompt, job->stops)) return send_error(res, *e);
+    if (auto e = prompt_tokens(r, *job)) return send_error(res, *e);
     const char* prompt_param = chat ? "messages" : "prompt";
     const uint64_t n = job->prompt.size();
     if (n == 0) return send_error(res, api_error(400, "the prompt encodes to no tokens"));
@@ -320,6 +326,10 @@ class Service {
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", job->finish_reason}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", job->text}};
+      // As DeepSeek's API and vLLM give it; absent when the model did not reason (or
+      // reasoning_format is none).
+      if (!job->reasoning_text.empty())
+        choice["message"]["reasoning_content"] = job->reasoning_text;
     } else {
       choice["text"] = job->text;
     }
@@ -352,10 +362,12 @@ class Service {
       if (include_usage) c["usage"] = nullptr;
       return c;
     };
-    auto piece_choice = [chat](const std::string& text, json finish) {
+    // `field`: the delta's, "content" or "reasoning_content" (chat).
+    auto piece_choice = [chat](const std::string& text, json finish,
+                               const char* field = "content") {
       json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}};
       if (chat) {
-        choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
+        choice["delta"] = text.empty() ? json::object() : json{{field, text}};
       } else {
         choice["text"] = text;
       }
@@ -372,18 +384,25 @@ class Service {
           };
           auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
           std::string piece;
+          std::string thought;  // reasoning, sent before the content that came with it
           bool done = false;
           std::string error;
           int error_status = 500;
           {
+            using expertd::serve::utf8_ready;
             std::unique_lock lock(job->mu);
             job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
-              return job->done || expertd::serve::utf8_ready(job->text) > 0;
+              return job->done || utf8_ready(job->text) > 0 || utf8_ready(job->reasoning_text) > 0;
             });
             done = job->done;
-            const size_t ready = done ? job->text.size() : expertd::serve::utf8_ready(job->text);
-            piece = job->text.substr(0, ready);
-            job->text.erase(0, ready);
+            // Each part holds its own incomplete character back.
+            auto take = [done](std::string& from, std::string& to) {
+              const size_t ready = done ? from.size() : utf8_ready(from);
+              to = from.substr(0, ready);
+              from.erase(0, ready);
+            };
+            take(job->text, piece);
+            take(job->reasoning_text, thought);
             error = job->error;
             error_status = job->error_status;
           }
@@ -398,6 +417,10 @@ class Service {
                            {"finish_reason", nullptr}};
             if (!event(chunk(std::move(choice)))) return leave();
             state->role_sent = true;
+          }
+          if (!thought.empty() &&
+              !event(chunk(piece_choice(thought, nullptr, "reasoning_content")))) {
+            return leave();
           }
           if (!piece.empty() && !event(chunk(piece_choice(piece, nullptr)))) return leave();
           if (done) {
@@ -500,7 +523,12 @@ int run(const Options& o) {
     if (!o.chat_template.empty()) return fail(chat.error().message);
     spdlog::error("chat completions are off: {}", chat.error().message);
   } else {
-    spdlog::info("chat template: {}", chat->family());
+    const ReasoningSyntax syntax = reasoning_syntax(chat->kind());
+    spdlog::info("chat template: {} (reasoning: {}{})", chat->family(),
+                 reasoning_syntax_name(syntax),
+                 syntax != ReasoningSyntax::kNone && o.reasoning_format == "none"
+                     ? ", returned raw: --reasoning-format none"
+                     : "");
   }
 
   auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-serve");
@@ -611,6 +639,13 @@ int main(int argc, char** argv) {
                  "Chat template instead of the model's own: a family name (chatml, qwen3, "
                  "deepseek3, deepseek4, mistral, llama3, glm4.5, gpt-oss, kimi-k2) or a .jinja "
                  "file");
+  app.add_option("--reasoning-format", o.reasoning_format,
+                 "auto: a chat answer's reasoning (a <think> block; gpt-oss's analysis channel) is "
+                 "returned apart, as message.reasoning_content (streamed: "
+                 "delta.reasoning_content), and content is the answer alone; none: the raw text "
+                 "as content. A request's \"reasoning_format\" (auto, deepseek, none) overrides "
+                 "it (auto)")
+      ->check(CLI::IsMember({"auto", "none"}));
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
@@ -627,7 +662,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
   app.footer(
       "Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions "
-      "(\"stream\": true for server-sent events). docs/SERVE.md lists the fields.");
+      "(\"stream\": true for server-sent events). Completions are the raw text; chat answers of "
+      "reasoning models carry the reasoning as reasoning_content (see --reasoning-format), and "
+      "stop strings apply to the content. docs/SERVE.md lists the fields.");
   CLI11_PARSE(app, argc, argv);
   setup_logging(o.log_level);
   return run(o);
