@@ -559,6 +559,7 @@ Result<std::unique_ptr<Session>> Client::attach(const std::string& model,
   s->request_capacity_ = reply.request_capacity;
   s->completion_capacity_ = reply.completion_capacity;
   s->daemon_timeout_ms_ = reply.acquire_timeout_ms;
+  s->daemon_read_timeout_ms_ = reply.read_timeout_ms;
   // An acquire may wait for a slot, then for the read into it: both deadlines, so the daemon's own
   // error comes first.
   s->wait_timeout_ns_ =
@@ -790,11 +791,11 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
     if (now >= deadline) {
       comp_->waiting.value.store(0, std::memory_order_relaxed);
       // A daemon that lives but answers nothing (stopped, wedged, a read that never returns).
-      return make_error(ETIMEDOUT,
-                        fmt::format("expertd completed no acquire of session {} within "
-                                    "{} ms (the daemon is stopped or wedged; its own "
-                                    "deadline is {} ms)",
-                                    id_, wait_timeout_ns_ / 1'000'000, daemon_timeout_ms_));
+      return make_error(ETIMEDOUT, fmt::format("expertd completed no acquire of session {} within "
+                                               "{} ms (the daemon is stopped or wedged; its own "
+                                               "deadlines are {} ms for a slot, {} ms for a read)",
+                                               id_, wait_timeout_ns_ / 1'000'000,
+                                               daemon_timeout_ms_, daemon_read_timeout_ms_));
     }
     const int doorbell = res_->completion_fd.get();
     pollfd p{doorbell, POLLIN, 0};

@@ -208,7 +208,9 @@ TEST_F(ProgressTest, AStoppedDaemonCannotHangAnAcquire) {
   auto a = attach("a");
   ASSERT_TRUE(a);
   EXPECT_EQ(a->daemon_acquire_timeout_ms(), 300u);
-  EXPECT_EQ(a->wait_timeout_ms(), 300u + 5000u) << "the daemon's deadline and a grace";
+  EXPECT_EQ(a->daemon_read_timeout_ms(), 30000u);
+  EXPECT_EQ(a->wait_timeout_ms(), 300u + 30000u + 5000u)
+      << "the daemon's deadlines (a slot, then the read into it) and a grace";
   a->set_wait_timeout_ms(500);
 
   ASSERT_EQ(::kill(daemon_->pid(), SIGSTOP), 0);
@@ -220,8 +222,8 @@ TEST_F(ProgressTest, AStoppedDaemonCannotHangAnAcquire) {
   ASSERT_FALSE(v);
   EXPECT_EQ(v.error().code, ETIMEDOUT);
   EXPECT_EQ(v.error().message, fmt::format("expertd completed no acquire of session {} within 500 "
-                                           "ms (the daemon is stopped or wedged; its own deadline "
-                                           "is 300 ms)",
+                                           "ms (the daemon is stopped or wedged; its own deadlines "
+                                           "are 300 ms for a slot, 30000 ms for a read)",
                                            a->id()));
   EXPECT_GE(waited, 500u);
 

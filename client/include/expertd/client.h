@@ -153,6 +153,8 @@ class Session {
   uint32_t wait_timeout_ms() const { return static_cast<uint32_t>(wait_timeout_ns_ / 1'000'000); }
   // The daemon's deadline for an acquire that waits for a slot (0: a daemon without one).
   uint32_t daemon_acquire_timeout_ms() const { return daemon_timeout_ms_; }
+  // The daemon's deadline for one disk read (0: none, or a daemon without one).
+  uint32_t daemon_read_timeout_ms() const { return daemon_read_timeout_ms_; }
 
  private:
   friend class Client;
@@ -212,6 +214,7 @@ class Session {
   uint64_t spin_ns_ = 30'000;
   uint64_t wait_timeout_ns_ = 30'000'000'000;
   uint32_t daemon_timeout_ms_ = 0;
+  uint32_t daemon_read_timeout_ms_ = 0;
   bool detached_ = false;
   bool watching_ = false;  // completion_fd_ is registered with the connection
   std::mutex mu_;
