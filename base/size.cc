@@ -5,6 +5,8 @@
 
 #include <cctype>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -13,6 +15,77 @@ namespace expertd {
 uint64_t physical_memory_bytes() {
   return static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
          static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+namespace {
+
+// A limit file's value: bytes, or 0 for none ("max", v1's page-rounded 2^63 - 1, unreadable).
+uint64_t read_limit(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return 0;
+  try {
+    size_t used = 0;
+    const unsigned long long v = std::stoull(text, &used);
+    if (used != text.size() || v >= (1ull << 62)) return 0;
+    return v;
+  } catch (...) {
+    return 0;
+  }
+}
+
+}  // namespace
+
+CgroupMemoryLimit cgroup_memory_limit(const std::string& root) {
+  // Lines "ID:CONTROLLERS:PATH": v2's is "0::/a/b", v1's memory controller "N:memory:/a/b" (or
+  // listed with others, "N:memory,xyz:/a/b").
+  std::ifstream in(root + "/proc/self/cgroup");
+  std::string line;
+  std::string v2_path;
+  std::string v1_path;
+  bool have_v2 = false;
+  bool have_v1 = false;
+  while (std::getline(in, line)) {
+    const size_t a = line.find(':');
+    const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    const std::string path = line.substr(b + 1);
+    if (line.substr(0, a) == "0" && controllers.empty()) {
+      v2_path = path;
+      have_v2 = true;
+    }
+    std::stringstream list(controllers);
+    for (std::string c; std::getline(list, c, ',');) {
+      if (c == "memory") {
+        v1_path = path;
+        have_v1 = true;
+      }
+    }
+  }
+  CgroupMemoryLimit best;
+  if (have_v1) {
+    const std::string file = root + "/sys/fs/cgroup/memory" +
+                             (v1_path == "/" ? std::string() : v1_path) + "/memory.limit_in_bytes";
+    if (const uint64_t v = read_limit(file)) best = {v, file};
+  }
+  if (have_v2) {
+    // A child's memory.max does not show its ancestors' limits: the lowest on the way up binds.
+    std::string path = v2_path;
+    while (!path.empty() && path != "/") {
+      const std::string file = root + "/sys/fs/cgroup" + path + "/memory.max";
+      const uint64_t v = read_limit(file);
+      if (v != 0 && (best.limit == 0 || v < best.limit)) best = {v, file};
+      path = path.substr(0, path.rfind('/'));
+    }
+  }
+  return best;
+}
+
+uint64_t usable_memory_bytes() {
+  const uint64_t ram = physical_memory_bytes();
+  const uint64_t limit = cgroup_memory_limit().limit;
+  return limit != 0 && limit < ram ? limit : ram;
 }
 
 Result<uint64_t> parse_size(const std::string& what, const std::string& value,

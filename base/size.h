@@ -8,8 +8,22 @@
 
 namespace expertd {
 
-// The machine's RAM (the base of "25%" sizes).
+// The machine's RAM.
 uint64_t physical_memory_bytes();
+
+// The memory limit of the cgroup this process runs in: cgroup v2's memory.max, the lowest from its
+// cgroup up to the root, or cgroup v1's memory.limit_in_bytes (which is already hierarchical).
+// `root` prefixes /proc/self/cgroup and /sys/fs/cgroup (tests give a fake tree). limit 0: none
+// (no memory controller, "max", or v1's "unlimited" near 2^63); `file` is where the limit was read.
+struct CgroupMemoryLimit {
+  uint64_t limit = 0;
+  std::string file;
+};
+CgroupMemoryLimit cgroup_memory_limit(const std::string& root = "");
+
+// The memory this process may use: RAM, or its cgroup's limit when lower (the base of "25%" sizes:
+// in a container or a systemd slice with MemoryMax=, 25% of the machine could exceed the limit).
+uint64_t usable_memory_bytes();
 
 // Parses "4GiB", "512MiB", "1.5G", "4096", "2GB" (powers of 1000 for KB/MB/GB/TB, of 1024
 // otherwise) or "25%" of `total_bytes`. The error names `what` and the value

@@ -143,11 +143,33 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   if (!core->fallback_reason_.empty()) spdlog::warn("{}", core->fallback_reason_);
   EXPERTD_TRY(core->io_->open_files(paths));
 
+  // Percentages are of the memory this process may use: RAM, or its cgroup's limit when lower.
   const uint64_t ram = physical_memory_bytes();
+  const CgroupMemoryLimit cgroup = cgroup_memory_limit();
+  const uint64_t usable = cgroup.limit != 0 && cgroup.limit < ram ? cgroup.limit : ram;
   uint64_t cache_bytes = 0;
   uint64_t staging_bytes = 0;
-  EXPERTD_TRY_ASSIGN(cache_bytes, parse_size("cache", config.cache, ram));
-  EXPERTD_TRY_ASSIGN(staging_bytes, parse_size("staging", config.staging, ram));
+  EXPERTD_TRY_ASSIGN(cache_bytes, parse_size("cache", config.cache, usable));
+  EXPERTD_TRY_ASSIGN(staging_bytes, parse_size("staging", config.staging, usable));
+  if (usable != ram && (config.cache.ends_with('%') || config.staging.ends_with('%'))) {
+    spdlog::info(
+        "memory: cache {} and staging {} are of the memory cgroup's limit {} ({}), not "
+        "of the machine's {}",
+        config.cache, config.staging, human_bytes(usable), cgroup.file, human_bytes(ram));
+  }
+  if (cgroup.limit != 0 && cache_bytes + staging_bytes + kCgroupHeadroomBytes > cgroup.limit) {
+    // The arena's pages are locked (mlock) or pinned (io_uring's registered buffers, with or
+    // without mlock), so the kernel cannot swap them: past the limit it kills the daemon.
+    return make_error(
+        ENOMEM,
+        fmt::format("cache {} + staging {} leave less than {} for expertd itself under the memory "
+                    "cgroup's limit {} ({}): the arena is locked or pinned in memory (mlock, "
+                    "io_uring's registered buffers), so the kernel would kill expertd rather than "
+                    "swap it; give a smaller --cache (a percentage is of that limit) or raise the "
+                    "limit (MemoryMax=)",
+                    human_bytes(cache_bytes), human_bytes(staging_bytes),
+                    human_bytes(kCgroupHeadroomBytes), human_bytes(cgroup.limit), cgroup.file));
+  }
   const uint64_t per_model_cache = cache_bytes / config.models.size();
   const uint64_t per_model_staging = staging_bytes / config.models.size();
   {

@@ -488,7 +488,9 @@ int main(int argc, char** argv) {
                  "Serve a model: NAME=PATH (a .gguf or its first shard); "
                  "repeatable");
   app.add_option("--socket", f.socket, "Control socket path (default /run/expertd/expertd.sock)");
-  app.add_option("--cache", f.cache, "Expert cache size, e.g. 4GiB or 25% of RAM (default 25%)");
+  app.add_option("--cache", f.cache,
+                 "Expert cache size, e.g. 4GiB or 25% of RAM (of the memory cgroup's limit "
+                 "when lower) (default 25%)");
   app.add_option("--staging", f.staging, "Staging ring size for streamed experts (default 64MiB)");
   app.add_option("--prefetch-depth", f.prefetch_depth,
                  fmt::format("Layers ahead prefetches may cover, 0..{}, or auto: chosen from the "

@@ -312,4 +312,82 @@ TEST(ExpertdProcess, BadConfigurationFailsTheStartWithOneClearMessage) {
   }
 }
 
+// A memory cgroup (a container, a systemd slice with MemoryMax=): an arena the kernel cannot swap
+// (locked, or pinned by io_uring's registered buffers) beyond its limit would get expertd killed,
+// so the start is refused with the numbers; a percentage is of the limit, not of the machine.
+// Needs root to make the cgroup (v2, or v1's memory controller).
+class MemoryCgroup {
+ public:
+  explicit MemoryCgroup(uint64_t limit) {
+    const std::string name = "expertd-test-" + std::to_string(::getpid());
+    if (fs::exists("/sys/fs/cgroup/cgroup.controllers")) {
+      dir_ = "/sys/fs/cgroup/" + name;
+      limit_file_ = "memory.max";
+    } else if (fs::exists("/sys/fs/cgroup/memory")) {
+      dir_ = "/sys/fs/cgroup/memory/" + name;
+      limit_file_ = "memory.limit_in_bytes";
+    } else {
+      why_ = "no cgroup v2 and no v1 memory controller";
+      return;
+    }
+    std::error_code ec;
+    fs::create_directory(dir_, ec);
+    if (ec) {
+      why_ = "cannot create " + dir_ + ": " + ec.message();
+      dir_.clear();
+      return;
+    }
+    std::ofstream(dir_ + "/" + limit_file_) << limit;
+    std::ifstream in(dir_ + "/" + limit_file_);
+    uint64_t read = 0;
+    if (!(in >> read) || read != limit) why_ = dir_ + ": the memory limit could not be set";
+  }
+  ~MemoryCgroup() {
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+  }
+  const std::string& why_not() const { return why_; }
+  std::string limit_path() const { return dir_ + "/" + limit_file_; }
+  // expertd with `args`, moved into this cgroup before it starts (a shell that joins, then execs).
+  expertd::test::RunResult run_expertd(const std::vector<std::string>& args) const {
+    std::string cmd = "echo $$ > " + dir_ + "/cgroup.procs && exec timeout -s TERM 5 " +
+                      expertd::test::bin_path("expertd");
+    for (const auto& a : args) cmd += " '" + a + "'";
+    return expertd::test::run_command({"/bin/sh", "-c", cmd});
+  }
+
+ private:
+  std::string dir_;
+  std::string limit_file_;
+  std::string why_;
+};
+
+TEST(ExpertdProcess, AMemoryCgroupBoundsTheCacheAndItsPercentages) {
+  if (::geteuid() != 0) GTEST_SKIP() << "making a memory cgroup needs root";
+  MemoryCgroup cg(256ull << 20);
+  if (!cg.why_not().empty()) GTEST_SKIP() << cg.why_not();
+  TempDir dir;
+  const std::string model = forge(dir);
+  const expertd::test::RunResult big =
+      cg.run_expertd({"--model", "m=" + model, "--socket", dir.path() + "/a.sock", "--cache",
+                      "240MiB", "--staging", "4MiB", "--queue-depth", "8", "--no-mlock"});
+  EXPECT_NE(big.status, 0);
+  EXPECT_NE((big.out + big.err)
+                .find("cache 240.00 MiB + staging 4.00 MiB leave less than 64.00 MiB for expertd "
+                      "itself under the memory cgroup's limit 256.00 MiB (" +
+                      cg.limit_path() + ")"),
+            std::string::npos)
+      << big.out << big.err;
+  // The default cache, 25%: of the 256 MiB limit, not of the machine. Stopped by timeout's SIGTERM.
+  const expertd::test::RunResult fits =
+      cg.run_expertd({"--model", "m=" + model, "--socket", dir.path() + "/b.sock", "--staging",
+                      "4MiB", "--queue-depth", "8", "--no-mlock", "--log-level", "info"});
+  const std::string log = fits.out + fits.err;
+  EXPECT_NE(log.find("memory: cache 25% and staging 4MiB are of the memory cgroup's limit 256.00 "
+                     "MiB (" +
+                     cg.limit_path() + ")"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("expertd ready"), std::string::npos) << log;
+}
+
 }  // namespace
