@@ -237,6 +237,9 @@ def main():
         want_r, want_c = split_harmony(raw) if args.syntax == "harmony" else split_think(raw)
         assert want_r and want_c, f"the spelled answer has no reasoning or no content: {raw!r}"
         print(f"ok: expert-run's raw answer: {raw!r}")
+        assert (raw_ref["reasoning"], raw_ref["content"]) == (want_r, want_c), \
+            f"expert-run's split: {raw_ref['reasoning']!r}, {raw_ref['content']!r}"
+        print("ok: expert-run --chat --json splits it as the reference: reasoning, content")
 
         port, h, log_path = start_serve(args, sock, "fixture", ["--ctx", "1024", "--cpu"], procs)
         assert f"chat template: {chat['family']} (reasoning: " in open(log_path).read()
@@ -273,6 +276,22 @@ def main():
                                       temperature=0, extra_body={"reasoning_format": "auto"})
         assert c.choices[0].text == raw, f"completion {c.choices[0].text!r}"
         print("ok: reasoning_format none and /v1/completions: the raw text")
+
+        if args.syntax == "think":
+            # Thinking off: the prompt closes an empty block, and the answer, whatever it is, is
+            # content, as /v1/completions gives it for the same prompt (expert-run's).
+            off = ["--chat", "--prompt", user, "--chat-template-kwargs", '{"enable_thinking": false}']
+            off_ref = expert_run(args, sock, "fixture", off)
+            assert "reasoning" in off_ref and off_ref["reasoning"] == "", off_ref
+            assert off_ref["content"] == off_ref["text"], off_ref
+            r = client.chat.completions.create(
+                model="fixture", messages=messages, max_tokens=N, temperature=0,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            m = r.choices[0].message
+            assert r.usage.prompt_tokens == len(off_ref["prompt_tokens"]) > len(ref["prompt_tokens"])
+            assert m.content == off_ref["text"] and \
+                not (m.model_extra or {}).get("reasoning_content"), m
+            print(f"ok: enable_thinking false: all content ({m.content!r})")
 
         # A stop string cuts the content only: one found in the reasoning and later in the
         # content ends the answer in the content, and the reasoning is whole.

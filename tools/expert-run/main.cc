@@ -231,6 +231,8 @@ int run(Options o) {
   // --chat: how the answer carries reasoning (set once the prompt is rendered).
   ReasoningSyntax reasoning = ReasoningSyntax::kNone;
   bool starts_in_reasoning = false;
+  bool reasoning_model =
+      false;  // the template's family has a reasoning syntax (thinking on or off)
   // Text is tokenised once the model (its vocabulary) is loaded; ids are checked now.
   std::vector<uint32_t> prompt_ids;
   const std::vector<uint32_t>* prompt = &prompt_ids;
@@ -280,6 +282,7 @@ int run(Options o) {
         return fail(Error{rendered.error().code, "--chat: " + rendered.error().message});
       text = std::move(*rendered);
       reasoning = answer_reasoning_syntax(tmpl->kind(), text);
+      reasoning_model = reasoning_syntax(tmpl->kind()) != ReasoningSyntax::kNone;
       starts_in_reasoning = prompt_opens_think(text);
       // The turn's end marker stops the answer where it is text rather than an end token.
       for (const std::string& s : tmpl->stop_strings()) {
@@ -602,7 +605,7 @@ int run(Options o) {
     }
     if (vocab) j["text"] = text;
     // The raw text split as expert-serve's chat answers are (reasoning_content, content).
-    if (vocab && reasoning != ReasoningSyntax::kNone) {
+    if (vocab && reasoning_model) {
       j["reasoning"] = reasoning_text;
       j["content"] = content_text;
     }
@@ -625,7 +628,7 @@ int run(Options o) {
     const std::string quoted =
         nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::printf("text: %s\n", quoted.c_str());
-    if (reasoning != ReasoningSyntax::kNone) {
+    if (reasoning_model) {
       auto q = [](const std::string& t) {
         return nlohmann::json(t).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       };
