@@ -436,6 +436,7 @@ int run(Options o) {
   // answer to stdout.
   ReasoningSplitter splitter(reasoning, starts_in_reasoning);
   std::string reasoning_text, content_text;
+  bool reasoning_line_ended = false;
   auto split = [&](ReasoningSplitter::Step s) {
     reasoning_text.append(s.reasoning);
     content_text.append(s.content);
@@ -445,6 +446,11 @@ int run(Options o) {
       std::fflush(stderr);
     }
     if (!s.content.empty()) {
+      // The reasoning's line ends where the answer starts (a terminal shows both streams).
+      if (!reasoning_text.empty() && !reasoning_line_ended) {
+        std::fputc('\n', stderr);
+        reasoning_line_ended = true;
+      }
       std::fwrite(s.content.data(), 1, s.content.size(), stdout);
       std::fflush(stdout);
     }
