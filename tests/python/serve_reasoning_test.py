@@ -19,7 +19,9 @@ Checks, against a reference split written here from the documented rules: the an
 message.reasoning_content and content, plain and streamed (delta.reasoning_content first, then
 delta.content); "reasoning_format": "none" and /v1/completions give the raw text (expert-run's);
 a stop string applies to the content, not the reasoning; a bad reasoning_format is a 400 naming
-the field.
+the field; expert-run --chat --json's "reasoning" and "content" are the same split. With the
+<think> syntax, chat_template_kwargs {"enable_thinking": false} closes the block in the prompt and
+the answer, tags and all, is content (plain and streamed), as expert-run's with the flag.
 
 usage: serve_reasoning_test.py --bin BUILD/bin --fixture DIR --chat-fixture CHAT.json
                                --syntax harmony|think --workdir DIR
@@ -291,7 +293,10 @@ def main():
             assert r.usage.prompt_tokens == len(off_ref["prompt_tokens"]) > len(ref["prompt_tokens"])
             assert m.content == off_ref["text"] and \
                 not (m.model_extra or {}).get("reasoning_content"), m
-            print(f"ok: enable_thinking false: all content ({m.content!r})")
+            s_r, s_c, _, _ = stream(
+                client, messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert (s_r, s_c) == ("", off_ref["text"]), f"streamed, thinking off: {s_r!r}, {s_c!r}"
+            print(f"ok: enable_thinking false: all content, plain and streamed ({m.content!r})")
 
         # A stop string cuts the content only: one found in the reasoning and later in the
         # content ends the answer in the content, and the reasoning is whole.
