@@ -7,6 +7,7 @@
 #include <ctime>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "engine/tokenizer.h"
@@ -198,7 +199,8 @@ Error template_error(std::string message) { return make_error(EINVAL, std::move(
 
 // Qwen3-0.6B's template (and the Qwen3 MoE models'): reasoning kept only after the last real user
 // query, the final assistant turn always gets a <think> block.
-std::string render_qwen3(std::span<const ChatMessage> m, bool gen) {
+// enable_thinking false closes an empty block in the generation prompt: the model answers at once.
+std::string render_qwen3(std::span<const ChatMessage> m, bool gen, const ChatOptions& o) {
   std::string out;
   const size_t n = m.size();
   if (m[0].role == "system") out += "<|im_start|>system\n" + m[0].content + "<|im_end|>\n";
@@ -239,7 +241,10 @@ std::string render_qwen3(std::span<const ChatMessage> m, bool gen) {
       out += "<|im_end|>\n";
     }
   }
-  if (gen) out += "<|im_start|>assistant\n";
+  if (gen) {
+    out += "<|im_start|>assistant\n";
+    if (o.enable_thinking == false) out += "<think>\n\n</think>\n\n";
+  }
   return out;
 }
 
@@ -282,8 +287,15 @@ std::string deepseek_system(std::span<const ChatMessage> m) {
   return sys;
 }
 
-// DeepSeek-V3.1, thinking off (its default): an empty <think></think> opens each answer.
-std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
+// DeepSeek-V3.1 and V4 read `thinking`, else enable_thinking; off by default.
+bool deepseek_thinking(const ChatOptions& o) {
+  return o.thinking.value_or(o.enable_thinking.value_or(false));
+}
+
+// DeepSeek-V3.1: an empty <think></think> opens each earlier answer; the generation prompt opens
+// the block when thinking, else closes it empty.
+std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std::string& bos,
+                             const ChatOptions& o) {
   std::string out = bos + deepseek_system(m);
   bool last_user = false;
   for (const ChatMessage& msg : m) {
@@ -300,26 +312,53 @@ std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std
       out += "<｜end▁of▁sentence｜>";
     }
   }
-  if (gen && last_user) out += "<｜Assistant｜><think></think>";
+  if (gen && last_user) {
+    out += deepseek_thinking(o) ? "<｜Assistant｜><think>" : "<｜Assistant｜><think></think>";
+  }
   return out;
 }
 
-// DeepSeek-V4, thinking off (its default): consecutive user turns merge, answers open with
-// </think>.
-std::string render_deepseek4(std::span<const ChatMessage> m, bool gen, const std::string& bos) {
-  std::string out = bos + deepseek_system(m);
+// DeepSeek-V4: consecutive user turns merge; answers open with </think>, except, when thinking,
+// those after the last user turn, with an empty <think></think> (the message's reasoning_content,
+// which ChatMessage has not); the generation prompt opens the block when thinking, else closes it.
+// `high_effort_preamble`: V4-Flash's template, which writes one for reasoning_effort "high" (both
+// write another for "max", which ChatOptions does not take).
+std::string render_deepseek4(std::span<const ChatMessage> m, bool gen, const std::string& bos,
+                             const ChatOptions& o, bool high_effort_preamble) {
+  const bool thinking = deepseek_thinking(o);
+  std::string out = bos;
+  if (thinking && high_effort_preamble && o.reasoning_effort == "high") {
+    out +=
+        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very "
+        "thorough in your thinking and comprehensively decompose the problem to resolve the root "
+        "cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+        "adversarial scenarios.\nExplicitly write out your entire deliberation process, "
+        "documenting "
+        "every intermediate step, considered alternative, and rejected hypothesis to ensure "
+        "absolutely no assumption is left unchecked.\n\n";
+  }
+  out += deepseek_system(m);
+  size_t last_user = 0;
+  bool any_user = false;
+  for (size_t k = 0; k < m.size(); ++k) {
+    if (m[k].role == "user") last_user = k, any_user = true;
+  }
   bool in_user = false;
-  for (const ChatMessage& msg : m) {
+  for (size_t i = 0; i < m.size(); ++i) {
+    const ChatMessage& msg = m[i];
     if (msg.role == "user") {
       out += in_user ? "\n\n" : "<｜User｜>";
       in_user = true;
       out += msg.content;
     } else if (msg.role == "assistant") {
       in_user = false;
-      out += "<｜Assistant｜></think>" + msg.content + "<｜end▁of▁sentence｜>";
+      const bool after_last_user = !any_user || i > last_user;
+      out += thinking && after_last_user ? "<｜Assistant｜><think></think>"
+                                         : "<｜Assistant｜></think>";
+      out += msg.content + "<｜end▁of▁sentence｜>";
     }
   }
-  if (gen) out += "<｜Assistant｜></think>";
+  if (gen) out += thinking ? "<｜Assistant｜><think>" : "<｜Assistant｜></think>";
   return out;
 }
 
@@ -411,9 +450,11 @@ std::string_view after_last(std::string_view s, std::string_view sep) {
   return at == std::string_view::npos ? s : s.substr(at + sep.size());
 }
 
-// GLM-4.5/4.6, thinking on (the default: no enable_thinking): every answer opens with a <think>
-// block, filled only after the last user turn; the generation prompt leaves thinking to the model.
-std::string render_glm45(std::span<const ChatMessage> m, bool gen) {
+// GLM-4.5/4.6: every answer opens with a <think> block, filled only after the last user turn; the
+// generation prompt leaves thinking to the model. enable_thinking false: "/nothink" ends each user
+// message (once), and the generation prompt closes an empty block.
+std::string render_glm45(std::span<const ChatMessage> m, bool gen, const ChatOptions& o) {
+  const bool no_think = o.enable_thinking == false;
   std::string out = "[gMASK]<sop>";
   ptrdiff_t last_user = -1;  // none: every turn is after it
   for (size_t k = 0; k < m.size(); ++k) {
@@ -423,6 +464,7 @@ std::string render_glm45(std::span<const ChatMessage> m, bool gen) {
     const ChatMessage& msg = m[i];
     if (msg.role != "assistant") {
       out += "<|" + msg.role + "|>\n" + msg.content;
+      if (no_think && msg.role == "user" && !ends_with(msg.content, "/nothink")) out += "/nothink";
       continue;
     }
     std::string_view content = msg.content;
@@ -440,7 +482,7 @@ std::string render_glm45(std::span<const ChatMessage> m, bool gen) {
       out += py_strip(content);
     }
   }
-  if (gen) out += "<|assistant|>";
+  if (gen) out += no_think ? "<|assistant|>\n<think></think>" : "<|assistant|>";
   return out;
 }
 
@@ -453,16 +495,17 @@ std::string today() {
   return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
 }
 
-// gpt-oss (harmony), reasoning effort medium (the default): the system block with the model
-// identity and date, a first system message as the developer's instructions, answers in the final
+// gpt-oss (harmony): the system block with the model identity, date and reasoning effort (medium
+// unless given), a first system message as the developer's instructions, answers in the final
 // channel; the last one ends with <|return|> when no generation prompt follows.
 Result<std::string> render_gpt_oss(std::span<const ChatMessage> m, bool gen,
-                                   const std::string& date) {
+                                   const std::string& date, const ChatOptions& o) {
   std::string out =
       "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
       "Knowledge cutoff: 2024-06\nCurrent date: " +
-      (date.empty() ? today() : date) +
-      "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be "
+      (date.empty() ? today() : date) + "\n\nReasoning: " +
+      (o.reasoning_effort.empty() ? std::string("medium") : o.reasoning_effort) +
+      "\n\n# Valid channels: analysis, commentary, final. Channel must be "
       "included for every message.<|end|>";
   std::span<const ChatMessage> rest = m;
   if (m[0].role == "system") {
@@ -572,7 +615,11 @@ Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string
     const bool none = std::none_of(sig.absent.begin(), sig.absent.end(),
                                    [&](std::string_view p) { return contains(jinja, p); });
     if (all && none) {
-      return ChatTemplate(sig.kind, std::string(sig.family), std::move(bos), std::move(eos));
+      ChatTemplate t(sig.kind, std::string(sig.family), std::move(bos), std::move(eos));
+      t.high_effort_preamble_ = sig.kind == Kind::kDeepseek4 &&
+                                contains(jinja, "reasoning_effort == 'high'") &&
+                                contains(jinja, "{{- reasoning_effort_high -}}");
+      return t;
     }
   }
   // The first line that says something: templates often open with "{%- if ... %}" blocks.
@@ -613,7 +660,8 @@ Result<ChatTemplate> ChatTemplate::named(std::string_view family, std::string bo
 }
 
 Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
-                                         bool add_generation_prompt) const {
+                                         bool add_generation_prompt,
+                                         const ChatOptions& options) const {
   if (messages.empty()) return make_error(EINVAL, "chat template: no messages");
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string& r = messages[i].role;
@@ -626,13 +674,14 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     case Kind::kChatml:
       return render_chatml(messages, add_generation_prompt);
     case Kind::kQwen3:
-      return render_qwen3(messages, add_generation_prompt);
+      return render_qwen3(messages, add_generation_prompt, options);
     case Kind::kQwen25:
       return render_qwen25(messages, add_generation_prompt);
     case Kind::kDeepseek3:
-      return render_deepseek3(messages, add_generation_prompt, bos_);
+      return render_deepseek3(messages, add_generation_prompt, bos_, options);
     case Kind::kDeepseek4:
-      return render_deepseek4(messages, add_generation_prompt, bos_);
+      return render_deepseek4(messages, add_generation_prompt, bos_, options,
+                              high_effort_preamble_);
     case Kind::kMistral:
       return render_mistral(messages, bos_, eos_);
     case Kind::kMistralV01:
@@ -642,9 +691,9 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     case Kind::kLlama31:
       return render_llama31(messages, add_generation_prompt, bos_);
     case Kind::kGlm45:
-      return render_glm45(messages, add_generation_prompt);
+      return render_glm45(messages, add_generation_prompt, options);
     case Kind::kGptOss:
-      return render_gpt_oss(messages, add_generation_prompt, date_);
+      return render_gpt_oss(messages, add_generation_prompt, date_, options);
     case Kind::kKimiK2:
       // Kimi-K2-Instruct's template; its system turn ends with the template's stray newline.
       return render_kimi_k2(messages, add_generation_prompt,
@@ -656,6 +705,79 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
                             "assistant<|im_end|>");
   }
   return make_error(EINVAL, "chat template: unknown family");
+}
+
+std::vector<std::string> ChatTemplate::ignored(const ChatOptions& o) const {
+  const bool deepseek = kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4;
+  std::vector<std::string> out;
+  if (o.enable_thinking && !(deepseek || kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45)) {
+    out.push_back("enable_thinking");
+  }
+  if (o.thinking && !deepseek) out.push_back("thinking");
+  // DeepSeek-V4's template reads reasoning_effort only as "max", not a value ChatOptions takes;
+  // V4-Flash's also as "high".
+  const bool effort =
+      kind_ == Kind::kGptOss || (high_effort_preamble_ && o.reasoning_effort == "high");
+  if (!o.reasoning_effort.empty() && !effort) out.push_back("reasoning_effort");
+  return out;
+}
+
+ChatOptions ChatOptions::overridden_by(const ChatOptions& over) const {
+  ChatOptions out = *this;
+  if (over.enable_thinking) out.enable_thinking = over.enable_thinking;
+  if (over.thinking) out.thinking = over.thinking;
+  if (!over.reasoning_effort.empty()) out.reasoning_effort = over.reasoning_effort;
+  return out;
+}
+
+bool valid_reasoning_effort(std::string_view effort) {
+  return effort == "low" || effort == "medium" || effort == "high";
+}
+
+Status read_chat_template_kwargs(std::string_view kwargs_json, std::string_view where,
+                                 ChatOptions& out, std::string* param) {
+  using json = nlohmann::json;
+  auto fail = [&](std::string field, std::string message) -> Status {
+    if (param != nullptr) *param = std::move(field);
+    return make_error(EINVAL, std::move(message));
+  };
+  const json kwargs = json::parse(kwargs_json, nullptr, /*allow_exceptions=*/false);
+  if (kwargs.is_discarded()) {
+    return fail(std::string(where), std::string(where) + ": not JSON: '" +
+                                        std::string(kwargs_json.substr(0, 80)) + "'");
+  }
+  if (!kwargs.is_object()) {
+    return fail(std::string(where),
+                std::string(where) + " must be an object, got " +
+                    kwargs.dump(-1, ' ', false, json::error_handler_t::replace));
+  }
+  auto shown = [](const json& v) {
+    return std::string(v.is_string()    ? "a string"
+                       : v.is_boolean() ? "a boolean"
+                       : v.is_number()  ? "a number"
+                       : v.is_array()   ? "an array"
+                                        : "an object") +
+           " (" + v.dump(-1, ' ', false, json::error_handler_t::replace) + ")";
+  };
+  ChatOptions read;
+  for (const char* key : {"enable_thinking", "thinking"}) {
+    const auto it = kwargs.find(key);
+    if (it == kwargs.end() || it->is_null()) continue;
+    const std::string name = std::string(where) + "." + key;
+    if (!it->is_boolean()) return fail(name, name + " must be a boolean, got " + shown(*it));
+    (std::string_view(key) == "thinking" ? read.thinking : read.enable_thinking) = it->get<bool>();
+  }
+  if (const auto it = kwargs.find("reasoning_effort"); it != kwargs.end() && !it->is_null()) {
+    const std::string name = std::string(where) + ".reasoning_effort";
+    if (!it->is_string()) return fail(name, name + " must be a string, got " + shown(*it));
+    read.reasoning_effort = it->get<std::string>();
+    if (!valid_reasoning_effort(read.reasoning_effort)) {
+      return fail(name, name + " must be one of " + std::string(kReasoningEfforts) + ", got '" +
+                            read.reasoning_effort + "'");
+    }
+  }
+  out = out.overridden_by(read);
+  return Ok{};
 }
 
 ChatTemplate ChatTemplate::with_date(std::string date) const {

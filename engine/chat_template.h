@@ -4,9 +4,10 @@
 // (Debian 12 has none of jinja2cpp/inja/minja), so instead of interpreting the program this module
 // recognises the known families by fragments of their vendor templates and reproduces what those
 // templates render for plain conversations (system/user/assistant messages with string content; no
-// tools, each template's default thinking mode): ChatML, Qwen3, Qwen2.5, DeepSeek-V3.1,
-// DeepSeek-V4, Mistral/Mixtral (v0.1 and the Mixtral-8x7B form), Llama 3, Llama 3.1/3.3,
-// GLM-4.5/4.6 (thinking on), gpt-oss (harmony, reasoning medium, today's date) and Kimi-K2.
+// tools): ChatML, Qwen3, Qwen2.5, DeepSeek-V3.1, DeepSeek-V4, Mistral/Mixtral (v0.1 and the
+// Mixtral-8x7B form), Llama 3, Llama 3.1/3.3, GLM-4.5/4.6, gpt-oss (harmony, today's date) and
+// Kimi-K2, with the thinking switches their templates read (ChatOptions: the chat_template_kwargs
+// of vLLM and llama.cpp's server) or each template's default where none is given.
 // Anything else is refused, naming the template's first line, rather than rendered as a look-alike
 // family: a wrong template gives plausible but degraded answers that nobody notices.
 // tests/fixtures/chat/ holds transformers' renderings (tools/reference/make_chat_fixtures.py) that
@@ -15,6 +16,7 @@
 // Immutable after construction; render() is const and may run on several threads at once.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,6 +33,37 @@ struct ChatMessage {
   std::string role;  // system | user | assistant
   std::string content;
 };
+
+// The switches a template reads besides the messages (transformers' apply_chat_template keyword
+// arguments, vLLM's and llama.cpp's chat_template_kwargs); unset, the template's default. Each is
+// spelled as the templates spell it, and a family whose template does not read one ignores it, as
+// the template would (ChatTemplate::ignored names them):
+//  - enable_thinking: Qwen3 (false: the generation prompt closes an empty <think> block), GLM-4.5
+//    (false: "/nothink" after each user message, an empty block after the generation prompt),
+//    DeepSeek-V3.1/V4 (when `thinking` is unset; their default is off).
+//  - thinking: DeepSeek-V3.1/V4's own name for it (true: the generation prompt opens <think>).
+//  - reasoning_effort: gpt-oss's system message "Reasoning: <effort>" (default medium);
+//    DeepSeek-V4-Flash's "high", when thinking, a preamble before the system prompt.
+struct ChatOptions {
+  std::optional<bool> enable_thinking;
+  std::optional<bool> thinking;
+  std::string reasoning_effort;  // low | medium | high; "" = the template's default
+
+  // This one with the switches `over` sets replaced (a request's over a server's defaults).
+  ChatOptions overridden_by(const ChatOptions& over) const;
+  bool empty() const { return !enable_thinking && !thinking && reasoning_effort.empty(); }
+};
+
+// Reads the switches ChatOptions knows from `kwargs_json`, a chat_template_kwargs object's JSON
+// text, into `out` (set ones replace out's); other keys are ignored, as vLLM ignores them. `where`
+// names the object in errors: "chat_template_kwargs.enable_thinking must be a boolean, got a string
+// (\"no\")". Errors: EINVAL, not JSON or not an object, a known key of the wrong type or value
+// (null counts as unset); `param`, when given, is set to the field at fault ("" for the object).
+Status read_chat_template_kwargs(std::string_view kwargs_json, std::string_view where,
+                                 ChatOptions& out, std::string* param = nullptr);
+// The reasoning_effort values the templates are given (OpenAI's): "low", "medium", "high".
+bool valid_reasoning_effort(std::string_view effort);
+inline constexpr const char* kReasoningEfforts = "low, medium, high";
 
 class ChatTemplate {
  public:
@@ -52,9 +85,12 @@ class ChatTemplate {
   // The prompt text (to be encoded with add_special=false, as transformers' apply_chat_template
   // does); add_generation_prompt opens the assistant's turn. Errors: no messages, an unknown role,
   // a conversation the family's template itself rejects (e.g. Mistral's alternation rule) with the
-  // template's message.
-  Result<std::string> render(std::span<const ChatMessage> messages,
-                             bool add_generation_prompt) const;
+  // template's message. `options`: the thinking switches, as the family's template reads them.
+  Result<std::string> render(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                             const ChatOptions& options = {}) const;
+  // The switches `options` sets that this family's template does not read (render ignores them):
+  // "enable_thinking", "thinking", "reasoning_effort", for a log line.
+  std::vector<std::string> ignored(const ChatOptions& options) const;
   const std::string& family() const { return family_; }
   // Texts that end an assistant turn (e.g. "<|im_end|>"), for stop handling when they are not
   // single end tokens.
@@ -95,6 +131,8 @@ class ChatTemplate {
   std::string eos_;
   std::vector<std::string> stop_strings_;
   std::string date_;  // empty: today's
+  // DeepSeek-V4-Flash's template: reasoning_effort "high", when thinking, writes a preamble.
+  bool high_effort_preamble_ = false;
 };
 
 }  // namespace expertd::engine

@@ -82,6 +82,20 @@ bool prompt_opens_think(std::string_view prompt) {
   return leading_space(rest) == rest.size();
 }
 
+bool prompt_closes_think(std::string_view prompt) {
+  const size_t at = prompt.rfind(kThinkClose);
+  if (at == std::string_view::npos) return false;
+  const std::string_view rest = prompt.substr(at + kThinkClose.size());
+  return leading_space(rest) == rest.size();
+}
+
+ReasoningSyntax answer_reasoning_syntax(ChatTemplate::Kind kind, std::string_view prompt) {
+  const ReasoningSyntax syntax = reasoning_syntax(kind);
+  if (syntax == ReasoningSyntax::kThink && prompt_closes_think(prompt))
+    return ReasoningSyntax::kNone;
+  return syntax;
+}
+
 ReasoningSplitter::ReasoningSplitter(ReasoningSyntax syntax, bool in_reasoning) {
   switch (syntax) {
     case ReasoningSyntax::kThink:

@@ -44,6 +44,13 @@ const char* reasoning_syntax_name(ReasoningSyntax syntax);
 // Whether `prompt` ends inside an open <think> block (only white space after its last "<think>"):
 // the answer then starts in the reasoning.
 bool prompt_opens_think(std::string_view prompt);
+// Whether `prompt` ends just after a closed block ("</think>" and only white space after it): the
+// template turned thinking off (Qwen3's and GLM's enable_thinking false, DeepSeek's default) and
+// the answer is content from its first byte, a "<think>" in it included.
+bool prompt_closes_think(std::string_view prompt);
+// How the answer to a `kind` template's `prompt` carries reasoning: reasoning_syntax(kind), but
+// kNone when the prompt closed the think block itself (prompt_closes_think).
+ReasoningSyntax answer_reasoning_syntax(ChatTemplate::Kind kind, std::string_view prompt);
 
 class ReasoningSplitter {
  public:

@@ -1,7 +1,7 @@
 // engine/chat_template against transformers' own renderer: tests/fixtures/chat/<name>.json (from
 // tools/reference/make_chat_fixtures.py) holds each vendor template, the family it must be detected
 // as (or null: it must be refused), and transformers' output or error for a fixed set of
-// conversations.
+// conversations, plain and with thinking switches ("kwargs": ChatOptions, as chat_template_kwargs).
 #include "engine/chat_template.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,20 @@ TEST(ChatTemplate, FixturesCoverEveryFamilyAndLookAlikes) {
   EXPECT_GE(refused, 5);
 }
 
+TEST(ChatTemplate, FixturesRenderEveryThinkingSwitchThroughEverySupportedTemplate) {
+  for (const std::string& n : fixture_names()) {
+    const nlohmann::json f = read_json(fixture_path("chat/" + n + ".json"));
+    if (f["family"].is_null()) continue;
+    std::set<std::string> keys;
+    for (const nlohmann::json& c : f["cases"]) {
+      if (!c.contains("kwargs")) continue;
+      for (const auto& [k, v] : c["kwargs"].items()) keys.insert(k);
+    }
+    EXPECT_EQ(keys, (std::set<std::string>{"enable_thinking", "reasoning_effort", "thinking"}))
+        << n;
+  }
+}
+
 class ChatTemplateVsTransformers : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAsTransformers) {
@@ -71,9 +86,15 @@ TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAs
   for (const nlohmann::json& c : f["cases"]) {
     const std::vector<ChatMessage> m = messages_of(c["messages"]);
     const bool gen = c["add_generation_prompt"];
-    auto out = t->render(m, gen);
+    ChatOptions options;
+    if (c.contains("kwargs")) {
+      const Status read = read_chat_template_kwargs(c["kwargs"].dump(), "kwargs", options);
+      ASSERT_TRUE(read) << read.error().message;
+    }
+    auto out = t->render(m, gen, options);
     const std::string what = GetParam() + " case " + std::to_string(i++) + " " +
-                             c["messages"].dump() + (gen ? " +gen" : "");
+                             c["messages"].dump() + (gen ? " +gen" : "") +
+                             (c.contains("kwargs") ? " kwargs " + c["kwargs"].dump() : "");
     if (c.contains("error")) {
       ASSERT_FALSE(out) << what << " rendered " << nlohmann::json(*out).dump();
       EXPECT_EQ(out.error().message, c["error"].get<std::string>()) << what;
@@ -110,6 +131,83 @@ TEST(ChatTemplate, NamedFamiliesRenderAsTheirTemplates) {
   auto bad = ChatTemplate::named("gemma", "", "");
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.error().message.find("'gemma'"), std::string::npos) << bad.error().message;
+}
+
+TEST(ChatTemplate, ThinkingSwitchesChangeTheGenerationPromptAsTheTemplatesDo) {
+  const std::vector<ChatMessage> m = {{"user", "Hi"}};
+  ChatOptions off;
+  off.enable_thinking = false;
+  EXPECT_EQ(*ChatTemplate::named("qwen3", "", "")->render(m, true, off),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  EXPECT_EQ(*ChatTemplate::named("glm4.5", "", "")->render(m, true, off),
+            "[gMASK]<sop><|user|>\nHi/nothink<|assistant|>\n<think></think>");
+  ChatOptions on;
+  on.thinking = true;
+  EXPECT_EQ(*ChatTemplate::named("deepseek3", "<s>", "")->render(m, true, on),
+            "<s><｜User｜>Hi<｜Assistant｜><think>");
+  EXPECT_EQ(*ChatTemplate::named("deepseek4", "<s>", "")->render(m, true, on),
+            "<s><｜User｜>Hi<｜Assistant｜><think>");
+  ChatOptions low;
+  low.reasoning_effort = "low";
+  auto oss = ChatTemplate::named("gpt-oss", "", "")->with_date("2026-01-15").render(m, true, low);
+  EXPECT_NE(oss->find("\n\nReasoning: low\n\n"), std::string::npos) << *oss;
+}
+
+TEST(ChatTemplate, IgnoredNamesTheSwitchesAFamilysTemplateDoesNotRead) {
+  ChatOptions all;
+  all.enable_thinking = false;
+  all.thinking = true;
+  all.reasoning_effort = "high";
+  EXPECT_EQ(ChatTemplate::named("qwen3", "", "")->ignored(all),
+            (std::vector<std::string>{"thinking", "reasoning_effort"}));
+  EXPECT_EQ(ChatTemplate::named("deepseek3", "", "")->ignored(all),
+            std::vector<std::string>{"reasoning_effort"});
+  EXPECT_EQ(ChatTemplate::named("gpt-oss", "", "")->ignored(all),
+            (std::vector<std::string>{"enable_thinking", "thinking"}));
+  EXPECT_EQ(ChatTemplate::named("llama3", "", "")->ignored(all),
+            (std::vector<std::string>{"enable_thinking", "thinking", "reasoning_effort"}));
+  EXPECT_TRUE(ChatTemplate::named("llama3", "", "")->ignored({}).empty());
+  // V4-Flash's template reads "high" (a preamble when thinking); V4's does not.
+  const nlohmann::json flash = read_json(fixture_path("chat/deepseek4-flash.json"));
+  auto t = ChatTemplate::from_text(flash["template"].get<std::string>(), "", "");
+  ASSERT_TRUE(t) << t.error().message;
+  EXPECT_EQ(t->ignored(all), std::vector<std::string>{});
+  EXPECT_EQ(ChatTemplate::named("deepseek4", "", "")->ignored(all),
+            std::vector<std::string>{"reasoning_effort"});
+}
+
+TEST(ChatTemplate, ChatTemplateKwargsAreReadStrictlyNamingTheField) {
+  ChatOptions o;
+  std::string param;
+  ASSERT_TRUE(read_chat_template_kwargs(
+      R"({"enable_thinking": false, "reasoning_effort": "low", "other": [1], "thinking": null})",
+      "chat_template_kwargs", o, &param));
+  EXPECT_EQ(o.enable_thinking, false);
+  EXPECT_FALSE(o.thinking);
+  EXPECT_EQ(o.reasoning_effort, "low");
+  // Set keys replace earlier ones; unset keep them.
+  ASSERT_TRUE(read_chat_template_kwargs(R"({"thinking": true})", "x", o));
+  EXPECT_EQ(o.enable_thinking, false);
+  EXPECT_EQ(o.thinking, true);
+
+  auto bad =
+      read_chat_template_kwargs(R"({"enable_thinking": "no"})", "chat_template_kwargs", o, &param);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message,
+            R"(chat_template_kwargs.enable_thinking must be a boolean, got a string ("no"))");
+  EXPECT_EQ(param, "chat_template_kwargs.enable_thinking");
+  bad = read_chat_template_kwargs(R"({"reasoning_effort": "max"})", "chat_template_kwargs", o,
+                                  &param);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message,
+            "chat_template_kwargs.reasoning_effort must be one of low, medium, high, got 'max'");
+  EXPECT_EQ(param, "chat_template_kwargs.reasoning_effort");
+  bad = read_chat_template_kwargs("[1]", "--chat-template-kwargs", o, &param);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message, "--chat-template-kwargs must be an object, got [1]");
+  bad = read_chat_template_kwargs("{nope", "--chat-template-kwargs", o, &param);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message, "--chat-template-kwargs: not JSON: '{nope'");
 }
 
 TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {

@@ -238,6 +238,31 @@ TEST_F(Ds4DaemonTest, ExpertRunChatRendersTheModelsTemplate) {
   const auto ji = nlohmann::json::parse(ids.out);
   EXPECT_EQ(jc.at("generated"), ji.at("generated"));
   EXPECT_EQ(jc.at("generated").size(), 4u);
+  // DeepSeek-V4 reasons in <think> blocks, but its default prompt closed the block (thinking off):
+  // the answer is all content.
+  EXPECT_EQ(jc.at("reasoning"), "");
+  EXPECT_EQ(jc.at("content"), jc.at("text"));
+
+  // The template's thinking switch: `thinking` opens the block, the answer starts in the reasoning.
+  const auto think = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32", "--chat",
+       "--system", "Be brief.", "--prompt", "Hello, MoE!", "--max-tokens", "4", "--ignore-eos",
+       "--cpu", "--json", "--chat-template-kwargs", R"({"thinking": true})"});
+  ASSERT_EQ(think.status, 0) << think.out << think.err;
+  const auto jt = nlohmann::json::parse(think.out);
+  auto want_think =
+      tok->encode(bos + "Be brief.<｜User｜>Hello, MoE!<｜Assistant｜><think>", false);
+  ASSERT_TRUE(want_think) << want_think.error().message;
+  EXPECT_EQ(jt.at("prompt_tokens").get<std::vector<uint32_t>>(), *want_think);
+  EXPECT_EQ(jt.at("content"), "") << jt.at("text");  // no </think> in four random tokens
+  const auto bad_kwargs = expertd::test::run_command(
+      {expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "v4-f32", "--chat",
+       "--prompt", "x", "--cpu", "--chat-template-kwargs", R"({"thinking": "yes"})"});
+  EXPECT_NE(bad_kwargs.status, 0);
+  EXPECT_NE(bad_kwargs.err.find("--chat-template-kwargs.thinking must be a boolean, got a string "
+                                "(\"yes\")"),
+            std::string::npos)
+      << bad_kwargs.err;
 
   // --chat-template overrides the model's: ChatML by name gives other tokens.
   const auto chatml = expertd::test::run_command(
@@ -270,7 +295,9 @@ TEST_F(Ds4DaemonTest, ExpertRunChatRendersTheModelsTemplate) {
       expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket", socket_,
                                   "--model", "v4-f32", "--system", "s", "--prompt", "x", "--cpu"});
   EXPECT_NE(no_chat.status, 0);
-  EXPECT_NE(no_chat.err.find("--system and --chat-template need --chat"), std::string::npos)
+  EXPECT_NE(no_chat.err.find("--system, --chat-template, --chat-template-kwargs and "
+                             "--reasoning-effort need --chat"),
+            std::string::npos)
       << no_chat.err;
 }
 

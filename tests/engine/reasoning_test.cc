@@ -338,5 +338,35 @@ TEST(ReasoningSyntaxOf, NoFamilyOpensTheBlockInItsDefaultMode) {
   }
 }
 
+TEST(ReasoningSyntaxOf, APromptThatClosesTheBlockHasAnAnswerWithoutReasoning) {
+  EXPECT_TRUE(prompt_closes_think("<|im_start|>assistant\n<think>\n\n</think>\n\n"));  // Qwen3, off
+  EXPECT_TRUE(prompt_closes_think("<｜Assistant｜><think></think>"));  // DeepSeek-V3.1, off
+  EXPECT_TRUE(prompt_closes_think("<｜Assistant｜></think>"));         // DeepSeek-V4, off
+  EXPECT_FALSE(prompt_closes_think("<|im_start|>assistant\n<think>\n"));
+  EXPECT_FALSE(prompt_closes_think("<think>x</think>\n<|im_start|>assistant\n"));
+  // Each switch that turns thinking off closes the block; on, it is open or left to the model.
+  const std::vector<ChatMessage> m = {{"user", "Hi"}};
+  ChatOptions off, on;
+  off.enable_thinking = false;
+  on.enable_thinking = true;
+  using K = ChatTemplate::Kind;
+  for (const char* family : {"qwen3", "glm4.5", "deepseek3", "deepseek4"}) {
+    auto t = ChatTemplate::named(family, "<bos>", "<eos>");
+    ASSERT_TRUE(t.ok()) << family;
+    const std::string closed = *t->render(m, true, off);
+    EXPECT_EQ(answer_reasoning_syntax(t->kind(), closed), ReasoningSyntax::kNone) << closed;
+    const std::string open = *t->render(m, true, on);
+    EXPECT_EQ(answer_reasoning_syntax(t->kind(), open), kThink) << open;
+    EXPECT_EQ(prompt_opens_think(open), t->kind() == K::kDeepseek3 || t->kind() == K::kDeepseek4)
+        << open;
+  }
+  // With the block closed, a "<think>" the model writes anyway is content.
+  ReasoningSplitter s(answer_reasoning_syntax(K::kQwen3, "<think>\n\n</think>\n\n"), false);
+  const auto step = s.push("<think>x</think>y");
+  EXPECT_EQ(step.content, "<think>x</think>y");
+  EXPECT_EQ(step.reasoning, "");
+  EXPECT_EQ(answer_reasoning_syntax(K::kGptOss, "</think>"), kHarmony);
+}
+
 }  // namespace
 }  // namespace expertd::engine

@@ -19,7 +19,9 @@ Checks, against a reference split written here from the documented rules: the an
 message.reasoning_content and content, plain and streamed (delta.reasoning_content first, then
 delta.content); "reasoning_format": "none" and /v1/completions give the raw text (expert-run's);
 a stop string applies to the content, not the reasoning; a bad reasoning_format is a 400 naming
-the field.
+the field; expert-run --chat --json's "reasoning" and "content" are the same split. With the
+<think> syntax, chat_template_kwargs {"enable_thinking": false} closes the block in the prompt and
+the answer, tags and all, is content (plain and streamed), as expert-run's with the flag.
 
 usage: serve_reasoning_test.py --bin BUILD/bin --fixture DIR --chat-fixture CHAT.json
                                --syntax harmony|think --workdir DIR
@@ -237,6 +239,9 @@ def main():
         want_r, want_c = split_harmony(raw) if args.syntax == "harmony" else split_think(raw)
         assert want_r and want_c, f"the spelled answer has no reasoning or no content: {raw!r}"
         print(f"ok: expert-run's raw answer: {raw!r}")
+        assert (raw_ref["reasoning"], raw_ref["content"]) == (want_r, want_c), \
+            f"expert-run's split: {raw_ref['reasoning']!r}, {raw_ref['content']!r}"
+        print("ok: expert-run --chat --json splits it as the reference: reasoning, content")
 
         port, h, log_path = start_serve(args, sock, "fixture", ["--ctx", "1024", "--cpu"], procs)
         assert f"chat template: {chat['family']} (reasoning: " in open(log_path).read()
@@ -273,6 +278,25 @@ def main():
                                       temperature=0, extra_body={"reasoning_format": "auto"})
         assert c.choices[0].text == raw, f"completion {c.choices[0].text!r}"
         print("ok: reasoning_format none and /v1/completions: the raw text")
+
+        if args.syntax == "think":
+            # Thinking off: the prompt closes an empty block, and the answer, whatever it is, is
+            # content, as /v1/completions gives it for the same prompt (expert-run's).
+            off = ["--chat", "--prompt", user, "--chat-template-kwargs", '{"enable_thinking": false}']
+            off_ref = expert_run(args, sock, "fixture", off)
+            assert "reasoning" in off_ref and off_ref["reasoning"] == "", off_ref
+            assert off_ref["content"] == off_ref["text"], off_ref
+            r = client.chat.completions.create(
+                model="fixture", messages=messages, max_tokens=N, temperature=0,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            m = r.choices[0].message
+            assert r.usage.prompt_tokens == len(off_ref["prompt_tokens"]) > len(ref["prompt_tokens"])
+            assert m.content == off_ref["text"] and \
+                not (m.model_extra or {}).get("reasoning_content"), m
+            s_r, s_c, _, _ = stream(
+                client, messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert (s_r, s_c) == ("", off_ref["text"]), f"streamed, thinking off: {s_r!r}, {s_c!r}"
+            print(f"ok: enable_thinking false: all content, plain and streamed ({m.content!r})")
 
         # A stop string cuts the content only: one found in the reasoning and later in the
         # content ends the answer in the content, and the reasoning is whole.

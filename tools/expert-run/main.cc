@@ -27,6 +27,7 @@
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
+#include "engine/reasoning.h"
 #include "engine/sampler.h"
 #include "engine/stop.h"
 #include "engine/tokenizer.h"
@@ -54,6 +55,8 @@ struct Options {
   bool chat = false;          // the prompt text is one user message, through the chat template
   std::string system;         // --system: a system message before it
   std::string chat_template;  // --chat-template: a family name or a .jinja file
+  std::string chat_template_kwargs;  // --chat-template-kwargs: the template's thinking switches
+  std::string reasoning_effort;      // --reasoning-effort
   uint32_t max_tokens = 16;
   uint32_t prefill_chunk = 512;
   bool cpu = false;
@@ -204,9 +207,32 @@ int run(Options o) {
   if (o.chat && o.prompt_text.empty()) {
     return fail(Error{EINVAL, "--chat needs --prompt or --prompt-file"});
   }
-  if (!o.chat && (!o.system.empty() || !o.chat_template.empty())) {
-    return fail(Error{EINVAL, "--system and --chat-template need --chat"});
+  if (!o.chat && (!o.system.empty() || !o.chat_template.empty() ||
+                  !o.chat_template_kwargs.empty() || !o.reasoning_effort.empty())) {
+    return fail(Error{EINVAL,
+                      "--system, --chat-template, --chat-template-kwargs and --reasoning-effort "
+                      "need --chat"});
   }
+  ChatOptions chat_options;
+  if (!o.chat_template_kwargs.empty()) {
+    auto read =
+        read_chat_template_kwargs(o.chat_template_kwargs, "--chat-template-kwargs", chat_options);
+    if (!read) return fail(read.error());
+  }
+  if (!o.reasoning_effort.empty()) {
+    if (!chat_options.reasoning_effort.empty() &&
+        chat_options.reasoning_effort != o.reasoning_effort) {
+      return fail(Error{EINVAL, fmt::format("--reasoning-effort {} and --chat-template-kwargs' "
+                                            "reasoning_effort {} differ",
+                                            o.reasoning_effort, chat_options.reasoning_effort)});
+    }
+    chat_options.reasoning_effort = o.reasoning_effort;
+  }
+  // --chat: how the answer carries reasoning (set once the prompt is rendered).
+  ReasoningSyntax reasoning = ReasoningSyntax::kNone;
+  bool starts_in_reasoning = false;
+  bool reasoning_model =
+      false;  // the template's family has a reasoning syntax (thinking on or off)
   // Text is tokenised once the model (its vocabulary) is loaded; ids are checked now.
   std::vector<uint32_t> prompt_ids;
   const std::vector<uint32_t>* prompt = &prompt_ids;
@@ -246,10 +272,18 @@ int run(Options o) {
       std::vector<ChatMessage> messages;
       if (!o.system.empty()) messages.push_back({"system", o.system});
       messages.push_back({"user", o.prompt_text});
-      auto rendered = tmpl->render(messages, /*add_generation_prompt=*/true);
+      // A switch the template does not read is ignored, as the template itself would.
+      for (const std::string& name : tmpl->ignored(chat_options)) {
+        std::fprintf(stderr, "expert-run: %s ignored: the %s template does not read it\n",
+                     name.c_str(), tmpl->family().c_str());
+      }
+      auto rendered = tmpl->render(messages, /*add_generation_prompt=*/true, chat_options);
       if (!rendered)
         return fail(Error{rendered.error().code, "--chat: " + rendered.error().message});
       text = std::move(*rendered);
+      reasoning = answer_reasoning_syntax(tmpl->kind(), text);
+      reasoning_model = reasoning_syntax(tmpl->kind()) != ReasoningSyntax::kNone;
+      starts_in_reasoning = prompt_opens_think(text);
       // The turn's end marker stops the answer where it is text rather than an end token.
       for (const std::string& s : tmpl->stop_strings()) {
         if (std::find(o.stop.begin(), o.stop.end(), s) == o.stop.end()) o.stop.push_back(s);
@@ -398,6 +432,29 @@ int run(Options o) {
   std::vector<uint32_t> generated;
   // The text shown: each token's text through the stop matcher, end tokens left out.
   std::string text;
+  // --chat with a reasoning model: the text split; streamed, the reasoning goes to stderr and the
+  // answer to stdout.
+  ReasoningSplitter splitter(reasoning, starts_in_reasoning);
+  std::string reasoning_text, content_text;
+  bool reasoning_line_ended = false;
+  auto split = [&](ReasoningSplitter::Step s) {
+    reasoning_text.append(s.reasoning);
+    content_text.append(s.content);
+    if (!stream) return;
+    if (!s.reasoning.empty()) {
+      std::fwrite(s.reasoning.data(), 1, s.reasoning.size(), stderr);
+      std::fflush(stderr);
+    }
+    if (!s.content.empty()) {
+      // The reasoning's line ends where the answer starts (a terminal shows both streams).
+      if (!reasoning_text.empty() && !reasoning_line_ended) {
+        std::fputc('\n', stderr);
+        reasoning_line_ended = true;
+      }
+      std::fwrite(s.content.data(), 1, s.content.size(), stdout);
+      std::fflush(stdout);
+    }
+  };
   const char* stop_reason = "max_tokens";
   while (generated.size() < o.max_tokens) {
     const uint32_t next = sampler.sample(logits);
@@ -409,10 +466,7 @@ int run(Options o) {
     if (vocab) {
       const StopMatcher::Step step = stops->push(vocab->decode(next));
       text.append(step.emit);
-      if (stream && !step.emit.empty()) {
-        std::fwrite(step.emit.data(), 1, step.emit.size(), stdout);
-        std::fflush(stdout);
-      }
+      split(splitter.push(step.emit));
       if (step.stop) {
         stop_reason = "stop";
         break;
@@ -430,7 +484,8 @@ int run(Options o) {
   if (vocab) {
     const std::string held(stops->finish());  // held back for a stop string that never came
     text.append(held);
-    if (stream) std::fwrite(held.data(), 1, held.size(), stdout);
+    split(splitter.push(held));
+    split(splitter.finish());
   }
   const auto t2 = expertd::monotonic_ns();
   const auto after = model_counters(client, o.model);
@@ -555,6 +610,11 @@ int run(Options o) {
       j["scripted_routes"] = s.scripted_routes;
     }
     if (vocab) j["text"] = text;
+    // The raw text split as expert-serve's chat answers are (reasoning_content, content).
+    if (vocab && reasoning_model) {
+      j["reasoning"] = reasoning_text;
+      j["content"] = content_text;
+    }
     if (!o.record_trace.empty()) j["trace"] = o.record_trace;
     // Generated text need not be valid UTF-8: invalid bytes become U+FFFD in the JSON.
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -574,6 +634,13 @@ int run(Options o) {
     const std::string quoted =
         nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::printf("text: %s\n", quoted.c_str());
+    if (reasoning_model) {
+      auto q = [](const std::string& t) {
+        return nlohmann::json(t).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      };
+      std::printf("reasoning: %s\ncontent: %s\n", q(reasoning_text).c_str(),
+                  q(content_text).c_str());
+    }
   }
   std::printf(
       "speed: %.2f tokens/s, stall %.3f ms/token waiting for experts (p50 %.3f, p99 %.3f "
@@ -653,6 +720,15 @@ int main(int argc, char** argv) {
                  "With --chat: a family name (chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
                  "mistral, mistral-v0.1, llama3, llama3.1, glm4.5, gpt-oss, kimi-k2) or a .jinja "
                  "file, instead of the model's template");
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "With --chat: the template's switches as a JSON object (expert-serve's flag): "
+                 "enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking (DeepSeek), "
+                 "reasoning_effort (gpt-oss); e.g. '{\"enable_thinking\": false}'. With a "
+                 "reasoning model the answer's reasoning streams to stderr, the rest to stdout; "
+                 "--json adds \"reasoning\" and \"content\"");
+  app.add_option("--reasoning-effort", o.reasoning_effort,
+                 "With --chat: gpt-oss's reasoning effort (its template's default: medium)")
+      ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
   app.add_option("--prefill-chunk", o.prefill_chunk,

@@ -247,6 +247,33 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
   return std::nullopt;
 }
 
+// chat_template_kwargs and the top-level reasoning_effort; both effort spellings given must agree.
+std::optional<ApiError> read_chat_options(const json& body, engine::ChatOptions& out) {
+  if (const json* v = field(body, "chat_template_kwargs")) {
+    if (!v->is_object()) return wrong_type("chat_template_kwargs", "an object", *v);
+    std::string param;
+    const Status read =
+        engine::read_chat_template_kwargs(dump(*v), "chat_template_kwargs", out, &param);
+    if (!read) return bad(param, read.error().message);
+  }
+  if (const json* v = field(body, "reasoning_effort")) {
+    if (!v->is_string()) return wrong_type("reasoning_effort", "a string", *v);
+    const std::string effort = v->get<std::string>();
+    if (!engine::valid_reasoning_effort(effort)) {
+      return bad("reasoning_effort", fmt::format("reasoning_effort must be one of {}, got '{}'",
+                                                 engine::kReasoningEfforts, effort));
+    }
+    if (!out.reasoning_effort.empty() && out.reasoning_effort != effort) {
+      return bad("reasoning_effort",
+                 fmt::format("reasoning_effort '{}' and chat_template_kwargs.reasoning_effort "
+                             "'{}' differ",
+                             effort, out.reasoning_effort));
+    }
+    out.reasoning_effort = effort;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 json error_body(const ApiError& e) {
@@ -299,6 +326,9 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
       return bad("reasoning_format", fmt::format("reasoning_format must be one of {}, got '{}'",
                                                  kReasoningFormats, out.reasoning_format));
     }
+  }
+  if (chat) {
+    if (auto e = read_chat_options(body, out.chat_options)) return e;
   }
   if (auto e = read_sampling(body, out.sampling)) return e;
   if (auto e = read_stop(body, out.stops)) return e;

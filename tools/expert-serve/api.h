@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/chat_template.h"
 #include "engine/sampler.h"
 
 namespace expertd::serve {
@@ -47,6 +48,10 @@ struct Request {
   // Chat, an extension (llama.cpp's): "auto" or "deepseek" give the reasoning apart as
   // reasoning_content, "none" the raw text as content; "" = the server's --reasoning-format.
   std::string reasoning_format;
+  // Chat: the thinking switches, from chat_template_kwargs (vLLM's and llama.cpp's:
+  // enable_thinking, thinking, reasoning_effort; other keys ignored) and reasoning_effort
+  // (OpenAI's); set ones override the server's --chat-template-kwargs / --reasoning-effort.
+  engine::ChatOptions chat_options;
 };
 
 // The values reasoning_format takes, as the error message lists them.

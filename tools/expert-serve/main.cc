@@ -6,6 +6,7 @@
 //
 // Bound to loopback by default: the API has no authentication.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <httplib.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -68,6 +69,9 @@ struct Options {
   uint32_t prefetch_width = 0;
   std::string chat_template;
   std::string reasoning_format = "auto";
+  std::string chat_template_kwargs;  // --chat-template-kwargs: JSON, the defaults of every request
+  std::string reasoning_effort;      // --reasoning-effort
+  ChatOptions chat_defaults;         // the two read (main)
   std::string log_level = "info";
 };
 
@@ -227,8 +231,15 @@ class Service {
       if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
       std::vector<ChatMessage> messages;
       for (const auto& m : r.messages) messages.push_back({m.role, m.content});
-      auto text = chat_->render(messages, /*add_generation_prompt=*/true);
+      // A switch the template does not read is ignored, as vLLM's (jinja) rendering ignores it.
+      if (const auto ignored = chat_->ignored(r.chat_options); !ignored.empty()) {
+        spdlog::info("chat request: {} ignored: the {} template does not read it",
+                     fmt::join(ignored, ", "), chat_->family());
+      }
+      const ChatOptions options = o_.chat_defaults.overridden_by(r.chat_options);
+      auto text = chat_->render(messages, /*add_generation_prompt=*/true, options);
       if (!text) return api_error(400, "messages: " + text.error().message, "messages");
+      spdlog::debug("chat prompt: {}", dump(*text));
       // The template writes the BOS itself where the model wants one.
       auto ids = tok_.encode(*text, /*add_special=*/false);
       if (!ids) return api_error(400, "messages: " + ids.error().message, "messages");
@@ -238,7 +249,8 @@ class Service {
       const std::string& format =
           r.reasoning_format.empty() ? o_.reasoning_format : r.reasoning_format;
       if (format != "none") {
-        job.reasoning = reasoning_syntax(chat_->kind());
+        // A prompt that closed the think block (a switch turned thinking off): all content.
+        job.reasoning = answer_reasoning_syntax(chat_->kind(), *text);
         job.starts_in_reasoning = prompt_opens_think(*text);
       }
       return std::nullopt;
@@ -529,6 +541,15 @@ int run(const Options& o) {
                  syntax != ReasoningSyntax::kNone && o.reasoning_format == "none"
                      ? ", returned raw: --reasoning-format none"
                      : "");
+    if (!o.chat_defaults.empty()) {
+      const auto ignored = chat->ignored(o.chat_defaults);
+      if (!ignored.empty()) {
+        spdlog::warn(
+            "--chat-template-kwargs/--reasoning-effort: {} ignored: the {} template does "
+            "not read it",
+            fmt::join(ignored, ", "), chat->family());
+      }
+    }
   }
 
   auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-serve");
@@ -646,6 +667,15 @@ int main(int argc, char** argv) {
                  "as content. A request's \"reasoning_format\" (auto, deepseek, none) overrides "
                  "it (auto)")
       ->check(CLI::IsMember({"auto", "none"}));
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "Chat template switches for every chat request, as a JSON object (llama.cpp's "
+                 "server's flag): enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking "
+                 "(DeepSeek), reasoning_effort (gpt-oss); e.g. '{\"enable_thinking\": false}'. "
+                 "A request's chat_template_kwargs and reasoning_effort override it key by key");
+  app.add_option("--reasoning-effort", o.reasoning_effort,
+                 "gpt-oss's reasoning effort for every chat request (its template's default: "
+                 "medium); a request's reasoning_effort overrides it")
+      ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,
                  "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
@@ -667,5 +697,20 @@ int main(int argc, char** argv) {
       "stop strings apply to the content. docs/SERVE.md lists the fields.");
   CLI11_PARSE(app, argc, argv);
   setup_logging(o.log_level);
+  if (!o.chat_template_kwargs.empty()) {
+    const expertd::Status read = read_chat_template_kwargs(
+        o.chat_template_kwargs, "--chat-template-kwargs", o.chat_defaults);
+    if (!read) return fail(read.error().message);
+  }
+  if (!o.reasoning_effort.empty()) {
+    if (!o.chat_defaults.reasoning_effort.empty() &&
+        o.chat_defaults.reasoning_effort != o.reasoning_effort) {
+      return fail(
+          fmt::format("--reasoning-effort {} and --chat-template-kwargs' reasoning_effort "
+                      "{} differ",
+                      o.reasoning_effort, o.chat_defaults.reasoning_effort));
+    }
+    o.chat_defaults.reasoning_effort = o.reasoning_effort;
+  }
   return run(o);
 }

@@ -6,7 +6,10 @@ Renders each vendor template over a fixed set of conversations with transformers
 with trim_blocks, lstrip_blocks, raise_exception and strftime_now) and writes
 tests/fixtures/chat/<name>.json: the template text, bos/eos, the family engine/chat_template must
 detect (null: it must refuse the template), and for each conversation the expected text or the
-template's error. Deterministic: regenerating gives identical files.
+template's error. Cases with "kwargs" render with those keyword arguments too (the thinking switches
+of engine::ChatOptions, as vLLM's chat_template_kwargs pass them): every switch through every
+supported template, including the templates that do not read it (their output must not change).
+Deterministic: regenerating gives identical files.
 
 Run with a Python that has jinja2 and transformers (e.g. /tmp/refvenv/bin/python):
   make_chat_fixtures.py --templates <llama.cpp>/models/templates --out tests/fixtures/chat
@@ -146,6 +149,38 @@ CONVERSATIONS = [
 ]
 
 
+# The thinking switches (engine::ChatOptions), each through every supported template, over the
+# conversations where they can matter: a generation prompt after a user, a system message, earlier
+# answers (with and without reasoning in them), a conversation ending in an answer, one with a user
+# message that already ends in GLM's "/nothink".
+KWARGS = [
+    {"enable_thinking": False},
+    {"enable_thinking": True},
+    {"thinking": True},
+    {"thinking": False},
+    {"thinking": True, "enable_thinking": False},
+    {"thinking": False, "enable_thinking": True},
+    {"reasoning_effort": "low"},
+    {"reasoning_effort": "high"},
+    {"enable_thinking": False, "reasoning_effort": "high"},
+    {"thinking": True, "reasoning_effort": "high"},
+    {"enable_thinking": True, "reasoning_effort": "low"},
+]
+KWARGS_CONVERSATIONS = [
+    [U("Hello")],
+    [S("You are terse."), U("Hello")],
+    [U("Hi"), A("Hello! How can I help?"), U("What is 2+2?")],
+    [S("Be brief."), U("Hi"), A("Hello."), U("Bye")],
+    [U("Think"), A("<think>\nreasoning here\n</think>\n\nThe answer.")],
+    [U("q1"), A("<think>r1</think>a1"), U("q2"), A("a2 </think> after")],
+    [U("Hi"), A("Hello.")],
+    [A("assistant first"), U("then user")],
+    [S("only a system message")],
+    [U("quick one /nothink"), A("ok"), U("again /nothink")],
+    [U("q"), A("a"), U("<tool_response>\nresult\n</tool_response>")],
+]
+
+
 # strftime_now's date (gpt-oss's "Current date: ..."): transformers renders today's; the fixtures
 # fix it, and record it as "date" for the test to pass to ChatTemplate::with_date.
 FIXED_DATE = datetime(2026, 1, 15, 12, 0, 0)
@@ -160,11 +195,22 @@ class _FixedDatetime(datetime):
 chat_template_utils.datetime = _FixedDatetime
 
 
-def render(template, bos, eos, messages, add_generation_prompt):
+def render(template, bos, eos, messages, add_generation_prompt, kwargs=None):
     out = render_jinja_template(conversations=[messages], chat_template=template,
                                 add_generation_prompt=add_generation_prompt,
-                                bos_token=bos, eos_token=eos)
+                                bos_token=bos, eos_token=eos, **(kwargs or {}))
     return out[0][0]
+
+
+def make_case(text, bos, eos, messages, gen, kwargs=None):
+    case = {"messages": messages, "add_generation_prompt": gen}
+    if kwargs is not None:
+        case["kwargs"] = kwargs
+    try:
+        case["output"] = render(text, bos, eos, messages, gen, kwargs)
+    except Exception as e:  # the template's raise_exception, or jinja's own error
+        case["error"] = str(e)
+    return case
 
 
 def main():
@@ -187,12 +233,11 @@ def main():
         if family is not None:
             for messages in CONVERSATIONS:
                 for gen in (False, True):
-                    case = {"messages": messages, "add_generation_prompt": gen}
-                    try:
-                        case["output"] = render(text, bos, eos, messages, gen)
-                    except Exception as e:  # the template's raise_exception, or jinja's own error
-                        case["error"] = str(e)
-                    cases.append(case)
+                    cases.append(make_case(text, bos, eos, messages, gen))
+            for kwargs in KWARGS:
+                for messages in KWARGS_CONVERSATIONS:
+                    for gen in (False, True):
+                        cases.append(make_case(text, bos, eos, messages, gen, kwargs))
         doc = {"name": name, "source": src, "template": text, "bos": bos, "eos": eos,
                "family": family}
         if family is not None and "strftime_now" in text:
