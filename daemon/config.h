@@ -26,8 +26,8 @@ inline constexpr uint32_t kMaxQueueDepth = 4096;
 // An acquire's wait for a slot: at least a reactor sleep (100 ms), at most 10 minutes.
 inline constexpr uint32_t kMinAcquireTimeoutMs = 100;
 inline constexpr uint32_t kMaxAcquireTimeoutMs = 600'000;
-// What a memory cgroup's limit must hold beyond the cache and staging: the daemon's own memory
-// (about 80 MiB RSS with a few sessions) less what the arena already counts.
+// What the memory expertd may use (RAM, or its cgroup's limit when lower) must hold beyond the
+// arena: the daemon's own memory (about 80 MiB RSS with a few sessions, the arena's share aside).
 inline constexpr uint64_t kCgroupHeadroomBytes = 64ull << 20;
 // A read's deadline: 1 s to an hour; 0 turns it off.
 inline constexpr uint32_t kMinReadTimeoutMs = 1'000;

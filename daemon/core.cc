@@ -157,21 +157,9 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
         "of the machine's {}",
         config.cache, config.staging, human_bytes(usable), cgroup.file, human_bytes(ram));
   }
-  if (cgroup.limit != 0 && cache_bytes + staging_bytes + kCgroupHeadroomBytes > cgroup.limit) {
-    // The arena's pages are locked (mlock) or pinned (io_uring's registered buffers, with or
-    // without mlock), so the kernel cannot swap them: past the limit it kills the daemon.
-    return make_error(
-        ENOMEM,
-        fmt::format("cache {} + staging {} leave less than {} for expertd itself under the memory "
-                    "cgroup's limit {} ({}): the arena is locked or pinned in memory (mlock, "
-                    "io_uring's registered buffers), so the kernel would kill expertd rather than "
-                    "swap it; give a smaller --cache (a percentage is of that limit) or raise the "
-                    "limit (MemoryMax=)",
-                    human_bytes(cache_bytes), human_bytes(staging_bytes),
-                    human_bytes(kCgroupHeadroomBytes), human_bytes(cgroup.limit), cgroup.file));
-  }
   const uint64_t per_model_cache = cache_bytes / config.models.size();
   const uint64_t per_model_staging = staging_bytes / config.models.size();
+  uint64_t arena_bytes = 0;  // the models' cache and staging slots, summed in the loop below
   {
     // One token of one session needs its top-k experts of a layer held at once: a smaller cache
     // could only stall. Checked before the read probe, which takes seconds.
@@ -187,6 +175,14 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
       const uint64_t slot_bytes = SlotLayouts(map, alignment, page_bytes()).slot_bytes();
       const uint64_t experts = uint64_t{map.expert_count()} * map.layers().size();
       const uint64_t need = std::max<uint64_t>(map.top_k(), 1);  // no key: one slot
+      if (slot_bytes != 0) {
+        // The arena as ExpertStore sizes it below: no more cache slots than experts, and the
+        // staging ring's 2..experts slots.
+        arena_bytes += std::min(per_model_cache / slot_bytes, experts) * slot_bytes +
+                       std::clamp<uint64_t>(per_model_staging / slot_bytes, 2,
+                                            std::max<uint64_t>(experts, 2)) *
+                           slot_bytes;
+      }
       if (slot_bytes != 0 && std::min(per_model_cache / slot_bytes, experts) < need) {
         return make_error(EINVAL,
                           fmt::format("model '{}': a cache of {} holds {} of its experts "
@@ -197,6 +193,23 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
                                       human_bytes(need * slot_bytes * config.models.size())));
       }
     }
+  }
+
+  if (arena_bytes + kCgroupHeadroomBytes > usable) {
+    // The arena's pages are locked (mlock) or pinned (io_uring's registered buffers, with or
+    // without mlock), so the kernel cannot swap them: past the memory this process may use it
+    // kills the daemon. (The arena is what the models need: a --cache above their size is not.)
+    const std::string where = usable == ram ? fmt::format("the machine's RAM {}", human_bytes(ram))
+                                            : fmt::format("the memory cgroup's limit {} ({})",
+                                                          human_bytes(usable), cgroup.file);
+    return make_error(
+        ENOMEM,
+        fmt::format("the arena (cache {} + staging {} as the models use them: {}) leaves less "
+                    "than {} for expertd itself under {}: it is locked or pinned in memory "
+                    "(mlock, io_uring's registered buffers), so the kernel would kill expertd "
+                    "rather than swap it; give a smaller --cache (a percentage is of that memory)",
+                    human_bytes(cache_bytes), human_bytes(staging_bytes), human_bytes(arena_bytes),
+                    human_bytes(kCgroupHeadroomBytes), where));
   }
 
   const ReadConfig read = core->choose_read_config(opened, paths);

@@ -367,16 +367,28 @@ TEST(ExpertdProcess, AMemoryCgroupBoundsTheCacheAndItsPercentages) {
   if (!cg.why_not().empty()) GTEST_SKIP() << cg.why_not();
   TempDir dir;
   const std::string model = forge(dir);
+  // 128 experts of 1.6 MiB: a 240 MiB cache holds them all, about 205 MiB of arena.
+  const std::string big_model = expertd::test::forge(
+      dir.path(), "big", "--layers 4 --experts 32 --embd 512 --ff 1024 --seed 3");
   const expertd::test::RunResult big =
-      cg.run_expertd({"--model", "m=" + model, "--socket", dir.path() + "/a.sock", "--cache",
+      cg.run_expertd({"--model", "m=" + big_model, "--socket", dir.path() + "/a.sock", "--cache",
                       "240MiB", "--staging", "4MiB", "--queue-depth", "8", "--no-mlock"});
   EXPECT_NE(big.status, 0);
-  EXPECT_NE((big.out + big.err)
-                .find("cache 240.00 MiB + staging 4.00 MiB leave less than 64.00 MiB for expertd "
-                      "itself under the memory cgroup's limit 256.00 MiB (" +
-                      cg.limit_path() + ")"),
+  const std::string refused = big.out + big.err;
+  EXPECT_NE(refused.find("the arena (cache 240.00 MiB + staging 4.00 MiB as the models use them: "),
             std::string::npos)
-      << big.out << big.err;
+      << refused;
+  EXPECT_NE(refused.find(") leaves less than 64.00 MiB for expertd itself under the memory "
+                         "cgroup's limit 256.00 MiB (" +
+                         cg.limit_path() + ")"),
+            std::string::npos)
+      << refused;
+  // The same cache for a 4 MB model is a 4 MB arena: no reason to refuse it.
+  const expertd::test::RunResult small =
+      cg.run_expertd({"--model", "m=" + model, "--socket", dir.path() + "/c.sock", "--cache",
+                      "240MiB", "--staging", "4MiB", "--queue-depth", "8", "--no-mlock"});
+  EXPECT_NE((small.out + small.err).find("expertd ready"), std::string::npos)
+      << small.out << small.err;
   // The default cache, 25%: of the 256 MiB limit, not of the machine. Stopped by timeout's SIGTERM.
   const expertd::test::RunResult fits =
       cg.run_expertd({"--model", "m=" + model, "--socket", dir.path() + "/b.sock", "--staging",
