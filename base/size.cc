@@ -82,11 +82,12 @@ CgroupMemoryLimit cgroup_memory_limit(const std::string& root) {
   return best;
 }
 
-uint64_t usable_memory_bytes() {
+uint64_t usable_memory_bytes(const CgroupMemoryLimit& cgroup) {
   const uint64_t ram = physical_memory_bytes();
-  const uint64_t limit = cgroup_memory_limit().limit;
-  return limit != 0 && limit < ram ? limit : ram;
+  return cgroup.limit != 0 && cgroup.limit < ram ? cgroup.limit : ram;
 }
+
+uint64_t usable_memory_bytes() { return usable_memory_bytes(cgroup_memory_limit()); }
 
 Result<uint64_t> parse_size(const std::string& what, const std::string& value,
                             uint64_t total_bytes) {

@@ -23,7 +23,8 @@ CgroupMemoryLimit cgroup_memory_limit(const std::string& root = "");
 
 // The memory this process may use: RAM, or its cgroup's limit when lower (the base of "25%" sizes:
 // in a container or a systemd slice with MemoryMax=, 25% of the machine could exceed the limit).
-uint64_t usable_memory_bytes();
+uint64_t usable_memory_bytes(const CgroupMemoryLimit& cgroup);
+uint64_t usable_memory_bytes();  // with this process's cgroup_memory_limit()
 
 // Parses "4GiB", "512MiB", "1.5G", "4096", "2GB" (powers of 1000 for KB/MB/GB/TB, of 1024
 // otherwise) or "25%" of `total_bytes`. The error names `what` and the value

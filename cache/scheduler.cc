@@ -730,19 +730,18 @@ void Scheduler::finish_load(uint32_t id) {
       observer_->loaded(l.key, l.slot, slot_data(l.slot), monotonic_ns() - l.start_ns);
     }
   }
-  for (uint32_t w = l.waiters; w != kNil;) {
-    const Waiter wt = waiters_[w];
-    if (err == 0) {
+  if (err != 0) {
+    fail_waiters(l, err);
+  } else {
+    for (uint32_t w = l.waiters; w != kNil;) {
+      const Waiter wt = waiters_[w];
       owner.hold(l.slot);
       sink_.complete(Completion{wt.session, wt.tag, static_cast<int32_t>(l.slot),
                                 owner.generation(l.slot), l.key});
-    } else {
-      uncharge(wt.session);
-      sink_.complete(Completion{wt.session, wt.tag, err, 0, l.key});
+      waiters_[w].next = free_waiter_;
+      free_waiter_ = w;
+      w = wt.next;
     }
-    waiters_[w].next = free_waiter_;
-    free_waiter_ = w;
-    w = wt.next;
   }
   if (!l.demand) --prefetch_loads_active_;
   l.active = false;

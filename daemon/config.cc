@@ -212,8 +212,9 @@ Status validate_config(const DaemonConfig& c) {
       return make_error(EINVAL, fmt::format("model '{}' is configured twice", m.name));
     }
   }
-  EXPERTD_TRY(parse_size("cache", c.cache, usable_memory_bytes()));
-  EXPERTD_TRY(parse_size("staging", c.staging, usable_memory_bytes()));
+  const uint64_t usable = usable_memory_bytes();  // reads /proc and /sys: once
+  EXPERTD_TRY(parse_size("cache", c.cache, usable));
+  EXPERTD_TRY(parse_size("staging", c.staging, usable));
   if (c.socket.empty()) return make_error(EINVAL, "socket: must be a path");
   if (c.prefetch_depth > kMaxPrefetchDepth && c.prefetch_depth != kPrefetchDepthAutoValue) {
     return make_error(EINVAL, fmt::format("prefetch_depth {}: must be 0..{} (layers ahead) or auto",

@@ -146,7 +146,7 @@ Result<std::unique_ptr<DaemonCore>> DaemonCore::create(const DaemonConfig& confi
   // Percentages are of the memory this process may use: RAM, or its cgroup's limit when lower.
   const uint64_t ram = physical_memory_bytes();
   const CgroupMemoryLimit cgroup = cgroup_memory_limit();
-  const uint64_t usable = cgroup.limit != 0 && cgroup.limit < ram ? cgroup.limit : ram;
+  const uint64_t usable = usable_memory_bytes(cgroup);
   uint64_t cache_bytes = 0;
   uint64_t staging_bytes = 0;
   EXPERTD_TRY_ASSIGN(cache_bytes, parse_size("cache", config.cache, usable));
