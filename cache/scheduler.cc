@@ -62,6 +62,8 @@ Scheduler::Scheduler(ReadBackend& io, const SliceMap& map, const SlotLayouts& la
   for (uint32_t i = 0; i < max_chunks; ++i)
     chunks_[i].next_free = i + 1 < max_chunks ? i + 1 : kNil;
   free_chunk_ = 0;
+  depth_ns_.assign(max_chunks + 1, 0);
+  depth_change_ns_ = monotonic_ns();
   requeued_.reserve(max_chunks);
   deferred_.reserve(max_chunks);
   shard_failed_.assign(files_.size(), 0);
@@ -181,11 +183,29 @@ double Scheduler::prefetch_auto_need() const {
 }
 
 void Scheduler::op_started() {
-  if (ops_in_flight_++ == 0) busy_.set_busy(true, monotonic_ns());
+  const uint64_t now = monotonic_ns();
+  count_depth(now);
+  if (ops_in_flight_++ == 0) busy_.set_busy(true, now);
+  depth_peak_ = std::max(depth_peak_, ops_in_flight_);
 }
 
 void Scheduler::op_finished() {
-  if (--ops_in_flight_ == 0) busy_.set_busy(false, monotonic_ns());
+  const uint64_t now = monotonic_ns();
+  count_depth(now);
+  if (--ops_in_flight_ == 0) busy_.set_busy(false, now);
+}
+
+void Scheduler::count_depth(uint64_t now_ns) {
+  // One op per chunk, so the depth never passes the chunks the table was sized for.
+  EXPERTD_CHECK(ops_in_flight_ < depth_ns_.size());
+  if (now_ns > depth_change_ns_) depth_ns_[ops_in_flight_] += now_ns - depth_change_ns_;
+  depth_change_ns_ = std::max(depth_change_ns_, now_ns);
+}
+
+std::vector<uint64_t> Scheduler::read_depth_ns(uint64_t now_ns) const {
+  std::vector<uint64_t> out(depth_ns_.begin(), depth_ns_.begin() + depth_peak_ + 1);
+  if (now_ns > depth_change_ns_) out[ops_in_flight_] += now_ns - depth_change_ns_;
+  return out;
 }
 
 void Scheduler::set_queue_depth(uint32_t depth) {

@@ -262,6 +262,10 @@ class Scheduler final : private EvictionListener {
   // The prefetch telemetry of one session (zero for a session id not in use).
   const PrefetchDepths& session_depths(uint32_t session) const { return session_depths_[session]; }
   uint32_t reads_in_flight() const { return ops_in_flight_; }
+  // Time spent with exactly i reads in flight, for i = 0 .. the most there have been, up to
+  // now_ns (the interval still open counted too): a client's window of it, the difference of two
+  // calls, gives the disk's busy fraction, the mean queue depth and its peak over that window.
+  std::vector<uint64_t> read_depth_ns(uint64_t now_ns) const;
   // The fraction of active time reads were in flight while nothing was read ahead (-1 before it
   // is measured), and the precision auto mode asks of a depth's hints because of it.
   double disk_busy() const { return busy_.measured() ? busy_.fraction() : -1.0; }
@@ -400,6 +404,7 @@ class Scheduler final : private EvictionListener {
   void choose_auto_depth();
   void op_started();
   void op_finished();
+  void count_depth(uint64_t now_ns);  // adds the time since the last change to depth_ns_
   // The probability a prefetch read at this depth pays: the hint must be right and the read must
   // survive until its acquire (the staging ring or the policy may push it out first), so the
   // lower of the hint precision and the measured read precision.
@@ -481,6 +486,11 @@ class Scheduler final : private EvictionListener {
   std::vector<HintMark> hinted_;            // per (block layer, expert)
   std::vector<PrefetchDepths> session_depths_;
   uint32_t ops_in_flight_ = 0;
+  // read_depth_ns(): [i] the time with i reads in flight (one entry per chunk, and one for none:
+  // sized at start), since the last change at depth_change_ns_; depth_peak_ the most ever.
+  std::vector<uint64_t> depth_ns_;
+  uint64_t depth_change_ns_ = 0;
+  uint32_t depth_peak_ = 0;
   uint64_t next_read_check_ns_ = 0;     // expire_reads(): when to scan the chunks next
   DiskBusyMeter busy_;                  // fed by op_started/op_finished and acquires
   uint32_t prefetch_loads_active_ = 0;  // active loads nobody waits for (demand == false)

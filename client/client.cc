@@ -6,6 +6,7 @@
 #include <kj/async-io.h>
 #include <kj/async.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -774,6 +775,8 @@ Status Session::wait_completion(abi::CompletionEntry* out) {
     }
     if (++spins % 16 == 0) EXPERTD_TRY(check_open());
     if (monotonic_ns() >= spin_until) break;
+    // Lets the reactor run when it shares this CPU (a 2-vCPU machine); returns at once otherwise.
+    sched_yield();
   }
   // Sleep: announce it, then re-check (the daemon's fence pairs with ours), then block.
   while (true) {

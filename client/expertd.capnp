@@ -116,6 +116,10 @@ struct ModelStats {
   # Empty while the model is served; else why it is not (its file changed under the daemon:
   # docs/STORAGE.md "Files changed under the daemon").
   fileChanged @18 :Text;
+  # Nanoseconds spent with exactly i reads in flight, i = 0 .. the most there have been since the
+  # daemon started (up to this call): the difference of two calls gives a window's disk-busy
+  # fraction (time at i >= 1 over the window), mean queue depth and peak (expert-run --json).
+  readDepthNs @19 :List(UInt64);
 }
 
 struct SessionStats {

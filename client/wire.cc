@@ -74,6 +74,7 @@ void fill(const client::ModelStats& from, rpc::ModelStats::Builder to) {
   EXPERTD_MODEL_STATS_FIELDS(EXPERTD_SET_FIELD)
   fill(from.scheduler, to.initScheduler());
   fill_list(from.layer_hits, to.initLayerHits(static_cast<uint>(from.layer_hits.size())));
+  fill_list(from.read_depth_ns, to.initReadDepthNs(static_cast<uint>(from.read_depth_ns.size())));
   fill_list(from.layer_misses, to.initLayerMisses(static_cast<uint>(from.layer_misses.size())));
   fill_list(from.prefetch_depths,
             to.initPrefetchDepths(static_cast<uint>(from.prefetch_depths.size())));
@@ -108,6 +109,7 @@ client::ModelStats read(rpc::ModelStats::Reader from) {
   EXPERTD_MODEL_STATS_FIELDS(EXPERTD_GET_FIELD)
   to.scheduler = read(from.getScheduler());
   to.layer_hits = read_list<uint64_t>(from.getLayerHits());
+  to.read_depth_ns = read_list<uint64_t>(from.getReadDepthNs());
   to.layer_misses = read_list<uint64_t>(from.getLayerMisses());
   to.prefetch_depths = read_list<client::PrefetchDepthStats>(from.getPrefetchDepths());
   to.hint_precision = read_list<double>(from.getHintPrecision());

@@ -149,6 +149,7 @@ Status load_config_file(const std::string& path, DaemonConfig& c) {
   EXPERTD_TRY(read_uint(path, t, "max_sessions", c.max_sessions));
   EXPERTD_TRY(read_uint(path, t, "acquire_timeout_ms", c.acquire_timeout_ms));
   EXPERTD_TRY(read_uint(path, t, "read_timeout_ms", c.read_timeout_ms));
+  EXPERTD_TRY(read_uint(path, t, "reactor_spin_us", c.reactor_spin_us));
   EXPERTD_TRY(read_uint(path, t, "max_connections_per_uid", c.max_connections_per_uid));
   EXPERTD_TRY(read_uint(path, t, "max_sessions_per_uid", c.max_sessions_per_uid));
   EXPERTD_TRY(read_uint(path, t, "idle_timeout_s", c.idle_timeout_s));
@@ -237,6 +238,10 @@ Status validate_config(const DaemonConfig& c) {
     return make_error(EINVAL,
                       fmt::format("read_timeout_ms {}: must be {}..{}, or 0 for no deadline",
                                   c.read_timeout_ms, kMinReadTimeoutMs, kMaxReadTimeoutMs));
+  }
+  if (c.reactor_spin_us > kMaxReactorSpinUs) {
+    return make_error(EINVAL, fmt::format("reactor_spin_us {}: must be 0..{}", c.reactor_spin_us,
+                                          kMaxReactorSpinUs));
   }
   if (c.max_connections_per_uid == 0 || c.max_connections_per_uid > kMaxConnections) {
     return make_error(EINVAL, fmt::format("max_connections_per_uid {}: must be 1..{}",

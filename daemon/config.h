@@ -23,6 +23,7 @@ inline constexpr uint32_t kMaxPrefetchDepth = 64;
 // (cache/scheduler.h, docs/CACHE.md "Prefetch admission and automatic depth").
 inline constexpr uint32_t kPrefetchDepthAutoValue = 0xffffffffu;
 inline constexpr uint32_t kMaxQueueDepth = 4096;
+inline constexpr uint32_t kMaxReactorSpinUs = 100'000;
 // An acquire's wait for a slot: at least a reactor sleep (100 ms), at most 10 minutes.
 inline constexpr uint32_t kMinAcquireTimeoutMs = 100;
 inline constexpr uint32_t kMaxAcquireTimeoutMs = 600'000;
@@ -63,6 +64,10 @@ struct DaemonConfig {
   // A disk read not back after this long fails its expert's load with ETIME (a stalled device or
   // file system must not hang acquires for ever; cache/scheduler.h). 0: no deadline.
   uint32_t read_timeout_ms = 30'000;
+  // After a client's last request the reactor stays awake this long, polling the rings, before it
+  // sleeps: a client's next request then needs no wake-up (docs/CLIENT.md "Round trips").
+  // 0: sleep at once. At most kMaxReactorSpinUs.
+  uint32_t reactor_spin_us = 200;
   // Check every load against a per-expert XXH3 manifest, built at the first start with it on and
   // kept in state_directory (docs/STORAGE.md "Content checksums").
   bool checksums = false;
@@ -99,6 +104,7 @@ inline constexpr ConfigKey kConfigKeys[] = {
     {"max_sessions", "--max-sessions"},
     {"acquire_timeout_ms", "--acquire-timeout-ms"},
     {"read_timeout_ms", "--read-timeout-ms"},
+    {"reactor_spin_us", "--reactor-spin-us"},
     {"admin_gids", "--admin-gid"},
     {"max_connections_per_uid", "--max-connections-per-uid"},
     {"max_sessions_per_uid", "--max-sessions-per-uid"},

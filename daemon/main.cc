@@ -46,6 +46,7 @@ struct Flags {
   int64_t max_sessions = -1;
   int64_t acquire_timeout_ms = -1;
   int64_t read_timeout_ms = -1;
+  int64_t reactor_spin_us = -1;
   std::vector<int64_t> allow_uids, allow_gids;
   std::vector<int64_t> admin_gids;
   int64_t max_connections_per_uid = -1, max_sessions_per_uid = -1, idle_timeout_s = -1;
@@ -113,6 +114,7 @@ expertd::Status apply_flags(const Flags& f, DaemonConfig& c) {
   if (f.max_sessions >= 0) c.max_sessions = static_cast<uint32_t>(f.max_sessions);
   if (f.acquire_timeout_ms >= 0) c.acquire_timeout_ms = static_cast<uint32_t>(f.acquire_timeout_ms);
   if (f.read_timeout_ms >= 0) c.read_timeout_ms = static_cast<uint32_t>(f.read_timeout_ms);
+  if (f.reactor_spin_us >= 0) c.reactor_spin_us = static_cast<uint32_t>(f.reactor_spin_us);
   for (const int64_t u : f.allow_uids) c.allowed_uids.push_back(static_cast<uid_t>(u));
   for (const int64_t g : f.allow_gids) c.allowed_gids.push_back(static_cast<gid_t>(g));
   for (const int64_t g : f.admin_gids) c.admin_gids.push_back(static_cast<gid_t>(g));
@@ -520,6 +522,12 @@ int main(int argc, char** argv) {
                  fmt::format("A disk read not back after this long fails its expert's load "
                              "(ETIME) and is cancelled: {}..{} ms, 0 = no deadline (30000)",
                              expertd::kMinReadTimeoutMs, expertd::kMaxReadTimeoutMs))
+      ->check(u32);
+  app.add_option("--reactor-spin-us", f.reactor_spin_us,
+                 fmt::format("After a client's last request, poll the rings this long before "
+                             "sleeping, so the next one needs no wake-up: 0..{} us, 0 = sleep at "
+                             "once (200)",
+                             expertd::kMaxReactorSpinUs))
       ->check(u32);
   app.add_option("--admin-gid", f.admin_gids,
                  "Members of this gid may change settings, evict, pin (besides root and the "

@@ -2,11 +2,17 @@
 // as a user would, against the real expertd binary; and expert-bench ipc end to end.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <regex>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "expertd/client.h"
@@ -70,6 +76,13 @@ TEST_F(ExpertctlTest, StatusModelsAndStatsAsJson) {
   EXPECT_EQ(m["cache_ready"], 8);
   EXPECT_EQ(m["layer_hits"], json::array({0, 8, 0, 0}));
   EXPECT_EQ(m["layer_misses"], json::array({0, 8, 0, 0}));
+  // The 8 misses were read: time with at least one read in flight, none with more than the
+  // queue allows, and the list ends at the most reads there have been at once.
+  const auto depth_ns = m["read_depth_ns"].get<std::vector<uint64_t>>();
+  ASSERT_GE(depth_ns.size(), 2u);
+  EXPECT_LE(depth_ns.size(), stats["queue_depth"].get<size_t>() + 1);
+  EXPECT_GT(depth_ns.back(), 0u);
+  EXPECT_GT(depth_ns[0], 0u);  // the idle time before and after
 
   // Text output too, and $EXPERTD_SOCKET as the default socket.
   ::setenv("EXPERTD_SOCKET", daemon_->socket().c_str(), 1);
@@ -77,6 +90,41 @@ TEST_F(ExpertctlTest, StatusModelsAndStatsAsJson) {
   ::unsetenv("EXPERTD_SOCKET");
   EXPECT_EQ(text.status, 0) << text.err;
   EXPECT_NE(text.out.find("hit rate   50.0% of 16 acquires"), std::string::npos) << text.out;
+}
+
+// The daemon's CPU time (user + system) in seconds, from /proc/PID/stat.
+double cpu_seconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), {});
+  // Fields after the command's closing parenthesis: state is field 3, utime 14, stime 15.
+  std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+  std::vector<std::string> fields{std::istream_iterator<std::string>(rest), {}};
+  EXPECT_GT(fields.size(), 13u) << stat;
+  if (fields.size() <= 13) return -1;
+  return static_cast<double>(std::stoull(fields[11]) + std::stoull(fields[12])) /
+         static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// The reactor polls the rings for a while after a request (reactor_spin_us) but sleeps once the
+// clients go quiet: an idle daemon with a session attached burns no core.
+TEST_F(ExpertctlTest, TheReactorSleepsOnceClientsGoQuiet) {
+  auto c = Client::connect(daemon_->socket());
+  ASSERT_TRUE(c) << c.error().message;
+  auto s = (*c)->attach("m", "expertctl-test");
+  ASSERT_TRUE(s) << s.error().message;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    const std::vector<uint32_t> experts{0, 1};
+    auto v = (*s)->acquire(layer, experts);
+    ASSERT_TRUE(v) << v.error().message;
+    ASSERT_TRUE((*s)->release(*v));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const double before = cpu_seconds(daemon_->pid());
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const double used = cpu_seconds(daemon_->pid()) - before;
+  // A spinning reactor would use the whole 2 s; a sleeping one wakes every 100 ms for its
+  // deadlines and once a second for its status.
+  EXPECT_LT(used, 0.2) << "expertd used " << used << " s of CPU in 2 s idle";
 }
 
 TEST_F(ExpertctlTest, PinUnpinAndEvict) {

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/cpu_engine.h"
@@ -189,6 +191,107 @@ TEST_F(EngineDaemonTest, ExpertRunJsonReportsGenerationHitsAndPrefetch) {
     EXPECT_EQ(recorded[i].token, expected[i].token);
     EXPECT_EQ(recorded[i].layer, expected[i].layer);
     EXPECT_EQ(recorded[i].experts, expected[i].experts) << "record " << i;
+  }
+}
+
+// --feed-tokens decodes given ids through decode() from an empty context after the prompt: the
+// fed positions route exactly as the fixture's prompt does from position 0 (the prompt's KV cache
+// was dropped), every fed token is one decode step that sends lookahead hints, and "feed" counts
+// the window alone.
+TEST_F(EngineDaemonTest, ExpertRunFeedTokensDecodeTheIdsFromAnEmptyContext) {
+  const std::string ids_path = dir_.path() + "/ids.txt";
+  {
+    std::ofstream f(ids_path);
+    for (size_t i = 0; i < fx_.tokens.size(); ++i) f << fx_.tokens[i] << (i % 3 == 2 ? "\n" : ", ");
+  }
+  const std::string trace_path = dir_.path() + "/fed.jsonl";
+  const auto r = expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket",
+                                             socket_, "--model", "tiny-f32", "--prompt-tokens",
+                                             "7,9,11,13", "--feed-tokens", ids_path,
+                                             "--record-trace", trace_path, "--json", "--cpu"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  const auto& feed = j.at("feed");
+  const size_t n = fx_.tokens.size();
+  EXPECT_EQ(feed.at("ids").get<std::vector<uint32_t>>(), fx_.tokens);
+  EXPECT_EQ(feed.at("source").get<std::string>(), "file " + ids_path);
+  EXPECT_EQ(feed.at("tokens").get<size_t>(), n);
+  EXPECT_EQ(j.at("generated").size(), 0u);
+  EXPECT_EQ(j.at("stop_reason").get<std::string>(), "fed");
+  EXPECT_EQ(j.at("decode_steps").get<uint64_t>(), 4 + n);
+  EXPECT_EQ(j.at("generation").at("steps").get<uint64_t>(), n);
+  // Every fed token routes top-2 of 8 experts in each of 3 layers, each from a tier.
+  const auto& hits = feed.at("hits");
+  EXPECT_EQ(hits.at("vram").get<uint64_t>() + hits.at("host").get<uint64_t>() +
+                hits.at("disk").get<uint64_t>(),
+            n * 3 * 2);
+  // Decode steps hint the next layer's experts (prefill sends none: it knows its routing).
+  EXPECT_GT(feed.at("hints").get<uint64_t>(), 0u);
+  EXPECT_GT(feed.at("tokens_per_s").get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(feed.at("bytes_read_per_token").get<double>(),
+                   feed.at("bytes_read").get<double>() / static_cast<double>(n));
+  const double busy = feed.at("disk_busy_fraction").get<double>();
+  EXPECT_GE(busy, 0.0);
+  EXPECT_LE(busy, 1.0);
+  if (hits.at("disk").get<uint64_t>() > 0) {
+    EXPECT_GE(feed.at("reads_in_flight_max").get<uint32_t>(), 1u);
+    EXPECT_GE(feed.at("reads_in_flight_mean").get<double>(), 1.0);
+  }
+  // The fed part of the trace starts again at position 0 and routes as the fixture's prompt.
+  const auto recorded = test::read_trace(trace_path);
+  const auto expected = fx_.trace("f32");
+  ASSERT_EQ(recorded.size(), (4 + n) * 3);
+  ASSERT_EQ(expected.size(), n * 3);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const auto& got = recorded[4 * 3 + i];
+    EXPECT_EQ(got.token, expected[i].token) << "record " << i;
+    EXPECT_EQ(got.layer, expected[i].layer) << "record " << i;
+    EXPECT_EQ(got.experts, expected[i].experts) << "record " << i;
+  }
+}
+
+// random:N:SEED draws as llama-bench's tg does: glibc's rand() % n_vocab after srand(SEED).
+TEST_F(EngineDaemonTest, ExpertRunFeedRandomIdsAreGlibcRandModVocab) {
+  const auto r = expertd::test::run_command({expertd::test::bin_path("expert-run"), "--socket",
+                                             socket_, "--model", "tiny-f32", "--feed-tokens",
+                                             "random:12:3", "--json", "--cpu"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  std::srand(3);
+  std::vector<uint32_t> want;
+  for (int i = 0; i < 12; ++i) want.push_back(static_cast<uint32_t>(std::rand()) % fx_.vocab);
+  EXPECT_EQ(j.at("feed").at("ids").get<std::vector<uint32_t>>(), want);
+  EXPECT_EQ(j.at("feed").at("source").get<std::string>(), "random:12:3");
+  EXPECT_EQ(j.at("prefill").at("tokens").get<size_t>(), 0u);
+}
+
+TEST_F(EngineDaemonTest, ExpertRunFeedTokensRefusesBadSpecsNamingThem) {
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir_.path() + "/" + name) << text;
+    return dir_.path() + "/" + name;
+  };
+  const std::string word = write("word.txt", "1,2,abc\n");
+  const std::string big = write("big.txt", "1,\n\n 99999999\n");
+  const std::string empty = write("empty.txt", " ,\n");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--feed-tokens", "random:0"}, "--feed-tokens 'random:0': random:N[:SEED] needs N in 1.."},
+      {{"--feed-tokens", "random:8:x"}, "--feed-tokens 'random:8:x'"},
+      {{"--feed-tokens", word},
+       "--feed-tokens " + word + ": id 3 (line 1) is 'abc', not a token id"},
+      {{"--feed-tokens", big},
+       "--feed-tokens " + big + ": id 2 (line 3) is 99999999, outside the model's vocabulary of " +
+           std::to_string(fx_.vocab)},
+      {{"--feed-tokens", empty}, "--feed-tokens " + empty + ": no token ids in it"},
+      {{"--feed-tokens", dir_.path() + "/none"}, "No such file or directory"},
+      {{"--feed-tokens", "random:4", "--max-tokens", "3"}, "it takes no --max-tokens"},
+  };
+  for (const auto& [args, want] : cases) {
+    std::vector<std::string> cmd = {
+        expertd::test::bin_path("expert-run"), "--socket", socket_, "--model", "tiny-f32", "--cpu"};
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    const auto r = expertd::test::run_command(cmd);
+    EXPECT_EQ(r.status, 1) << args.back();
+    EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
   }
 }
 

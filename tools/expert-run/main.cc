@@ -79,7 +79,95 @@ struct Options {
   std::string hints;  // router | trace; default: trace with --routing-trace, else router
   bool json = false;
   bool no_hash_hints = false;
+  std::string feed_tokens;  // --feed-tokens SPEC
+  bool max_tokens_given = false;
 };
+
+// --feed-tokens: the ids decoded in order, and what they are ("random:16:1", "file ids.txt").
+struct FeedTokens {
+  std::vector<uint32_t> ids;
+  std::string source;
+};
+
+constexpr uint32_t kMaxFeedTokens = 1u << 20;
+
+// SPEC is random:N[:SEED] (glibc's rand() % n_vocab after srand(SEED), SEED 1 by default: the
+// sequence llama-bench's tg draws, whose rand() is never seeded) or a file of ids separated by
+// commas or white space. Errors name the spec, or the file, the id's place in it and its value.
+Result<FeedTokens> parse_feed(const std::string& spec, uint32_t n_vocab) {
+  FeedTokens f;
+  if (spec.starts_with("random:")) {
+    const std::string rest = spec.substr(7);
+    const size_t colon = rest.find(':');
+    const std::string n_text = rest.substr(0, colon);
+    const std::string seed_text = colon == std::string::npos ? "1" : rest.substr(colon + 1);
+    uint32_t n = 0;
+    uint32_t seed = 0;
+    auto whole = [](const std::string& t, uint32_t& v) {
+      const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+      return !t.empty() && ec == std::errc() && end == t.data() + t.size();
+    };
+    if (!whole(n_text, n) || n == 0 || n > kMaxFeedTokens || !whole(seed_text, seed)) {
+      return expertd::make_error(
+          EINVAL, fmt::format("--feed-tokens '{}': random:N[:SEED] needs N in 1..{} and SEED a "
+                              "whole number (e.g. random:16 or random:64:7)",
+                              spec, kMaxFeedTokens));
+    }
+    std::srand(seed);
+    for (uint32_t i = 0; i < n; ++i) f.ids.push_back(static_cast<uint32_t>(std::rand()) % n_vocab);
+    f.source = fmt::format("random:{}:{}", n, seed);
+    return f;
+  }
+  std::ifstream in(spec, std::ios::binary);
+  if (!in) {
+    return expertd::make_error(
+        errno ? errno : ENOENT,
+        fmt::format("--feed-tokens {}: {} (give random:N[:SEED] or a file of token ids)", spec,
+                    std::strerror(errno ? errno : ENOENT)));
+  }
+  std::string item;
+  uint32_t line = 1;
+  uint32_t item_line = 1;
+  auto flush = [&]() -> expertd::Status {
+    if (item.empty()) return expertd::Ok{};
+    uint32_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (ec != std::errc() || end != item.data() + item.size()) {
+      return expertd::make_error(
+          EINVAL, fmt::format("--feed-tokens {}: id {} (line {}) is '{}', not a token id", spec,
+                              f.ids.size() + 1, item_line, item.substr(0, 32)));
+    }
+    if (v >= n_vocab) {
+      return expertd::make_error(
+          EINVAL, fmt::format("--feed-tokens {}: id {} (line {}) is {}, outside the model's "
+                              "vocabulary of {}",
+                              spec, f.ids.size() + 1, item_line, v, n_vocab));
+    }
+    if (f.ids.size() == kMaxFeedTokens) {
+      return expertd::make_error(
+          EINVAL, fmt::format("--feed-tokens {}: more than {} ids", spec, kMaxFeedTokens));
+    }
+    f.ids.push_back(v);
+    item.clear();
+    return expertd::Ok{};
+  };
+  char c = 0;
+  while (in.get(c)) {
+    if (c == ',' || c == ' ' || c == '\t' || c == '\r' || c == '\n') {
+      EXPERTD_TRY(flush());
+      if (c == '\n') ++line;
+      continue;
+    }
+    if (item.empty()) item_line = line;
+    if (item.size() < 64) item.push_back(c);
+  }
+  EXPERTD_TRY(flush());
+  if (f.ids.empty()) {
+    return expertd::make_error(EINVAL, fmt::format("--feed-tokens {}: no token ids in it", spec));
+  }
+  f.source = "file " + spec;
+  return f;
+}
 
 Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
   std::vector<uint32_t> out;
@@ -98,16 +186,48 @@ Result<std::vector<uint32_t>> parse_tokens(const std::string& text) {
   return out;
 }
 
-// The daemon's scheduler counters for one model (zeros when the model is not listed).
-expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
-                                               const std::string& model) {
+// The daemon's counters for one model (zeros when the model is not listed).
+expertd::client::ModelStats model_stats(expertd::client::Client& client, const std::string& model) {
   auto stats = client.stats();
   if (stats) {
     for (const auto& m : stats->models) {
-      if (m.name == model) return m.scheduler;
+      if (m.name == model) return m;
     }
   }
   return {};
+}
+
+expertd::client::SchedulerStats model_counters(expertd::client::Client& client,
+                                               const std::string& model) {
+  return model_stats(client, model).scheduler;
+}
+
+// The disk's queue over a window, from two of the daemon's readDepthNs lists: the fraction of
+// the window's wall time with reads in flight, the mean number in flight while there were any,
+// and the most at once.
+struct QueueWindow {
+  double busy_fraction = 0;
+  double mean_in_flight = 0;
+  uint32_t max_in_flight = 0;
+};
+
+QueueWindow queue_window(const std::vector<uint64_t>& before, const std::vector<uint64_t>& after,
+                         uint64_t wall_ns) {
+  QueueWindow w;
+  uint64_t busy_ns = 0;
+  double weighted = 0;
+  for (size_t i = 1; i < after.size(); ++i) {
+    const uint64_t d = after[i] - (i < before.size() ? std::min(before[i], after[i]) : 0);
+    if (d == 0) continue;
+    busy_ns += d;
+    weighted += static_cast<double>(i) * static_cast<double>(d);
+    w.max_in_flight = static_cast<uint32_t>(i);
+  }
+  if (busy_ns > 0) w.mean_in_flight = weighted / static_cast<double>(busy_ns);
+  if (wall_ns > 0) {
+    w.busy_fraction = std::min(1.0, static_cast<double>(busy_ns) / static_cast<double>(wall_ns));
+  }
+  return w;
 }
 
 // The daemon's prefetch state for one model after the run: the depth auto chose, the disk-busy
@@ -190,8 +310,17 @@ int run(Options o) {
   if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
   const int prompt_flags =
       !o.prompt_tokens.empty() + !o.prompt_text.empty() + !o.prompt_file.empty();
-  if (prompt_flags != 1) {
-    return fail(Error{EINVAL, "give exactly one of --prompt, --prompt-file and --prompt-tokens"});
+  const bool feeding = !o.feed_tokens.empty();
+  if (prompt_flags > 1 || (prompt_flags == 0 && !feeding)) {
+    return fail(Error{EINVAL, feeding ? "give at most one of --prompt, --prompt-file and "
+                                        "--prompt-tokens with --feed-tokens"
+                                      : "give exactly one of --prompt, --prompt-file and "
+                                        "--prompt-tokens (or --feed-tokens)"});
+  }
+  if (feeding && (o.max_tokens_given || !o.routing_trace.empty() || o.chat)) {
+    return fail(Error{EINVAL,
+                      "--feed-tokens decodes the given ids instead of generating: it "
+                      "takes no --max-tokens, --routing-trace or --chat"});
   }
   if (!o.prompt_file.empty()) {
     std::ifstream f(o.prompt_file, std::ios::binary);
@@ -299,7 +428,13 @@ int run(Options o) {
     prompt_ids = std::move(*ids);
   }
   // A text prompt's answer streams to the terminal as it is generated.
-  const bool stream = !o.json && !o.prompt_text.empty();
+  const bool stream = !o.json && !o.prompt_text.empty() && !feeding;
+  FeedTokens feed;
+  if (feeding) {
+    auto f = parse_feed(o.feed_tokens, p.n_vocab);
+    if (!f) return fail(f.error());
+    feed = std::move(*f);
+  }
 
   std::optional<RoutingScript> script;
   if (!o.routing_trace.empty()) {
@@ -330,7 +465,10 @@ int run(Options o) {
   if (!source) return fail(source.error());
   expertd::client::Client& client = *(*source)->client();
   EngineOptions eo;
-  eo.max_context = static_cast<uint32_t>(prompt->size()) + o.max_tokens;
+  // Fed ids start from an empty context (the prompt's KV cache is dropped first).
+  eo.max_context = feeding ? std::max(static_cast<uint32_t>(prompt->size()),
+                                      static_cast<uint32_t>(feed.ids.size()))
+                           : static_cast<uint32_t>(prompt->size()) + o.max_tokens;
   eo.prefetch_depth = o.prefetch_depth;
   eo.prefetch_width = o.prefetch_width;
   eo.script = script ? &*script : nullptr;
@@ -426,9 +564,12 @@ int run(Options o) {
     }
     if (show) std::fprintf(stderr, "\r\033[K");
   }
+  // Fed ids decode from an empty context, as llama-bench's tg runs after its pp test.
+  if (feeding) engine->reset();
   const auto t1 = expertd::monotonic_ns();
   const EngineStats at_prompt = engine->stats();
-  const auto mid = model_counters(client, o.model);
+  const auto mid_model = model_stats(client, o.model);
+  const auto& mid = mid_model.scheduler;
   std::vector<uint32_t> generated;
   // The text shown: each token's text through the stop matcher, end tokens left out.
   std::string text;
@@ -455,8 +596,19 @@ int run(Options o) {
       std::fflush(stdout);
     }
   };
-  const char* stop_reason = "max_tokens";
-  while (generated.size() < o.max_tokens) {
+  const char* stop_reason = feeding ? "fed" : "max_tokens";
+  // --feed-tokens: every id through decode() in turn (router lookahead, hints, the VRAM tier),
+  // its logits computed and left unread.
+  for (size_t i = 0; i < feed.ids.size(); ++i) {
+    const uint64_t stall0 = engine->stats().stall_ns;
+    if (auto st = engine->decode(feed.ids[i], logits); !st) return fail(st.error());
+    stall_ms_each.push_back(static_cast<double>(engine->stats().stall_ns - stall0) / 1e6);
+    if (!o.json && isatty(STDERR_FILENO) == 1 && (i + 1) % 8 == 0) {
+      std::fprintf(stderr, "\rexpert-run: fed %zu/%zu tokens", i + 1, feed.ids.size());
+    }
+  }
+  if (feeding && !o.json && isatty(STDERR_FILENO) == 1) std::fprintf(stderr, "\r\033[K");
+  while (!feeding && generated.size() < o.max_tokens) {
     const uint32_t next = sampler.sample(logits);
     generated.push_back(next);
     if (stop_at_end && end_tokens.contains(next)) {
@@ -488,7 +640,8 @@ int run(Options o) {
     split(splitter.finish());
   }
   const auto t2 = expertd::monotonic_ns();
-  const auto after = model_counters(client, o.model);
+  const auto after_model = model_stats(client, o.model);
+  const auto& after = after_model.scheduler;
   if (!o.record_trace.empty()) {
     if (auto st = write_routing_jsonl(o.record_trace, log); !st) return fail(st.error());
   }
@@ -496,7 +649,9 @@ int run(Options o) {
   const EngineStats& s = engine->stats();
   const double decode_s = seconds(t2 - t1);
   // Generated tokens over the time after the prompt: the first comes from the prompt's logits.
-  const double tokens_per_s = decode_s > 0 ? generated.size() / decode_s : 0.0;
+  // Fed tokens: each is one decode step.
+  const size_t decoded = feeding ? feed.ids.size() : generated.size();
+  const double tokens_per_s = decode_s > 0 ? static_cast<double>(decoded) / decode_s : 0.0;
   const double prompt_tokens_per_s = seconds(t1 - t0) > 0 ? prompt->size() / seconds(t1 - t0) : 0;
   const double stall_ms = s.tokens ? static_cast<double>(s.stall_ns) / 1e6 / s.tokens : 0.0;
   const uint64_t gen_steps = s.tokens - at_prompt.tokens;
@@ -515,6 +670,15 @@ int run(Options o) {
       s.copy_ns ? static_cast<double>(s.demand_copy_bytes) / static_cast<double>(s.copy_ns) : 0.0;
   const double tiers_mean =
       s.tiers_samples ? static_cast<double>(s.tiers_distinct_sum) / s.tiers_samples : 0.0;
+  // Per-token figures of the prompt (none with --feed-tokens alone).
+  const double prompt_n = static_cast<double>(std::max<size_t>(prompt->size(), 1));
+  // The feed's window alone: the routed experts found in each tier and the disk's queue.
+  const uint64_t window_hits = after.hits - mid.hits;
+  const uint64_t window_vram_prefetches = s.vram_prefetches - at_prompt.vram_prefetches;
+  const uint64_t window_host = window_hits - std::min(window_hits, window_vram_prefetches);
+  const uint64_t window_disk = (after.misses - mid.misses) + (after.coalesced - mid.coalesced);
+  const QueueWindow queue =
+      queue_window(mid_model.read_depth_ns, after_model.read_depth_ns, t2 - t1);
 
   nlohmann::json by_depth = nlohmann::json::array();
   for (size_t d = 0; d < s.by_depth.size(); ++d) {
@@ -547,7 +711,7 @@ int run(Options o) {
           {"stall_ms", static_cast<double>(at_prompt.stall_ns) / 1e6},
           {"bytes_read", mid.bytes_read - before.bytes_read},
           {"bytes_read_per_token",
-           static_cast<double>(mid.bytes_read - before.bytes_read) / prompt->size()}}},
+           static_cast<double>(mid.bytes_read - before.bytes_read) / prompt_n}}},
         {"stall_ms_per_token", stall_ms},
         {"generation",
          {{"steps", gen_steps},
@@ -609,7 +773,32 @@ int run(Options o) {
       j["mode_note"] = mode_note;
       j["scripted_routes"] = s.scripted_routes;
     }
-    if (vocab) j["text"] = text;
+    if (feeding) {
+      j["feed"] = {{"source", feed.source},
+                   {"ids", feed.ids},
+                   {"tokens", feed.ids.size()},
+                   {"tokens_per_s", tokens_per_s},
+                   {"ms_per_token", gen_decode_ms},
+                   {"stall_ms_per_token", gen_stall_ms},
+                   {"stall_ms_p50", percentile(stall_ms_each, 0.5)},
+                   {"stall_ms_p99", percentile(stall_ms_each, 0.99)},
+                   {"compute_ms_per_token", gen_decode_ms - gen_stall_ms},
+                   {"bytes_read", after.bytes_read - mid.bytes_read},
+                   {"bytes_read_per_token", bytes_per_token},
+                   {"hits",
+                    {{"vram", s.vram_hits - at_prompt.vram_hits},
+                     {"host", window_host},
+                     {"disk", window_disk}}},
+                   {"reads_in_flight_mean", queue.mean_in_flight},
+                   {"reads_in_flight_max", queue.max_in_flight},
+                   {"disk_busy_fraction", queue.busy_fraction},
+                   {"prefetch_loads", after.prefetch_loads - mid.prefetch_loads},
+                   {"prefetch_useful", after.prefetch_useful - mid.prefetch_useful},
+                   {"hints", s.hints_sent - at_prompt.hints_sent},
+                   {"vram_copy_bytes", s.copy_bytes - at_prompt.copy_bytes},
+                   {"vram_demand_copy_bytes", s.demand_copy_bytes - at_prompt.demand_copy_bytes}};
+    }
+    if (vocab && !feeding) j["text"] = text;
     // The raw text split as expert-serve's chat answers are (reasoning_content, content).
     if (vocab && reasoning_model) {
       j["reasoning"] = reasoning_text;
@@ -623,14 +812,31 @@ int run(Options o) {
   std::string ids;
   for (const uint32_t t : generated) ids += (ids.empty() ? "" : " ") + std::to_string(t);
   if (stream) std::printf("\n\n");  // after the streamed answer
-  std::printf(
-      "prompt: %zu tokens in %.1f ms (%.1f tokens/s, %zu chunk%s), %.1f MB read per token\n",
-      prompt->size(), static_cast<double>(t1 - t0) / 1e6, prompt_tokens_per_s,
-      static_cast<size_t>(at_prompt.prefill_chunks), at_prompt.prefill_chunks == 1 ? "" : "s",
-      static_cast<double>(mid.bytes_read - before.bytes_read) / 1e6 / prompt->size());
-  std::printf("generated: %s\n", ids.c_str());
-  std::printf("stopped: %s\n", stop_reason);
-  if (vocab) {
+  if (!prompt->empty()) {
+    std::printf(
+        "prompt: %zu tokens in %.1f ms (%.1f tokens/s, %zu chunk%s), %.1f MB read per token\n",
+        prompt->size(), static_cast<double>(t1 - t0) / 1e6, prompt_tokens_per_s,
+        static_cast<size_t>(at_prompt.prefill_chunks), at_prompt.prefill_chunks == 1 ? "" : "s",
+        static_cast<double>(mid.bytes_read - before.bytes_read) / 1e6 / prompt_n);
+  }
+  if (feeding) {
+    std::printf(
+        "fed: %zu tokens (%s) from an empty context: %.2f tokens/s, %.1f ms/token (stall %.1f, "
+        "p50 %.1f, p99 %.1f; compute %.1f), %.1f MB read per token\n",
+        feed.ids.size(), feed.source.c_str(), tokens_per_s, gen_decode_ms, gen_stall_ms,
+        percentile(stall_ms_each, 0.5), percentile(stall_ms_each, 0.99),
+        gen_decode_ms - gen_stall_ms, bytes_per_token / 1e6);
+    std::printf(
+        "fed: experts from vram %llu, host %llu, disk %llu; disk busy %.0f%% of the time, "
+        "%.1f reads in flight while busy (most %u)\n",
+        static_cast<unsigned long long>(s.vram_hits - at_prompt.vram_hits),
+        static_cast<unsigned long long>(window_host), static_cast<unsigned long long>(window_disk),
+        100.0 * queue.busy_fraction, queue.mean_in_flight, queue.max_in_flight);
+  } else {
+    std::printf("generated: %s\n", ids.c_str());
+    std::printf("stopped: %s\n", stop_reason);
+  }
+  if (vocab && !feeding) {
     const std::string quoted =
         nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::printf("text: %s\n", quoted.c_str());
@@ -730,7 +936,15 @@ int main(int argc, char** argv) {
                  "With --chat: gpt-oss's reasoning effort (its template's default: medium)")
       ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
-  app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)");
+  app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)")
+      ->each([&o](const std::string&) { o.max_tokens_given = true; });
+  app.add_option("--feed-tokens", o.feed_tokens,
+                 "Decode these ids instead of generating, one position at a time through the "
+                 "decode path (router lookahead, hints, the VRAM tier), from an empty context "
+                 "after the prompt (if any), logits computed and left unread: random:N[:SEED] "
+                 "(glibc rand() % n_vocab after srand(SEED), SEED 1 = llama-bench's tg ids) or a "
+                 "file of ids separated by commas or white space. --json adds \"feed\": tokens/s, "
+                 "MB read per token, hits per tier, stall, reads in flight, disk busy");
   app.add_option("--prefill-chunk", o.prefill_chunk,
                  "Prompt positions processed together, each routed expert acquired once per "
                  "chunk (512)")

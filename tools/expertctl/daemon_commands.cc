@@ -70,6 +70,7 @@ json stats_json(const Stats& s) {
     mj["scheduler"] = fields_json(m.scheduler);
     mj["layer_hits"] = m.layer_hits;
     mj["layer_misses"] = m.layer_misses;
+    mj["read_depth_ns"] = m.read_depth_ns;
     mj["prefetch_depths"] = depths_json(m.prefetch_depths, m.scheduler.acquires);
     mj["hint_precision"] = m.hint_precision;
     mj["shard_loads_failed"] = m.shard_loads_failed;

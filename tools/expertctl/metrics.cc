@@ -72,6 +72,7 @@ struct Index {
 };
 constexpr Index kIndexes[] = {
     {"hintPrecision", "depth", 1},
+    {"readDepthNs", "reads", 0},
     {"layer", "layer", 0},
     {"shard", "shard", 0},
 };

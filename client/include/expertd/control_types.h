@@ -92,6 +92,8 @@ struct ModelStats {
   SchedulerStats scheduler;
   std::vector<uint64_t> layer_hits;                 // per block layer: acquires served READY
   std::vector<uint64_t> layer_misses;               // per block layer: acquires that waited
+  // [i]: ns with exactly i reads in flight since the daemon started (the schema says more)
+  std::vector<uint64_t> read_depth_ns;
   std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
   std::vector<double> hint_precision;  // the estimate per depth 1..8 (empty from an older daemon)
   std::vector<uint64_t> shard_loads_failed;  // per shard (model file): loads failed on a read
