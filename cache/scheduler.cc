@@ -380,6 +380,8 @@ void Scheduler::submitted(uint32_t c) {
   ch.submitted_ns = monotonic_ns();
   ch.in_flight = true;
   ch.timed_out = false;
+  ch.prefetch = !loads_[ch.load].demand;
+  if (ch.prefetch) ++prefetch_ops_in_flight_;
 }
 
 bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
@@ -530,6 +532,12 @@ bool Scheduler::submit_next_chunk() {
     return true;
   }
   for (auto* queue : {&demand_queue_, &prefetch_queue_}) {
+    // A demand read is in flight: one prefetch read at most beside it, so that the disk's
+    // bandwidth goes to what a client waits for (the prefetches resume at full depth after).
+    if (queue == &prefetch_queue_ && prefetch_ops_in_flight_ > 0 &&
+        ops_in_flight_ > prefetch_ops_in_flight_) {
+      return false;
+    }
     while (!queue->empty()) {
       const uint32_t id = queue->front();
       Load& l = loads_[id];
@@ -556,6 +564,11 @@ void Scheduler::on_read(ReadOp* op) {
   EXPERTD_CHECK_EQ(&chunks_[c].op, op);
   Chunk& ch = chunks_[c];
   ch.in_flight = false;
+  if (ch.prefetch) {
+    EXPERTD_CHECK_GT(prefetch_ops_in_flight_, 0);
+    --prefetch_ops_in_flight_;
+    ch.prefetch = false;
+  }
   Load& l = loads_[ch.load];
   const int32_t res = op->result;
   if (res > 0) {

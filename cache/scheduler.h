@@ -38,7 +38,9 @@
 //    Meanwhile an acquire of that expert gets -ETIME at once rather than joining the failed load;
 //    once the read is back the slot frees and the next acquire reads afresh.
 //  - bytes in flight are bounded: at most `queue_depth` chunk reads, and prefetch loads only for
-//    layers within `prefetch_depth` of the cursor.
+//    layers within `prefetch_depth` of the cursor. Demand reads go first, and while one is in
+//    flight at most one prefetch read is beside it (a prefetch never takes the disk's bandwidth
+//    from an expert a client waits for; the prefetches go back to full depth after).
 //  - each expert's slices are read widened to the DIO alignment, in chunks of `chunk_bytes`
 //    (0 = whole slice). A short read is requeued for the rest (through the buffered fd when the
 //    remainder is unaligned, so it always progresses), -EAGAIN is retried at once, -EIO and an
@@ -262,6 +264,7 @@ class Scheduler final : private EvictionListener {
   // The prefetch telemetry of one session (zero for a session id not in use).
   const PrefetchDepths& session_depths(uint32_t session) const { return session_depths_[session]; }
   uint32_t reads_in_flight() const { return ops_in_flight_; }
+  uint32_t prefetch_reads_in_flight() const { return prefetch_ops_in_flight_; }
   // Time spent with exactly i reads in flight, for i = 0 .. the most there have been, up to
   // now_ns (the interval still open counted too): a client's window of it, the difference of two
   // calls, gives the disk's busy fraction, the mean queue depth and its peak over that window.
@@ -327,6 +330,7 @@ class Scheduler final : private EvictionListener {
     uint64_t submitted_ns = 0;  // when the backend last took it (the read deadline's start)
     bool in_flight = false;     // with the backend now
     bool timed_out = false;     // out past read_timeout_ns (counted and cancelled once)
+    bool prefetch = false;      // in flight for a load nobody waited for when it was submitted
   };
   struct Hint {
     uint32_t session = 0;
@@ -486,6 +490,10 @@ class Scheduler final : private EvictionListener {
   std::vector<HintMark> hinted_;            // per (block layer, expert)
   std::vector<PrefetchDepths> session_depths_;
   uint32_t ops_in_flight_ = 0;
+  // Of ops_in_flight_, reads submitted for prefetch loads (Chunk::prefetch). While a demand read
+  // is in flight, at most one of these is (submit_next_chunk()): a prefetch must not take the
+  // disk's bandwidth from a read a client is waiting for.
+  uint32_t prefetch_ops_in_flight_ = 0;
   // read_depth_ns(): [i] the time with i reads in flight (one entry per chunk, and one for none:
   // sized at start), since the last change at depth_change_ns_; depth_peak_ the most ever.
   std::vector<uint64_t> depth_ns_;

@@ -251,6 +251,51 @@ TEST_P(Backends, PrefetchesPassedByTheCursorAreDroppedOrCancelled) {
   EXPECT_EQ(h.sched().stats().prefetch_useful, 4u);
 }
 
+// Prefetches must not take the disk from a read a client waits for: once a demand read is in
+// flight, the reads of prefetch loads beside it drain to one and stay there until the demand's
+// expert is READY (completions held back a few waits each, so several reads are out at once).
+TEST_P(Backends, APrefetchReadsBesideADemandReadOneAtATime) {
+  TempDir dir;
+  const std::string model = forge(dir.path(),
+                                  "--layers 8 --experts 8 --embd 256 --ff 512 "
+                                  "--seed 7");
+  FaultOptions f;
+  f.delay_rate = 1.0;
+  f.max_delay_waits = 3;
+  StoreOptions o = small_cache(64ull << 20);
+  o.scheduler.prefetch_depth = 2;
+  o.scheduler.queue_depth = 8;
+  o.scheduler.chunk_bytes = 16 << 10;  // several reads per expert
+  Harness h(model, GetParam(), o, &f);
+  h.sched().set_cursor(0, 0, 0);
+  for (uint32_t e = 0; e < 6; ++e) ASSERT_EQ(h.sched().prefetch(0, {1, e}, 0.9f), 0);
+  h.sched().pump();
+  ASSERT_GT(h.sched().prefetch_reads_in_flight(), 1u);
+  ASSERT_EQ(h.sched().acquire(0, {2, 7}, 1), 0);
+  uint32_t demand_steps = 0;
+  bool drained = false;  // the prefetch reads beside the demand came down to one
+  for (int i = 0; i < 10'000 && h.sink.done.empty(); ++i) {
+    ASSERT_GE(h.reactor->run_once(5, {}), 0);
+    const uint32_t all = h.sched().reads_in_flight();
+    const uint32_t pre = h.sched().prefetch_reads_in_flight();
+    if (all == pre) continue;  // no demand read out now
+    ++demand_steps;
+    if (pre <= 1) drained = true;
+    if (drained) {
+      EXPECT_LE(pre, 1u) << "step " << i << ": " << all << " reads in flight";
+    }
+  }
+  ASSERT_EQ(h.sink.done.size(), 1u);
+  EXPECT_GE(h.sink.done[0].slot, 0);
+  EXPECT_GT(demand_steps, 3u);
+  EXPECT_TRUE(drained);
+  // The prefetches finish afterwards, at full depth again.
+  ASSERT_TRUE(h.drain());
+  EXPECT_EQ(h.sched().stats().prefetch_loads, 6u);
+  for (uint32_t e = 0; e < 6; ++e) EXPECT_GE(h.store->cache().lookup({1, e}), 0);
+  EXPECT_EQ(h.sched().prefetch_reads_in_flight(), 0u);
+}
+
 TEST_P(Backends, StagingNeverEvictsHotExperts) {
   TempDir dir;
   const std::string model = forge(dir.path(),
