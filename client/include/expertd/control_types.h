@@ -90,8 +90,8 @@ struct PrefetchDepthStats {
 struct ModelStats {
   EXPERTD_MODEL_STATS_FIELDS(EXPERTD_DECLARE_FIELD)
   SchedulerStats scheduler;
-  std::vector<uint64_t> layer_hits;                 // per block layer: acquires served READY
-  std::vector<uint64_t> layer_misses;               // per block layer: acquires that waited
+  std::vector<uint64_t> layer_hits;    // per block layer: acquires served READY
+  std::vector<uint64_t> layer_misses;  // per block layer: acquires that waited
   // [i]: ns with exactly i reads in flight since the daemon started (the schema says more)
   std::vector<uint64_t> read_depth_ns;
   std::vector<PrefetchDepthStats> prefetch_depths;  // depths 1..8 (empty from an older daemon)
