@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Shared by bench/peer/peer.sh and scripts/device-engine-bench.sh (sourced, not run): timestamped
-# progress lines, cgroup v2 memory caps, and building llama.cpp's llama-bench from the
-# llama-cpp-python sdist. The one place for this logic; both scripts call these functions.
+# progress lines, cgroup v2 memory caps, and building llama.cpp's llama-bench (and peer.sh's
+# llama-feed against its libllama) from the llama-cpp-python sdist. The one place for this logic;
+# both scripts call these functions.
 #
 # Variables the caller may set before sourcing: PEER_CGROUP_ROOT (/sys/fs/cgroup).
 
@@ -30,6 +31,12 @@ peer_cgroup_check() {
   # e.g. in a container whose root cgroup holds processes: then it must be delegated already).
   if [ -f "$root/cgroup.subtree_control" ] && ! grep -qw memory "$root/cgroup.subtree_control"; then
     echo +memory 2> /dev/null > "$root/cgroup.subtree_control" || true
+  fi
+  # The io controller too where it can be had: the children's io.stat counts every byte a run
+  # reads from storage (llama-bench reports none itself). Optional: a run without it says so.
+  if [ -f "$root/cgroup.subtree_control" ] && ! grep -qw io "$root/cgroup.subtree_control" &&
+    grep -qw io "$root/cgroup.controllers" 2> /dev/null; then
+    echo +io 2> /dev/null > "$root/cgroup.subtree_control" || true
   fi
   if mkdir "$probe" 2> /dev/null; then
     [ -f "$probe/memory.max" ] && [ -f "$probe/cgroup.procs" ] && ok=1
@@ -62,7 +69,10 @@ peer_drop_caches() {
 # Runs CMD in a fresh cgroup with memory.max = CAP_BYTES (page cache included) and swap off, under
 # a wall-clock limit (0 = none). Everything CMD starts stays in the cgroup (it moves itself in before
 # exec), and whatever is left when it ends is killed, so a hung run leaves nothing behind. Writes
-# "key value" lines to STATS_FILE: rc, timed_out, wall_s, peak, and memory.events' counters.
+# "key value" lines to STATS_FILE: rc, timed_out, wall_s, peak, memory.events' counters, and,
+# where the kernel has them, io_rbytes / io_rios (io.stat summed over devices: everything the run
+# read from storage, mmap faults and O_DIRECT alike) and the largest anon and file (page cache)
+# bytes of memory.stat, sampled every 0.5 s while CMD runs (at its end both are gone or stale).
 # With CAP_BYTES = none, runs CMD the same way without a cgroup (testing on a machine without one).
 peer_in_cgroup() {
   local cap=$1 limit=$2 stats=$3
@@ -78,8 +88,13 @@ peer_in_cgroup() {
     [ "$got" = "$cap" ] || echo "warning: $cg/memory.max reads '$got' after writing $cap" >&2
   fi
   t0=$(date +%s%N)
-  local to=()
+  local to=() sampler=""
   [ "$limit" != 0 ] && to=(timeout -k 10 "$limit")
+  if [ -n "$cg" ] && [ -f "$cg/memory.stat" ]; then
+    # Outside the cgroup (this shell's child, not CMD's), so it is neither capped nor counted.
+    peer_memory_sampler "$cg/memory.stat" "$stats.mem" &
+    sampler=$!
+  fi
   if [ -n "$cg" ]; then
     "${to[@]}" bash -c 'echo $$ > "$1/cgroup.procs" || exit 97; shift; exec "$@"' _ "$cg" "$@" ||
       rc=$?
@@ -87,6 +102,10 @@ peer_in_cgroup() {
     "${to[@]}" "$@" || rc=$?
   fi
   local wall_ms=$((($(date +%s%N) - t0) / 1000000))
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2> /dev/null || true
+    wait "$sampler" 2> /dev/null || true
+  fi
   {
     echo "rc $rc"
     echo "timed_out $([ "$rc" = 124 ] || [ "$rc" = 137 ] && [ "$limit" != 0 ] && echo 1 || echo 0)"
@@ -95,8 +114,17 @@ peer_in_cgroup() {
       echo "cap $(cat "$cg/memory.max" 2> /dev/null || echo "$cap")"
       echo "peak $(cat "$cg/memory.peak" 2> /dev/null || echo -1)"
       [ -f "$cg/memory.events" ] && sed 's/^/event_/' "$cg/memory.events"
+      if [ -f "$cg/io.stat" ]; then
+        # One line per device: "MAJ:MIN rbytes=N wbytes=N rios=N ...".
+        awk '{ for (i = 2; i <= NF; i++) { split($i, kv, "=")
+                 if (kv[1] == "rbytes") b += kv[2]; if (kv[1] == "rios") n += kv[2] } }
+             END { printf "io_rbytes %d\nio_rios %d\n", b, n }' "$cg/io.stat"
+      fi
+      [ ! -s "$stats.mem" ] || awk '$1 > a { a = $1 } $2 > f { f = $2 }
+        END { printf "mem_anon_max %d\nmem_file_max %d\n", a, f }' "$stats.mem"
     fi
   } > "$stats"
+  rm -f "$stats.mem"
   if [ -n "$cg" ]; then
     # A daemon the command started and did not stop (a timeout or a crash) dies with the cgroup.
     if [ -f "$cg/cgroup.kill" ]; then
@@ -111,6 +139,15 @@ peer_in_cgroup() {
     rmdir "$cg" 2> /dev/null || echo "cgroup $cg not removed (processes left)" >&2
   fi
   return $rc
+}
+
+# Appends "anon file" (memory.stat's bytes) to OUT every 0.5 s until killed.
+peer_memory_sampler() {  # MEMORY_STAT OUT
+  while :; do
+    awk '$1 == "anon" { a = $2 } $1 == "file" { f = $2 } END { print a + 0, f + 0 }' "$1" \
+      2> /dev/null >> "$2" || return 0
+    sleep 0.5
+  done
 }
 
 # --- llama.cpp --------------------------------------------------------------------------------
@@ -157,13 +194,16 @@ peer_llama_download() {
 }
 
 # Writes a trimmed tarball (llama.cpp/...) of the sdist's vendor/llama.cpp to OUT: without the
-# models, docs, tests, examples, web UI and the Vulkan/SYCL/OpenCL backends (about 7 MB instead of
-# 77), which is all llama-bench's CPU and CUDA builds need.
+# docs, tests, examples, web UI, the Vulkan/SYCL/OpenCL backends and the models but one (about
+# 8 MB instead of 77), which is all llama-bench's CPU and CUDA builds need. The model kept,
+# models/ggml-vocab-llama-spm.gguf (0.7 MB), is LLaMA's SentencePiece vocabulary, the tokenizer of
+# peer.sh's text stream.
 peer_llama_pack() {  # SRC OUT
   local src=$1 out=$2 tmp
   tmp=$(mktemp -d)
   peer_llama_unpack "$src" "$tmp/llama.cpp"
-  tar czf "$out" -C "$tmp" --exclude=llama.cpp/models --exclude=llama.cpp/docs \
+  find "$tmp/llama.cpp/models" -mindepth 1 ! -name ggml-vocab-llama-spm.gguf -delete 2> /dev/null || true
+  tar czf "$out" -C "$tmp" --exclude=llama.cpp/docs \
     --exclude=llama.cpp/tests --exclude=llama.cpp/examples --exclude=llama.cpp/media \
     --exclude=llama.cpp/.github --exclude=llama.cpp/.git --exclude=llama.cpp/gguf-py --exclude=llama.cpp/conversion \
     --exclude=llama.cpp/tools/ui --exclude=llama.cpp/tools/server/tests \
@@ -173,33 +213,59 @@ peer_llama_pack() {  # SRC OUT
   peer_log "pack: $out ($(du -h "$out" | cut -f1))"
 }
 
-# KIND is cpu or cuda. The build lives in BUILD_ROOT/KIND; BUILD_ROOT/KIND.rc holds ninja's exit
-# status once it is done, BUILD_ROOT/KIND.log the output.
+# KIND is cpu or cuda. The build lives in BUILD_ROOT/KIND; BUILD_ROOT/KIND.rc holds the exit
+# status of the build (ninja, then llama-feed's compile) once it is done, BUILD_ROOT/KIND.log the
+# output.
 peer_llama_bin() { echo "$1/$2/bin/llama-bench"; }
+peer_llama_feed_bin() { echo "$1/$2/bin/llama-feed"; }
 
-# Starts building llama-bench for each kind (in the order given, one after the other) in the
-# background, detached, and returns at once; kinds already built are skipped.
-peer_llama_build_start() {  # SRC_DIR BUILD_ROOT KINDS(cpu,cuda) JOBS CUDA_ARCH
-  local src=$1 root=$2 kinds=$3 jobs=$4 arch=$5 script="" k
+# Prints the commands that build KIND: configure, ninja llama-bench and llama (libllama), then
+# llama_feed.cpp with g++ against that libllama. BUILD_SHARED_LIBS is on by default and llama.cpp
+# puts the shared libraries beside the binaries (bin/), so llama-feed finds them through $ORIGIN.
+# The commit comes from the build-info.cpp the build generates (llama-bench's build_commit).
+peer_llama_build_script() {  # SRC_DIR BUILD_ROOT KIND JOBS CUDA_ARCH [FEED_SRC]
+  local src=$1 root=$2 k=$3 jobs=$4 arch=$5 feed=${6:-} flags="-DGGML_CUDA=OFF"
+  [ "$k" = cuda ] && flags="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch \
+-DCMAKE_CUDA_COMPILER=${CUDACXX:-/usr/local/cuda/bin/nvcc}"
+  cat << EOF
+cmake -S '$src' -B '$root/$k' -G Ninja -DCMAKE_BUILD_TYPE=Release $flags \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > '$root/$k.log' 2>&1 &&
+  ninja -C '$root/$k' -j $jobs llama-bench llama >> '$root/$k.log' 2>&1 &&
+EOF
+  [ -z "$feed" ] || cat << EOF
+  commit=\$(sed -n 's/.*LLAMA_COMMIT = "\([^"]*\)".*/\1/p' '$root/$k/common/build-info.cpp') &&
+  echo "llama-feed: g++ $feed against llama.cpp \$commit" >> '$root/$k.log' &&
+  g++ -O2 -std=c++17 -I'$src/include' -I'$src/ggml/include' \
+    -DLLAMA_FEED_BUILD_COMMIT="\"\$commit\"" '$feed' -o '$root/$k/bin/llama-feed' \
+    -L'$root/$k/bin' -lllama -lggml -lggml-base -lggml-cpu -Wl,-rpath,'\$ORIGIN' \
+    >> '$root/$k.log' 2>&1 &&
+EOF
+  echo "  true"
+  echo "echo \$? > '$root/$k.rc'"
+}
+
+# Starts building llama-bench (and llama-feed from FEED_SRC, when given) for each kind (in the
+# order given, one after the other) in the background, detached, and returns at once; kinds
+# already built (llama-feed newer than its source) are skipped.
+peer_llama_build_start() {  # SRC_DIR BUILD_ROOT KINDS(cpu,cuda) JOBS CUDA_ARCH [FEED_SRC]
+  local src=$1 root=$2 kinds=$3 jobs=$4 arch=$5 feed=${6:-} k
+  [ -z "$feed" ] || [ -f "$feed" ] || peer_die "llama-feed: no source $feed"
   mkdir -p "$root"
+  : > "$root/build.sh"
   for k in ${kinds//,/ }; do
-    if [ -x "$(peer_llama_bin "$root" "$k")" ] && [ "$(cat "$root/$k.rc" 2> /dev/null)" = 0 ]; then
-      peer_log "llama.cpp $k: already built ($(peer_llama_bin "$root" "$k"))"
+    if [ -x "$(peer_llama_bin "$root" "$k")" ] && [ "$(cat "$root/$k.rc" 2> /dev/null)" = 0 ] &&
+      { [ -z "$feed" ] || [ "$(peer_llama_feed_bin "$root" "$k")" -nt "$feed" ]; }; then
+      peer_log "llama.cpp $k: already built ($(peer_llama_bin "$root" "$k")${feed:+, llama-feed})"
       continue
     fi
     rm -f "$root/$k.rc"
-    local flags="-DGGML_CUDA=OFF"
-    [ "$k" = cuda ] && flags="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$arch \
--DCMAKE_CUDA_COMPILER=${CUDACXX:-/usr/local/cuda/bin/nvcc}"
-    script+="cmake -S '$src' -B '$root/$k' -G Ninja -DCMAKE_BUILD_TYPE=Release $flags \
--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
--DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > '$root/$k.log' 2>&1 && \
-ninja -C '$root/$k' -j $jobs llama-bench >> '$root/$k.log' 2>&1; echo \$? > '$root/$k.rc'; "
-    peer_log "llama.cpp $k: building llama-bench in $root/$k (log $root/$k.log)"
+    peer_llama_build_script "$src" "$root" "$k" "$jobs" "$arch" "$feed" >> "$root/build.sh"
+    peer_log "llama.cpp $k: building llama-bench and llama-feed in $root/$k (log $root/$k.log)"
   done
-  [ -n "$script" ] || return 0
+  [ -s "$root/build.sh" ] || return 0
   (
-    setsid nohup bash -c "$script" > /dev/null 2>&1 &
+    setsid nohup bash "$root/build.sh" > /dev/null 2>&1 &
     echo $! > "$root/build.pid"
   )
 }
@@ -235,6 +301,6 @@ peer_llama_build_wait() {  # BUILD_ROOT KINDS LIMIT
       tail -20 "$root/$k.log" >&2
       peer_die "llama.cpp $k: the build failed (log $root/$k.log)"
     fi
-    peer_log "llama.cpp $k: built ($(peer_llama_bin "$root" "$k"))"
+    peer_log "llama.cpp $k: built ($(peer_llama_bin "$root" "$k"), $(peer_llama_feed_bin "$root" "$k"))"
   done
 }

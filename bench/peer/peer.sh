@@ -1,31 +1,50 @@
 #!/usr/bin/env bash
-# expertd side by side with llama.cpp at equal memory (issue 13; docs/PERFORMANCE.md, "Side by
-# side with llama.cpp (bench/peer)").
+# expertd side by side with llama.cpp at equal memory, both fed the same token ids (issues 13, 23;
+# docs/PERFORMANCE.md, "Side by side with llama.cpp (bench/peer)").
 #
 # Usage: bench/peer/peer.sh [OPTIONS] [STEP...]
 #
-# Steps (default: build-start forge build-wait run table):
+# Steps (default: build-start forge streams build-wait disk run table):
 #   build-start   unpack llama.cpp (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp) and start
-#                 building llama-bench, CPU and/or CUDA, in the background; returns at once
+#                 building llama-bench and llama-feed (bench/peer/llama_feed.cpp against that
+#                 build's libllama), CPU and/or CUDA, in the background; returns at once
 #   build-wait    wait for those builds
 #   forge         expert-forge the models that are not on disk yet
+#   streams       the token ids both engines are fed, per vocabulary size V, in OUT/streams/:
+#                 prompt-V.ids (PP ids, awk srand(12), the prefill of every config),
+#                 random-V.ids (TG ids: glibc rand() % V after srand(--seed), as llama-bench's tg
+#                 draws them) and text-V.ids (the first TG ids of docs/ARCHITECTURE.md followed by
+#                 engine/engine.h, English then C++, encoded by `expertctl tokenize` with
+#                 --tokenizer); README says what each file is
+#   disk          the disk's O_DIRECT read rate, once (expert-bench storage on the first model's
+#                 file, caches dropped, ~20 s) -> OUT/disk.json, for the disk-bound fraction
 #   run           the benchmark runs (below), each in its own cgroup
 #   table         the markdown tables from the results (OUT/table.md)
-#   pack-src FILE write a trimmed tarball of llama.cpp (~7 MB) for a machine without network
+#   pack-src FILE write a trimmed tarball of llama.cpp (~8 MB, with the LLaMA SentencePiece vocab
+#                 the text stream uses) for a machine without network
 #
 # Each run: page cache dropped, a fresh cgroup v2 with memory.max = the cap (page cache counted,
-# swap off), a wall-clock limit, and one process (or expertd and expert-run together) measuring
-# prefill of PP random tokens and then decode of TG tokens:
-#   expertd     expertd (cache = cap - staging - engine host memory - margin) + expert-run (GPU engine,
-#               --vram-experts V, --prefill-chunk PP, temperature 1); the daemon's default
-#               prefetch depth (auto)
-#   expertd-d0  the same with expertd --prefetch-depth 0: no reads ahead (prefetch off), the
-#               baseline that prefetch must never lose to
-#   cuda-tier   llama-bench, CUDA build, -ngl 99 -ncmoe N: experts of N layers stay on the CPU
-#               side; the other layers' experts in VRAM take the same bytes as expertd's VRAM tier
-#   cuda-all    llama-bench, CUDA build, -ngl 99 -ncmoe <all layers>
-#   cpu         llama-bench, CPU-only build
-# llama-bench always gets -r 1 --no-warmup -lm mmap --repack 0 (the last two where it has them).
+# swap off), a wall-clock limit, and one process (or expertd and expert-run together): prefill of
+# the PP prompt ids, then, from an empty context, decode of the TG ids of a stream (random or
+# text), one position at a time. Configs:
+#   expertd         expertd (cache = cap - staging - engine host memory - margin) + expert-run (GPU
+#                   engine, --vram-experts V, --prefill-chunk PP, --feed-tokens STREAM); the
+#                   daemon's default prefetch depth (auto)
+#   feed-cuda-tier  llama-feed, CUDA build, -ngl 99 -ncmoe N: experts of N layers stay on the CPU
+#                   side; the other layers' experts in VRAM take the same bytes as expertd's tier
+#   cuda-tier       llama-bench, CUDA build, the same -ncmoe: llama.cpp's own pp/tg (tg of ids it
+#                   draws itself: a second llama.cpp figure, once per model and cap, no stream)
+# and, optional (--configs):
+#   expertd-d0      expertd with --prefetch-depth 0 (prefetch off): the baseline prefetch must
+#                   never lose to
+#   feed-cuda-all   llama-feed, CUDA build, -ngl 99 -ncmoe <all layers>
+#   feed-cpu        llama-feed, CPU-only build
+#   cuda-all, cpu   llama-bench, the same two builds
+#   sampled         the old expert-run decode of its own samples (temperature 1, --max-tokens TG+1):
+#                   sampled decode, NOT comparable (forged weights loop over a few tokens and stay
+#                   in cache); once per model and cap, never in a ratio
+# llama-bench gets -r 1 --no-warmup -lm mmap --repack 0 (the last two where it has them);
+# llama-feed gets -lm mmap (its repack is off unless asked). Fed runs are MODEL-CAPg-CONFIG-STREAM.
 #
 # Options:
 #   --models LIST     mixtral,qwen3 (default both): Mixtral-8x7B shape (32 layers, 8 experts,
@@ -35,14 +54,25 @@
 #                     28.6 GB) and ds3 (a DeepSeek-V3 slice, llama.cpp's deepseek2: 6 blocks, the
 #                     first dense, 5 x 256 experts of 7168/2048, top-8 of 8 groups, 36 GB: 31.7 GB
 #                     of experts); q4_k experts, f16 dense weights. The disk holds about two at once
-#   --caps LIST       memory caps in GiB (default 8,16)
-#   --configs LIST    expertd,expertd-d0,cuda-tier,cuda-all,cpu (default all; run in this order of
-#                     priority)
-#   --out DIR         results.jsonl, table.md, raw/ (default $OUT/peer, else /tmp/peer-out); runs
-#                     already in DIR/results.jsonl with status ok are not run again
+#   --caps LIST       memory caps in GiB (default 8,16), for every model
+#   --cells LIST      MODEL:CAP pairs instead of --models x --caps, e.g. mixtral:8,mixtral:16,qwen3:8
+#   --configs LIST    of expertd,expertd-d0,feed-cuda-tier,feed-cuda-all,feed-cpu,cuda-tier,
+#                     cuda-all,cpu,sampled (default expertd,feed-cuda-tier,cuda-tier: the fair
+#                     table; the others are optional)
+#   --streams LIST    random,text (default both): the decode streams of the fed configs
+#   --seed N          srand seed of the random stream (default 1: glibc's unseeded sequence,
+#                     llama-bench's)
+#   --tokenizer GGUF  the text stream's tokenizer (default: llama.cpp's
+#                     models/ggml-vocab-llama-spm.gguf, LLaMA's SentencePiece of 32000 tokens,
+#                     the vocabulary size of every full-size shape, in WORK/llama.cpp; else
+#                     tests/fixtures/tokenizers/mixtral.gguf, a 1459-token test tokenizer, with a
+#                     warning). Ids at or above a model's vocabulary are taken modulo its size
+#   --out DIR         results.jsonl, table.md, streams/, disk.json, raw/ (default $OUT/peer, else
+#                     /tmp/peer-out); runs already in DIR/results.jsonl with status ok are not run
+#                     again
 #   --fresh           start DIR/results.jsonl afresh
 #   --quick           fewer tokens: tg 8 (pp stays 512), limits 90 s and 60 s (cpu)
-#   --tg N / --pp N   decode and prefill tokens (default 16 and 512)
+#   --tg N / --pp N   decode and prefill tokens (default 16 and 512); TG is each stream's length
 #   --timeout S       wall-clock limit of one run (default 150)
 #   --cpu-timeout S   that of a run of the CPU-only build (default 120)
 #   --budget S        start no run S seconds or more after the start (default: none), counted from
@@ -52,8 +82,8 @@
 #   --staging MIB     expertd's staging ring (default 1024)
 #   --margin MIB      host memory left in the cap for expert-run beyond its dense weights
 #                     (default 1536)
-#   --bin DIR         expertd, expert-run, expertctl, expert-forge (default .device/bin, else
-#                     build/bin); DIR/../lib goes on LD_LIBRARY_PATH
+#   --bin DIR         expertd, expert-run, expertctl, expert-forge, expert-bench (default
+#                     .device/bin, else build/bin); DIR/../lib goes on LD_LIBRARY_PATH
 #   --work DIR        models and llama.cpp builds ($EXPERTD_BENCH_DIR, default /var/tmp/expertd-bench)
 #   --llama-src PATH  the sdist (.tar.gz), a trimmed tarball (pack-src) or a llama.cpp tree;
 #                     default: WORK/llama.cpp if unpacked before, else pip download (network)
@@ -65,11 +95,14 @@
 #   --dry-run         print the plan and every command; run nothing
 #   -h, --help        this text
 #
-# Expected time on the H200 machine (16 cores, ~2 GB/s disk): build ~6 min in the background
-# (CUDA ~5, then CPU ~1), forge ~40 s once, then 20 runs (tg 16, pp 512): expertd's 8 (auto and
-# depth 0) ~5 min (they may go while llama.cpp builds: steps build-start forge run), llama.cpp's 8
-# CUDA runs ~6.5 min, its 4 CPU-only runs ~5 min; ~20 min in all. With --budget and PEER_T0 exported, the
-# same command repeated resumes where the last call stopped.
+# Expected time on the H200 machine (16 cores, ~2 GB/s disk): the CUDA build of llama-bench and
+# llama-feed ~5.3 min in the background (316 s measured), the CPU one ~1 min more; forge once per
+# model, ~25 s Mixtral, ~15 s Qwen3, ~35 s the DeepSeek-V3 slice; streams ~1 s; disk ~20 s. Runs:
+# expertd ~40 s, llama-feed and llama-bench ~45-55 s each (their mmap load reads the whole file):
+# the default configs (2 streams) make 5 runs a cell, ~4 min. The 64 GiB disk holds Mixtral and
+# Qwen3 or the DeepSeek-V3 slice, not all three: run ds3 in a call of its own after deleting the
+# others' files; its CUDA engine prefills token by token, so give it --pp 64. With --budget and
+# PEER_T0 exported, the same command repeated resumes where the last call stopped.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -103,9 +136,10 @@ if [ "${1:-}" = __pair ]; then
 fi
 
 # --- options ----------------------------------------------------------------------------------
-models=mixtral,qwen3
-caps=8,16
-configs=expertd,expertd-d0,cuda-tier,cuda-all,cpu
+all_configs=(expertd expertd-d0 feed-cuda-tier feed-cuda-all feed-cpu cuda-tier cuda-all cpu sampled)
+models="" caps="" cells=""
+configs=expertd,feed-cuda-tier,cuda-tier
+streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536
@@ -119,7 +153,11 @@ while [ $# -gt 0 ]; do
     -h | --help) usage; exit 0 ;;
     --models) need "$@"; models=$2; shift ;;
     --caps) need "$@"; caps=$2; shift ;;
+    --cells) need "$@"; cells=$2; shift ;;
     --configs) need "$@"; configs=$2; shift ;;
+    --streams) need "$@"; streams=$2; shift ;;
+    --seed) need "$@"; seed=$2; shift ;;
+    --tokenizer) need "$@"; tokenizer=$2; shift ;;
     --out) need "$@"; out=$2; shift ;;
     --fresh) fresh=1 ;;
     --quick) quick=1 ;;
@@ -141,13 +179,13 @@ while [ $# -gt 0 ]; do
     --no-cgroup) no_cgroup=1 ;;
     --tiny) tiny=1 ;;
     --dry-run) dry=1 ;;
-    build-start | build-wait | forge | run | table) steps+=("$1") ;;
+    build-start | build-wait | forge | streams | disk | run | table) steps+=("$1") ;;
     pack-src) need "$@"; steps+=(pack-src); pack_out=$2; shift ;;
     *) echo "peer.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#steps[@]} -gt 0 ] || steps=(build-start forge build-wait run table)
+[ ${#steps[@]} -gt 0 ] || steps=(build-start forge streams build-wait disk run table)
 if [ $quick = 1 ]; then
   tg=${tg:-8} timeout=${timeout:-90} cpu_timeout=${cpu_timeout:-60}
 fi
@@ -155,27 +193,51 @@ tg=${tg:-16} pp=${pp:-512} timeout=${timeout:-150} cpu_timeout=${cpu_timeout:-12
 
 bad() { echo "peer.sh: $*" >&2; exit 2; }
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
-for v in tg pp timeout cpu_timeout budget staging margin jobs cuda_arch; do
+for v in tg pp timeout cpu_timeout budget staging margin jobs cuda_arch seed; do
   is_uint "${!v}" || bad "--${v//_/-} '${!v}' is not a whole number"
 done
 [ "$tg" -ge 1 ] && [ "$pp" -ge 1 ] || bad "--tg and --pp must be at least 1"
-IFS=, read -ra model_list <<< "$models"
-IFS=, read -ra cap_list <<< "$caps"
+is_model() { case $1 in mixtral | qwen3 | mixtral-llama | ds3) return 0 ;; esac; return 1; }
+is_cap() { is_uint "$1" && [ "$1" -ge 1 ]; }
+# The cells (model, cap) in order: --cells as given, else every model at every cap.
+cell_list=()
+if [ -n "$cells" ]; then
+  [ -z "$models$caps" ] || bad "--cells names the models and caps itself: give it or --models/--caps"
+  IFS=, read -ra items <<< "$cells"
+  for it in "${items[@]}"; do
+    [[ $it =~ ^([a-z0-9-]+):([0-9]+)$ ]] || bad "--cells: '$it' is not MODEL:CAP (e.g. mixtral:8)"
+    m=${BASH_REMATCH[1]} c=${BASH_REMATCH[2]}
+    is_model "$m" || bad "--cells: '$m' in '$it' is not mixtral, qwen3, mixtral-llama or ds3"
+    is_cap "$c" || bad "--cells: '$it': the cap is not a size in GiB (>= 1)"
+    cell_list+=("$m $c")
+  done
+else
+  IFS=, read -ra model_list <<< "${models:-mixtral,qwen3}"
+  IFS=, read -ra cap_list <<< "${caps:-8,16}"
+  [ ${#model_list[@]} -gt 0 ] && [ ${#cap_list[@]} -gt 0 ] || bad "--models and --caps need at least one entry"
+  for m in "${model_list[@]}"; do
+    is_model "$m" || bad "--models: '$m' is not mixtral, qwen3, mixtral-llama or ds3"
+  done
+  for c in "${cap_list[@]}"; do
+    is_cap "$c" || bad "--caps: '$c' is not a size in GiB (a whole number >= 1)"
+  done
+  for m in "${model_list[@]}"; do for c in "${cap_list[@]}"; do cell_list+=("$m $c"); done; done
+fi
+[ ${#cell_list[@]} -gt 0 ] || bad "--cells needs at least one MODEL:CAP"
+# Each model once, in order of first appearance (forge, streams).
+model_list=()
+for cell in "${cell_list[@]}"; do
+  [[ " ${model_list[*]} " == *" ${cell%% *} "* ]] || model_list+=("${cell%% *}")
+done
 IFS=, read -ra config_list <<< "$configs"
-[ ${#model_list[@]} -gt 0 ] && [ ${#cap_list[@]} -gt 0 ] && [ ${#config_list[@]} -gt 0 ] ||
-  bad "--models, --caps and --configs need at least one entry"
-for m in "${model_list[@]}"; do
-  case $m in mixtral | qwen3 | mixtral-llama | ds3) ;;
-    *) bad "--models: '$m' is not mixtral, qwen3, mixtral-llama or ds3" ;;
-  esac
-done
-for c in "${cap_list[@]}"; do
-  is_uint "$c" && [ "$c" -ge 1 ] || bad "--caps: '$c' is not a size in GiB (a whole number >= 1)"
-done
+[ ${#config_list[@]} -gt 0 ] || bad "--configs needs at least one entry"
 for c in "${config_list[@]}"; do
-  case $c in expertd | expertd-d0 | cuda-tier | cuda-all | cpu) ;;
-    *) bad "--configs: '$c' is not expertd, expertd-d0, cuda-tier, cuda-all or cpu" ;;
-  esac
+  [[ " ${all_configs[*]} " == *" $c "* ]] || bad "--configs: '$c' is not one of ${all_configs[*]}"
+done
+IFS=, read -ra stream_list <<< "$streams"
+[ ${#stream_list[@]} -gt 0 ] || bad "--streams needs at least one of random, text"
+for s in "${stream_list[@]}"; do
+  case $s in random | text) ;; *) bad "--streams: '$s' is not random or text" ;; esac
 done
 declare -A vram
 for kv in ${vram_list//,/ }; do
@@ -186,8 +248,8 @@ done
 if [ -z "$builds" ]; then
   for c in "${config_list[@]}"; do
     case $c in
-      cpu) [[ $builds == *cpu* ]] || builds+=${builds:+,}cpu ;;
-      cuda-*) [[ $builds == *cuda* ]] || builds="cuda${builds:+,}$builds" ;;
+      cpu | feed-cpu) [[ $builds == *cpu* ]] || builds+=${builds:+,}cpu ;;
+      cuda-* | feed-cuda-*) [[ $builds == *cuda* ]] || builds="cuda${builds:+,}$builds" ;;
     esac
   done
 fi
@@ -201,6 +263,7 @@ fi
 export LD_LIBRARY_PATH=$bin/../lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 llroot=$work/llama-build
 llsrc=$work/llama.cpp
+sdir=$out/streams
 
 # --- models -----------------------------------------------------------------------------------
 # Sets the shape of model $1: layers, experts, top-k, widths, heads, vocab, seed, file, the
@@ -252,7 +315,7 @@ dense_bytes() {
   fi
 }
 
-# --- runs -------------------------------------------------------------------------------------
+# --- token streams ----------------------------------------------------------------------------
 mib=$((1 << 20))
 gib=$((1 << 30))
 results=$out/results.jsonl
@@ -262,6 +325,35 @@ prompt_ids() {  # PP pseudo-random ids in [100, min(vocab - 100, 31900)), comma-
     printf "%s%d", (i ? "," : ""), 100 + int(rand() * (hi - 100)) }'
 }
 
+# glibc's rand() itself (python's random is another generator): llama-bench draws tg's ids with
+# std::rand() % n_vocab, unseeded, which is srand(1).
+random_cmd() {  # N VOCAB: sets scmd
+  scmd=(python3 -c 'import ctypes, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.srand(int(sys.argv[1]))
+n, vocab = int(sys.argv[2]), int(sys.argv[3])
+print(",".join(str(libc.rand() % vocab) for _ in range(n)))' "$seed" "$1" "$2")
+}
+
+text_files=("$root/docs/ARCHITECTURE.md" "$root/engine/engine.h")
+# The text stream's tokenizer: --tokenizer; else LLaMA's SentencePiece from llama.cpp's models/
+# (a real 32000-token vocabulary, the size of every full-size shape's; the forged models' own
+# vocabularies are synthetic); else the repository's 1459-token test tokenizer, said loudly.
+resolve_tokenizer() {  # sets tok_file, tok_note
+  if [ -n "$tokenizer" ]; then
+    tok_file=$tokenizer tok_note="--tokenizer"
+  elif [ -f "$llsrc/models/ggml-vocab-llama-spm.gguf" ] || [ $dry = 1 ]; then
+    tok_file=$llsrc/models/ggml-vocab-llama-spm.gguf
+    tok_note="LLaMA's SentencePiece BPE from llama.cpp's models/, a real tokenizer of the full-size shapes' vocabulary size"
+  else
+    tok_file=$root/tests/fixtures/tokenizers/mixtral.gguf
+    tok_note="WARNING: a 1459-token SentencePiece test tokenizer (tests/fixtures), not a real vocabulary: no $llsrc/models/ggml-vocab-llama-spm.gguf (unpack the sdist or a pack-src tarball of this version, or give --tokenizer)"
+  fi
+}
+
+stream_file() { echo "$sdir/$1-$2.ids"; }  # STREAM VOCAB
+
+# --- runs -------------------------------------------------------------------------------------
 llama_flags=()
 llama_help_checked=""
 # -lm mmap and --repack 0 where this llama-bench has them (older builds have --mmap and no repack).
@@ -276,44 +368,59 @@ llama_mem_flags() {  # BIN
   fi
 }
 
-# Prints the plan lines "model cap config" in order: expertd's runs first (a few minutes, needing
-# no llama.cpp build, so they can go while it builds), then llama.cpp's CUDA configs model by model
-# and cap by cap, and its CPU-only build last (the slowest, the one most likely to time out).
+# Prints the plan lines "model cap config stream" (stream "-": a config that is not fed) in
+# order: expertd's runs first (needing no llama.cpp build, so they can go while it builds), then
+# llama.cpp's CUDA configs cell by cell, and its CPU-only build last (the slowest, the one most
+# likely to time out).
 selected() { [[ ",$configs," == *",$1,"* ]]; }
 plan() {
-  local c m cap
-  # Prefetch on and off side by side for each model and cap, so that both see the same
-  # conditions (a llama.cpp build beside them or not).
-  for m in "${model_list[@]}"; do
-    for cap in "${cap_list[@]}"; do
+  local c s cell
+  for cell in "${cell_list[@]}"; do
+    # Prefetch on and off side by side, so that both see the same conditions.
+    for s in "${stream_list[@]}"; do
       for c in expertd expertd-d0; do
-        if selected $c; then echo "$m $cap $c"; fi
+        if selected $c; then echo "$cell $c $s"; fi
       done
     done
+    if selected sampled; then echo "$cell sampled -"; fi
   done
-  for m in "${model_list[@]}"; do
-    for cap in "${cap_list[@]}"; do
-      for c in cuda-tier cuda-all; do
-        if selected $c; then echo "$m $cap $c"; fi
+  for cell in "${cell_list[@]}"; do
+    for s in "${stream_list[@]}"; do
+      for c in feed-cuda-tier feed-cuda-all; do
+        if selected $c; then echo "$cell $c $s"; fi
       done
     done
+    for c in cuda-tier cuda-all; do
+      if selected $c; then echo "$cell $c -"; fi
+    done
   done
-  if selected cpu; then
-    for m in "${model_list[@]}"; do for cap in "${cap_list[@]}"; do echo "$m $cap cpu"; done; done
-  fi
+  for cell in "${cell_list[@]}"; do
+    for s in "${stream_list[@]}"; do
+      if selected feed-cpu; then echo "$cell feed-cpu $s"; fi
+    done
+    if selected cpu; then echo "$cell cpu -"; fi
+  done
 }
 
 already_done() {  # ID: a result with status ok for this run and these token counts
   [ -f "$results" ] && python3 "$here/summarize.py" is-done "$results" "$1" "$tg" "$pp"
 }
 
-run_one() {  # MODEL CAP CONFIG INDEX COUNT
-  local m=$1 cap=$2 c=$3 idx=$4 count=$5
+# How many ids a stream file holds (0 when absent).
+ids_in() {
+  if [ -f "$1" ]; then tr ',' '\n' < "$1" | awk '/[0-9]/ { n++ } END { print n + 0 }'; else echo 0; fi
+}
+
+run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
+  local m=$1 cap=$2 c=$3 stream=$4 idx=$5 count=$6
   shape "$m"
-  local id="$m-${cap}g-$c" capb=$((cap * gib)) dense eng_config=$c tool=llama.cpp cmd=() what
-  [ "$c" = expertd ] && [ $cpu_engine = 1 ] && eng_config=expertd-cpu
-  [ "$c" = expertd-d0 ] && [ $cpu_engine = 1 ] && eng_config=expertd-cpu-d0
-  id="$m-${cap}g-$eng_config"
+  local capb=$((cap * gib)) dense eng_config=$c tool=llama.cpp cmd=() what
+  if [ $cpu_engine = 1 ]; then
+    case $c in expertd) eng_config=expertd-cpu ;; expertd-d0) eng_config=expertd-cpu-d0 ;;
+      sampled) eng_config=sampled-cpu ;; esac
+  fi
+  local id="$m-${cap}g-$eng_config"
+  [ "$stream" = - ] || id+="-$stream"
   dense=$(dense_bytes)
   local cgcap=$capb
   [ $no_cgroup = 1 ] && cgcap=none
@@ -321,12 +428,24 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
   fields=(--field "model=$m" --field "cap_gib=$cap" --field "config=$eng_config"
     --field "model_file=$file" --field "layers=$L" --field "experts=$E" --field "top_k=$K"
     --field "expert_bytes=$EB" --field "dense_bytes=$dense" --field "tg_tokens=$tg"
-    --field "pp_tokens=$pp" --field "uncapped=$no_cgroup")
+    --field "pp_tokens=$pp" --field "uncapped=$no_cgroup" --field "vocab=$VOCAB")
+  # The ids: a fed run's decode stream and everyone's prompt, from the streams step.
+  local sfile="" pfile
+  pfile=$(stream_file prompt "$VOCAB")
+  if [ "$stream" = - ]; then
+    case $c in
+      sampled | sampled-cpu) fields+=(--field "stream=sampled" --field "decode_input=sampled (not comparable: expertd samples its own tokens)") ;;
+      *) fields+=(--field "stream=llama-bench" --field "decode_input=llama-bench's own random ids (std::rand() % n_vocab)") ;;
+    esac
+  else
+    sfile=$(stream_file "$stream" "$VOCAB")
+    fields+=(--field "stream=$stream" --field "stream_file=$sfile" --field "decode_input=fed")
+  fi
   case $c in
-    expertd | expertd-d0)
+    expertd | expertd-d0 | sampled)
       tool=expertd
       local depth=auto
-      [ "$c" = expertd ] || depth=0
+      [ "$c" != expertd-d0 ] || depth=0
       # The CUDA engine reads each dense matrix from the file as it uploads it (DenseLoad::Deferred):
       # its host peak is the largest one, the embeddings, as read and as f32. The CPU engine holds
       # them all.
@@ -340,24 +459,32 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
       }
       local vflag=(--vram-experts "$V")
       [ $cpu_engine = 1 ] && vflag=(--cpu)
+      local prompt
+      if [ -f "$pfile" ]; then prompt=$(cat "$pfile"); else prompt=$(prompt_ids "$pp"); fi
       cmd=("$here/peer.sh" __pair "$bin" "$file" "$work/peer-expertd.sock" "${cache}MiB"
-        "${staging}MiB" "$raw.expertd.log" "$depth" -- --prompt-tokens "$(prompt_ids "$pp")"
-        --max-tokens $((tg + 1)) "${vflag[@]}" --prefill-chunk "$pp" --temperature 1 --seed 1
-        --ignore-eos --json)
+        "${staging}MiB" "$raw.expertd.log" "$depth" -- --prompt-tokens "$prompt")
+      if [ "$c" = sampled ]; then
+        cmd+=(--max-tokens $((tg + 1)) "${vflag[@]}" --prefill-chunk "$pp" --temperature 1 --seed 1
+          --ignore-eos --json)
+      else
+        cmd+=(--feed-tokens "$sfile" "${vflag[@]}" --prefill-chunk "$pp" --json)
+      fi
       what="expertd cache ${cache} MiB, staging $staging MiB, $([ $cpu_engine = 1 ] && echo "CPU engine" || echo "VRAM tier $V experts")"
       what+=", daemon prefetch depth $depth"
+      [ "$c" = sampled ] && what+=", sampled decode (not comparable)"
       fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth")
       [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
       ;;
-    cuda-tier | cuda-all | cpu)
-      local kind=cuda ncmoe=$L
-      [ "$c" = cpu ] && kind=cpu
-      if [ "$c" = cuda-tier ]; then
+    cuda-tier | cuda-all | cpu | feed-cuda-tier | feed-cuda-all | feed-cpu)
+      local kind=cuda ncmoe=$L fed=0
+      [[ $c == *cpu ]] && kind=cpu
+      [[ $c == feed-* ]] && fed=1 tool=llama-feed
+      if [[ $c == *cuda-tier ]]; then
         ncmoe=$((L - V / E))
         [ "$ncmoe" -ge 0 ] || ncmoe=0
       fi
       local llbin
-      llbin=$(peer_llama_bin "$llroot" $kind)
+      if [ $fed = 1 ]; then llbin=$(peer_llama_feed_bin "$llroot" $kind); else llbin=$(peer_llama_bin "$llroot" $kind); fi
       if [ $dry = 1 ]; then
         llama_flags=(-lm mmap --repack 0)
       else
@@ -366,14 +493,20 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
           peer_llama_build_idle "$llroot" 900
         fi
         [ -x "$llbin" ] || { peer_log "run $idx/$count $id: skipped: no $llbin (build-start, build-wait)"; return 0; }
-        llama_mem_flags "$llbin"
+        [ $fed = 1 ] || llama_mem_flags "$llbin"
       fi
-      cmd=("$llbin" -m "$file" -p "$pp" -n "$tg" -r 1 --no-warmup "${llama_flags[@]}" -o jsonl)
-      if [ "$c" = cpu ]; then
-        what="llama.cpp CPU-only build"
+      if [ $fed = 1 ]; then
+        cmd=("$llbin" -m "$file" --prompt-ids "$pfile" --feed "$sfile" -lm mmap --no-repack)
+      else
+        cmd=("$llbin" -m "$file" -p "$pp" -n "$tg" -r 1 --no-warmup "${llama_flags[@]}" -o jsonl)
+      fi
+      local name="llama-bench"
+      [ $fed = 0 ] || name="llama-feed ($stream ids)"
+      if [ $kind = cpu ]; then
+        what="$name, llama.cpp CPU-only build"
       else
         cmd+=(-ngl 99 -ncmoe "$ncmoe")
-        what="llama.cpp CUDA -ngl 99 -ncmoe $ncmoe ($(((L - ncmoe) * E)) experts in VRAM)"
+        what="$name, llama.cpp CUDA -ngl 99 -ncmoe $ncmoe ($(((L - ncmoe) * E)) experts in VRAM)"
         fields+=(--field "ncmoe=$ncmoe" --field "vram_experts=$(((L - ncmoe) * E))")
       fi
       ;;
@@ -381,8 +514,10 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
   fields+=(--field "tool=$tool" --field "id=$id")
   # The command as shown and recorded: the prompt's ids as where they come from.
   local shown=("${cmd[@]/#[0-9]*,[0-9]*,*/<$pp ids, awk srand(12)>}")
+  local limit=$timeout
+  [[ $c != *cpu ]] || limit=$cpu_timeout
   if [ $dry = 1 ]; then
-    echo "run $idx/$count $id: $what; memory.max $cgcap, limit $([ "$c" = cpu ] && echo "$cpu_timeout" || echo "$timeout") s:"
+    echo "run $idx/$count $id: $what; memory.max $cgcap, limit $limit s:"
     echo "  ${shown[*]}"
     return 0
   fi
@@ -390,8 +525,6 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
     peer_log "run $idx/$count $id: in $results already (--fresh to redo)"
     return 0
   fi
-  local limit=$timeout
-  [ "$c" != cpu ] || limit=$cpu_timeout
   local left=$limit
   if [ "$budget" -gt 0 ]; then
     left=$((budget - ($(date +%s) - PEER_T0)))
@@ -402,6 +535,24 @@ run_one() {  # MODEL CAP CONFIG INDEX COUNT
     [ $left -lt "$limit" ] || left=$limit
   fi
   [ -f "$file" ] || { peer_log "run $idx/$count $id: skipped: no $file (forge)"; return 0; }
+  # Every config but llama-bench's reads the prompt's ids, the fed ones their stream's: both must
+  # be this run's length (a stream of another --tg is stale).
+  local f n
+  for f in "$pfile" ${sfile:+"$sfile"}; do
+    [[ $f == "$pfile" && ($c == cuda-* || $c == cpu) ]] && continue
+    n=$(ids_in "$f")
+    if [ "$n" = 0 ]; then
+      peer_log "run $idx/$count $id: skipped: no $f (the streams step)"
+      return 0
+    fi
+    local want=$tg
+    [ "$f" != "$pfile" ] || want=$pp
+    if [ "$n" != "$want" ]; then
+      peer_log "run $idx/$count $id: skipped: $f holds $n ids, not $want (run the streams step again)"
+      return 0
+    fi
+  done
+  [ -z "$sfile" ] || fields+=(--field "stream_source=$(cat "$sfile.source" 2> /dev/null || echo unknown)")
   # A build competes for the cores: llama.cpp's runs wait for it (above); expertd's note it.
   local building=0
   if peer_llama_building "$llroot"; then
@@ -433,7 +584,7 @@ step_pack_src() {
 
 step_build_start() {
   if [ $dry = 1 ]; then
-    echo "build-start: unpack ${llama_src:-<pip download llama-cpp-python==$PEER_LLAMA_SDIST_VERSION>} to $llsrc; build llama-bench ($builds) in $llroot/{${builds}} with -j $jobs in the background"
+    echo "build-start: unpack ${llama_src:-<pip download llama-cpp-python==$PEER_LLAMA_SDIST_VERSION>} to $llsrc; build llama-bench and llama-feed ($builds) in $llroot/{${builds}} with -j $jobs in the background"
     return
   fi
   [ -n "$builds" ] || { peer_log "build-start: no llama.cpp config selected"; return; }
@@ -450,7 +601,7 @@ step_build_start() {
     peer_llama_unpack "$sd" "$llsrc"
     echo "$sd" > "$llsrc/.peer-source"
   fi
-  peer_llama_build_start "$llsrc" "$llroot" "$builds" "$jobs" "$cuda_arch"
+  peer_llama_build_start "$llsrc" "$llroot" "$builds" "$jobs" "$cuda_arch" "$here/llama_feed.cpp"
 }
 
 step_build_wait() {
@@ -480,6 +631,86 @@ step_forge() {
   done
 }
 
+# Writes FILE (the ids) and FILE.source (one line: what they are), and the line to the README.
+put_stream() {  # FILE SOURCE IDS
+  printf '%s\n' "$3" > "$1"
+  printf '%s\n' "$2" > "$1.source"
+  printf '%s: %s\n' "$(basename "$1")" "$2" >> "$sdir/README"
+}
+
+step_streams() {
+  local vocabs=() m v
+  for m in "${model_list[@]}"; do
+    shape "$m"
+    [[ " ${vocabs[*]} " == *" $VOCAB "* ]] || vocabs+=("$VOCAB")
+  done
+  resolve_tokenizer
+  local tcmd=("$bin/expertctl" tokenize "$tok_file" --file "${text_files[0]}" --file "${text_files[1]}"
+    --max "$tg" --json)
+  if [ $dry = 1 ]; then
+    for v in "${vocabs[@]}"; do
+      random_cmd "$tg" "$v"
+      echo "streams: $(stream_file prompt "$v"): $pp ids, awk srand(12) in [100, $((v - 100 < 31900 ? v - 100 : 31900)))"
+      echo "streams: $(stream_file random "$v"): $tg ids, glibc rand() % $v after srand($seed): python3 -c <ctypes libc.so.6 srand/rand> $seed $tg $v"
+      echo "streams: $(stream_file text "$v"): the first $tg ids of docs/ARCHITECTURE.md + engine/engine.h (mod $v): ${tcmd[*]}"
+    done
+    return
+  fi
+  command -v python3 > /dev/null || peer_die "streams: python3 is needed (glibc's rand() through ctypes)"
+  [ -x "$bin/expertctl" ] || peer_die "streams: no $bin/expertctl (--bin)"
+  [ -f "$tok_file" ] || peer_die "streams: --tokenizer $tok_file: no such file"
+  [[ $tok_note != WARNING* ]] || peer_log "streams: $tok_note"
+  mkdir -p "$sdir"
+  local tj
+  tj=$("${tcmd[@]}") || peer_die "streams: ${tcmd[*]} failed"
+  local tvocab text_ids random_ids
+  tvocab=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["vocab"])' <<< "$tj")
+  {
+    echo "Token streams of bench/peer/peer.sh (issue 23): both engines prefill prompt-V.ids, then"
+    echo "decode each id of one stream file from an empty context. V: the models' vocabulary size."
+    echo "Made $(date -u +%Y-%m-%dT%H:%M:%SZ) with --tg $tg --pp $pp --seed $seed."
+  } > "$sdir/README"
+  for v in "${vocabs[@]}"; do
+    put_stream "$(stream_file prompt "$v")" \
+      "$pp ids, awk srand(12): 100 + int(rand() * (hi - 100)), hi = min(V - 100, 31900)" \
+      "$(VOCAB=$v prompt_ids "$pp")"
+    random_cmd "$tg" "$v"
+    random_ids=$("${scmd[@]}") || peer_die "streams: drawing the random ids failed: ${scmd[*]}"
+    put_stream "$(stream_file random "$v")" \
+      "$tg ids, glibc rand() % $v after srand($seed) (llama-bench's tg draws std::rand() % n_vocab; unseeded = srand(1))" \
+      "$random_ids"
+    text_ids=$(python3 -c 'import json, sys
+j = json.loads(sys.argv[1]); v = int(sys.argv[2])
+print(",".join(str(i % v) for i in j["ids"]))' "$tj" "$v")
+    local note="the first $tg ids of docs/ARCHITECTURE.md followed by engine/engine.h (English, then C++), encoded by expertctl tokenize with $tok_file ($tvocab tokens: $tok_note)"
+    [ "$tvocab" -le "$v" ] || note+="; ids taken modulo $v, this vocabulary being smaller"
+    put_stream "$(stream_file text "$v")" "$note" "$text_ids"
+  done
+  local made=("$sdir"/*.ids)
+  peer_log "streams: ${#made[@]} files in $sdir (README says what each is)"
+}
+
+step_disk() {
+  shape "${model_list[0]}"
+  local cache=4GiB
+  [ $tiny = 0 ] || cache=64MiB
+  local dcmd=("$bin/expert-bench" storage --model "$file" --cache "$cache" --grid engine
+    --seconds 3 --no-verify --json)
+  if [ $dry = 1 ]; then echo "disk: caches dropped; ${dcmd[*]} > $out/disk.json"; return; fi
+  [ -x "$bin/expert-bench" ] || { peer_log "disk: skipped: no $bin/expert-bench (--bin)"; return 0; }
+  [ -f "$file" ] || { peer_log "disk: skipped: no $file (forge)"; return 0; }
+  mkdir -p "$out"
+  peer_drop_caches || peer_log "disk: warning: cannot drop the page cache: the rate may be cached"
+  peer_log "disk: ${dcmd[*]}"
+  if "${dcmd[@]}" > "$out/disk.json.tmp" 2> "$out/disk.log"; then
+    mv "$out/disk.json.tmp" "$out/disk.json"
+    peer_log "disk: $(python3 "$here/summarize.py" disk "$out/disk.json")"
+  else
+    tail -3 "$out/disk.log" >&2
+    peer_log "disk: expert-bench storage failed (log $out/disk.log): no disk-bound fraction"
+  fi
+}
+
 step_run() {
   if [ $dry = 0 ]; then
     command -v python3 > /dev/null || peer_die "python3 is needed to read the tools' output"
@@ -487,7 +718,9 @@ step_run() {
       local why
       why=$(peer_cgroup_check 2>&1) || peer_die "memory cap: $why. (--no-cgroup runs uncapped, for testing only.)"
     fi
-    [ -x "$bin/expertd" ] || [[ " ${config_list[*]} " != *" expertd "* ]] || peer_die "no $bin/expertd (--bin)"
+    local needs_expertd=0 c
+    for c in "${config_list[@]}"; do [[ $c != expertd* && $c != sampled ]] || needs_expertd=1; done
+    [ -x "$bin/expertd" ] || [ $needs_expertd = 0 ] || peer_die "no $bin/expertd (--bin)"
     mkdir -p "$out/raw"
     [ $fresh = 0 ] || : > "$results"
     peer_drop_caches || peer_log "warning: cannot drop the page cache (/proc/sys/vm/drop_caches): runs start warm"
@@ -495,17 +728,19 @@ step_run() {
   local lines count i=0
   lines=$(plan)
   count=$(wc -l <<< "$lines")
-  [ $dry = 0 ] || echo "run: $count runs, tg $tg, pp $pp, results in $results"
-  while read -r m cap c; do
+  [ $dry = 0 ] || echo "run: $count runs, tg $tg, pp $pp, streams ${stream_list[*]}, results in $results"
+  while read -r m cap c s; do
     i=$((i + 1))
-    run_one "$m" "$cap" "$c" $i "$count"
+    run_one "$m" "$cap" "$c" "$s" $i "$count"
   done <<< "$lines"
 }
 
 step_table() {
-  if [ $dry = 1 ]; then echo "table: $out/table.md from $results"; return; fi
+  if [ $dry = 1 ]; then echo "table: $out/table.md from $results (and $out/disk.json)"; return; fi
   [ -f "$results" ] || { peer_log "table: no $results yet"; return; }
-  python3 "$here/summarize.py" table "$results" > "$out/table.md"
+  local disk=()
+  [ ! -f "$out/disk.json" ] || disk=(--disk "$out/disk.json")
+  python3 "$here/summarize.py" table "${disk[@]}" "$results" > "$out/table.md"
   peer_log "table: $out/table.md"
   cat "$out/table.md"
 }
@@ -516,6 +751,8 @@ for s in "${steps[@]}"; do
     build-start) step_build_start ;;
     build-wait) step_build_wait ;;
     forge) step_forge ;;
+    streams) step_streams ;;
+    disk) step_disk ;;
     run) step_run ;;
     table) step_table ;;
   esac

@@ -20,4 +20,7 @@ void add_top_command(CLI::App& app, std::function<int()>* run);
 // Registers `metrics`, the stats in Prometheus text format (metrics.cc).
 void add_metrics_command(CLI::App& app, std::function<int()>* run);
 
+// Registers `tokenize`, text to token ids with a GGUF's tokenizer, offline (tokenize.cc).
+void add_tokenize_command(CLI::App& app, std::function<int()>* run);
+
 }  // namespace expertctl

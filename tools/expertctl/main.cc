@@ -1,5 +1,5 @@
-// expertctl: the command-line client of expertd. `inspect` works offline on GGUF files; the
-// daemon subcommands talk to expertd over its control socket.
+// expertctl: the command-line client of expertd. `inspect` and `tokenize` work offline on GGUF
+// files; the daemon subcommands talk to expertd over its control socket.
 #include <CLI/CLI.hpp>
 #include <functional>
 
@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   expertctl::add_daemon_commands(app, &run);
   expertctl::add_top_command(app, &run);
   expertctl::add_metrics_command(app, &run);
+  expertctl::add_tokenize_command(app, &run);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }
