@@ -346,7 +346,7 @@ Status Ds3GpuEngine::Impl::route(uint32_t layer) {
   if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
   }
   // Hints and the routing decision, as Ds3CpuEngine makes them.
@@ -370,7 +370,7 @@ Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
   EXPERTD_TRY(mv(output, xn, d_logits));
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);

@@ -591,7 +591,7 @@ Status Ds4GpuEngine::Impl::route(uint32_t layer, uint32_t token) {
   }
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
   // Everything launched before (the previous layer's experts among it) has finished.
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
@@ -678,7 +678,7 @@ Status Ds4GpuEngine::Impl::head(std::span<float> logits) {
   EXPERTD_TRY(mv(output, xn, d_logits));
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
@@ -886,7 +886,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
       EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + first, rows, e, ceo, st));
     }
     EXPERTD_TRY(experts->finish_layer());
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->release_demand_holds());
   }
   // Per position, as decode() does: the shared expert, then the routed slots summed in route
@@ -960,7 +960,7 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     // The chunk's router logits: one copy, one sync per layer.
     const uint64_t rl = uint64_t{n} * (1 + opts.prefetch_depth) * p.n_expert;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, rl * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->release_demand_holds());
     EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
     EXPERTD_TRY(experts->account_copy_time());
@@ -989,7 +989,7 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     streams = streams0;
     EXPERTD_TRY(std::move(s));
   } else {
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->release_demand_holds());
     EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   }

@@ -124,6 +124,12 @@ struct EngineStats {
   uint64_t copy_bytes = 0;         // host -> VRAM expert bytes copied (demand and prefetch)
   uint64_t demand_copy_bytes = 0;  // of those, the copies a layer waited for
   uint64_t copy_ns = 0;            // copy-stream time of the demand copies (CUDA events)
+  // The CUDA engines: time the host waited in cudaStreamSynchronize for the compute stream (its
+  // kernels, and the copies and in-place PCIe reads they wait on), and the routed experts' bytes
+  // read in place over PCIe from the daemon's arena (vram_streamed, and every expert without a
+  // tier). decode time - stall - sync_ns is the host's own work: launches, routing, hints, IPC.
+  uint64_t sync_ns = 0;
+  uint64_t streamed_bytes = 0;
   // deepseek4: routed experts of hash layers (routed by tid2eid[token]) and of learned layers,
   // how many were ready in host memory when the layer asked (ExpertSource::host_ready), and the
   // time spent waiting for them.

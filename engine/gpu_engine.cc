@@ -618,7 +618,7 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_probs, d_probs + p.n_expert, uint64_t{d} * p.n_expert * 4,
                                      cudaMemcpyDeviceToHost, compute.get()));
   }
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
   // Everything launched before (the previous layer's experts among it) has finished.
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
@@ -761,7 +761,7 @@ Status GpuEngine::Impl::host_route(uint32_t layer) {
   if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_probs, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
   }
   // Hints and the routing decision, as CpuEngine makes them.
@@ -949,7 +949,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   // The chunk's routes: one copy, one sync per layer.
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(h_routes, d_routes, rk * 2 * 4, cudaMemcpyDeviceToHost, compute.get()));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   EXPERTD_TRY(experts->account_copy_time());
@@ -1043,7 +1043,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + at, n, p.n_embd, ceo, compute.get()));
     }
     EXPERTD_TRY(experts->finish_layer());
-    EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
     EXPERTD_TRY(experts->release_demand_holds());
   }
   stats.experts_used += needed.size();
@@ -1077,7 +1077,7 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4,
                                      cudaMemcpyDeviceToHost, compute.get()));
   }
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
   if (last) std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
   if (routing_log != nullptr) {
     for (RoutingRecord& rec : chunk_log) routing_log->push_back(std::move(rec));
@@ -1162,7 +1162,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   EXPERTD_TRY(m.gemv(m.output, p.n_vocab, p.n_embd, m.xn, m.d_logits, 0.0f));
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.h_logits, m.d_logits, uint64_t{p.n_vocab} * 4,
                                    cudaMemcpyDeviceToHost, m.compute.get()));
-  EXPERTD_CUDA_TRY(cudaStreamSynchronize(m.compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(m.compute.get(), m.stats));
   EXPERTD_TRY(m.experts->release_demand_holds());
   EXPERTD_TRY(m.experts->release_finished_prefetch_holds(false));
   m.experts->measure_tiers();

@@ -24,6 +24,21 @@ std::string gib(uint64_t bytes) {
   return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (uint64_t{1} << 30));
 }
 
+namespace {
+// The bytes of an expert's three matrices.
+uint64_t view_bytes(const ExpertView& v) {
+  return v.gate.rows * v.gate.row_bytes + v.up.rows * v.up.row_bytes +
+         v.down.rows * v.down.row_bytes;
+}
+}  // namespace
+
+cudaError_t timed_sync(cudaStream_t stream, EngineStats& stats) {
+  const uint64_t t0 = monotonic_ns();
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  stats.sync_ns += monotonic_ns() - t0;
+  return err;
+}
+
 Status carve_matrix(Carver& c, const DenseModel& model, const Matrix& m, DevMat& dst,
                     std::vector<uint8_t>& scratch) {
   if (c.counting()) {
@@ -496,6 +511,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
       auto pp = in_place(views_[i]);
       if (!pp) return pp.error();
       out[i] = *pp;
+      stats_.streamed_bytes += view_bytes(views_[i]);
     }
     return Ok{};
   }
@@ -542,6 +558,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
       if (!pp) return pp.error();
       out[missing_index_[j]] = *pp;
       ++stats_.vram_streamed;
+      stats_.streamed_bytes += view_bytes(views_[j]);
       continue;
     }
     tier_->pin(slot);

@@ -47,6 +47,9 @@ inline constexpr uint64_t kAlign = 256;  // device sub-allocation alignment
 
 inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+// cudaStreamSynchronize(stream), its wait added to stats.sync_ns (the GPU-side share of a token).
+cudaError_t timed_sync(cudaStream_t stream, EngineStats& stats);
+
 std::string gib(uint64_t bytes);
 
 // A dense weight in VRAM, in its GGUF encoding.

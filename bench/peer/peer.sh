@@ -80,6 +80,9 @@
 #   --vram LIST       expertd's VRAM tier in experts per model (default mixtral=32,qwen3=256,
 #                     mixtral-llama=32,ds3=256)
 #   --staging MIB     expertd's staging ring (default 1024)
+#   --lookahead N     expert-run's --prefetch-depth: the layers ahead its router hints (default 1,
+#                     expert-run's); other than 1 the expertd configs are named expertd-lN
+#                     (expertd-d0-lN), so sweeps into one --out keep every run
 #   --margin MIB      host memory left in the cap for expert-run beyond its dense weights
 #                     (default 1536)
 #   --bin DIR         expertd, expert-run, expertctl, expert-forge, expert-bench (default
@@ -142,7 +145,7 @@ configs=expertd,feed-cuda-tier,cuda-tier
 streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536
+fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead=""
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -168,6 +171,7 @@ while [ $# -gt 0 ]; do
     --budget) need "$@"; budget=$2; shift ;;
     --vram) need "$@"; vram_list=$2; shift ;;
     --staging) need "$@"; staging=$2; shift ;;
+    --lookahead) need "$@"; lookahead=$2; shift ;;
     --margin) need "$@"; margin=$2; shift ;;
     --bin) need "$@"; bin=$2; shift ;;
     --work) need "$@"; work=$2; shift ;;
@@ -197,6 +201,8 @@ for v in tg pp timeout cpu_timeout budget staging margin jobs cuda_arch seed; do
   is_uint "${!v}" || bad "--${v//_/-} '${!v}' is not a whole number"
 done
 [ "$tg" -ge 1 ] && [ "$pp" -ge 1 ] || bad "--tg and --pp must be at least 1"
+[ -z "$lookahead" ] || { is_uint "$lookahead" && [ "$lookahead" -le 8 ]; } ||
+  bad "--lookahead '$lookahead' is not a whole number of layers from 0 to 8"
 is_model() { case $1 in mixtral | qwen3 | mixtral-llama | ds3) return 0 ;; esac; return 1; }
 is_cap() { is_uint "$1" && [ "$1" -ge 1 ]; }
 # The cells (model, cap) in order: --cells as given, else every model at every cap.
@@ -419,6 +425,11 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
     case $c in expertd) eng_config=expertd-cpu ;; expertd-d0) eng_config=expertd-cpu-d0 ;;
       sampled) eng_config=sampled-cpu ;; esac
   fi
+  # expert-run's --prefetch-depth other than its default (1): its own config name, so a sweep
+  # into one --out keeps every run.
+  if [ -n "$lookahead" ] && [ "$lookahead" != 1 ] && [[ $c == expertd* ]]; then
+    eng_config+="-l$lookahead"
+  fi
   local id="$m-${cap}g-$eng_config"
   [ "$stream" = - ] || id+="-$stream"
   dense=$(dense_bytes)
@@ -469,10 +480,13 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
       else
         cmd+=(--feed-tokens "$sfile" "${vflag[@]}" --prefill-chunk "$pp" --json)
       fi
+      [ -z "$lookahead" ] || cmd+=(--prefetch-depth "$lookahead")
       what="expertd cache ${cache} MiB, staging $staging MiB, $([ $cpu_engine = 1 ] && echo "CPU engine" || echo "VRAM tier $V experts")"
       what+=", daemon prefetch depth $depth"
+      what+=", engine router lookahead ${lookahead:-1} layer(s)"
       [ "$c" = sampled ] && what+=", sampled decode (not comparable)"
-      fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth")
+      fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth"
+        --field "lookahead=${lookahead:-1}")
       [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
       ;;
     cuda-tier | cuda-all | cpu | feed-cuda-tier | feed-cuda-all | feed-cpu)

@@ -21,6 +21,7 @@ has() { grep -qF -- "$2" <<< "$1" || fail "$3: no '$2' in: $(head -c 600 <<< "$1
 hasnt() { ! grep -qF -- "$2" <<< "$1" || fail "$3: '$2' should not be in: $(grep -F -- "$2" <<< "$1" | head -c 400)"; }
 
 out=$("$peer" --help) || fail "--help exits non-zero"
+has "$out" "--lookahead N" "--help"
 has "$out" "--caps LIST" "--help"
 has "$out" "--cells LIST" "--help"
 has "$out" "--streams LIST" "--help"
@@ -31,7 +32,7 @@ has "$out" "NOT comparable" "--help"
 for args in "--models llama" "--caps 0" "--caps 8,x" "--configs gpu" "--tg" "--vram mixtral=x" \
   "--bogus" "--tg 0" "--streams bogus" "--streams random,sampled" "--streams ," "--seed x" \
   "--cells mixtral" "--cells foo:8" "--cells mixtral:0" "--cells mixtral:8,qwen3" \
-  "--cells mixtral:8 --models qwen3"; do
+  "--cells mixtral:8 --models qwen3" "--lookahead x" "--lookahead 9"; do
   # shellcheck disable=SC2086
   if err=$("$peer" $args --dry-run 2>&1); then
     fail "'$args' accepted"
@@ -227,5 +228,12 @@ has "$table" "| Mixtral-8x7B shape | 8 GiB | random | 2.50 / 2.35 | **1.06×** |
 # Without the disk's rate there is no disk-bound fraction.
 table=$(python3 "$here/summarize.py" table "$tmp/results.jsonl")
 has "$table" "| **2.00×** | – | 18.4 / 32 | 0.61 |" "fair table without disk.json"
+
+# --lookahead: expert-run's --prefetch-depth, and its own config name so a sweep keeps every run.
+la=$("$peer" --cells mixtral:8 --configs expertd --streams random --lookahead 3 --dry-run 2>&1) ||
+  fail "--lookahead 3 --dry-run failed: $la"
+has "$la" "mixtral-8g-expertd-l3-random" "--lookahead 3"
+has "$la" "--json --prefetch-depth 3" "--lookahead 3"
+has "$la" "engine router lookahead 3 layer(s)" "--lookahead 3"
 
 if [ $fails = 0 ]; then echo "peer selftest: ok"; else echo "peer selftest: $fails failed"; exit 1; fi

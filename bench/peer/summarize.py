@@ -101,6 +101,12 @@ def parse_expertd(path, rec):
             "stall_ms_p50": feed.get("stall_ms_p50"),
             "stall_ms_p99": feed.get("stall_ms_p99"),
             "compute_ms_per_token": feed.get("compute_ms_per_token"),
+            "gpu_wait_ms_per_token": feed.get("gpu_wait_ms_per_token"),
+            "host_ms_per_token": feed.get("host_ms_per_token"),
+            "streamed_bytes_per_token": feed.get("streamed_bytes_per_token"),
+            "vram_copy_bytes": feed.get("vram_copy_bytes"),
+            "vram_demand_copy_bytes": feed.get("vram_demand_copy_bytes"),
+            "lookahead": o.get("prefetch_depth"),
             "prefill_bytes_read_per_token": pre.get("bytes_read_per_token"),
             "decode_bytes_read_per_token": feed.get("bytes_read_per_token"),
             "hits": feed.get("hits"),
@@ -269,7 +275,7 @@ def is_expertd(r):
 
 
 def is_prefetch_off(r):
-    return r["config"].endswith("-d0")
+    return "-d0" in r["config"]
 
 
 def describe(r):
@@ -391,7 +397,9 @@ def fair_table(runs, keys, rate):
         if sampled:
             rows.append(("sampled", sampled))
         for s, srs in rows:
-            ours = next((r for r in srs if is_expertd(r) and not is_prefetch_off(r)), None)
+            # The default config; a lookahead sweep's runs (expertd-lN) are in the full table.
+            ours = next((r for r in srs if r["config"] in ("expertd", "expertd-cpu")),
+                        next((r for r in srs if is_expertd(r) and not is_prefetch_off(r)), None))
             theirs = [r for r in srs if r["config"].startswith("feed-")]
             top = best(theirs, "tg_tokens_per_s")
             e = (ours or {}).get("expertd", {})

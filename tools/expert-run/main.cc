@@ -659,6 +659,8 @@ int run(Options o) {
       gen_steps ? static_cast<double>(s.stall_ns - at_prompt.stall_ns) / 1e6 / gen_steps : 0.0;
   const double gen_decode_ms =
       gen_steps ? static_cast<double>(s.decode_ns - at_prompt.decode_ns) / 1e6 / gen_steps : 0.0;
+  const double gpu_wait_ms =
+      gen_steps ? static_cast<double>(s.sync_ns - at_prompt.sync_ns) / 1e6 / gen_steps : 0.0;
   const double bytes_per_token =
       gen_steps ? static_cast<double>(after.bytes_read - mid.bytes_read) / gen_steps : 0.0;
   // The VRAM tier's prefetch acquires are daemon hits too; the tiers count routed experts only.
@@ -736,6 +738,8 @@ int run(Options o) {
           {"prefetches", s.vram_prefetches},
           {"prefetch_used", s.vram_prefetch_used},
           {"streamed", s.vram_streamed},
+          {"streamed_bytes", s.streamed_bytes},
+          {"sync_ms", static_cast<double>(s.sync_ns) / 1e6},
           {"copy_bytes", s.copy_bytes},
           {"demand_copy_bytes", s.demand_copy_bytes},
           {"demand_copy_gb_per_s", copy_gbps}}},
@@ -774,29 +778,38 @@ int run(Options o) {
       j["scripted_routes"] = s.scripted_routes;
     }
     if (feeding) {
-      j["feed"] = {{"source", feed.source},
-                   {"ids", feed.ids},
-                   {"tokens", feed.ids.size()},
-                   {"tokens_per_s", tokens_per_s},
-                   {"ms_per_token", gen_decode_ms},
-                   {"stall_ms_per_token", gen_stall_ms},
-                   {"stall_ms_p50", percentile(stall_ms_each, 0.5)},
-                   {"stall_ms_p99", percentile(stall_ms_each, 0.99)},
-                   {"compute_ms_per_token", gen_decode_ms - gen_stall_ms},
-                   {"bytes_read", after.bytes_read - mid.bytes_read},
-                   {"bytes_read_per_token", bytes_per_token},
-                   {"hits",
-                    {{"vram", s.vram_hits - at_prompt.vram_hits},
-                     {"host", window_host},
-                     {"disk", window_disk}}},
-                   {"reads_in_flight_mean", queue.mean_in_flight},
-                   {"reads_in_flight_max", queue.max_in_flight},
-                   {"disk_busy_fraction", queue.busy_fraction},
-                   {"prefetch_loads", after.prefetch_loads - mid.prefetch_loads},
-                   {"prefetch_useful", after.prefetch_useful - mid.prefetch_useful},
-                   {"hints", s.hints_sent - at_prompt.hints_sent},
-                   {"vram_copy_bytes", s.copy_bytes - at_prompt.copy_bytes},
-                   {"vram_demand_copy_bytes", s.demand_copy_bytes - at_prompt.demand_copy_bytes}};
+      j["feed"] = {
+          {"source", feed.source},
+          {"ids", feed.ids},
+          {"tokens", feed.ids.size()},
+          {"tokens_per_s", tokens_per_s},
+          {"ms_per_token", gen_decode_ms},
+          {"stall_ms_per_token", gen_stall_ms},
+          {"stall_ms_p50", percentile(stall_ms_each, 0.5)},
+          {"stall_ms_p99", percentile(stall_ms_each, 0.99)},
+          {"compute_ms_per_token", gen_decode_ms - gen_stall_ms},
+          {"bytes_read", after.bytes_read - mid.bytes_read},
+          {"bytes_read_per_token", bytes_per_token},
+          {"hits",
+           {{"vram", s.vram_hits - at_prompt.vram_hits},
+            {"host", window_host},
+            {"disk", window_disk}}},
+          {"reads_in_flight_mean", queue.mean_in_flight},
+          {"reads_in_flight_max", queue.max_in_flight},
+          {"disk_busy_fraction", queue.busy_fraction},
+          {"prefetch_loads", after.prefetch_loads - mid.prefetch_loads},
+          {"prefetch_useful", after.prefetch_useful - mid.prefetch_useful},
+          {"hints", s.hints_sent - at_prompt.hints_sent},
+          {"vram_copy_bytes", s.copy_bytes - at_prompt.copy_bytes},
+          {"vram_demand_copy_bytes", s.demand_copy_bytes - at_prompt.demand_copy_bytes},
+          // The non-stall time split: the host waiting for the GPU (kernels, copies,
+          // in-place PCIe reads) and the rest (launches, routing, hints, IPC).
+          {"gpu_wait_ms_per_token", gpu_wait_ms},
+          {"host_ms_per_token", gen_decode_ms - gen_stall_ms - gpu_wait_ms},
+          {"vram_streamed", s.vram_streamed - at_prompt.vram_streamed},
+          {"streamed_bytes_per_token",
+           gen_steps ? static_cast<double>(s.streamed_bytes - at_prompt.streamed_bytes) / gen_steps
+                     : 0.0}};
     }
     if (vocab && !feeding) j["text"] = text;
     // The raw text split as expert-serve's chat answers are (reasoning_content, content).
@@ -822,10 +835,12 @@ int run(Options o) {
   if (feeding) {
     std::printf(
         "fed: %zu tokens (%s) from an empty context: %.2f tokens/s, %.1f ms/token (stall %.1f, "
-        "p50 %.1f, p99 %.1f; compute %.1f), %.1f MB read per token\n",
+        "p50 %.1f, p99 %.1f; compute %.1f: waiting for the GPU %.1f, host %.1f), %.1f MB read "
+        "per token\n",
         feed.ids.size(), feed.source.c_str(), tokens_per_s, gen_decode_ms, gen_stall_ms,
         percentile(stall_ms_each, 0.5), percentile(stall_ms_each, 0.99),
-        gen_decode_ms - gen_stall_ms, bytes_per_token / 1e6);
+        gen_decode_ms - gen_stall_ms, gpu_wait_ms, gen_decode_ms - gen_stall_ms - gpu_wait_ms,
+        bytes_per_token / 1e6);
     std::printf(
         "fed: experts from vram %llu, host %llu, disk %llu; disk busy %.0f%% of the time, "
         "%.1f reads in flight while busy (most %u)\n",
