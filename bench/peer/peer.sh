@@ -714,6 +714,12 @@ step_disk() {
   [ -x "$bin/expert-bench" ] || { peer_log "disk: skipped: no $bin/expert-bench (--bin)"; return 0; }
   [ -f "$file" ] || { peer_log "disk: skipped: no $file (forge)"; return 0; }
   mkdir -p "$out"
+  # A llama.cpp build writes its objects to the same disk and takes every core: the probe beside it
+  # read 1.47 GB/s where expertd's own reads later sustained 2.24 (H200, 2026-12-04).
+  if peer_llama_building "$llroot"; then
+    peer_log "disk: waiting for the llama.cpp build to finish first (its writes would slow the probe)"
+    peer_llama_build_idle "$llroot" 900
+  fi
   peer_drop_caches || peer_log "disk: warning: cannot drop the page cache: the rate may be cached"
   peer_log "disk: ${dcmd[*]}"
   if "${dcmd[@]}" > "$out/disk.json.tmp" 2> "$out/disk.log"; then
