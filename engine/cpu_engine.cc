@@ -59,11 +59,12 @@ void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t exp
 Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, ExpertSource& source,
                                                      const EngineOptions& options) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !p.is_gptoss() &&
-      !p.is_glm4moe()) {
-    return make_error(EINVAL, fmt::format("{}: CpuEngine runs qwen3moe, llama, gpt-oss and "
-                                          "glm4moe, not '{}' (use create_cpu_engine)",
-                                          model.path(), p.architecture));
+  if (family_info(p.family).engine != EngineClass::Generic) {
+    return make_error(EINVAL, fmt::format("{}: CpuEngine runs {}, not '{}' (use create_cpu_engine)",
+                                          model.path(), family_list([](const FamilyInfo& f) {
+                                            return f.engine == EngineClass::Generic;
+                                          }),
+                                          p.architecture));
   }
   EXPERTD_TRY(check_cpu_model(model));
   EXPERTD_TRY(check_engine_options(p, options));
@@ -577,13 +578,17 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
 
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options) {
-  if (model.params().is_ds4()) {
-    EXPERTD_TRY_ASSIGN(auto e, Ds4CpuEngine::create(model, source, options));
-    return std::unique_ptr<Engine>(std::move(e));
-  }
-  if (model.params().is_ds3()) {
-    EXPERTD_TRY_ASSIGN(auto e, Ds3CpuEngine::create(model, source, options));
-    return std::unique_ptr<Engine>(std::move(e));
+  switch (family_info(model.params().family).engine) {
+    case EngineClass::DeepSeek4: {
+      EXPERTD_TRY_ASSIGN(auto e, Ds4CpuEngine::create(model, source, options));
+      return std::unique_ptr<Engine>(std::move(e));
+    }
+    case EngineClass::DeepSeek3: {
+      EXPERTD_TRY_ASSIGN(auto e, Ds3CpuEngine::create(model, source, options));
+      return std::unique_ptr<Engine>(std::move(e));
+    }
+    case EngineClass::Generic:
+      break;
   }
   EXPERTD_TRY_ASSIGN(auto e, CpuEngine::create(model, source, options));
   return std::unique_ptr<Engine>(std::move(e));

@@ -1098,10 +1098,14 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                                      const EngineOptions& options,
                                                      const GpuOptions& gpu) {
   const ModelParams& p = model.params();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama" && !host_routed(p)) {
-    return make_error(ENOTSUP, fmt::format("{}: the CUDA engine runs qwen3moe, llama, glm4moe and "
-                                           "gpt-oss; '{}' runs on the CPU engine (--cpu)",
-                                           model.path(), p.architecture));
+  const FamilyInfo& family = family_info(p.family);
+  if (family.engine != EngineClass::Generic || !family.caps.cuda) {
+    return make_error(ENOTSUP,
+                      fmt::format("{}: GpuEngine runs {}, not '{}' (use create_gpu_engine)",
+                                  model.path(), family_list([](const FamilyInfo& f) {
+                                    return f.engine == EngineClass::Generic && f.caps.cuda;
+                                  }),
+                                  p.architecture));
   }
   if (p.is_gptoss()) {
     for (uint32_t l = 0; l < p.n_layer; ++l) {
@@ -1121,15 +1125,27 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
 Result<std::unique_ptr<Engine>> create_gpu_engine(const DenseModel& model, ExpertSource& source,
                                                   const EngineOptions& options,
                                                   const GpuOptions& gpu) {
-  if (model.params().is_ds4()) {
-    EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds4GpuEngine> e,
-                       Ds4GpuEngine::create(model, source, options, gpu));
-    return std::unique_ptr<Engine>(std::move(e));
+  const FamilyInfo& family = family_info(model.params().family);
+  if (!family.caps.cuda) {
+    return make_error(ENOTSUP,
+                      fmt::format("{}: no CUDA engine runs '{}' (the CUDA engines run {}); "
+                                  "use the CPU engine (--cpu)",
+                                  model.path(), model.params().architecture,
+                                  family_list([](const FamilyInfo& f) { return f.caps.cuda; })));
   }
-  if (model.params().is_ds3()) {
-    EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds3GpuEngine> e,
-                       Ds3GpuEngine::create(model, source, options, gpu));
-    return std::unique_ptr<Engine>(std::move(e));
+  switch (family.engine) {
+    case EngineClass::DeepSeek4: {
+      EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds4GpuEngine> e,
+                         Ds4GpuEngine::create(model, source, options, gpu));
+      return std::unique_ptr<Engine>(std::move(e));
+    }
+    case EngineClass::DeepSeek3: {
+      EXPERTD_TRY_ASSIGN(std::unique_ptr<Ds3GpuEngine> e,
+                         Ds3GpuEngine::create(model, source, options, gpu));
+      return std::unique_ptr<Engine>(std::move(e));
+    }
+    case EngineClass::Generic:
+      break;
   }
   EXPERTD_TRY_ASSIGN(std::unique_ptr<GpuEngine> e, GpuEngine::create(model, source, options, gpu));
   return std::unique_ptr<Engine>(std::move(e));

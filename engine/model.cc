@@ -254,14 +254,13 @@ using detail::Sources;
 Result<ModelParams> read_params(const GgufModel& g) {
   ModelParams p;
   p.architecture = g.architecture();
-  if (p.architecture != "qwen3moe" && p.architecture != "llama" && p.architecture != "deepseek4" &&
-      p.architecture != "gpt-oss" && p.architecture != "deepseek2" && p.architecture != "glm4moe") {
-    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs qwen3moe, llama "
-                                           "(Mixtral), gpt-oss, glm4moe (GLM-4.5), deepseek4 and "
-                                           "deepseek2",
-                                           g.meta().path(), p.architecture));
+  const FamilyInfo* family = find_family(p.architecture);
+  if (family == nullptr) {
+    return make_error(ENOTSUP, fmt::format("{}: architecture '{}': the engine runs {}",
+                                           g.meta().path(), p.architecture, family_list()));
   }
-  const bool llama = p.architecture == "llama";
+  p.family = family->family;
+  const bool llama = p.family == Family::Mixtral;
   if (llama && g.find_arch("expert_count") == nullptr) {
     return make_error(ENOTSUP, fmt::format("{}: llama.expert_count is missing: the engine runs "
                                            "llama models with routed experts (Mixtral) only",
@@ -269,7 +268,7 @@ Result<ModelParams> read_params(const GgufModel& g) {
   }
   // deepseek2's key/value_length describe the latent (kv_lora_rank + rope, kv_lora_rank); its
   // query/key head is the _mla one.
-  const bool mla = p.architecture == "deepseek2";
+  const bool mla = p.family == Family::DeepSeek3;
   EXPERTD_TRY_ASSIGN(const uint64_t n_layer, get_u64(g, "block_count", {}, 1, kMaxLayers));
   EXPERTD_TRY_ASSIGN(const uint64_t n_embd, get_u64(g, "embedding_length", {}, 1, kMaxEmbd));
   EXPERTD_TRY_ASSIGN(const uint64_t n_head, get_u64(g, "attention.head_count", {}, 1, kMaxHeads));

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/family.h"
 #include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf.h"
@@ -109,43 +110,43 @@ struct Ds3Params : SigmoidMoe {
 enum class RopeType : uint8_t { Neox, Norm };
 
 struct ModelParams {
-  std::string architecture;    // "qwen3moe", "llama" (Mixtral), "gpt-oss", "glm4moe",
-                               // "deepseek4" or "deepseek2"
-  uint32_t n_layer = 0;        // block_count less the MTP blocks (nextn_layers)
-  uint32_t n_embd = 0;         // embedding_length
-  uint32_t n_head = 0;         // attention.head_count
-  uint32_t n_head_kv = 0;      // attention.head_count_kv
-  uint32_t head_dim = 0;       // attention.key_length (== value_length)
-  uint32_t n_rot = 0;          // rope.dimension_count, else head_dim
-  uint32_t n_expert = 0;       // expert_count
-  uint32_t n_expert_used = 0;  // expert_used_count
-  uint32_t n_ff_exp = 0;       // expert_feed_forward_length
-  uint32_t n_vocab = 0;        // rows of token_embd
-  uint32_t n_ctx_train = 0;    // context_length
-  float rms_eps = 1e-6f;       // attention.layer_norm_rms_epsilon
-  double rope_base = 10000.0;  // rope.freq_base
-  bool norm_topk = true;       // renormalise the top-k router weights (always, for qwen3moe)
-  Ds4Params ds4;               // deepseek4 only
-  Ds3Params ds3;               // deepseek2 only
+  std::string architecture;          // general.architecture (a row of engine/family.h's registry)
+  Family family = Family::Qwen3Moe;  // that row's family
+  uint32_t n_layer = 0;              // block_count less the MTP blocks (nextn_layers)
+  uint32_t n_embd = 0;               // embedding_length
+  uint32_t n_head = 0;               // attention.head_count
+  uint32_t n_head_kv = 0;            // attention.head_count_kv
+  uint32_t head_dim = 0;             // attention.key_length (== value_length)
+  uint32_t n_rot = 0;                // rope.dimension_count, else head_dim
+  uint32_t n_expert = 0;             // expert_count
+  uint32_t n_expert_used = 0;        // expert_used_count
+  uint32_t n_ff_exp = 0;             // expert_feed_forward_length
+  uint32_t n_vocab = 0;              // rows of token_embd
+  uint32_t n_ctx_train = 0;          // context_length
+  float rms_eps = 1e-6f;             // attention.layer_norm_rms_epsilon
+  double rope_base = 10000.0;        // rope.freq_base
+  bool norm_topk = true;             // renormalise the top-k router weights (always, for qwen3moe)
+  Ds4Params ds4;                     // deepseek4 only
+  Ds3Params ds3;                     // deepseek2 only
   // Mixtral (`llama`): NORM RoPE, no per-head attn_q_norm/attn_k_norm, and n_ff_exp is
   // feed_forward_length.
   RopeType rope = RopeType::Neox;
   bool qk_norm = true;
-  bool is_ds4() const { return architecture == "deepseek4"; }
-  bool is_ds3() const { return architecture == "deepseek2"; }
+  bool is_ds4() const { return family == Family::DeepSeek4; }
+  bool is_ds3() const { return family == Family::DeepSeek3; }
   // gpt-oss (`gpt-oss`): q/k/v/o, router and expert biases, attention sinks, the even layers
   // attend to their last `swa_window` positions, the router's softmax is over the top-k logits,
   // the experts use the clamped SwiGLU (kGptOssAlpha, kGptOssLimit) and RoPE is YaRN.
   uint32_t swa_window = 0;  // attention.sliding_window (0: every layer attends to all)
   Yarn yarn;                // gpt-oss only (DeepSeek-V3 keeps its own in ds3)
-  bool is_gptoss() const { return architecture == "gpt-oss"; }
+  bool is_gptoss() const { return family == Family::GptOss; }
   // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
   bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
   // GLM-4.5 (`glm4moe`): q/k/v biases, optional per-head q/k norms (GLM-4.5 has them, -Air not),
   // NEOX RoPE on the first n_rot (partial_rotary_factor × head_dim) dimensions, the
   // post-attention norm before the FFN, and DeepSeek-V3's MoE with its dense first layers.
   SigmoidMoe glm;  // glm4moe only (DeepSeek-V3 keeps its own in ds3)
-  bool is_glm4moe() const { return architecture == "glm4moe"; }
+  bool is_glm4moe() const { return family == Family::Glm4Moe; }
   // Whether `layer` has a dense MLP instead of routed experts (CpuEngine's families: glm4moe's
   // leading layers).
   bool dense_layer(uint32_t layer) const { return is_glm4moe() && layer < glm.dense_lead; }

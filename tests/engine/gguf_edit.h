@@ -24,15 +24,23 @@ struct Edit {
   std::string reshape_tensor;                // write this tensor with ne ...
   std::vector<uint64_t> new_ne;              // ... (its bytes truncated or zero-padded)
   std::string rename_to;                     // and, if set, under this name
+  std::string arch_to;  // general.architecture and every ARCH.* key's prefix become this
 };
 
 inline std::string rewrite(const std::string& src, const std::string& dst, const Edit& edit) {
   auto file = GgufFile::open(src);
   EXPECT_TRUE(file) << file.error().message;
   GgufWriter w(file->alignment());
+  const GgufValue* arch_value = file->find("general.architecture");
+  const std::string* arch_name = arch_value != nullptr ? arch_value->as_string() : nullptr;
+  const std::string arch = arch_name != nullptr ? *arch_name : "";
   for (const GgufKv& kv : file->kvs()) {
     if (kv.key == edit.key) {
       edit.set_key(w);
+    } else if (!edit.arch_to.empty() && kv.key == "general.architecture") {
+      w.set_string("general.architecture", edit.arch_to);
+    } else if (!edit.arch_to.empty() && kv.key.rfind(arch + ".", 0) == 0) {
+      EXPECT_TRUE(w.set_value(edit.arch_to + kv.key.substr(arch.size()), kv.value));
     } else if (kv.key != "general.alignment") {
       EXPECT_TRUE(w.set_value(kv.key, kv.value));
     }

@@ -22,6 +22,7 @@
 #include "engine/ds3_gpu_engine.h"
 #include "engine/ds4_cpu_engine.h"
 #include "engine/ds4_gpu_engine.h"
+#include "engine/family.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
@@ -777,9 +778,11 @@ TEST(Ds4GpuEngine, GpuEngineRefusesDeepseek4AndTheFactoryPicksTheDs4Engine) {
   auto refused = GpuEngine::create(*model, **source, EngineOptions{16, 0, 0},
                                    tier(GpuOptions::Tier::Experts, 8));
   ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find(
-                "the CUDA engine runs qwen3moe, llama, glm4moe and gpt-oss; 'deepseek4'"),
-            std::string::npos)
+  EXPECT_NE(
+      refused.error().message.find(
+          "GpuEngine runs qwen3moe (Qwen3-MoE), llama (Mixtral), gpt-oss, glm4moe (GLM-4.5), not "
+          "'deepseek4'"),
+      std::string::npos)
       << refused.error().message;
   expect_factory_picks(*model, **source, "deepseek4");
 }
@@ -1310,6 +1313,40 @@ TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
     SCOPED_TRACE(variant);
     expect_gpu_matches_cpu_on_file(ds3_path(fmt::format("model-{}.gguf", variant)), tokens,
                                    fmt::format("deepseek3 {}", variant));
+  }
+}
+
+// engine/family.h's CUDA capabilities against the CUDA engines (the CPU ones: family_test.cc):
+// which families a CUDA engine runs, which prefill in chunks (each routed expert acquired once per
+// chunk and counted) rather than token by token, and which cut their state at any prefix.
+TEST(FamilyCuda, TheCudaEnginesDoWhatTheRegistrySays) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::pair<Family, const char*> fixtures[] = {
+      {Family::Qwen3Moe, "qwen3moe-tiny"},   {Family::Mixtral, "mixtral-tiny"},
+      {Family::GptOss, "gptoss-tiny"},       {Family::Glm4Moe, "glm4moe-tiny"},
+      {Family::DeepSeek3, "deepseek3-tiny"}, {Family::DeepSeek4, "deepseek4-tiny"},
+  };
+  for (const auto& [family, dir] : fixtures) {
+    const FamilyInfo& info = family_info(family);
+    SCOPED_TRACE(std::string(info.arch));
+    auto model = DenseModel::load(test::fixture_path(std::string(dir) + "/model-f32.gguf"));
+    ASSERT_TRUE(model) << model.error().message;
+    ASSERT_EQ(model->params().family, family);
+    auto source = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(source) << source.error().message;
+    EngineOptions o{16, 1, 0};
+    o.prefill_chunk = 4;
+    auto engine = create_gpu_engine(*model, **source, o, tier(GpuOptions::Tier::Experts, 64));
+    ASSERT_EQ(static_cast<bool>(engine), info.caps.cuda)
+        << (engine ? std::string("created") : engine.error().message);
+    if (!engine) continue;
+    std::vector<float> logits(model->params().n_vocab);
+    const std::vector<uint32_t> prompt = {1, 2, 3, 4};
+    ASSERT_TRUE((*engine)->prefill(prompt, logits));
+    EXPECT_EQ((*engine)->stats().prefill_experts > 0, info.caps.cuda_batched_prefill)
+        << "prefill_experts " << (*engine)->stats().prefill_experts;
+    EXPECT_EQ((*engine)->truncate(2), info.caps.prefix_truncate);
   }
 }
 
