@@ -104,6 +104,17 @@ struct Ds3GpuEngine::Impl {
   float* h_rlogits = nullptr;  // pinned mirrors
   float* h_weights = nullptr;
   float* h_logits = nullptr;
+  // prefill(): `chunk` positions layer by layer (prefill_chunk).
+  uint32_t chunk = 1;
+  float* cx = nullptr;     // [chunk][n_embd] the chunk's residuals
+  float* cxn = nullptr;    // [chunk][n_embd] their FFN-normed rows
+  float* crl = nullptr;    // [chunk][n_expert] router logits
+  float* cw = nullptr;     // [chunk][k] routing weights
+  float* h_crl = nullptr;  // pinned mirrors
+  float* h_cw = nullptr;
+  std::vector<uint32_t> csel;   // [chunk][k] the chunk's routes
+  std::vector<uint8_t> needed;  // per expert: routed to by the chunk at this layer
+  std::vector<ExpertHint> chunk_hints;
 
   // Host scratch.
   gpu::HostRouter router;  // the routing decisions and hints
@@ -136,6 +147,8 @@ struct Ds3GpuEngine::Impl {
   Status route(uint32_t layer);
   Status moe(uint32_t layer);
   Status head(std::span<float> logits);
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
+  Status prefill_layers(uint32_t n);
 };
 
 Ds3GpuEngine::Impl::~Impl() {
@@ -212,6 +225,11 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   su = c.take_n<float>(ff);
   sout = c.take_n<float>(e);
   d_logits = c.take_n<float>(p.n_vocab);
+  chunk = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
+  cx = c.take_n<float>(uint64_t{chunk} * e);
+  cxn = c.take_n<float>(uint64_t{chunk} * e);
+  crl = c.take_n<float>(uint64_t{chunk} * p.n_expert);
+  cw = c.take_n<float>(uint64_t{chunk} * k);
 }
 
 Status Ds3GpuEngine::Impl::init() {
@@ -249,11 +267,17 @@ Status Ds3GpuEngine::Impl::init() {
 
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
-  const uint64_t host_floats = uint64_t{1 + depth} * p.n_expert + k + p.n_vocab;
+  const uint64_t host_floats =
+      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (p.n_expert + k);
   EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
   h_rlogits = host_mem.get<float>();
   h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
   h_logits = h_weights + k;
+  h_crl = h_logits + p.n_vocab;
+  h_cw = h_crl + uint64_t{chunk} * p.n_expert;
+  csel.resize(uint64_t{chunk} * k);
+  needed.resize(p.n_expert);
+  chunk_hints.reserve(p.n_expert);
 
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
   EXPERTD_TRY(experts->init(device_name));
@@ -377,6 +401,131 @@ Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
   return Ok{};
 }
 
+Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
+                                         std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t e = p.n_embd;
+  const cudaStream_t st = compute.get();
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(kernels::dequantize(
+        embd.type, embd.data + uint64_t{tokens[i]} * embd.row_bytes, cx + i * e, p.n_embd, st));
+  }
+  const size_t logged = routing_log != nullptr ? routing_log->size() : 0;
+  // One pass over the layers: the planner dedups its hints over the chunk.
+  planner.begin_token();
+  const uint32_t pos0 = pos;
+  // attention(), mlp(), moe() and head() work on `x`, `xn` and `pos`: pointed at each row in turn.
+  float* const x_row = x;
+  float* const xn_row = xn;
+  Status done = prefill_layers(n);
+  if (done && !logits.empty()) {
+    x = cx + uint64_t{n - 1} * e;
+    done = head(logits);
+  }
+  x = x_row;
+  xn = xn_row;
+  if (!done) {
+    pos = pos0;  // the positions written past it are overwritten by whatever comes next
+    return done;
+  }
+  if (routing_log != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log->begin() + static_cast<int64_t>(logged), routing_log->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  pos = pos0 + n;
+  stats.tokens += n;
+  stats.prefill_tokens += n;
+  ++stats.prefill_chunks;
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
+  const uint64_t e = p.n_embd;
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const cudaStream_t st = compute.get();
+  const uint32_t pos0 = pos;
+  float* const xn_scratch = xn;  // attention()'s normed input
+  // Holds of experts acquired for a row go back after a sync: one every kRowsPerSync rows bounds
+  // how many the chunk keeps from the daemon's cache at once.
+  constexpr uint32_t kRowsPerSync = 16;
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    const DevLayer& l = layers[layer];
+    const bool dense = layer < d.dense_lead;
+    // The cursor at the chunk's first position, as GpuEngine's chunked prefill keeps it.
+    if (!source.set_cursor(pos0, layer)) ++stats.hint_errors;
+    // Attention, position by position (each attends to the rows before it, written just now),
+    // then the FFN norm of each row, as decode() computes them.
+    for (uint32_t i = 0; i < n; ++i) {
+      x = cx + i * e;
+      xn = xn_scratch;
+      pos = pos0 + i;
+      EXPERTD_TRY(attention(layer));
+      EXPERTD_CUDA_TRY(
+          kernels::ds4_rms_norm(x, l.ffn_norm, cxn + i * e, 1, p.n_embd, p.rms_eps, st));
+      if (dense) {
+        xn = cxn + i * e;
+        EXPERTD_TRY(mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, out));
+        EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
+      } else if (router.computes(pos, layer)) {
+        EXPERTD_TRY(mv(l.gate_inp, cxn + i * e, crl + uint64_t{i} * ne));
+      }
+    }
+    planner.from_layer(layer);
+    if (dense) {
+      planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+      continue;
+    }
+    // Every row's routing: one copy back, one sync.
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, uint64_t{n} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+    EXPERTD_TRY(experts->synced());
+    std::fill(needed.begin(), needed.end(), uint8_t{0});
+    chunk_hints.clear();
+    for (uint32_t i = 0; i < n; ++i) {
+      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * ne, planner, stats, routing_log);
+      for (uint32_t s = 0; s < k; ++s) {
+        const uint32_t ex = router.selected[s];
+        if (ex >= ne) {
+          return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}",
+                                             layer, pos0 + i, ex, ne));
+        }
+        csel[uint64_t{i} * k + s] = ex;
+        h_cw[uint64_t{i} * k + s] = router.weights[s];
+        if (needed[ex] == 0) {
+          needed[ex] = 1;
+          chunk_hints.push_back(ExpertHint{layer, ex, 1.0f});
+        }
+      }
+    }
+    // The layer's experts, known now, hinted at once and exactly: the daemon reads each while the
+    // rows before its first use compute. Hints for experts in VRAM are dropped by the filter.
+    stats.prefill_experts += chunk_hints.size();
+    stats.prefill_hints += chunk_hints.size();
+    if (!experts->hint_source().prefetch(chunk_hints)) ++stats.hint_errors;
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
+    for (uint32_t i = 0; i < n; ++i) {
+      x = cx + i * e;
+      xn = cxn + i * e;
+      pos = pos0 + i;
+      EXPERTD_TRY(gpu::run_sigmoid_moe(
+          *experts, layer, std::span<const uint32_t>(csel.data() + uint64_t{i} * k, k), ptrs, l.moe,
+          p, xn, cw + uint64_t{i} * k, gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out,
+          stats, st));
+      EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
+      if ((i + 1) % kRowsPerSync == 0 && i + 1 < n) {
+        EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+        EXPERTD_TRY(experts->synced());
+      }
+    }
+  }
+  pos = pos0;
+  xn = xn_scratch;
+  return Ok{};
+}
+
 // --- Ds3GpuEngine ------------------------------------------------------------------------------
 
 Ds3GpuEngine::Ds3GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -423,6 +572,12 @@ Status Ds3GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
+uint32_t Ds3GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
+
+Status Ds3GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
+  return impl_->prefill_chunk(tokens, logits);
+}
+
 void Ds3GpuEngine::reset() { impl_->pos = 0; }
 
 bool Ds3GpuEngine::truncate(uint32_t n) {
@@ -443,8 +598,9 @@ std::string Ds3GpuEngine::description() const {
   const GpuExperts& x = *m.experts;
   return fmt::format(
       "CUDA engine (deepseek2) on {}: dense weights {} as in the file (fused "
-      "matvec), latent KV cache, {}{}",
-      m.device_name, gib(m.dense_device_bytes), x.description(),
+      "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each routed expert "
+      "read once per chunk), {}{}",
+      m.device_name, gib(m.dense_device_bytes), m.chunk, x.description(),
       x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

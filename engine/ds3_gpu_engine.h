@@ -56,6 +56,12 @@ class Ds3GpuEngine final : public Engine {
 
  private:
   EngineStats& mutable_stats() override;
+  // Layer by layer over a chunk: each position's attention and routing as decode() computes them
+  // (the same kernels in the same order, so the logits are decode()'s to the bit), but every
+  // layer's experts hinted exactly for the whole chunk once its routing is known, so each is read
+  // once per chunk rather than once per position.
+  uint32_t prefill_chunk_size() const override;
+  Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
   explicit Ds3GpuEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -25,7 +25,7 @@ constexpr std::array kFamilies = {
                 .prefix_truncate = true, .hash_hints = false, .mtp_blocks = true}},
     FamilyInfo{Family::DeepSeek3, "deepseek2", "DeepSeek-V3", "DeepSeek-V3, DeepSeek-R1, Kimi-K2",
                "", EngineClass::DeepSeek3,
-               {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = false,
+               {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = true,
                 .prefix_truncate = true, .hash_hints = false, .mtp_blocks = false}},
     FamilyInfo{Family::DeepSeek4, "deepseek4", "DeepSeek-V4", "DeepSeek-V4-Flash", "",
                EngineClass::DeepSeek4,

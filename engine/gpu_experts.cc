@@ -125,7 +125,6 @@ void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPl
                        EngineStats& stats, ExpertSource& hints_to,
                        std::vector<RoutingRecord>* log) {
   const uint32_t ne = p.n_expert;
-  const uint32_t k = p.n_expert_used;
   const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
   // Hints for the next layers, as the CPU engines' send_hints sends them.
   planner.from_layer(layer);
@@ -153,6 +152,13 @@ void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPl
     planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
     return;
   }
+  decide(pos, layer, logits, planner, stats, log);
+}
+
+void HostRouter::decide(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
+                        EngineStats& stats, std::vector<RoutingRecord>* log) {
+  const uint32_t ne = p.n_expert;
+  const uint32_t k = p.n_expert_used;
   // The routing decision, as the CPU engines' route makes it.
   if (take_scripted_route(opts, pos, layer, selected, weights, stats)) {
     // the script's route

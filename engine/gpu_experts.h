@@ -153,6 +153,11 @@ struct HostRouter {
   // selected/weights, logged to `log` and counted.
   void route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
              EngineStats& stats, ExpertSource& hints_to, std::vector<RoutingRecord>* log);
+  // The routing decision alone, no hints (route() ends with it; prefill decides each row of a
+  // chunk with it): the script's route, else the family's from row 0 of `logits`, into
+  // selected/weights, logged to `log` and counted.
+  void decide(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
+              EngineStats& stats, std::vector<RoutingRecord>* log);
 
   const ModelParams& p;
   const SigmoidMoe& d;

@@ -1316,6 +1316,66 @@ TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
   }
 }
 
+// Prefill in chunks (layer by layer over the chunk, issue 24) is decode() of each position: the
+// same kernels in the same order, so the last logits and every routing decision are decode()'s to
+// the bit, in place and through tiers that evict (6 slots) or hold a layer (40). Each chunk counts
+// its distinct (layer, expert) pairs once, and every hold goes back.
+TEST(Ds3GpuEngine, ChunkedPrefillIsDecodeToTheBitAndCountsEachExpertOncePerChunk) {
+  REQUIRE_GPU();
+  const auto tokens =
+      test::read_json(ds3_path("fixture.json")).at("tokens").get<std::vector<uint32_t>>();
+  auto model = DenseModel::load(ds3_path("model-q8_0.gguf"), DenseLoad::Deferred);
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  for (const auto t : {GpuOptions::Tier::InPlace, GpuOptions::Tier::Experts}) {
+    for (const uint64_t slots : {6u, 40u}) {
+      if (t == GpuOptions::Tier::InPlace && slots != 6u) continue;
+      for (const uint32_t chunk : {1u, 5u, 64u}) {
+        SCOPED_TRACE(fmt::format("tier {} slots {} chunk {}", static_cast<int>(t), slots, chunk));
+        auto source = test::FileExpertSource::open(*model);
+        ASSERT_TRUE(source) << source.error().message;
+        EngineOptions o{64, 2, 0};
+        o.prefill_chunk = chunk;
+        auto engine = create_gpu_engine(*model, **source, o, tier(t, slots));
+        ASSERT_TRUE(engine) << engine.error().message;
+        EXPECT_NE((*engine)->description().find(fmt::format("prefill in chunks of {}", chunk)),
+                  std::string::npos)
+            << (*engine)->description();
+        std::vector<RoutingRecord> decoded_routes;
+        (*engine)->set_routing_log(&decoded_routes);
+        std::vector<float> decoded(vocab);
+        for (const uint32_t tok : tokens) ASSERT_TRUE((*engine)->decode(tok, decoded));
+        (*engine)->reset();
+        std::vector<RoutingRecord> prefilled_routes;
+        (*engine)->set_routing_log(&prefilled_routes);
+        const EngineStats before = (*engine)->stats();
+        std::vector<float> prefilled(vocab);
+        auto st = (*engine)->prefill(tokens, prefilled);
+        ASSERT_TRUE(st) << st.error().message;
+        (*engine)->set_routing_log(nullptr);
+        EXPECT_EQ(prefilled, decoded);
+        ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
+        for (size_t i = 0; i < decoded_routes.size(); ++i) {
+          EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
+          EXPECT_EQ(prefilled_routes[i].layer, decoded_routes[i].layer) << "record " << i;
+          EXPECT_EQ(prefilled_routes[i].experts, decoded_routes[i].experts) << "record " << i;
+        }
+        const EngineStats& s = (*engine)->stats();
+        const auto n = static_cast<uint32_t>(tokens.size());
+        EXPECT_EQ(s.prefill_tokens - before.prefill_tokens, n);
+        EXPECT_EQ(s.prefill_chunks - before.prefill_chunks, (n + chunk - 1) / chunk);
+        EXPECT_EQ(s.prefill_experts - before.prefill_experts,
+                  chunk_experts(decoded_routes, chunk, n));
+        EXPECT_EQ((*engine)->position(), n);
+        // It goes on from the prefilled positions as decode() would have.
+        std::vector<float> next(vocab);
+        ASSERT_TRUE((*engine)->decode(tokens[0], next));
+        EXPECT_EQ((*source)->gets(), (*source)->releases());
+      }
+    }
+  }
+}
+
 // engine/family.h's CUDA capabilities against the CUDA engines (the CPU ones: family_test.cc):
 // which families a CUDA engine runs, which prefill in chunks (each routed expert acquired once per
 // chunk and counted) rather than token by token, and which cut their state at any prefix.
