@@ -228,6 +228,13 @@ struct GpuEngine::Impl {
   std::vector<uint32_t> needed;        // the distinct experts of the layer, ascending
   std::vector<ExpertHint> needed_hints;
   std::vector<RoutingRecord> chunk_log;  // [row][layer], appended in decode's order
+  // glm4moe's and gpt-oss's prefill, layer by layer over the chunk (prefill_layerwise): cx, cxn
+  // and crl above, and each row's routes.
+  float* crw = nullptr;    // [chunk][k] routing weights on the device
+  float* h_crl = nullptr;  // pinned mirrors ([chunk][n_expert], [chunk][k])
+  float* h_crw = nullptr;
+  std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes
+  std::vector<uint8_t> cneeded;  // [n_expert] routed to by the chunk at this layer
 
   // Per-layer scratch on the host.
   std::vector<uint32_t> selected;
@@ -253,6 +260,9 @@ struct GpuEngine::Impl {
   Status init();
   Status upload_dense();
   Status init_prefill();
+  Status init_layerwise_prefill();
+  Status prefill_layerwise(std::span<const uint32_t> tokens, std::span<float> logits);
+  Status layerwise_layers(uint32_t n);
   uint64_t prefill_scratch_bytes(uint32_t rows) const;
   Status prefill_chunk(std::span<const uint32_t> tokens, bool last, std::span<float> logits);
   Status chunk_attention(uint32_t layer, uint32_t rows);
@@ -377,8 +387,8 @@ Status GpuEngine::Impl::init() {
   h_logits = h_probs + uint64_t{1 + d} * p.n_expert;
 
   // Before the tier: Tier::Auto sizes itself from what is left. glm4moe's and gpt-oss's prefill
-  // is decode() of each token (Engine's default): no chunk scratch.
-  if (!host_routed(p)) EXPERTD_TRY(init_prefill());
+  // runs decode()'s kernels layer by layer over the chunk: only the rows' buffers.
+  EXPERTD_TRY(host_routed(p) ? init_layerwise_prefill() : init_prefill());
 
   // The source's host memory (registered once) and the VRAM tier.
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
@@ -806,6 +816,200 @@ Status GpuEngine::Impl::gptoss_ffn(uint32_t layer) {
   return Ok{};
 }
 
+// --- prefill, layer by layer (glm4moe, gpt-oss) ------------------------------------------------
+
+Status GpuEngine::Impl::init_layerwise_prefill() {
+  chunk_asked = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
+  chunk = chunk_asked;
+  const uint64_t k = p.n_expert_used;
+  const uint64_t e = p.n_embd;
+  const uint64_t ne = p.n_expert;
+  auto bytes_for = [&](uint64_t c) { return (c * e * 2 + c * ne + c * k) * 4 + 4 * kAlign; };
+  size_t free_b = 0;
+  size_t total_b = 0;
+  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  // As init_prefill: at most half of what is free, a chunk that does not fit halved.
+  const uint64_t reserve = uint64_t{256} << 20;
+  const uint64_t budget = free_b > reserve ? (free_b - reserve) / 2 : 0;
+  while (chunk > 1 && bytes_for(chunk) > budget) chunk = (chunk + 1) / 2;
+  chunk_bytes = bytes_for(chunk);
+  Result<DeviceBytes> mem = DeviceBytes::alloc(chunk_bytes);
+  if (!mem) {
+    return make_error(ENOMEM,
+                      fmt::format("cannot allocate {} ({} bytes) of device memory for the "
+                                  "prefill scratch of {} positions on {}; {} is free",
+                                  gib(chunk_bytes), chunk_bytes, chunk, device_name, gib(free_b)));
+  }
+  chunk_mem = std::move(*mem);
+  const uint64_t c = chunk;
+  uint8_t* cursor = chunk_mem.get();
+  auto take = [&](uint64_t values) {
+    uint8_t* out = cursor;
+    cursor += align_up(values * 4, kAlign);
+    return reinterpret_cast<float*>(out);
+  };
+  cx = take(c * e);
+  cxn = take(c * e);
+  crl = take(c * ne);
+  crw = take(c * k);
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * ne + c * k) * 4));
+  h_crl = chunk_host.get<float>();
+  h_crw = h_crl + c * ne;
+  csel.resize(c * k);
+  cneeded.resize(ne);
+  needed_hints.reserve(ne);
+  return Ok{};
+}
+
+Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
+                                          std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t e = p.n_embd;
+  const cudaStream_t st = compute.get();
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(cx + i * e, embd + uint64_t{tokens[i]} * e, e * 4,
+                                     cudaMemcpyDeviceToDevice, st));
+  }
+  const size_t logged = routing_log != nullptr ? routing_log->size() : 0;
+  planner.begin_token();  // the planner dedups its hints over the chunk
+  const uint32_t pos0 = pos;
+  // attention(), the FFNs and the head work on `x`, `xn` and `pos`: pointed at each row in turn.
+  float* const x_decode = x;
+  float* const xn_decode = xn;
+  Status done = layerwise_layers(n);
+  if (done && !logits.empty()) {
+    // decode()'s head on the last row.
+    x = cx + uint64_t{n - 1} * e;
+    done = [&]() -> Status {
+      EXPERTD_CUDA_TRY(kernels::rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
+      EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
+      EXPERTD_CUDA_TRY(
+          cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
+      EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+      EXPERTD_TRY(experts->synced());
+      std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
+      return Ok{};
+    }();
+  }
+  x = x_decode;
+  xn = xn_decode;
+  if (!done) {
+    pos = pos0;  // positions written past it are overwritten by whatever is fed next
+    return done;
+  }
+  if (routing_log != nullptr) {
+    // Token-major, as decode() logs: the chunk logged layer by layer.
+    std::stable_sort(
+        routing_log->begin() + static_cast<int64_t>(logged), routing_log->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  pos = pos0 + n;
+  stats.tokens += n;
+  stats.prefill_tokens += n;
+  ++stats.prefill_chunks;
+  return Ok{};
+}
+
+Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
+  const uint64_t e = p.n_embd;
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const cudaStream_t st = compute.get();
+  const uint32_t pos0 = pos;
+  float* const xn_scratch = xn;
+  // Holds of the experts acquired for the rows go back after a sync, one every kRowsPerSync rows.
+  constexpr uint32_t kRowsPerSync = 16;
+  for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+    const DevLayer& l = layers[layer];
+    const bool dense = p.dense_layer(layer);
+    if (!source.set_cursor(pos0, layer)) ++stats.hint_errors;
+    // Each position's attention (it attends to the rows before it, written just now), its FFN
+    // norm, and its dense MLP or router, with decode()'s kernels in decode()'s order.
+    for (uint32_t i = 0; i < n; ++i) {
+      x = cx + i * e;
+      xn = xn_scratch;
+      pos = pos0 + i;
+      float* rn = cxn + i * e;
+      EXPERTD_TRY(attention(layer));
+      EXPERTD_CUDA_TRY(kernels::rms_norm(x, l.ffn_norm, rn, 1, p.n_embd, p.rms_eps, st));
+      if (dense) {
+        EXPERTD_TRY(
+            gpu::run_mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, rn, sg, su, sout, st));
+        EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
+      } else if (router.computes(pos, layer)) {
+        float* rl = crl + uint64_t{i} * ne;
+        EXPERTD_TRY(gemv(l.router, ne, p.n_embd, rn, rl, 0.0f));
+        if (l.router_b != nullptr) EXPERTD_CUDA_TRY(kernels::add(rl, l.router_b, ne, st));
+      }
+    }
+    planner.from_layer(layer);
+    if (dense) {
+      planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+      continue;
+    }
+    // Every row's routing: one copy back, one sync, then decided on the host as decode() does.
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, uint64_t{n} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+    EXPERTD_TRY(experts->synced());
+    std::fill(cneeded.begin(), cneeded.end(), uint8_t{0});
+    needed_hints.clear();
+    for (uint32_t i = 0; i < n; ++i) {
+      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * ne, planner, stats, routing_log);
+      for (uint32_t j = 0; j < k; ++j) {
+        const uint32_t ex = router.selected[j];
+        if (ex >= ne) {
+          return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}",
+                                             layer, pos0 + i, ex, ne));
+        }
+        csel[uint64_t{i} * k + j] = ex;
+        h_crw[uint64_t{i} * k + j] = router.weights[j];
+        if (cneeded[ex] == 0) {
+          cneeded[ex] = 1;
+          needed_hints.push_back(ExpertHint{layer, ex, 1.0f});
+        }
+      }
+    }
+    // The layer's distinct experts hinted at once and exactly: the daemon reads each while the
+    // rows before its first use compute; repeats find it in VRAM or the daemon's cache.
+    stats.prefill_experts += needed_hints.size();
+    stats.prefill_hints += needed_hints.size();
+    if (!experts->hint_source().prefetch(needed_hints)) ++stats.hint_errors;
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
+    for (uint32_t i = 0; i < n; ++i) {
+      x = cx + i * e;
+      xn = cxn + i * e;
+      pos = pos0 + i;
+      const std::span<const uint32_t> sel(csel.data() + uint64_t{i} * k, k);
+      const float* w = crw + uint64_t{i} * k;
+      if (p.is_gptoss()) {
+        // gptoss_ffn with this row's route.
+        uint64_t waited = 0;
+        EXPERTD_TRY(experts->acquire(layer, sel, ptrs, &waited));
+        stats.experts_used += k;
+        const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, sel};
+        EXPERTD_TRY(gpu::run_experts(experts->shape(layer),
+                                     std::span<const ExpertPtrs>(ptrs.data(), k), p.n_ff_exp,
+                                     p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
+        EXPERTD_TRY(experts->finish_layer());
+        EXPERTD_CUDA_TRY(kernels::moe_combine(eo, w, x, k, p.n_embd, st));
+      } else {
+        // glm_ffn with this row's route.
+        EXPERTD_TRY(gpu::run_sigmoid_moe(*experts, layer, sel, ptrs, l.moe, p, xn, w,
+                                         gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout,
+                                         stats, st));
+        EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
+      }
+      if ((i + 1) % kRowsPerSync == 0 && i + 1 < n) {
+        EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+        EXPERTD_TRY(experts->synced());
+      }
+    }
+  }
+  pos = pos0;
+  xn = xn_scratch;
+  return Ok{};
+}
+
 // --- prefill -----------------------------------------------------------------------------------
 
 uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
@@ -1189,15 +1393,12 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-uint32_t GpuEngine::prefill_chunk_size() const {
-  // glm4moe, gpt-oss: no chunk scratch; the whole prompt is one call of Engine's default.
-  return host_routed(impl_->p) ? Engine::prefill_chunk_size() : impl_->chunk;
-}
+uint32_t GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
 
 Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
-  // glm4moe's and gpt-oss's batched forward (biases, dense layers, host routing, shared expert,
-  // sinks, windows) is not written yet: decode() of each token gives the same logits.
-  if (host_routed(impl_->p)) return Engine::prefill_chunk(tokens, logits);
+  // glm4moe and gpt-oss (biases, dense layers, host routing, shared expert, sinks, windows):
+  // decode()'s kernels layer by layer over the chunk, each expert read once per chunk.
+  if (host_routed(impl_->p)) return impl_->prefill_layerwise(tokens, logits);
   return impl_->prefill_chunk(tokens, !logits.empty(), logits);
 }
 
@@ -1223,12 +1424,12 @@ std::string GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
   const std::string tier = x.description();
+  const std::string how = host_routed(m.p) ? ", layer by layer" : "";
   const std::string prefill =
-      host_routed(m.p) ? std::string("prefill token by token")
-      : m.chunk == m.chunk_asked
-          ? fmt::format("prefill in chunks of {} ({} scratch)", m.chunk, gib(m.chunk_bytes))
-          : fmt::format("prefill in chunks of {}, clamped from {} to fit its {} scratch", m.chunk,
-                        m.chunk_asked, gib(m.chunk_bytes));
+      m.chunk == m.chunk_asked
+          ? fmt::format("prefill in chunks of {}{} ({} scratch)", m.chunk, how, gib(m.chunk_bytes))
+          : fmt::format("prefill in chunks of {}{}, clamped from {} to fit its {} scratch", m.chunk,
+                        how, m.chunk_asked, gib(m.chunk_bytes));
   return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}",
                      m.device_name, gib(m.dense_device_bytes),
                      m.p.is_glm4moe() ? ", dense MLPs and shared experts as in the file" : "", tier,

@@ -174,23 +174,49 @@ void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<u
   EXPECT_EQ((*fs_gpu)->gets(), (*fs_gpu)->releases());
 }
 
-// prefill() on the GPU is decode() of each token (glm4moe, gpt-oss): the last logits to the bit.
+uint64_t chunk_experts(const std::vector<RoutingRecord>& log, uint32_t chunk, uint32_t n);
+
+// prefill() on the GPU (glm4moe and gpt-oss: layer by layer over chunks of 5 and of 64 positions)
+// is decode() of each token: the last logits and every routing decision to the bit, each chunk's
+// distinct (layer, expert) pairs counted once, every hold given back.
 void expect_prefill_is_decode(const std::string& gguf, const std::vector<uint32_t>& tokens) {
   auto model = DenseModel::load(gguf);
   ASSERT_TRUE(model) << model.error().message;
   const uint32_t vocab = model->params().n_vocab;
-  auto fs = test::FileExpertSource::open(*model);
-  ASSERT_TRUE(fs);
-  auto gpu =
-      create_gpu_engine(*model, **fs, EngineOptions{64, 2, 0}, tier(GpuOptions::Tier::Experts, 12));
-  ASSERT_TRUE(gpu) << gpu.error().message;
-  std::vector<float> decoded(vocab);
-  for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
-  (*gpu)->reset();
-  std::vector<float> prefilled(vocab);
-  ASSERT_TRUE((*gpu)->prefill(tokens, prefilled));
-  EXPECT_EQ(prefilled, decoded);
-  EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+  const auto n = static_cast<uint32_t>(tokens.size());
+  for (const uint32_t chunk : {5u, 64u}) {
+    SCOPED_TRACE(fmt::format("chunk {}", chunk));
+    auto fs = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(fs);
+    EngineOptions o{64, 2, 0};
+    o.prefill_chunk = chunk;
+    auto gpu = create_gpu_engine(*model, **fs, o, tier(GpuOptions::Tier::Experts, 12));
+    ASSERT_TRUE(gpu) << gpu.error().message;
+    std::vector<RoutingRecord> decoded_routes;
+    (*gpu)->set_routing_log(&decoded_routes);
+    std::vector<float> decoded(vocab);
+    for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
+    (*gpu)->reset();
+    std::vector<RoutingRecord> prefilled_routes;
+    (*gpu)->set_routing_log(&prefilled_routes);
+    const EngineStats before = (*gpu)->stats();
+    std::vector<float> prefilled(vocab);
+    auto st = (*gpu)->prefill(tokens, prefilled);
+    ASSERT_TRUE(st) << st.error().message;
+    (*gpu)->set_routing_log(nullptr);
+    EXPECT_EQ(prefilled, decoded);
+    ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
+    for (size_t i = 0; i < decoded_routes.size(); ++i) {
+      EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
+      EXPECT_EQ(prefilled_routes[i].layer, decoded_routes[i].layer) << "record " << i;
+      EXPECT_EQ(prefilled_routes[i].experts, decoded_routes[i].experts) << "record " << i;
+    }
+    const EngineStats& s = (*gpu)->stats();
+    EXPECT_EQ(s.prefill_chunks - before.prefill_chunks, (n + chunk - 1) / chunk);
+    EXPECT_EQ(s.prefill_experts - before.prefill_experts,
+              chunk_experts(decoded_routes, std::min(chunk, 64u), n));
+    EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+  }
 }
 
 // Fx's `variant` file served by a real expertd as `name`: the CPU engine's logits and routing over
@@ -1198,7 +1224,7 @@ TEST(GptOssGpuEngine, TheFactoryPicksTheCudaEngineForGptOss) {
   ASSERT_TRUE(model) << model.error().message;
   auto source = test::FileExpertSource::open(*model);
   ASSERT_TRUE(source);
-  expect_factory_picks(*model, **source, "prefill token by token");
+  expect_factory_picks(*model, **source, "layer by layer");
 }
 
 // The gptoss-tiny fixture (window 8 under a 41-token prompt, non-zero sinks and biases, clamped
