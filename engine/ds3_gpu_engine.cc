@@ -106,9 +106,11 @@ struct Ds3GpuEngine::Impl {
   float* h_logits = nullptr;
   // prefill(): `chunk` positions layer by layer (prefill_chunk).
   uint32_t chunk = 1;
-  float* cx = nullptr;     // [chunk][n_embd] the chunk's residuals
-  float* cxn = nullptr;    // [chunk][n_embd] their FFN-normed rows
-  float* crl = nullptr;    // [chunk][n_expert] router logits
+  uint64_t ce = 0;         // row stride of cx and cxn: n_embd rounded up to 64 floats
+  uint64_t cne = 0;        // row stride of crl and h_crl: n_expert rounded up to 64 floats
+  float* cx = nullptr;     // [chunk][ce] the chunk's residuals
+  float* cxn = nullptr;    // [chunk][ce] their FFN-normed rows
+  float* crl = nullptr;    // [chunk][cne] router logits
   float* cw = nullptr;     // [chunk][k] routing weights
   float* h_crl = nullptr;  // pinned mirrors
   float* h_cw = nullptr;
@@ -226,9 +228,12 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   sout = c.take_n<float>(e);
   d_logits = c.take_n<float>(p.n_vocab);
   chunk = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
-  cx = c.take_n<float>(uint64_t{chunk} * e);
-  cxn = c.take_n<float>(uint64_t{chunk} * e);
-  crl = c.take_n<float>(uint64_t{chunk} * p.n_expert);
+  // Rows 256-byte aligned, as decode()'s single-row buffers are.
+  ce = gpu::align_up(e, 64);
+  cne = gpu::align_up(p.n_expert, 64);
+  cx = c.take_n<float>(uint64_t{chunk} * ce);
+  cxn = c.take_n<float>(uint64_t{chunk} * ce);
+  crl = c.take_n<float>(uint64_t{chunk} * cne);
   cw = c.take_n<float>(uint64_t{chunk} * k);
 }
 
@@ -268,13 +273,13 @@ Status Ds3GpuEngine::Impl::init() {
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
   const uint64_t host_floats =
-      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (p.n_expert + k);
+      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (cne + k);
   EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
   h_rlogits = host_mem.get<float>();
   h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
   h_logits = h_weights + k;
   h_crl = h_logits + p.n_vocab;
-  h_cw = h_crl + uint64_t{chunk} * p.n_expert;
+  h_cw = h_crl + uint64_t{chunk} * cne;
   csel.resize(uint64_t{chunk} * k);
   needed.resize(p.n_expert);
   chunk_hints.reserve(p.n_expert);
@@ -404,11 +409,10 @@ Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
 Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
                                          std::span<float> logits) {
   const auto n = static_cast<uint32_t>(tokens.size());
-  const uint64_t e = p.n_embd;
   const cudaStream_t st = compute.get();
   for (uint32_t i = 0; i < n; ++i) {
     EXPERTD_CUDA_TRY(kernels::dequantize(
-        embd.type, embd.data + uint64_t{tokens[i]} * embd.row_bytes, cx + i * e, p.n_embd, st));
+        embd.type, embd.data + uint64_t{tokens[i]} * embd.row_bytes, cx + i * ce, p.n_embd, st));
   }
   const size_t logged = routing_log != nullptr ? routing_log->size() : 0;
   // One pass over the layers: the planner dedups its hints over the chunk.
@@ -419,13 +423,16 @@ Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   float* const xn_row = xn;
   Status done = prefill_layers(n);
   if (done && !logits.empty()) {
-    x = cx + uint64_t{n - 1} * e;
+    x = cx + uint64_t{n - 1} * ce;
     done = head(logits);
   }
   x = x_row;
   xn = xn_row;
   if (!done) {
-    pos = pos0;  // the positions written past it are overwritten by whatever comes next
+    // The positions written past pos0 are overwritten by whatever comes next; the chunk's
+    // routing records go.
+    if (routing_log != nullptr) routing_log->resize(logged);
+    pos = pos0;
     return done;
   }
   if (routing_log != nullptr) {
@@ -442,15 +449,11 @@ Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
 }
 
 Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
-  const uint64_t e = p.n_embd;
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   const cudaStream_t st = compute.get();
   const uint32_t pos0 = pos;
   float* const xn_scratch = xn;  // attention()'s normed input
-  // Holds of experts acquired for a row go back after a sync: one every kRowsPerSync rows bounds
-  // how many the chunk keeps from the daemon's cache at once.
-  constexpr uint32_t kRowsPerSync = 16;
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = layer < d.dense_lead;
@@ -459,18 +462,18 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     // Attention, position by position (each attends to the rows before it, written just now),
     // then the FFN norm of each row, as decode() computes them.
     for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * e;
+      x = cx + i * ce;
       xn = xn_scratch;
       pos = pos0 + i;
       EXPERTD_TRY(attention(layer));
       EXPERTD_CUDA_TRY(
-          kernels::ds4_rms_norm(x, l.ffn_norm, cxn + i * e, 1, p.n_embd, p.rms_eps, st));
+          kernels::ds4_rms_norm(x, l.ffn_norm, cxn + i * ce, 1, p.n_embd, p.rms_eps, st));
       if (dense) {
-        xn = cxn + i * e;
+        xn = cxn + i * ce;
         EXPERTD_TRY(mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, out));
         EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
       } else if (router.computes(pos, layer)) {
-        EXPERTD_TRY(mv(l.gate_inp, cxn + i * e, crl + uint64_t{i} * ne));
+        EXPERTD_TRY(mv(l.gate_inp, cxn + i * ce, crl + uint64_t{i} * cne));
       }
     }
     planner.from_layer(layer);
@@ -479,13 +482,14 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
       continue;
     }
     // Every row's routing: one copy back, one sync.
-    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, uint64_t{n} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
     std::fill(needed.begin(), needed.end(), uint8_t{0});
     chunk_hints.clear();
     for (uint32_t i = 0; i < n; ++i) {
-      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * ne, planner, stats, routing_log);
+      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * cne, planner, stats, routing_log);
       for (uint32_t s = 0; s < k; ++s) {
         const uint32_t ex = router.selected[s];
         if (ex >= ne) {
@@ -507,15 +511,17 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     if (!experts->hint_source().prefetch(chunk_hints)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * e;
-      xn = cxn + i * e;
+      x = cx + i * ce;
+      xn = cxn + i * ce;
       pos = pos0 + i;
       EXPERTD_TRY(gpu::run_sigmoid_moe(
           *experts, layer, std::span<const uint32_t>(csel.data() + uint64_t{i} * k, k), ptrs, l.moe,
           p, xn, cw + uint64_t{i} * k, gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out,
           stats, st));
       EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
-      if ((i + 1) % kRowsPerSync == 0 && i + 1 < n) {
+      // The holds of the rows' misses go back after a sync once they reach top-k, as many as
+      // decode() keeps: a small daemon cache never runs out of slots to a chunk.
+      if (experts->demand_holds() >= k && i + 1 < n) {
         EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
         EXPERTD_TRY(experts->synced());
       }
@@ -598,8 +604,8 @@ std::string Ds3GpuEngine::description() const {
   const GpuExperts& x = *m.experts;
   return fmt::format(
       "CUDA engine (deepseek2) on {}: dense weights {} as in the file (fused "
-      "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each routed expert "
-      "read once per chunk), {}{}",
+      "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each layer's experts "
+      "hinted once per chunk), {}{}",
       m.device_name, gib(m.dense_device_bytes), m.chunk, x.description(),
       x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }

@@ -230,6 +230,8 @@ struct GpuEngine::Impl {
   std::vector<RoutingRecord> chunk_log;  // [row][layer], appended in decode's order
   // glm4moe's and gpt-oss's prefill, layer by layer over the chunk (prefill_layerwise): cx, cxn
   // and crl above, and each row's routes.
+  uint64_t ce = 0;         // row stride of cx and cxn: n_embd rounded up to 64 floats
+  uint64_t cne = 0;        // row stride of crl and h_crl: n_expert rounded up to 64 floats
   float* crw = nullptr;    // [chunk][k] routing weights on the device
   float* h_crl = nullptr;  // pinned mirrors ([chunk][n_expert], [chunk][k])
   float* h_crw = nullptr;
@@ -822,9 +824,10 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   chunk_asked = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
   chunk = chunk_asked;
   const uint64_t k = p.n_expert_used;
-  const uint64_t e = p.n_embd;
-  const uint64_t ne = p.n_expert;
-  auto bytes_for = [&](uint64_t c) { return (c * e * 2 + c * ne + c * k) * 4 + 4 * kAlign; };
+  // Rows 256-byte aligned, as decode()'s single-row buffers are (cuBLAS reads and writes them).
+  ce = align_up(p.n_embd, 64);
+  cne = align_up(p.n_expert, 64);
+  auto bytes_for = [&](uint64_t c) { return (c * ce * 2 + c * cne + c * k) * 4 + 4 * kAlign; };
   size_t free_b = 0;
   size_t total_b = 0;
   EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
@@ -848,16 +851,16 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
     cursor += align_up(values * 4, kAlign);
     return reinterpret_cast<float*>(out);
   };
-  cx = take(c * e);
-  cxn = take(c * e);
-  crl = take(c * ne);
+  cx = take(c * ce);
+  cxn = take(c * ce);
+  crl = take(c * cne);
   crw = take(c * k);
-  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * ne + c * k) * 4));
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * cne + c * k) * 4));
   h_crl = chunk_host.get<float>();
-  h_crw = h_crl + c * ne;
+  h_crw = h_crl + c * cne;
   csel.resize(c * k);
-  cneeded.resize(ne);
-  needed_hints.reserve(ne);
+  cneeded.resize(p.n_expert);
+  needed_hints.reserve(p.n_expert);
   return Ok{};
 }
 
@@ -867,7 +870,7 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   const uint64_t e = p.n_embd;
   const cudaStream_t st = compute.get();
   for (uint32_t i = 0; i < n; ++i) {
-    EXPERTD_CUDA_TRY(cudaMemcpyAsync(cx + i * e, embd + uint64_t{tokens[i]} * e, e * 4,
+    EXPERTD_CUDA_TRY(cudaMemcpyAsync(cx + i * ce, embd + uint64_t{tokens[i]} * e, e * 4,
                                      cudaMemcpyDeviceToDevice, st));
   }
   const size_t logged = routing_log != nullptr ? routing_log->size() : 0;
@@ -879,7 +882,7 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   Status done = layerwise_layers(n);
   if (done && !logits.empty()) {
     // decode()'s head on the last row.
-    x = cx + uint64_t{n - 1} * e;
+    x = cx + uint64_t{n - 1} * ce;
     done = [&]() -> Status {
       EXPERTD_CUDA_TRY(kernels::rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
       EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
@@ -894,7 +897,10 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   x = x_decode;
   xn = xn_decode;
   if (!done) {
-    pos = pos0;  // positions written past it are overwritten by whatever is fed next
+    // Positions written past pos0 are overwritten by whatever is fed next; the chunk's routing
+    // records go.
+    if (routing_log != nullptr) routing_log->resize(logged);
+    pos = pos0;
     return done;
   }
   if (routing_log != nullptr) {
@@ -911,14 +917,11 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
 }
 
 Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
-  const uint64_t e = p.n_embd;
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   const cudaStream_t st = compute.get();
   const uint32_t pos0 = pos;
   float* const xn_scratch = xn;
-  // Holds of the experts acquired for the rows go back after a sync, one every kRowsPerSync rows.
-  constexpr uint32_t kRowsPerSync = 16;
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = p.dense_layer(layer);
@@ -926,10 +929,10 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     // Each position's attention (it attends to the rows before it, written just now), its FFN
     // norm, and its dense MLP or router, with decode()'s kernels in decode()'s order.
     for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * e;
+      x = cx + i * ce;
       xn = xn_scratch;
       pos = pos0 + i;
-      float* rn = cxn + i * e;
+      float* rn = cxn + i * ce;
       EXPERTD_TRY(attention(layer));
       EXPERTD_CUDA_TRY(kernels::rms_norm(x, l.ffn_norm, rn, 1, p.n_embd, p.rms_eps, st));
       if (dense) {
@@ -937,7 +940,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
             gpu::run_mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, rn, sg, su, sout, st));
         EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
       } else if (router.computes(pos, layer)) {
-        float* rl = crl + uint64_t{i} * ne;
+        float* rl = crl + uint64_t{i} * cne;
         EXPERTD_TRY(gemv(l.router, ne, p.n_embd, rn, rl, 0.0f));
         if (l.router_b != nullptr) EXPERTD_CUDA_TRY(kernels::add(rl, l.router_b, ne, st));
       }
@@ -948,13 +951,14 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
       continue;
     }
     // Every row's routing: one copy back, one sync, then decided on the host as decode() does.
-    EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, uint64_t{n} * ne * 4, cudaMemcpyDeviceToHost, st));
+    EXPERTD_CUDA_TRY(
+        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
     std::fill(cneeded.begin(), cneeded.end(), uint8_t{0});
     needed_hints.clear();
     for (uint32_t i = 0; i < n; ++i) {
-      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * ne, planner, stats, routing_log);
+      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * cne, planner, stats, routing_log);
       for (uint32_t j = 0; j < k; ++j) {
         const uint32_t ex = router.selected[j];
         if (ex >= ne) {
@@ -976,8 +980,8 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     if (!experts->hint_source().prefetch(needed_hints)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * e;
-      xn = cxn + i * e;
+      x = cx + i * ce;
+      xn = cxn + i * ce;
       pos = pos0 + i;
       const std::span<const uint32_t> sel(csel.data() + uint64_t{i} * k, k);
       const float* w = crw + uint64_t{i} * k;
@@ -999,7 +1003,9 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
                                          stats, st));
         EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
       }
-      if ((i + 1) % kRowsPerSync == 0 && i + 1 < n) {
+      // The holds of the rows' misses go back after a sync once they reach top-k, as many as
+      // decode() keeps: a small daemon cache never runs out of slots to a chunk.
+      if (experts->demand_holds() >= k && i + 1 < n) {
         EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
         EXPERTD_TRY(experts->synced());
       }

@@ -259,6 +259,8 @@ class GpuExperts {
                   std::span<const ExpertHint> hints);
   // Gives back the demand holds: only after a compute-stream sync behind their readers.
   Status release_demand_holds();
+  // Demand holds not given back yet (prefill syncs once a row's misses bring them to top-k).
+  size_t demand_holds() const { return demand_holds_.size(); }
   // Gives back the prefetch holds whose copies completed (all of them when `all`).
   Status release_finished_prefetch_holds(bool all);
   // Adds the last demand copies' time to stats.copy_ns once their end event has completed.
