@@ -11,6 +11,7 @@
 #include "engine/dequant.h"
 #include "engine/ds3_cpu_engine.h"
 #include "engine/ds4_cpu_engine.h"
+#include "engine/routing.h"
 
 namespace expertd::engine {
 namespace {
@@ -261,8 +262,7 @@ void CpuEngine::hint_probs(const LayerWeights& w, const float* logits) {
     ds3_hint_probs(p_.glm, w.exp_bias, std::span<const float>(logits, p_.n_expert), probs_);
     return;
   }
-  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
-  softmax(probs_.data(), p_.n_expert);
+  softmax_hint_probs(std::span<const float>(logits, p_.n_expert), probs_);
 }
 
 void CpuEngine::route(uint32_t layer) {
@@ -297,16 +297,8 @@ void CpuEngine::select(const LayerWeights& w, const float* logits, uint32_t* sel
                  std::span<uint32_t>(selected, k), std::span<float>(weights, k));
     return;
   }
-  for (uint32_t e = 0; e < p_.n_expert; ++e) probs_[e] = logits[e];
-  softmax(probs_.data(), p_.n_expert);
-  top_indices(std::span<const double>(probs_), order_, k);
-  double sum = 0.0;
-  for (uint32_t i = 0; i < k; ++i) sum += probs_[order_[i]];
-  for (uint32_t i = 0; i < k; ++i) {
-    selected[i] = order_[i];
-    const double pr = probs_[order_[i]];
-    weights[i] = static_cast<float>(p_.norm_topk ? pr / sum : pr);
-  }
+  softmax_route(std::span<const float>(logits, p_.n_expert), k, p_.norm_topk, probs_, order_,
+                std::span<uint32_t>(selected, k), std::span<float>(weights, k));
 }
 
 void CpuEngine::mlp(const Matrix& gate, const Matrix& up, const Matrix& down, const float* x,

@@ -10,20 +10,12 @@
 #include "engine/cpu_engine.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/routing.h"
 
 namespace expertd::engine {
 namespace {
 
 float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
-
-// probs[e] = the router's score of expert e: sigmoid (DeepSeek-V3) or softmax over all (V2).
-void ds3_scores(const SigmoidMoe& d, std::span<const float> logits, std::span<double> probs) {
-  const size_t n = logits.size();
-  for (size_t e = 0; e < n; ++e) {
-    probs[e] = d.sigmoid ? 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e]))) : logits[e];
-  }
-  if (!d.sigmoid) softmax(probs.data(), n);
-}
 
 // A view of rows [first, first + n) of w.
 WeightView rows_of(const Matrix& m, uint64_t first, uint64_t n) {
@@ -47,65 +39,6 @@ double ds3_kq_scale(const ModelParams& p) {
     mscale = 1.0 + d.yarn_log_mul * std::log(d.yarn.factor);
   }
   return mscale * mscale / std::sqrt(static_cast<double>(p.head_dim));
-}
-
-void ds3_route(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
-               uint32_t k, std::span<double> probs, std::span<double> sel,
-               std::vector<uint32_t>& order, std::span<uint32_t> experts,
-               std::span<float> weights) {
-  const size_t n = logits.size();
-  ds3_scores(d, logits, probs);
-  for (size_t e = 0; e < n; ++e) sel[e] = probs[e] + bias[e];
-  if (d.n_group > 1) {
-    // A group's score is the sum of its two best corrected scores (transformers, llama.cpp); the
-    // experts of every group outside the best n_group_used are out of the running.
-    const size_t per = n / d.n_group;
-    double gscore[256];
-    uint32_t gorder[256];
-    const uint32_t ng = std::min<uint32_t>(d.n_group, 256);
-    for (uint32_t gi = 0; gi < ng; ++gi) {
-      double a = -INFINITY;
-      double b = -INFINITY;
-      for (size_t j = gi * per; j < (gi + 1) * per; ++j) {
-        if (sel[j] > a) {
-          b = a;
-          a = sel[j];
-        } else if (sel[j] > b) {
-          b = sel[j];
-        }
-      }
-      gscore[gi] = per >= 2 ? a + b : a;
-      gorder[gi] = gi;
-    }
-    std::stable_sort(gorder, gorder + ng,
-                     [&](uint32_t x, uint32_t y) { return gscore[x] > gscore[y]; });
-    for (uint32_t r = d.n_group_used; r < ng; ++r) {
-      for (size_t j = gorder[r] * per; j < (gorder[r] + 1) * per; ++j) sel[j] = -INFINITY;
-    }
-  }
-  top_indices(std::span<const double>(sel.data(), n), order, k);
-  double sum = 0.0;
-  for (uint32_t i = 0; i < k; ++i) sum += probs[order[i]];
-  // Experts by descending weight, as the canonical trace lists them.
-  std::stable_sort(order.begin(), order.begin() + k,
-                   [&](uint32_t a, uint32_t b) { return probs[a] > probs[b]; });
-  for (uint32_t i = 0; i < k; ++i) {
-    experts[i] = order[i];
-    const double pr = probs[order[i]];
-    weights[i] = static_cast<float>((d.weights_norm ? pr / (sum + 1e-20) : pr) * d.weights_scale);
-  }
-}
-
-void ds3_hint_probs(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
-                    std::span<double> probs) {
-  const size_t n = logits.size();
-  ds3_scores(d, logits, probs);
-  double sum = 0.0;
-  for (size_t e = 0; e < n; ++e) {
-    probs[e] = std::max(0.0, probs[e] + bias[e]);
-    sum += probs[e];
-  }
-  for (size_t e = 0; e < n; ++e) probs[e] = sum > 0 ? probs[e] / sum : 0.0;
 }
 
 Status check_ds3_engine(const DenseModel& model, const EngineOptions& options) {

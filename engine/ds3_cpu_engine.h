@@ -143,17 +143,4 @@ class Ds3CpuEngine final : public Engine {
 std::vector<double> ds3_inv_freq(const ModelParams& p);
 double ds3_kq_scale(const ModelParams& p);
 
-// A layer's routing from its router logits (n_expert): probs = sigmoid (or softmax) of them;
-// the top-k of probs + bias over the best n_group_used groups (ties to the lower index);
-// experts[0, k) by descending probability, weights their probabilities renormalised
-// (weights_norm) × weights_scale. probs, sel and order: n_expert scratch.
-void ds3_route(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
-               uint32_t k, std::span<double> probs, std::span<double> sel,
-               std::vector<uint32_t>& order, std::span<uint32_t> experts, std::span<float> weights);
-
-// A layer's router lookahead, the probabilities its hints are ranked by: max(0, score + bias),
-// normalised to sum 1.
-void ds3_hint_probs(const SigmoidMoe& d, std::span<const float> bias, std::span<const float> logits,
-                    std::span<double> probs);
-
 }  // namespace expertd::engine

@@ -9,14 +9,13 @@
 #include "base/check.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/routing.h"
 
 namespace expertd::engine {
 namespace {
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 float silu(float x) { return static_cast<float>(x / (1.0 + std::exp(-static_cast<double>(x)))); }
-// torch's softplus (beta 1, threshold 20), then the square root: DeepSeek-V4's router score.
-double sqrt_softplus(double x) { return std::sqrt(x > 20.0 ? x : std::log1p(std::exp(x))); }
 
 // x / sqrt(mean(x^2) + eps), without a weight (transformers' DeepseekV4UnweightedRMSNorm).
 void rms_norm_plain(float* x, size_t n, float eps) {
@@ -50,42 +49,6 @@ std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yar
   return rope_inv_freq(
       dim, base,
       Yarn{yarn->yarn_factor, yarn->yarn_orig_ctx, yarn->yarn_beta_fast, yarn->yarn_beta_slow});
-}
-
-void ds4_route(const Ds4Params& d, const Ds4LayerWeights& l, bool hash, uint32_t token,
-               std::span<const float> logits, uint32_t k, std::span<double> probs,
-               std::span<double> sel, std::vector<uint32_t>& order, std::span<uint32_t> experts,
-               std::span<float> weights) {
-  const size_t n = logits.size();
-  for (size_t e = 0; e < n; ++e) probs[e] = sqrt_softplus(logits[e]);
-  if (hash) {
-    const uint32_t* ex = l.tid2eid.data() + uint64_t{token} * k;
-    std::copy_n(ex, k, order.begin());
-  } else {
-    for (size_t e = 0; e < n; ++e) sel[e] = probs[e] + l.exp_bias[e];
-    top_indices(std::span<const double>(sel.data(), n), order, k);
-  }
-  double sum = 0.0;
-  for (uint32_t i = 0; i < k; ++i) sum += probs[order[i]];
-  // Experts by descending weight, as the canonical trace lists them.
-  std::stable_sort(order.begin(), order.begin() + k,
-                   [&](uint32_t a, uint32_t b) { return probs[a] > probs[b]; });
-  for (uint32_t i = 0; i < k; ++i) {
-    experts[i] = order[i];
-    const double pr = probs[order[i]];
-    weights[i] = static_cast<float>((d.weights_norm ? pr / (sum + 1e-20) : pr) * d.weights_scale);
-  }
-}
-
-void ds4_hint_probs(const Ds4LayerWeights& l, std::span<const float> logits,
-                    std::span<double> probs) {
-  const size_t n = logits.size();
-  double sum = 0.0;
-  for (size_t e = 0; e < n; ++e) {
-    probs[e] = std::max(0.0, sqrt_softplus(logits[e]) + l.exp_bias[e]);
-    sum += probs[e];
-  }
-  for (size_t e = 0; e < n; ++e) probs[e] = sum > 0 ? probs[e] / sum : 0.0;
 }
 
 Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {

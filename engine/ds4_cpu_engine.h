@@ -195,18 +195,4 @@ class Ds4CpuEngine final : public Engine {
 // extrapolated frequencies when `yarn` has a factor (dim / 2 values).
 std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yarn);
 
-// A layer's routing from its router logits (n_expert): probs = sqrtsoftplus(logits); the experts
-// are tid2eid[token] on a hash layer, else the top-k of probs + e_score_correction_bias (ties to
-// the lower index); experts[0, k) by descending probability, weights their probabilities
-// renormalised (weights_norm) times weights_scale. probs, sel and order: n_expert scratch.
-void ds4_route(const Ds4Params& d, const Ds4LayerWeights& l, bool hash, uint32_t token,
-               std::span<const float> logits, uint32_t k, std::span<double> probs,
-               std::span<double> sel, std::vector<uint32_t>& order, std::span<uint32_t> experts,
-               std::span<float> weights);
-
-// A learned layer's router lookahead, the probabilities its hints are ranked by:
-// max(0, sqrtsoftplus(logits) + bias), normalised to sum 1.
-void ds4_hint_probs(const Ds4LayerWeights& l, std::span<const float> logits,
-                    std::span<double> probs);
-
 }  // namespace expertd::engine

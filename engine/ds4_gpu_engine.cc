@@ -11,6 +11,7 @@
 #include "base/clock.h"
 #include "engine/ds4_cpu_engine.h"
 #include "engine/gpu_experts.h"
+#include "engine/routing.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"

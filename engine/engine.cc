@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "engine/cpu_ops.h"
+#include "engine/routing.h"
 
 namespace expertd::engine {
 
@@ -116,29 +117,6 @@ void routed_chunk(HintPlanner& planner, uint32_t layer, std::span<const uint32_t
   planner.routed(layer, experts, stats, logged ? &(*log)[first] : nullptr);
   if (!logged) return;
   for (size_t i = first + 1; i < log->size(); ++i) (*log)[i].predicted = (*log)[first].predicted;
-}
-
-template <typename T>
-void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count) {
-  std::iota(order.begin(), order.end(), 0u);
-  std::partial_sort(order.begin(), order.begin() + count, order.end(), [&](uint32_t a, uint32_t b) {
-    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-  });
-}
-template void top_indices(std::span<const double>, std::vector<uint32_t>&, uint32_t);
-template void top_indices(std::span<const float>, std::vector<uint32_t>&, uint32_t);
-
-void gptoss_route(std::span<const float> logits, uint32_t k, std::span<double> probs,
-                  std::vector<uint32_t>& order, std::span<double> topk, std::span<uint32_t> experts,
-                  std::span<float> weights) {
-  for (size_t e = 0; e < logits.size(); ++e) probs[e] = logits[e];
-  top_indices(std::span<const double>(probs.data(), logits.size()), order, k);
-  for (uint32_t i = 0; i < k; ++i) topk[i] = probs[order[i]];
-  softmax(topk.data(), k);
-  for (uint32_t i = 0; i < k; ++i) {
-    experts[i] = order[i];
-    weights[i] = static_cast<float>(topk[i]);
-  }
 }
 
 void HintPlanner::add_ranked(uint32_t next, std::span<const double> probs) {

@@ -289,18 +289,6 @@ Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, 
 Status check_prefill(const ModelParams& p, const EngineOptions& o, uint32_t pos,
                      std::span<const uint32_t> tokens, size_t logits);
 
-// Writes the indices of the `count` largest of probs into order[0, count) (order holds
-// probs.size() entries), largest first; equal values keep the lower index first, as the router
-// kernel orders them. Instantiated for float and double.
-template <typename T>
-void top_indices(std::span<const T> probs, std::vector<uint32_t>& order, uint32_t count);
-
-// gpt-oss's routing (CpuEngine's and GpuEngine's): probs = the logits (n_expert), the top k of them
-// (top_indices' order) into experts, weighted by the softmax over those k alone (topk: k scratch).
-void gptoss_route(std::span<const float> logits, uint32_t k, std::span<double> probs,
-                  std::vector<uint32_t>& order, std::span<double> topk, std::span<uint32_t> experts,
-                  std::span<float> weights);
-
 // The canonical trace form of routing records (JSON Lines; "predicted" when hints were sent).
 Status write_routing_jsonl(const std::string& path, const std::vector<RoutingRecord>& log);
 

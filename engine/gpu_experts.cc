@@ -7,6 +7,7 @@
 #include "base/clock.h"
 #include "engine/cpu_ops.h"
 #include "engine/ds3_cpu_engine.h"
+#include "engine/routing.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
 #include "kernels/ds4.cuh"
