@@ -4,7 +4,7 @@
 #
 # Usage: bench/peer/peer.sh [OPTIONS] [STEP...]
 #
-# Steps (default: build-start forge streams build-wait disk run table):
+# Steps (default: build-start forge streams build-wait disk ipc run table):
 #   build-start   unpack llama.cpp (the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp) and start
 #                 building llama-bench and llama-feed (bench/peer/llama_feed.cpp against that
 #                 build's libllama), CPU and/or CUDA, in the background; returns at once
@@ -18,6 +18,7 @@
 #                 --tokenizer); README says what each file is
 #   disk          the disk's O_DIRECT read rate, once (expert-bench storage on the first model's
 #                 file, caches dropped, ~20 s) -> OUT/disk.json, for the disk-bound fraction
+#   ipc           five shared-memory round trips against RPC (expert-bench ipc) -> OUT/ipc.jsonl
 #   run           the benchmark runs (below), each in its own cgroup
 #   table         the markdown tables from the results (OUT/table.md)
 #   pack-src FILE write a trimmed tarball of llama.cpp (~8 MB, with the LLaMA SentencePiece vocab
@@ -183,13 +184,13 @@ while [ $# -gt 0 ]; do
     --no-cgroup) no_cgroup=1 ;;
     --tiny) tiny=1 ;;
     --dry-run) dry=1 ;;
-    build-start | build-wait | forge | streams | disk | run | table) steps+=("$1") ;;
+    build-start | build-wait | forge | streams | disk | ipc | run | table) steps+=("$1") ;;
     pack-src) need "$@"; steps+=(pack-src); pack_out=$2; shift ;;
     *) echo "peer.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#steps[@]} -gt 0 ] || steps=(build-start forge streams build-wait disk run table)
+[ ${#steps[@]} -gt 0 ] || steps=(build-start forge streams build-wait disk ipc run table)
 if [ $quick = 1 ]; then
   tg=${tg:-8} timeout=${timeout:-90} cpu_timeout=${cpu_timeout:-60}
 fi
@@ -731,6 +732,25 @@ step_disk() {
   fi
 }
 
+# Five shared-memory round trips against RPC (expert-bench ipc, its own daemon on a forged model)
+# -> OUT/ipc.jsonl, for issue 23's "shm p50 <= 3 us in every run" on this machine.
+step_ipc() {
+  local icmd=("$bin/expert-bench" ipc --json)
+  if [ $dry = 1 ]; then echo "ipc: 5 x ${icmd[*]} >> $out/ipc.jsonl"; return; fi
+  [ -x "$bin/expert-bench" ] || { peer_log "ipc: skipped: no $bin/expert-bench (--bin)"; return 0; }
+  mkdir -p "$out"
+  : > "$out/ipc.jsonl.tmp"
+  local i
+  for i in 1 2 3 4 5; do
+    if ! "${icmd[@]}" 2>> "$out/ipc.log" | tail -1 >> "$out/ipc.jsonl.tmp"; then
+      tail -3 "$out/ipc.log" >&2
+      peer_log "ipc: run $i failed (log $out/ipc.log)"
+    fi
+  done
+  mv "$out/ipc.jsonl.tmp" "$out/ipc.jsonl"
+  peer_log "ipc: $(python3 "$here/summarize.py" ipc "$out/ipc.jsonl")"
+}
+
 step_run() {
   if [ $dry = 0 ]; then
     command -v python3 > /dev/null || peer_die "python3 is needed to read the tools' output"
@@ -760,6 +780,7 @@ step_table() {
   [ -f "$results" ] || { peer_log "table: no $results yet"; return; }
   local disk=()
   [ ! -f "$out/disk.json" ] || disk=(--disk "$out/disk.json")
+  [ ! -s "$out/ipc.jsonl" ] || disk+=(--ipc "$out/ipc.jsonl")
   python3 "$here/summarize.py" table "${disk[@]}" "$results" > "$out/table.md"
   peer_log "table: $out/table.md"
   cat "$out/table.md"
@@ -773,6 +794,7 @@ for s in "${steps[@]}"; do
     forge) step_forge ;;
     streams) step_streams ;;
     disk) step_disk ;;
+    ipc) step_ipc ;;
     run) step_run ;;
     table) step_table ;;
   esac

@@ -57,8 +57,9 @@ has "$plan" "streams: $tmp/o/streams/text-32000.ids: the first 16 ids of docs/AR
 [ "$(grep -c '^streams: ' <<< "$plan")" = 3 ] || fail "plan: not 3 stream files (one vocabulary)"
 has "$plan" "disk: caches dropped; /b/expert-bench storage --model /w/mixtral-q4k.gguf --cache 4GiB --grid engine --seconds 3 --no-verify --json > $tmp/o/disk.json" "plan"
 # Steps in order: the streams before the build is waited for, the disk after it, both before run.
-[ "$(grep -oE '^(build-start|forge|streams|build-wait|disk|run|table)' <<< "$plan" | uniq | tr '\n' ' ')" = \
-  "build-start forge streams build-wait disk run table " ] || fail "plan: steps out of order"
+[ "$(grep -oE '^(build-start|forge|streams|build-wait|disk|ipc|run|table)' <<< "$plan" | uniq | tr '\n' ' ')" = \
+  "build-start forge streams build-wait disk ipc run table " ] || fail "plan: steps out of order"
+has "$plan" "ipc: 5 x /b/expert-bench ipc --json >> $tmp/o/ipc.jsonl" "plan"
 # expertd fed: the stream file, the same prompt; no sampling flags.
 has "$plan" "run 1/20 mixtral-8g-expertd-random: expertd cache 4882 MiB" "plan"
 has "$plan" "-- --prompt-tokens <512 ids, awk srand(12)> --feed-tokens $tmp/o/streams/random-32000.ids --vram-experts 32 --prefill-chunk 512 --json" "plan"
@@ -211,6 +212,8 @@ python3 "$here/summarize.py" is-done "$tmp/results.jsonl" mixtral-8g-feed-cuda-t
 ! python3 "$here/summarize.py" is-done "$tmp/results.jsonl" mixtral-8g-cuda-all 16 512 ||
   fail "done: a timed-out run counts as done"
 has "$(python3 "$here/summarize.py" disk "$td/disk.json")" "best raw O_DIRECT 2.10 GB/s (io_uring QD32 4 MiB), expertd 2.03 GB/s" "disk"
+# expert-bench ipc's five runs (recorded on the dev VM): each p50, how many within 3 us.
+has "$(python3 "$here/summarize.py" ipc "$td/ipc.jsonl")" "shm round trip p50 0.81, 0.80, 0.82, 0.81, 2.64 us (p99 at most 3.72), 5 of 5 runs <= 3 us; RPC p50 32, 54, 39, 44, 83 us" "ipc"
 table=$(python3 "$here/summarize.py" table --disk "$td/disk.json" "$tmp/results.jsonl")
 has "$table" "Disk: best raw O_DIRECT 2.10 GB/s (io_uring QD32 4 MiB)" "table"
 has "$table" "| Mixtral-8x7B shape | 8 GiB | llama-bench's own (random) | llama-bench, llama.cpp CUDA -ngl 99 -ncmoe 32 (0 experts in VRAM) | timeout | – | 33.30 | timeout, 150.01 s, 8.0 GiB |" "table"

@@ -8,7 +8,8 @@
   summarize.py brief < LINE          one human line for a result
   summarize.py is-done RESULTS ID TG PP  exit 0 when RESULTS has an ok result for ID at TG/PP tokens
   summarize.py disk DISK_JSON        one line: the disk's rates (expert-bench storage --json)
-  summarize.py table [--disk DISK_JSON] RESULTS [...]
+  summarize.py ipc IPC_JSONL         one line: expert-bench ipc --json runs (shm p50 each, <= 3 us)
+  summarize.py table [--disk DISK_JSON] [--ipc IPC_JSONL] RESULTS [...]
       the markdown tables (the last result of each run counts): every run; the fair table (both
       engines fed the same ids: expertd against llama.cpp's best fed config, with expertd's
       disk-bound fraction against the measured disk); llama-bench's own tg (its random ids) as a
@@ -366,6 +367,9 @@ def cmd_table(args):
     if disk:
         print(f"Disk: {disk_line(disk)} (expert-bench storage, caches dropped). MB = 10^6 bytes.")
         print()
+    if args.ipc:
+        print(f"Shared-memory round trips on this machine (expert-bench ipc): {ipc_line(args.ipc)}.")
+        print()
     if rate_from:
         print(f"Disk-bound fractions below use {rate / 1e9:.2f} GB/s: the rate {rate_from}'s reads "
               f"sustained while the disk was busy, above the probe's "
@@ -551,6 +555,26 @@ def disk_line(disk):
             f"expertd {disk.get('expertd_gbps', 0):.2f} GB/s")
 
 
+def ipc_line(path):
+    """The runs of expert-bench ipc --json in a file: shm p50 each, the worst p99, RPC's p50."""
+    runs = list(json_objects(path))
+    runs = [r for r in runs if r.get("benchmark") == "ipc"]
+    if not runs:
+        return "no expert-bench ipc results"
+    p50 = [r["shm_rtt_us_p50"] for r in runs]
+    within = sum(1 for v in p50 if v <= 3.0)
+    shm = ", ".join(f"{v:.2f}" for v in p50)
+    worst = max(r["shm_rtt_us_p99"] for r in runs)
+    rpc = ", ".join(f"{r['rpc_rtt_us_p50']:.0f}" for r in runs)
+    return (f"shm round trip p50 {shm} us (p99 at most {worst:.2f}), {within} of {len(runs)} runs "
+            f"<= 3 us; RPC p50 {rpc} us")
+
+
+def cmd_ipc(args):
+    print(ipc_line(args.ipc_jsonl))
+    return 0
+
+
 def cmd_disk(args):
     with open(args.disk_json) as f:
         print(disk_line(json.load(f)))
@@ -573,12 +597,15 @@ def main():
     d.add_argument("pp", type=int)
     t = sub.add_parser("table")
     t.add_argument("--disk", help="expert-bench storage --json of the disk (peer.sh's disk step)")
+    t.add_argument("--ipc", help="expert-bench ipc --json lines (peer.sh's ipc step)")
     t.add_argument("results", nargs="+")
     k = sub.add_parser("disk")
     k.add_argument("disk_json")
+    i = sub.add_parser("ipc")
+    i.add_argument("ipc_jsonl")
     args = ap.parse_args()
     return {"record": cmd_record, "brief": cmd_brief, "is-done": cmd_done,
-            "table": cmd_table, "disk": cmd_disk}[args.cmd](args) or 0
+            "table": cmd_table, "disk": cmd_disk, "ipc": cmd_ipc}[args.cmd](args) or 0
 
 
 if __name__ == "__main__":
