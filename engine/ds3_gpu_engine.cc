@@ -450,7 +450,6 @@ Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
 
 Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
   const uint32_t k = p.n_expert_used;
-  const uint32_t ne = p.n_expert;
   const cudaStream_t st = compute.get();
   const uint32_t pos0 = pos;
   float* const xn_scratch = xn;  // attention()'s normed input
@@ -486,29 +485,10 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
-    std::fill(needed.begin(), needed.end(), uint8_t{0});
-    chunk_hints.clear();
-    for (uint32_t i = 0; i < n; ++i) {
-      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * cne, planner, stats, routing_log);
-      for (uint32_t s = 0; s < k; ++s) {
-        const uint32_t ex = router.selected[s];
-        if (ex >= ne) {
-          return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}",
-                                             layer, pos0 + i, ex, ne));
-        }
-        csel[uint64_t{i} * k + s] = ex;
-        h_cw[uint64_t{i} * k + s] = router.weights[s];
-        if (needed[ex] == 0) {
-          needed[ex] = 1;
-          chunk_hints.push_back(ExpertHint{layer, ex, 1.0f});
-        }
-      }
-    }
-    // The layer's experts, known now, hinted at once and exactly: the daemon reads each while the
-    // rows before its first use compute. Hints for experts in VRAM are dropped by the filter.
-    stats.prefill_experts += chunk_hints.size();
-    stats.prefill_hints += chunk_hints.size();
-    if (!experts->hint_source().prefetch(chunk_hints)) ++stats.hint_errors;
+    EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats,
+                                   experts->hint_source(), routing_log,
+                                   std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+                                   std::span<float>(h_cw, uint64_t{n} * k), needed, chunk_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;

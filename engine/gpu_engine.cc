@@ -955,29 +955,10 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->synced());
-    std::fill(cneeded.begin(), cneeded.end(), uint8_t{0});
-    needed_hints.clear();
-    for (uint32_t i = 0; i < n; ++i) {
-      router.decide(pos0 + i, layer, h_crl + uint64_t{i} * cne, planner, stats, routing_log);
-      for (uint32_t j = 0; j < k; ++j) {
-        const uint32_t ex = router.selected[j];
-        if (ex >= ne) {
-          return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}",
-                                             layer, pos0 + i, ex, ne));
-        }
-        csel[uint64_t{i} * k + j] = ex;
-        h_crw[uint64_t{i} * k + j] = router.weights[j];
-        if (cneeded[ex] == 0) {
-          cneeded[ex] = 1;
-          needed_hints.push_back(ExpertHint{layer, ex, 1.0f});
-        }
-      }
-    }
-    // The layer's distinct experts hinted at once and exactly: the daemon reads each while the
-    // rows before its first use compute; repeats find it in VRAM or the daemon's cache.
-    stats.prefill_experts += needed_hints.size();
-    stats.prefill_hints += needed_hints.size();
-    if (!experts->hint_source().prefetch(needed_hints)) ++stats.hint_errors;
+    EXPERTD_TRY(
+        router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats, experts->hint_source(),
+                           routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+                           std::span<float>(h_crw, uint64_t{n} * k), cneeded, needed_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;

@@ -174,6 +174,39 @@ void HostRouter::decide(uint32_t pos, uint32_t layer, const float* logits, HintP
   planner.routed(layer, std::span<const uint32_t>(selected.data(), k), stats, rec);
 }
 
+Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const float* logits,
+                               uint64_t stride, HintPlanner& planner, EngineStats& stats,
+                               ExpertSource& hints_to, std::vector<RoutingRecord>* log,
+                               std::span<uint32_t> routes, std::span<float> route_weights,
+                               std::vector<uint8_t>& seen, std::vector<ExpertHint>& hints) {
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  std::fill(seen.begin(), seen.end(), uint8_t{0});
+  hints.clear();
+  for (uint32_t i = 0; i < n; ++i) {
+    decide(pos0 + i, layer, logits + uint64_t{i} * stride, planner, stats, log);
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint32_t ex = selected[j];
+      if (ex >= ne) {
+        return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}", layer,
+                                           pos0 + i, ex, ne));
+      }
+      routes[uint64_t{i} * k + j] = ex;
+      route_weights[uint64_t{i} * k + j] = weights[j];
+      if (seen[ex] == 0) {
+        seen[ex] = 1;
+        hints.push_back(ExpertHint{layer, ex, 1.0f});
+      }
+    }
+  }
+  // The layer's distinct experts hinted at once and exactly: the daemon reads each while the rows
+  // before its first use compute; the repeats find it in VRAM or the daemon's cache.
+  stats.prefill_experts += hints.size();
+  stats.prefill_hints += hints.size();
+  if (!hints.empty() && !hints_to.prefetch(hints)) ++stats.hint_errors;
+  return Ok{};
+}
+
 Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const float* x, float* g,
                float* u, float* y, cudaStream_t st) {
   EXPERTD_CUDA_TRY(

@@ -158,6 +158,17 @@ struct HostRouter {
   // selected/weights, logged to `log` and counted.
   void decide(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
               EngineStats& stats, std::vector<RoutingRecord>* log);
+  // A prefill chunk's routing at `layer` (the layer-by-layer prefills of Ds3GpuEngine and
+  // GpuEngine's glm4moe / gpt-oss): rows [0, n) at positions pos0.. decided from their logits
+  // (row i at logits + i * stride), each row's experts and weights into routes / route_weights
+  // ([n][k]), then the layer's distinct experts hinted exactly and at once through `hints_to` and
+  // counted (prefill_experts, prefill_hints). `seen` (n_expert flags) and `hints` are scratch.
+  // Errors: a route outside the experts.
+  Status route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const float* logits,
+                     uint64_t stride, HintPlanner& planner, EngineStats& stats,
+                     ExpertSource& hints_to, std::vector<RoutingRecord>* log,
+                     std::span<uint32_t> routes, std::span<float> route_weights,
+                     std::vector<uint8_t>& seen, std::vector<ExpertHint>& hints);
 
   const ModelParams& p;
   const SigmoidMoe& d;
