@@ -105,7 +105,8 @@
 # expertd ~40 s, llama-feed and llama-bench ~45-55 s each (their mmap load reads the whole file):
 # the default configs (2 streams) make 5 runs a cell, ~4 min. The 64 GiB disk holds Mixtral and
 # Qwen3 or the DeepSeek-V3 slice, not all three: run ds3 in a call of its own after deleting the
-# others' files; its CUDA engine prefills token by token, so give it --pp 64. With --budget and
+# others' files (its CUDA engine prefilled token by token until 2026-12-04, hence --pp 64 then; it
+# prefills in chunks now, not yet measured). With --budget and
 # PEER_T0 exported, the same command repeated resumes where the last call stopped.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
