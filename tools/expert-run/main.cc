@@ -833,14 +833,19 @@ int run(Options o) {
         static_cast<double>(mid.bytes_read - before.bytes_read) / 1e6 / prompt_n);
   }
   if (feeding) {
+    // The CUDA engines split the rest of a token into waiting for the GPU and host work; the
+    // CPU engine computes on the host.
+    const std::string gpu_split =
+        engine->name() == "gpu"
+            ? fmt::format(": waiting for the GPU {:.1f}, host {:.1f}", gpu_wait_ms,
+                          gen_decode_ms - gen_stall_ms - gpu_wait_ms)
+            : std::string();
     std::printf(
         "fed: %zu tokens (%s) from an empty context: %.2f tokens/s, %.1f ms/token (stall %.1f, "
-        "p50 %.1f, p99 %.1f; compute %.1f: waiting for the GPU %.1f, host %.1f), %.1f MB read "
-        "per token\n",
+        "p50 %.1f, p99 %.1f; compute %.1f%s), %.1f MB read per token\n",
         feed.ids.size(), feed.source.c_str(), tokens_per_s, gen_decode_ms, gen_stall_ms,
         percentile(stall_ms_each, 0.5), percentile(stall_ms_each, 0.99),
-        gen_decode_ms - gen_stall_ms, gpu_wait_ms, gen_decode_ms - gen_stall_ms - gpu_wait_ms,
-        bytes_per_token / 1e6);
+        gen_decode_ms - gen_stall_ms, gpu_split.c_str(), bytes_per_token / 1e6);
     std::printf(
         "fed: experts from vram %llu, host %llu, disk %llu; disk busy %.0f%% of the time, "
         "%.1f reads in flight while busy (most %u)\n",
