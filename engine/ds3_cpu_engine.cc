@@ -333,20 +333,13 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
                  routing_log_ != nullptr ? routing_log_->size() - n : 0);
     EXPERTD_TRY(prefill_moe(layer, n));
   }
-  if (routing_log_ != nullptr) {
-    // Token-major, as decode() logs: the chunk logged layer by layer.
-    std::stable_sort(
-        routing_log_->begin() + static_cast<int64_t>(logged), routing_log_->end(),
-        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
-  }
   if (!logits.empty()) {
     rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
     matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
   }
   pos_ += n;
-  stats_.tokens += n;
-  stats_.prefill_tokens += n;
-  ++stats_.prefill_chunks;
+  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
+  finish_prefill_chunk(routing_log_, logged, n, stats_);
   return Ok{};
 }
 

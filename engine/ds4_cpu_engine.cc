@@ -627,20 +627,13 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
       std::copy_n(streams_.data(), se, cstreams_.data() + i * se);
     }
   }
-  if (routing_log_ != nullptr) {
-    // Token-major, as decode() logs: the chunk logged layer by layer.
-    std::stable_sort(
-        routing_log_->begin() + static_cast<int64_t>(logged), routing_log_->end(),
-        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
-  }
   if (!logits.empty()) {
     std::copy_n(cstreams_.data() + (n - 1) * se, se, streams_.data());
     head(logits);
   }
   pos_ = p0 + n;
-  stats_.tokens += n;
-  stats_.prefill_tokens += n;
-  ++stats_.prefill_chunks;
+  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
+  finish_prefill_chunk(routing_log_, logged, n, stats_);
   return Ok{};
 }
 

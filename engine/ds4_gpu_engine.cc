@@ -978,12 +978,6 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
                                               ccomb + uint64_t{i} * hc * hc, hc, p.n_embd, st));
     }
   }
-  if (routing_log != nullptr) {
-    // Token-major, as decode() logs: the chunk logged layer by layer.
-    std::stable_sort(
-        routing_log->begin() + static_cast<int64_t>(logged), routing_log->end(),
-        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
-  }
   if (!logits.empty()) {
     streams = cstreams + (n - 1) * se;
     Status s = head(logits);
@@ -995,9 +989,8 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   }
   pos = p0 + n;
-  stats.tokens += n;
-  stats.prefill_tokens += n;
-  ++stats.prefill_chunks;
+  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
+  finish_prefill_chunk(routing_log, logged, n, stats);
   return Ok{};
 }
 

@@ -100,6 +100,18 @@ bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
   return true;
 }
 
+void finish_prefill_chunk(std::vector<RoutingRecord>* log, size_t first, uint32_t n,
+                          EngineStats& stats) {
+  if (log != nullptr) {
+    std::stable_sort(
+        log->begin() + static_cast<int64_t>(first), log->end(),
+        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
+  }
+  stats.tokens += n;
+  stats.prefill_tokens += n;
+  ++stats.prefill_chunks;
+}
+
 RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
                          std::span<const uint32_t> experts, std::span<const float> weights) {
   if (log == nullptr) return nullptr;

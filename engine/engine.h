@@ -251,6 +251,11 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
 bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
                          std::span<uint32_t> selected, std::span<float> weights,
                          EngineStats& stats);
+// The end of a prefill chunk of n positions: the records it logged layer by layer from `first`
+// on put in decode()'s token-major order (stable: a position's layers stay ascending; nothing
+// when log is null), and the positions counted (tokens, prefill_tokens, prefill_chunks).
+void finish_prefill_chunk(std::vector<RoutingRecord>* log, size_t first, uint32_t n,
+                          EngineStats& stats);
 // Appends a routing decision to `log` (nothing when log is null); returns the new record.
 RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
                          std::span<const uint32_t> experts, std::span<const float> weights);

@@ -903,16 +903,9 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
     pos = pos0;
     return done;
   }
-  if (routing_log != nullptr) {
-    // Token-major, as decode() logs: the chunk logged layer by layer.
-    std::stable_sort(
-        routing_log->begin() + static_cast<int64_t>(logged), routing_log->end(),
-        [](const RoutingRecord& a, const RoutingRecord& b) { return a.token < b.token; });
-  }
   pos = pos0 + n;
-  stats.tokens += n;
-  stats.prefill_tokens += n;
-  ++stats.prefill_chunks;
+  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
+  finish_prefill_chunk(routing_log, logged, n, stats);
   return Ok{};
 }
 
