@@ -375,8 +375,7 @@ Status Ds3GpuEngine::Impl::route(uint32_t layer) {
   if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_rlogits, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->synced());
+    EXPERTD_TRY(experts->sync_compute());
   }
   // Hints and the routing decision, as Ds3CpuEngine makes them.
   router.route(pos, layer, h_rlogits, planner, stats, experts->hint_source(), routing_log);
@@ -476,8 +475,7 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     // Every row's routing: one copy back, one sync.
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->synced());
+    EXPERTD_TRY(experts->sync_compute());
     EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats,
                                    experts->hint_source(), routing_log,
                                    std::span<uint32_t>(csel.data(), uint64_t{n} * k),
@@ -495,8 +493,7 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
       // The holds of the rows' misses go back after a sync once they reach top-k, as many as
       // decode() keeps: a small daemon cache never runs out of slots to a chunk.
       if (experts->demand_holds() >= k && i + 1 < n) {
-        EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-        EXPERTD_TRY(experts->synced());
+        EXPERTD_TRY(experts->sync_compute());
       }
     }
   }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
@@ -263,6 +264,9 @@ struct GpuEngine::Impl {
   Status upload_dense();
   Status init_prefill();
   Status init_layerwise_prefill();
+  // Sizes `chunk` (options.prefill_chunk capped at the context, halved until bytes_for(chunk) fits
+  // half the free device memory) and allocates chunk_mem; chunk_asked, chunk_bytes follow.
+  Status alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for);
   Status prefill_layerwise(std::span<const uint32_t> tokens, std::span<float> logits);
   Status layerwise_layers(uint32_t n);
   uint64_t prefill_scratch_bytes(uint32_t rows) const;
@@ -773,8 +777,7 @@ Status GpuEngine::Impl::host_route(uint32_t layer) {
   if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_probs, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->synced());
+    EXPERTD_TRY(experts->sync_compute());
   }
   // Hints and the routing decision, as CpuEngine makes them.
   router.route(pos, layer, h_probs, planner, stats, experts->hint_source(), routing_log);
@@ -821,29 +824,12 @@ Status GpuEngine::Impl::gptoss_ffn(uint32_t layer) {
 // --- prefill, layer by layer (glm4moe, gpt-oss) ------------------------------------------------
 
 Status GpuEngine::Impl::init_layerwise_prefill() {
-  chunk_asked = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
-  chunk = chunk_asked;
   const uint64_t k = p.n_expert_used;
   // Rows 256-byte aligned, as decode()'s single-row buffers are (cuBLAS reads and writes them).
   ce = align_up(p.n_embd, 64);
   cne = align_up(p.n_expert, 64);
-  auto bytes_for = [&](uint64_t c) { return (c * ce * 2 + c * cne + c * k) * 4 + 4 * kAlign; };
-  size_t free_b = 0;
-  size_t total_b = 0;
-  EXPERTD_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  // As init_prefill: at most half of what is free, a chunk that does not fit halved.
-  const uint64_t reserve = uint64_t{256} << 20;
-  const uint64_t budget = free_b > reserve ? (free_b - reserve) / 2 : 0;
-  while (chunk > 1 && bytes_for(chunk) > budget) chunk = (chunk + 1) / 2;
-  chunk_bytes = bytes_for(chunk);
-  Result<DeviceBytes> mem = DeviceBytes::alloc(chunk_bytes);
-  if (!mem) {
-    return make_error(ENOMEM,
-                      fmt::format("cannot allocate {} ({} bytes) of device memory for the "
-                                  "prefill scratch of {} positions on {}; {} is free",
-                                  gib(chunk_bytes), chunk_bytes, chunk, device_name, gib(free_b)));
-  }
-  chunk_mem = std::move(*mem);
+  EXPERTD_TRY(alloc_chunk_scratch(
+      [&](uint64_t c) { return (c * ce * 2 + c * cne + c * k) * 4 + 4 * kAlign; }));
   const uint64_t c = chunk;
   uint8_t* cursor = chunk_mem.get();
   auto take = [&](uint64_t values) {
@@ -888,8 +874,7 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
       EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
       EXPERTD_CUDA_TRY(
           cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-      EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-      EXPERTD_TRY(experts->synced());
+      EXPERTD_TRY(experts->sync_compute());
       std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
       return Ok{};
     }();
@@ -946,8 +931,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     // Every row's routing: one copy back, one sync, then decided on the host as decode() does.
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->synced());
+    EXPERTD_TRY(experts->sync_compute());
     EXPERTD_TRY(
         router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats, experts->hint_source(),
                            routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
@@ -980,8 +964,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
       // The holds of the rows' misses go back after a sync once they reach top-k, as many as
       // decode() keeps: a small daemon cache never runs out of slots to a chunk.
       if (experts->demand_holds() >= k && i + 1 < n) {
-        EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-        EXPERTD_TRY(experts->synced());
+        EXPERTD_TRY(experts->sync_compute());
       }
     }
   }
@@ -1003,7 +986,7 @@ uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
   return floats * 4 + 16 * kAlign;
 }
 
-Status GpuEngine::Impl::init_prefill() {
+Status GpuEngine::Impl::alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for) {
   chunk_asked = std::max(1u, std::min(opts.prefill_chunk, opts.max_context));
   chunk = chunk_asked;
   size_t free_b = 0;
@@ -1013,8 +996,8 @@ Status GpuEngine::Impl::init_prefill() {
   // does not fit is halved rather than refused: prefill is only slower for it.
   const uint64_t reserve = uint64_t{256} << 20;
   const uint64_t budget = free_b > reserve ? (free_b - reserve) / 2 : 0;
-  while (chunk > 1 && prefill_scratch_bytes(chunk) > budget) chunk = (chunk + 1) / 2;
-  chunk_bytes = prefill_scratch_bytes(chunk);
+  while (chunk > 1 && bytes_for(chunk) > budget) chunk = (chunk + 1) / 2;
+  chunk_bytes = bytes_for(chunk);
   Result<DeviceBytes> mem = DeviceBytes::alloc(chunk_bytes);
   if (!mem) {
     return make_error(ENOMEM,
@@ -1023,6 +1006,12 @@ Status GpuEngine::Impl::init_prefill() {
                                   gib(chunk_bytes), chunk_bytes, chunk, device_name, gib(free_b)));
   }
   chunk_mem = std::move(*mem);
+  return Ok{};
+}
+
+Status GpuEngine::Impl::init_prefill() {
+  EXPERTD_TRY(alloc_chunk_scratch(
+      [&](uint64_t c) { return prefill_scratch_bytes(static_cast<uint32_t>(c)); }));
   const uint64_t c = chunk;
   const uint64_t k = p.n_expert_used;
   const uint64_t e = p.n_embd;

@@ -721,6 +721,11 @@ Status GpuExperts::release_finished_prefetch_holds(bool all) {
   return result;
 }
 
+Status GpuExperts::sync_compute() {
+  EXPERTD_CUDA_TRY(timed_sync(compute_, stats_));
+  return synced();
+}
+
 Status GpuExperts::synced() {
   EXPERTD_TRY(release_demand_holds());
   EXPERTD_TRY(release_finished_prefetch_holds(false));

@@ -280,6 +280,8 @@ class GpuExperts {
   // layer's experts among it): the demand holds and finished prefetch holds go back, and the copy
   // time is accounted.
   Status synced();
+  // The compute stream synchronised (the wait counted in sync_ns), then synced().
+  Status sync_compute();
   // Samples both tiers into stats.tiers_*: distinct experts in VRAM or the source's host memory,
   // and the sum of their capacities (nothing in place, or when the source does not say).
   void measure_tiers();
