@@ -176,47 +176,59 @@ void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<u
 
 uint64_t chunk_experts(const std::vector<RoutingRecord>& log, uint32_t chunk, uint32_t n);
 
-// prefill() on the GPU (glm4moe and gpt-oss: layer by layer over chunks of 5 and of 64 positions)
-// is decode() of each token: the last logits and every routing decision to the bit, each chunk's
-// distinct (layer, expert) pairs counted once, every hold given back.
+// prefill() in chunks of `chunk` on the GPU, through a VRAM tier of `slots`, is decode() of each
+// token: the last logits and every routing decision to the bit, the chunks and positions counted,
+// each chunk's distinct (layer, expert) pairs counted once, the engine at the prompt's end and
+// decoding on from there, every hold given back.
+void expect_chunked_prefill_is_decode(const DenseModel& model, const std::vector<uint32_t>& tokens,
+                                      uint32_t chunk, uint64_t slots) {
+  SCOPED_TRACE(fmt::format("tier slots {} chunk {}", slots, chunk));
+  const uint32_t vocab = model.params().n_vocab;
+  const auto n = static_cast<uint32_t>(tokens.size());
+  auto fs = test::FileExpertSource::open(model);
+  ASSERT_TRUE(fs) << fs.error().message;
+  EngineOptions o{64, 2, 0};
+  o.prefill_chunk = chunk;
+  auto gpu = create_gpu_engine(model, **fs, o, tier(GpuOptions::Tier::Experts, slots));
+  ASSERT_TRUE(gpu) << gpu.error().message;
+  EXPECT_NE((*gpu)->description().find(fmt::format("prefill in chunks of {}", chunk)),
+            std::string::npos)
+      << (*gpu)->description();
+  std::vector<RoutingRecord> decoded_routes;
+  (*gpu)->set_routing_log(&decoded_routes);
+  std::vector<float> decoded(vocab);
+  for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
+  (*gpu)->reset();
+  std::vector<RoutingRecord> prefilled_routes;
+  (*gpu)->set_routing_log(&prefilled_routes);
+  const EngineStats before = (*gpu)->stats();
+  std::vector<float> prefilled(vocab);
+  auto st = (*gpu)->prefill(tokens, prefilled);
+  ASSERT_TRUE(st) << st.error().message;
+  (*gpu)->set_routing_log(nullptr);
+  EXPECT_EQ(prefilled, decoded);
+  ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
+  for (size_t i = 0; i < decoded_routes.size(); ++i) {
+    EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
+    EXPECT_EQ(prefilled_routes[i].layer, decoded_routes[i].layer) << "record " << i;
+    EXPECT_EQ(prefilled_routes[i].experts, decoded_routes[i].experts) << "record " << i;
+  }
+  const EngineStats& s = (*gpu)->stats();
+  EXPECT_EQ(s.prefill_tokens - before.prefill_tokens, n);
+  EXPECT_EQ(s.prefill_chunks - before.prefill_chunks, (n + chunk - 1) / chunk);
+  EXPECT_EQ(s.prefill_experts - before.prefill_experts, chunk_experts(decoded_routes, chunk, n));
+  EXPECT_EQ((*gpu)->position(), n);
+  std::vector<float> next(vocab);
+  ASSERT_TRUE((*gpu)->decode(tokens[0], next));
+  EXPECT_EQ((*fs)->gets(), (*fs)->releases());
+}
+
+// glm4moe and gpt-oss: layer by layer over chunks of 5 and of 64 positions, a 12-slot tier.
 void expect_prefill_is_decode(const std::string& gguf, const std::vector<uint32_t>& tokens) {
   auto model = DenseModel::load(gguf);
   ASSERT_TRUE(model) << model.error().message;
-  const uint32_t vocab = model->params().n_vocab;
-  const auto n = static_cast<uint32_t>(tokens.size());
-  for (const uint32_t chunk : {5u, 64u}) {
-    SCOPED_TRACE(fmt::format("chunk {}", chunk));
-    auto fs = test::FileExpertSource::open(*model);
-    ASSERT_TRUE(fs);
-    EngineOptions o{64, 2, 0};
-    o.prefill_chunk = chunk;
-    auto gpu = create_gpu_engine(*model, **fs, o, tier(GpuOptions::Tier::Experts, 12));
-    ASSERT_TRUE(gpu) << gpu.error().message;
-    std::vector<RoutingRecord> decoded_routes;
-    (*gpu)->set_routing_log(&decoded_routes);
-    std::vector<float> decoded(vocab);
-    for (const uint32_t t : tokens) ASSERT_TRUE((*gpu)->decode(t, decoded));
-    (*gpu)->reset();
-    std::vector<RoutingRecord> prefilled_routes;
-    (*gpu)->set_routing_log(&prefilled_routes);
-    const EngineStats before = (*gpu)->stats();
-    std::vector<float> prefilled(vocab);
-    auto st = (*gpu)->prefill(tokens, prefilled);
-    ASSERT_TRUE(st) << st.error().message;
-    (*gpu)->set_routing_log(nullptr);
-    EXPECT_EQ(prefilled, decoded);
-    ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
-    for (size_t i = 0; i < decoded_routes.size(); ++i) {
-      EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
-      EXPECT_EQ(prefilled_routes[i].layer, decoded_routes[i].layer) << "record " << i;
-      EXPECT_EQ(prefilled_routes[i].experts, decoded_routes[i].experts) << "record " << i;
-    }
-    const EngineStats& s = (*gpu)->stats();
-    EXPECT_EQ(s.prefill_chunks - before.prefill_chunks, (n + chunk - 1) / chunk);
-    EXPECT_EQ(s.prefill_experts - before.prefill_experts,
-              chunk_experts(decoded_routes, std::min(chunk, 64u), n));
-    EXPECT_EQ((*fs)->gets(), (*fs)->releases());
-  }
+  for (const uint32_t chunk : {5u, 64u})
+    expect_chunked_prefill_is_decode(*model, tokens, chunk, 12);
 }
 
 // Fx's `variant` file served by a real expertd as `name`: the CPU engine's logits and routing over
@@ -1352,53 +1364,10 @@ TEST(Ds3GpuEngine, ChunkedPrefillIsDecodeToTheBitAndCountsEachExpertOncePerChunk
       test::read_json(ds3_path("fixture.json")).at("tokens").get<std::vector<uint32_t>>();
   auto model = DenseModel::load(ds3_path("model-q8_0.gguf"), DenseLoad::Deferred);
   ASSERT_TRUE(model) << model.error().message;
-  const uint32_t vocab = model->params().n_vocab;
   // Through VRAM tiers only: a file source has no arena to register for the in-place mode.
-  {
-    for (const uint64_t slots : {6u, 40u}) {
-      const auto t = GpuOptions::Tier::Experts;
-      for (const uint32_t chunk : {1u, 5u, 64u}) {
-        SCOPED_TRACE(fmt::format("tier slots {} chunk {}", slots, chunk));
-        auto source = test::FileExpertSource::open(*model);
-        ASSERT_TRUE(source) << source.error().message;
-        EngineOptions o{64, 2, 0};
-        o.prefill_chunk = chunk;
-        auto engine = create_gpu_engine(*model, **source, o, tier(t, slots));
-        ASSERT_TRUE(engine) << engine.error().message;
-        EXPECT_NE((*engine)->description().find(fmt::format("prefill in chunks of {}", chunk)),
-                  std::string::npos)
-            << (*engine)->description();
-        std::vector<RoutingRecord> decoded_routes;
-        (*engine)->set_routing_log(&decoded_routes);
-        std::vector<float> decoded(vocab);
-        for (const uint32_t tok : tokens) ASSERT_TRUE((*engine)->decode(tok, decoded));
-        (*engine)->reset();
-        std::vector<RoutingRecord> prefilled_routes;
-        (*engine)->set_routing_log(&prefilled_routes);
-        const EngineStats before = (*engine)->stats();
-        std::vector<float> prefilled(vocab);
-        auto st = (*engine)->prefill(tokens, prefilled);
-        ASSERT_TRUE(st) << st.error().message;
-        (*engine)->set_routing_log(nullptr);
-        EXPECT_EQ(prefilled, decoded);
-        ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
-        for (size_t i = 0; i < decoded_routes.size(); ++i) {
-          EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
-          EXPECT_EQ(prefilled_routes[i].layer, decoded_routes[i].layer) << "record " << i;
-          EXPECT_EQ(prefilled_routes[i].experts, decoded_routes[i].experts) << "record " << i;
-        }
-        const EngineStats& s = (*engine)->stats();
-        const auto n = static_cast<uint32_t>(tokens.size());
-        EXPECT_EQ(s.prefill_tokens - before.prefill_tokens, n);
-        EXPECT_EQ(s.prefill_chunks - before.prefill_chunks, (n + chunk - 1) / chunk);
-        EXPECT_EQ(s.prefill_experts - before.prefill_experts,
-                  chunk_experts(decoded_routes, chunk, n));
-        EXPECT_EQ((*engine)->position(), n);
-        // It goes on from the prefilled positions as decode() would have.
-        std::vector<float> next(vocab);
-        ASSERT_TRUE((*engine)->decode(tokens[0], next));
-        EXPECT_EQ((*source)->gets(), (*source)->releases());
-      }
+  for (const uint64_t slots : {6u, 40u}) {
+    for (const uint32_t chunk : {1u, 5u, 64u}) {
+      expect_chunked_prefill_is_decode(*model, tokens, chunk, slots);
     }
   }
 }
