@@ -264,6 +264,9 @@ struct GpuEngine::Impl {
   Status upload_dense();
   Status init_prefill();
   Status init_layerwise_prefill();
+  // The output norm and head on `x` into `logits` (n_vocab), after a sync that gives the holds
+  // back: the end of decode() and of the last prefill chunk.
+  Status head(std::span<float> logits);
   // Sizes `chunk` (options.prefill_chunk capped at the context, halved until bytes_for(chunk) fits
   // half the free device memory) and allocates chunk_mem; chunk_asked, chunk_bytes follow.
   Status alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for);
@@ -823,6 +826,19 @@ Status GpuEngine::Impl::gptoss_ffn(uint32_t layer) {
 
 // --- prefill, layer by layer (glm4moe, gpt-oss) ------------------------------------------------
 
+Status GpuEngine::Impl::head(std::span<float> logits) {
+  const cudaStream_t st = compute.get();
+  EXPERTD_CUDA_TRY(kernels::rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
+  EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
+  EXPERTD_TRY(experts->release_demand_holds());
+  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
+  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
+  return Ok{};
+}
+
 Status GpuEngine::Impl::init_layerwise_prefill() {
   const uint64_t k = p.n_expert_used;
   // Rows 256-byte aligned, as decode()'s single-row buffers are (cuBLAS reads and writes them).
@@ -869,15 +885,8 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   if (done && !logits.empty()) {
     // decode()'s head on the last row.
     x = cx + uint64_t{n - 1} * ce;
-    done = [&]() -> Status {
-      EXPERTD_CUDA_TRY(kernels::rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
-      EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
-      EXPERTD_CUDA_TRY(
-          cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-      EXPERTD_TRY(experts->sync_compute());
-      std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
-      return Ok{};
-    }();
+    done = head(logits);
+    if (done) done = experts->account_copy_time();
   }
   x = x_decode;
   xn = xn_decode;
@@ -1346,16 +1355,8 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
         host_routed(p) ? std::span<const ExpertHint>(m.router.last_hints) : m.last_hints;
     EXPERTD_TRY(m.experts->prefetch(layer, m.opts.prefetch_depth, p.n_layer, hinted));
   }
-  EXPERTD_CUDA_TRY(
-      kernels::rms_norm(m.x, m.output_norm, m.xn, 1, p.n_embd, p.rms_eps, m.compute.get()));
-  EXPERTD_TRY(m.gemv(m.output, p.n_vocab, p.n_embd, m.xn, m.d_logits, 0.0f));
-  EXPERTD_CUDA_TRY(cudaMemcpyAsync(m.h_logits, m.d_logits, uint64_t{p.n_vocab} * 4,
-                                   cudaMemcpyDeviceToHost, m.compute.get()));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(m.compute.get(), m.stats));
-  EXPERTD_TRY(m.experts->release_demand_holds());
-  EXPERTD_TRY(m.experts->release_finished_prefetch_holds(false));
+  EXPERTD_TRY(m.head(logits));
   m.experts->measure_tiers();
-  std::memcpy(logits.data(), m.h_logits, uint64_t{p.n_vocab} * 4);
   ++m.pos;
   ++m.stats.tokens;
   m.stats.decode_ns += monotonic_ns() - t0;
