@@ -11,7 +11,10 @@
 //      an empty context as llama-bench's tg starts -> tg tokens/s, per-token p50/p99.
 // Around each phase it reads /proc/self/io: read_bytes counts what this process made the kernel
 // read from storage, page faults of the mmapped file included, so tg's bytes per token is the
-// figure to set beside expertd's. One JSON line on stdout at the end; logs on stderr.
+// figure to set beside expertd's. One JSON line on stdout at the end; logs on stderr. The JSON and
+// the argument parsing are written by hand rather than with nlohmann-json and CLI11: peer.sh
+// compiles this file with a bare g++ against llama.cpp's tree on the device machine, which has
+// neither library.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
