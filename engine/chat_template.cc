@@ -631,32 +631,40 @@ Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string
                                 "'); " + std::string(kKnown));
 }
 
+// The templates named() knows, by name.
+constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 13> kNamed = {{
+    {"chatml", ChatTemplate::Kind::kChatml},
+    {"qwen3", ChatTemplate::Kind::kQwen3},
+    {"qwen2.5", ChatTemplate::Kind::kQwen25},
+    {"deepseek3", ChatTemplate::Kind::kDeepseek3},
+    {"deepseek4", ChatTemplate::Kind::kDeepseek4},
+    {"mistral", ChatTemplate::Kind::kMistral},
+    {"mistral-v0.1", ChatTemplate::Kind::kMistralV01},
+    {"llama3", ChatTemplate::Kind::kLlama3},
+    {"llama3.1", ChatTemplate::Kind::kLlama31},
+    {"glm4.5", ChatTemplate::Kind::kGlm45},
+    {"gpt-oss", ChatTemplate::Kind::kGptOss},
+    {"kimi-k2", ChatTemplate::Kind::kKimiK2},
+    {"kimi-k2-helpful", ChatTemplate::Kind::kKimiK2Helpful},
+}};
+
 Result<ChatTemplate> ChatTemplate::named(std::string_view family, std::string bos,
                                          std::string eos) {
-  static const std::array<std::pair<std::string_view, Kind>, 13> names = {{
-      {"chatml", Kind::kChatml},
-      {"qwen3", Kind::kQwen3},
-      {"qwen2.5", Kind::kQwen25},
-      {"deepseek3", Kind::kDeepseek3},
-      {"deepseek4", Kind::kDeepseek4},
-      {"mistral", Kind::kMistral},
-      {"mistral-v0.1", Kind::kMistralV01},
-      {"llama3", Kind::kLlama3},
-      {"llama3.1", Kind::kLlama31},
-      {"glm4.5", Kind::kGlm45},
-      {"gpt-oss", Kind::kGptOss},
-      {"kimi-k2", Kind::kKimiK2},
-      {"kimi-k2-helpful", Kind::kKimiK2Helpful},
-  }};
-  for (const auto& [name, kind] : names) {
+  for (const auto& [name, kind] : kNamed) {
     if (name == family)
       return ChatTemplate(kind, std::string(name), std::move(bos), std::move(eos));
   }
-  return make_error(EINVAL,
-                    "chat template family '" + std::string(family) +
-                        "' unknown; known: chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
-                        "mistral, mistral-v0.1, llama3, llama3.1, glm4.5, gpt-oss, kimi-k2, "
-                        "kimi-k2-helpful");
+  return make_error(
+      EINVAL, "chat template family '" + std::string(family) + "' unknown; known: " + names());
+}
+
+std::string ChatTemplate::names() {
+  std::string out;
+  for (const auto& [name, kind] : kNamed) {
+    if (!out.empty()) out += ", ";
+    out += name;
+  }
+  return out;
 }
 
 Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,

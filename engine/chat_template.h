@@ -77,6 +77,8 @@ class ChatTemplate {
   // DeepSeek-V3/V4, Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2".
   static Result<ChatTemplate> from_text(std::string_view jinja, std::string bos, std::string eos);
   static Result<ChatTemplate> named(std::string_view family, std::string bos, std::string eos);
+  // The names named() accepts, "chatml, qwen3, ..." (for --help and errors).
+  static std::string names();
   // A --chat-template flag's value: a .jinja file when one exists at that path, else a family name;
   // empty, the model's own template (from_gguf). Errors name the flag and the value.
   static Result<ChatTemplate> from_flag(const std::string& flag, const GgufFile& file,

@@ -44,8 +44,8 @@ double ds3_kq_scale(const ModelParams& p) {
 Status check_ds3_engine(const DenseModel& model, const EngineOptions& options) {
   const ModelParams& p = model.params();
   if (!p.is_ds3() || model.ds3() == nullptr) {
-    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek2", model.path(),
-                                          p.architecture));
+    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not {}", model.path(),
+                                          p.architecture, family_info(Family::DeepSeek3).arch));
   }
   EXPERTD_TRY(check_engine_options(p, options));
   const uint64_t per_pos = uint64_t{p.ds3.kv_lora_rank} + p.n_rot;
@@ -124,7 +124,8 @@ Ds3CpuEngine::Ds3CpuEngine(const DenseModel& model, ExpertSource& source,
 }
 
 std::string Ds3CpuEngine::description() const {
-  return "CPU reference engine, deepseek2 (f32, f64 accumulation)";
+  return fmt::format("CPU reference engine, {} (f32, f64 accumulation)",
+                     family_info(Family::DeepSeek3).arch);
 }
 
 bool Ds3CpuEngine::truncate(uint32_t n) {

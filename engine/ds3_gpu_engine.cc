@@ -573,11 +573,11 @@ std::string Ds3GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
   return fmt::format(
-      "CUDA engine (deepseek2) on {}: dense weights {} as in the file (fused "
+      "CUDA engine ({}) on {}: dense weights {} as in the file (fused "
       "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each layer's experts "
       "hinted once per chunk), {}{}",
-      m.device_name, gib(m.dense_device_bytes), m.chunk, x.description(),
-      x.arena_registered() ? "" : "; arena not registered: pageable copies");
+      family_info(Family::DeepSeek3).arch, m.device_name, gib(m.dense_device_bytes), m.chunk,
+      x.description(), x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 
 }  // namespace expertd::engine

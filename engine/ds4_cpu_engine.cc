@@ -54,8 +54,8 @@ std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yar
 Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {
   const ModelParams& p = model.params();
   if (!p.is_ds4() || model.ds4() == nullptr) {
-    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not deepseek4", model.path(),
-                                          p.architecture));
+    return make_error(EINVAL, fmt::format("{}: architecture '{}' is not {}", model.path(),
+                                          p.architecture, family_info(Family::DeepSeek4).arch));
   }
   EXPERTD_TRY(check_engine_options(p, options));
   if (uint64_t{p.n_layer} * options.max_context * p.head_dim > (uint64_t{1} << 34)) {
@@ -173,7 +173,8 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
 }
 
 std::string Ds4CpuEngine::description() const {
-  return "CPU reference engine, deepseek4 (f32, f64 accumulation)";
+  return fmt::format("CPU reference engine, {} (f32, f64 accumulation)",
+                     family_info(Family::DeepSeek4).arch);
 }
 
 void Ds4CpuEngine::reset() {

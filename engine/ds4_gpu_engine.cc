@@ -1073,10 +1073,10 @@ std::string Ds4GpuEngine::description() const {
   const GpuExperts& x = *m.experts;
   const std::string tier = x.description();
   return fmt::format(
-      "CUDA engine (deepseek4) on {}: dense weights {} as in the file (fused "
+      "CUDA engine ({}) on {}: dense weights {} as in the file (fused "
       "matvec), {}, prefill in chunks of {} ({} scratch){}",
-      m.device_name, gib(m.dense_device_bytes), tier, m.chunk, gib(m.chunk_bytes),
-      x.arena_registered() ? "" : "; arena not registered: pageable copies");
+      family_info(Family::DeepSeek4).arch, m.device_name, gib(m.dense_device_bytes), tier, m.chunk,
+      gib(m.chunk_bytes), x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 
 }  // namespace expertd::engine

@@ -1,7 +1,10 @@
 // The model families the engines run: one registry row per GGUF architecture (issue 24). Every
 // list of families -- the loader's "runs ..." errors, which engine class serves a family, what it
-// can do -- comes from this table, so a family is added here once. ModelParams::family is set
-// from it by read_params().
+// can do, expert-forge's --arch -- comes from this table, so a family is added here once, beside
+// its family file (engine/families/, docs/ENGINE.md). ModelParams::family is set from it by
+// read_params(). A family's names are spelled here and in its family file only
+// (tests/docs/check_family_names.py); other code asks this table. Its own library
+// (expertd_family, no dependencies) so that expert-forge uses it without the engine.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +38,9 @@ struct FamilyInfo {
   Family family;
   std::string_view arch;    // general.architecture as llama.cpp's converter writes it
   std::string_view name;    // what people call it
+  std::string_view alias;   // a short lower-case name where the arch is not one (expert-forge's
+                            // --arch, expert-tune's --shape); "" when the arch serves
+  std::string_view file;    // its family file: engine/families/<file>.cc
   std::string_view models;  // examples of real models of the family
   std::string_view note;    // a condition on the GGUF beyond the architecture ("" when none)
   EngineClass engine;
@@ -49,6 +55,12 @@ const FamilyInfo* find_family(std::string_view arch);
 
 // The row of a family (every Family has one).
 const FamilyInfo& family_info(Family family);
+
+// The row whose arch or alias is `name`, or null.
+const FamilyInfo* find_family_by_name(std::string_view name);
+
+// The short lower-case name of a family: its alias, else its arch.
+std::string_view short_name(const FamilyInfo& f);
 
 // "qwen3moe (Qwen3-MoE), llama (Mixtral: with routed experts), ..." for errors and --help; with a
 // predicate, only the families it accepts.

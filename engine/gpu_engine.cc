@@ -1293,8 +1293,8 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
     for (uint32_t l = 0; l < p.n_layer; ++l) {
       const LayerWeights& w = model.layer(l);
       if (w.exp_gate_b.empty() || w.exp_up_b.empty() || w.exp_down_b.empty()) {
-        return make_error(
-            EINVAL, fmt::format("{}: gpt-oss layer {} lacks its expert biases", model.path(), l));
+        return make_error(EINVAL, fmt::format("{}: {} layer {} lacks its expert biases",
+                                              model.path(), model.params().architecture, l));
       }
     }
   }

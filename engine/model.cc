@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <tuple>
 
 #include "engine/dequant.h"
+#include "engine/families/families.h"
 #include "engine/model_read.h"
 #include "expertd/client.h"
 
@@ -26,6 +26,10 @@ constexpr uint64_t kMaxExpertsUsed = 64;
 }  // namespace
 
 namespace detail {
+
+Error key_error(const GgufModel& g, std::string_view suffix, const std::string& what) {
+  return Error{EINVAL, fmt::format("{}: {} {}", g.meta().path(), g.arch_key(suffix), what)};
+}
 
 Result<uint64_t> get_u64(const GgufModel& g, std::string_view suffix,
                          std::optional<uint64_t> fallback, uint64_t lo, uint64_t hi) {
@@ -55,7 +59,7 @@ Result<double> get_f64(const GgufModel& g, std::string_view suffix,
   return *x;
 }
 
-Result<Yarn> read_yarn(const GgufModel& g, std::string_view family) {
+Result<Yarn> read_yarn(const GgufModel& g) {
   Yarn y;
   const GgufValue* v = g.find_arch("rope.scaling.type");
   if (v == nullptr) return y;
@@ -66,7 +70,7 @@ Result<Yarn> read_yarn(const GgufModel& g, std::string_view family) {
                                   type == nullptr ? "is not a string"
                                                   : fmt::format("= '{}': {} supports yarn "
                                                                 "or none",
-                                                                *type, family)));
+                                                                *type, g.architecture())));
   }
   if (*type == "none") return y;
   EXPERTD_TRY_ASSIGN(y.factor, get_f64(g, "rope.scaling.factor", {}));
@@ -165,43 +169,6 @@ Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
 
 namespace {
 
-Status load_gptoss_layer(const GgufModel& g, const detail::Sources& src, const std::string& b,
-                         const ModelParams& p, LayerWeights& l) {
-  using detail::read_floats;
-  using detail::read_vector;
-  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
-  const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
-  EXPERTD_TRY_ASSIGN(l.bq, read_vector(g, src, b + "attn_q.bias", q_dim));
-  EXPERTD_TRY_ASSIGN(l.bk, read_vector(g, src, b + "attn_k.bias", kv_dim));
-  EXPERTD_TRY_ASSIGN(l.bv, read_vector(g, src, b + "attn_v.bias", kv_dim));
-  EXPERTD_TRY_ASSIGN(l.bo, read_vector(g, src, b + "attn_output.bias", p.n_embd));
-  EXPERTD_TRY_ASSIGN(l.sinks, read_vector(g, src, b + "attn_sinks.weight", p.n_head));
-  EXPERTD_TRY_ASSIGN(l.gate_inp_b, read_vector(g, src, b + "ffn_gate_inp.bias", p.n_expert));
-  EXPERTD_TRY_ASSIGN(l.exp_gate_b,
-                     read_floats(g, src, b + "ffn_gate_exps.bias", p.n_expert, p.n_ff_exp));
-  EXPERTD_TRY_ASSIGN(l.exp_up_b,
-                     read_floats(g, src, b + "ffn_up_exps.bias", p.n_expert, p.n_ff_exp));
-  EXPERTD_TRY_ASSIGN(l.exp_down_b,
-                     read_floats(g, src, b + "ffn_down_exps.bias", p.n_expert, p.n_embd));
-  return Ok{};
-}
-
-// glm4moe's q/k/v biases (every GLM-4.5 has them; llama.cpp reads them where the file has them)
-// and its SigmoidMoe part: the dense MLP of a leading layer, or the selection bias and shared
-// expert of a MoE layer.
-Status load_glm4moe_layer(const GgufModel& g, const detail::Sources& src, const std::string& b,
-                          const ModelParams& p, uint32_t layer, LayerWeights& l) {
-  const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
-  const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
-  for (auto [name, v, n] :
-       {std::tuple{"attn_q.bias", &l.bq, q_dim}, std::tuple{"attn_k.bias", &l.bk, kv_dim},
-        std::tuple{"attn_v.bias", &l.bv, kv_dim}}) {
-    if (!g.find_tensor(b + name)) continue;
-    EXPERTD_TRY_ASSIGN(*v, detail::read_vector(g, src, b + name, n));
-  }
-  return detail::read_sigmoid_moe_layer(g, src, b, p, p.glm, layer, /*bias_required=*/true, l);
-}
-
 // The routed experts are read by the daemon, not here, but a layer without them would fail only
 // at its first token: each layer needs merged gate and up (or a fused gate_up) and down tensors.
 Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
@@ -227,6 +194,24 @@ Status check_expert_tensors(const GgufModel& g, const std::string& blk) {
 using detail::get_f64;
 using detail::get_u64;
 
+const FamilyLoader& family_loader(Family family) {
+  switch (family) {
+    case Family::Qwen3Moe:
+      return kQwen3MoeLoader;
+    case Family::Mixtral:
+      return kMixtralLoader;
+    case Family::GptOss:
+      return kGptOssLoader;
+    case Family::Glm4Moe:
+      return kGlm4MoeLoader;
+    case Family::DeepSeek3:
+      return kDeepSeek3Loader;
+    case Family::DeepSeek4:
+      return kDeepSeek4Loader;
+  }
+  return kQwen3MoeLoader;  // unreachable: -Wswitch makes a new Family a compile error here
+}
+
 Status read_nextn(const GgufModel& g, ModelParams& p) {
   EXPERTD_TRY_ASSIGN(const uint64_t nextn, get_u64(g, "nextn_predict_layers", 0, 0, p.n_layer - 1));
   // As llama.cpp: next-n (MTP) blocks are the last `nextn` blocks; a file converted without them
@@ -239,14 +224,6 @@ Status read_nextn(const GgufModel& g, ModelParams& p) {
   return Ok{};
 }
 
-Status read_gptoss_params(const GgufModel& g, ModelParams& p) {
-  p.qk_norm = false;
-  EXPERTD_TRY_ASSIGN(const uint64_t window,
-                     get_u64(g, "attention.sliding_window", {}, 1, uint64_t{1} << 24));
-  p.swa_window = static_cast<uint32_t>(window);
-  EXPERTD_TRY_ASSIGN(p.yarn, detail::read_yarn(g, "gpt-oss"));
-  return Ok{};
-}
 using detail::read_matrix;
 using detail::read_vector;
 using detail::Sources;
@@ -260,15 +237,9 @@ Result<ModelParams> read_params(const GgufModel& g) {
                                            g.meta().path(), p.architecture, family_list()));
   }
   p.family = family->family;
-  const bool llama = p.family == Family::Mixtral;
-  if (llama && g.find_arch("expert_count") == nullptr) {
-    return make_error(ENOTSUP, fmt::format("{}: llama.expert_count is missing: the engine runs "
-                                           "llama models with routed experts (Mixtral) only",
-                                           g.meta().path()));
-  }
-  // deepseek2's key/value_length describe the latent (kv_lora_rank + rope, kv_lora_rank); its
-  // query/key head is the _mla one.
-  const bool mla = p.family == Family::DeepSeek3;
+  const FamilyLoader& loader = family_loader(p.family);
+  if (loader.check != nullptr) EXPERTD_TRY(loader.check(g));
+  const bool mla = loader.mla_head;
   EXPERTD_TRY_ASSIGN(const uint64_t n_layer, get_u64(g, "block_count", {}, 1, kMaxLayers));
   EXPERTD_TRY_ASSIGN(const uint64_t n_embd, get_u64(g, "embedding_length", {}, 1, kMaxEmbd));
   EXPERTD_TRY_ASSIGN(const uint64_t n_head, get_u64(g, "attention.head_count", {}, 1, kMaxHeads));
@@ -297,9 +268,8 @@ Result<ModelParams> read_params(const GgufModel& g) {
   EXPERTD_TRY_ASSIGN(const uint64_t n_expert, get_u64(g, "expert_count", {}, 1, kMaxExperts));
   EXPERTD_TRY_ASSIGN(const uint64_t n_used,
                      get_u64(g, "expert_used_count", {}, 1, std::min(n_expert, kMaxExpertsUsed)));
-  // Mixtral's experts are as wide as its dense FFN would be: llama.cpp's `llama` has only
-  // feed_forward_length.
-  const bool ff_exp_key = !llama || g.find_arch("expert_feed_forward_length") != nullptr;
+  const bool ff_exp_key =
+      !loader.ff_from_dense_key || g.find_arch("expert_feed_forward_length") != nullptr;
   EXPERTD_TRY_ASSIGN(const uint64_t n_ff,
                      get_u64(g, ff_exp_key ? "expert_feed_forward_length" : "feed_forward_length",
                              {}, 1, kMaxEmbd * 16));
@@ -319,27 +289,7 @@ Result<ModelParams> read_params(const GgufModel& g) {
   p.rms_eps = static_cast<float>(eps);
   p.rope_base = base;
   p.norm_topk = true;  // llama.cpp's qwen3moe graph always renormalises the top-k weights
-  if (llama) {
-    // Mixtral: softmax top-k renormalised as qwen3moe, no q/k norms, llama.cpp's NORM RoPE.
-    p.rope = RopeType::Norm;
-    p.qk_norm = false;
-    if (const GgufValue* v = g.find_arch("rope.scaling.type")) {
-      const std::string* type = v->as_string();
-      if (type == nullptr || *type != "none") {
-        return make_error(ENOTSUP, fmt::format("{}: {} = {}: the engine runs llama without RoPE "
-                                               "scaling",
-                                               g.meta().path(), g.arch_key("rope.scaling.type"),
-                                               type != nullptr ? *type : "(not a string)"));
-      }
-    }
-  }
-  if (p.is_ds4()) EXPERTD_TRY(read_ds4_params(g, p));
-  if (p.is_gptoss()) EXPERTD_TRY(read_gptoss_params(g, p));
-  if (p.is_ds3()) EXPERTD_TRY(read_ds3_params(g, p));
-  if (p.is_glm4moe()) {
-    EXPERTD_TRY(read_nextn(g, p));
-    EXPERTD_TRY(read_glm4moe_params(g, p));
-  }
+  if (loader.read_params != nullptr) EXPERTD_TRY(loader.read_params(g, p));
   return p;
 }
 
@@ -389,12 +339,9 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
   if (gg.find_tensor("output.weight")) {
     EXPERTD_TRY_ASSIGN(m.output_, read_matrix(gg, src, "output.weight", p.n_vocab, e));
   }
-  if (p.is_ds4()) {
-    EXPERTD_TRY(load_ds4(m));
-    return m;
-  }
-  if (p.is_ds3()) {
-    EXPERTD_TRY(load_ds3(m));
+  const FamilyLoader& loader = family_loader(p.family);
+  if (loader.load_model != nullptr) {
+    EXPERTD_TRY(loader.load_model(m));
     return m;
   }
   m.layers_.resize(p.n_layer);
@@ -410,18 +357,13 @@ Result<DenseModel> DenseModel::load(GgufModel g, std::string path, DenseLoad how
       EXPERTD_TRY_ASSIGN(l.q_norm, read_vector(gg, src, b + "attn_q_norm.weight", p.head_dim));
       EXPERTD_TRY_ASSIGN(l.k_norm, read_vector(gg, src, b + "attn_k_norm.weight", p.head_dim));
     }
-    const bool post_norm = p.is_gptoss() || p.is_glm4moe();
-    EXPERTD_TRY_ASSIGN(
-        l.ffn_norm,
-        read_vector(gg, src, b + (post_norm ? "post_attention_norm.weight" : "ffn_norm.weight"),
-                    e));
+    EXPERTD_TRY_ASSIGN(l.ffn_norm, read_vector(gg, src, b + loader.ffn_norm + ".weight", e));
     if (!p.dense_layer(i)) {
       EXPERTD_TRY_ASSIGN(l.gate_inp,
                          read_matrix(gg, src, b + "ffn_gate_inp.weight", p.n_expert, e));
       EXPERTD_TRY(check_expert_tensors(gg, b));
     }
-    if (p.is_gptoss()) EXPERTD_TRY(load_gptoss_layer(gg, src, b, p, l));
-    if (p.is_glm4moe()) EXPERTD_TRY(load_glm4moe_layer(gg, src, b, p, i, l));
+    if (loader.load_layer != nullptr) EXPERTD_TRY(loader.load_layer(gg, src, b, p, i, l));
   }
   return m;
 }

@@ -2,8 +2,9 @@
 // (`qwen3moe`), Mixtral (`llama` with routed experts; the qwen3moe forward without q/k norms and
 // with NORM RoPE), gpt-oss (`gpt-oss`; the same forward with biases, sinks, a sliding window and
 // its own router and SwiGLU), GLM-4.5 (`glm4moe`; the same forward with q/k/v biases, partial RoPE
-// and DeepSeek-V3's MoE: SigmoidMoe below), DeepSeek-V4 (`deepseek4`, the Ds4* types below;
-// engine/ds4_model.cc) or DeepSeek-V3 / Kimi-K2 (`deepseek2`, the Ds3* types; engine/ds3_model.cc).
+// and DeepSeek-V3's MoE: SigmoidMoe below), DeepSeek-V4 (`deepseek4`, the Ds4* types below) or
+// DeepSeek-V3 / Kimi-K2 (`deepseek2`, the Ds3* types). The shared loader is engine/model.cc; what
+// each family adds is its family file, engine/families/ (families.h).
 //
 // DenseModel owns everything except the routed experts: the token embeddings, every layer's norms,
 // attention projections and router (ffn_gate_inp), the output norm and head. Matrices keep their
@@ -353,19 +354,12 @@ class DenseModel {
 // invalid key.
 Result<ModelParams> read_params(const GgufModel& gguf);
 
-// gpt-oss's hyperparameters (sliding window, YaRN) into `p`.
-Status read_gptoss_params(const GgufModel& gguf, ModelParams& p);
-// deepseek4's hyperparameters into `p` (engine/ds4_model.cc).
-Status read_ds4_params(const GgufModel& gguf, ModelParams& p);
-// deepseek4's dense weights into m (called by DenseModel::load), and their bytes.
-Status load_ds4(DenseModel& m);
-uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held);
-// deepseek2's (engine/ds3_model.cc): hyperparameters, dense weights, their bytes.
-Status read_ds3_params(const GgufModel& gguf, ModelParams& p);
-// glm4moe's hyperparameters into `p` (engine/ds3_model.cc, beside DeepSeek-V3's MoE keys).
-Status read_glm4moe_params(const GgufModel& gguf, ModelParams& p);
 // nextn_predict_layers into p.nextn_layers, and n_layer less them (deepseek4, glm4moe).
 Status read_nextn(const GgufModel& gguf, ModelParams& p);
+// The DeepSeek families' own dense weights (engine/families/deepseek3.cc, deepseek4.cc; their
+// FamilyLoader::load_model), and their bytes.
+Status load_ds4(DenseModel& m);
+uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held);
 Status load_ds3(DenseModel& m);
 uint64_t ds3_dense_bytes(const Ds3Weights& w, bool held);
 // Calls f(Matrix&) for every weight matrix of `w`.

@@ -1,6 +1,6 @@
-// Reading hyperparameters and dense tensors from a GGUF model, checked: the helpers the model
-// loaders (engine/model.cc for qwen3moe, engine/ds4_model.cc for deepseek4, engine/ds3_model.cc
-// for deepseek2) share. Every error names the file and the key or tensor. Internal to the engine.
+// Reading hyperparameters and dense tensors from a GGUF model, checked: the helpers the shared
+// loader (engine/model.cc) and the family files (engine/families/) share. Every error names the
+// file and the key or tensor. Internal to the engine.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,9 @@
 #include "storage/gguf.h"
 
 namespace expertd::engine::detail {
+
+// EINVAL naming the file and `<arch>.<suffix>`: "m.gguf: glm4moe.expert_count is missing".
+Error key_error(const GgufModel& g, std::string_view suffix, const std::string& what);
 
 // `<arch>.<suffix>` as an unsigned integer in [lo, hi]; `fallback` when the key is absent (an
 // error when there is none).
@@ -40,8 +43,8 @@ Result<Matrix> read_matrix(const GgufModel& g, const Sources& src, const std::st
 Result<Matrix> read_matrices(const GgufModel& g, const Sources& src, const std::string& name,
                              uint64_t n, uint64_t rows, uint64_t cols);
 // `<arch>.rope.scaling.*` when the type is "yarn" (none when absent or "none"; another type is an
-// error naming `family`, which supports only these).
-Result<Yarn> read_yarn(const GgufModel& g, std::string_view family);
+// error naming the architecture, which supports only these).
+Result<Yarn> read_yarn(const GgufModel& g);
 // A tensor of `n` elements (ne [n]) as floats.
 Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t n);
@@ -49,7 +52,18 @@ Result<std::vector<float>> read_vector(const GgufModel& g, const Sources& src,
 Result<std::vector<float>> read_floats(const GgufModel& g, const Sources& src,
                                        const std::string& name, uint64_t rows, uint64_t cols);
 
-// The SigmoidMoe part of layer `layer` (block prefix `b`, "blk.N."; engine/ds3_model.cc): a dense
+// llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* (expert_gating_func).
+inline constexpr uint64_t kGatingSoftmax = 1;
+inline constexpr uint64_t kGatingSigmoid = 2;
+inline constexpr uint64_t kGatingSqrtSoftplus = 4;
+
+// The SigmoidMoe keys under the file's architecture (engine/sigmoid_moe.cc): leading dense layers,
+// shared experts, scaling, scoring (`gating_default` when expert_gating_func is absent: llama.cpp's
+// default for the architecture) and the groups, checked against p's experts.
+Status read_sigmoid_moe(const GgufModel& g, const ModelParams& p, uint64_t gating_default,
+                        SigmoidMoe& m);
+
+// The SigmoidMoe part of layer `layer` (block prefix `b`, "blk.N."; engine/sigmoid_moe.cc): a dense
 // layer's ffn_gate/up/down, or a MoE layer's exp_probs_b.bias (zeros when absent unless
 // `bias_required`) and shared experts. The router and the routed experts are not read here.
 Status read_sigmoid_moe_layer(const GgufModel& g, const Sources& src, const std::string& b,

@@ -246,39 +246,54 @@ uint32_t forge_blocks(const ForgeConfig& c) {
 
 std::string_view forge_type_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4"; }
 
-std::string_view forge_arch_name(ForgeArch arch) {
+engine::Family forge_family(ForgeArch arch) {
   switch (arch) {
-    case ForgeArch::Deepseek4:
-      return "deepseek4";
-    case ForgeArch::Mixtral:
-      return "mixtral";
-    case ForgeArch::Deepseek3:
-      return "deepseek3";
-    case ForgeArch::GptOss:
-      return "gpt-oss";
-    case ForgeArch::Glm4Moe:
-      return "glm4moe";
     case ForgeArch::Qwen3Moe:
-      break;
+      return engine::Family::Qwen3Moe;
+    case ForgeArch::Deepseek4:
+      return engine::Family::DeepSeek4;
+    case ForgeArch::Mixtral:
+      return engine::Family::Mixtral;
+    case ForgeArch::Deepseek3:
+      return engine::Family::DeepSeek3;
+    case ForgeArch::GptOss:
+      return engine::Family::GptOss;
+    case ForgeArch::Glm4Moe:
+      return engine::Family::Glm4Moe;
   }
-  return "qwen3moe";
+  return engine::Family::Qwen3Moe;  // unreachable: -Wswitch
+}
+
+std::string_view forge_arch_name(ForgeArch arch) {
+  return engine::short_name(engine::family_info(forge_family(arch)));
 }
 
 std::string_view forge_gguf_arch(ForgeArch arch) {
-  if (arch == ForgeArch::Mixtral) return "llama";
-  if (arch == ForgeArch::Deepseek3) return "deepseek2";
-  return forge_arch_name(arch);
+  return engine::family_info(forge_family(arch)).arch;
 }
 
 Result<ForgeArch> parse_forge_arch(std::string_view value) {
-  if (value == "qwen3moe") return ForgeArch::Qwen3Moe;
-  if (value == "deepseek4") return ForgeArch::Deepseek4;
-  if (value == "mixtral") return ForgeArch::Mixtral;
-  if (value == "deepseek3" || value == "deepseek2") return ForgeArch::Deepseek3;
-  if (value == "gpt-oss") return ForgeArch::GptOss;
-  if (value == "glm4moe") return ForgeArch::Glm4Moe;
-  return flag_error("--arch", value,
-                    "must be qwen3moe, deepseek4, mixtral, deepseek3, gpt-oss or glm4moe");
+  for (const ForgeArch a : kForgeArchs) {
+    const engine::FamilyInfo& f = engine::family_info(forge_family(a));
+    if (value == f.arch || value == engine::short_name(f)) return a;
+  }
+  std::string names;
+  for (size_t i = 0; i < std::size(kForgeArchs); ++i) {
+    if (i > 0) names += i + 1 == std::size(kForgeArchs) ? " or " : ", ";
+    names += forge_arch_name(kForgeArchs[i]);
+  }
+  return flag_error("--arch", value, "must be " + names);
+}
+
+std::string forge_arch_names() {
+  std::string out;
+  for (const ForgeArch a : kForgeArchs) {
+    const engine::FamilyInfo& f = engine::family_info(forge_family(a));
+    if (!out.empty()) out += ", ";
+    out += fmt::format("{} ({}{})", engine::short_name(f), f.name,
+                       f.alias.empty() ? std::string() : fmt::format(", llama.cpp's {}", f.arch));
+  }
+  return out;
 }
 
 ForgeConfig forge_defaults(ForgeArch arch) {
@@ -395,10 +410,14 @@ Status validate_forge_config(const ForgeConfig& c) {
   EXPERTD_TRY(check_range("--heads", c.heads, 1, 4096));
   EXPERTD_TRY(check_range("--kv-heads", c.kv_heads, 1, 4096));
   if (c.arch == ForgeArch::Deepseek4 && c.kv_heads != 1) {
-    return flag_error("--kv-heads", c.kv_heads, "must be 1 for deepseek4 (one shared KV head)");
+    return flag_error(
+        "--kv-heads", c.kv_heads,
+        fmt::format("must be 1 for {} (one shared KV head)", forge_arch_name(c.arch)));
   }
   if (c.arch == ForgeArch::Deepseek3 && c.kv_heads != 1) {
-    return flag_error("--kv-heads", c.kv_heads, "must be 1 for deepseek3 (one latent KV head)");
+    return flag_error(
+        "--kv-heads", c.kv_heads,
+        fmt::format("must be 1 for {} (one latent KV head)", forge_arch_name(c.arch)));
   }
   if (c.heads % c.kv_heads != 0) {
     return flag_error("--heads", c.heads,
@@ -717,7 +736,9 @@ void glm4moe_layer(const ForgeConfig& c, uint32_t l, TensorList& out) {
 // GLM-4.5-Air's config where the forge has no flag (rope theta 1e6, rms eps 1e-5, routed scaling
 // 1.0, norm_topk_prob true).
 void set_glm4moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("glm4moe.{}", suffix); };
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
   meta.set_u32(key("block_count"), c.layers + c.nextn);
   meta.set_u32(key("context_length"), c.context);
   meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
@@ -746,7 +767,9 @@ void set_glm4moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
 // DeepseekV2Model), with the release's config where the forge has no flag (routed scaling 2.5,
 // YaRN factor 40 over 4096 positions, mscale_all_dim 1).
 void set_deepseek3_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("deepseek2.{}", suffix); };
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
   meta.set_u32(key("block_count"), c.layers);
   meta.set_u32(key("context_length"), c.context);
   meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
@@ -784,7 +807,9 @@ void set_deepseek3_metadata(const ForgeConfig& c, GgufWriter& meta) {
 // The keys llama.cpp's converter writes for Mixtral (conversion/llama.py): the experts' width is
 // feed_forward_length, and the head size is embd / heads unless key_length says otherwise.
 void set_mixtral_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("llama.{}", suffix); };
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
   meta.set_u32(key("block_count"), c.layers);
   meta.set_u32(key("context_length"), c.context);
   meta.set_u32(key("embedding_length"), static_cast<uint32_t>(c.embd));
@@ -820,8 +845,10 @@ void set_moe_shape_keys(std::string_view arch, const ForgeConfig& c, GgufWriter&
 // The keys llama.cpp's converter writes for gpt-oss (conversion/gpt_oss.py), with gpt-oss-120b's
 // values where the forge has no flag (YaRN factor 32 over 4096, theta 150000).
 void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("gpt-oss.{}", suffix); };
-  set_moe_shape_keys("gpt-oss", c, meta);
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
+  set_moe_shape_keys(forge_gguf_arch(c.arch), c, meta);
   meta.set_u32(key("attention.sliding_window"), c.window);
   meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-5f);
   meta.set_f32(key("rope.freq_base"), 150000.0f);
@@ -833,8 +860,10 @@ void set_gptoss_metadata(const ForgeConfig& c, GgufWriter& meta) {
 }
 
 void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("qwen3moe.{}", suffix); };
-  set_moe_shape_keys("qwen3moe", c, meta);
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
+  set_moe_shape_keys(forge_gguf_arch(c.arch), c, meta);
   meta.set_f32(key("attention.layer_norm_rms_epsilon"), 1e-6f);
   meta.set_f32(key("rope.freq_base"), 1e6f);
   meta.set_u32(key("expert_count"), c.experts);
@@ -844,7 +873,9 @@ void set_qwen3moe_metadata(const ForgeConfig& c, GgufWriter& meta) {
 // The keys llama.cpp's converter writes for DeepSeek-V4 (conversion/deepseek.py), with
 // DeepseekV4Config's values where the forge has no flag.
 void set_deepseek4_metadata(const ForgeConfig& c, GgufWriter& meta) {
-  auto key = [](std::string_view suffix) { return fmt::format("deepseek4.{}", suffix); };
+  auto key = [&c](std::string_view suffix) {
+    return fmt::format("{}.{}", forge_gguf_arch(c.arch), suffix);
+  };
   const uint32_t blocks = c.layers + c.nextn;
   meta.set_u32(key("block_count"), blocks);
   meta.set_u32(key("context_length"), c.context);

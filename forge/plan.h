@@ -10,19 +10,27 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/family.h"
 #include "expertd/result.h"
 #include "storage/ggml_types.h"
 #include "storage/gguf_writer.h"
 
 namespace expertd {
 
+// The families the forge writes; their names are the registry's (engine/family.h).
 enum class ForgeArch : uint8_t { Qwen3Moe, Deepseek4, Mixtral, Deepseek3, GptOss, Glm4Moe };
-// "qwen3moe", "deepseek4", "mixtral", "deepseek3", "gpt-oss", "glm4moe" (--arch).
+inline constexpr ForgeArch kForgeArchs[] = {ForgeArch::Qwen3Moe, ForgeArch::Deepseek4,
+                                            ForgeArch::Mixtral,  ForgeArch::Deepseek3,
+                                            ForgeArch::GptOss,   ForgeArch::Glm4Moe};
+engine::Family forge_family(ForgeArch arch);
+// The family's short name (--arch): its registry alias, else its architecture.
 std::string_view forge_arch_name(ForgeArch arch);
-// general.architecture: the name, except Mixtral's and DeepSeek-V3's, which llama.cpp calls
-// `llama` and `deepseek2`.
+// general.architecture (the registry's arch: Mixtral's is `llama`, DeepSeek-V3's `deepseek2`).
 std::string_view forge_gguf_arch(ForgeArch arch);
+// --arch: a short name or an architecture.
 Result<ForgeArch> parse_forge_arch(std::string_view value);
+// "qwen3moe (Qwen3-MoE), mixtral (Mixtral, llama.cpp's llama), ..." for --help and errors.
+std::string forge_arch_names();
 
 // deepseek4's compressed-attention ratios per block (0 sliding window only, 4 CSA with the
 // indexer, 128 HCA).

@@ -440,8 +440,8 @@ TEST(ForgeDeepseek4Flags, BadFlagsAreRefusedNamingTheFlag) {
   const std::string o = " -o " + dir.file("bad.gguf");
   const std::string small = "--arch deepseek4 --layers 3 --experts 8 --embd 256 --ff 256";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--arch llama" + o,
-       "--arch llama: must be qwen3moe, deepseek4, mixtral, deepseek3, gpt-oss or glm4moe"},
+      {"--arch llama3" + o,
+       "--arch llama3: must be qwen3moe, deepseek4, mixtral, deepseek3, gpt-oss or glm4moe"},
       {small + " --kv-heads 2" + o, "--kv-heads 2: must be 1 for deepseek4"},
       {small + " --compress-ratios 0,4" + o, "--compress-ratios: 2 values for 3 blocks"},
       {small + " --compress-ratios 0,4,64" + o, "'64' is not 0, 4 or 128"},

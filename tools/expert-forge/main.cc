@@ -278,7 +278,14 @@ int run(int argc, char** argv) {
   const ForgeConfig g = forge_defaults(ForgeArch::GptOss);
   const ForgeConfig glm = forge_defaults(ForgeArch::Glm4Moe);
   ForgeConfig c = q;  // the flags without an arch-dependent default parse straight into it
-  std::string arch = "qwen3moe";
+  // The families' short names (the registry's: engine/family.h).
+  const std::string aq(forge_arch_name(ForgeArch::Qwen3Moe));
+  const std::string ad(forge_arch_name(ForgeArch::Deepseek4));
+  const std::string am(forge_arch_name(ForgeArch::Mixtral));
+  const std::string a3(forge_arch_name(ForgeArch::Deepseek3));
+  const std::string ag(forge_arch_name(ForgeArch::GptOss));
+  const std::string aglm(forge_arch_name(ForgeArch::Glm4Moe));
+  std::string arch = aq;
   std::optional<uint32_t> experts, top_k, heads, kv_heads;
   std::optional<uint64_t> embd, ff, head_dim;
   std::optional<uint32_t> hash_layers, dense_layers;
@@ -289,21 +296,21 @@ int run(int argc, char** argv) {
   uint32_t threads = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
 
   CLI::App app{
-      "expert-forge: write a synthetic llama.cpp qwen3moe, deepseek4, mixtral, deepseek3 "
-      "(DeepSeek-V3, llama.cpp's deepseek2), gpt-oss or glm4moe (GLM-4.5) GGUF model whose every "
-      "byte is derived from --seed (and can be recomputed to verify a read)"};
+      fmt::format("expert-forge: write a synthetic llama.cpp GGUF model of {} whose every "
+                  "byte is derived from --seed (and can be recomputed to verify a read)",
+                  forge_arch_names())};
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.
-  auto both = [](auto qv, auto dv, auto mv) {
-    return fmt::format(" (default: qwen3moe {}, deepseek4 {}, mixtral {})", qv, dv, mv);
+  auto both = [&](auto qv, auto dv, auto mv) {
+    return fmt::format(" (default: {} {}, {} {}, {} {})", aq, qv, ad, dv, am, mv);
   };
   app.add_option("--arch", arch,
-                 "model architecture: qwen3moe, deepseek4 (DeepSeek-V4), mixtral (llama.cpp's "
-                 "`llama` with routed experts), deepseek3 (DeepSeek-V3, Kimi-K2: llama.cpp's "
-                 "deepseek2; its defaults are DeepSeek-V3's widths), gpt-oss (defaults: "
-                 "gpt-oss-120b's; --window is its sliding window) or glm4moe (GLM-4.5; defaults: "
-                 "GLM-4.5-Air's, with one MTP block; --qk-norm for GLM-4.5's q/k norms)")
+                 fmt::format("model architecture: {} (or llama.cpp's architecture). {}'s "
+                             "defaults are DeepSeek-V3's widths, {}'s gpt-oss-120b's (--window "
+                             "is its sliding window), {}'s GLM-4.5-Air's with one MTP block "
+                             "(--qk-norm for GLM-4.5's q/k norms)",
+                             forge_arch_names(), a3, ag, aglm))
       ->capture_default_str();
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--experts", experts,
@@ -323,8 +330,8 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--dense-type", dense_type,
                  fmt::format("type of embeddings, attention, shared experts and output: {} "
-                             "(norms, routers and deepseek4's hyper-connections are f32)",
-                             forge_type_names()) +
+                             "(norms, routers and {}'s hyper-connections are f32)",
+                             forge_type_names(), ad) +
                      both(ggml_type_name(q.dense_type), ggml_type_name(d.dense_type),
                           ggml_type_name(m.dense_type)));
   app.add_option("--alignment", c.alignment, "data alignment in bytes, a power of two")
@@ -337,7 +344,7 @@ int run(int argc, char** argv) {
   app.add_option("-o,--output", c.output, "output file (the base name when --split > 1)")
       ->required();
   app.add_flag("--force", force, "overwrite existing output files");
-  const std::string ds4 = "DeepSeek-V4 (--arch deepseek4)";
+  const std::string ds4 = fmt::format("DeepSeek-V4 (--arch {})", ad);
   app.add_option("--q-lora-rank", c.q_lora_rank, "query LoRA rank")
       ->capture_default_str()
       ->group(ds4);
@@ -379,8 +386,7 @@ int run(int argc, char** argv) {
                  "transformers' schedule: 128, 128, then 128/4 alternating; MTP blocks 0)")
       ->group(ds4);
   const std::string v3g =
-      "DeepSeek-V3 (--arch deepseek3; also --q-lora-rank, --rope-dim, "
-      "--shared-experts)";
+      fmt::format("DeepSeek-V3 (--arch {}; also --q-lora-rank, --rope-dim, --shared-experts)", a3);
   app.add_option("--kv-lora-rank", c.kv_lora_rank, "compressed KV latent width")
       ->capture_default_str()
       ->group(v3g);
@@ -400,10 +406,11 @@ int run(int argc, char** argv) {
   app.add_option("--groups-used", c.groups_used, "groups the top-k is chosen from")
       ->capture_default_str()
       ->group(v3g);
-  const std::string glmg =
-      "GLM-4.5 (--arch glm4moe; also --rope-dim (default --head-dim / 2), --nextn, "
+  const std::string glmg = fmt::format(
+      "GLM-4.5 (--arch {}; also --rope-dim (default --head-dim / 2), --nextn, "
       "--shared-experts, --dense-layers, --dense-ff, --expert-groups, --groups-used, with "
-      "GLM-4.5-Air's defaults)";
+      "GLM-4.5-Air's defaults)",
+      aglm);
   app.add_flag("--qk-norm", c.qk_norm, "per-head q/k norms (GLM-4.5 has them, GLM-4.5-Air not)")
       ->group(glmg);
   try {
@@ -448,7 +455,7 @@ int run(int argc, char** argv) {
     if (app.count("--groups-used") == 0) c.groups_used = glm.groups_used;
     if (app.count("--nextn") == 0) c.nextn = glm.nextn;
   } else if (c.qk_norm) {
-    return usage_error(make_error(EINVAL, "--qk-norm: only with --arch glm4moe"));
+    return usage_error(make_error(EINVAL, fmt::format("--qk-norm: only with --arch {}", aglm)));
   }
   auto et = parse_forge_type("--expert-type", expert_type);
   if (!et) return usage_error(et.error());
@@ -461,7 +468,8 @@ int run(int argc, char** argv) {
   }
   if (!compress_ratios.empty()) {
     if (c.arch != ForgeArch::Deepseek4) {
-      return usage_error(make_error(EINVAL, "--compress-ratios: only with --arch deepseek4"));
+      return usage_error(
+          make_error(EINVAL, fmt::format("--compress-ratios: only with --arch {}", ad)));
     }
     auto r = parse_compress_ratios(compress_ratios);
     if (!r) return usage_error(r.error());

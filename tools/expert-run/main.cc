@@ -527,7 +527,8 @@ int run(Options o) {
                 static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str(),
                 model->deferred() ? " (read straight into VRAM)" : "");
     if (p.is_ds4()) {
-      std::printf("deepseek4: %u hash layers (%s), hc_mult %u\n", p.ds4.hash_layers,
+      std::printf("%s: %u hash layers (%s), hc_mult %u\n", p.architecture.c_str(),
+                  p.ds4.hash_layers,
                   o.no_hash_hints ? "their experts are not hinted"
                                   : "their experts are hinted exactly when the token is known",
                   p.ds4.hc);
@@ -764,7 +765,7 @@ int run(Options o) {
             {"hit_rate", experts ? static_cast<double>(ready) / experts : 0.0},
             {"stall_ms_per_token", steps ? static_cast<double>(stall_ns) / 1e6 / steps : 0.0}};
       };
-      j["deepseek4"] = {
+      j[p.architecture] = {
           {"hash_layers", p.ds4.hash_layers},
           {"hash_hints", s.hash_hints},
           {"hash_hints_enabled", !o.no_hash_hints},
@@ -912,9 +913,10 @@ int run(Options o) {
     };
     const double steps = s.tokens ? static_cast<double>(s.tokens) : 1.0;
     std::printf(
-        "deepseek4: hash layers %.1f%% of experts ready in host memory when asked, stall %.3f "
+        "%s: hash layers %.1f%% of experts ready in host memory when asked, stall %.3f "
         "ms/token (%llu exact hints); learned layers %.1f%% ready, stall %.3f ms/token\n",
-        rate(s.hash_ready, s.hash_experts), static_cast<double>(s.hash_stall_ns) / 1e6 / steps,
+        p.architecture.c_str(), rate(s.hash_ready, s.hash_experts),
+        static_cast<double>(s.hash_stall_ns) / 1e6 / steps,
         static_cast<unsigned long long>(s.hash_hints), rate(s.learned_ready, s.learned_experts),
         static_cast<double>(s.learned_stall_ns) / 1e6 / steps);
   }
@@ -941,19 +943,22 @@ int main(int argc, char** argv) {
                "The prompt text is one user message, rendered with the model's chat template "
                "(tokenizer.chat_template; docs/ENGINE.md, \"Chat templates\") with the assistant's "
                "turn opened; the template's end-of-turn texts join --stop");
+  const std::string gptoss(family_info(Family::GptOss).name);
   app.add_option("--system", o.system, "With --chat: a system message before the prompt");
   app.add_option("--chat-template", o.chat_template,
-                 "With --chat: a family name (chatml, qwen3, qwen2.5, deepseek3, deepseek4, "
-                 "mistral, mistral-v0.1, llama3, llama3.1, glm4.5, gpt-oss, kimi-k2) or a .jinja "
-                 "file, instead of the model's template");
-  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
-                 "With --chat: the template's switches as a JSON object (expert-serve's flag): "
-                 "enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking (DeepSeek), "
-                 "reasoning_effort (gpt-oss); e.g. '{\"enable_thinking\": false}'. With a "
-                 "reasoning model the answer's reasoning streams to stderr, the rest to stdout; "
-                 "--json adds \"reasoning\" and \"content\"");
+                 "With --chat: a template's name (" + ChatTemplate::names() +
+                     ") or a .jinja file, instead of the model's template");
+  app.add_option(
+      "--chat-template-kwargs", o.chat_template_kwargs,
+      "With --chat: the template's switches as a JSON object (expert-serve's flag): "
+      "enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking (DeepSeek), "
+      "reasoning_effort (" +
+          gptoss +
+          "); e.g. '{\"enable_thinking\": false}'. With a "
+          "reasoning model the answer's reasoning streams to stderr, the rest to stdout; "
+          "--json adds \"reasoning\" and \"content\"");
   app.add_option("--reasoning-effort", o.reasoning_effort,
-                 "With --chat: gpt-oss's reasoning effort (its template's default: medium)")
+                 "With --chat: " + gptoss + "'s reasoning effort (its template's default: medium)")
       ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_option("--prompt-tokens", o.prompt_tokens, "Prompt token ids, comma-separated");
   app.add_option("--max-tokens", o.max_tokens, "Tokens to generate (16)")
@@ -1010,8 +1015,9 @@ int main(int argc, char** argv) {
                  "trace's predicted lists, else its future: an oracle); default trace with "
                  "--routing-trace");
   app.add_flag("--no-hash-hints", o.no_hash_hints,
-               "deepseek4: do not hint the hash layers' experts when the token is known (to "
-               "measure what the exact hints give)");
+               std::string(family_info(Family::DeepSeek4).name) +
+                   ": do not hint the hash layers' experts when the token is known (to measure "
+                   "what the exact hints give)");
   app.add_flag("--json", o.json, "Print one JSON object");
   app.footer(
       "Sampling applies, in order: the repetition penalty, the temperature, top-k, top-p, "

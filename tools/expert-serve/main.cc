@@ -656,25 +656,29 @@ int main(int argc, char** argv) {
   app.add_option("--queue", o.queue,
                  "Requests that may wait while one runs; more get 503 with Retry-After (8)")
       ->check(CLI::Range(1u, 4096u));
+  const std::string gptoss(expertd::engine::family_info(expertd::engine::Family::GptOss).name);
   app.add_option("--chat-template", o.chat_template,
-                 "Chat template instead of the model's own: a family name (chatml, qwen3, "
-                 "deepseek3, deepseek4, mistral, llama3, glm4.5, gpt-oss, kimi-k2) or a .jinja "
-                 "file");
+                 "Chat template instead of the model's own: a template's name (" +
+                     expertd::engine::ChatTemplate::names() + ") or a .jinja file");
   app.add_option("--reasoning-format", o.reasoning_format,
-                 "auto: a chat answer's reasoning (a <think> block; gpt-oss's analysis channel) is "
-                 "returned apart, as message.reasoning_content (streamed: "
-                 "delta.reasoning_content), and content is the answer alone; none: the raw text "
-                 "as content. A request's \"reasoning_format\" (auto, deepseek, none) overrides "
-                 "it (auto)")
+                 "auto: a chat answer's reasoning (a <think> block; " + gptoss +
+                     "'s analysis channel) is returned apart, as message.reasoning_content "
+                     "(streamed: delta.reasoning_content), and content is the answer alone; none: "
+                     "the raw text as content. A request's \"reasoning_format\" (auto, deepseek, "
+                     "none) overrides it (auto)")
       ->check(CLI::IsMember({"auto", "none"}));
-  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
-                 "Chat template switches for every chat request, as a JSON object (llama.cpp's "
-                 "server's flag): enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking "
-                 "(DeepSeek), reasoning_effort (gpt-oss); e.g. '{\"enable_thinking\": false}'. "
-                 "A request's chat_template_kwargs and reasoning_effort override it key by key");
+  app.add_option(
+      "--chat-template-kwargs", o.chat_template_kwargs,
+      "Chat template switches for every chat request, as a JSON object (llama.cpp's "
+      "server's flag): enable_thinking (Qwen3, GLM-4.5, DeepSeek), thinking "
+      "(DeepSeek), reasoning_effort (" +
+          gptoss +
+          "); e.g. '{\"enable_thinking\": false}'. "
+          "A request's chat_template_kwargs and reasoning_effort override it key by key");
   app.add_option("--reasoning-effort", o.reasoning_effort,
-                 "gpt-oss's reasoning effort for every chat request (its template's default: "
-                 "medium); a request's reasoning_effort overrides it")
+                 gptoss +
+                     "'s reasoning effort for every chat request (its template's default: "
+                     "medium); a request's reasoning_effort overrides it")
       ->check(CLI::IsMember({"low", "medium", "high"}));
   app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
   app.add_option("--vram-experts", o.vram_experts,

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cache/scheduler.h"
+#include "engine/family.h"
 #include "expertd/client.h"
 #include "policy/policy.h"
 #include "trace/synth.h"
@@ -275,7 +276,9 @@ int run_convert(const ConvertOptions& o) {
 }
 
 struct SynthOptions {
-  std::string shape = "mixtral";
+  // The Mixtral shape is named as the family registry names Mixtral.
+  std::string shape{
+      expertd::engine::short_name(expertd::engine::family_info(expertd::engine::Family::Mixtral))};
   std::string out;
   uint32_t tokens = 256;
   uint64_t seed = 1;
@@ -288,13 +291,14 @@ struct SynthOptions {
 
 int run_synth(const SynthOptions& o) {
   expertd::SynthParams p;
-  if (o.shape == "mixtral") {
+  const std::string mixtral = SynthOptions{}.shape;
+  if (o.shape == mixtral) {
     p = expertd::SynthParams::mixtral(o.tokens);
   } else if (o.shape == "wide") {
     p = expertd::SynthParams::wide(o.tokens);
   } else {
-    std::fprintf(stderr, "expert-tune synth: --shape %s: must be mixtral or wide\n",
-                 o.shape.c_str());
+    std::fprintf(stderr, "expert-tune synth: --shape %s: must be %s or wide\n", o.shape.c_str(),
+                 mixtral.c_str());
     return 2;
   }
   if (o.layers > 0) p.layers = o.layers;
@@ -449,8 +453,9 @@ int main(int argc, char** argv) {
   y->add_option("-o,--output", syn.out, "Output trace: .etrace (binary) or .jsonl (JSON Lines)")
       ->required();
   y->add_option("--shape", syn.shape,
-                "mixtral (32 layers, top-2 of 8, calibrated to real Mixtral traces; default) or "
-                "wide (48 layers, top-8 of 128)");
+                SynthOptions{}.shape +
+                    " (32 layers, top-2 of 8, calibrated to real Mixtral traces; default) or "
+                    "wide (48 layers, top-8 of 128)");
   y->add_option("--tokens", syn.tokens, "Tokens (default 256)");
   y->add_option("--seed", syn.seed, "Seed (default 1)");
   y->add_option("--layers", syn.layers, "Override the shape's layers");

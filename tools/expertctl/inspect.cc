@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/family.h"
 #include "storage/gguf.h"
 #include "storage/slice_map.h"
 #include "tools/expertctl/commands.h"
@@ -203,11 +204,15 @@ std::string layer_range(uint64_t first, uint64_t end) {
   return end - first == 1 ? fmt::format("{}", first) : fmt::format("{}-{}", first, end - 1);
 }
 
+std::string ds4_arch() {
+  return std::string(expertd::engine::family_info(expertd::engine::Family::DeepSeek4).arch);
+}
+
 void print_deepseek4(const GgufModel& m) {
   const Ds4Structure d = read_deepseek4(m);
   const uint64_t main_layers = ds4_main_layers(d);
   const uint64_t hash = std::min<uint64_t>(d.hash_layers.value_or(0), main_layers);
-  fmt::print("deepseek4\n");
+  fmt::print("{}\n", m.architecture());
   fmt::print(
       "  attention    {} heads x {} ({} KV head), rope {}, q LoRA {}, output {} groups x "
       "LoRA {}, window {}\n",
@@ -282,7 +287,7 @@ void print_deepseek2(const GgufModel& m) {
   const auto kv = u("attention.kv_lora_rank");
   const auto rope = u("rope.dimension_count");
   const auto qk = u("attention.key_length_mla");
-  fmt::print("deepseek2\n");
+  fmt::print("{}\n", m.architecture());
   fmt::print(
       "  attention    {} heads, MLA: q LoRA {}, kv LoRA {} (+ rope {} cached per position), "
       "qk {} + rope {}, v {}\n",
@@ -299,7 +304,7 @@ void print_glm4moe(const GgufModel& m) {
   auto u = [&](std::string_view suffix) { return arch_u64(m, suffix); };
   const uint64_t blocks = u("block_count").value_or(0);
   const uint64_t nextn = std::min(u("nextn_predict_layers").value_or(0), blocks);
-  fmt::print("glm4moe\n");
+  fmt::print("{}\n", m.architecture());
   fmt::print(
       "  attention    {} heads, {} KV heads of {}, rope on {} of them (NEOX), q/k norms {}\n",
       opt(u("attention.head_count")), opt(u("attention.head_count_kv")),
@@ -356,7 +361,7 @@ nlohmann::ordered_json deepseek4_json(const GgufModel& m) {
   }
   j["layers"] = layers;
   nlohmann::ordered_json out;
-  out["deepseek4"] = j;
+  out[m.architecture()] = j;
   return out;
 }
 
@@ -411,9 +416,11 @@ void print_summary(const GgufModel& m, const SliceMap& map) {
   for (const auto& [name, e] : by_type) {
     fmt::print("  {:<8} {:>5} tensors  {}\n", name, e.first, human_bytes(e.second));
   }
-  if (m.architecture() == "deepseek4") print_deepseek4(m);
-  if (m.architecture() == "deepseek2") print_deepseek2(m);
-  if (m.architecture() == "glm4moe") print_glm4moe(m);
+  const expertd::engine::FamilyInfo* f = expertd::engine::find_family(m.architecture());
+  if (f == nullptr) return;
+  if (f->family == expertd::engine::Family::DeepSeek4) print_deepseek4(m);
+  if (f->family == expertd::engine::Family::DeepSeek3) print_deepseek2(m);
+  if (f->family == expertd::engine::Family::Glm4Moe) print_glm4moe(m);
 }
 
 void print_types_json() {
@@ -449,7 +456,7 @@ int run_inspect(const InspectOptions& opts) {
   } else if (opts.tensors) {
     print_tensors_json(*model);
   } else if (opts.json) {
-    if (model->architecture() == "deepseek4") std::puts(dump(deepseek4_json(*model)).c_str());
+    if (model->architecture() == ds4_arch()) std::puts(dump(deepseek4_json(*model)).c_str());
     print_slices_json(*map);
   } else {
     print_summary(*model, *map);
@@ -464,10 +471,12 @@ void add_inspect_command(CLI::App& app, std::function<int()>* run) {
   CLI::App* cmd = app.add_subcommand(
       "inspect", "Show a GGUF model's layout and expert slice map (offline, no daemon)");
   cmd->add_option("model", opts->model, "GGUF file, or the first shard NAME-00001-of-0000N.gguf");
-  cmd->add_flag("--json", opts->json,
-                "One JSON object per expert slice (JSON Lines): shard, layer, expert, kind, "
-                "offset, bytes, type; a deepseek4 model's structure comes first, as "
-                "{\"deepseek4\": {...}}");
+  cmd->add_flag(
+      "--json", opts->json,
+      fmt::format("One JSON object per expert slice (JSON Lines): shard, layer, expert, kind, "
+                  "offset, bytes, type; a {0} model's structure comes first, as "
+                  "{{\"{0}\": {{...}}}}",
+                  ds4_arch()));
   cmd->add_flag("--tensors", opts->tensors,
                 "One JSON object per tensor: shard, name, type, shape, offset, bytes");
   cmd->add_flag("--metadata", opts->metadata,

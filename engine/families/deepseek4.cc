@@ -6,11 +6,12 @@
 #include <cstring>
 
 #include "engine/dequant.h"
-#include "engine/model.h"
-#include "engine/model_read.h"
+#include "engine/families/families.h"
 
 namespace expertd::engine {
 namespace {
+
+using detail::key_error;
 
 using detail::get_f64;
 using detail::get_u64;
@@ -20,11 +21,7 @@ using detail::read_vector;
 using detail::Sources;
 
 constexpr uint64_t kMaxRank = 1 << 16;
-constexpr uint32_t kGatingSqrtSoftplus = 4;  // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
-
-Error key_error(const GgufModel& g, std::string_view suffix, const std::string& what) {
-  return Error{EINVAL, fmt::format("{}: {} {}", g.meta().path(), g.arch_key(suffix), what)};
-}
+using detail::kGatingSqrtSoftplus;
 
 // A per-layer array key (or one scalar for every layer), at least n_layer long.
 Result<std::vector<double>> per_layer(const GgufModel& g, std::string_view suffix, uint32_t n_layer,
@@ -176,7 +173,7 @@ Status read_ds4_params(const GgufModel& g, ModelParams& p) {
                                  "key_length {}",
                                  p.n_rot, p.head_dim, idim));
   }
-  EXPERTD_TRY_ASSIGN(const Yarn yarn, detail::read_yarn(g, "deepseek4"));
+  EXPERTD_TRY_ASSIGN(const Yarn yarn, detail::read_yarn(g));
   d.yarn_factor = yarn.factor;
   d.yarn_orig_ctx = yarn.orig_ctx;
   d.yarn_beta_fast = yarn.beta_fast;
@@ -299,5 +296,10 @@ uint64_t ds4_dense_bytes(const Ds4Weights& w, bool held) {
   }
   return n;
 }
+
+const FamilyLoader kDeepSeek4Loader{
+    .read_params = read_ds4_params,
+    .load_model = load_ds4,
+};
 
 }  // namespace expertd::engine
