@@ -170,6 +170,107 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   cgate_.resize(c * ff_sh);
   cup_.resize(c * ff_sh);
   cdown_.resize(c * e);
+  fed_.resize(opts_.max_context);
+  checkpoints_.resize(kCheckpoints);
+  for (Checkpoint& cp : checkpoints_) {
+    cp.layers.resize(p_.n_layer);
+    for (uint32_t i = 0; i < p_.n_layer; ++i) {
+      const LayerState& s = layers_[i];
+      LayerCheckpoint& lc = cp.layers[i];
+      lc.window.resize(s.window.size());
+      for (auto [from, to] : {std::pair{&s.comp, &lc.comp}, std::pair{&s.index, &lc.index}}) {
+        to->kv.resize(from->kv.size());
+        to->gate.resize(from->gate.size());
+        to->prev_kv.resize(from->prev_kv.size());
+        to->prev_gate.resize(from->prev_gate.size());
+      }
+    }
+  }
+}
+
+namespace {
+
+// A layer's running attention state, from a LayerState to its checkpoint or back (both have
+// window, comp and index; the compressors' entries are not copied: append-only, the count says
+// how many are valid). Sizes match: the checkpoints are allocated like the state.
+template <typename From, typename To>
+void copy_running(const From& from, To& to) {
+  std::copy(from.window.begin(), from.window.end(), to.window.begin());
+  auto comp = [](const auto& f, auto& t) {
+    std::copy(f.kv.begin(), f.kv.end(), t.kv.begin());
+    std::copy(f.gate.begin(), f.gate.end(), t.gate.begin());
+    std::copy(f.prev_kv.begin(), f.prev_kv.end(), t.prev_kv.begin());
+    std::copy(f.prev_gate.begin(), f.prev_gate.end(), t.prev_gate.begin());
+    t.has_prev = f.has_prev;
+    t.count = f.count;
+  };
+  comp(from.comp, to.comp);
+  comp(from.index, to.index);
+}
+
+}  // namespace
+
+void Ds4CpuEngine::save_checkpoint() {
+  for (const Checkpoint& cp : checkpoints_) {
+    if (cp.valid && cp.pos == pos_) return;
+  }
+  // A free one, else the one of the earliest position: a continued conversation cuts near its end.
+  Checkpoint* pick = &checkpoints_[0];
+  for (Checkpoint& cp : checkpoints_) {
+    if (!cp.valid) {
+      pick = &cp;
+      break;
+    }
+    if (cp.pos < pick->pos) pick = &cp;
+  }
+  Checkpoint& cp = *pick;
+  cp.valid = true;
+  cp.pos = pos_;
+  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(layers_[i], cp.layers[i]);
+}
+
+void Ds4CpuEngine::restore_checkpoint(const Checkpoint& cp) {
+  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(cp.layers[i], layers_[i]);
+  pos_ = cp.pos;
+}
+
+bool Ds4CpuEngine::truncate(uint32_t n) {
+  if (n == pos_) return true;
+  if (n > pos_) return false;
+  // The latest checkpoint at or before n (position 0 is the reset state), and none after n: they
+  // describe positions about to be fed anew.
+  const Checkpoint* best = nullptr;
+  for (Checkpoint& cp : checkpoints_) {
+    if (!cp.valid) continue;
+    if (cp.pos > n) {
+      cp.valid = false;
+    } else if (best == nullptr || cp.pos > best->pos) {
+      best = &cp;
+    }
+  }
+  const uint32_t end = n;
+  if (best != nullptr) {
+    restore_checkpoint(*best);
+  } else {
+    reset();  // position 0; fed_ keeps the ids
+  }
+  // Feed [pos_, n) again, in prefill chunks; fed_ holds their ids (prefill_chunk rewrites them
+  // with themselves). Only n is kept as a checkpoint: the chunk ends on the way would push out
+  // the older ones.
+  replaying_ = true;
+  while (pos_ < end) {
+    const uint32_t m = std::min(chunk_, end - pos_);
+    const std::vector<uint32_t> ids(fed_.begin() + pos_, fed_.begin() + pos_ + m);
+    refed_ += m;
+    if (!prefill_chunk(ids, {})) {
+      replaying_ = false;
+      reset();
+      return false;
+    }
+  }
+  replaying_ = false;
+  if (pos_ > 0) save_checkpoint();
+  return true;
 }
 
 std::string Ds4CpuEngine::description() const {
@@ -179,6 +280,7 @@ std::string Ds4CpuEngine::description() const {
 
 void Ds4CpuEngine::reset() {
   pos_ = 0;
+  for (Checkpoint& cp : checkpoints_) cp.valid = false;
   for (LayerState& s : layers_) {
     s.comp.count = s.index.count = 0;
     s.comp.has_prev = s.index.has_prev = false;
@@ -216,7 +318,9 @@ Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
     hc_expand(out_.data());
   }
   head(logits);
+  fed_[pos_] = token;
   ++pos_;
+  if (pos_ % kCheckpointEvery == 0) save_checkpoint();
   ++stats_.tokens;
   stats_.decode_ns += monotonic_ns() - t0;
   return Ok{};
@@ -633,6 +737,8 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
     head(logits);
   }
   pos_ = p0 + n;
+  std::copy(tokens.begin(), tokens.end(), fed_.begin() + p0);
+  if (!replaying_) save_checkpoint();
   // Token-major routing records (the chunk logged them layer by layer), the positions counted.
   finish_prefill_chunk(routing_log_, logged, n, stats_);
   return Ok{};

@@ -29,8 +29,14 @@
 // routed to is hinted, then acquired once in groups of at most top-k and applied to all its
 // positions, and the shared expert is one matrix-matrix product over the chunk. The chunk's hash
 // layers are hinted exactly before layer 0. Each position combines its experts in decode()'s
-// order, so the logits are decode()'s to the bit. truncate() supports only what the default does:
-// the compressors' windows and emitted entries cannot be cut back to an earlier position.
+// order, so the logits are decode()'s to the bit.
+//
+// truncate(n) works for any n (prefix reuse): the sliding window and the compressors' running
+// windows cannot be cut back, so the engine keeps checkpoints of that state (kCheckpoints of them:
+// at the end of every prefill chunk and every kCheckpointEvery decoded positions), restores the
+// last one at or before n and feeds the positions from there to n again through prefill (bit-exact
+// to what decode() or prefill() computed the first time). The emitted compressed entries are
+// append-only and need only their count. The ids fed so far are kept for that.
 //
 // Owns every cache (sliding window, compressor buffers and entries) and scratch buffer (the
 // prefill ones sized by the chunk), sized at create(); decode() and prefill() allocate nothing
@@ -60,6 +66,14 @@ class Ds4CpuEngine final : public Engine {
                                                       const EngineOptions& options);
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // Any n <= position(): restores a checkpoint and feeds the rest (see above). False, with the
+  // engine reset, when feeding fails (an expert read error); false, unchanged, for n > position().
+  bool truncate(uint32_t n) override;
+  // Checkpoints kept, and the decode positions between two.
+  static constexpr uint32_t kCheckpoints = 4;
+  static constexpr uint32_t kCheckpointEvery = 64;
+  // Positions truncate() fed again (for tests and the run summary).
+  uint64_t refed_positions() const { return refed_; }
   // The batched forward of the prompt (see above). After an error, reset().
   void reset() override;
   uint32_t position() const override { return pos_; }
@@ -90,6 +104,26 @@ class Ds4CpuEngine final : public Engine {
     CompState comp;
     CompState index;
   };
+  // The running state of a compressor at a checkpoint (its entries are append-only: the count).
+  struct CompCheckpoint {
+    std::vector<float> kv, gate, prev_kv, prev_gate;
+    bool has_prev = false;
+    uint32_t count = 0;
+  };
+  struct LayerCheckpoint {
+    std::vector<float> window;
+    CompCheckpoint comp;
+    CompCheckpoint index;
+  };
+  struct Checkpoint {
+    bool valid = false;
+    uint32_t pos = 0;
+    std::vector<LayerCheckpoint> layers;
+  };
+  // Saves the state at pos_ into a free checkpoint, else over the earliest one (nothing when one
+  // holds pos_ already).
+  void save_checkpoint();
+  void restore_checkpoint(const Checkpoint& c);
 
   Ds4CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
 
@@ -129,6 +163,10 @@ class Ds4CpuEngine final : public Engine {
   EngineOptions opts_;
   uint32_t pos_ = 0;
   EngineStats stats_;
+  std::vector<uint32_t> fed_;  // [max_context]: the id at each position
+  std::vector<Checkpoint> checkpoints_;
+  bool replaying_ = false;  // truncate() is feeding positions again
+  uint64_t refed_ = 0;
   std::vector<RoutingRecord>* routing_log_ = nullptr;
 
   std::vector<double> inv_freq_main_;      // n_rot / 2

@@ -29,7 +29,8 @@ struct FamilyCapabilities {
   bool cpu_batched_prefill = false;   // the CPU engine prefills in chunks grouped by expert
   bool cuda = false;                  // a CUDA engine runs it
   bool cuda_batched_prefill = false;  // the CUDA engine prefills in chunks (else token by token)
-  bool prefix_truncate = false;       // truncate(n) for any n <= position(): prefix reuse
+  bool prefix_truncate = false;       // truncate(n) for any n <= position(): prefix reuse (CPU)
+  bool cuda_prefix_truncate = false;  // the same on the CUDA engine
   bool hash_hints = false;            // hash-routed layers hinted exactly from the token
   bool mtp_blocks = false;            // the loader skips next-n (MTP) blocks when the file has them
 };

@@ -290,8 +290,10 @@ std::string forge_arch_names() {
   for (const ForgeArch a : kForgeArchs) {
     const engine::FamilyInfo& f = engine::family_info(forge_family(a));
     if (!out.empty()) out += ", ";
-    out += fmt::format("{} ({}{})", engine::short_name(f), f.name,
-                       f.alias.empty() ? std::string() : fmt::format(", llama.cpp's {}", f.arch));
+    out += engine::short_name(f);
+    std::string note = f.name == engine::short_name(f) ? "" : std::string(f.name);
+    if (!f.alias.empty()) note += fmt::format("{}llama.cpp's {}", note.empty() ? "" : ", ", f.arch);
+    if (!note.empty()) out += " (" + note + ")";
   }
   return out;
 }

@@ -220,6 +220,69 @@ TEST(Ds4Forward, ResetStartsTheSequenceAgain) {
   }
 }
 
+// Prefix reuse: truncate(n) for any n restores the last checkpoint at or before n (prefill chunk
+// ends, every kCheckpointEvery decoded positions) and feeds the rest again, so the logits that
+// follow are a fresh run's to the bit: at a checkpoint, between two, in the middle of a
+// compressor's window (ratios 4 and 8) and of the sliding window (8), and at 0.
+TEST(Ds4Forward, TruncateToAnyPositionGivesTheLogitsOfAFreshRun) {
+  auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  constexpr uint32_t kTokens = 160;
+  constexpr uint32_t kPrompt = 20;  // prefilled in chunks of 8: checkpoints at 8, 16, 20
+  std::vector<uint32_t> ids(kTokens);
+  for (uint32_t i = 0; i < kTokens; ++i) ids[i] = (i * 37 + 11) % vocab;
+  EngineOptions o{kTokens + 8, 1, 0};
+  o.prefill_chunk = 8;
+
+  // The reference: every position decoded once, each one's logits kept.
+  auto ref_source = FileExpertSource::open(*model);
+  ASSERT_TRUE(ref_source);
+  auto ref = create_cpu_engine(*model, **ref_source, o);
+  ASSERT_TRUE(ref) << ref.error().message;
+  std::vector<std::vector<float>> want(kTokens, std::vector<float>(vocab));
+  for (uint32_t t = 0; t < kTokens; ++t) ASSERT_TRUE((*ref)->decode(ids[t], want[t]));
+
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  auto made = Ds4CpuEngine::create(*model, **source, o);
+  ASSERT_TRUE(made) << made.error().message;
+  Ds4CpuEngine& eng = **made;
+  std::vector<float> logits(vocab);
+  ASSERT_TRUE(eng.prefill(std::span<const uint32_t>(ids.data(), kPrompt), logits));
+  EXPECT_EQ(logits, want[kPrompt - 1]);
+  for (uint32_t t = kPrompt; t < 150; ++t) ASSERT_TRUE(eng.decode(ids[t], logits));
+  EXPECT_FALSE(eng.truncate(151)) << "past the position";
+  EXPECT_EQ(eng.position(), 150u);
+
+  // Each cut is followed by three decoded positions. refed: the positions fed again. The four
+  // checkpoints: the prompt's chunk ends 8, 16, 20, then decode's 64, and 128 in place of 8 (the
+  // earliest goes first); a cut keeps its own position and drops those after it.
+  const struct {
+    uint32_t n;
+    uint64_t refed;
+  } cuts[] = {{149, 21},  // from 128; keeps 149 in place of 16: {20, 64, 128, 149}
+              {128, 0},   // at one; 149 dropped
+              {99, 35},   // from 64; 128 dropped, 99 kept: {20, 64, 99}
+              {100, 1},   // from 99, which the last cut kept: {20, 64, 99, 100}
+              {64, 0},    // at one; 99 and 100 dropped
+              {45, 25},   // from 20 (the prompt's end); 64 dropped: {20, 45}
+              {17, 17},   // none at or before 17 is left: from 0, keeping 17
+              {13, 13},   // likewise
+              {5, 5},    {0, 0}};
+  static_assert(Ds4CpuEngine::kCheckpoints == 4 && Ds4CpuEngine::kCheckpointEvery == 64);
+  for (const auto& c : cuts) {
+    const uint64_t before = eng.refed_positions();
+    ASSERT_TRUE(eng.truncate(c.n)) << c.n;
+    EXPECT_EQ(eng.position(), c.n);
+    EXPECT_EQ(eng.refed_positions() - before, c.refed) << "n " << c.n;
+    for (uint32_t t = c.n; t < c.n + 3; ++t) {
+      ASSERT_TRUE(eng.decode(ids[t], logits));
+      EXPECT_EQ(logits, want[t]) << "cut at " << c.n << ", position " << t;
+    }
+  }
+}
+
 // --- Malformed files: a copy of the fixture with one thing changed must fail to load with an
 // error that names the tensor or key.
 

@@ -1402,7 +1402,7 @@ TEST(FamilyCuda, TheCudaEnginesDoWhatTheRegistrySays) {
     ASSERT_TRUE((*engine)->prefill(prompt, logits));
     EXPECT_EQ((*engine)->stats().prefill_experts > 0, info.caps.cuda_batched_prefill)
         << "prefill_experts " << (*engine)->stats().prefill_experts;
-    EXPECT_EQ((*engine)->truncate(2), info.caps.prefix_truncate);
+    EXPECT_EQ((*engine)->truncate(2), info.caps.cuda_prefix_truncate);
   }
 }
 

@@ -33,6 +33,7 @@
 #include "engine/tokenizer.h"
 #include "engine/vocab.h"
 #include "expertd/client.h"
+#include "storage/slice_map.h"
 #include "trace/trace.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
@@ -675,6 +676,17 @@ int run(Options o) {
       s.tiers_samples ? static_cast<double>(s.tiers_distinct_sum) / s.tiers_samples : 0.0;
   // Per-token figures of the prompt (none with --feed-tokens alone).
   const double prompt_n = static_cast<double>(std::max<size_t>(prompt->size(), 1));
+  // The prompt's reads against the experts its chunks acquired (each once per chunk): 1.0 when
+  // every acquired expert was read once, above it when hinted experts were evicted before their
+  // acquire and read again, below it when some were in a cache already. Priced at the mean
+  // expert's bytes (every layer's experts are one size in the families run today).
+  double expert_bytes = 0.0;
+  if (const auto map = expertd::SliceMap::build(model->gguf());
+      map && !map->layers().empty() && map->expert_count() > 0) {
+    expert_bytes = static_cast<double>(map->total_expert_bytes()) /
+                   (static_cast<double>(map->layers().size()) * map->expert_count());
+  }
+  const double acquired_bytes = expert_bytes * static_cast<double>(at_prompt.prefill_experts);
   // The feed's window alone: the routed experts found in each tier and the disk's queue.
   const uint64_t window_hits = after.hits - mid.hits;
   const uint64_t window_vram_prefetches = s.vram_prefetches - at_prompt.vram_prefetches;
@@ -711,6 +723,11 @@ int run(Options o) {
           {"tokens_per_s", prompt_tokens_per_s},
           {"time_to_first_token_ms", static_cast<double>(t1 - t0) / 1e6},
           {"experts_acquired", at_prompt.prefill_experts},
+          {"expert_bytes", expert_bytes},
+          {"read_over_acquired",
+           acquired_bytes > 0
+               ? static_cast<double>(mid.bytes_read - before.bytes_read) / acquired_bytes
+               : 0.0},
           {"stall_ms", static_cast<double>(at_prompt.stall_ns) / 1e6},
           {"bytes_read", mid.bytes_read - before.bytes_read},
           {"bytes_read_per_token",
