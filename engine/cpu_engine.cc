@@ -48,7 +48,7 @@ void oai_swiglu(const LayerWeights& w, uint32_t expert, float* gate, const float
 void expert_activation(const ModelParams& p, const LayerWeights& w, uint32_t expert, float* gate,
                        const float* up, uint64_t n) {
   const uint64_t ff = p.n_ff_exp;
-  if (p.is_gptoss()) {
+  if (p.act == ExpertAct::ClampedSwiglu) {
     oai_swiglu(w, expert, gate, up, n, ff);
     return;
   }
@@ -96,8 +96,8 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   att_.resize(q_dim);
   tmp_.resize(p_.n_embd);
   // glm4moe's dense MLP and shared expert are wider than a routed expert.
-  const uint64_t ff =
-      std::max<uint64_t>({p_.n_ff_exp, p_.glm.n_ff, uint64_t{p_.n_ff_exp} * p_.glm.n_shared});
+  const uint64_t ff = std::max<uint64_t>(
+      {p_.n_ff_exp, p_.sigmoid_moe.n_ff, uint64_t{p_.n_ff_exp} * p_.sigmoid_moe.n_shared});
   row_.resize(std::max<uint64_t>({p_.n_embd, q_dim, ff}));
   scores_.resize(opts_.max_context + 1);  // + gpt-oss's sink
   acc_.resize(std::max(p_.n_embd, p_.head_dim));
@@ -258,8 +258,8 @@ void CpuEngine::send_hints(uint32_t layer) {
 }
 
 void CpuEngine::hint_probs(const LayerWeights& w, const float* logits) {
-  if (p_.is_glm4moe()) {
-    ds3_hint_probs(p_.glm, w.exp_bias, std::span<const float>(logits, p_.n_expert), probs_);
+  if (p_.router == RouterKind::Sigmoid) {
+    ds3_hint_probs(p_.sigmoid_moe, w.exp_bias, std::span<const float>(logits, p_.n_expert), probs_);
     return;
   }
   softmax_hint_probs(std::span<const float>(logits, p_.n_expert), probs_);
@@ -286,12 +286,12 @@ void CpuEngine::route(uint32_t layer) {
 void CpuEngine::select(const LayerWeights& w, const float* logits, uint32_t* selected,
                        float* weights) {
   const uint32_t k = p_.n_expert_used;
-  if (p_.is_glm4moe()) {
-    ds3_route(p_.glm, w.exp_bias, std::span<const float>(logits, p_.n_expert), k, probs_, sel_,
-              order_, std::span<uint32_t>(selected, k), std::span<float>(weights, k));
+  if (p_.router == RouterKind::Sigmoid) {
+    ds3_route(p_.sigmoid_moe, w.exp_bias, std::span<const float>(logits, p_.n_expert), k, probs_,
+              sel_, order_, std::span<uint32_t>(selected, k), std::span<float>(weights, k));
     return;
   }
-  if (p_.is_gptoss()) {
+  if (p_.router == RouterKind::TopkSoftmax) {
     // gpt-oss: the top-k logits first, then the softmax over those k alone.
     gptoss_route(std::span<const float>(logits, p_.n_expert), k, probs_, order_, topk_,
                  std::span<uint32_t>(selected, k), std::span<float>(weights, k));
@@ -534,7 +534,8 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   EXPERTD_TRY(run_chunk_experts(
       source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e, p_.n_ff_exp, cout_.data(),
       ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(), cup_.data(), cdown_.data(),
-                   row_.data(), p_.is_gptoss() ? &model_.layer(layer) : nullptr},
+                   row_.data(),
+                   p_.act == ExpertAct::ClampedSwiglu ? &model_.layer(layer) : nullptr},
       stats_));
   const bool shared = w.shexp_gate.rows > 0;
   if (shared) {

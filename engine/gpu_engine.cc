@@ -70,9 +70,9 @@ uint64_t vec_bytes(const std::vector<float>& v) {
   return v.empty() ? 0 : align_up(v.size() * 4, kAlign);
 }
 
-// The families whose routing is made on the host (HostRouter) and whose prompt is decoded token by
-// token: glm4moe and gpt-oss.
-bool host_routed(const ModelParams& p) { return p.is_glm4moe() || p.is_gptoss(); }
+// The routers made on the host (HostRouter): SigmoidMoe's (GLM-4.5) and the top-k softmax
+// (gpt-oss); those models also prefill layer by layer.
+bool host_routed(const ModelParams& p) { return p.router != RouterKind::Softmax; }
 
 // Whether a layer has q/k/v biases (glm4moe's attention_bias; any of the three).
 bool has_qkv_bias(const LayerWeights& w) { return !w.bq.empty() || !w.bk.empty() || !w.bv.empty(); }
@@ -253,8 +253,8 @@ struct GpuEngine::Impl {
         opts(o),
         gpu(g),
         planner(m.params(), o),
-        router(m.params(), m.params().glm, opts) {
-    if (p.is_glm4moe()) {
+        router(m.params(), m.params().sigmoid_moe, opts) {
+    if (p.router == RouterKind::Sigmoid) {
       for (uint32_t l = 0; l < p.n_layer; ++l) router.bias.emplace_back(m.layer(l).exp_bias);
     }
   }
@@ -327,7 +327,7 @@ Status GpuEngine::Impl::init() {
                                           "the model has top-{} of {}",
                                           p.n_expert_used, p.n_expert));
   }
-  const bool glm = p.is_glm4moe();
+  const bool glm = p.router == RouterKind::Sigmoid;  // SigmoidMoe's dense layers, shared experts
   if (host_routed(p) && 2 * p.n_expert_used > kernels::kMaxBatch) {
     return make_error(EINVAL, fmt::format("the GPU engine runs {} with at most top-{} experts; "
                                           "the model has top-{}",
@@ -421,8 +421,8 @@ Status GpuEngine::Impl::upload_sigmoid_moe() {
       moe_mem, gpu::carve_device(
                    [&](Carver& c) -> Status {
                      for (uint32_t l = 0; l < p.n_layer; ++l) {
-                       EXPERTD_TRY(gpu::carve_sigmoid_moe(c, model, p.glm, l, model.layer(l),
-                                                          layers[l].moe, scratch));
+                       EXPERTD_TRY(gpu::carve_sigmoid_moe(c, model, p.sigmoid_moe, l,
+                                                          model.layer(l), layers[l].moe, scratch));
                      }
                      return Ok{};
                    },
@@ -451,7 +451,7 @@ Status GpuEngine::Impl::upload_dense() {
                    vec_bytes(w.exp_gate_b) + vec_bytes(w.exp_up_b) + vec_bytes(w.exp_down_b);
   }
   std::vector<double> freqs;
-  if (p.is_gptoss() && p.yarn.factor > 0.0) {
+  if (p.yarn.factor > 0.0) {
     // gpt-oss's config says truncate: false (the GGUF has no key for it), as CpuEngine.
     freqs = rope_inv_freq(p.n_rot, p.rope_base, p.yarn, /*truncate=*/false);
     mscale = yarn_mscale(p.yarn.factor);
@@ -952,7 +952,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
       pos = pos0 + i;
       const std::span<const uint32_t> sel(csel.data() + uint64_t{i} * k, k);
       const float* w = crw + uint64_t{i} * k;
-      if (p.is_gptoss()) {
+      if (p.act == ExpertAct::ClampedSwiglu) {
         // gptoss_ffn with this row's route.
         uint64_t waited = 0;
         EXPERTD_TRY(experts->acquire(layer, sel, ptrs, &waited));
@@ -1289,7 +1289,7 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
                                   }),
                                   p.architecture));
   }
-  if (p.is_gptoss()) {
+  if (p.act == ExpertAct::ClampedSwiglu) {
     for (uint32_t l = 0; l < p.n_layer; ++l) {
       const LayerWeights& w = model.layer(l);
       if (w.exp_gate_b.empty() || w.exp_up_b.empty() || w.exp_down_b.empty()) {
@@ -1346,7 +1346,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(m.attention(layer));
     if (host_routed(p)) {
       EXPERTD_TRY(m.host_route(layer));
-      EXPERTD_TRY(p.is_gptoss() ? m.gptoss_ffn(layer) : m.glm_ffn(layer));
+      EXPERTD_TRY(p.act == ExpertAct::ClampedSwiglu ? m.gptoss_ffn(layer) : m.glm_ffn(layer));
     } else {
       EXPERTD_TRY(m.route_and_hint(layer));
       EXPERTD_TRY(m.moe(layer));
@@ -1400,11 +1400,11 @@ std::string GpuEngine::description() const {
           ? fmt::format("prefill in chunks of {}{} ({} scratch)", m.chunk, how, gib(m.chunk_bytes))
           : fmt::format("prefill in chunks of {}{}, clamped from {} to fit its {} scratch", m.chunk,
                         how, m.chunk_asked, gib(m.chunk_bytes));
-  return fmt::format("CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}",
-                     m.device_name, gib(m.dense_device_bytes),
-                     m.p.is_glm4moe() ? ", dense MLPs and shared experts as in the file" : "", tier,
-                     prefill,
-                     x.arena_registered() ? "" : "; arena not registered: pageable copies");
+  return fmt::format(
+      "CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}", m.device_name,
+      gib(m.dense_device_bytes),
+      m.p.router == RouterKind::Sigmoid ? ", dense MLPs and shared experts as in the file" : "",
+      tier, prefill, x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 
 }  // namespace expertd::engine

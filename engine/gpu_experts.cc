@@ -104,7 +104,7 @@ HostRouter::HostRouter(const ModelParams& p_, const SigmoidMoe& d_, const Engine
     : p(p_),
       d(d_),
       opts(opts_),
-      gptoss(p_.is_gptoss()),
+      gptoss(p_.router == RouterKind::TopkSoftmax),
       selected(p_.n_expert_used),
       weights(p_.n_expert_used),
       probs(p_.n_expert),

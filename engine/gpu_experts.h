@@ -173,7 +173,7 @@ struct HostRouter {
   const ModelParams& p;
   const SigmoidMoe& d;
   const EngineOptions& opts;
-  bool gptoss = false;                       // gpt-oss's routing (p.is_gptoss())
+  bool gptoss = false;  // gpt-oss's routing (p.router == RouterKind::TopkSoftmax)
   std::vector<std::span<const float>> bias;  // per layer: exp_probs_b (the engine fills it)
   std::vector<uint32_t> selected;            // the layer's experts (k)
   std::vector<float> weights;                // and their weights

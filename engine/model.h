@@ -110,6 +110,19 @@ struct Ds3Params : SigmoidMoe {
 // model's q/k rows so that NORM on its file computes what rotate_half did on the original.
 enum class RopeType : uint8_t { Neox, Norm };
 
+// The generic engines (CpuEngine, GpuEngine) compose a family from blocks; its family file
+// (engine/families/) chooses them in ModelParams. The router of the MoE layers:
+enum class RouterKind : uint8_t {
+  Softmax,  // softmax over every expert, top-k, renormalised when norm_topk (Qwen3-MoE, Mixtral)
+  TopkSoftmax,  // the top-k of the biased logits, then a softmax over those k (gpt-oss)
+  // SigmoidMoe (ModelParams::sigmoid_moe): sigmoid scores, a selection bias, group-limited top-k,
+  // with the block's dense leading layers and shared experts (GLM-4.5, as DeepSeek-V3's)
+  Sigmoid,
+};
+// The routed experts' activation: silu(gate) * up, or gpt-oss's clamped SwiGLU on the biased
+// projections (kGptOssAlpha, kGptOssLimit; the layer's exp_*_b).
+enum class ExpertAct : uint8_t { Swiglu, ClampedSwiglu };
+
 struct ModelParams {
   std::string architecture;          // general.architecture (a row of engine/family.h's registry)
   Family family = Family::Qwen3Moe;  // that row's family
@@ -135,22 +148,22 @@ struct ModelParams {
   bool qk_norm = true;
   bool is_ds4() const { return family == Family::DeepSeek4; }
   bool is_ds3() const { return family == Family::DeepSeek3; }
-  // gpt-oss (`gpt-oss`): q/k/v/o, router and expert biases, attention sinks, the even layers
-  // attend to their last `swa_window` positions, the router's softmax is over the top-k logits,
-  // the experts use the clamped SwiGLU (kGptOssAlpha, kGptOssLimit) and RoPE is YaRN.
+  // The generic engines' blocks (above), chosen by the family file: gpt-oss's router and
+  // activation; GLM-4.5's SigmoidMoe router and MoE block.
+  RouterKind router = RouterKind::Softmax;
+  ExpertAct act = ExpertAct::Swiglu;
+  SigmoidMoe sigmoid_moe;  // router == Sigmoid (DeepSeek-V3 keeps its own in ds3)
+  // Attention: the even layers attend to their last `swa_window` positions (gpt-oss); YaRN RoPE
+  // (gpt-oss; DeepSeek-V3 keeps its own in ds3). gpt-oss's q/k/v/o biases and sinks, and GLM-4.5's
+  // q/k/v biases, are read where the file has them (LayerWeights).
   uint32_t swa_window = 0;  // attention.sliding_window (0: every layer attends to all)
-  Yarn yarn;                // gpt-oss only (DeepSeek-V3 keeps its own in ds3)
-  bool is_gptoss() const { return family == Family::GptOss; }
+  Yarn yarn;
   // Whether `layer` attends to a sliding window (gpt-oss: even layers, llama.cpp's pattern 2).
   bool sliding(uint32_t layer) const { return swa_window > 0 && layer % 2 == 0; }
-  // GLM-4.5 (`glm4moe`): q/k/v biases, optional per-head q/k norms (GLM-4.5 has them, -Air not),
-  // NEOX RoPE on the first n_rot (partial_rotary_factor × head_dim) dimensions, the
-  // post-attention norm before the FFN, and DeepSeek-V3's MoE with its dense first layers.
-  SigmoidMoe glm;  // glm4moe only (DeepSeek-V3 keeps its own in ds3)
-  bool is_glm4moe() const { return family == Family::Glm4Moe; }
-  // Whether `layer` has a dense MLP instead of routed experts (CpuEngine's families: glm4moe's
-  // leading layers).
-  bool dense_layer(uint32_t layer) const { return is_glm4moe() && layer < glm.dense_lead; }
+  // Whether `layer` has a dense MLP instead of routed experts (SigmoidMoe's leading layers).
+  bool dense_layer(uint32_t layer) const {
+    return router == RouterKind::Sigmoid && layer < sigmoid_moe.dense_lead;
+  }
   // nextn_predict_layers: the MTP (next-n prediction) blocks after the n_layer main ones, as
   // llama.cpp's converter writes DeepSeek-V4's and GLM-4.5's. The engines skip them; their routed
   // experts are in the file and the slice map all the same.

@@ -15,13 +15,14 @@ namespace {
 using detail::key_error;
 
 Status read_glm4moe_params(const GgufModel& g, ModelParams& p) {
+  p.router = RouterKind::Sigmoid;
   EXPERTD_TRY(read_nextn(g, p));
   // llama.cpp requires the shared expert count for glm4moe (every GLM-4.5 has one).
   if (g.find_arch("expert_shared_count") == nullptr) {
     return key_error(g, "expert_shared_count", "is missing; GLM-4.5's MoE needs it");
   }
   // llama.cpp scores GLM-4.5's router with sigmoid when the gating key is absent.
-  EXPERTD_TRY(detail::read_sigmoid_moe(g, p, detail::kGatingSigmoid, p.glm));
+  EXPERTD_TRY(detail::read_sigmoid_moe(g, p, detail::kGatingSigmoid, p.sigmoid_moe));
   EXPERTD_TRY_ASSIGN(const Yarn yarn, detail::read_yarn(g));
   if (yarn.factor > 0) {
     return key_error(g, "rope.scaling.type",
@@ -46,7 +47,8 @@ Status load_glm4moe_layer(const GgufModel& g, const detail::Sources& src, const 
     if (!g.find_tensor(b + name)) continue;
     EXPERTD_TRY_ASSIGN(*v, detail::read_vector(g, src, b + name, n));
   }
-  return detail::read_sigmoid_moe_layer(g, src, b, p, p.glm, layer, /*bias_required=*/true, l);
+  return detail::read_sigmoid_moe_layer(g, src, b, p, p.sigmoid_moe, layer, /*bias_required=*/true,
+                                        l);
 }
 
 }  // namespace

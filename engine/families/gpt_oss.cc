@@ -12,6 +12,8 @@ namespace {
 using detail::get_u64;
 
 Status read_gptoss_params(const GgufModel& g, ModelParams& p) {
+  p.router = RouterKind::TopkSoftmax;
+  p.act = ExpertAct::ClampedSwiglu;
   p.qk_norm = false;
   EXPERTD_TRY_ASSIGN(const uint64_t window,
                      get_u64(g, "attention.sliding_window", {}, 1, uint64_t{1} << 24));

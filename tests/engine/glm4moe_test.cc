@@ -41,7 +41,8 @@ TEST(Glm4MoeForward, ReadsGlm45FromTheFile) {
   auto model = DenseModel::load(gguf("q8_0"));
   ASSERT_TRUE(model) << model.error().message;
   const ModelParams& p = model->params();
-  EXPECT_TRUE(p.is_glm4moe());
+  EXPECT_EQ(p.family, Family::Glm4Moe);
+  EXPECT_EQ(p.router, RouterKind::Sigmoid);
   // block_count 4: three main layers and the MTP block the engine skips.
   EXPECT_EQ(p.n_layer, 3u);
   EXPECT_EQ(p.nextn_layers, 1u);
@@ -49,13 +50,13 @@ TEST(Glm4MoeForward, ReadsGlm45FromTheFile) {
   EXPECT_EQ(p.n_rot, 16u);  // partial_rotary_factor 0.5
   EXPECT_EQ(p.rope, RopeType::Neox);
   EXPECT_TRUE(p.qk_norm);
-  EXPECT_EQ(p.glm.dense_lead, 1u);
-  EXPECT_EQ(p.glm.n_ff, 96u);
-  EXPECT_EQ(p.glm.n_shared, 1u);
-  EXPECT_EQ(p.glm.n_group, 1u);
-  EXPECT_TRUE(p.glm.sigmoid);
-  EXPECT_FLOAT_EQ(p.glm.weights_scale, 2.5f);
-  EXPECT_TRUE(p.glm.weights_norm);
+  EXPECT_EQ(p.sigmoid_moe.dense_lead, 1u);
+  EXPECT_EQ(p.sigmoid_moe.n_ff, 96u);
+  EXPECT_EQ(p.sigmoid_moe.n_shared, 1u);
+  EXPECT_EQ(p.sigmoid_moe.n_group, 1u);
+  EXPECT_TRUE(p.sigmoid_moe.sigmoid);
+  EXPECT_FLOAT_EQ(p.sigmoid_moe.weights_scale, 2.5f);
+  EXPECT_TRUE(p.sigmoid_moe.weights_norm);
   EXPECT_TRUE(p.dense_layer(0));
   EXPECT_FALSE(p.dense_layer(1));
   const LayerWeights& dense = model->layer(0);

@@ -38,7 +38,9 @@ TEST(GptOssForward, ReadsGptOssFromTheFile) {
   auto model = DenseModel::load(gguf("mxfp4"));
   ASSERT_TRUE(model) << model.error().message;
   const ModelParams& p = model->params();
-  EXPECT_TRUE(p.is_gptoss());
+  EXPECT_EQ(p.family, Family::GptOss);
+  EXPECT_EQ(p.router, RouterKind::TopkSoftmax);
+  EXPECT_EQ(p.act, ExpertAct::ClampedSwiglu);
   EXPECT_FALSE(p.qk_norm);
   EXPECT_EQ(p.swa_window, 8u);
   EXPECT_TRUE(p.sliding(0));

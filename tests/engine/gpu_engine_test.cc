@@ -115,7 +115,7 @@ void expect_tiny_fixture_on_gpu(const char* name, uint64_t small, uint64_t all, 
       const EngineStats& s = (*engine)->stats();
       // glm4moe's dense first layer routes nothing (dense_lead is 0 for the other families).
       EXPECT_EQ(s.experts_used,
-                fx.tokens.size() * (p.n_layer - p.glm.dense_lead) * p.n_expert_used);
+                fx.tokens.size() * (p.n_layer - p.sigmoid_moe.dense_lead) * p.n_expert_used);
       test::expect_fixture_greedy(**engine, fx, variant);
       EXPECT_EQ(s.vram_hits + s.vram_misses, s.experts_used);
       if (slots == small) {

@@ -143,7 +143,7 @@ TEST(ForgeGlm4Moe, TheEngineRunsIt) {
   auto model = engine::DenseModel::load(out);
   ASSERT_TRUE(model) << model.error().message;
   const engine::ModelParams& p = model->params();
-  EXPECT_TRUE(p.is_glm4moe());
+  EXPECT_EQ(p.family, engine::Family::Glm4Moe);
   EXPECT_EQ(p.n_layer, 3u);
   EXPECT_EQ(p.nextn_layers, 1u);
   EXPECT_FALSE(p.qk_norm);

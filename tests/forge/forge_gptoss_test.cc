@@ -73,7 +73,7 @@ TEST(ForgeGptOss, TheEngineRunsIt) {
   ASSERT_EQ(test::run_forge(small_gptoss(out)).exit_code, 0);
   auto model = engine::DenseModel::load(out);
   ASSERT_TRUE(model) << model.error().message;
-  EXPECT_TRUE(model->params().is_gptoss());
+  EXPECT_EQ(model->params().family, engine::Family::GptOss);
   EXPECT_EQ(model->params().swa_window, 8u);
   EXPECT_DOUBLE_EQ(model->params().yarn.factor, 32.0);
   auto source = engine::test::FileExpertSource::open(*model);
