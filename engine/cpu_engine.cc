@@ -68,11 +68,13 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(const DenseModel& model, Ex
                                           p.architecture));
   }
   EXPERTD_TRY(check_cpu_model(model));
-  EXPERTD_TRY(check_engine_options(p, options));
-  const uint64_t kv_values = uint64_t{p.n_layer} * options.max_context * p.n_head_kv * p.head_dim;
+  EXPERTD_TRY(check_engine_options(p, options, kMaxSequences));
+  const uint64_t kv_values =
+      uint64_t{options.sequences} * p.n_layer * options.max_context * p.n_head_kv * p.head_dim;
   if (kv_values > (uint64_t{1} << 34)) {  // 64 GiB per cache: a typo, not a plan
-    return make_error(EINVAL, fmt::format("a KV cache of {} positions needs {} GiB",
-                                          options.max_context, kv_values * 8 >> 30));
+    return make_error(EINVAL,
+                      fmt::format("KV caches of {} positions for {} sequence(s) need {} GiB",
+                                  options.max_context, options.sequences, kv_values * 8 >> 30));
   }
   return std::unique_ptr<CpuEngine>(new CpuEngine(model, source, options));
 }
@@ -86,7 +88,8 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   if (opts_.prefetch_width == 0) opts_.prefetch_width = p_.n_expert_used;
   kv_dim_ = uint64_t{p_.n_head_kv} * p_.head_dim;
   const uint64_t q_dim = uint64_t{p_.n_head} * p_.head_dim;
-  k_cache_.resize(uint64_t{p_.n_layer} * opts_.max_context * kv_dim_);
+  k_cache_.resize(uint64_t{opts_.sequences} * p_.n_layer * opts_.max_context * kv_dim_);
+  seq_pos_.assign(opts_.sequences, 0);
   v_cache_.resize(k_cache_.size());
   x_.resize(p_.n_embd);
   xn_.resize(p_.n_embd);
@@ -112,9 +115,12 @@ CpuEngine::CpuEngine(const DenseModel& model, ExpertSource& source, const Engine
   up_.resize(ff);
   views_.resize(p_.n_expert_used);
   pxn_.resize(p_.n_embd);
-  chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
+  // A batch step is a chunk of one row per sequence.
+  chunk_ = std::max(std::min(opts_.prefill_chunk, opts_.max_context), opts_.sequences);
   const uint64_t c = chunk_;
   const uint32_t k = p_.n_expert_used;
+  rseq_.resize(c);
+  rpos_.resize(c);
   cx_.resize(c * p_.n_embd);
   cxn_.resize(c * p_.n_embd);
   cq_.resize(c * q_dim);
@@ -174,14 +180,14 @@ void CpuEngine::attention(uint32_t layer) {
   add_bias(q_.data(), w.bq);
   add_bias(k_.data(), w.bk);
   add_bias(v_.data(), w.bv);
-  place_qkv(layer, pos_, q_.data(), k_.data(), v_.data());
-  attend(layer, pos_, q_.data(), att_.data());
+  place_qkv(cur_, layer, pos_, q_.data(), k_.data(), v_.data());
+  attend(cur_, layer, pos_, q_.data(), att_.data());
   matvec(w.wo.view(), att_.data(), tmp_.data(), row_.data());
   add_bias(tmp_.data(), w.bo);
   for (uint32_t i = 0; i < p_.n_embd; ++i) x_[i] += tmp_[i];
 }
 
-void CpuEngine::place_qkv(uint32_t layer, uint32_t pos, float* q_all, float* k_all,
+void CpuEngine::place_qkv(uint32_t seq, uint32_t layer, uint32_t pos, float* q_all, float* k_all,
                           const float* v) {
   const LayerWeights& w = model_.layer(layer);
   const uint32_t hd = p_.head_dim;
@@ -195,8 +201,8 @@ void CpuEngine::place_qkv(uint32_t layer, uint32_t pos, float* q_all, float* k_a
     if (p_.qk_norm) rms_norm(k, w.k_norm.data(), k, hd, p_.rms_eps);
     rotate(k, pos);
   }
-  std::copy_n(k_all, kv_dim_, k_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
-  std::copy_n(v, kv_dim_, v_cache_.begin() + static_cast<int64_t>(kv_index(layer, pos)));
+  std::copy_n(k_all, kv_dim_, k_cache_.begin() + static_cast<int64_t>(kv_index(seq, layer, pos)));
+  std::copy_n(v, kv_dim_, v_cache_.begin() + static_cast<int64_t>(kv_index(seq, layer, pos)));
 }
 
 void CpuEngine::rotate(float* v, uint32_t pos) const {
@@ -207,7 +213,7 @@ void CpuEngine::rotate(float* v, uint32_t pos) const {
   }
 }
 
-void CpuEngine::attend(uint32_t layer, uint32_t pos, const float* q_all, float* att) {
+void CpuEngine::attend(uint32_t seq, uint32_t layer, uint32_t pos, const float* q_all, float* att) {
   const uint32_t hd = p_.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint32_t group = p_.n_head / p_.n_head_kv;  // query heads sharing one kv head
@@ -218,7 +224,7 @@ void CpuEngine::attend(uint32_t layer, uint32_t pos, const float* q_all, float* 
     const float* q = q_all + uint64_t{h} * hd;
     const uint64_t kv_off = uint64_t{h / group} * hd;
     for (uint32_t t = first; t <= pos; ++t) {
-      scores_[t] = dot(q, k_cache_.data() + kv_index(layer, t) + kv_off, hd) * scale;
+      scores_[t] = dot(q, k_cache_.data() + kv_index(seq, layer, t) + kv_off, hd) * scale;
     }
     if (sinks.empty()) {
       softmax(scores_.data() + first, pos + 1 - first);
@@ -229,7 +235,7 @@ void CpuEngine::attend(uint32_t layer, uint32_t pos, const float* q_all, float* 
     }
     std::fill(acc_.begin(), acc_.begin() + hd, 0.0);
     for (uint32_t t = first; t <= pos; ++t) {
-      const float* v = v_cache_.data() + kv_index(layer, t) + kv_off;
+      const float* v = v_cache_.data() + kv_index(seq, layer, t) + kv_off;
       for (uint32_t i = 0; i < hd; ++i) acc_[i] += scores_[t] * static_cast<double>(v[i]);
     }
     for (uint32_t i = 0; i < hd; ++i) att[uint64_t{h} * hd + i] = static_cast<float>(acc_[i]);
@@ -365,18 +371,11 @@ Status CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<floa
                    cx_.data() + i * e, e);
   }
   const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
-  // The chunk is one pass over the layers: the planner dedups its hints over the whole chunk, and
-  // the daemon's cursor names the chunk's last position. It starts at the position before's last
-  // layer, so hints for this chunk's layers (layer 0's included) target this pass, not the next.
-  planner_.begin_token();
-  const uint32_t last = pos_ + n - 1;
-  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
-  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
-    prefill_attention(layer, n);
-    prefill_hints(layer, n);
-    prefill_route(layer, n);
-    EXPERTD_TRY(prefill_moe(layer, n));
+  for (uint32_t i = 0; i < n; ++i) {
+    rseq_[i] = cur_;
+    rpos_[i] = pos_ + i;
   }
+  EXPERTD_TRY(rows_forward(n, pos_ + n - 1));
   if (!logits.empty()) {
     rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
     matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
@@ -384,6 +383,72 @@ Status CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<floa
   pos_ += n;
   // Token-major routing records (the chunk logged them layer by layer), the positions counted.
   finish_prefill_chunk(routing_log_, logged, n, stats_);
+  return Ok{};
+}
+
+Status CpuEngine::rows_forward(uint32_t n, uint32_t last) {
+  // The rows are one pass over the layers: the planner dedups its hints over all of them, and the
+  // daemon's cursor names the pass's last position. It starts at the position before's last
+  // layer, so hints for this pass's layers (layer 0's included) target this pass, not the next.
+  planner_.begin_token();
+  cursor_ = last;
+  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
+    prefill_attention(layer, n);
+    prefill_hints(layer, n);
+    prefill_route(layer, n);
+    EXPERTD_TRY(prefill_moe(layer, n));
+  }
+  return Ok{};
+}
+
+Status CpuEngine::select_sequence(uint32_t sequence) {
+  EXPERTD_TRY(Engine::select_sequence(sequence));
+  seq_pos_[cur_] = pos_;
+  cur_ = sequence;
+  pos_ = seq_pos_[cur_];
+  return Ok{};
+}
+
+Status CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  const auto n = static_cast<uint32_t>(rows.size());
+  const uint64_t e = p_.n_embd;
+  const uint64_t v = p_.n_vocab;
+  seq_pos_[cur_] = pos_;
+  uint32_t last = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t s = rows[i].sequence;
+    if (seq_pos_[s] >= opts_.max_context) {
+      return make_error(ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)", s,
+                                            opts_.max_context));
+    }
+  }
+  const uint64_t t0 = monotonic_ns();
+  const Matrix& embd = model_.token_embd();
+  for (uint32_t i = 0; i < n; ++i) {
+    rseq_[i] = rows[i].sequence;
+    rpos_[i] = seq_pos_[rows[i].sequence];
+    last = std::max(last, rpos_[i]);
+    dequantize_row(embd.type, embd.bytes.data() + uint64_t{rows[i].token} * embd.row_bytes,
+                   cx_.data() + i * e, e);
+  }
+  const uint64_t experts_before = stats_.prefill_experts;
+  const Status st = rows_forward(n, last);
+  // rows_forward counts the step's acquires as prefill's; they are the batch's.
+  stats_.batch_experts += stats_.prefill_experts - experts_before;
+  stats_.prefill_experts = experts_before;
+  EXPERTD_TRY(st);
+  for (uint32_t i = 0; i < n; ++i) {
+    rms_norm(cx_.data() + i * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
+    matvec(model_.output().view(), xn_.data(), logits.data() + i * v, row_.data());
+    ++seq_pos_[rows[i].sequence];
+  }
+  pos_ = seq_pos_[cur_];
+  stats_.tokens += n;
+  stats_.batch_rows += n;
+  ++stats_.batch_steps;
+  stats_.decode_ns += monotonic_ns() - t0;
   return Ok{};
 }
 
@@ -400,13 +465,13 @@ void CpuEngine::prefill_attention(uint32_t layer, uint32_t n) {
   add_bias(cq_.data(), w.bq, n, q_dim);
   add_bias(ck_.data(), w.bk, n, kv_dim_);
   add_bias(cv_.data(), w.bv, n, kv_dim_);
-  // Every position's k and v go into the cache first; position i then attends to [0, pos_ + i].
+  // Every row's k and v go into its sequence's cache first; row i then attends to [0, rpos_[i]].
   for (uint32_t i = 0; i < n; ++i) {
-    place_qkv(layer, pos_ + i, cq_.data() + i * q_dim, ck_.data() + i * kv_dim_,
+    place_qkv(rseq_[i], layer, rpos_[i], cq_.data() + i * q_dim, ck_.data() + i * kv_dim_,
               cv_.data() + i * kv_dim_);
   }
   for (uint32_t i = 0; i < n; ++i) {
-    attend(layer, pos_ + i, cq_.data() + i * q_dim, catt_.data() + i * q_dim);
+    attend(rseq_[i], layer, rpos_[i], cq_.data() + i * q_dim, catt_.data() + i * q_dim);
   }
   matmul(w.wo.view(), catt_.data(), q_dim, ctmp_.data(), e, n, row_.data());
   add_bias(ctmp_.data(), w.bo, n, e);
@@ -421,7 +486,7 @@ void CpuEngine::prefill_hints(uint32_t layer, uint32_t n) {
     const uint32_t next = layer + j;
     if (opts_.script != nullptr && opts_.hints == HintSource::Script) {
       for (uint32_t i = 0; i < n; ++i)
-        add_scripted_hints(*opts_.script, pos_ + i, layer, next, planner_);
+        add_scripted_hints(*opts_.script, rpos_[i], layer, next, planner_);
       continue;
     }
     if (p_.dense_layer(next)) continue;  // no experts
@@ -458,10 +523,10 @@ void CpuEngine::prefill_route(uint32_t layer, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) {
     const std::span<uint32_t> sel(csel_.data() + uint64_t{i} * k, k);
     const std::span<float> wts(cweights_.data() + uint64_t{i} * k, k);
-    if (!take_scripted_route(opts_, pos_ + i, layer, sel, wts, stats_)) {
+    if (!take_scripted_route(opts_, rpos_[i], layer, sel, wts, stats_)) {
       select(w, clogits_.data() + uint64_t{i} * p_.n_expert, sel.data(), wts.data());
     }
-    log_route(routing_log_, pos_ + i, layer, sel, wts);
+    log_route(routing_log_, rpos_[i], layer, sel, wts);
   }
   groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
   routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
@@ -532,7 +597,7 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
     return Ok{};
   }
   EXPERTD_TRY(run_chunk_experts(
-      source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e, p_.n_ff_exp, cout_.data(),
+      source_, layer, groups_, k, cursor_, cxn_.data(), e, p_.n_ff_exp, cout_.data(),
       ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(), cup_.data(), cdown_.data(),
                    row_.data(),
                    p_.act == ExpertAct::ClampedSwiglu ? &model_.layer(layer) : nullptr},

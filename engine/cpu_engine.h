@@ -24,9 +24,16 @@
 // positions. Each position's output is combined in its route's order, as decode() does, so the
 // logits are decode()'s to the bit.
 //
-// Owns the KV cache and every scratch buffer (the prefill ones sized by the chunk), sized at
-// create(); decode() and prefill() allocate nothing unless a routing log is attached. Not
-// thread-safe.
+// Sequences (EngineOptions::sequences, at most kMaxSequences): each has its own KV cache of
+// max_context positions; decode_batch() runs one step of several as a prefill chunk whose rows
+// belong to different sequences at their own positions: the projections are matrix products over
+// the rows, each row attends over its own sequence's cache, and every routed expert the step
+// needs is acquired once and applied to all the rows that route to it. Each row's logits are
+// decode()'s of its sequence alone, to the bit.
+//
+// Owns the KV caches and every scratch buffer (the prefill ones sized by the chunk, at least the
+// sequences), sized at create(); decode(), prefill() and decode_batch() allocate nothing unless a
+// routing log is attached. Not thread-safe.
 #pragma once
 
 #include <chrono>
@@ -56,8 +63,13 @@ class CpuEngine final : public Engine {
   // The KV cache is per position, so any prefix can be kept.
   bool truncate(uint32_t n) override;
 
-  // Forgets the sequence (the KV cache is reused from position 0).
+  // Forgets the selected sequence (its KV cache is reused from position 0).
   void reset() override { pos_ = 0; }
+  static constexpr uint32_t kMaxSequences = 256;
+  uint32_t sequences() const override { return opts_.sequences; }
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override { return cur_; }
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   uint32_t position() const override { return pos_; }
   const EngineStats& stats() const override { return stats_; }
   const ModelParams& params() const override { return p_; }
@@ -72,10 +84,11 @@ class CpuEngine final : public Engine {
   EngineStats& mutable_stats() override { return stats_; }
 
   void attention(uint32_t layer);
-  // Per-head q/k norms and RoPE at `pos`, then k and v into the cache.
-  void place_qkv(uint32_t layer, uint32_t pos, float* q, float* k, const float* v);
-  // Causal attention of `q` at `pos` over cache[0..pos] into `att` (n_head * head_dim).
-  void attend(uint32_t layer, uint32_t pos, const float* q, float* att);
+  // Per-head q/k norms and RoPE at `pos`, then k and v into sequence `seq`'s cache.
+  void place_qkv(uint32_t seq, uint32_t layer, uint32_t pos, float* q, float* k, const float* v);
+  // Causal attention of `q` at `pos` over sequence `seq`'s cache[0..pos] into `att`
+  // (n_head * head_dim).
+  void attend(uint32_t seq, uint32_t layer, uint32_t pos, const float* q, float* att);
   // RoPE of one head at `pos` (YaRN's frequencies when the model has them).
   void rotate(float* v, uint32_t pos) const;
   void route(uint32_t layer);
@@ -93,24 +106,29 @@ class CpuEngine final : public Engine {
   // prefill() of one chunk (n <= prefill chunk positions from pos_); logits only when non-empty.
   uint32_t prefill_chunk_size() const override { return chunk_; }
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
+  // The layers over the n rows of cx_ (rseq_/rpos_ say each row's sequence and position); the
+  // cursor names `last`, the pass's last position.
+  Status rows_forward(uint32_t n, uint32_t last);
   void prefill_attention(uint32_t layer, uint32_t n);
   void prefill_hints(uint32_t layer, uint32_t n);
   void prefill_route(uint32_t layer, uint32_t n);
   Status prefill_moe(uint32_t layer, uint32_t n);
-  uint64_t kv_index(uint32_t layer, uint32_t pos) const {
-    return (uint64_t{layer} * opts_.max_context + pos) * kv_dim_;
+  uint64_t kv_index(uint32_t seq, uint32_t layer, uint32_t pos) const {
+    return ((uint64_t{seq} * p_.n_layer + layer) * opts_.max_context + pos) * kv_dim_;
   }
 
   const DenseModel& model_;
   ExpertSource& source_;
   const ModelParams& p_;
   EngineOptions opts_;
-  uint32_t pos_ = 0;
+  uint32_t pos_ = 0;               // the selected sequence's position
+  uint32_t cur_ = 0;               // the selected sequence
+  std::vector<uint32_t> seq_pos_;  // every sequence's position (cur_'s is pos_ while selected)
   uint64_t kv_dim_ = 0;
   EngineStats stats_;
   std::vector<RoutingRecord>* routing_log_ = nullptr;
 
-  std::vector<float> k_cache_;  // [layer][pos][kv head][head_dim]
+  std::vector<float> k_cache_;  // [sequence][layer][pos][kv head][head_dim]
   std::vector<float> v_cache_;
   std::vector<float> x_;         // residual stream, n_embd
   std::vector<float> xn_;        // normalised input of the current block, n_embd
@@ -136,6 +154,9 @@ class CpuEngine final : public Engine {
 
   // prefill(): C = min(prefill_chunk, max_context) positions.
   uint32_t chunk_ = 0;             // C
+  std::vector<uint32_t> rseq_;     // each row's sequence, [C]
+  std::vector<uint32_t> rpos_;     // and position, [C]
+  uint32_t cursor_ = 0;            // rows_forward()'s last position (the cursor's)
   std::vector<float> cx_;          // residual streams, [C][n_embd]
   std::vector<float> cxn_;         // normalised block inputs, [C][n_embd]
   std::vector<float> cq_;          // [C][n_head * head_dim]

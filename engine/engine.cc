@@ -224,8 +224,13 @@ Status check_cpu_model(const DenseModel& model) {
                                         model.path()));
 }
 
-Status check_engine_options(const ModelParams& p, const EngineOptions& o) {
+Status check_engine_options(const ModelParams& p, const EngineOptions& o, uint32_t max_sequences) {
   if (o.max_context == 0) return make_error(EINVAL, "max_context must be at least 1");
+  if (o.sequences == 0) return make_error(EINVAL, "sequences must be at least 1");
+  if (o.sequences > max_sequences) {
+    return make_error(EINVAL, fmt::format("{} sequences at once: this engine for {} holds {}",
+                                          o.sequences, p.architecture, max_sequences));
+  }
   if (o.prefetch_width > p.n_expert) {
     return make_error(EINVAL, fmt::format("prefetch width {} exceeds the {} experts per layer",
                                           o.prefetch_width, p.n_expert));
@@ -294,6 +299,53 @@ Status Engine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> 
   EngineStats& s = mutable_stats();
   s.prefill_tokens += tokens.size();
   s.prefill_chunks += 1;
+  return Ok{};
+}
+
+Status Engine::select_sequence(uint32_t sequence) {
+  if (sequence >= sequences()) {
+    return make_error(EINVAL,
+                      fmt::format("sequence {}: the engine holds {}", sequence, sequences()));
+  }
+  return Ok{};
+}
+
+Status Engine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  const uint64_t v = params().n_vocab;
+  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  const uint32_t was = selected_sequence();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPERTD_TRY(select_sequence(rows[i].sequence));
+    if (auto st = decode(rows[i].token, logits.subspan(i * v, v)); !st) {
+      (void)select_sequence(was);
+      return st;
+    }
+  }
+  return select_sequence(was);
+}
+
+Status check_batch(const Engine& engine, std::span<const BatchRow> rows, size_t logits) {
+  const ModelParams& p = engine.params();
+  if (rows.empty()) return make_error(EINVAL, "an empty batch: decode_batch needs a row");
+  if (logits < rows.size() * uint64_t{p.n_vocab}) {
+    return make_error(EINVAL, fmt::format("room for {} logits, {} rows of {} need {}", logits,
+                                          rows.size(), p.n_vocab, rows.size() * p.n_vocab));
+  }
+  std::vector<uint8_t> seen(engine.sequences(), 0);
+  for (const BatchRow& r : rows) {
+    if (r.sequence >= engine.sequences()) {
+      return make_error(EINVAL, fmt::format("batch row for sequence {}: the engine holds {}",
+                                            r.sequence, engine.sequences()));
+    }
+    if (seen[r.sequence] != 0) {
+      return make_error(EINVAL, fmt::format("sequence {} has two rows in one batch", r.sequence));
+    }
+    seen[r.sequence] = 1;
+    if (r.token >= p.n_vocab) {
+      return make_error(
+          EINVAL, fmt::format("token {} is outside the vocabulary of {}", r.token, p.n_vocab));
+    }
+  }
   return Ok{};
 }
 

@@ -74,6 +74,15 @@ struct EngineOptions {
   // prefill(): prompt positions processed together (attention as one GEMM per chunk, each routed
   // expert acquired once per chunk and applied to all its tokens).
   uint32_t prefill_chunk = 512;
+  // Sequences the engine holds at once (decode_batch), each with its own KV cache of max_context
+  // positions. An engine that runs one at a time refuses more (create() fails naming it).
+  uint32_t sequences = 1;
+};
+
+// One row of a batched decode step: a token fed to a sequence at its next position.
+struct BatchRow {
+  uint32_t sequence = 0;
+  uint32_t token = 0;
 };
 
 // One routing decision, in the canonical trace's terms (experts by descending probability).
@@ -150,6 +159,11 @@ struct EngineStats {
   // Exact hints prefill sends for a chunk's layer once its routing is known, before acquiring its
   // experts in groups of top-k (not in hints_sent: they are not predictions).
   uint64_t prefill_hints = 0;
+  // decode_batch(): steps, rows (sequences fed; they count in `tokens` too) and routed experts
+  // acquired (each distinct (layer, expert) of a step once; rows sharing one share the read).
+  uint64_t batch_steps = 0;
+  uint64_t batch_rows = 0;
+  uint64_t batch_experts = 0;
 
   std::vector<DepthStats> by_depth;  // [d - 1] for lookahead depth d = 1..prefetch depth
 
@@ -184,6 +198,18 @@ class Engine {
   virtual const ModelParams& params() const = 0;
   // The options the engine was created with (prefill_chunk and prefetch_width filled in).
   virtual const EngineOptions& options() const = 0;
+  // The engine's sequences (EngineOptions::sequences): decode(), prefill(), truncate(), reset()
+  // and position() act on the selected one (0 at first). select_sequence() fails for a sequence
+  // the engine does not have.
+  virtual uint32_t sequences() const { return 1; }
+  virtual Status select_sequence(uint32_t sequence);
+  virtual uint32_t selected_sequence() const { return 0; }
+  // One decode step of several distinct sequences: rows[i]'s token at its sequence's next
+  // position, its logits at logits[i * n_vocab]. Each row's logits are those decode() gives the
+  // sequence alone (to the bit on the CPU engine). An engine that batches acquires each routed
+  // expert once per step for every row that routes to it; this default decodes the rows in turn.
+  // The selected sequence is unchanged. After an error, reset the rows' sequences.
+  virtual Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits);
   // Appends every routing decision to `log` (nullptr: stop). Allocates per decision.
   virtual void set_routing_log(std::vector<RoutingRecord>* log) = 0;
   // "cpu" or "gpu", and a line describing the engine (device, tier) for the run summary.
@@ -284,7 +310,12 @@ void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, 
 
 // The checks both engines make: options at create() (a KV cache of at least one position, a
 // prefetch width within the experts), and each decode() call's token, position and logits room.
-Status check_engine_options(const ModelParams& p, const EngineOptions& o);
+// `max_sequences`: the sequences the engine can hold (EngineOptions::sequences above it fails).
+Status check_engine_options(const ModelParams& p, const EngineOptions& o,
+                            uint32_t max_sequences = 1);
+// decode_batch()'s checks: rows, each a distinct sequence of the engine with a token inside the
+// vocabulary, and room for their logits.
+Status check_batch(const Engine& engine, std::span<const BatchRow> rows, size_t logits);
 // The CPU engines' check of the model: its dense weights in memory (not DenseLoad::Deferred).
 Status check_cpu_model(const DenseModel& model);
 Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,

@@ -33,6 +33,8 @@ struct FamilyCapabilities {
   bool cuda_prefix_truncate = false;  // the same on the CUDA engine
   bool hash_hints = false;            // hash-routed layers hinted exactly from the token
   bool mtp_blocks = false;            // the loader skips next-n (MTP) blocks when the file has them
+  bool cpu_batched_decode = false;    // the CPU engine holds several sequences (decode_batch)
+  bool cuda_batched_decode = false;   // the same on the CUDA engine
 };
 
 struct FamilyInfo {
