@@ -413,7 +413,7 @@ def main():
     try:
         start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}"], sock, procs)
         port, h, log_path = start_serve(args, sock, MODEL,
-                                        ["--ctx", str(CTX), "--queue", "1", "--cpu"], procs)
+                                        ["--ctx", str(CTX), "--queue", "1", "--parallel", "1", "--cpu"], procs)
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                max_retries=0, timeout=60)

@@ -510,7 +510,15 @@ int run(Options o) {
 
   std::vector<RoutingRecord> log;
   if (!o.record_trace.empty()) engine->set_routing_log(&log);
-  const std::optional<Vocab> vocab = Vocab::from_gguf(model->gguf());
+  // Token text: the model's tokenizer, as expert-serve decodes it (SentencePiece byte tokens as
+  // their bytes); the vocabulary's stored pieces only when the file's tokenizer cannot be built.
+  std::optional<Tokenizer> tokenizer;
+  if (auto t = Tokenizer::from_gguf(model->gguf().meta())) tokenizer.emplace(std::move(*t));
+  const std::optional<Vocab> pieces = tokenizer ? std::nullopt : Vocab::from_gguf(model->gguf());
+  const bool vocab = tokenizer.has_value() || pieces.has_value();
+  auto token_text = [&](uint32_t t) {
+    return tokenizer ? tokenizer->decode(t) : pieces->decode(t);
+  };
   if (!o.stop.empty() && !vocab) {
     return fail(Error{EINVAL, fmt::format("--stop needs the model's vocabulary, and {} has no "
                                           "tokenizer.ggml.tokens",
@@ -618,7 +626,7 @@ int run(Options o) {
       break;
     }
     if (vocab) {
-      const StopMatcher::Step step = stops->push(vocab->decode(next));
+      const StopMatcher::Step step = stops->push(token_text(next));
       text.append(step.emit);
       split(splitter.push(step.emit));
       if (step.stop) {

@@ -11,6 +11,85 @@ namespace expertd::serve {
 
 using namespace expertd::engine;
 
+// One job's generation on a sequence: its sampler and the text stages (the chat template's end
+// strings, the reasoning splitter, the request's stop strings), fed one token's logits at a time.
+struct Generator::Generation {
+  Generation(Job& j, uint32_t n_vocab, StopMatcher e, StopMatcher s)
+      : job(j),
+        ends(std::move(e)),
+        stops(std::move(s)),
+        splitter(j.reasoning, j.starts_in_reasoning),
+        sampler(j.sampling, n_vocab) {
+    for (const uint32_t t : j.prompt) sampler.accept(t);  // the penalty's window starts there
+  }
+
+  Job& job;
+  StopMatcher ends;
+  StopMatcher stops;
+  ReasoningSplitter splitter;
+  Sampler sampler;
+  std::string reasoning;  // one token's output on its way to the job
+  std::string content;
+  bool stopped = false;  // a request stop string completed: nothing more reaches the content
+  uint32_t generated = 0;
+  std::string finish = "length";
+
+  // The splitter's reasoning as it is, its content through the request's stop strings.
+  void through(ReasoningSplitter::Step s) {
+    if (stopped) return;
+    reasoning.append(s.reasoning);
+    if (s.content.empty()) return;
+    const StopMatcher::Step st = stops.push(s.content);
+    content.append(st.emit);
+    stopped = st.stop;
+  }
+  void publish() {
+    std::lock_guard lock(job.mu);
+    job.reasoning_text.append(reasoning);
+    job.text.append(content);
+    job.completion_tokens = generated;
+    job.cv.notify_all();
+  }
+  // Samples the next token from `logits` and passes its text on; the token to feed next, or
+  // nothing when the answer is complete.
+  std::optional<uint32_t> advance(std::span<const float> logits, const Tokenizer& tok,
+                                  const EndTokens& end_tokens) {
+    if (generated >= job.max_tokens) return std::nullopt;
+    const uint32_t next = sampler.sample(logits);
+    ++generated;
+    if (!job.ignore_eos && end_tokens.contains(next)) {
+      finish = "stop";
+      return std::nullopt;
+    }
+    reasoning.clear();
+    content.clear();
+    const StopMatcher::Step end = ends.push(tok.decode(next));
+    through(splitter.push(end.emit));
+    if (!reasoning.empty() || !content.empty()) publish();
+    if (end.stop || stopped) {
+      finish = "stop";
+      return std::nullopt;
+    }
+    if (generated == job.max_tokens) return std::nullopt;
+    return next;
+  }
+  // What each stage held back (text no end string completed, the splitter's unfinished tag or
+  // header, a prefix of a request stop string), then the answer's end.
+  void finish_text() {
+    reasoning.clear();
+    content.clear();
+    if (!ends.stopped()) through(splitter.push(ends.finish()));
+    through(splitter.finish());
+    if (!stopped) content.append(stops.finish());
+    std::lock_guard lock(job.mu);
+    job.reasoning_text.append(reasoning);
+    job.text.append(content);
+    job.completion_tokens = generated;
+    job.finish_reason = stopped ? "stop" : finish;
+    job.cv.notify_all();
+  }
+};
+
 Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
                      EndTokens end_tokens, size_t queue_limit,
                      std::function<void(const std::string&)> on_daemon_gone)
@@ -19,7 +98,8 @@ Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
       end_tokens_(end_tokens),
       queue_limit_(queue_limit),
       on_daemon_gone_(std::move(on_daemon_gone)),
-      logits_(engine_->params().n_vocab) {
+      slots_(engine_->sequences()),
+      logits_(uint64_t{engine_->sequences()} * engine_->params().n_vocab) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -51,7 +131,7 @@ void Generator::close(const std::string& why) {
     std::lock_guard lock(mu_);
     stopping_ = true;
     left.swap(queue_);
-    if (current_) current_->cancelled = true;
+    for (const auto& job : running_) job->cancelled = true;
     cv_.notify_all();
   }
   for (auto& job : left) {
@@ -74,9 +154,11 @@ size_t Generator::queued() {
   return queue_.size();
 }
 
-bool Generator::busy() const {
+bool Generator::busy() const { return running() > 0; }
+
+size_t Generator::running() const {
   std::lock_guard lock(mu_);
-  return current_ != nullptr;
+  return running_.size();
 }
 
 uint64_t Generator::served() const {
@@ -84,169 +166,74 @@ uint64_t Generator::served() const {
   return served_;
 }
 
-void Generator::loop() {
-  for (;;) {
-    std::shared_ptr<Job> job;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (stopping_) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      current_ = job;
-    }
-    std::optional<Error> failed;
-    if (job->cancelled) {
-      spdlog::info("request {}: the client left while it waited; skipped", job->id);
-    } else {
-      failed = run(*job);
-    }
-    {
-      std::lock_guard lock(job->mu);
-      job->done = true;
-      job->cv.notify_all();
-    }
-    {
-      std::lock_guard lock(mu_);
-      current_.reset();
-      ++served_;
-    }
-    if (failed && failed->code == ECONNRESET) {
-      // The waiting requests are answered before the HTTP side is told: its threads wait for them.
-      close(failed->message);
-      if (on_daemon_gone_) on_daemon_gone_(failed->message);
-      return;
+size_t Generator::pick_slot(const std::vector<uint32_t>& prompt) const {
+  size_t best = slots_.size();
+  size_t best_common = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.job) continue;
+    const size_t common =
+        std::mismatch(s.fed.begin(), s.fed.end(), prompt.begin(), prompt.end()).first -
+        s.fed.begin();
+    if (best == slots_.size() || common > best_common) {
+      best = i;
+      best_common = common;
     }
   }
+  return best;
 }
 
-Result<uint32_t> Generator::feed_prompt(const std::vector<uint32_t>& prompt,
-                                        std::span<float> logits) {
-  // At least one prompt token is fed again: its logits are the first token's.
-  const size_t common =
-      std::mismatch(fed_.begin(), fed_.end(), prompt.begin(), prompt.end()).first - fed_.begin();
-  uint32_t keep = static_cast<uint32_t>(std::min(common, prompt.size() - 1));
-  if (keep > engine_->position()) keep = engine_->position();
-  if (!engine_->truncate(keep)) {
-    engine_->reset();
-    keep = 0;
+bool Generator::admit() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return stopping_ || !running_.empty() || !queue_.empty(); });
+  if (stopping_ && running_.empty()) return false;
+  while (!stopping_ && !queue_.empty() && running_.size() < slots_.size()) {
+    std::shared_ptr<Job> job = std::move(queue_.front());
+    queue_.pop_front();
+    const size_t i = pick_slot(job->prompt);
+    Slot& s = slots_[i];
+    s.job = job;
+    s.gen.reset();
+    s.started = false;
+    running_.push_back(std::move(job));
   }
-  fed_.resize(keep);
-  const std::span<const uint32_t> rest(prompt.data() + keep, prompt.size() - keep);
-  if (auto st = engine_->prefill(rest, logits); !st) {
-    engine_->reset();
-    fed_.clear();
-    return st.error();
-  }
-  fed_.insert(fed_.end(), rest.begin(), rest.end());
-  return keep;
+  return true;
 }
 
-std::optional<Error> Generator::run(Job& job) {
-  auto fail = [&](const Error& e) -> std::optional<Error> {
-    spdlog::error("request {}: {}", job.id, e.message);
-    std::lock_guard lock(job.mu);
-    job.error = e.message;
-    return e;
-  };
-  // Checked when the request was read.
-  auto ends = StopMatcher::create(job.end_strings);
-  if (!ends) return fail(ends.error());
-  auto stops = StopMatcher::create(job.stops);
-  if (!stops) return fail(stops.error());
-  ReasoningSplitter splitter(job.reasoning, job.starts_in_reasoning);
-
-  const EngineStats before = engine_->stats();
-  const uint64_t t0 = monotonic_ns();
-  auto cached = feed_prompt(job.prompt, logits_);
-  if (!cached) return fail(cached.error());
-  const uint64_t t1 = monotonic_ns();
-  const EngineStats at_prompt = engine_->stats();
+void Generator::release(size_t i) {
+  Slot& s = slots_[i];
   {
-    std::lock_guard lock(job.mu);
-    job.cached_tokens = *cached;
+    std::lock_guard lock(s.job->mu);
+    s.job->done = true;
+    s.job->cv.notify_all();
   }
-  const size_t prefilled = job.prompt.size() - *cached;
-  spdlog::info(
-      "request {} ({}): {} prompt tokens, {} cached, prefilled {} in {} chunk{} in {:.1f} ms",
-      job.id, job.kind, job.prompt.size(), *cached, prefilled,
-      at_prompt.prefill_chunks - before.prefill_chunks,
-      at_prompt.prefill_chunks - before.prefill_chunks == 1 ? "" : "s",
-      static_cast<double>(t1 - t0) / 1e6);
+  std::lock_guard lock(mu_);
+  std::erase(running_, s.job);
+  ++served_;
+  s.job.reset();
+  s.gen.reset();
+}
 
-  // One token's (or the end's) output on its way to the job: the splitter's reasoning as it is,
-  // its content through the request's stop strings.
-  std::string reasoning;
-  std::string content;
-  bool stopped = false;  // a request stop string completed: nothing more reaches the content
-  auto through = [&](ReasoningSplitter::Step s) {
-    if (stopped) return;
-    reasoning.append(s.reasoning);
-    if (s.content.empty()) return;
-    const StopMatcher::Step st = stops->push(s.content);
-    content.append(st.emit);
-    stopped = st.stop;
-  };
-  uint32_t generated = 0;
-  auto publish = [&] {
-    std::lock_guard lock(job.mu);
-    job.reasoning_text.append(reasoning);
-    job.text.append(content);
-    job.completion_tokens = generated;
-    job.cv.notify_all();
-  };
-
-  Sampler sampler(job.sampling, engine_->params().n_vocab);
-  for (const uint32_t t : job.prompt) sampler.accept(t);  // the penalty's window starts there
-  std::string finish = "length";
-  bool cancelled = false;
-  while (generated < job.max_tokens) {
-    if (job.cancelled) {
-      cancelled = true;
-      break;
-    }
-    const uint32_t next = sampler.sample(logits_);
-    ++generated;
-    if (!job.ignore_eos && end_tokens_.contains(next)) {
-      finish = "stop";
-      break;
-    }
-    reasoning.clear();
-    content.clear();
-    const StopMatcher::Step end = ends->push(tokenizer_.decode(next));
-    through(splitter.push(end.emit));
-    if (!reasoning.empty() || !content.empty()) publish();
-    if (end.stop || stopped) {
-      finish = "stop";
-      break;
-    }
-    if (generated == job.max_tokens) break;
-    if (auto st = engine_->decode(next, logits_); !st) {
-      engine_->reset();
-      fed_.clear();
-      return fail(st.error());
-    }
-    fed_.push_back(next);
+std::optional<Error> Generator::fail(size_t i, const Error& e) {
+  Slot& s = slots_[i];
+  spdlog::error("request {}: {}", s.job->id, e.message);
+  {
+    std::lock_guard lock(s.job->mu);
+    s.job->error = e.message;
   }
-  // What each stage held back: text no end string completed, the splitter's unfinished tag or
-  // header, a prefix of a request stop string.
-  reasoning.clear();
-  content.clear();
-  if (!ends->stopped()) through(splitter.push(ends->finish()));
-  through(splitter.finish());
-  if (!stopped) content.append(stops->finish());
+  // The sequence's cache may hold half a step: forget it.
+  if (engine_->select_sequence(static_cast<uint32_t>(i))) engine_->reset();
+  s.fed.clear();
+  release(i);
+  return e;
+}
+
+void Generator::end_job(size_t i, bool cancelled) {
+  Slot& s = slots_[i];
+  Job& job = *s.job;
+  Generation& g = *s.gen;
+  g.finish_text();
   const uint64_t t2 = monotonic_ns();
-  {
-    std::lock_guard lock(job.mu);
-    job.reasoning_text.append(reasoning);
-    job.text.append(content);
-    job.completion_tokens = generated;
-    job.finish_reason = stopped ? "stop" : finish;
-    job.cv.notify_all();
-  }
-  const EngineStats& s = engine_->stats();
-  const uint64_t steps = s.tokens - at_prompt.tokens;
-  const double gen_s = static_cast<double>(t2 - t1) / 1e9;
   if (cancelled) {
     bool stopping = false;
     {
@@ -259,15 +246,165 @@ std::optional<Error> Generator::run(Job& job) {
       job.error_status = 503;
     }
     spdlog::info("request {}: {}; stopped after {} of {} tokens", job.id,
-                 stopping ? "shutting down" : "the client left", generated, job.max_tokens);
+                 stopping ? "shutting down" : "the client left", g.generated, job.max_tokens);
   }
+  const double gen_s = static_cast<double>(t2 - s.t_prompt) / 1e9;
+  const uint64_t steps = s.steps;
   spdlog::info(
-      "request {}: {} tokens in {:.3f} s ({:.1f} tokens/s), finish {}, expert stall {:.3f} "
-      "ms/token",
-      job.id, generated, gen_s, gen_s > 0 ? generated / gen_s : 0.0,
-      cancelled ? "cancelled" : finish,
-      steps ? static_cast<double>(s.stall_ns - at_prompt.stall_ns) / 1e6 / steps : 0.0);
+      "request {}: {} tokens in {:.3f} s ({:.1f} tokens/s), finish {}, {:.2f} sequences per "
+      "step",
+      job.id, g.generated, gen_s, gen_s > 0 ? g.generated / gen_s : 0.0,
+      cancelled ? "cancelled" : g.finish,
+      steps ? static_cast<double>(s.rows_seen) / static_cast<double>(steps) : 1.0);
+  release(i);
+}
+
+std::optional<Error> Generator::prefill_step(size_t i) {
+  Slot& s = slots_[i];
+  Job& job = *s.job;
+  if (s.started && job.cancelled) {
+    end_job(i, /*cancelled=*/true);
+    return std::nullopt;
+  }
+  const auto seq = static_cast<uint32_t>(i);
+  if (auto st = engine_->select_sequence(seq); !st) return fail(i, st.error());
+  const uint32_t n_vocab = engine_->params().n_vocab;
+  const std::span<float> logits(logits_.data(), n_vocab);
+  if (!s.started) {
+    // The text stages first: they were checked when the request was read.
+    auto ends = StopMatcher::create(job.end_strings);
+    if (!ends) return fail(i, ends.error());
+    auto stops = StopMatcher::create(job.stops);
+    if (!stops) return fail(i, stops.error());
+    s.gen = std::make_unique<Generation>(job, n_vocab, std::move(*ends), std::move(*stops));
+    // At least one prompt token is fed again: its logits are the first token's.
+    const size_t common =
+        std::mismatch(s.fed.begin(), s.fed.end(), job.prompt.begin(), job.prompt.end()).first -
+        s.fed.begin();
+    uint32_t keep = static_cast<uint32_t>(std::min(common, job.prompt.size() - 1));
+    if (keep > engine_->position()) keep = engine_->position();
+    if (!engine_->truncate(keep)) {
+      engine_->reset();
+      keep = 0;
+    }
+    s.fed.resize(keep);
+    s.cached = keep;
+    s.t0 = monotonic_ns();
+    s.chunks = 0;
+    s.steps = 0;
+    s.rows_seen = 0;
+    s.started = true;
+    std::lock_guard lock(job.mu);
+    job.cached_tokens = keep;
+  }
+  // One chunk per call, so that the other sequences' decode steps run between a long prompt's
+  // chunks.
+  const size_t at = s.fed.size();
+  const size_t n = std::min<size_t>(job.prompt.size() - at, engine_->options().prefill_chunk);
+  const std::span<const uint32_t> piece(job.prompt.data() + at, n);
+  if (auto st = engine_->prefill(piece, logits); !st) {
+    const Error e = st.error();
+    fail(i, e);
+    return e;
+  }
+  s.fed.insert(s.fed.end(), piece.begin(), piece.end());
+  ++s.chunks;
+  if (s.fed.size() < job.prompt.size()) return std::nullopt;
+  s.t_prompt = monotonic_ns();
+  spdlog::info(
+      "request {} ({}): {} prompt tokens, {} cached, prefilled {} in {} chunk{} in {:.1f} ms",
+      job.id, job.kind, job.prompt.size(), s.cached, job.prompt.size() - s.cached, s.chunks,
+      s.chunks == 1 ? "" : "s", static_cast<double>(s.t_prompt - s.t0) / 1e6);
+  if (job.cancelled) {
+    end_job(i, /*cancelled=*/true);
+    return std::nullopt;
+  }
+  s.pending = s.gen->advance(logits, tokenizer_, end_tokens_);
+  if (!s.pending) end_job(i, /*cancelled=*/false);
   return std::nullopt;
+}
+
+std::optional<Error> Generator::decode_step() {
+  rows_.clear();
+  slot_of_.clear();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (!s.job || !s.started || s.fed.size() < s.job->prompt.size() || !s.pending) continue;
+    if (s.job->cancelled) {
+      end_job(i, /*cancelled=*/true);
+      continue;
+    }
+    rows_.push_back(BatchRow{static_cast<uint32_t>(i), *s.pending});
+    slot_of_.push_back(i);
+  }
+  if (rows_.empty()) return std::nullopt;
+  const uint32_t n_vocab = engine_->params().n_vocab;
+  if (auto st = engine_->decode_batch(rows_, logits_); !st) {
+    const Error e = st.error();
+    for (const size_t i : slot_of_) fail(i, e);
+    return e;
+  }
+  for (size_t r = 0; r < rows_.size(); ++r) {
+    const size_t i = slot_of_[r];
+    Slot& s = slots_[i];
+    s.fed.push_back(rows_[r].token);
+    ++s.steps;
+    s.rows_seen += rows_.size();
+    const std::span<const float> logits(logits_.data() + r * n_vocab, n_vocab);
+    s.pending = s.gen->advance(logits, tokenizer_, end_tokens_);
+    if (!s.pending) end_job(i, /*cancelled=*/false);
+  }
+  return std::nullopt;
+}
+
+void Generator::loop() {
+  size_t next_prefill = 0;  // round robin over the slots still prefilling
+  while (admit()) {
+    std::optional<Error> failed;
+    // Jobs whose client left before their first token.
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      if (s.job && !s.started && s.job->cancelled) {
+        bool stopping = false;
+        {
+          std::lock_guard lock(mu_);
+          stopping = stopping_;
+        }
+        if (stopping) {
+          std::lock_guard lock(s.job->mu);
+          s.job->error = "the server is shutting down";
+          s.job->error_status = 503;
+        } else {
+          spdlog::info("request {}: the client left while it waited; skipped", s.job->id);
+        }
+        release(i);
+      }
+    }
+    // One prefill chunk of one sequence, then one decode step of all the others.
+    for (size_t k = 0; k < slots_.size() && !failed; ++k) {
+      const size_t i = (next_prefill + k) % slots_.size();
+      Slot& s = slots_[i];
+      if (!s.job || (s.started && s.fed.size() >= s.job->prompt.size())) continue;
+      failed = prefill_step(i);
+      next_prefill = i + 1;
+      break;
+    }
+    if (!failed) failed = decode_step();
+    if (failed && failed->code == ECONNRESET) {
+      // The waiting requests are answered before the HTTP side is told: its threads wait for them.
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        if (slots_[i].job) fail(i, *failed);
+      }
+      close(failed->message);
+      if (on_daemon_gone_) on_daemon_gone_(failed->message);
+      return;
+    }
+  }
+  // Stopping: the jobs still running end as cancelled.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].job && slots_[i].gen) end_job(i, /*cancelled=*/true);
+    if (slots_[i].job) release(i);
+  }
 }
 
 }  // namespace expertd::serve

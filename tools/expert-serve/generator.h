@@ -1,6 +1,11 @@
-// expert-serve's engine side: one thread owns the Engine and runs one sequence at a time; requests
-// wait in a bounded queue. The KV cache of the previous sequence is kept: a request that starts
-// with the same tokens continues from their positions (Engine::truncate) and prefills the rest.
+// expert-serve's engine side: one thread owns the Engine and runs up to Engine::sequences()
+// requests at once (--parallel), one per sequence; more wait in a bounded queue. Each turn of its
+// loop admits waiting requests into free sequences, feeds one prefill chunk of one sequence still
+// reading its prompt, then one decode step of every sequence that is generating
+// (Engine::decode_batch: each routed expert read once for all of them). A long prompt therefore
+// does not stop the others for its whole length. Each sequence's KV cache is kept after its
+// request: a new request goes to the free sequence whose cached tokens share the longest prefix
+// with its prompt, continues from their positions (Engine::truncate) and prefills the rest.
 //
 // A Job is shared between the HTTP thread that answers the request and the engine thread: the
 // request's fields are fixed before submit(); the output fields are guarded by Job::mu and
@@ -83,19 +88,44 @@ class Generator {
   // Jobs waiting; those whose client has left are dropped first and free their place.
   size_t queued();
   bool busy() const;
+  size_t running() const;  // jobs on a sequence now
+  size_t parallel() const { return slots_.size(); }
   uint64_t served() const;
   const engine::Engine& engine() const { return *engine_; }
 
  private:
+  struct Generation;
+  // A sequence of the engine and the job on it.
+  struct Slot {
+    std::shared_ptr<Job> job;         // null: free
+    std::vector<uint32_t> fed;        // the tokens its KV cache holds, position by position
+    std::unique_ptr<Generation> gen;  // once started
+    bool started = false;             // the prompt's reuse was decided, its chunks began
+    std::optional<uint32_t> pending;  // the token its next decode step feeds
+    uint32_t cached = 0;              // prompt positions reused
+    uint64_t t0 = 0, t_prompt = 0;    // start, end of the prompt (monotonic ns)
+    uint64_t chunks = 0, steps = 0, rows_seen = 0;  // prefill chunks; decode steps, their rows
+  };
+
   void loop();
+  // Waits for work; moves waiting jobs into free sequences. False: stop.
+  bool admit();
+  // The free sequence whose cached tokens share the longest prefix with `prompt`.
+  size_t pick_slot(const std::vector<uint32_t>& prompt) const;
+  // Sequence i's next prompt chunk (the first call decides the prefix reuse); after the last
+  // one, its first token. Returns the engine's error when it failed (the job is then failed).
+  std::optional<Error> prefill_step(size_t i);
+  // One decode step of every generating sequence.
+  std::optional<Error> decode_step();
+  // The job of sequence i is complete (or cancelled): its held-back text, the log line.
+  void end_job(size_t i, bool cancelled);
+  // Fails sequence i's job with `e` (its cache is reset); returns e.
+  std::optional<Error> fail(size_t i, const Error& e);
+  // Frees sequence i: the job is done.
+  void release(size_t i);
   void drop_cancelled_locked();  // mu_ held
-  // Refuses new jobs, cancels the one in progress and answers the queued ones 503 with `why`.
+  // Refuses new jobs, cancels the running ones and answers the queued ones 503 with `why`.
   void close(const std::string& why);
-  // Runs `job`; returns the engine's error when it failed.
-  std::optional<Error> run(Job& job);
-  // Feeds the prompt, reusing the longest prefix the KV cache already holds; returns the reused
-  // count, or an error (the cache is then reset).
-  Result<uint32_t> feed_prompt(const std::vector<uint32_t>& prompt, std::span<float> logits);
 
   std::unique_ptr<engine::Engine> engine_;
   const engine::Tokenizer& tokenizer_;
@@ -106,13 +136,15 @@ class Generator {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::shared_ptr<Job> current_;
+  std::vector<std::shared_ptr<Job>> running_;  // the jobs on a sequence
   bool stopping_ = false;
   uint64_t served_ = 0;
 
-  // Engine thread only: the tokens the KV cache holds, position by position.
-  std::vector<uint32_t> fed_;
-  std::vector<float> logits_;
+  // Engine thread only.
+  std::vector<Slot> slots_;    // one per engine sequence
+  std::vector<float> logits_;  // [sequences][n_vocab]
+  std::vector<engine::BatchRow> rows_;
+  std::vector<size_t> slot_of_;  // rows_[r]'s slot
   std::thread thread_;
 };
 

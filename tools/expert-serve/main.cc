@@ -62,6 +62,7 @@ struct Options {
   int port = 8080;
   uint32_t ctx = 4096;
   uint32_t queue = 8;
+  uint32_t parallel = 4;
   uint32_t prefill_chunk = 512;
   bool cpu = false;
   std::string vram_experts = "auto";
@@ -136,7 +137,8 @@ class Service {
                             {"model", o_.model},
                             {"engine", engine_note_},
                             {"context", o_.ctx},
-                            {"running", gen_.busy()},
+                            {"running", gen_.running()},
+                            {"parallel", gen_.parallel()},
                             {"queued", gen_.queued()},
                             {"queue_limit", o_.queue},
                             {"served", gen_.served()}}),
@@ -496,6 +498,7 @@ int run(const Options& o) {
 
   if (o.ctx == 0) return fail("--ctx must be at least 1");
   if (o.queue == 0) return fail("--queue must be at least 1");
+  if (o.parallel == 0) return fail("--parallel must be at least 1");
   httplib::Server svr;
   // httplib's default also sets SO_REUSEPORT, which lets a second server share the port without a
   // word: only SO_REUSEADDR (a restart may bind while old connections sit in TIME_WAIT).
@@ -559,17 +562,30 @@ int run(const Options& o) {
   eo.prefetch_depth = o.prefetch_depth;
   eo.prefetch_width = o.prefetch_width;
   eo.prefill_chunk = o.prefill_chunk;
+  // --parallel sequences where the engine batches them (the registry says which), else one.
+  const FamilyCapabilities& caps = family_info(p.family).caps;
+  eo.sequences = o.parallel;
   std::unique_ptr<Engine> engine;
 #ifdef EXPERTD_HAVE_CUDA
   if (use_gpu) {
     auto gpu = parse_vram_experts(o.vram_experts);
     if (!gpu) return fail(gpu.error().message);
+    if (!caps.cuda_batched_decode && eo.sequences > 1) {
+      spdlog::info("--parallel {}: the CUDA engine for {} runs one sequence at a time", o.parallel,
+                   p.architecture);
+      eo.sequences = 1;
+    }
     auto e = create_gpu_engine(*model, **source, eo, *gpu);
     if (!e) return fail(e.error().message);
     engine = std::move(*e);
   }
 #endif
   if (!engine) {
+    if (!caps.cpu_batched_decode && eo.sequences > 1) {
+      spdlog::info("--parallel {}: the CPU engine for {} runs one sequence at a time", o.parallel,
+                   p.architecture);
+      eo.sequences = 1;
+    }
     auto e = create_cpu_engine(*model, **source, eo);
     if (!e) return fail(e.error().message);
     engine = std::move(*e);
@@ -581,7 +597,8 @@ int run(const Options& o) {
                o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
                static_cast<double>(model->dense_bytes()) / (1 << 20), model->path(),
                model->deferred() ? " (read straight into VRAM)" : "");
-  spdlog::info("engine: {}; context {} tokens", engine_note, o.ctx);
+  spdlog::info("engine: {}; context {} tokens per sequence, {} sequence{} at once", engine_note,
+               o.ctx, engine->sequences(), engine->sequences() == 1 ? "" : "s");
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
   }
@@ -653,8 +670,13 @@ int main(int argc, char** argv) {
   app.add_option("--port", o.port, "TCP port to listen on (8080)")->check(CLI::Range(1, 65535));
   app.add_option("--ctx", o.ctx, "Context length: KV cache positions, prompt and answer (4096)")
       ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--parallel", o.parallel,
+                 "Requests generated at once, each on its own sequence (KV cache of --ctx "
+                 "positions), decoded together so that the experts they share are read once; "
+                 "engines that run one sequence at a time use 1 (4)")
+      ->check(CLI::Range(1u, 256u));
   app.add_option("--queue", o.queue,
-                 "Requests that may wait while one runs; more get 503 with Retry-After (8)")
+                 "Requests that may wait while --parallel run; more get 503 with Retry-After (8)")
       ->check(CLI::Range(1u, 4096u));
   const std::string gptoss(expertd::engine::family_info(expertd::engine::Family::GptOss).name);
   app.add_option("--chat-template", o.chat_template,

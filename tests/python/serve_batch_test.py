@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""expert-serve --parallel 4 batches sequences by expert (issue 25): a real expertd serving
+FIXTURE/model-VARIANT.gguf and a real expert-serve (CPU engine). Four requests with different
+prompts, sent at once, each get exactly the answer they get alone (expert-run's greedy tokens and
+text, and expert-serve's own with --parallel 1), the server log shows steps with more than one
+sequence, and the daemon counts fewer acquires for the four together than for the four alone.
+
+usage: serve_batch_test.py --bin BUILD/bin --fixture DIR --variant f32 --workdir DIR
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_test import start_expertd, start_serve  # noqa: E402
+
+MODEL = "fixture"
+N = 12  # tokens per answer
+
+
+def acquires(args, sock):
+    out = subprocess.run([os.path.join(args.bin, "expertctl"), "status", "--socket", sock,
+                          "--json"], capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout)["acquires"]
+
+
+def complete(h, prompt):
+    status, _, data = h.request("POST", "/v1/completions",
+                                {"model": MODEL, "prompt": prompt, "max_tokens": N,
+                                 "temperature": 0, "ignore_eos": True})
+    assert status == 200, f"prompt {prompt}: {status} {data!r}"
+    j = json.loads(data)
+    return j["choices"][0]["text"], j["usage"]["completion_tokens"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--variant", default="f32")
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    gguf = os.path.join(args.fixture, f"model-{args.variant}.gguf")
+    vocab = json.load(open(os.path.join(args.fixture, "fixture.json")))["logits_shape"][1]
+    # Four prompts of token ids, of different lengths.
+    prompts = [[(s * 31 + i * 7 + 3) % vocab for i in range(4 + 2 * s)] for s in range(4)]
+    sock = os.path.join(args.workdir, "expertd.sock")
+    procs = []
+    try:
+        start_expertd(args, [f"{MODEL}={gguf}"], sock, procs)
+        # Alone: expert-run, one process per prompt, and the daemon's acquires of its decode.
+        alone = []
+        for p in prompts:
+            out = subprocess.run(
+                [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL,
+                 "--json", "--cpu", "--prompt-tokens", ",".join(map(str, p)), "--max-tokens",
+                 str(N), "--ignore-eos"], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            alone.append(json.loads(out.stdout))
+        print(f"ok: expert-run alone: {[len(r['generated']) for r in alone]} tokens")
+
+        # The server one sequence at a time, then four at once: the same answers.
+        for parallel in (1, 4):
+            port, h, log_path = start_serve(
+                args, sock, MODEL, ["--ctx", "256", "--cpu", "--parallel", str(parallel),
+                                    "--prefill-chunk", "4"], procs)
+            health = h.health()
+            assert health["parallel"] == parallel, health
+            before = acquires(args, sock)
+            if parallel == 1:
+                got = [complete(h, p) for p in prompts]
+            else:
+                with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+                    got = list(pool.map(lambda p: complete(h, p), prompts))
+            used = acquires(args, sock) - before
+            for i, ((text, n), ref) in enumerate(zip(got, alone)):
+                assert n == N, f"prompt {i}: {n} tokens"
+                assert text == ref["text"], \
+                    f"--parallel {parallel}, prompt {i}: {text!r}, alone {ref['text']!r}"
+            print(f"ok: --parallel {parallel}: 4 answers equal expert-run's alone; "
+                  f"{used} acquires")
+            if parallel == 1:
+                sequential = used
+            else:
+                log = open(log_path, encoding="utf-8", errors="replace").read()
+                shared = [float(x) for x in re.findall(r"finish length, ([0-9.]+) sequences per "
+                                                       r"step", log)]
+                assert len(shared) == 4 and max(shared) > 1.0, \
+                    f"no request shared its steps: {shared}\n{log[-2000:]}"
+                assert used < sequential, \
+                    f"4 at once acquired {used} experts, one at a time {sequential}"
+                print(f"ok: together: {used} acquires < {sequential} one at a time; sequences "
+                      f"per step {shared}")
+            procs[-1].terminate()
+            procs[-1].wait(timeout=20)
+            procs.pop()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=20)
+
+
+if __name__ == "__main__":
+    main()
