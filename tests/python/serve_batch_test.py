@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_test import start_expertd, start_serve  # noqa: E402
+from serve_test import start_expertd, start_serve, stop_procs  # noqa: E402
 
 MODEL = "fixture"
 N = 12  # tokens per answer
@@ -102,9 +102,7 @@ def main():
             procs[-1].wait(timeout=20)
             procs.pop()
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=20)
+        stop_procs(procs)
 
 
 if __name__ == "__main__":

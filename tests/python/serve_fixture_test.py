@@ -24,7 +24,8 @@ from datetime import datetime
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_test import check_same_as_expert_run, start_expertd, start_serve  # noqa: E402
+from serve_test import (check_same_as_expert_run, start_expertd, start_serve,  # noqa: E402
+                        stop_procs)
 
 MODEL = "fixture"
 
@@ -119,9 +120,7 @@ def main():
         if chat is not None:
             check_chat(args, sock, chat, port, log_path)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=20)
+        stop_procs(procs)
 
 
 if __name__ == "__main__":

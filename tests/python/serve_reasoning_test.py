@@ -39,7 +39,7 @@ import openai
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_test import Http, start_expertd, start_serve  # noqa: E402
+from serve_test import Http, start_expertd, start_serve, stop_procs  # noqa: E402
 
 N = 24  # tokens the answer has
 WS = " \t\n\r"
@@ -224,9 +224,7 @@ def main():
         pieces, end_id = made
         print(f"ok: the plain fixture's answer to {user!r} can be spelled "
               f"({len(pieces)} tokens renamed)")
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=20)
+        stop_procs(procs)
         procs.clear()
 
         write_gguf(src, spelled, chat["template"], {**prompt_pieces, **pieces}, eot=end_id)
@@ -341,9 +339,7 @@ def main():
         assert (m.model_extra["reasoning_content"], m.content) == (want_r, want_c), m
         print("ok: --reasoning-format none: the raw text; a request's \"deepseek\" splits")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=20)
+        stop_procs(procs)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ class Http:
         return json.loads(data)
 
 
+def stop_procs(procs):
+    """Terminates the processes started by start_expertd/start_serve, last first."""
+    for p in reversed(procs):
+        p.terminate()
+        p.wait(timeout=20)
+    procs.clear()
+
+
 def start_expertd(args, models, sock, procs):
     """expertd serving `models` (NAME=GGUF each) on `sock` (16 MiB cache), up when it returns;
     appended to `procs`."""

@@ -30,7 +30,7 @@ from datetime import datetime
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_test import start_expertd, start_serve  # noqa: E402
+from serve_test import start_expertd, start_serve, stop_procs  # noqa: E402
 
 MODEL = "fixture"
 
@@ -220,9 +220,7 @@ def main():
             assert out.returncode != 0 and msg in out.stderr, (flags, out.stderr)
         print("ok: a bad --chat-template-kwargs stops expert-serve, naming the flag")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=20)
+        stop_procs(procs)
 
 
 if __name__ == "__main__":
