@@ -2,7 +2,7 @@
 // tools/reference/make_chat_fixtures.py) holds each vendor template, the family it must be detected
 // as (or null: it must be refused), and transformers' output or error for a fixed set of
 // conversations, plain and with thinking switches ("kwargs": ChatOptions, as chat_template_kwargs).
-#include "engine/chat_template.h"
+#include "text/chat_template.h"
 
 #include <gtest/gtest.h>
 
@@ -13,11 +13,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/tokenizer.h"
 #include "tests/engine/fixture.h"
+#include "text/tokenizer.h"
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 using test::fixture_path;
 using test::read_json;

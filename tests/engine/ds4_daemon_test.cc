@@ -9,13 +9,15 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
-#include "engine/tokenizer.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/fixture.h"
+#include "text/tokenizer.h"
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 using expertd::test::Daemon;
 using expertd::test::TempDir;
@@ -318,6 +320,8 @@ TEST_F(Ds4DaemonTest, ExpertRunTextReportsHashAndLearnedLayers) {
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 // A forged V4 with an MTP block: the engines run the main blocks only, and expert-run says so.
 TEST(Ds4Forged, MtpBlocksAreSkippedAndExpertRunSaysSo) {

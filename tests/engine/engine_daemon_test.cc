@@ -11,14 +11,16 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
-#include "engine/sampler.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
+#include "text/sampler.h"
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 using expertd::test::Daemon;
 using expertd::test::TempDir;

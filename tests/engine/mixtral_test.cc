@@ -9,15 +9,17 @@
 #include <memory>
 
 #include "engine/cpu_engine.h"
-#include "engine/tokenizer.h"
 #include "storage/gguf_writer.h"
 #include "testing/temp_dir.h"
 #include "tests/engine/fixture.h"
 #include "tests/engine/fixture_daemon.h"
 #include "tests/engine/gguf_edit.h"
+#include "text/tokenizer.h"
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 constexpr double kMaxRelErr = 1e-4;
 

@@ -2,7 +2,7 @@
 // content, that the result does not depend on how the answer was cut into pieces (every tag split
 // at every byte), that nothing but the parsed tags (and <think>'s white space) is dropped, and
 // that a piece cut at character boundaries comes out as whole characters.
-#include "engine/reasoning.h"
+#include "text/reasoning.h"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace expertd::engine {
+namespace expertd::text {
 namespace {
 
 struct Split {
@@ -369,4 +369,4 @@ TEST(ReasoningSyntaxOf, APromptThatClosesTheBlockHasAnAnswerWithoutReasoning) {
 }
 
 }  // namespace
-}  // namespace expertd::engine
+}  // namespace expertd::text

@@ -6,12 +6,14 @@
 #include <set>
 
 #include "engine/model.h"
-#include "engine/sampler.h"
-#include "engine/vocab.h"
 #include "tests/engine/fixture.h"
+#include "text/sampler.h"
+#include "text/vocab.h"
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 TEST(Sampler, GreedyTakesTheFirstLargestLogit) {
   Sampler s(SamplerOptions{}, 5);

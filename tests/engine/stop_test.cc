@@ -1,6 +1,6 @@
 // Stopping: the stop matcher on hand-fed token texts, the end tokens read from GGUF metadata, and
 // expert-run through a real expertd cutting its output at a stop string or at --max-tokens.
-#include "engine/stop.h"
+#include "text/stop.h"
 
 #include <gtest/gtest.h>
 
@@ -12,6 +12,8 @@
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 using expertd::test::Daemon;
 using expertd::test::TempDir;

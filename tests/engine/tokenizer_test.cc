@@ -2,7 +2,7 @@
 // corpus of 10,000 strings come from tools/reference/make_tokenizer_fixtures.py (small byte-level
 // BPE vocabularies trained with each model family's pre-tokenizer, and a Mixtral-style
 // SentencePiece BPE with byte fallback, written as llama.cpp's converter writes them).
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 
 #include <gtest/gtest.h>
 
@@ -16,6 +16,8 @@
 
 namespace expertd::engine {
 namespace {
+
+using namespace expertd::text;
 
 using expertd::test::TempDir;
 using test::fixture_path;

@@ -23,17 +23,17 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "engine/chat_template.h"
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
-#include "engine/reasoning.h"
-#include "engine/sampler.h"
-#include "engine/stop.h"
-#include "engine/tokenizer.h"
-#include "engine/vocab.h"
 #include "expertd/client.h"
 #include "storage/slice_map.h"
+#include "text/chat_template.h"
+#include "text/reasoning.h"
+#include "text/sampler.h"
+#include "text/stop.h"
+#include "text/tokenizer.h"
+#include "text/vocab.h"
 #include "trace/trace.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
@@ -45,6 +45,7 @@ using expertd::Error;
 using expertd::Result;
 using expertd::Status;
 using namespace expertd::engine;
+using namespace expertd::text;
 
 struct Options {
   std::string socket = expertd::client::default_socket();

@@ -125,7 +125,7 @@ std::optional<ApiError> unsupported(const json& body, bool chat) {
   return std::nullopt;
 }
 
-std::optional<ApiError> read_sampling(const json& body, engine::SamplerOptions& so) {
+std::optional<ApiError> read_sampling(const json& body, text::SamplerOptions& so) {
   if (auto e = get_number(body, "temperature", so.temperature)) return e;
   if (auto e = get_number(body, "top_p", so.top_p)) return e;
   if (auto e = get_number(body, "min_p", so.min_p)) return e;
@@ -135,7 +135,7 @@ std::optional<ApiError> read_sampling(const json& body, engine::SamplerOptions& 
   if (auto e = get_int(body, "top_k", -1, std::numeric_limits<int32_t>::max(), i)) return e;
   if (i) so.top_k = *i < 0 ? 0 : static_cast<int32_t>(*i);
   i.reset();
-  if (auto e = get_int(body, "repeat_last_n", 0, engine::kMaxRepeatLastN, i)) return e;
+  if (auto e = get_int(body, "repeat_last_n", 0, text::kMaxRepeatLastN, i)) return e;
   if (i) so.repeat_last_n = static_cast<int32_t>(*i);
   i.reset();
   if (auto e = get_int(body, "seed", std::numeric_limits<int64_t>::min(),
@@ -143,7 +143,7 @@ std::optional<ApiError> read_sampling(const json& body, engine::SamplerOptions& 
     return e;
   }
   if (i) so.seed = static_cast<uint64_t>(*i);
-  if (auto st = engine::validate(so); !st) {
+  if (auto st = text::validate(so); !st) {
     // validate() names the SamplerOptions field; the request spells two of them differently.
     std::string m = st.error().message;
     std::string param = m.substr(0, m.find(' '));
@@ -248,20 +248,20 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
 }
 
 // chat_template_kwargs and the top-level reasoning_effort; both effort spellings given must agree.
-std::optional<ApiError> read_chat_options(const json& body, engine::ChatOptions& out) {
+std::optional<ApiError> read_chat_options(const json& body, text::ChatOptions& out) {
   if (const json* v = field(body, "chat_template_kwargs")) {
     if (!v->is_object()) return wrong_type("chat_template_kwargs", "an object", *v);
     std::string param;
     const Status read =
-        engine::read_chat_template_kwargs(dump(*v), "chat_template_kwargs", out, &param);
+        text::read_chat_template_kwargs(dump(*v), "chat_template_kwargs", out, &param);
     if (!read) return bad(param, read.error().message);
   }
   if (const json* v = field(body, "reasoning_effort")) {
     if (!v->is_string()) return wrong_type("reasoning_effort", "a string", *v);
     const std::string effort = v->get<std::string>();
-    if (!engine::valid_reasoning_effort(effort)) {
+    if (!text::valid_reasoning_effort(effort)) {
       return bad("reasoning_effort", fmt::format("reasoning_effort must be one of {}, got '{}'",
-                                                 engine::kReasoningEfforts, effort));
+                                                 text::kReasoningEfforts, effort));
     }
     if (!out.reasoning_effort.empty() && out.reasoning_effort != effort) {
       return bad("reasoning_effort",

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/chat_template.h"
-#include "engine/sampler.h"
+#include "text/chat_template.h"
+#include "text/sampler.h"
 
 namespace expertd::serve {
 
@@ -41,7 +41,7 @@ struct Request {
   std::vector<uint32_t> prompt_ids;
   bool prompt_ids_given = false;
   std::vector<Message> messages;  // chat
-  engine::SamplerOptions sampling;
+  text::SamplerOptions sampling;
   std::vector<std::string> stops;
   std::optional<uint64_t> max_tokens;  // absent: completions 16, chat the rest of the context
   bool ignore_eos = false;             // an extension (vLLM's): generate past the end token
@@ -51,7 +51,7 @@ struct Request {
   // Chat: the thinking switches, from chat_template_kwargs (vLLM's and llama.cpp's:
   // enable_thinking, thinking, reasoning_effort; other keys ignored) and reasoning_effort
   // (OpenAI's); set ones override the server's --chat-template-kwargs / --reasoning-effort.
-  engine::ChatOptions chat_options;
+  text::ChatOptions chat_options;
 };
 
 // The values reasoning_format takes, as the error message lists them.

@@ -10,6 +10,7 @@
 namespace expertd::serve {
 
 using namespace expertd::engine;
+using namespace expertd::text;
 
 // One job's generation on a sequence: its sampler and the text stages (the chat template's end
 // strings, the reasoning splitter, the request's stop strings), fed one token's logits at a time.

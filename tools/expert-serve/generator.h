@@ -26,10 +26,10 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/reasoning.h"
-#include "engine/sampler.h"
-#include "engine/stop.h"
-#include "engine/tokenizer.h"
+#include "text/reasoning.h"
+#include "text/sampler.h"
+#include "text/stop.h"
+#include "text/tokenizer.h"
 
 namespace expertd::serve {
 
@@ -38,14 +38,14 @@ struct Job {
   uint64_t id = 0;
   std::string kind;  // "completion" or "chat", for the log
   std::vector<uint32_t> prompt;
-  engine::SamplerOptions sampling;
+  text::SamplerOptions sampling;
   // The raw text is cut at the chat template's turn-end strings (end_strings), then split into
   // reasoning and content (`reasoning`; kNone: all content); the request's stop strings cut the
   // content, the answer the user sees, so that a stop string the model writes while it reasons
   // does not end the answer before it is given.
   std::vector<std::string> end_strings;
   std::vector<std::string> stops;
-  engine::ReasoningSyntax reasoning = engine::ReasoningSyntax::kNone;
+  text::ReasoningSyntax reasoning = text::ReasoningSyntax::kNone;
   bool starts_in_reasoning = false;  // the prompt opened a <think> block
   uint32_t max_tokens = 16;
   bool ignore_eos = false;
@@ -72,8 +72,8 @@ class Generator {
   // `queue_limit`: jobs that may wait while one runs; submit() refuses more.
   // `on_daemon_gone` runs on the engine thread, once, after a request failed because expertd
   // went away (ECONNRESET from the client library): the engine cannot serve again.
-  Generator(std::unique_ptr<engine::Engine> engine, const engine::Tokenizer& tokenizer,
-            engine::EndTokens end_tokens, size_t queue_limit,
+  Generator(std::unique_ptr<engine::Engine> engine, const text::Tokenizer& tokenizer,
+            text::EndTokens end_tokens, size_t queue_limit,
             std::function<void(const std::string&)> on_daemon_gone);
   ~Generator();  // stop()s
   Generator(const Generator&) = delete;
@@ -128,8 +128,8 @@ class Generator {
   void close(const std::string& why);
 
   std::unique_ptr<engine::Engine> engine_;
-  const engine::Tokenizer& tokenizer_;
-  const engine::EndTokens end_tokens_;
+  const text::Tokenizer& tokenizer_;
+  const text::EndTokens end_tokens_;
   const size_t queue_limit_;
   const std::function<void(const std::string&)> on_daemon_gone_;
 

@@ -30,15 +30,15 @@
 #include <vector>
 
 #include "api.h"
-#include "engine/chat_template.h"
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
-#include "engine/reasoning.h"
-#include "engine/stop.h"
-#include "engine/tokenizer.h"
 #include "expertd/client.h"
 #include "generator.h"
+#include "text/chat_template.h"
+#include "text/reasoning.h"
+#include "text/stop.h"
+#include "text/tokenizer.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
 #endif
@@ -53,6 +53,7 @@ using expertd::serve::Generator;
 using expertd::serve::Job;
 using json = nlohmann::json;
 using namespace expertd::engine;
+using namespace expertd::text;
 
 struct Options {
   std::string socket = expertd::client::default_socket();
@@ -681,7 +682,7 @@ int main(int argc, char** argv) {
   const std::string gptoss(expertd::engine::family_info(expertd::engine::Family::GptOss).name);
   app.add_option("--chat-template", o.chat_template,
                  "Chat template instead of the model's own: a template's name (" +
-                     expertd::engine::ChatTemplate::names() + ") or a .jinja file");
+                     expertd::text::ChatTemplate::names() + ") or a .jinja file");
   app.add_option("--reasoning-format", o.reasoning_format,
                  "auto: a chat answer's reasoning (a <think> block; " + gptoss +
                      "'s analysis channel) is returned apart, as message.reasoning_content "

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/tokenizer.h"
 #include "storage/gguf.h"
+#include "text/tokenizer.h"
 #include "tools/expertctl/commands.h"
 
 namespace expertctl {
@@ -73,7 +73,7 @@ int run_tokenize(const TokenizeOptions& o) {
   if (!gather_text(o, &text, &error)) return fail(error);
   auto file = expertd::GgufFile::open(o.gguf);
   if (!file) return fail(file.error().message);  // names the file, the field and the offset
-  auto tok = expertd::engine::Tokenizer::from_gguf(*file);
+  auto tok = expertd::text::Tokenizer::from_gguf(*file);
   if (!tok) return fail(tok.error().message);  // names the file and the missing key
   auto ids = tok->encode(text, /*add_special=*/false);
   if (!ids) return fail(ids.error().message);

@@ -31,7 +31,7 @@
 #include "expertd/result.h"
 #include "storage/gguf.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 // llama.cpp's token types (gguf-py TokenType).
 enum class TokenType : int32_t {
@@ -101,4 +101,4 @@ class Tokenizer {
   bool add_bos_ = false;
 };
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

@@ -1,4 +1,4 @@
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <fmt/format.h>
@@ -12,9 +12,9 @@
 #include <span>
 
 #include "base/check.h"
-#include "engine/vocab.h"
+#include "text/vocab.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 namespace {
 
 // byte_ids_ of a byte the vocabulary has no piece for.
@@ -621,4 +621,4 @@ std::string Tokenizer::decode(const std::vector<uint32_t>& tokens) const {
   return out;
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

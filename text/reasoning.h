@@ -29,9 +29,9 @@
 #include <string>
 #include <string_view>
 
-#include "engine/chat_template.h"
+#include "text/chat_template.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 enum class ReasoningSyntax { kNone, kThink, kHarmony };
 
@@ -101,4 +101,4 @@ class ReasoningSplitter {
   std::string content_;
 };
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

@@ -25,7 +25,7 @@
 #include "expertd/result.h"
 #include "storage/gguf.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 class Tokenizer;
 
@@ -137,4 +137,4 @@ class ChatTemplate {
   bool high_effort_preamble_ = false;
 };
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

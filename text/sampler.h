@@ -25,7 +25,7 @@
 
 #include "expertd/result.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 struct SamplerOptions {
   float temperature = 0.0f;  // 0: greedy; negative is an error
@@ -79,4 +79,4 @@ class Sampler {
 // The index of the largest logit (the first one on ties).
 uint32_t argmax(std::span<const float> logits);
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

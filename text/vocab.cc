@@ -1,8 +1,8 @@
-#include "engine/vocab.h"
+#include "text/vocab.h"
 
 #include <array>
 
-namespace expertd::engine {
+namespace expertd::text {
 namespace {
 
 bool printable(uint32_t b) {
@@ -115,4 +115,4 @@ std::string Vocab::decode(const std::vector<uint32_t>& tokens) const {
   return out;
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

@@ -17,7 +17,7 @@
 #include "expertd/result.h"
 #include "storage/gguf.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 class StopMatcher {
  public:
@@ -59,4 +59,4 @@ struct EndTokens {
   bool contains(uint32_t token) const { return token == eos || token == eot || token == eom; }
 };
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

@@ -1,10 +1,10 @@
-#include "engine/stop.h"
+#include "text/stop.h"
 
 #include <algorithm>
 
 #include "base/check.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 Result<StopMatcher> StopMatcher::create(std::vector<std::string> stops) {
   for (const std::string& s : stops) {
@@ -92,4 +92,4 @@ EndTokens EndTokens::from_gguf(const GgufFile& meta) {
   return t;
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

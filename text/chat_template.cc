@@ -1,4 +1,4 @@
-#include "engine/chat_template.h"
+#include "text/chat_template.h"
 
 #include <algorithm>
 #include <array>
@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 namespace {
 
 constexpr std::string_view kKnown =
@@ -806,4 +806,4 @@ Result<ChatTemplate> ChatTemplate::from_flag(const std::string& flag, const Gguf
   return t;
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

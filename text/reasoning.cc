@@ -1,9 +1,9 @@
-#include "engine/reasoning.h"
+#include "text/reasoning.h"
 
 #include <algorithm>
 #include <array>
 
-namespace expertd::engine {
+namespace expertd::text {
 namespace {
 
 constexpr std::string_view kThinkOpen = "<think>";
@@ -292,4 +292,4 @@ void ReasoningSplitter::harmony_body() {
   held_.erase(0, held_.size() - hold);
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

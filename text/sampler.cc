@@ -1,4 +1,4 @@
-#include "engine/sampler.h"
+#include "text/sampler.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 
 #include "base/check.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 uint32_t argmax(std::span<const float> logits) {
   EXPERTD_CHECK(!logits.empty());
@@ -144,4 +144,4 @@ uint32_t Sampler::sample(std::span<const float> logits) {
   return chosen;
 }
 
-}  // namespace expertd::engine
+}  // namespace expertd::text

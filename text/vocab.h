@@ -12,7 +12,7 @@
 
 #include "storage/gguf.h"
 
-namespace expertd::engine {
+namespace expertd::text {
 
 class Vocab {
  public:
@@ -36,4 +36,4 @@ std::string decode_byte_level(const std::string& piece);
 // The other way for one byte: the UTF-8 of bytes_to_unicode's character for `byte`.
 std::string byte_level_piece(uint8_t byte);
 
-}  // namespace expertd::engine
+}  // namespace expertd::text
