@@ -26,14 +26,17 @@
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
+#include "engine/setup.h"
 #include "expertd/client.h"
 #include "storage/slice_map.h"
 #include "text/chat_template.h"
+#include "text/generation.h"
 #include "text/reasoning.h"
 #include "text/sampler.h"
 #include "text/stop.h"
 #include "text/tokenizer.h"
 #include "text/vocab.h"
+#include "tools/common/engine_flags.h"
 #include "trace/trace.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
@@ -47,10 +50,7 @@ using expertd::Status;
 using namespace expertd::engine;
 using namespace expertd::text;
 
-struct Options {
-  std::string socket = expertd::client::default_socket();
-  std::string model;
-  std::string gguf;
+struct Options : expertd::tools::EngineFlags {
   std::string prompt_tokens;
   std::string prompt_text;    // --prompt
   std::string prompt_file;    // --prompt-file
@@ -60,13 +60,8 @@ struct Options {
   std::string chat_template_kwargs;  // --chat-template-kwargs: the template's thinking switches
   std::string reasoning_effort;      // --reasoning-effort
   uint32_t max_tokens = 16;
-  uint32_t prefill_chunk = 512;
-  bool cpu = false;
-  std::string vram_experts = "auto";
   std::string tiers = "independent";
   std::string vram_policy;
-  uint32_t prefetch_depth = 1;
-  uint32_t prefetch_width = 0;
   float temperature = 0.0f;
   float top_p = 1.0f;
   uint64_t seed = 0;
@@ -364,6 +359,7 @@ int run(Options o) {
   bool starts_in_reasoning = false;
   bool reasoning_model =
       false;  // the template's family has a reasoning syntax (thinking on or off)
+  std::vector<std::string> end_strings;  // --chat: the template's turn-end texts
   // Text is tokenised once the model (its vocabulary) is loaded; ids are checked now.
   std::vector<uint32_t> prompt_ids;
   const std::vector<uint32_t>* prompt = &prompt_ids;
@@ -381,16 +377,8 @@ int run(Options o) {
   }
   // The CUDA engines read each dense matrix from the file as they upload it, so the host never
   // holds them all: under a memory cap that memory is expertd's cache.
-  std::string why_cpu = "--cpu";
-  bool use_gpu = false;
-#ifdef EXPERTD_HAVE_CUDA
-  use_gpu = !o.cpu && cuda_device_available(&why_cpu);
-#else
-  if (!o.cpu) why_cpu = "this build has no CUDA engine";
-#endif
-  const DenseLoad how = use_gpu ? DenseLoad::Deferred : DenseLoad::Eager;
-  auto model = o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model, how)
-                              : DenseModel::load(o.gguf, how);
+  const DeviceChoice device = choose_device(o.cpu);
+  auto model = load_dense(daemon->get(), o.model, o.gguf, device);
   if (!model) return fail(model.error());
   const ModelParams& p = model->params();
   if (!o.prompt_text.empty()) {
@@ -415,12 +403,8 @@ int run(Options o) {
       reasoning = answer_reasoning_syntax(tmpl->kind(), text);
       reasoning_model = reasoning_syntax(tmpl->kind()) != ReasoningSyntax::kNone;
       starts_in_reasoning = prompt_opens_think(text);
-      // The turn's end marker stops the answer where it is text rather than an end token.
-      for (const std::string& s : tmpl->stop_strings()) {
-        if (std::find(o.stop.begin(), o.stop.end(), s) == o.stop.end()) o.stop.push_back(s);
-      }
-      stops = StopMatcher::create(o.stop);
-      if (!stops) return fail(Error{EINVAL, "--" + stops.error().message});
+      // The turn's end marker ends the answer where it is text rather than an end token.
+      end_strings = tmpl->stop_strings();
       if (!o.json) std::printf("expert-run: chat template %s\n", tmpl->family().c_str());
     }
     // The template writes the BOS itself where the model wants one (apply_chat_template's way).
@@ -471,33 +455,19 @@ int run(Options o) {
   eo.max_context = feeding ? std::max(static_cast<uint32_t>(prompt->size()),
                                       static_cast<uint32_t>(feed.ids.size()))
                            : static_cast<uint32_t>(prompt->size()) + o.max_tokens;
-  eo.prefetch_depth = o.prefetch_depth;
+  eo.prefetch_depth = o.lookahead;
   eo.prefetch_width = o.prefetch_width;
   eo.script = script ? &*script : nullptr;
   eo.hints = o.hints == "trace" ? HintSource::Script : HintSource::Router;
   eo.hash_hints = !o.no_hash_hints;
   eo.prefill_chunk = o.prefill_chunk;
 
-  std::unique_ptr<Engine> engine;
-#ifdef EXPERTD_HAVE_CUDA
-  if (use_gpu) {
-    auto gpu = parse_vram_experts(o.vram_experts);
-    if (!gpu) return fail(gpu.error());
-    gpu->coordinate = o.tiers == "coordinated";
-    gpu->policy = o.vram_policy;
-    auto e = create_gpu_engine(*model, **source, eo, *gpu);
-    if (!e) return fail(e.error());
-    engine = std::move(*e);
-  }
-#endif
-  if (!engine) {
-    auto e = create_cpu_engine(*model, **source, eo);
-    if (!e) return fail(e.error());
-    engine = std::move(*e);
-  }
-  const std::string engine_note = engine->name() == "cpu"
-                                      ? fmt::format("{} ({})", engine->description(), why_cpu)
-                                      : engine->description();
+  auto created = create_engine(
+      *model, **source, EngineSetup{eo, o.vram_experts, o.tiers == "coordinated", o.vram_policy},
+      device);
+  if (!created) return fail(created.error());
+  std::unique_ptr<Engine> engine = std::move(created->engine);
+  const std::string engine_note = created->note;
   const std::string mode_note =
       script ? fmt::format(
                    "BENCHMARK MODE: routing replayed from {} (not the model's router); "
@@ -554,9 +524,20 @@ int run(Options o) {
   std::fflush(stdout);  // the header before any progress line on stderr
   const auto before = model_counters(client, o.model);
   std::vector<float> logits(p.n_vocab);
-  Sampler sampler(so, p.n_vocab);
-  for (const uint32_t t : *prompt) sampler.accept(t);  // the penalty's window starts in the prompt
-  std::vector<double> stall_ms_each;                   // per generated token
+  // The answer: expert-serve's generation (text/generation.h), the same stages in the same order.
+  GenerationOptions go;
+  go.sampling = so;
+  go.end_strings = end_strings;
+  go.stops = o.stop;
+  go.reasoning = reasoning;
+  go.starts_in_reasoning = starts_in_reasoning;
+  go.max_tokens = o.max_tokens;
+  go.stop_at_end_token = stop_at_end;
+  std::function<std::string(uint32_t)> text_of;
+  if (vocab) text_of = token_text;
+  auto gen = Generation::create(go, p.n_vocab, text_of, end_tokens, *prompt);
+  if (!gen) return fail(gen.error());
+  std::vector<double> stall_ms_each;  // per generated token
   // A progress line for long benchmark runs, on a terminal only.
   const bool progress = !o.json && script && isatty(STDERR_FILENO) == 1;
   const auto t0 = expertd::monotonic_ns();
@@ -581,15 +562,15 @@ int run(Options o) {
   const EngineStats at_prompt = engine->stats();
   const auto mid_model = model_stats(client, o.model);
   const auto& mid = mid_model.scheduler;
-  std::vector<uint32_t> generated;
-  // The text shown: each token's text through the stop matcher, end tokens left out.
+  // The text shown: without a reasoning syntax the content (cut at --stop); with one the raw
+  // text (cut at the template's turn end), and apart from it the reasoning and the content.
   std::string text;
-  // --chat with a reasoning model: the text split; streamed, the reasoning goes to stderr and the
-  // answer to stdout.
-  ReasoningSplitter splitter(reasoning, starts_in_reasoning);
+  // --chat with a reasoning model: streamed, the reasoning goes to stderr and the answer to stdout.
   std::string reasoning_text, content_text;
   bool reasoning_line_ended = false;
-  auto split = [&](ReasoningSplitter::Step s) {
+  auto split = [&](const Generation& g) {
+    const ReasoningSplitter::Step s{g.reasoning_delta(), g.content_delta()};
+    text.append(reasoning == ReasoningSyntax::kNone ? g.content_delta() : g.raw_delta());
     reasoning_text.append(s.reasoning);
     content_text.append(s.content);
     if (!stream) return;
@@ -619,37 +600,24 @@ int run(Options o) {
     }
   }
   if (feeding && !o.json && isatty(STDERR_FILENO) == 1) std::fprintf(stderr, "\r\033[K");
-  while (!feeding && generated.size() < o.max_tokens) {
-    const uint32_t next = sampler.sample(logits);
-    generated.push_back(next);
-    if (stop_at_end && end_tokens.contains(next)) {
-      stop_reason = "eos";
-      break;
-    }
-    if (vocab) {
-      const StopMatcher::Step step = stops->push(token_text(next));
-      text.append(step.emit);
-      split(splitter.push(step.emit));
-      if (step.stop) {
-        stop_reason = "stop";
-        break;
-      }
-    }
-    if (generated.size() == o.max_tokens) break;
+  while (!feeding) {
+    const std::optional<uint32_t> next = (*gen)->advance(logits);
+    split(**gen);
+    if (!next) break;
     const uint64_t stall0 = engine->stats().stall_ns;
-    if (auto st = engine->decode(next, logits); !st) return fail(st.error());
+    if (auto st = engine->decode(*next, logits); !st) return fail(st.error());
     stall_ms_each.push_back(static_cast<double>(engine->stats().stall_ns - stall0) / 1e6);
-    if (progress && generated.size() % 8 == 0) {
-      std::fprintf(stderr, "\rexpert-run: token %zu/%u", generated.size(), o.max_tokens);
+    if (progress && (*gen)->generated() % 8 == 0) {
+      std::fprintf(stderr, "\rexpert-run: token %u/%u", (*gen)->generated(), o.max_tokens);
     }
   }
   if (progress) std::fprintf(stderr, "\r\033[K");
-  if (vocab) {
-    const std::string held(stops->finish());  // held back for a stop string that never came
-    text.append(held);
-    split(splitter.push(held));
-    split(splitter.finish());
+  if (!feeding) {
+    (*gen)->finish();  // what the stages held back
+    split(**gen);
+    if (*(*gen)->stop_reason() != '\0') stop_reason = (*gen)->stop_reason();
   }
+  const std::vector<uint32_t>& generated = (*gen)->tokens();
   const auto t2 = expertd::monotonic_ns();
   const auto after_model = model_stats(client, o.model);
   const auto& after = after_model.scheduler;
@@ -776,7 +744,7 @@ int run(Options o) {
           {"capacity", s.tiers_capacity},
           {"distinct_mean", tiers_mean}}},
         {"prefetch_by_depth", by_depth},
-        {"prefetch_depth", o.prefetch_depth},
+        {"prefetch_depth", o.lookahead},
         {"prefetch_hints", s.hints_sent},
         {"prefetch_precision", s.prefetch_precision()},
         {"prefetch_recall", s.prefetch_recall()},
@@ -926,7 +894,7 @@ int run(Options o) {
         o.tiers.c_str(), s.tiers_distinct, s.tiers_capacity, tiers_mean,
         static_cast<unsigned long long>(s.tiers_samples));
   }
-  std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.prefetch_depth,
+  std::printf("prefetch: depth %u, %llu hints, precision %.3f, recall %.3f\n", o.lookahead,
               static_cast<unsigned long long>(s.hints_sent), s.prefetch_precision(),
               s.prefetch_recall());
   for (size_t d = 0; d < s.by_depth.size(); ++d) {
@@ -956,11 +924,7 @@ int run(Options o) {
 int main(int argc, char** argv) {
   CLI::App app{"expert-run: generate tokens with a MoE model whose experts stream from expertd"};
   Options o;
-  app.add_option("--socket", o.socket, "expertd's control socket");
-  app.add_option("--model", o.model, "The model's name in expertd")->required();
-  app.add_option("--gguf", o.gguf,
-                 "The model's GGUF file to read the dense weights from (default: the files "
-                 "expertd passes for --model)");
+  add_engine_flags(app, o, "The model's name in expertd");
   app.add_option("--prompt", o.prompt_text,
                  "Prompt text, tokenised with the model's own vocabulary (BOS added when the model "
                  "asks for it); the answer streams to the terminal");
@@ -996,14 +960,6 @@ int main(int argc, char** argv) {
                  "(glibc rand() % n_vocab after srand(SEED), SEED 1 = llama-bench's tg ids) or a "
                  "file of ids separated by commas or white space. --json adds \"feed\": tokens/s, "
                  "MB read per token, hits per tier, stall, reads in flight, disk busy");
-  app.add_option("--prefill-chunk", o.prefill_chunk,
-                 "Prompt positions processed together, each routed expert acquired once per "
-                 "chunk (512)")
-      ->check(CLI::Range(1u, 1u << 20));
-  app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
-  app.add_option("--vram-experts", o.vram_experts,
-                 "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
-                 "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
   app.add_option("--vram-policy", o.vram_policy,
                  "The VRAM tier's replacement policy (the daemon's names: default, cyclic-hint, "
                  "cyclic, lru, fifo; default: the daemon's default, cyclic-hint)");
@@ -1012,10 +968,6 @@ int main(int argc, char** argv) {
                  "daemon's first victims, so the host cache holds others; docs/ENGINE.md says "
                  "when that loses)")
       ->check(CLI::IsMember({"coordinated", "independent"}));
-  app.add_option("--prefetch-depth", o.prefetch_depth,
-                 "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
-  app.add_option("--prefetch-width", o.prefetch_width,
-                 "Candidates hinted per predicted layer (0 = the model's top-k)");
   app.add_option("--temperature", o.temperature, "Sampling temperature (0 = greedy)");
   app.add_option("--top-p", o.top_p, "Nucleus sampling mass (1)");
   app.add_option("--seed", o.seed, "Sampling seed (0)");

@@ -12,85 +12,6 @@ namespace expertd::serve {
 using namespace expertd::engine;
 using namespace expertd::text;
 
-// One job's generation on a sequence: its sampler and the text stages (the chat template's end
-// strings, the reasoning splitter, the request's stop strings), fed one token's logits at a time.
-struct Generator::Generation {
-  Generation(Job& j, uint32_t n_vocab, StopMatcher e, StopMatcher s)
-      : job(j),
-        ends(std::move(e)),
-        stops(std::move(s)),
-        splitter(j.reasoning, j.starts_in_reasoning),
-        sampler(j.sampling, n_vocab) {
-    for (const uint32_t t : j.prompt) sampler.accept(t);  // the penalty's window starts there
-  }
-
-  Job& job;
-  StopMatcher ends;
-  StopMatcher stops;
-  ReasoningSplitter splitter;
-  Sampler sampler;
-  std::string reasoning;  // one token's output on its way to the job
-  std::string content;
-  bool stopped = false;  // a request stop string completed: nothing more reaches the content
-  uint32_t generated = 0;
-  std::string finish = "length";
-
-  // The splitter's reasoning as it is, its content through the request's stop strings.
-  void through(ReasoningSplitter::Step s) {
-    if (stopped) return;
-    reasoning.append(s.reasoning);
-    if (s.content.empty()) return;
-    const StopMatcher::Step st = stops.push(s.content);
-    content.append(st.emit);
-    stopped = st.stop;
-  }
-  void publish() {
-    std::lock_guard lock(job.mu);
-    job.reasoning_text.append(reasoning);
-    job.text.append(content);
-    job.completion_tokens = generated;
-    job.cv.notify_all();
-  }
-  // Samples the next token from `logits` and passes its text on; the token to feed next, or
-  // nothing when the answer is complete.
-  std::optional<uint32_t> advance(std::span<const float> logits, const Tokenizer& tok,
-                                  const EndTokens& end_tokens) {
-    if (generated >= job.max_tokens) return std::nullopt;
-    const uint32_t next = sampler.sample(logits);
-    ++generated;
-    if (!job.ignore_eos && end_tokens.contains(next)) {
-      finish = "stop";
-      return std::nullopt;
-    }
-    reasoning.clear();
-    content.clear();
-    const StopMatcher::Step end = ends.push(tok.decode(next));
-    through(splitter.push(end.emit));
-    if (!reasoning.empty() || !content.empty()) publish();
-    if (end.stop || stopped) {
-      finish = "stop";
-      return std::nullopt;
-    }
-    if (generated == job.max_tokens) return std::nullopt;
-    return next;
-  }
-  // What each stage held back (text no end string completed, the splitter's unfinished tag or
-  // header, a prefix of a request stop string), then the answer's end.
-  void finish_text() {
-    reasoning.clear();
-    content.clear();
-    if (!ends.stopped()) through(splitter.push(ends.finish()));
-    through(splitter.finish());
-    if (!stopped) content.append(stops.finish());
-    std::lock_guard lock(job.mu);
-    job.reasoning_text.append(reasoning);
-    job.text.append(content);
-    job.completion_tokens = generated;
-    job.finish_reason = stopped ? "stop" : finish;
-    job.cv.notify_all();
-  }
-};
-
 Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
                      EndTokens end_tokens, size_t queue_limit,
                      std::function<void(const std::string&)> on_daemon_gone)
@@ -105,6 +26,16 @@ Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
 }
 
 Generator::~Generator() { stop(); }
+
+void Generator::publish(Job& job, const Generation& g, bool done) {
+  if (!done && g.reasoning_delta().empty() && g.content_delta().empty()) return;
+  std::lock_guard lock(job.mu);
+  job.reasoning_text.append(g.reasoning_delta());
+  job.text.append(g.content_delta());
+  job.completion_tokens = g.generated();
+  if (done) job.finish_reason = g.finish_reason();
+  job.cv.notify_all();
+}
 
 void Generator::drop_cancelled_locked() {
   std::erase_if(queue_, [](const std::shared_ptr<Job>& job) {
@@ -233,7 +164,8 @@ void Generator::end_job(size_t i, bool cancelled) {
   Slot& s = slots_[i];
   Job& job = *s.job;
   Generation& g = *s.gen;
-  g.finish_text();
+  g.finish();
+  publish(job, g, /*done=*/true);
   const uint64_t t2 = monotonic_ns();
   if (cancelled) {
     bool stopping = false;
@@ -247,15 +179,15 @@ void Generator::end_job(size_t i, bool cancelled) {
       job.error_status = 503;
     }
     spdlog::info("request {}: {}; stopped after {} of {} tokens", job.id,
-                 stopping ? "shutting down" : "the client left", g.generated, job.max_tokens);
+                 stopping ? "shutting down" : "the client left", g.generated(), job.max_tokens);
   }
   const double gen_s = static_cast<double>(t2 - s.t_prompt) / 1e9;
   const uint64_t steps = s.steps;
   spdlog::info(
       "request {}: {} tokens in {:.3f} s ({:.1f} tokens/s), finish {}, {:.2f} sequences per "
       "step",
-      job.id, g.generated, gen_s, gen_s > 0 ? g.generated / gen_s : 0.0,
-      cancelled ? "cancelled" : g.finish,
+      job.id, g.generated(), gen_s, gen_s > 0 ? g.generated() / gen_s : 0.0,
+      cancelled ? "cancelled" : g.finish_reason(),
       steps ? static_cast<double>(s.rows_seen) / static_cast<double>(steps) : 1.0);
   release(i);
 }
@@ -273,11 +205,18 @@ std::optional<Error> Generator::prefill_step(size_t i) {
   const std::span<float> logits(logits_.data(), n_vocab);
   if (!s.started) {
     // The text stages first: they were checked when the request was read.
-    auto ends = StopMatcher::create(job.end_strings);
-    if (!ends) return fail(i, ends.error());
-    auto stops = StopMatcher::create(job.stops);
-    if (!stops) return fail(i, stops.error());
-    s.gen = std::make_unique<Generation>(job, n_vocab, std::move(*ends), std::move(*stops));
+    GenerationOptions go;
+    go.sampling = job.sampling;
+    go.end_strings = job.end_strings;
+    go.stops = job.stops;
+    go.reasoning = job.reasoning;
+    go.starts_in_reasoning = job.starts_in_reasoning;
+    go.max_tokens = job.max_tokens;
+    go.stop_at_end_token = !job.ignore_eos;
+    auto gen = Generation::create(
+        go, n_vocab, [this](uint32_t t) { return tokenizer_.decode(t); }, end_tokens_, job.prompt);
+    if (!gen) return fail(i, gen.error());
+    s.gen = std::move(*gen);
     // At least one prompt token is fed again: its logits are the first token's.
     const size_t common =
         std::mismatch(s.fed.begin(), s.fed.end(), job.prompt.begin(), job.prompt.end()).first -
@@ -320,7 +259,8 @@ std::optional<Error> Generator::prefill_step(size_t i) {
     end_job(i, /*cancelled=*/true);
     return std::nullopt;
   }
-  s.pending = s.gen->advance(logits, tokenizer_, end_tokens_);
+  s.pending = s.gen->advance(logits);
+  publish(job, *s.gen, /*done=*/false);
   if (!s.pending) end_job(i, /*cancelled=*/false);
   return std::nullopt;
 }
@@ -352,7 +292,8 @@ std::optional<Error> Generator::decode_step() {
     ++s.steps;
     s.rows_seen += rows_.size();
     const std::span<const float> logits(logits_.data() + r * n_vocab, n_vocab);
-    s.pending = s.gen->advance(logits, tokenizer_, end_tokens_);
+    s.pending = s.gen->advance(logits);
+    publish(*s.job, *s.gen, /*done=*/false);
     if (!s.pending) end_job(i, /*cancelled=*/false);
   }
   return std::nullopt;

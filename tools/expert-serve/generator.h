@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "text/generation.h"
 #include "text/reasoning.h"
 #include "text/sampler.h"
 #include "text/stop.h"
@@ -94,7 +95,7 @@ class Generator {
   const engine::Engine& engine() const { return *engine_; }
 
  private:
-  struct Generation;
+  using Generation = text::Generation;
   // A sequence of the engine and the job on it.
   struct Slot {
     std::shared_ptr<Job> job;         // null: free
@@ -121,6 +122,8 @@ class Generator {
   void end_job(size_t i, bool cancelled);
   // Fails sequence i's job with `e` (its cache is reset); returns e.
   std::optional<Error> fail(size_t i, const Error& e);
+  // Hands the text `g` made last to `job` (and, when done, its finish reason); wakes its reader.
+  static void publish(Job& job, const Generation& g, bool done);
   // Frees sequence i: the job is done.
   void release(size_t i);
   void drop_cancelled_locked();  // mu_ held

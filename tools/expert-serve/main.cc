@@ -33,12 +33,14 @@
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
+#include "engine/setup.h"
 #include "expertd/client.h"
 #include "generator.h"
 #include "text/chat_template.h"
 #include "text/reasoning.h"
 #include "text/stop.h"
 #include "text/tokenizer.h"
+#include "tools/common/engine_flags.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
 #endif
@@ -55,20 +57,12 @@ using json = nlohmann::json;
 using namespace expertd::engine;
 using namespace expertd::text;
 
-struct Options {
-  std::string socket = expertd::client::default_socket();
-  std::string model;
-  std::string gguf;
+struct Options : expertd::tools::EngineFlags {
   std::string host = "127.0.0.1";
   int port = 8080;
   uint32_t ctx = 4096;
   uint32_t queue = 8;
   uint32_t parallel = 4;
-  uint32_t prefill_chunk = 512;
-  bool cpu = false;
-  std::string vram_experts = "auto";
-  uint32_t prefetch_depth = 1;
-  uint32_t prefetch_width = 0;
   std::string chat_template;
   std::string reasoning_format = "auto";
   std::string chat_template_kwargs;  // --chat-template-kwargs: JSON, the defaults of every request
@@ -518,16 +512,8 @@ int run(const Options& o) {
   if (!daemon) return fail(daemon.error().message);
   // The CUDA engines read each dense matrix from the file as they upload it, so the host never
   // holds them all: under a memory cap that memory is expertd's cache.
-  std::string why_cpu = "--cpu";
-  bool use_gpu = false;
-#ifdef EXPERTD_HAVE_CUDA
-  use_gpu = !o.cpu && cuda_device_available(&why_cpu);
-#else
-  if (!o.cpu) why_cpu = "this build has no CUDA engine";
-#endif
-  const DenseLoad how = use_gpu ? DenseLoad::Deferred : DenseLoad::Eager;
-  auto model = o.gguf.empty() ? DenseModel::load_from_daemon(**daemon, o.model, how)
-                              : DenseModel::load(o.gguf, how);
+  const DeviceChoice device = choose_device(o.cpu);
+  auto model = load_dense(daemon->get(), o.model, o.gguf, device);
   if (!model) return fail(model.error().message);
   const ModelParams& p = model->params();
   auto tok = Tokenizer::from_gguf(model->gguf().meta());
@@ -560,40 +546,19 @@ int run(const Options& o) {
   if (!source) return fail(source.error().message);
   EngineOptions eo;
   eo.max_context = o.ctx;
-  eo.prefetch_depth = o.prefetch_depth;
+  eo.prefetch_depth = o.lookahead;
   eo.prefetch_width = o.prefetch_width;
   eo.prefill_chunk = o.prefill_chunk;
   // --parallel sequences where the engine batches them (the registry says which), else one.
-  const FamilyCapabilities& caps = family_info(p.family).caps;
   eo.sequences = o.parallel;
-  std::unique_ptr<Engine> engine;
-#ifdef EXPERTD_HAVE_CUDA
-  if (use_gpu) {
-    auto gpu = parse_vram_experts(o.vram_experts);
-    if (!gpu) return fail(gpu.error().message);
-    if (!caps.cuda_batched_decode && eo.sequences > 1) {
-      spdlog::info("--parallel {}: the CUDA engine for {} runs one sequence at a time", o.parallel,
-                   p.architecture);
-      eo.sequences = 1;
-    }
-    auto e = create_gpu_engine(*model, **source, eo, *gpu);
-    if (!e) return fail(e.error().message);
-    engine = std::move(*e);
+  auto created =
+      create_engine(*model, **source, EngineSetup{eo, o.vram_experts, false, ""}, device);
+  if (!created) return fail(created.error().message);
+  if (!created->sequences_note.empty()) {
+    spdlog::info("--parallel {}: {}", o.parallel, created->sequences_note);
   }
-#endif
-  if (!engine) {
-    if (!caps.cpu_batched_decode && eo.sequences > 1) {
-      spdlog::info("--parallel {}: the CPU engine for {} runs one sequence at a time", o.parallel,
-                   p.architecture);
-      eo.sequences = 1;
-    }
-    auto e = create_cpu_engine(*model, **source, eo);
-    if (!e) return fail(e.error().message);
-    engine = std::move(*e);
-  }
-  const std::string engine_note = engine->name() == "cpu"
-                                      ? fmt::format("{} ({})", engine->description(), why_cpu)
-                                      : engine->description();
+  std::unique_ptr<Engine> engine = std::move(created->engine);
+  const std::string engine_note = created->note;
   spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}{}",
                o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
                static_cast<double>(model->dense_bytes()) / (1 << 20), model->path(),
@@ -662,11 +627,7 @@ int main(int argc, char** argv) {
       "expert-serve: an OpenAI-compatible HTTP server for a MoE model whose experts stream from "
       "expertd"};
   Options o;
-  app.add_option("--socket", o.socket, "expertd's control socket");
-  app.add_option("--model", o.model, "The model's name in expertd (and in the API)")->required();
-  app.add_option("--gguf", o.gguf,
-                 "The model's GGUF file to read the dense weights from (default: the files "
-                 "expertd passes for --model)");
+  add_engine_flags(app, o, "The model's name in expertd (and in the API)");
   app.add_option("--host", o.host, "Address to listen on (127.0.0.1: this machine only)");
   app.add_option("--port", o.port, "TCP port to listen on (8080)")->check(CLI::Range(1, 65535));
   app.add_option("--ctx", o.ctx, "Context length: KV cache positions, prompt and answer (4096)")
@@ -703,18 +664,6 @@ int main(int argc, char** argv) {
                      "'s reasoning effort for every chat request (its template's default: "
                      "medium); a request's reasoning_effort overrides it")
       ->check(CLI::IsMember({"low", "medium", "high"}));
-  app.add_flag("--cpu", o.cpu, "Run the CPU reference engine even when a GPU is present");
-  app.add_option("--vram-experts", o.vram_experts,
-                 "VRAM expert tier: a number of experts, a size (8G, 512M), 0 for the in-place "
-                 "mode (kernels read the daemon's pinned arena), or auto (half the free VRAM)");
-  app.add_option("--prefetch-depth", o.prefetch_depth,
-                 "Layers ahead to predict experts for with their routers (1; 0 = no hints)");
-  app.add_option("--prefetch-width", o.prefetch_width,
-                 "Candidates hinted per predicted layer (0 = the model's top-k)");
-  app.add_option("--prefill-chunk", o.prefill_chunk,
-                 "Prompt positions processed together, each routed expert acquired once per "
-                 "chunk (512)")
-      ->check(CLI::Range(1u, 1u << 20));
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error (info)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
   app.footer(

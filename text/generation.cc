@@ -1,0 +1,95 @@
+#include "text/generation.h"
+
+#include <fmt/format.h>
+
+namespace expertd::text {
+
+Result<std::unique_ptr<Generation>> Generation::create(
+    const GenerationOptions& options, uint32_t n_vocab,
+    std::function<std::string(uint32_t)> token_text, EndTokens end_tokens,
+    std::span<const uint32_t> prompt) {
+  EXPERTD_TRY(validate(options.sampling));
+  if (!token_text && (!options.end_strings.empty() || !options.stops.empty())) {
+    return make_error(EINVAL, "stop strings need the model's vocabulary, and it has none");
+  }
+  EXPERTD_TRY_ASSIGN(StopMatcher ends, StopMatcher::create(options.end_strings));
+  EXPERTD_TRY_ASSIGN(StopMatcher stops, StopMatcher::create(options.stops));
+  std::unique_ptr<Generation> g(new Generation(options, n_vocab, std::move(token_text), end_tokens,
+                                               std::move(ends), std::move(stops)));
+  for (const uint32_t t : prompt) g->sampler_.accept(t);  // the penalty's window starts there
+  return g;
+}
+
+Generation::Generation(const GenerationOptions& options, uint32_t n_vocab,
+                       std::function<std::string(uint32_t)> token_text, EndTokens end_tokens,
+                       StopMatcher ends, StopMatcher stops)
+    : opts_(options),
+      token_text_(std::move(token_text)),
+      end_tokens_(end_tokens),
+      ends_(std::move(ends)),
+      stops_(std::move(stops)),
+      splitter_(options.reasoning, options.starts_in_reasoning),
+      sampler_(options.sampling, n_vocab) {
+  tokens_.reserve(options.max_tokens);
+}
+
+void Generation::through(ReasoningSplitter::Step s) {
+  if (stopped_) return;
+  reasoning_.append(s.reasoning);
+  if (s.content.empty()) return;
+  const StopMatcher::Step st = stops_.push(s.content);
+  content_.append(st.emit);
+  stopped_ = st.stop;
+}
+
+std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
+  raw_.clear();
+  reasoning_.clear();
+  content_.clear();
+  if (*stop_reason_ != '\0') return std::nullopt;
+  if (tokens_.size() >= opts_.max_tokens) {
+    stop_reason_ = "max_tokens";
+    return std::nullopt;
+  }
+  const uint32_t next = sampler_.sample(logits);
+  tokens_.push_back(next);
+  if (opts_.stop_at_end_token && end_tokens_.contains(next)) {
+    stop_reason_ = "eos";
+    return std::nullopt;
+  }
+  if (token_text_) {
+    const StopMatcher::Step end = ends_.push(token_text_(next));
+    raw_.append(end.emit);
+    through(splitter_.push(end.emit));
+    if (end.stop || stopped_) {
+      stop_reason_ = "stop";
+      return std::nullopt;
+    }
+  }
+  if (tokens_.size() == opts_.max_tokens) {
+    stop_reason_ = "max_tokens";
+    return std::nullopt;
+  }
+  return next;
+}
+
+void Generation::finish() {
+  raw_.clear();
+  reasoning_.clear();
+  content_.clear();
+  if (!token_text_) return;
+  if (!ends_.stopped()) {
+    const std::string held(ends_.finish());
+    raw_.append(held);
+    through(splitter_.push(held));
+  }
+  through(splitter_.finish());
+  if (!stopped_) content_.append(stops_.finish());
+}
+
+const char* Generation::finish_reason() const {
+  return std::string_view(stop_reason_) == "max_tokens" || *stop_reason_ == '\0' ? "length"
+                                                                                 : "stop";
+}
+
+}  // namespace expertd::text
