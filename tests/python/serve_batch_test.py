@@ -66,6 +66,31 @@ def main():
             alone.append(json.loads(out.stdout))
         print(f"ok: expert-run alone: {[len(r['generated']) for r in alone]} tokens")
 
+        # expert-run --batch-prompts: the four decoded together in one engine, the same ids.
+        listing = os.path.join(args.workdir, "prompts.txt")
+        with open(listing, "w") as f:
+            f.write("# one prompt per line\n")
+            for p in prompts:
+                f.write(", ".join(map(str, p)) + "\n")
+        out = subprocess.run(
+            [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--json",
+             "--cpu", "--batch-prompts", listing, "--max-tokens", str(N), "--ignore-eos",
+             "--prefill-chunk", "4"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        batch = json.loads(out.stdout)
+        assert batch["prompt_tokens"] == prompts, batch["prompt_tokens"]
+        for i, (ids, ref) in enumerate(zip(batch["generated"], alone)):
+            assert ids == ref["generated"], f"--batch-prompts, prompt {i}: {ids}, alone {ref}"
+        assert batch["rows_per_step"] > 1.0 and batch["rows"] == 4 * (N - 1), batch
+        print(f"ok: expert-run --batch-prompts: the same ids, {batch['rows_per_step']:.2f} "
+              f"sequences per step, {batch['experts_per_step']:.1f} experts acquired per step, "
+              f"{batch['bytes_read_per_token'] / 1e3:.1f} kB read per token")
+        bad = subprocess.run(
+            [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--cpu",
+             "--batch-prompts", os.path.join(args.workdir, "nope.txt")],
+            capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and "nope.txt: cannot open it" in bad.stderr, bad.stderr
+
         # The server one sequence at a time, then four at once: the same answers.
         for parallel in (1, 4):
             port, h, log_path = start_serve(

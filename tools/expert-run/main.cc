@@ -37,6 +37,7 @@
 #include "text/tokenizer.h"
 #include "text/vocab.h"
 #include "tools/common/engine_flags.h"
+#include "tools/expert-run/batch.h"
 #include "trace/trace.h"
 #ifdef EXPERTD_HAVE_CUDA
 #include "engine/gpu_engine.h"
@@ -76,7 +77,8 @@ struct Options : expertd::tools::EngineFlags {
   std::string hints;  // router | trace; default: trace with --routing-trace, else router
   bool json = false;
   bool no_hash_hints = false;
-  std::string feed_tokens;  // --feed-tokens SPEC
+  std::string feed_tokens;    // --feed-tokens SPEC
+  std::string batch_prompts;  // --batch-prompts FILE
   bool max_tokens_given = false;
 };
 
@@ -1002,6 +1004,30 @@ int main(int argc, char** argv) {
       "min-p, then one seeded draw (docs/ENGINE.md, \"Sampling and stopping\"). Generation "
       "stops at an end token (EOS/EOT/EOM), a --stop string or --max-tokens; --json says which "
       "in stop_reason.");
+  app.add_option("--batch-prompts", o.batch_prompts,
+                 "Generate for several prompts together in one engine, as expert-serve --parallel "
+                 "does (each routed expert a step needs read once for every sequence): a file "
+                 "with one prompt per line, token ids (commas or spaces) or random:N[:SEED]; "
+                 "prints each sequence's ids and the aggregate tokens/s and MB read per token "
+                 "(with --max-tokens, the sampling flags, --ignore-eos, --json)");
   CLI11_PARSE(app, argc, argv);
+  if (!o.batch_prompts.empty()) {
+    if (!o.prompt_tokens.empty() || !o.prompt_text.empty() || !o.prompt_file.empty() ||
+        !o.feed_tokens.empty() || !o.routing_trace.empty() || !o.stop.empty()) {
+      std::fprintf(stderr,
+                   "expert-run: --batch-prompts takes its prompts from the file: no --prompt, "
+                   "--prompt-file, --prompt-tokens, --feed-tokens, --routing-trace or --stop\n");
+      return 2;
+    }
+    expertd::tools::BatchRun b;
+    b.flags = o;
+    b.file = o.batch_prompts;
+    b.max_tokens = o.max_tokens;
+    b.sampling = SamplerOptions{o.temperature, o.top_p,          o.seed,         o.top_k,
+                                o.min_p,       o.repeat_penalty, o.repeat_last_n};
+    b.ignore_eos = o.ignore_eos;
+    b.json = o.json;
+    return expertd::tools::run_batch(b);
+  }
   return run(o);
 }
