@@ -278,6 +278,41 @@ def test_bad_requests(h, client):
     print("ok: the openai client gets NotFoundError and BadRequestError")
 
 
+def test_tokenize_and_props(args, sock, h):
+    """/tokenize, /detokenize (llama.cpp server's endpoints) and /props: the model's own
+    tokenizer, as expert-run encodes a prompt; bad input is a 400 naming the field."""
+    text = "Hello, MoE!\n"
+    ref = expert_run(args, sock, ["--prompt", text, "--max-tokens", "1"])
+    status, _, data = h.request("POST", "/tokenize", {"content": text, "add_special": True})
+    assert status == 200, data
+    assert json.loads(data)["tokens"] == ref["prompt_tokens"], (data, ref["prompt_tokens"])
+    status, _, data = h.request("POST", "/tokenize", {"content": text, "with_pieces": True})
+    pieces = json.loads(data)["tokens"]
+    assert "".join(p["piece"] for p in pieces) == text, pieces
+    ids = [p["id"] for p in pieces]
+    status, _, data = h.request("POST", "/detokenize", {"tokens": ids})
+    assert status == 200 and json.loads(data)["content"] == text, data
+    print(f"ok: /tokenize gives expert-run's prompt ids ({len(ref['prompt_tokens'])}); "
+          f"/detokenize gives the text back")
+    for path, body, param in (("/tokenize", {"content": 5}, "content"),
+                              ("/tokenize", {"content": "x", "add_special": "yes"}, "add_special"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", [1, 2], None)):
+        status, _, data = h.request("POST", path, body)
+        err = json.loads(data)["error"]
+        assert status == 400 and err["param"] == param, (path, body, status, data)
+    status, headers, _ = h.request("GET", "/tokenize")
+    assert status == 405 and headers.get("Allow") == "POST", status
+    status, _, data = h.request("GET", "/props")
+    props = json.loads(data)
+    assert status == 200 and props["model"] == MODEL and props["context"] == CTX, props
+    assert props["parallel"] == 1 and props["architecture"] == "qwen3moe", props
+    assert "/tokenize" in props["endpoints"] and props["capabilities"]["chat"] is True, props
+    print(f"ok: /props: {props['family']}, context {props['context']}, template "
+          f"{props['chat_template']}; bad bodies get 400 naming the field")
+
+
 def test_queue_and_disconnect(h, log_path):
     """--queue 1: one stream runs, one request waits, the next is refused with 503. The stream's
     client then leaves: its generation stops and the waiting request runs."""
@@ -432,6 +467,7 @@ def main():
         test_completions(args, sock, client)
         test_chat(args, sock, client)
         test_bad_requests(h, client)
+        test_tokenize_and_props(args, sock, h)
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)

@@ -158,6 +158,15 @@ class Service {
     svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       generate(req, res, /*chat=*/false);
     });
+    svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      tokenize(req, res);
+    });
+    svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      detokenize(req, res);
+    });
+    svr.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump(props()), "application/json");
+    });
     svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
       generate(req, res, /*chat=*/true);
     });
@@ -169,13 +178,14 @@ class Service {
                                                    req.path, allow)));
       };
     };
-    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize",
+                             "/detokenize"}) {
       svr.Get(path, not_allowed("POST"));
       svr.Put(path, not_allowed("POST"));
       svr.Patch(path, not_allowed("POST"));
       svr.Delete(path, not_allowed("POST"));
     }
-    for (const char* path : {"/health", "/v1/models"}) {
+    for (const char* path : {"/health", "/v1/models", "/props"}) {
       svr.Post(path, not_allowed("GET"));
       svr.Put(path, not_allowed("GET"));
       svr.Patch(path, not_allowed("GET"));
@@ -262,16 +272,101 @@ class Service {
     return std::nullopt;
   }
 
-  void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
-    json body;
+  // The body as a JSON object, or the 400 that says why not.
+  static std::optional<ApiError> parse_body(const httplib::Request& req, json& body) {
     try {
       body = json::parse(req.body);
     } catch (const json::parse_error& e) {
       // nlohmann's message after its "[json.exception.parse_error.101] " tag.
       std::string what = e.what();
       if (const size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
-      return send_error(res, api_error(400, "the body is not valid JSON: " + what));
+      return api_error(400, "the body is not valid JSON: " + what);
     }
+    if (!body.is_object()) return api_error(400, "the request body must be a JSON object");
+    return std::nullopt;
+  }
+
+  // POST /tokenize {"content", "add_special" (false), "with_pieces" (false)}: llama.cpp server's
+  // endpoint. {"tokens": [ids]}, or [{"id", "piece"}] with pieces.
+  void tokenize(const httplib::Request& req, httplib::Response& res) {
+    json body;
+    if (auto e = parse_body(req, body)) return send_error(res, *e);
+    if (!body.contains("content") || !body["content"].is_string()) {
+      return send_error(res, api_error(400, "content must be a string", "content"));
+    }
+    bool add_special = false;
+    bool with_pieces = false;
+    for (auto [name, flag] : {std::pair{"add_special", &add_special},
+                              std::pair{"with_pieces", &with_pieces}}) {
+      if (!body.contains(name) || body[name].is_null()) continue;
+      if (!body[name].is_boolean()) {
+        return send_error(res, api_error(400, fmt::format("{} must be a boolean", name), name));
+      }
+      *flag = body[name].get<bool>();
+    }
+    auto ids = tok_.encode(body["content"].get<std::string>(), add_special);
+    if (!ids) return send_error(res, api_error(400, "content: " + ids.error().message, "content"));
+    json tokens = json::array();
+    for (const uint32_t id : *ids) {
+      if (with_pieces) {
+        tokens.push_back({{"id", id}, {"piece", tok_.decode(id)}});
+      } else {
+        tokens.push_back(id);
+      }
+    }
+    res.set_content(dump({{"tokens", tokens}}), "application/json");
+  }
+
+  // POST /detokenize {"tokens": [ids]}: {"content": text}.
+  void detokenize(const httplib::Request& req, httplib::Response& res) {
+    json body;
+    if (auto e = parse_body(req, body)) return send_error(res, *e);
+    if (!body.contains("tokens") || !body["tokens"].is_array()) {
+      return send_error(res, api_error(400, "tokens must be an array of token ids", "tokens"));
+    }
+    std::vector<uint32_t> ids;
+    for (size_t i = 0; i < body["tokens"].size(); ++i) {
+      const json& t = body["tokens"][i];
+      if (!t.is_number_unsigned() || t.get<uint64_t>() >= tok_.size()) {
+        return send_error(res, api_error(400,
+                                         fmt::format("tokens[{}] = {} is not a token id below "
+                                                     "the vocabulary's {}",
+                                                     i, t.dump(), tok_.size()),
+                                         "tokens"));
+      }
+      ids.push_back(t.get<uint32_t>());
+    }
+    res.set_content(dump({{"content", tok_.decode(ids)}}), "application/json");
+  }
+
+  // GET /props: what this server runs and can do.
+  json props() const {
+    const ModelParams& p = gen_.engine().params();
+    const FamilyInfo& f = family_info(p.family);
+    return {{"model", o_.model},
+            {"architecture", p.architecture},
+            {"family", f.name},
+            {"engine", engine_note_},
+            {"context", o_.ctx},
+            {"parallel", gen_.parallel()},
+            {"queue_limit", o_.queue},
+            {"vocab_size", p.n_vocab},
+            {"chat_template", chat_ ? json(chat_->family()) : json(nullptr)},
+            {"endpoints",
+             {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+              "/props", "/health"}},
+            {"capabilities",
+             {{"chat", static_cast<bool>(chat_)},
+              {"streaming", true},
+              {"reasoning_content", chat_ && reasoning_syntax(chat_->kind()) !=
+                                                    ReasoningSyntax::kNone},
+              {"batched_sequences", gen_.parallel() > 1},
+              {"prefix_reuse", true}}}};
+  }
+
+  void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    json body;
+    if (auto e = parse_body(req, body)) return send_error(res, *e);
     expertd::serve::Request r;
     if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
       return send_error(res, *e);
