@@ -158,12 +158,10 @@ class Service {
     svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       generate(req, res, /*chat=*/false);
     });
-    svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      tokenize(req, res);
-    });
-    svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      detokenize(req, res);
-    });
+    svr.Post("/tokenize",
+             [this](const httplib::Request& req, httplib::Response& res) { tokenize(req, res); });
+    svr.Post("/detokenize",
+             [this](const httplib::Request& req, httplib::Response& res) { detokenize(req, res); });
     svr.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump(props()), "application/json");
     });
@@ -178,8 +176,8 @@ class Service {
                                                    req.path, allow)));
       };
     };
-    for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize",
-                             "/detokenize"}) {
+    for (const char* path :
+         {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
       svr.Get(path, not_allowed("POST"));
       svr.Put(path, not_allowed("POST"));
       svr.Patch(path, not_allowed("POST"));
@@ -296,8 +294,8 @@ class Service {
     }
     bool add_special = false;
     bool with_pieces = false;
-    for (auto [name, flag] : {std::pair{"add_special", &add_special},
-                              std::pair{"with_pieces", &with_pieces}}) {
+    for (auto [name, flag] :
+         {std::pair{"add_special", &add_special}, std::pair{"with_pieces", &with_pieces}}) {
       if (!body.contains(name) || body[name].is_null()) continue;
       if (!body[name].is_boolean()) {
         return send_error(res, api_error(400, fmt::format("{} must be a boolean", name), name));
@@ -343,25 +341,25 @@ class Service {
   json props() const {
     const ModelParams& p = gen_.engine().params();
     const FamilyInfo& f = family_info(p.family);
-    return {{"model", o_.model},
-            {"architecture", p.architecture},
-            {"family", f.name},
-            {"engine", engine_note_},
-            {"context", o_.ctx},
-            {"parallel", gen_.parallel()},
-            {"queue_limit", o_.queue},
-            {"vocab_size", p.n_vocab},
-            {"chat_template", chat_ ? json(chat_->family()) : json(nullptr)},
-            {"endpoints",
-             {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-              "/props", "/health"}},
-            {"capabilities",
-             {{"chat", static_cast<bool>(chat_)},
-              {"streaming", true},
-              {"reasoning_content", chat_ && reasoning_syntax(chat_->kind()) !=
-                                                    ReasoningSyntax::kNone},
-              {"batched_sequences", gen_.parallel() > 1},
-              {"prefix_reuse", true}}}};
+    return {
+        {"model", o_.model},
+        {"architecture", p.architecture},
+        {"family", f.name},
+        {"engine", engine_note_},
+        {"context", o_.ctx},
+        {"parallel", gen_.parallel()},
+        {"queue_limit", o_.queue},
+        {"vocab_size", p.n_vocab},
+        {"chat_template", chat_ ? json(chat_->family()) : json(nullptr)},
+        {"endpoints",
+         {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+          "/props", "/health"}},
+        {"capabilities",
+         {{"chat", static_cast<bool>(chat_)},
+          {"streaming", true},
+          {"reasoning_content", chat_ && reasoning_syntax(chat_->kind()) != ReasoningSyntax::kNone},
+          {"batched_sequences", gen_.parallel() > 1},
+          {"prefix_reuse", true}}}};
   }
 
   void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
