@@ -311,6 +311,25 @@ def test_tokenize_and_props(args, sock, h):
     assert "/tokenize" in props["endpoints"] and props["capabilities"]["chat"] is True, props
     print(f"ok: /props: {props['family']}, context {props['context']}, template "
           f"{props['chat_template']}; bad bodies get 400 naming the field")
+    # /metrics: the server's counters (after the completions and chats above) and expertd's.
+    status, headers, data = h.request("GET", "/metrics")
+    text = data.decode()
+    assert status == 200 and headers.get("Content-Type", "").startswith("text/plain"), headers
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["expert_serve_requests_total"] >= 3, values
+    assert values["expert_serve_generated_tokens_total"] >= 8, values
+    assert values["expert_serve_time_to_first_token_seconds_count"] >= 3, values
+    assert values["expert_serve_daemon_up"] == 1, values
+    assert values['expert_serve_responses_total{endpoint="/tokenize",status="400"}'] == 2, values
+    assert values['expert_serve_responses_total{endpoint="/v1/completions",status="200"}'] >= 2
+    assert any(k.startswith("expertd_") for k in values), "no expertd_ counter"
+    assert "# TYPE expert_serve_decode_rows_total counter" in text
+    print(f"ok: /metrics: {len(values)} samples, {int(values['expert_serve_requests_total'])} "
+          f"requests, expertd's counters included")
 
 
 def test_queue_and_disconnect(h, log_path):

@@ -52,6 +52,7 @@ bool Generator::submit(std::shared_ptr<Job> job) {
   std::lock_guard lock(mu_);
   drop_cancelled_locked();
   if (stopping_ || queue_.size() >= queue_limit_) return false;
+  job->submitted_ns = monotonic_ns();
   queue_.push_back(std::move(job));
   cv_.notify_all();
   return true;
@@ -139,6 +140,10 @@ void Generator::release(size_t i) {
     s.job->done = true;
     s.job->cv.notify_all();
   }
+  counters_.requests.fetch_add(1, std::memory_order_relaxed);
+  counters_.prompt_tokens.fetch_add(s.job->prompt.size(), std::memory_order_relaxed);
+  counters_.cached_tokens.fetch_add(s.started ? s.cached : 0, std::memory_order_relaxed);
+  if (s.gen) counters_.generated_tokens.fetch_add(s.gen->generated(), std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   std::erase(running_, s.job);
   ++served_;
@@ -260,6 +265,11 @@ std::optional<Error> Generator::prefill_step(size_t i) {
     return std::nullopt;
   }
   s.pending = s.gen->advance(logits);
+  if (s.gen->generated() > 0) {
+    counters_.first_tokens.fetch_add(1, std::memory_order_relaxed);
+    counters_.first_token_ns.fetch_add(monotonic_ns() - job.submitted_ns,
+                                       std::memory_order_relaxed);
+  }
   publish(job, *s.gen, /*done=*/false);
   if (!s.pending) end_job(i, /*cancelled=*/false);
   return std::nullopt;
@@ -285,6 +295,8 @@ std::optional<Error> Generator::decode_step() {
     for (const size_t i : slot_of_) fail(i, e);
     return e;
   }
+  counters_.steps.fetch_add(1, std::memory_order_relaxed);
+  counters_.rows.fetch_add(rows_.size(), std::memory_order_relaxed);
   for (size_t r = 0; r < rows_.size(); ++r) {
     const size_t i = slot_of_[r];
     Slot& s = slots_[i];

@@ -52,6 +52,7 @@ struct Job {
   bool ignore_eos = false;
 
   std::atomic<bool> cancelled{false};
+  uint64_t submitted_ns = 0;  // monotonic, set by submit(): the time to first token starts here
 
   // Output, guarded by mu.
   std::mutex mu;
@@ -66,6 +67,18 @@ struct Job {
   uint32_t cached_tokens = 0;  // prompt positions reused from the previous sequence
   std::string error;           // the request failed: its answer is error_status with this
   int error_status = 500;      // 500: the engine failed; 503: the server is shutting down
+};
+
+// What the engine thread has done, for /metrics (read from any thread).
+struct GeneratorCounters {
+  std::atomic<uint64_t> requests{0};          // jobs ended (answered, failed or cancelled)
+  std::atomic<uint64_t> prompt_tokens{0};     // their prompts' tokens
+  std::atomic<uint64_t> cached_tokens{0};     // of those, reused from a sequence's cache
+  std::atomic<uint64_t> generated_tokens{0};  // tokens sampled
+  std::atomic<uint64_t> first_tokens{0};      // jobs that got a first token
+  std::atomic<uint64_t> first_token_ns{0};    // their times from submit() to it, summed
+  std::atomic<uint64_t> steps{0};             // decode steps (Engine::decode_batch calls)
+  std::atomic<uint64_t> rows{0};              // sequences fed by them
 };
 
 class Generator {
@@ -93,6 +106,7 @@ class Generator {
   size_t parallel() const { return slots_.size(); }
   uint64_t served() const;
   const engine::Engine& engine() const { return *engine_; }
+  const GeneratorCounters& counters() const { return counters_; }
 
  private:
   using Generation = text::Generation;
@@ -142,6 +156,7 @@ class Generator {
   std::vector<std::shared_ptr<Job>> running_;  // the jobs on a sequence
   bool stopping_ = false;
   uint64_t served_ = 0;
+  GeneratorCounters counters_;
 
   // Engine thread only.
   std::vector<Slot> slots_;    // one per engine sequence

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "api.h"
+#include "client/prometheus.h"
 #include "engine/cpu_engine.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/model.h"
@@ -126,6 +127,20 @@ class Service {
           std::string engine_note)
       : o_(o), tok_(tok), chat_(std::move(chat)), gen_(gen), engine_note_(std::move(engine_note)) {}
 
+  // Every answer, by endpoint and status (the logger calls it).
+  void count_response(const std::string& path, int status) {
+    static constexpr std::string_view kPaths[] = {"/v1/completions", "/v1/chat/completions",
+                                                  "/v1/models",      "/tokenize",
+                                                  "/detokenize",     "/props",
+                                                  "/health",         "/metrics"};
+    std::string_view endpoint = "other";
+    for (const std::string_view p : kPaths) {
+      if (path == p || (p == "/v1/models" && path.starts_with("/v1/models/"))) endpoint = p;
+    }
+    std::lock_guard lock(responses_mu_);
+    ++responses_[{std::string(endpoint), status}];
+  }
+
   void install(httplib::Server& svr) {
     svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump({{"status", "ok"},
@@ -165,6 +180,9 @@ class Service {
     svr.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump(props()), "application/json");
     });
+    svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics(), "text/plain; version=0.0.4; charset=utf-8");
+    });
     svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
       generate(req, res, /*chat=*/true);
     });
@@ -183,7 +201,7 @@ class Service {
       svr.Patch(path, not_allowed("POST"));
       svr.Delete(path, not_allowed("POST"));
     }
-    for (const char* path : {"/health", "/v1/models", "/props"}) {
+    for (const char* path : {"/health", "/v1/models", "/props", "/metrics"}) {
       svr.Post(path, not_allowed("GET"));
       svr.Put(path, not_allowed("GET"));
       svr.Patch(path, not_allowed("GET"));
@@ -337,6 +355,68 @@ class Service {
     res.set_content(dump({{"content", tok_.decode(ids)}}), "application/json");
   }
 
+  // GET /metrics: Prometheus text (format 0.0.4): the server's own counters and gauges, then
+  // expertd's (client/prometheus.h, as `expertctl metrics` prints them) through a connection of
+  // its own; expert_serve_daemon_up says whether that answered.
+  std::string metrics() {
+    std::string out;
+    auto metric = [&](std::string_view name, std::string_view type, std::string_view help,
+                      const std::string& samples) {
+      out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{}", name, help, name, type, samples);
+    };
+    auto one = [](std::string_view name, double v) { return fmt::format("{} {}\n", name, v); };
+    {
+      std::string samples;
+      std::lock_guard lock(responses_mu_);
+      for (const auto& [key, n] : responses_) {
+        samples += fmt::format("expert_serve_responses_total{{endpoint=\"{}\",status=\"{}\"}} {}\n",
+                               key.first, key.second, n);
+      }
+      metric("expert_serve_responses_total", "counter", "HTTP answers by endpoint and status",
+             samples);
+    }
+    const expertd::serve::GeneratorCounters& c = gen_.counters();
+    auto load = [](const std::atomic<uint64_t>& a) {
+      return static_cast<double>(a.load(std::memory_order_relaxed));
+    };
+    metric("expert_serve_requests_total", "counter",
+           "generation requests ended (answered, failed or cancelled)",
+           one("expert_serve_requests_total", load(c.requests)));
+    metric("expert_serve_prompt_tokens_total", "counter", "prompt tokens of those requests",
+           one("expert_serve_prompt_tokens_total", load(c.prompt_tokens)));
+    metric("expert_serve_cached_prompt_tokens_total", "counter",
+           "of those, reused from a sequence's KV cache (prefix reuse)",
+           one("expert_serve_cached_prompt_tokens_total", load(c.cached_tokens)));
+    metric("expert_serve_generated_tokens_total", "counter", "tokens sampled",
+           one("expert_serve_generated_tokens_total", load(c.generated_tokens)));
+    metric("expert_serve_time_to_first_token_seconds", "summary",
+           "from a request's queueing to its first token",
+           fmt::format("expert_serve_time_to_first_token_seconds_sum {}\n"
+                       "expert_serve_time_to_first_token_seconds_count {}\n",
+                       load(c.first_token_ns) / 1e9, load(c.first_tokens)));
+    metric("expert_serve_decode_steps_total", "counter",
+           "decode steps (one token for each generating sequence)",
+           one("expert_serve_decode_steps_total", load(c.steps)));
+    metric("expert_serve_decode_rows_total", "counter",
+           "sequences fed by those steps (rows / steps: the batch occupancy)",
+           one("expert_serve_decode_rows_total", load(c.rows)));
+    metric("expert_serve_requests_running", "gauge", "requests on a sequence now",
+           one("expert_serve_requests_running", static_cast<double>(gen_.running())));
+    metric("expert_serve_requests_queued", "gauge", "requests waiting for a sequence",
+           one("expert_serve_requests_queued", static_cast<double>(gen_.queued())));
+    metric("expert_serve_sequences", "gauge", "sequences the engine holds (--parallel)",
+           one("expert_serve_sequences", static_cast<double>(gen_.parallel())));
+    std::string daemon;
+    if (auto client = expertd::client::Client::connect(o_.socket)) {
+      if (auto st = (*client)->stats()) {
+        if (auto text = expertd::client::prometheus_text(*st)) daemon = std::move(*text);
+      }
+    }
+    metric("expert_serve_daemon_up", "gauge", "whether expertd answered this scrape's stats call",
+           one("expert_serve_daemon_up", daemon.empty() ? 0.0 : 1.0));
+    return out + daemon;
+  }
+
   // GET /props: what this server runs and can do.
   json props() const {
     const ModelParams& p = gen_.engine().params();
@@ -353,7 +433,7 @@ class Service {
         {"chat_template", chat_ ? json(chat_->family()) : json(nullptr)},
         {"endpoints",
          {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-          "/props", "/health"}},
+          "/props", "/health", "/metrics"}},
         {"capabilities",
          {{"chat", static_cast<bool>(chat_)},
           {"streaming", true},
@@ -564,6 +644,8 @@ class Service {
   const Options& o_;
   const Tokenizer& tok_;
   const Result<ChatTemplate> chat_;
+  std::mutex responses_mu_;
+  std::map<std::pair<std::string, int>, uint64_t> responses_;  // by (endpoint, status)
   Generator& gen_;
   const std::string engine_note_;
   const int64_t started_ = std::time(nullptr);
@@ -681,7 +763,8 @@ int run(const Options& o) {
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   // A request is a prompt: far less than this even for a long context (413 past it).
   svr.set_payload_max_length(size_t{64} << 20);
-  svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+  svr.set_logger([&service](const httplib::Request& req, const httplib::Response& res) {
+    service.count_response(req.path, res.status);
     if (res.status >= 400) {
       spdlog::info("{} {}: {} {}", req.method, req.path, res.status, res.body.substr(0, 300));
     }
