@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
 namespace expertd::text {
 
 Result<std::unique_ptr<Generation>> Generation::create(
@@ -46,6 +50,7 @@ std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
   raw_.clear();
   reasoning_.clear();
   content_.clear();
+  logprob_.reset();
   if (*stop_reason_ != '\0') return std::nullopt;
   if (tokens_.size() >= opts_.max_tokens) {
     stop_reason_ = "max_tokens";
@@ -56,6 +61,31 @@ std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
   if (opts_.stop_at_end_token && end_tokens_.contains(next)) {
     stop_reason_ = "eos";
     return std::nullopt;
+  }
+  if (opts_.logprobs >= 0) {
+    // log p = x - (max + log sum exp(x - max)), in double.
+    const size_t n = logits.size();
+    lsm_.resize(n);
+    double mx = -INFINITY;
+    for (const float x : logits) mx = std::max(mx, static_cast<double>(x));
+    double sum = 0.0;
+    for (const float x : logits) sum += std::exp(static_cast<double>(x) - mx);
+    const double norm = mx + std::log(sum);
+    for (size_t i = 0; i < n; ++i) lsm_[i] = static_cast<double>(logits[i]) - norm;
+    TokenLogprob lp;
+    lp.token = next;
+    lp.logprob = lsm_[next];
+    const size_t k = std::min<size_t>(static_cast<size_t>(opts_.logprobs), n);
+    if (k > 0) {
+      order_.resize(n);
+      std::iota(order_.begin(), order_.end(), 0u);
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<int64_t>(k), order_.end(),
+                        [&](uint32_t a, uint32_t b) {
+                          return lsm_[a] > lsm_[b] || (lsm_[a] == lsm_[b] && a < b);
+                        });
+      for (size_t i = 0; i < k; ++i) lp.top.emplace_back(order_[i], lsm_[order_[i]]);
+    }
+    logprob_ = std::move(lp);
   }
   if (token_text_) {
     const StopMatcher::Step end = ends_.push(token_text_(next));
@@ -74,6 +104,7 @@ std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
 }
 
 void Generation::finish() {
+  logprob_.reset();
   raw_.clear();
   reasoning_.clear();
   content_.clear();

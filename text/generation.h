@@ -30,6 +30,17 @@ struct GenerationOptions {
   bool starts_in_reasoning = false;                    // the prompt opened a <think> block
   uint32_t max_tokens = 16;
   bool stop_at_end_token = true;  // false: an end token is generated like any other (ignore_eos)
+  // Log probabilities of each sampled token and its `logprobs` most likely alternatives, from the
+  // model's logits (log-softmax, before temperature and penalties, as OpenAI reports them);
+  // -1: none.
+  int32_t logprobs = -1;
+};
+
+// One sampled token's log probability and the most likely alternatives at its step.
+struct TokenLogprob {
+  uint32_t token = 0;
+  double logprob = 0.0;
+  std::vector<std::pair<uint32_t, double>> top;  // most likely first
 };
 
 class Generation {
@@ -57,6 +68,9 @@ class Generation {
   std::string_view raw_delta() const { return raw_; }
   std::string_view reasoning_delta() const { return reasoning_; }
   std::string_view content_delta() const { return content_; }
+  // With GenerationOptions::logprobs >= 0: the last advance()'s token, unless it was an end token
+  // that ended the answer (it is not part of the text).
+  const std::optional<TokenLogprob>& last_logprob() const { return logprob_; }
   // The ids sampled so far (an end token that ended the answer included).
   const std::vector<uint32_t>& tokens() const { return tokens_; }
   uint32_t generated() const { return static_cast<uint32_t>(tokens_.size()); }
@@ -81,6 +95,9 @@ class Generation {
   std::vector<uint32_t> tokens_;
   std::string raw_, reasoning_, content_;
   bool stopped_ = false;  // a stop string completed: nothing more reaches the content
+  std::optional<TokenLogprob> logprob_;
+  std::vector<double> lsm_;      // log-softmax of a step's logits
+  std::vector<uint32_t> order_;  // token ids for the top alternatives
   const char* stop_reason_ = "";
 };
 

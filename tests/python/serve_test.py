@@ -278,6 +278,44 @@ def test_bad_requests(h, client):
     print("ok: the openai client gets NotFoundError and BadRequestError")
 
 
+def test_logprobs(client):
+    """logprobs on completions (legacy form) and chat (content items), plain and streamed: one
+    item per generated token, and greedy picks the most likely alternative."""
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens == len(lp.token_logprobs), lp
+    # (A token may be part of a UTF-8 character: the strings need not join into the text.)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) <= 2 and abs(chosen - max(top.values())) < 1e-9, (chosen,
+                                                                                         top)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0]), lp.text_offset
+    messages = [{"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    items = r.choices[0].logprobs.content
+    assert len(items) == r.usage.completion_tokens, items
+    for it in items:
+        assert len(it.top_logprobs) == 3 and it.top_logprobs[0].logprob == it.logprob, it
+        assert len(it.bytes) >= 1, it
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                temperature=0, logprobs=True, top_logprobs=1,
+                                                stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += chunk.choices[0].logprobs.content
+    assert [i.token for i in streamed] == [i.token for i in items], (streamed, items)
+    assert [i.logprob for i in streamed] == [i.logprob for i in items]
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}):
+        try:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **bad)
+            raise AssertionError(f"{bad} was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "top_logprobs", e.body
+    print(f"ok: logprobs: completions {len(lp.tokens)} tokens with 2 alternatives; chat "
+          f"{len(items)} items with 3 alternatives, streamed the same")
+
+
 def test_tokenize_and_props(args, sock, h):
     """/tokenize, /detokenize (llama.cpp server's endpoints) and /props: the model's own
     tokenizer, as expert-run encodes a prompt; bad input is a 400 naming the field."""
@@ -487,6 +525,7 @@ def main():
         test_chat(args, sock, client)
         test_bad_requests(h, client)
         test_tokenize_and_props(args, sock, h)
+        test_logprobs(client)
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)

@@ -86,7 +86,7 @@ std::optional<ApiError> get_bool(const json& body, const char* key, bool& out) {
 }
 
 // Fields expert-serve knows but cannot honour: refused unless they ask for the default.
-std::optional<ApiError> unsupported(const json& body, bool chat) {
+std::optional<ApiError> unsupported(const json& body) {
   std::optional<int64_t> n;
   if (auto e = get_int(body, "n", 1, 1, n)) {
     e->message += " (expert-serve generates one choice per request)";
@@ -103,12 +103,6 @@ std::optional<ApiError> unsupported(const json& body, bool chat) {
   bool flag = false;
   if (auto e = get_bool(body, "echo", flag)) return e;
   if (flag) return bad("echo", "echo is not supported");
-  if (const json* v = field(body, "logprobs")) {
-    const bool off = chat ? v->is_boolean() && !v->get<bool>()
-                          : v->is_number_integer() && v->get<int64_t>() == 0;
-    if (!off) return bad("logprobs", "logprobs are not supported");
-  }
-  if (field(body, "top_logprobs")) return bad("top_logprobs", "logprobs are not supported");
   if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->empty())) {
     return bad("suffix", "suffix is not supported");
   }
@@ -248,6 +242,23 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
 }
 
 // chat_template_kwargs and the top-level reasoning_effort; both effort spellings given must agree.
+// logprobs: chat's logprobs (bool) and top_logprobs (0..kMaxTopLogprobs, only with logprobs),
+// completions' logprobs (the alternatives, 0..kMaxTopLogprobs).
+std::optional<ApiError> read_logprobs(const json& body, bool chat, int32_t& out) {
+  std::optional<int64_t> top;
+  if (chat) {
+    bool on = false;
+    if (auto e = get_bool(body, "logprobs", on)) return e;
+    if (auto e = get_int(body, "top_logprobs", 0, kMaxTopLogprobs, top)) return e;
+    if (top && !on) return bad("top_logprobs", "top_logprobs needs logprobs: true");
+    out = on ? static_cast<int32_t>(top.value_or(0)) : -1;
+    return std::nullopt;
+  }
+  if (auto e = get_int(body, "logprobs", 0, kMaxTopLogprobs, top)) return e;
+  out = top ? static_cast<int32_t>(*top) : -1;
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_chat_options(const json& body, text::ChatOptions& out) {
   if (const json* v = field(body, "chat_template_kwargs")) {
     if (!v->is_object()) return wrong_type("chat_template_kwargs", "an object", *v);
@@ -332,7 +343,8 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   }
   if (auto e = read_sampling(body, out.sampling)) return e;
   if (auto e = read_stop(body, out.stops)) return e;
-  if (auto e = unsupported(body, chat)) return e;
+  if (auto e = unsupported(body)) return e;
+  if (auto e = read_logprobs(body, chat, out.logprobs)) return e;
   if (const json* u = field(body, "user"); u && !u->is_string()) {
     return wrong_type("user", "a string", *u);
   }

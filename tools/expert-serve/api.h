@@ -45,6 +45,9 @@ struct Request {
   std::vector<std::string> stops;
   std::optional<uint64_t> max_tokens;  // absent: completions 16, chat the rest of the context
   bool ignore_eos = false;             // an extension (vLLM's): generate past the end token
+  // Log probabilities: -1 none, else each token's and this many alternatives (chat: logprobs
+  // true and top_logprobs; completions: logprobs N).
+  int32_t logprobs = -1;
   // Chat, an extension (llama.cpp's): "auto" or "deepseek" give the reasoning apart as
   // reasoning_content, "none" the raw text as content; "" = the server's --reasoning-format.
   std::string reasoning_format;
@@ -53,6 +56,9 @@ struct Request {
   // (OpenAI's); set ones override the server's --chat-template-kwargs / --reasoning-effort.
   text::ChatOptions chat_options;
 };
+
+// The most alternatives top_logprobs (chat) or logprobs (completions) may ask for (OpenAI's 20).
+inline constexpr int64_t kMaxTopLogprobs = 20;
 
 // The values reasoning_format takes, as the error message lists them.
 inline constexpr const char* kReasoningFormats = "auto, deepseek, none";

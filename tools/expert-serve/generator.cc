@@ -28,8 +28,11 @@ Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
 Generator::~Generator() { stop(); }
 
 void Generator::publish(Job& job, const Generation& g, bool done) {
-  if (!done && g.reasoning_delta().empty() && g.content_delta().empty()) return;
+  if (!done && g.reasoning_delta().empty() && g.content_delta().empty() && !g.last_logprob()) {
+    return;
+  }
   std::lock_guard lock(job.mu);
+  if (g.last_logprob()) job.logprobs_out.push_back(*g.last_logprob());
   job.reasoning_text.append(g.reasoning_delta());
   job.text.append(g.content_delta());
   job.completion_tokens = g.generated();
@@ -218,6 +221,7 @@ std::optional<Error> Generator::prefill_step(size_t i) {
     go.starts_in_reasoning = job.starts_in_reasoning;
     go.max_tokens = job.max_tokens;
     go.stop_at_end_token = !job.ignore_eos;
+    go.logprobs = job.logprobs;
     auto gen = Generation::create(
         go, n_vocab, [this](uint32_t t) { return tokenizer_.decode(t); }, end_tokens_, job.prompt);
     if (!gen) return fail(i, gen.error());

@@ -50,6 +50,7 @@ struct Job {
   bool starts_in_reasoning = false;  // the prompt opened a <think> block
   uint32_t max_tokens = 16;
   bool ignore_eos = false;
+  int32_t logprobs = -1;  // -1: none; else each token's and this many alternatives
 
   std::atomic<bool> cancelled{false};
   uint64_t submitted_ns = 0;  // monotonic, set by submit(): the time to first token starts here
@@ -62,7 +63,8 @@ struct Job {
   // content, and the reasoning apart from it.
   std::string text;
   std::string reasoning_text;
-  std::string finish_reason;  // "stop" or "length" once done
+  std::vector<text::TokenLogprob> logprobs_out;  // with logprobs: each token's, not yet taken
+  std::string finish_reason;                     // "stop" or "length" once done
   uint32_t completion_tokens = 0;
   uint32_t cached_tokens = 0;  // prompt positions reused from the previous sequence
   std::string error;           // the request failed: its answer is error_status with this

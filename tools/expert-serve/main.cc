@@ -484,6 +484,7 @@ class Service {
                       : chat       ? room
                                    : std::min<uint32_t>(16, room);
     job->ignore_eos = r.ignore_eos;
+    job->logprobs = r.logprobs;
     if (!gen_.submit(job)) {
       spdlog::warn("request {}: refused, {} requests already wait (--queue)", job->id, o_.queue);
       res.set_header("Retry-After", "1");
@@ -499,13 +500,65 @@ class Service {
     stream(res, job, id, created, chat, r.include_usage);
   }
 
+  // The logprobs of `items` as OpenAI gives them (null when not asked for): chat's
+  // {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {"tokens",
+  // "token_logprobs", "top_logprobs", "text_offset"} with offsets from `offset` (the text already
+  // sent).
+  json logprobs_json(int32_t asked, const std::vector<expertd::text::TokenLogprob>& items,
+                     bool chat, size_t offset) const {
+    if (asked < 0) return nullptr;
+    auto bytes = [](const std::string& t) {
+      json b = json::array();
+      for (const unsigned char c : t) b.push_back(static_cast<int>(c));
+      return b;
+    };
+    if (chat) {
+      json content = json::array();
+      for (const auto& it : items) {
+        const std::string t = tok_.decode(it.token);
+        json top = json::array();
+        for (const auto& [id, lp] : it.top) {
+          const std::string tt = tok_.decode(id);
+          top.push_back({{"token", tt}, {"logprob", lp}, {"bytes", bytes(tt)}});
+        }
+        content.push_back(
+            {{"token", t}, {"logprob", it.logprob}, {"bytes", bytes(t)}, {"top_logprobs", top}});
+      }
+      return {{"content", content}};
+    }
+    json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+    for (const auto& it : items) {
+      const std::string t = tok_.decode(it.token);
+      tokens.push_back(t);
+      lps.push_back(it.logprob);
+      json top = json::object();
+      // Two tokens whose texts read the same once invalid UTF-8 is replaced (bytes of a
+      // character: U+FFFD each) share a key: the likelier one stays.
+      for (const auto& [id, lp] : it.top) {
+        const std::string tt =
+            json::parse(json(tok_.decode(id)).dump(-1, ' ', false, json::error_handler_t::replace))
+                .get<std::string>();
+        if (!top.contains(tt)) top[tt] = lp;
+      }
+      tops.push_back(top);
+      offsets.push_back(offset);
+      offset += t.size();
+    }
+    return {{"tokens", tokens},
+            {"token_logprobs", lps},
+            {"top_logprobs", tops},
+            {"text_offset", offsets}};
+  }
+
   // Waits for the whole answer.
   void answer(httplib::Response& res, const std::shared_ptr<Job>& job, const std::string& id,
               int64_t created, bool chat) {
     std::unique_lock lock(job->mu);
     job->cv.wait(lock, [&] { return job->done; });
     if (!job->error.empty()) return send_error(res, api_error(job->error_status, job->error));
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", job->finish_reason}};
+    json choice = {{"index", 0},
+                   {"logprobs", logprobs_json(job->logprobs, job->logprobs_out, chat, 0)},
+                   {"finish_reason", job->finish_reason}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", job->text}};
       // As DeepSeek's API and vLLM give it; absent when the model did not reason (or
@@ -530,6 +583,7 @@ class Service {
               int64_t created, bool chat, bool include_usage) {
     struct State {
       bool role_sent = false;
+      size_t sent_bytes = 0;  // content bytes sent (completions: logprobs text_offset)
       std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
     };
     auto state = std::make_shared<State>();
@@ -567,6 +621,7 @@ class Service {
           auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
           std::string piece;
           std::string thought;  // reasoning, sent before the content that came with it
+          std::vector<expertd::text::TokenLogprob> lps;  // with logprobs: the tokens since
           bool done = false;
           std::string error;
           int error_status = 500;
@@ -585,6 +640,7 @@ class Service {
             };
             take(job->text, piece);
             take(job->reasoning_text, thought);
+            lps.swap(job->logprobs_out);
             error = job->error;
             error_status = job->error_status;
           }
@@ -600,11 +656,29 @@ class Service {
             if (!event(chunk(std::move(choice)))) return leave();
             state->role_sent = true;
           }
+          // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
+          // their own), each token once.
+          auto with_logprobs = [&](json choice) {
+            if (job->logprobs >= 0 && !lps.empty()) {
+              choice["logprobs"] = logprobs_json(job->logprobs, lps, chat, state->sent_bytes);
+              lps.clear();
+            }
+            return choice;
+          };
           if (!thought.empty() &&
-              !event(chunk(piece_choice(thought, nullptr, "reasoning_content")))) {
+              !event(chunk(piece.empty()
+                               ? with_logprobs(piece_choice(thought, nullptr, "reasoning_content"))
+                               : piece_choice(thought, nullptr, "reasoning_content")))) {
             return leave();
           }
-          if (!piece.empty() && !event(chunk(piece_choice(piece, nullptr)))) return leave();
+          if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(piece, nullptr))))) {
+            return leave();
+          }
+          if (job->logprobs >= 0 && !lps.empty() &&
+              !event(chunk(with_logprobs(piece_choice("", nullptr))))) {
+            return leave();
+          }
+          state->sent_bytes += piece.size();
           if (done) {
             if (!error.empty()) {
               event(expertd::serve::error_body(api_error(error_status, error)));
