@@ -42,6 +42,18 @@ Status validate(const SamplerOptions& o) {
     return make_error(EINVAL, fmt::format("repeat_last_n must be in [0, {}] (0 = off), got {}",
                                           kMaxRepeatLastN, o.repeat_last_n));
   }
+  for (const auto& [name, v] : {std::pair{"presence_penalty", o.presence_penalty},
+                                std::pair{"frequency_penalty", o.frequency_penalty}}) {
+    if (!(v >= -2.0f && v <= 2.0f)) {
+      return make_error(EINVAL, fmt::format("{} must be in [-2, 2], got {}", name, v));
+    }
+  }
+  for (const auto& [id, bias] : o.logit_bias) {
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return make_error(
+          EINVAL, fmt::format("logit_bias of token {} must be in [-100, 100], got {}", id, bias));
+    }
+  }
   return Ok{};
 }
 
@@ -57,7 +69,7 @@ Sampler::Sampler(const SamplerOptions& options, uint32_t n_vocab)
       probs_(n_vocab),
       order_(n_vocab),
       recent_(static_cast<size_t>(std::max(options.repeat_last_n, 0))),
-      penalised_(n_vocab, 0) {
+      counts_(n_vocab, 0) {
   EXPERTD_CHECK(validate(options).ok());
   EXPERTD_CHECK(n_vocab > 0);
 }
@@ -69,17 +81,28 @@ void Sampler::accept(uint32_t token) {
 }
 
 void Sampler::penalise() {
-  if (recent_.empty() || opts_.repeat_penalty == 1.0f) return;
+  for (const auto& [id, bias] : opts_.logit_bias) {
+    if (id < logits_.size()) logits_[id] += bias;
+  }
+  const bool repeat = opts_.repeat_penalty != 1.0f;
+  const bool counted = opts_.presence_penalty != 0.0f || opts_.frequency_penalty != 0.0f;
+  if (recent_.empty() || (!repeat && !counted)) return;
   const double penalty = opts_.repeat_penalty;
   const size_t n = static_cast<size_t>(std::min<uint64_t>(recent_count_, recent_.size()));
   for (size_t i = 0; i < n; ++i) {
-    const uint32_t t = recent_[i];
-    if (t >= logits_.size() || penalised_[t] != 0) continue;
-    penalised_[t] = 1;
-    logits_[t] = logits_[t] > 0.0 ? logits_[t] / penalty : logits_[t] * penalty;
+    if (recent_[i] < counts_.size()) ++counts_[recent_[i]];
   }
+  // Each distinct id once (its count is zeroed as it is used).
   for (size_t i = 0; i < n; ++i) {
-    if (recent_[i] < penalised_.size()) penalised_[recent_[i]] = 0;
+    const uint32_t t = recent_[i];
+    if (t >= logits_.size() || counts_[t] == 0) continue;
+    const uint32_t count = counts_[t];
+    counts_[t] = 0;
+    if (repeat) logits_[t] = logits_[t] > 0.0 ? logits_[t] / penalty : logits_[t] * penalty;
+    if (counted) {
+      logits_[t] -= static_cast<double>(opts_.frequency_penalty) * count +
+                    static_cast<double>(opts_.presence_penalty);
+    }
   }
 }
 

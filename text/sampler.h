@@ -3,10 +3,13 @@
 //
 // The order (documented in docs/ENGINE.md, "Sampling and stopping"), each step on what the one
 // before it kept:
+//   0. logit_bias: each listed id's bias added to its logit (OpenAI's; -100 bans, +100 forces);
 //   1. repetition penalty on the logits of the token ids in the recent window (prompt and
 //      generated tokens, the last repeat_last_n): logit / penalty if positive, logit * penalty if
 //      not, once per distinct id however often it occurs (Hugging Face's
-//      RepetitionPenaltyLogitsProcessor, llama.cpp's penalty_repeat);
+//      RepetitionPenaltyLogitsProcessor, llama.cpp's penalty_repeat); then, over the same window,
+//      logit -= frequency_penalty * count + presence_penalty (OpenAI's, counted as llama.cpp's
+//      penalty_freq and penalty_present count: the window, prompt included);
 //   2. temperature: probabilities = softmax(logits / temperature); temperature 0 is greedy: the
 //      argmax of the penalised logits, and steps 3-5 do not apply;
 //   3. top-k: the k most probable tokens (ties: lower id first);
@@ -21,6 +24,7 @@
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "expertd/result.h"
@@ -31,10 +35,13 @@ struct SamplerOptions {
   float temperature = 0.0f;  // 0: greedy; negative is an error
   float top_p = 1.0f;        // in (0, 1]; 1: off
   uint64_t seed = 0;
-  int32_t top_k = 0;            // >= 0; 0: off
-  float min_p = 0.0f;           // in [0, 1]; 0: off
-  float repeat_penalty = 1.0f;  // > 0; 1: off
-  int32_t repeat_last_n = 64;   // the penalty's window, in [0, kMaxRepeatLastN]; 0: off
+  int32_t top_k = 0;               // >= 0; 0: off
+  float min_p = 0.0f;              // in [0, 1]; 0: off
+  float repeat_penalty = 1.0f;     // > 0; 1: off
+  int32_t repeat_last_n = 64;      // the penalty's window, in [0, kMaxRepeatLastN]; 0: off
+  float presence_penalty = 0.0f;   // in [-2, 2]; 0: off
+  float frequency_penalty = 0.0f;  // in [-2, 2]; 0: off
+  std::vector<std::pair<uint32_t, float>> logit_bias;  // (id, bias in [-100, 100])
 };
 
 inline constexpr int32_t kMaxRepeatLastN = 1 << 20;
@@ -70,10 +77,10 @@ class Sampler {
   std::vector<double> probs_;    // unnormalised probabilities
   std::vector<uint32_t> order_;  // token ids, most probable first (the kept prefix)
   // The penalty window: a ring of the last repeat_last_n token ids (recent_count_ of them valid),
-  // and one flag per id so a repeated id is penalised once.
+  // and each id's count in it (zero again after each use).
   std::vector<uint32_t> recent_;
   uint64_t recent_count_ = 0;
-  std::vector<uint8_t> penalised_;
+  std::vector<uint32_t> counts_;
 };
 
 // The index of the largest logit (the first one on ties).

@@ -232,3 +232,49 @@ TEST(Vocab, TheFixtureVocabularySpellsItsPrompt) {
 
 }  // namespace
 }  // namespace expertd::engine
+
+namespace expertd::engine {
+namespace {
+
+using namespace expertd::text;
+
+// Step 0 and the rest of step 1: logit_bias is added first; presence and frequency penalties
+// subtract over the window's counts, after the repetition penalty.
+TEST(Sampler, LogitBiasThenPresenceAndFrequencyPenalties) {
+  const std::vector<float> logits = {1.0f, 2.0f, 3.0f};
+  SamplerOptions o;
+  o.logit_bias = {{0, 10.0f}};
+  Sampler biased(o, 3);
+  EXPECT_EQ(biased.sample(logits), 0u);
+  EXPECT_EQ(biased.penalised_logits()[0], 11.0);
+
+  SamplerOptions f;
+  f.frequency_penalty = 0.5f;
+  Sampler freq(f, 3);
+  for (int i = 0; i < 3; ++i) freq.accept(2);
+  EXPECT_EQ(freq.sample(logits), 1u);  // 3 - 3 x 0.5 = 1.5 < 2
+  EXPECT_EQ(freq.penalised_logits()[2], 1.5);
+
+  SamplerOptions p;
+  p.presence_penalty = 1.5f;
+  p.repeat_penalty = 1.5f;  // first: 3 / 1.5 = 2, then - 1.5
+  Sampler pres(p, 3);
+  pres.accept(2);
+  pres.accept(2);
+  EXPECT_EQ(pres.sample(logits), 1u);
+  EXPECT_EQ(pres.penalised_logits()[2], 0.5);
+  // The chosen token joined the window: 1 is now penalised too (2 / 1.5 - 1.5 < 1).
+  EXPECT_EQ(pres.sample(logits), 0u);
+
+  SamplerOptions bad;
+  bad.presence_penalty = 2.5f;
+  EXPECT_NE(validate(bad).error().message.find("presence_penalty must be in [-2, 2], got 2.5"),
+            std::string::npos);
+  bad = {};
+  bad.logit_bias = {{7, -101.0f}};
+  EXPECT_NE(validate(bad).error().message.find("logit_bias of token 7 must be in [-100, 100]"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace expertd::engine

@@ -316,6 +316,37 @@ def test_logprobs(client):
           f"{len(items)} items with 3 alternatives, streamed the same")
 
 
+def test_bias_and_penalties(h, client):
+    """logit_bias +100 on one token makes every generated token that one; presence and frequency
+    penalties change a greedy answer and are range-checked."""
+    status, _, data = h.request("POST", "/tokenize", {"content": "Q"})
+    forced = json.loads(data)["tokens"][0]
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100})
+    status, _, data = h.request("POST", "/detokenize", {"tokens": [forced] * 4})
+    assert r.choices[0].text == json.loads(data)["content"] == "QQQQ", r.choices[0].text
+    # +10 makes it the greedy choice; each time it is chosen, the penalties take 2 x count + 2
+    # from it, until another token wins within the 8.
+    lean = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+                                     logit_bias={str(forced): 10},
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    pen = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+                                    logit_bias={str(forced): 10}, frequency_penalty=2.0,
+                                    presence_penalty=2.0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert lean == "Q" * 8 and pen.startswith("Q") and pen != lean, (lean, pen)
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                       ({"logit_bias": {str(forced): 101}}, "logit_bias")):
+        try:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, **bad)
+            raise AssertionError(f"{bad} was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == param, e.body
+    print(f"ok: logit_bias forces token {forced}; penalties change the greedy answer; bad values "
+          f"are 400")
+
+
 def test_tokenize_and_props(args, sock, h):
     """/tokenize, /detokenize (llama.cpp server's endpoints) and /props: the model's own
     tokenizer, as expert-run encodes a prompt; bad input is a 400 naming the field."""
@@ -526,6 +557,7 @@ def main():
         test_bad_requests(h, client)
         test_tokenize_and_props(args, sock, h)
         test_logprobs(client)
+        test_bias_and_penalties(h, client)
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -93,21 +94,11 @@ std::optional<ApiError> unsupported(const json& body) {
     return e;
   }
   if (auto e = get_int(body, "best_of", 1, 1, n)) return e;
-  for (const char* key : {"frequency_penalty", "presence_penalty"}) {
-    float x = 0.0f;
-    if (auto e = get_number(body, key, x)) return e;
-    if (x != 0.0f) {
-      return bad(key, fmt::format("{} is not supported (only 0); use repetition_penalty", key));
-    }
-  }
   bool flag = false;
   if (auto e = get_bool(body, "echo", flag)) return e;
   if (flag) return bad("echo", "echo is not supported");
   if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->empty())) {
     return bad("suffix", "suffix is not supported");
-  }
-  if (const json* v = field(body, "logit_bias"); v && !(v->is_object() && v->empty())) {
-    return bad("logit_bias", "logit_bias is not supported");
   }
   if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) {
     return bad("tools", "tools are not supported");
@@ -137,6 +128,8 @@ std::optional<ApiError> read_sampling(const json& body, text::SamplerOptions& so
     return e;
   }
   if (i) so.seed = static_cast<uint64_t>(*i);
+  if (auto e = get_number(body, "presence_penalty", so.presence_penalty)) return e;
+  if (auto e = get_number(body, "frequency_penalty", so.frequency_penalty)) return e;
   if (auto st = text::validate(so); !st) {
     // validate() names the SamplerOptions field; the request spells two of them differently.
     std::string m = st.error().message;
@@ -146,6 +139,30 @@ std::optional<ApiError> read_sampling(const json& body, text::SamplerOptions& so
       m = "repetition_penalty" + m.substr(std::strlen("repeat_penalty"));
     }
     return bad(param, m);
+  }
+  return std::nullopt;
+}
+
+// logit_bias: {"token id": bias in [-100, 100]} (OpenAI's: the ids as strings).
+std::optional<ApiError> read_logit_bias(const json& body, uint32_t n_vocab,
+                                        std::vector<std::pair<uint32_t, float>>& out) {
+  const json* v = field(body, "logit_bias");
+  if (!v) return std::nullopt;
+  if (!v->is_object()) return wrong_type("logit_bias", "an object of token id: bias", *v);
+  for (const auto& [key, bias] : v->items()) {
+    uint32_t id = 0;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (key.empty() || ec != std::errc() || end != key.data() + key.size() || id >= n_vocab) {
+      return bad("logit_bias", fmt::format("logit_bias key '{}' is not a token id below the "
+                                           "vocabulary's {}",
+                                           key.substr(0, 32), n_vocab));
+    }
+    if (!bias.is_number() || !(bias.get<double>() >= -100.0 && bias.get<double>() <= 100.0)) {
+      return bad("logit_bias",
+                 fmt::format("logit_bias of token {} must be a number in [-100, 100], got {}", id,
+                             bias.dump().substr(0, 32)));
+    }
+    out.emplace_back(id, bias.get<float>());
   }
   return std::nullopt;
 }
@@ -342,6 +359,7 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
     if (auto e = read_chat_options(body, out.chat_options)) return e;
   }
   if (auto e = read_sampling(body, out.sampling)) return e;
+  if (auto e = read_logit_bias(body, n_vocab, out.sampling.logit_bias)) return e;
   if (auto e = read_stop(body, out.stops)) return e;
   if (auto e = unsupported(body)) return e;
   if (auto e = read_logprobs(body, chat, out.logprobs)) return e;
