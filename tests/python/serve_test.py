@@ -247,7 +247,8 @@ def test_bad_requests(h, client):
          400, "temperature"),
         ("empty stop string", "POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400,
          "stop"),
-        ("n = 2", "POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("n = 17", "POST", "/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("best_of = 2", "POST", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
         ("wrong method", "GET", "/v1/completions", None, 405, None),
         ("wrong method on /health", "POST", "/health", "{}", 405, None),
         ("unknown path", "GET", "/v1/nothing", None, 404, None),
@@ -345,6 +346,34 @@ def test_bias_and_penalties(h, client):
             assert e.body["param"] == param, e.body
     print(f"ok: logit_bias forces token {forced}; penalties change the greedy answer; bad values "
           f"are 400")
+
+
+def test_choices(client):
+    """n > 1 (here 2: the test server runs --parallel 1 --queue 1): the choices are generated on their own sequences from seeds seed + i (they differ
+    when sampling), the usage counts the prompt once and every choice's tokens, and the stream
+    carries each choice's chunks by index, the same text as unstreamed."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=5, n=2,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1] and len(set(texts)) > 1, texts
+    assert r.usage.completion_tokens == 12, r.usage
+    one = client.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].text == texts[0], (one.choices[0].text, texts[0])
+    streamed = {0: "", 1: ""}
+    finished = set()
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert [streamed[i] for i in range(2)] == texts and finished == {0, 1}, (streamed, texts)
+    chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == \
+        chat.choices[1].message.content, chat
+    print(f"ok: n = 2: {texts}, the first as n = 1 gives it, streamed the same; greedy chat "
+          f"choices agree")
 
 
 def test_tokenize_and_props(args, sock, h):
@@ -558,6 +587,7 @@ def main():
         test_tokenize_and_props(args, sock, h)
         test_logprobs(client)
         test_bias_and_penalties(h, client)
+        test_choices(client)
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)

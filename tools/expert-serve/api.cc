@@ -89,10 +89,6 @@ std::optional<ApiError> get_bool(const json& body, const char* key, bool& out) {
 // Fields expert-serve knows but cannot honour: refused unless they ask for the default.
 std::optional<ApiError> unsupported(const json& body) {
   std::optional<int64_t> n;
-  if (auto e = get_int(body, "n", 1, 1, n)) {
-    e->message += " (expert-serve generates one choice per request)";
-    return e;
-  }
   if (auto e = get_int(body, "best_of", 1, 1, n)) return e;
   bool flag = false;
   if (auto e = get_bool(body, "echo", flag)) return e;
@@ -363,6 +359,9 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   if (auto e = read_stop(body, out.stops)) return e;
   if (auto e = unsupported(body)) return e;
   if (auto e = read_logprobs(body, chat, out.logprobs)) return e;
+  std::optional<int64_t> n;
+  if (auto e = get_int(body, "n", 1, kMaxChoices, n)) return e;
+  out.n = static_cast<uint32_t>(n.value_or(1));
   if (const json* u = field(body, "user"); u && !u->is_string()) {
     return wrong_type("user", "a string", *u);
   }

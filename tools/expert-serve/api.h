@@ -48,6 +48,7 @@ struct Request {
   // Log probabilities: -1 none, else each token's and this many alternatives (chat: logprobs
   // true and top_logprobs; completions: logprobs N).
   int32_t logprobs = -1;
+  uint32_t n = 1;  // choices, each generated on its own sequence
   // Chat, an extension (llama.cpp's): "auto" or "deepseek" give the reasoning apart as
   // reasoning_content, "none" the raw text as content; "" = the server's --reasoning-format.
   std::string reasoning_format;
@@ -59,6 +60,8 @@ struct Request {
 
 // The most alternatives top_logprobs (chat) or logprobs (completions) may ask for (OpenAI's 20).
 inline constexpr int64_t kMaxTopLogprobs = 20;
+// The most choices (n) one request may ask for.
+inline constexpr int64_t kMaxChoices = 16;
 
 // The values reasoning_format takes, as the error message lists them.
 inline constexpr const char* kReasoningFormats = "auto, deepseek, none";

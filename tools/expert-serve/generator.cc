@@ -61,6 +61,21 @@ bool Generator::submit(std::shared_ptr<Job> job) {
   return true;
 }
 
+bool Generator::submit_all(const std::vector<std::shared_ptr<Job>>& jobs) {
+  std::lock_guard lock(mu_);
+  drop_cancelled_locked();
+  // The sequences free now take the first ones at once; the rest wait in the queue.
+  const size_t free_now = slots_.size() - std::min(slots_.size(), running_.size());
+  if (stopping_ || queue_.size() + jobs.size() > queue_limit_ + free_now) return false;
+  const uint64_t now = monotonic_ns();
+  for (const auto& job : jobs) {
+    job->submitted_ns = now;
+    queue_.push_back(job);
+  }
+  cv_.notify_all();
+  return true;
+}
+
 void Generator::close(const std::string& why) {
   std::deque<std::shared_ptr<Job>> left;
   {

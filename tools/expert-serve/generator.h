@@ -97,6 +97,9 @@ class Generator {
 
   // Queues `job`; false when the queue is full.
   bool submit(std::shared_ptr<Job> job);
+  // Queues every job of `jobs` (a request's choices), or none when they do not all fit: the
+  // queue's room plus the sequences free now.
+  bool submit_all(const std::vector<std::shared_ptr<Job>>& jobs);
   // Ends the engine thread after the job in progress (which is cancelled); queued jobs end with
   // an error.
   void stop();

@@ -477,6 +477,15 @@ class Service {
                                          param));
       }
     }
+    if (r.n > o_.queue + gen_.parallel()) {
+      return send_error(
+          res, api_error(400,
+                         fmt::format("n is {}: the server holds at most {} "
+                                     "requests (--parallel {} running, --queue {} "
+                                     "waiting), one per choice",
+                                     r.n, o_.queue + gen_.parallel(), gen_.parallel(), o_.queue),
+                         "n"));
+    }
     job->id = next_id_.fetch_add(1) + 1;
     job->kind = chat ? "chat" : "completion";
     job->sampling = r.sampling;
@@ -485,7 +494,26 @@ class Service {
                                    : std::min<uint32_t>(16, room);
     job->ignore_eos = r.ignore_eos;
     job->logprobs = r.logprobs;
-    if (!gen_.submit(job)) {
+    // n choices: n jobs on the same prompt (each on its own sequence, decoded together), each
+    // sampling from its own seed (seed + i), so they differ unless sampling is greedy.
+    Jobs jobs{job};
+    for (uint32_t i = 1; i < r.n; ++i) {
+      auto more = std::make_shared<Job>();
+      more->id = next_id_.fetch_add(1) + 1;
+      more->kind = job->kind;
+      more->prompt = job->prompt;
+      more->sampling = job->sampling;
+      more->sampling.seed = job->sampling.seed + i;
+      more->end_strings = job->end_strings;
+      more->stops = job->stops;
+      more->reasoning = job->reasoning;
+      more->starts_in_reasoning = job->starts_in_reasoning;
+      more->max_tokens = job->max_tokens;
+      more->ignore_eos = job->ignore_eos;
+      more->logprobs = job->logprobs;
+      jobs.push_back(std::move(more));
+    }
+    if (!gen_.submit_all(jobs)) {
       spdlog::warn("request {}: refused, {} requests already wait (--queue)", job->id, o_.queue);
       res.set_header("Retry-After", "1");
       ApiError e = api_error(503, fmt::format("the server is busy: {} requests already wait for "
@@ -496,8 +524,8 @@ class Service {
     }
     const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = std::time(nullptr);
-    if (!r.stream) return answer(res, job, id, created, chat);
-    stream(res, job, id, created, chat, r.include_usage);
+    if (!r.stream) return answer(res, jobs, id, created, chat);
+    stream(res, jobs, id, created, chat, r.include_usage);
   }
 
   // The logprobs of `items` as OpenAI gives them (null when not asked for): chat's
@@ -550,43 +578,67 @@ class Service {
             {"text_offset", offsets}};
   }
 
-  // Waits for the whole answer.
-  void answer(httplib::Response& res, const std::shared_ptr<Job>& job, const std::string& id,
-              int64_t created, bool chat) {
-    std::unique_lock lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done; });
-    if (!job->error.empty()) return send_error(res, api_error(job->error_status, job->error));
-    json choice = {{"index", 0},
-                   {"logprobs", logprobs_json(job->logprobs, job->logprobs_out, chat, 0)},
-                   {"finish_reason", job->finish_reason}};
-    if (chat) {
-      choice["message"] = {{"role", "assistant"}, {"content", job->text}};
-      // As DeepSeek's API and vLLM give it; absent when the model did not reason (or
-      // reasoning_format is none).
-      if (!job->reasoning_text.empty())
-        choice["message"]["reasoning_content"] = job->reasoning_text;
-    } else {
-      choice["text"] = job->text;
+  using Jobs = std::vector<std::shared_ptr<Job>>;
+
+  // usage over a request's choices: the prompt once, every choice's tokens.
+  static json usage_of(const Jobs& jobs) {
+    json u = usage(*jobs[0]);
+    uint32_t completion = 0;
+    for (const auto& j : jobs) completion += j->completion_tokens;
+    u["completion_tokens"] = completion;
+    u["total_tokens"] = u["prompt_tokens"].get<uint32_t>() + completion;
+    return u;
+  }
+
+  // Waits for every choice's whole answer.
+  void answer(httplib::Response& res, const Jobs& jobs, const std::string& id, int64_t created,
+              bool chat) {
+    json choices = json::array();
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      Job& job = *jobs[i];
+      std::unique_lock lock(job.mu);
+      job.cv.wait(lock, [&] { return job.done; });
+      if (!job.error.empty()) {
+        for (const auto& other : jobs) other->cancelled = true;
+        return send_error(res, api_error(job.error_status, job.error));
+      }
+      json choice = {{"index", i},
+                     {"logprobs", logprobs_json(job.logprobs, job.logprobs_out, chat, 0)},
+                     {"finish_reason", job.finish_reason}};
+      if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", job.text}};
+        // As DeepSeek's API and vLLM give it; absent when the model did not reason (or
+        // reasoning_format is none).
+        if (!job.reasoning_text.empty())
+          choice["message"]["reasoning_content"] = job.reasoning_text;
+      } else {
+        choice["text"] = job.text;
+      }
+      choices.push_back(std::move(choice));
     }
-    const json out = {{"id", id},
-                      {"object", chat ? "chat.completion" : "text_completion"},
-                      {"created", created},
-                      {"model", o_.model},
-                      {"choices", json::array({choice})},
-                      {"usage", usage(*job)}};
+    const json out = {
+        {"id", id},           {"object", chat ? "chat.completion" : "text_completion"},
+        {"created", created}, {"model", o_.model},
+        {"choices", choices}, {"usage", usage_of(jobs)}};
     res.set_content(dump(out), "application/json");
   }
 
-  // Server-sent events: a chunk per piece of text as it is generated, then the finish reason,
-  // the usage when asked for, and [DONE]. A write that fails (the client left) cancels the job.
-  void stream(httplib::Response& res, const std::shared_ptr<Job>& job, const std::string& id,
-              int64_t created, bool chat, bool include_usage) {
-    struct State {
+  // Server-sent events: for each choice a chunk per piece of text as it is generated, then its
+  // finish reason; once every choice is complete the usage when asked for, and [DONE]. A write
+  // that fails (the client left) cancels every choice.
+  void stream(httplib::Response& res, const Jobs& jobs, const std::string& id, int64_t created,
+              bool chat, bool include_usage) {
+    struct Choice {
       bool role_sent = false;
+      bool finished = false;  // its finish chunk went out
       size_t sent_bytes = 0;  // content bytes sent (completions: logprobs text_offset)
+    };
+    struct State {
+      std::vector<Choice> choices;
       std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
     };
     auto state = std::make_shared<State>();
+    state->choices.resize(jobs.size());
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");
     auto chunk = [this, id, created, chat, include_usage](json choice) {
@@ -599,9 +651,9 @@ class Service {
       return c;
     };
     // `field`: the delta's, "content" or "reasoning_content" (chat).
-    auto piece_choice = [chat](const std::string& text, json finish,
+    auto piece_choice = [chat](size_t index, const std::string& text, json finish,
                                const char* field = "content") {
-      json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}};
+      json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}};
       if (chat) {
         choice["delta"] = text.empty() ? json::object() : json{{field, text}};
       } else {
@@ -611,7 +663,7 @@ class Service {
     };
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, job, state, chunk, piece_choice, id, created, chat, include_usage](
+        [this, jobs, state, chunk, piece_choice, id, created, chat, include_usage](
             size_t, httplib::DataSink& sink) {
           auto send = [&](const std::string& data) {
             if (!sink.write(data.data(), data.size())) return false;
@@ -619,99 +671,126 @@ class Service {
             return true;
           };
           auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
-          std::string piece;
-          std::string thought;  // reasoning, sent before the content that came with it
-          std::vector<expertd::text::TokenLogprob> lps;  // with logprobs: the tokens since
-          bool done = false;
-          std::string error;
-          int error_status = 500;
-          {
-            using expertd::serve::utf8_ready;
-            std::unique_lock lock(job->mu);
-            job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
-              return job->done || utf8_ready(job->text) > 0 || utf8_ready(job->reasoning_text) > 0;
-            });
-            done = job->done;
-            // Each part holds its own incomplete character back.
-            auto take = [done](std::string& from, std::string& to) {
-              const size_t ready = done ? from.size() : utf8_ready(from);
-              to = from.substr(0, ready);
-              from.erase(0, ready);
-            };
-            take(job->text, piece);
-            take(job->reasoning_text, thought);
-            lps.swap(job->logprobs_out);
-            error = job->error;
-            error_status = job->error_status;
-          }
           auto leave = [&] {
-            job->cancelled = true;
+            for (const auto& j : jobs) j->cancelled = true;
             return false;
           };
-          if (chat && !state->role_sent) {
-            json choice = {{"index", 0},
-                           {"delta", {{"role", "assistant"}, {"content", ""}}},
-                           {"logprobs", nullptr},
-                           {"finish_reason", nullptr}};
-            if (!event(chunk(std::move(choice)))) return leave();
-            state->role_sent = true;
+          using expertd::serve::utf8_ready;
+          // Wait (a while) for the first choice still running to have something to say.
+          for (size_t i = 0; i < jobs.size(); ++i) {
+            if (state->choices[i].finished) continue;
+            Job& job = *jobs[i];
+            std::unique_lock lock(job.mu);
+            job.cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
+              return job.done || utf8_ready(job.text) > 0 || utf8_ready(job.reasoning_text) > 0 ||
+                     !job.logprobs_out.empty();
+            });
+            break;
           }
-          // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
-          // their own), each token once.
-          auto with_logprobs = [&](json choice) {
-            if (job->logprobs >= 0 && !lps.empty()) {
-              choice["logprobs"] = logprobs_json(job->logprobs, lps, chat, state->sent_bytes);
-              lps.clear();
+          bool all_done = true;
+          for (size_t i = 0; i < jobs.size(); ++i) {
+            Choice& c = state->choices[i];
+            if (c.finished) continue;
+            Job& job = *jobs[i];
+            std::string piece;
+            std::string thought;  // reasoning, sent before the content that came with it
+            std::vector<expertd::text::TokenLogprob> lps;  // with logprobs: the tokens since
+            bool done = false;
+            std::string error;
+            int error_status = 500;
+            std::string finish_reason;
+            {
+              std::unique_lock lock(job.mu);
+              done = job.done;
+              // Each part holds its own incomplete character back.
+              auto take = [done](std::string& from, std::string& to) {
+                const size_t ready = done ? from.size() : utf8_ready(from);
+                to = from.substr(0, ready);
+                from.erase(0, ready);
+              };
+              take(job.text, piece);
+              take(job.reasoning_text, thought);
+              lps.swap(job.logprobs_out);
+              error = job.error;
+              error_status = job.error_status;
+              finish_reason = job.finish_reason;
             }
-            return choice;
-          };
-          if (!thought.empty() &&
-              !event(chunk(piece.empty()
-                               ? with_logprobs(piece_choice(thought, nullptr, "reasoning_content"))
-                               : piece_choice(thought, nullptr, "reasoning_content")))) {
-            return leave();
-          }
-          if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(piece, nullptr))))) {
-            return leave();
-          }
-          if (job->logprobs >= 0 && !lps.empty() &&
-              !event(chunk(with_logprobs(piece_choice("", nullptr))))) {
-            return leave();
-          }
-          state->sent_bytes += piece.size();
-          if (done) {
+            if (chat && !c.role_sent) {
+              json choice = {{"index", i},
+                             {"delta", {{"role", "assistant"}, {"content", ""}}},
+                             {"logprobs", nullptr},
+                             {"finish_reason", nullptr}};
+              if (!event(chunk(std::move(choice)))) return leave();
+              c.role_sent = true;
+            }
+            // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
+            // their own), each token once.
+            auto with_logprobs = [&](json choice) {
+              if (job.logprobs >= 0 && !lps.empty()) {
+                choice["logprobs"] = logprobs_json(job.logprobs, lps, chat, c.sent_bytes);
+                lps.clear();
+              }
+              return choice;
+            };
+            if (!thought.empty() &&
+                !event(chunk(
+                    piece.empty()
+                        ? with_logprobs(piece_choice(i, thought, nullptr, "reasoning_content"))
+                        : piece_choice(i, thought, nullptr, "reasoning_content")))) {
+              return leave();
+            }
+            if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(i, piece, nullptr))))) {
+              return leave();
+            }
+            if (job.logprobs >= 0 && !lps.empty() &&
+                !event(chunk(with_logprobs(piece_choice(i, "", nullptr))))) {
+              return leave();
+            }
+            c.sent_bytes += piece.size();
+            if (!done) {
+              all_done = false;
+              continue;
+            }
             if (!error.empty()) {
               event(expertd::serve::error_body(api_error(error_status, error)));
-            } else {
-              std::unique_lock lock(job->mu);
-              const json last = chunk(piece_choice("", job->finish_reason));
-              json tail;
-              if (include_usage) {
-                tail = {{"id", id},
-                        {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                        {"created", created},
-                        {"model", o_.model},
-                        {"choices", json::array()},
-                        {"usage", usage(*job)}};
+              leave();
+              send("data: [DONE]\n\n");
+              sink.done();
+              return true;
+            }
+            if (!event(chunk(piece_choice(i, "", finish_reason)))) return leave();
+            c.finished = true;
+          }
+          if (all_done) {
+            if (include_usage) {
+              json tail = {{"id", id},
+                           {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                           {"created", created},
+                           {"model", o_.model},
+                           {"choices", json::array()}};
+              {
+                std::vector<std::unique_lock<std::mutex>> locks;
+                for (const auto& j : jobs) locks.emplace_back(j->mu);
+                tail["usage"] = usage_of(jobs);
               }
-              lock.unlock();
-              if (!event(last)) return leave();
-              if (include_usage && !event(tail)) return leave();
+              if (!event(tail)) return leave();
             }
             if (!send("data: [DONE]\n\n")) return leave();
             sink.done();
             return true;
           }
           // Nothing to say for a while (queued, or text held for a stop string): an SSE comment,
-          // so a client that has gone is noticed and its sequence freed.
+          // so a client that has gone is noticed and its sequences freed.
           if (std::chrono::steady_clock::now() - state->last_write > std::chrono::seconds(1) &&
               !send(": waiting\n\n")) {
             return leave();
           }
           return true;
         },
-        [job](bool success) {
-          if (!success) job->cancelled = true;
+        [jobs](bool success) {
+          if (!success) {
+            for (const auto& j : jobs) j->cancelled = true;
+          }
         });
   }
 
