@@ -85,6 +85,19 @@ def main():
         print(f"ok: expert-run --batch-prompts: the same ids, {batch['rows_per_step']:.2f} "
               f"sequences per step, {batch['experts_per_step']:.1f} experts acquired per step, "
               f"{batch['bytes_read_per_token'] / 1e3:.1f} kB read per token")
+        # PROMPT | FEED lines: the ids fed instead of sampled (the same work however batched).
+        with open(listing, "w") as f:
+            for p, ref in zip(prompts, alone):
+                f.write(", ".join(map(str, p)) + " | " + ", ".join(map(str, ref["generated"])) + "\n")
+        out = subprocess.run(
+            [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--json",
+             "--cpu", "--batch-prompts", listing], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        fed = json.loads(out.stdout)
+        assert fed["fed"] and fed["rows"] == 4 * N and fed["rows_per_step"] > 1.0, fed
+        assert fed["generated"] == [r["generated"] for r in alone], fed["generated"]
+        print(f"ok: --batch-prompts PROMPT | FEED: {fed['rows']} ids fed, "
+              f"{fed['rows_per_step']:.2f} sequences per step")
         bad = subprocess.run(
             [os.path.join(args.bin, "expert-run"), "--socket", sock, "--model", MODEL, "--cpu",
              "--batch-prompts", os.path.join(args.workdir, "nope.txt")],

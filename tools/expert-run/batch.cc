@@ -81,29 +81,51 @@ Result<std::vector<uint32_t>> parse_line(const std::string& file, uint32_t line_
   return ids;
 }
 
-Result<std::vector<std::vector<uint32_t>>> read_prompts(const std::string& file, uint32_t n_vocab) {
+struct BatchLine {
+  std::vector<uint32_t> prompt;
+  std::optional<std::vector<uint32_t>> feed;  // "PROMPT | FEED"
+};
+
+Result<std::vector<BatchLine>> read_prompts(const std::string& file, uint32_t n_vocab) {
   std::ifstream in(file, std::ios::binary);
   if (!in) {
     return make_error(ENOENT, fmt::format("--batch-prompts {}: cannot open it", file));
   }
-  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<BatchLine> lines;
   std::string line;
   uint32_t line_no = 0;
   while (std::getline(in, line)) {
     ++line_no;
     const size_t first = line.find_first_not_of(" \t\r");
     if (first == std::string::npos || line[first] == '#') continue;
-    EXPERTD_TRY_ASSIGN(auto ids, parse_line(file, line_no, line.substr(first), n_vocab));
-    prompts.push_back(std::move(ids));
-    if (prompts.size() > kMaxPrompts) {
+    const std::string body = line.substr(first);
+    const size_t bar = body.find('|');
+    BatchLine b;
+    auto trim = [](std::string t) {
+      const size_t a = t.find_first_not_of(" \t\r");
+      const size_t z = t.find_last_not_of(" \t\r");
+      return a == std::string::npos ? std::string() : t.substr(a, z - a + 1);
+    };
+    EXPERTD_TRY_ASSIGN(b.prompt, parse_line(file, line_no, trim(body.substr(0, bar)), n_vocab));
+    if (bar != std::string::npos) {
+      EXPERTD_TRY_ASSIGN(auto feed, parse_line(file, line_no, trim(body.substr(bar + 1)), n_vocab));
+      b.feed = std::move(feed);
+    }
+    if (!lines.empty() && lines.front().feed.has_value() != b.feed.has_value()) {
+      return make_error(EINVAL, fmt::format("--batch-prompts {} line {}: every line feeds ids "
+                                            "(PROMPT | FEED) or none does",
+                                            file, line_no));
+    }
+    lines.push_back(std::move(b));
+    if (lines.size() > kMaxPrompts) {
       return make_error(EINVAL,
                         fmt::format("--batch-prompts {}: more than {} prompts", file, kMaxPrompts));
     }
   }
-  if (prompts.empty()) {
+  if (lines.empty()) {
     return make_error(EINVAL, fmt::format("--batch-prompts {}: no prompts in it", file));
   }
-  return prompts;
+  return lines;
 }
 
 client::SchedulerStats counters(client::Client& c, const std::string& model) {
@@ -128,13 +150,16 @@ int run_batch(const BatchRun& b) {
   auto prompts = read_prompts(b.file, p.n_vocab);
   if (!prompts) return fail(prompts.error().message);
   const auto n = static_cast<uint32_t>(prompts->size());
+  const bool feeding = prompts->front().feed.has_value();
   size_t longest = 0;
-  for (const auto& pr : *prompts) longest = std::max(longest, pr.size());
+  for (const auto& pr : *prompts) {
+    longest = std::max(longest, pr.prompt.size() + (feeding ? pr.feed->size() : b.max_tokens));
+  }
   auto source = DaemonExpertSource::attach(std::move(*daemon), b.flags.model, *model, "expert-run");
   if (!source) return fail(source.error().message);
   client::Client& client = *(*source)->client();
   EngineOptions eo;
-  eo.max_context = static_cast<uint32_t>(longest) + b.max_tokens;
+  eo.max_context = static_cast<uint32_t>(longest);
   eo.prefetch_depth = b.flags.lookahead;
   eo.prefetch_width = b.flags.prefetch_width;
   eo.prefill_chunk = b.flags.prefill_chunk;
@@ -162,16 +187,24 @@ int run_batch(const BatchRun& b) {
   std::vector<float> logits(uint64_t{n} * v);
   std::vector<std::unique_ptr<Generation>> gens(n);
   std::vector<std::optional<uint32_t>> pending(n);
+  std::vector<size_t> fed(n, 0);  // feeding: ids of the line's FEED fed so far
+  // The token sequence s feeds next: its FEED's next id, or its generation's next sample.
+  auto next_of = [&](uint32_t s, std::span<const float> step_logits) -> std::optional<uint32_t> {
+    if (!feeding) return gens[s]->advance(step_logits);
+    const std::vector<uint32_t>& f = *(*prompts)[s].feed;
+    if (fed[s] == f.size()) return std::nullopt;
+    return f[fed[s]++];
+  };
   const client::SchedulerStats before = counters(client, b.flags.model);
   const uint64_t t0 = monotonic_ns();
   for (uint32_t s = 0; s < n; ++s) {
-    auto g = Generation::create(go, p.n_vocab, nullptr, end_tokens, (*prompts)[s]);
+    auto g = Generation::create(go, p.n_vocab, nullptr, end_tokens, (*prompts)[s].prompt);
     if (!g) return fail(g.error().message);
     gens[s] = std::move(*g);
     if (auto st = engine.select_sequence(s); !st) return fail(st.error().message);
     const std::span<float> out(logits.data(), v);
-    if (auto st = engine.prefill((*prompts)[s], out); !st) return fail(st.error().message);
-    pending[s] = gens[s]->advance(out);
+    if (auto st = engine.prefill((*prompts)[s].prompt, out); !st) return fail(st.error().message);
+    pending[s] = next_of(s, out);
   }
   const uint64_t t1 = monotonic_ns();
   const client::SchedulerStats mid = counters(client, b.flags.model);
@@ -191,14 +224,14 @@ int run_batch(const BatchRun& b) {
     if (auto st = engine.decode_batch(rows, logits); !st) return fail(st.error().message);
     for (size_t r = 0; r < rows.size(); ++r) {
       const uint32_t s = seq_of[r];
-      pending[s] = gens[s]->advance(std::span<const float>(logits.data() + r * v, v));
+      pending[s] = next_of(s, std::span<const float>(logits.data() + r * v, v));
     }
   }
   const uint64_t t2 = monotonic_ns();
   const client::SchedulerStats after = counters(client, b.flags.model);
   const EngineStats& st = engine.stats();
   uint64_t generated = 0;
-  for (const auto& g : gens) generated += g->generated();
+  for (uint32_t s = 0; s < n; ++s) generated += feeding ? fed[s] : gens[s]->generated();
   // The first token of each sequence comes from its prompt's logits; the steps fed the rest.
   const uint64_t steps = st.batch_steps - at_prompt.batch_steps;
   const uint64_t rows_fed = st.batch_rows - at_prompt.batch_rows;
@@ -212,7 +245,8 @@ int run_batch(const BatchRun& b) {
         {"engine", engine.name()},
         {"engine_note", created->note},
         {"sequences", n},
-        {"prompt_tokens", *prompts},
+        {"prompt_tokens", nullptr},
+        {"fed", feeding},
         {"prefill_s", static_cast<double>(t1 - t0) / 1e9},
         {"prefill_bytes_read", mid.bytes_read - before.bytes_read},
         {"steps", steps},
@@ -227,17 +261,31 @@ int run_batch(const BatchRun& b) {
         {"stall_s", static_cast<double>(st.stall_ns - at_prompt.stall_ns) / 1e9},
         {"generated_tokens", generated},
     };
+    nlohmann::json prompt_ids = nlohmann::json::array();
     nlohmann::json gen = nlohmann::json::array();
-    for (const auto& g : gens) gen.push_back(g->tokens());
+    for (uint32_t s = 0; s < n; ++s) {
+      prompt_ids.push_back((*prompts)[s].prompt);
+      if (feeding) {
+        gen.push_back(*(*prompts)[s].feed);
+      } else {
+        gen.push_back(gens[s]->tokens());
+      }
+    }
+    j["prompt_tokens"] = prompt_ids;
     j["generated"] = gen;
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   for (uint32_t s = 0; s < n; ++s) {
+    if (feeding) {
+      std::printf("sequence %u: %zu prompt tokens, fed %zu ids\n", s, (*prompts)[s].prompt.size(),
+                  fed[s]);
+      continue;
+    }
     std::string ids;
     for (const uint32_t t : gens[s]->tokens()) ids += (ids.empty() ? "" : " ") + std::to_string(t);
     std::printf("sequence %u: %zu prompt tokens, stopped: %s, generated: %s\n", s,
-                (*prompts)[s].size(), gens[s]->stop_reason(), ids.c_str());
+                (*prompts)[s].prompt.size(), gens[s]->stop_reason(), ids.c_str());
   }
   std::printf(
       "batch: prefill %.1f ms; decode %llu steps of %.2f sequences: %.2f tokens/s together, "

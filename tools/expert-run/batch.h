@@ -23,7 +23,9 @@ struct BatchRun {
 // The prompts of FILE: one per line, token ids separated by commas or white space, or
 // random:N[:SEED] (N ids, glibc rand() % n_vocab after srand(SEED), as --feed-tokens draws them);
 // empty lines and lines starting with '#' are skipped. Each sequence prefills its prompt, then all
-// generate together until each has max_tokens or its end token. Prints per-sequence ids and the
+// generate together until each has max_tokens or its end token. A line "PROMPT | FEED" (every
+// line then) feeds FEED's ids instead of generating, as --feed-tokens does for one sequence: the
+// same work however the sequences are batched, for benchmarks. Prints per-sequence ids and the
 // aggregate: decode tokens/s, MB read per generated token, sequences per step, experts acquired
 // per step. Returns the process exit status.
 int run_batch(const BatchRun& b);
