@@ -153,18 +153,22 @@ bool Generator::admit() {
 
 void Generator::release(size_t i) {
   Slot& s = slots_[i];
+  counters_.requests.fetch_add(1, std::memory_order_relaxed);
+  counters_.prompt_tokens.fetch_add(s.job->prompt.size(), std::memory_order_relaxed);
+  counters_.cached_tokens.fetch_add(s.started ? s.cached : 0, std::memory_order_relaxed);
+  if (s.gen) counters_.generated_tokens.fetch_add(s.gen->generated(), std::memory_order_relaxed);
+  // The sequence is free before the job says it is done: a client that sends its next request
+  // as soon as it has this answer finds room for it (submit_all counts the free sequences).
+  {
+    std::lock_guard lock(mu_);
+    std::erase(running_, s.job);
+    ++served_;
+  }
   {
     std::lock_guard lock(s.job->mu);
     s.job->done = true;
     s.job->cv.notify_all();
   }
-  counters_.requests.fetch_add(1, std::memory_order_relaxed);
-  counters_.prompt_tokens.fetch_add(s.job->prompt.size(), std::memory_order_relaxed);
-  counters_.cached_tokens.fetch_add(s.started ? s.cached : 0, std::memory_order_relaxed);
-  if (s.gen) counters_.generated_tokens.fetch_add(s.gen->generated(), std::memory_order_relaxed);
-  std::lock_guard lock(mu_);
-  std::erase(running_, s.job);
-  ++served_;
   s.job.reset();
   s.gen.reset();
 }
