@@ -396,13 +396,7 @@ Status Ds3GpuEngine::Impl::head(std::span<float> logits) {
   const cudaStream_t st = compute.get();
   EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
   EXPERTD_TRY(mv(output, xn, d_logits));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
-  return Ok{};
+  return experts->logits_to_host(d_logits, h_logits, logits.first(p.n_vocab));
 }
 
 Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
@@ -427,17 +421,7 @@ Status Ds3GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   }
   x = x_row;
   xn = xn_row;
-  if (!done) {
-    // The positions written past pos0 are overwritten by whatever comes next; the chunk's
-    // routing records go.
-    if (routing_log != nullptr) routing_log->resize(logged);
-    pos = pos0;
-    return done;
-  }
-  pos = pos0 + n;
-  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
-  finish_prefill_chunk(routing_log, logged, n, stats);
-  return Ok{};
+  return end_prefill_chunk(std::move(done), routing_log, logged, n, pos0, pos, stats);
 }
 
 Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {

@@ -677,13 +677,7 @@ Status Ds4GpuEngine::Impl::head(std::span<float> logits) {
   EXPERTD_CUDA_TRY(kernels::ds4_hc_collapse(streams, pre, hc, p.n_embd, collapsed, st));
   EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(collapsed, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
   EXPERTD_TRY(mv(output, xn, d_logits));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
-  return Ok{};
+  return experts->logits_to_host(d_logits, h_logits, logits.first(p.n_vocab));
 }
 
 // --- prefill -----------------------------------------------------------------------------------

@@ -112,6 +112,18 @@ void finish_prefill_chunk(std::vector<RoutingRecord>* log, size_t first, uint32_
   ++stats.prefill_chunks;
 }
 
+Status end_prefill_chunk(Status done, std::vector<RoutingRecord>* log, size_t first, uint32_t n,
+                         uint32_t pos0, uint32_t& pos, EngineStats& stats) {
+  if (!done) {
+    if (log != nullptr) log->resize(first);
+    pos = pos0;
+    return done;
+  }
+  pos = pos0 + n;
+  finish_prefill_chunk(log, first, n, stats);
+  return Ok{};
+}
+
 RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
                          std::span<const uint32_t> experts, std::span<const float> weights) {
   if (log == nullptr) return nullptr;

@@ -282,6 +282,12 @@ bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
 // when log is null), and the positions counted (tokens, prefill_tokens, prefill_chunks).
 void finish_prefill_chunk(std::vector<RoutingRecord>* log, size_t first, uint32_t n,
                           EngineStats& stats);
+// The same for an engine whose chunk may fail after writing (the CUDA layer-by-layer prefills):
+// `done` failed, the chunk is undone -- the records from `first` dropped, `pos` back at pos0 (the
+// positions written past it are overwritten by whatever is fed next) -- and `done` returned;
+// else `pos` = pos0 + n and finish_prefill_chunk().
+Status end_prefill_chunk(Status done, std::vector<RoutingRecord>* log, size_t first, uint32_t n,
+                         uint32_t pos0, uint32_t& pos, EngineStats& stats);
 // Appends a routing decision to `log` (nothing when log is null); returns the new record.
 RoutingRecord* log_route(std::vector<RoutingRecord>* log, uint32_t pos, uint32_t layer,
                          std::span<const uint32_t> experts, std::span<const float> weights);

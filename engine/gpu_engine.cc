@@ -830,13 +830,7 @@ Status GpuEngine::Impl::head(std::span<float> logits) {
   const cudaStream_t st = compute.get();
   EXPERTD_CUDA_TRY(kernels::rms_norm(x, output_norm, xn, 1, p.n_embd, p.rms_eps, st));
   EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, xn, d_logits, 0.0f));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_logits, d_logits, uint64_t{p.n_vocab} * 4, cudaMemcpyDeviceToHost, st));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  std::memcpy(logits.data(), h_logits, uint64_t{p.n_vocab} * 4);
-  return Ok{};
+  return experts->logits_to_host(d_logits, h_logits, logits.first(p.n_vocab));
 }
 
 Status GpuEngine::Impl::init_layerwise_prefill() {
@@ -890,17 +884,7 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   }
   x = x_decode;
   xn = xn_decode;
-  if (!done) {
-    // Positions written past pos0 are overwritten by whatever is fed next; the chunk's routing
-    // records go.
-    if (routing_log != nullptr) routing_log->resize(logged);
-    pos = pos0;
-    return done;
-  }
-  pos = pos0 + n;
-  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
-  finish_prefill_chunk(routing_log, logged, n, stats);
-  return Ok{};
+  return end_prefill_chunk(std::move(done), routing_log, logged, n, pos0, pos, stats);
 }
 
 Status GpuEngine::Impl::layerwise_layers(uint32_t n) {

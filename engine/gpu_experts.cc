@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "base/clock.h"
 #include "engine/cpu_ops.h"
@@ -724,6 +725,16 @@ Status GpuExperts::release_finished_prefetch_holds(bool all) {
 Status GpuExperts::sync_compute() {
   EXPERTD_CUDA_TRY(timed_sync(compute_, stats_));
   return synced();
+}
+
+Status GpuExperts::logits_to_host(const float* device, float* host, std::span<float> out) {
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(host, device, out.size() * sizeof(float), cudaMemcpyDeviceToHost, compute_));
+  EXPERTD_CUDA_TRY(timed_sync(compute_, stats_));
+  EXPERTD_TRY(release_demand_holds());
+  EXPERTD_TRY(release_finished_prefetch_holds(false));
+  std::memcpy(out.data(), host, out.size() * sizeof(float));
+  return Ok{};
 }
 
 Status GpuExperts::synced() {

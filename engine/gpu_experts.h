@@ -282,6 +282,10 @@ class GpuExperts {
   Status synced();
   // The compute stream synchronised (the wait counted in sync_ns), then synced().
   Status sync_compute();
+  // The end of every CUDA engine's head: out.size() logits copied from `device` through the
+  // pinned `host` buffer on the compute stream, the stream synchronised (counted in sync_ns), the
+  // demand and finished prefetch holds given back, then the logits into `out`.
+  Status logits_to_host(const float* device, float* host, std::span<float> out);
   // Samples both tiers into stats.tiers_*: distinct experts in VRAM or the source's host memory,
   // and the sum of their capacities (nothing in place, or when the source does not say).
   void measure_tiers();
