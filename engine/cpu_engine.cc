@@ -163,8 +163,7 @@ Status CpuEngine::decode(uint32_t token, std::span<float> logits) {
     route(layer);
     EXPERTD_TRY(moe(layer));
   }
-  rms_norm(x_.data(), model_.output_norm().data(), xn_.data(), p_.n_embd, p_.rms_eps);
-  matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+  cpu_head(model_, x_.data(), xn_.data(), logits.data(), row_.data());
   ++pos_;
   ++stats_.tokens;
   stats_.decode_ns += monotonic_ns() - t0;
@@ -377,8 +376,7 @@ Status CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<floa
   }
   EXPERTD_TRY(rows_forward(n, pos_ + n - 1));
   if (!logits.empty()) {
-    rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
-    matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+    cpu_head(model_, cx_.data() + (n - 1) * e, xn_.data(), logits.data(), row_.data());
   }
   pos_ += n;
   // Token-major routing records (the chunk logged them layer by layer), the positions counted.
@@ -440,8 +438,7 @@ Status CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> 
   stats_.prefill_experts = experts_before;
   EXPERTD_TRY(st);
   for (uint32_t i = 0; i < n; ++i) {
-    rms_norm(cx_.data() + i * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
-    matvec(model_.output().view(), xn_.data(), logits.data() + i * v, row_.data());
+    cpu_head(model_, cx_.data() + i * e, xn_.data(), logits.data() + i * v, row_.data());
     ++seq_pos_[rows[i].sequence];
   }
   pos_ = seq_pos_[cur_];
@@ -625,6 +622,12 @@ Status CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
     }
   }
   return Ok{};
+}
+
+void cpu_head(const DenseModel& model, const float* x, float* xn, float* logits, float* row) {
+  const ModelParams& p = model.params();
+  rms_norm(x, model.output_norm().data(), xn, p.n_embd, p.rms_eps);
+  matvec(model.output().view(), xn, logits, row);
 }
 
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,

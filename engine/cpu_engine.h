@@ -202,6 +202,11 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
                          uint64_t n_ff, float* out, const ChunkExperts& scratch,
                          EngineStats& stats);
 
+// The output norm and head of one residual row `x` (n_embd) into `logits` (n_vocab): the last step
+// of CpuEngine's and Ds3CpuEngine's decode, prefill and batch steps. `xn` (n_embd) and `row` (a
+// dequantised weight row) are scratch.
+void cpu_head(const DenseModel& model, const float* x, float* xn, float* logits, float* row);
+
 // The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama, gpt-oss, glm4moe),
 // Ds4CpuEngine (deepseek4) or Ds3CpuEngine (deepseek2).
 Result<std::unique_ptr<Engine>> create_cpu_engine(const DenseModel& model, ExpertSource& source,

@@ -163,8 +163,7 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
     }
     for (uint64_t j = 0; j < e; ++j) x_[j] += out_[j];
   }
-  rms_norm(x_.data(), model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
-  matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+  cpu_head(model_, x_.data(), xn_.data(), logits.data(), row_.data());
   ++pos_;
   ++stats_.tokens;
   stats_.decode_ns += monotonic_ns() - t0;
@@ -335,8 +334,7 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
     EXPERTD_TRY(prefill_moe(layer, n));
   }
   if (!logits.empty()) {
-    rms_norm(cx_.data() + (n - 1) * e, model_.output_norm().data(), xn_.data(), e, p_.rms_eps);
-    matvec(model_.output().view(), xn_.data(), logits.data(), row_.data());
+    cpu_head(model_, cx_.data() + (n - 1) * e, xn_.data(), logits.data(), row_.data());
   }
   pos_ += n;
   // Token-major routing records (the chunk logged them layer by layer), the positions counted.
