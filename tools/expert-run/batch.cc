@@ -241,11 +241,17 @@ int run_batch(const BatchRun& b) {
   const double tps = decode_s > 0 ? static_cast<double>(rows_fed) / decode_s : 0.0;
   const uint64_t experts = st.batch_experts - at_prompt.batch_experts;
   if (b.json) {
-    nlohmann::json j = {
+    nlohmann::json prompt_ids = nlohmann::json::array();
+    nlohmann::json gen = nlohmann::json::array();
+    for (uint32_t s = 0; s < n; ++s) {
+      prompt_ids.push_back((*prompts)[s].prompt);
+      gen.push_back(feeding ? *(*prompts)[s].feed : gens[s]->tokens());
+    }
+    const nlohmann::json j = {
         {"engine", engine.name()},
         {"engine_note", created->note},
         {"sequences", n},
-        {"prompt_tokens", nullptr},
+        {"prompt_tokens", prompt_ids},
         {"fed", feeding},
         {"prefill_s", static_cast<double>(t1 - t0) / 1e9},
         {"prefill_bytes_read", mid.bytes_read - before.bytes_read},
@@ -260,19 +266,8 @@ int run_batch(const BatchRun& b) {
         {"experts_per_step", steps ? static_cast<double>(experts) / steps : 0.0},
         {"stall_s", static_cast<double>(st.stall_ns - at_prompt.stall_ns) / 1e9},
         {"generated_tokens", generated},
+        {"generated", gen},
     };
-    nlohmann::json prompt_ids = nlohmann::json::array();
-    nlohmann::json gen = nlohmann::json::array();
-    for (uint32_t s = 0; s < n; ++s) {
-      prompt_ids.push_back((*prompts)[s].prompt);
-      if (feeding) {
-        gen.push_back(*(*prompts)[s].feed);
-      } else {
-        gen.push_back(gens[s]->tokens());
-      }
-    }
-    j["prompt_tokens"] = prompt_ids;
-    j["generated"] = gen;
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }

@@ -206,7 +206,7 @@ void Generator::end_job(size_t i, bool cancelled) {
       job.error_status = 503;
     }
     spdlog::info("request {}: {}; stopped after {} of {} tokens", job.id,
-                 stopping ? "shutting down" : "the client left", g.generated(), job.max_tokens);
+                 stopping ? "shutting down" : "the client left", g.generated(), job.gen.max_tokens);
   }
   const double gen_s = static_cast<double>(t2 - s.t_prompt) / 1e9;
   const uint64_t steps = s.steps;
@@ -232,17 +232,9 @@ std::optional<Error> Generator::prefill_step(size_t i) {
   const std::span<float> logits(logits_.data(), n_vocab);
   if (!s.started) {
     // The text stages first: they were checked when the request was read.
-    GenerationOptions go;
-    go.sampling = job.sampling;
-    go.end_strings = job.end_strings;
-    go.stops = job.stops;
-    go.reasoning = job.reasoning;
-    go.starts_in_reasoning = job.starts_in_reasoning;
-    go.max_tokens = job.max_tokens;
-    go.stop_at_end_token = !job.ignore_eos;
-    go.logprobs = job.logprobs;
     auto gen = Generation::create(
-        go, n_vocab, [this](uint32_t t) { return tokenizer_.decode(t); }, end_tokens_, job.prompt);
+        job.gen, n_vocab, [this](uint32_t t) { return tokenizer_.decode(t); }, end_tokens_,
+        job.prompt);
     if (!gen) return fail(i, gen.error());
     s.gen = std::move(*gen);
     // At least one prompt token is fed again: its logits are the first token's.

@@ -39,18 +39,10 @@ struct Job {
   uint64_t id = 0;
   std::string kind;  // "completion" or "chat", for the log
   std::vector<uint32_t> prompt;
-  text::SamplerOptions sampling;
-  // The raw text is cut at the chat template's turn-end strings (end_strings), then split into
-  // reasoning and content (`reasoning`; kNone: all content); the request's stop strings cut the
-  // content, the answer the user sees, so that a stop string the model writes while it reasons
-  // does not end the answer before it is given.
-  std::vector<std::string> end_strings;
-  std::vector<std::string> stops;
-  text::ReasoningSyntax reasoning = text::ReasoningSyntax::kNone;
-  bool starts_in_reasoning = false;  // the prompt opened a <think> block
-  uint32_t max_tokens = 16;
-  bool ignore_eos = false;
-  int32_t logprobs = -1;  // -1: none; else each token's and this many alternatives
+  // How the answer is generated (text/generation.h): sampling, the template's end strings and
+  // the request's stops, the reasoning syntax, max_tokens, ignore_eos (stop_at_end_token false),
+  // logprobs.
+  text::GenerationOptions gen;
 
   std::atomic<bool> cancelled{false};
   uint64_t submitted_ns = 0;  // monotonic, set by submit(): the time to first token starts here

@@ -268,13 +268,13 @@ class Service {
       if (!ids) return api_error(400, "messages: " + ids.error().message, "messages");
       out = std::move(*ids);
       // The turn's end marker stops the answer where it is text rather than an end token.
-      job.end_strings = chat_->stop_strings();
+      job.gen.end_strings = chat_->stop_strings();
       const std::string& format =
           r.reasoning_format.empty() ? o_.reasoning_format : r.reasoning_format;
       if (format != "none") {
         // A prompt that closed the think block (a switch turned thinking off): all content.
-        job.reasoning = answer_reasoning_syntax(chat_->kind(), *text);
-        job.starts_in_reasoning = prompt_opens_think(*text);
+        job.gen.reasoning = answer_reasoning_syntax(chat_->kind(), *text);
+        job.gen.starts_in_reasoning = prompt_opens_think(*text);
       }
       return std::nullopt;
     }
@@ -450,7 +450,7 @@ class Service {
       return send_error(res, *e);
     }
     auto job = std::make_shared<Job>();
-    job->stops = r.stops;
+    job->gen.stops = r.stops;
     if (auto e = prompt_tokens(r, *job)) return send_error(res, *e);
     const char* prompt_param = chat ? "messages" : "prompt";
     const uint64_t n = job->prompt.size();
@@ -488,12 +488,12 @@ class Service {
     }
     job->id = next_id_.fetch_add(1) + 1;
     job->kind = chat ? "chat" : "completion";
-    job->sampling = r.sampling;
-    job->max_tokens = r.max_tokens ? static_cast<uint32_t>(*r.max_tokens)
-                      : chat       ? room
-                                   : std::min<uint32_t>(16, room);
-    job->ignore_eos = r.ignore_eos;
-    job->logprobs = r.logprobs;
+    job->gen.sampling = r.sampling;
+    job->gen.max_tokens = r.max_tokens ? static_cast<uint32_t>(*r.max_tokens)
+                          : chat       ? room
+                                       : std::min<uint32_t>(16, room);
+    job->gen.stop_at_end_token = !r.ignore_eos;
+    job->gen.logprobs = r.logprobs;
     // n choices: n jobs on the same prompt (each on its own sequence, decoded together), each
     // sampling from its own seed (seed + i), so they differ unless sampling is greedy.
     Jobs jobs{job};
@@ -502,15 +502,8 @@ class Service {
       more->id = next_id_.fetch_add(1) + 1;
       more->kind = job->kind;
       more->prompt = job->prompt;
-      more->sampling = job->sampling;
-      more->sampling.seed = job->sampling.seed + i;
-      more->end_strings = job->end_strings;
-      more->stops = job->stops;
-      more->reasoning = job->reasoning;
-      more->starts_in_reasoning = job->starts_in_reasoning;
-      more->max_tokens = job->max_tokens;
-      more->ignore_eos = job->ignore_eos;
-      more->logprobs = job->logprobs;
+      more->gen = job->gen;
+      more->gen.sampling.seed += i;
       jobs.push_back(std::move(more));
     }
     if (!gen_.submit_all(jobs)) {
@@ -603,7 +596,7 @@ class Service {
         return send_error(res, api_error(job.error_status, job.error));
       }
       json choice = {{"index", i},
-                     {"logprobs", logprobs_json(job.logprobs, job.logprobs_out, chat, 0)},
+                     {"logprobs", logprobs_json(job.gen.logprobs, job.logprobs_out, chat, 0)},
                      {"finish_reason", job.finish_reason}};
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", job.text}};
@@ -726,8 +719,8 @@ class Service {
             // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
             // their own), each token once.
             auto with_logprobs = [&](json choice) {
-              if (job.logprobs >= 0 && !lps.empty()) {
-                choice["logprobs"] = logprobs_json(job.logprobs, lps, chat, c.sent_bytes);
+              if (job.gen.logprobs >= 0 && !lps.empty()) {
+                choice["logprobs"] = logprobs_json(job.gen.logprobs, lps, chat, c.sent_bytes);
                 lps.clear();
               }
               return choice;
@@ -742,7 +735,7 @@ class Service {
             if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(i, piece, nullptr))))) {
               return leave();
             }
-            if (job.logprobs >= 0 && !lps.empty() &&
+            if (job.gen.logprobs >= 0 && !lps.empty() &&
                 !event(chunk(with_logprobs(piece_choice(i, "", nullptr))))) {
               return leave();
             }
