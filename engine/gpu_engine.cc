@@ -153,7 +153,12 @@ struct GpuEngine::Impl {
   HintPlanner planner;
   EngineStats stats;
   std::vector<RoutingRecord>* routing_log = nullptr;
-  uint32_t pos = 0;
+  uint32_t pos = 0;  // the selected sequence's
+  // Sequences (EngineOptions::sequences): each has its own KV cache of max_context positions;
+  // kv_seq is the selected one's offset in k_cache and v_cache (floats).
+  uint32_t seq = 0;
+  uint64_t kv_seq = 0;
+  std::vector<uint32_t> seq_pos;
   std::string device_name;
   uint64_t dense_device_bytes = 0;
 
@@ -167,6 +172,8 @@ struct GpuEngine::Impl {
   DeviceBytes moe_mem;     // glm4moe's dense MLPs and shared experts, as in the file
   DeviceBytes work_mem;    // activations, the KV cache and the routing buffers
   PinnedBytes host_mem;    // pinned mirrors of the routing results and logits
+  DeviceBytes batch_mem;   // decode_batch()'s per-row buffers (sequences > 1)
+  PinnedBytes batch_host;  // and its logits' pinned mirror
   DeviceBytes chunk_mem;   // prefill's per-chunk activations and the dequantised expert
   PinnedBytes chunk_host;  // prefill's routes (device -> host) and row lists (host -> device)
   CudaStream copy;
@@ -178,7 +185,7 @@ struct GpuEngine::Impl {
   float* embd = nullptr;    // [n_vocab][n_embd]
   float* output = nullptr;  // [n_vocab][n_embd] (== embd when tied)
   float* output_norm = nullptr;
-  float* k_cache = nullptr;  // [layer][pos][kv_dim]
+  float* k_cache = nullptr;  // [sequence][layer][pos][kv_dim]
   float* v_cache = nullptr;
   float* x = nullptr;    // residual stream
   float* xn = nullptr;   // normalised MoE input
@@ -239,6 +246,22 @@ struct GpuEngine::Impl {
   std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes
   std::vector<uint8_t> cneeded;  // [n_expert] routed to by the chunk at this layer
 
+  // decode_batch() (Softmax routers): each row's residual, normalised input, routing weights
+  // ([1 + depth][k], as d_weights), gate/up, SwiGLU and expert outputs (as gu, h, eo), logits;
+  // row strides 256-byte aligned.
+  uint64_t bs_e = 0, bs_w = 0, bs_gu = 0, bs_h = 0, bs_eo = 0;
+  float* bx = nullptr;
+  float* bxn = nullptr;
+  float* bw = nullptr;
+  float* bgu = nullptr;
+  float* bh = nullptr;
+  float* beo = nullptr;
+  float* d_blogits = nullptr;  // [sequences][n_vocab]
+  float* h_blogits = nullptr;
+  std::vector<uint32_t> bsel;       // [row][k] the step's routes at the current layer
+  std::vector<uint32_t> bgroup_of;  // [n_expert] a needed expert's index in `needed`
+  std::vector<ExpertHint> bhints;   // the step's hints at the current layer, every row's
+
   // Per-layer scratch on the host.
   std::vector<uint32_t> selected;
   std::vector<float> weights;
@@ -261,6 +284,16 @@ struct GpuEngine::Impl {
   ~Impl();
 
   Status init();
+  Status init_batch();
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits);
+  // The routed experts of every row at `layer` (bsel), each distinct one acquired once.
+  Status batch_moe(uint32_t layer, uint32_t rows);
+  void select(uint32_t s) {
+    seq_pos[seq] = pos;
+    seq = s;
+    pos = seq_pos[s];
+    kv_seq = uint64_t{s} * p.n_layer * opts.max_context * p.n_head_kv * p.head_dim;
+  }
   Status upload_dense();
   Status init_prefill();
   Status init_layerwise_prefill();
@@ -281,6 +314,18 @@ struct GpuEngine::Impl {
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
   Status moe(uint32_t layer);
+  // One routed expert applied to one row: its weights, the row's normalised input, and where its
+  // gate, up, SwiGLU and output go.
+  struct ExpertUse {
+    ExpertPtrs w;
+    const float* x;
+    float* gate;
+    float* up;
+    float* h;
+    float* out;
+  };
+  std::vector<ExpertUse> uses;
+  Status run_uses(uint32_t layer, std::span<const ExpertUse> list);
   Status upload_sigmoid_moe();
   // glm4moe and gpt-oss: the router logits (this layer's and the lookahead's) copied back, the
   // routing and hints made on the host (HostRouter) as CpuEngine makes them.
@@ -292,7 +337,7 @@ struct GpuEngine::Impl {
   Status gemv(const float* w, uint32_t rows, uint32_t cols, const float* in, float* out,
               float beta);
   uint64_t kv_index(uint32_t layer, uint32_t p_) const {
-    return (uint64_t{layer} * opts.max_context + p_) * p.n_head_kv * p.head_dim;
+    return kv_seq + (uint64_t{layer} * opts.max_context + p_) * p.n_head_kv * p.head_dim;
   }
   uint32_t lookahead(uint32_t layer) const {
     if (opts.hints != HintSource::Router || opts.prefetch_depth == 0) return 0;
@@ -347,7 +392,7 @@ Status GpuEngine::Impl::init() {
   const uint32_t d = opts.prefetch_depth;
   const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
   const uint64_t kv_dim = uint64_t{p.n_head_kv} * p.head_dim;
-  const uint64_t kv_values = uint64_t{p.n_layer} * opts.max_context * kv_dim;
+  const uint64_t kv_values = uint64_t{opts.sequences} * p.n_layer * opts.max_context * kv_dim;
   struct Part {
     void** dst;
     uint64_t bytes;
@@ -377,9 +422,10 @@ Status GpuEngine::Impl::init() {
   for (const Part& part : parts) total += align_up(part.bytes, kAlign);
   Result<DeviceBytes> work = DeviceBytes::alloc(total);
   if (!work) {
-    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the KV cache "
-                                          "({} positions) and activations on {}",
-                                          gib(total), opts.max_context, device_name));
+    return make_error(ENOMEM,
+                      fmt::format("cannot allocate {} of device memory for the KV cache "
+                                  "({} positions x {} sequences) and activations on {}",
+                                  gib(total), opts.max_context, opts.sequences, device_name));
   }
   work_mem = std::move(*work);
   uint8_t* base = work_mem.get();
@@ -398,6 +444,8 @@ Status GpuEngine::Impl::init() {
   // Before the tier: Tier::Auto sizes itself from what is left. glm4moe's and gpt-oss's prefill
   // runs decode()'s kernels layer by layer over the chunk: only the rows' buffers.
   EXPERTD_TRY(host_routed(p) ? init_layerwise_prefill() : init_prefill());
+  seq_pos.assign(opts.sequences, 0);
+  if (opts.sequences > 1 && !host_routed(p)) EXPERTD_TRY(init_batch());
 
   // The source's host memory (registered once) and the VRAM tier.
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
@@ -689,61 +737,81 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
   return Ok{};
 }
 
-Status GpuEngine::Impl::moe(uint32_t layer) {
-  const uint32_t k = p.n_expert_used;
-  uint64_t waited = 0;
-  EXPERTD_TRY(experts->acquire(layer, selected, ptrs, &waited));
-  stats.experts_used += k;
-
-  // gate and up of every expert, SwiGLU, down, the weighted sum into x.
+Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list) {
+  // gate and up of every use, SwiGLU, down. Each use's result depends only on its own inputs, and
+  // the kernels are chosen by the layer's shape and top-k alone, so decode() (one row's k uses)
+  // and decode_batch() (every row's) compute a row's experts to the same bits.
   const GpuExperts::LayerShape& sh = experts->shape(layer);
   if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
-  const uint64_t ff = p.n_ff_exp;
+  const uint32_t ff = p.n_ff_exp;
   const uint32_t per = kernels::kMaxBatch;
-  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes && 2 * k <= per) {
-    kernels::MatvecBatch b;
-    b.count = 2 * k;
-    for (uint32_t i = 0; i < k; ++i) {
-      b.w[i] = ptrs[i].gate;
-      b.x[i] = xn;
-      b.y[i] = gu + i * ff;
-      b.w[k + i] = ptrs[i].up;
-      b.x[k + i] = xn;
-      b.y[k + i] = gu + (k + i) * ff;
+  const uint32_t n = static_cast<uint32_t>(list.size());
+  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes &&
+      2 * p.n_expert_used <= per) {
+    for (uint32_t first = 0; first < n; first += per / 2) {
+      kernels::MatvecBatch b;
+      const uint32_t count = std::min(per / 2, n - first);
+      b.count = 2 * count;
+      for (uint32_t j = 0; j < count; ++j) {
+        const ExpertUse& u = list[first + j];
+        b.w[j] = u.w.gate;
+        b.x[j] = u.x;
+        b.y[j] = u.gate;
+        b.w[count + j] = u.w.up;
+        b.x[count + j] = u.x;
+        b.y[count + j] = u.up;
+      }
+      EXPERTD_CUDA_TRY(
+          kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, p.n_embd, compute.get()));
     }
-    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes,
-                                             static_cast<uint32_t>(ff), p.n_embd, compute.get()));
   } else {
-    for (uint32_t i = 0; i < k; ++i) {
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[i].gate, sh.gate.row_bytes,
-                                       static_cast<uint32_t>(ff), p.n_embd, xn, gu + i * ff,
-                                       compute.get()));
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[i].up, sh.up.row_bytes,
-                                       static_cast<uint32_t>(ff), p.n_embd, xn, gu + (k + i) * ff,
+    for (const ExpertUse& u : list) {
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, u.w.gate, sh.gate.row_bytes, ff, p.n_embd, u.x,
+                                       u.gate, compute.get()));
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, u.w.up, sh.up.row_bytes, ff, p.n_embd, u.x, u.up,
                                        compute.get()));
     }
   }
   // SwiGLU inside the down projection's launch (MatvecBatch::up, bit-identical) when
   // kernels::matvec_fuse_swiglu() says so; else its own launch into h.
   const bool fuse = kernels::matvec_fuse_swiglu();
-  if (!fuse) EXPERTD_CUDA_TRY(kernels::swiglu(gu, gu + k * ff, h, k * ff, compute.get()));
-  for (uint32_t first = 0; first < k; first += per) {
-    kernels::MatvecBatch b;
-    b.count = std::min(per, k - first);
-    for (uint32_t j = 0; j < b.count; ++j) {
-      const uint32_t i = first + j;
-      b.w[j] = ptrs[i].down;
-      if (fuse) {
-        b.x[j] = gu + i * ff;
-        b.up[j] = gu + (k + i) * ff;
-      } else {
-        b.x[j] = h + i * ff;
-      }
-      b.y[j] = eo + uint64_t{i} * p.n_embd;
+  if (!fuse) {
+    for (const ExpertUse& u : list) {
+      EXPERTD_CUDA_TRY(kernels::swiglu(u.gate, u.up, u.h, ff, compute.get()));
     }
-    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, p.n_embd,
-                                             static_cast<uint32_t>(ff), compute.get()));
   }
+  for (uint32_t first = 0; first < n; first += per) {
+    kernels::MatvecBatch b;
+    b.count = std::min(per, n - first);
+    for (uint32_t j = 0; j < b.count; ++j) {
+      const ExpertUse& u = list[first + j];
+      b.w[j] = u.w.down;
+      if (fuse) {
+        b.x[j] = u.gate;
+        b.up[j] = u.up;
+      } else {
+        b.x[j] = u.h;
+      }
+      b.y[j] = u.out;
+    }
+    EXPERTD_CUDA_TRY(
+        kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, p.n_embd, ff, compute.get()));
+  }
+  return Ok{};
+}
+
+Status GpuEngine::Impl::moe(uint32_t layer) {
+  const uint32_t k = p.n_expert_used;
+  uint64_t waited = 0;
+  EXPERTD_TRY(experts->acquire(layer, selected, ptrs, &waited));
+  stats.experts_used += k;
+  const uint64_t ff = p.n_ff_exp;
+  uses.resize(k);
+  for (uint32_t i = 0; i < k; ++i) {
+    uses[i] = ExpertUse{ptrs[i],           xn,         gu + i * ff,
+                        gu + (k + i) * ff, h + i * ff, eo + uint64_t{i} * p.n_embd};
+  }
+  EXPERTD_TRY(run_uses(layer, uses));
   EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, compute.get()));
   return experts->finish_layer();
 }
@@ -1255,6 +1323,170 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
   return Ok{};
 }
 
+// --- decode_batch: one step of several sequences (Softmax routers) -----------------------------
+
+Status GpuEngine::Impl::init_batch() {
+  const uint64_t S = opts.sequences;
+  const uint64_t k = p.n_expert_used;
+  const uint64_t ff = p.n_ff_exp;
+  bs_e = align_up(p.n_embd, 64);
+  bs_w = align_up(uint64_t{1 + opts.prefetch_depth} * k, 64);
+  bs_gu = align_up(2 * k * ff, 64);
+  bs_h = align_up(k * ff, 64);
+  bs_eo = align_up(k * p.n_embd, 64);
+  const uint64_t vocab = align_up(p.n_vocab, 64);
+  const uint64_t floats = S * (2 * bs_e + bs_w + bs_gu + bs_h + bs_eo + vocab);
+  Result<DeviceBytes> mem = DeviceBytes::alloc(floats * 4);
+  if (!mem) {
+    return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the rows of {} "
+                                          "sequences on {}",
+                                          gib(floats * 4), S, device_name));
+  }
+  batch_mem = std::move(*mem);
+  float* at = reinterpret_cast<float*>(batch_mem.get());
+  auto take = [&](uint64_t n) {
+    float* out = at;
+    at += n;
+    return out;
+  };
+  bx = take(S * bs_e);
+  bxn = take(S * bs_e);
+  bw = take(S * bs_w);
+  bgu = take(S * bs_gu);
+  bh = take(S * bs_h);
+  beo = take(S * bs_eo);
+  d_blogits = take(S * p.n_vocab);
+  EXPERTD_TRY_ASSIGN(batch_host, PinnedBytes::alloc(S * p.n_vocab * 4));
+  h_blogits = batch_host.get<float>();
+  bsel.resize(S * k);
+  bgroup_of.resize(p.n_expert);
+  return Ok{};
+}
+
+Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  const uint32_t n = static_cast<uint32_t>(rows.size());
+  const uint32_t k = p.n_expert_used;
+  const uint64_t e = p.n_embd;
+  const uint64_t v = p.n_vocab;
+  const cudaStream_t st = compute.get();
+  seq_pos[seq] = pos;
+  for (const BatchRow& r : rows) {
+    if (seq_pos[r.sequence] >= opts.max_context) {
+      return make_error(ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)",
+                                            r.sequence, opts.max_context));
+    }
+  }
+  const uint64_t t0 = monotonic_ns();
+  // decode()'s single-row buffers point at each row's in turn; put back whatever happens.
+  const uint32_t was = seq;
+  float* const x0 = x;
+  float* const xn0 = xn;
+  float* const w0 = d_weights;
+  float* const gu0 = gu;
+  float* const h0 = h;
+  float* const eo0 = eo;
+  auto use_row = [&](uint32_t i) {
+    select(rows[i].sequence);
+    x = bx + i * bs_e;
+    xn = bxn + i * bs_e;
+    d_weights = bw + i * bs_w;
+    gu = bgu + i * bs_gu;
+    h = bh + i * bs_h;
+    eo = beo + i * bs_eo;
+  };
+  auto forward = [&]() -> Status {
+    uint32_t last = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      last = std::max(last, seq_pos[rows[i].sequence]);
+      EXPERTD_CUDA_TRY(cudaMemcpyAsync(bx + i * bs_e, embd + uint64_t{rows[i].token} * e, e * 4,
+                                       cudaMemcpyDeviceToDevice, st));
+    }
+    planner.begin_token();  // one step: each (layer, expert) hinted once for all the rows
+    for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+      if (!source.set_cursor(last, layer)) ++stats.hint_errors;
+      bhints.clear();
+      for (uint32_t i = 0; i < n; ++i) {
+        use_row(i);
+        EXPERTD_TRY(attention(layer));
+        EXPERTD_TRY(route_and_hint(layer));
+        std::copy(selected.begin(), selected.end(), bsel.begin() + uint64_t{i} * k);
+        bhints.insert(bhints.end(), last_hints.begin(), last_hints.end());
+      }
+      EXPERTD_TRY(batch_moe(layer, n));
+      for (uint32_t i = 0; i < n; ++i) {
+        EXPERTD_CUDA_TRY(
+            kernels::moe_combine(beo + i * bs_eo, bw + i * bs_w, bx + i * bs_e, k, p.n_embd, st));
+      }
+      EXPERTD_TRY(experts->prefetch(layer, opts.prefetch_depth, p.n_layer, bhints));
+    }
+    // decode()'s head for each row.
+    for (uint32_t i = 0; i < n; ++i) {
+      EXPERTD_CUDA_TRY(kernels::rms_norm(bx + i * bs_e, output_norm, bxn + i * bs_e, 1, p.n_embd,
+                                         p.rms_eps, st));
+      EXPERTD_TRY(gemv(output, p.n_vocab, p.n_embd, bxn + i * bs_e, d_blogits + i * v, 0.0f));
+    }
+    return experts->logits_to_host(d_blogits, h_blogits, logits.first(n * v));
+  };
+  const Status done = forward();
+  x = x0;
+  xn = xn0;
+  d_weights = w0;
+  gu = gu0;
+  h = h0;
+  eo = eo0;
+  select(was);
+  EXPERTD_TRY(done);
+  experts->measure_tiers();
+  for (const BatchRow& r : rows) ++seq_pos[r.sequence];
+  pos = seq_pos[seq];
+  stats.tokens += n;
+  stats.batch_rows += n;
+  ++stats.batch_steps;
+  stats.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+Status GpuEngine::Impl::batch_moe(uint32_t layer, uint32_t rows) {
+  const uint32_t k = p.n_expert_used;
+  const uint64_t ff = p.n_ff_exp;
+  // The distinct experts of the step, ascending; each acquired once, top-k at a time (what a
+  // daemon cache sized for decode holds, as prefill takes them), and applied to every row that
+  // routes to it with decode()'s kernels.
+  std::fill(bgroup_of.begin(), bgroup_of.end(), UINT32_MAX);
+  needed.clear();
+  for (uint64_t j = 0; j < uint64_t{rows} * k; ++j) bgroup_of[bsel[j]] = 0;
+  for (uint32_t ex = 0; ex < p.n_expert; ++ex) {
+    if (bgroup_of[ex] == UINT32_MAX) continue;
+    bgroup_of[ex] = static_cast<uint32_t>(needed.size());
+    needed.push_back(ex);
+  }
+  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
+    const uint32_t count = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
+    uint64_t waited = 0;
+    EXPERTD_TRY(experts->acquire(layer, std::span<const uint32_t>(needed.data() + g0, count), ptrs,
+                                 &waited));
+    uses.clear();
+    for (uint32_t i = 0; i < rows; ++i) {
+      for (uint32_t j = 0; j < k; ++j) {
+        const uint32_t g = bgroup_of[bsel[uint64_t{i} * k + j]];
+        if (g < g0 || g >= g0 + count) continue;
+        float* gu_i = bgu + i * bs_gu;
+        uses.push_back(ExpertUse{ptrs[g - g0], bxn + i * bs_e, gu_i + j * ff, gu_i + (k + j) * ff,
+                                 bh + i * bs_h + j * ff, beo + i * bs_eo + uint64_t{j} * p.n_embd});
+      }
+    }
+    EXPERTD_TRY(run_uses(layer, uses));
+    EXPERTD_TRY(experts->finish_layer());
+    if (g0 + k < needed.size()) {
+      EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
+      EXPERTD_TRY(experts->release_demand_holds());
+    }
+  }
+  stats.experts_used += uint64_t{rows} * k;
+  stats.batch_experts += needed.size();
+  return Ok{};
+}
+
 // --- GpuEngine ---------------------------------------------------------------------------------
 
 GpuEngine::GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1282,7 +1514,7 @@ Result<std::unique_ptr<GpuEngine>> GpuEngine::create(const DenseModel& model, Ex
       }
     }
   }
-  EXPERTD_TRY(check_engine_options(p, options));
+  EXPERTD_TRY(check_engine_options(p, options, kMaxSequences));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());
   return std::unique_ptr<GpuEngine>(new GpuEngine(std::move(impl)));
@@ -1354,6 +1586,24 @@ Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<floa
   // decode()'s kernels layer by layer over the chunk, each expert read once per chunk.
   if (host_routed(impl_->p)) return impl_->prefill_layerwise(tokens, logits);
   return impl_->prefill_chunk(tokens, !logits.empty(), logits);
+}
+
+uint32_t GpuEngine::sequences() const { return impl_->opts.sequences; }
+uint32_t GpuEngine::selected_sequence() const { return impl_->seq; }
+
+Status GpuEngine::select_sequence(uint32_t sequence) {
+  EXPERTD_TRY(Engine::select_sequence(sequence));
+  impl_->select(sequence);
+  return Ok{};
+}
+
+Status GpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  // glm4moe and gpt-oss (host routing, shared experts, biases): decode() of each row in turn,
+  // whose reads the next rows find cached.
+  // An engine of one sequence has no rows' buffers: decode() is its step.
+  if (host_routed(impl_->p) || impl_->bx == nullptr) return Engine::decode_batch(rows, logits);
+  return impl_->decode_batch(rows, logits);
 }
 
 bool GpuEngine::truncate(uint32_t n) {

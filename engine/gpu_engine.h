@@ -32,7 +32,7 @@
 // VRAM tier ahead of their layer.
 //
 // Every CUDA and cuBLAS call is checked (kernels/check.h): errors name the call, file and line.
-// Not thread-safe; one sequence at a time.
+// Not thread-safe.
 #pragma once
 
 #include <memory>
@@ -80,6 +80,17 @@ class GpuEngine final : public Engine {
   // Any n <= position(): the KV cache is per position.
   bool truncate(uint32_t n) override;
   uint32_t position() const override;
+  // Sequences (EngineOptions::sequences, at most kMaxSequences): a KV cache of max_context
+  // positions each. decode_batch() with a Softmax router (qwen3moe, Mixtral) runs every row layer
+  // by layer: each row's attention and routing as decode() computes them, then each distinct
+  // (layer, expert) of the step acquired once and applied to every row routing to it, with
+  // decode()'s kernels, so a row's logits are those of the sequence decoded alone, to the bit.
+  // glm4moe and gpt-oss decode the rows in turn (Engine's default).
+  static constexpr uint32_t kMaxSequences = 64;
+  uint32_t sequences() const override;
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override;
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   const EngineStats& stats() const override;
   const ModelParams& params() const override;
   const EngineOptions& options() const override;

@@ -84,6 +84,9 @@
 #   --lookahead N     expert-run's --prefetch-depth: the layers ahead its router hints (default 1,
 #                     expert-run's); other than 1 the expertd configs are named expertd-lN
 #                     (expertd-d0-lN), so sweeps into one --out keep every run
+#   --read SPEC       expertd's reads: QD (--queue-depth QD, whole slices), QD:CHUNK (--chunk CHUNK,
+#                     e.g. 32:4MiB) or probe (expertd probes the disk at start, its default);
+#                     default 32; other than 32 the expertd configs are named expertd-rSPEC
 #   --margin MIB      host memory left in the cap for expert-run beyond its dense weights
 #                     (default 1536)
 #   --bin DIR         expertd, expert-run, expertctl, expert-forge, expert-bench (default
@@ -124,8 +127,15 @@ if [ "${1:-}" = __pair ]; then
   bin=$1 gguf=$2 sock=$3 cache=$4 staging=$5 log=$6 depth=$7
   shift 8
   rm -f "$sock"
+  # PEER_READ (peer.sh --read): QD, QD:CHUNK or probe.
+  rs=${PEER_READ:-32}
+  case $rs in
+    probe) read_flags=(--queue-depth 0) ;;
+    *:*) read_flags=(--queue-depth "${rs%%:*}" --chunk "${rs#*:}") ;;
+    *) read_flags=(--queue-depth "$rs") ;;
+  esac
   "$bin/expertd" --model "m=$gguf" --socket "$sock" --cache "$cache" --staging "$staging" \
-    --queue-depth 32 --prefetch-depth "$depth" 2> "$log" &
+    "${read_flags[@]}" --prefetch-depth "$depth" 2> "$log" &
   dpid=$!
   for _ in $(seq 1200); do
     [ -S "$sock" ] && break
@@ -147,7 +157,7 @@ configs=expertd,feed-cuda-tier,cuda-tier
 streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead=""
+read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead=""
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -175,6 +185,7 @@ while [ $# -gt 0 ]; do
     --staging) need "$@"; staging=$2; shift ;;
     --lookahead) need "$@"; lookahead=$2; shift ;;
     --margin) need "$@"; margin=$2; shift ;;
+    --read) need "$@"; read_spec=$2; shift ;;
     --bin) need "$@"; bin=$2; shift ;;
     --work) need "$@"; work=$2; shift ;;
     --llama-src) need "$@"; llama_src=$2; shift ;;
@@ -243,6 +254,9 @@ for c in "${config_list[@]}"; do
   [[ " ${all_configs[*]} " == *" $c "* ]] || bad "--configs: '$c' is not one of ${all_configs[*]}"
 done
 IFS=, read -ra stream_list <<< "$streams"
+[[ $read_spec =~ ^(probe|[0-9]+(:[0-9]+[KMG]iB)?)$ ]] ||
+  bad "--read: '$read_spec' is not QD, QD:CHUNK (e.g. 32:4MiB) or probe"
+export PEER_READ=$read_spec
 [ ${#stream_list[@]} -gt 0 ] || bad "--streams needs at least one of random, text"
 for s in "${stream_list[@]}"; do
   case $s in random | text) ;; *) bad "--streams: '$s' is not random or text" ;; esac
@@ -432,6 +446,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
   if [ -n "$lookahead" ] && [ "$lookahead" != 1 ] && [[ $c == expertd* ]]; then
     eng_config+="-l$lookahead"
   fi
+  if [ "$read_spec" != 32 ] && [[ $c == expertd* ]]; then eng_config+="-r${read_spec//:/-}"; fi
   local id="$m-${cap}g-$eng_config"
   [ "$stream" = - ] || id+="-$stream"
   dense=$(dense_bytes)
@@ -488,7 +503,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
       what+=", engine router lookahead ${lookahead:-1} layer(s)"
       [ "$c" = sampled ] && what+=", sampled decode (not comparable)"
       fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth"
-        --field "lookahead=${lookahead:-1}")
+        --field "lookahead=${lookahead:-1}" --field "read=$read_spec")
       [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
       ;;
     cuda-tier | cuda-all | cpu | feed-cuda-tier | feed-cuda-all | feed-cpu)

@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "testing/temp_dir.h"
+#include "tests/engine/batch_check.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 #include "tests/engine/gguf_edit.h"
@@ -113,92 +114,17 @@ TEST_P(FamilyCaps, TheCpuEngineDoesWhatTheRowSays) {
 
 // decode_batch() on the CPU engine: four sequences with different prompts, decoded together,
 // give each sequence's logits exactly as that sequence decoded alone, step after step (rows
-// join and leave), and acquire fewer experts than the rows would one by one.
+// join and leave), and acquire fewer experts than the rows would one by one
+// (tests/engine/batch_check.h; the CUDA engine's twin is in gpu_engine_test.cc).
 TEST_P(FamilyCaps, ABatchedStepIsEachSequenceAloneToTheBit) {
   const FamilyFixture& fx = GetParam();
   if (!family_info(fx.family).caps.cpu_batched_decode) GTEST_SKIP() << "no batched decode";
-  auto model = DenseModel::load(gguf_of(fx));
-  ASSERT_TRUE(model) << model.error().message;
-  const uint32_t vocab = model->params().n_vocab;
-  constexpr uint32_t kSeqs = 4;
-  constexpr uint32_t kSteps = 6;
-  auto source = test::FileExpertSource::open(*model);
-  ASSERT_TRUE(source);
-  EngineOptions o{32, 1, 0};
-  o.prefill_chunk = 4;
-  o.sequences = kSeqs;
-  auto made = create_cpu_engine(*model, **source, o);
-  ASSERT_TRUE(made) << made.error().message;
-  Engine& eng = **made;
-  ASSERT_EQ(eng.sequences(), kSeqs);
-  EngineOptions one = o;
-  one.sequences = 1;
-
-  std::vector<std::vector<uint32_t>> prompts(kSeqs), tokens(kSeqs);
-  std::vector<std::vector<std::vector<float>>> alone(kSeqs);
-  uint64_t alone_experts = 0;
-  for (uint32_t s = 0; s < kSeqs; ++s) {
-    for (uint32_t i = 0; i < 3 + s; ++i) prompts[s].push_back((s * 31 + i * 7 + 2) % vocab);
-    for (uint32_t t = 0; t < kSteps; ++t) tokens[s].push_back((s * 13 + t * 5 + 1) % vocab);
-    auto solo_source = test::FileExpertSource::open(*model);
-    ASSERT_TRUE(solo_source);
-    auto solo = create_cpu_engine(*model, **solo_source, one);
-    ASSERT_TRUE(solo);
-    std::vector<float> logits(vocab);
-    ASSERT_TRUE((*solo)->prefill(prompts[s], logits));
-    const uint64_t before = (*solo)->stats().experts_used;
-    for (uint32_t t = 0; t < kSteps; ++t) {
-      ASSERT_TRUE((*solo)->decode(tokens[s][t], logits));
-      alone[s].push_back(logits);
-    }
-    alone_experts += (*solo)->stats().experts_used - before;
-  }
-
-  std::vector<float> logits(vocab);
-  for (uint32_t s = 0; s < kSeqs; ++s) {
-    ASSERT_TRUE(eng.select_sequence(s));
-    ASSERT_TRUE(eng.prefill(prompts[s], logits));
-  }
-  ASSERT_TRUE(eng.select_sequence(1));
-  const uint64_t before = eng.stats().batch_experts;
-  uint64_t rows_fed = 0;
-  std::vector<uint32_t> step(kSeqs, 0);
-  // Step r: sequence 3 joins at step 1, sequence 0 leaves after step 3; the rest run throughout.
-  for (uint32_t r = 0; r < kSteps + 2; ++r) {
-    std::vector<BatchRow> rows;
-    for (uint32_t s = 0; s < kSeqs; ++s) {
-      const bool in = step[s] < kSteps && !(s == 3 && r < 1) && !(s == 0 && r > 3);
-      if (in) rows.push_back(BatchRow{s, tokens[s][step[s]]});
-    }
-    if (rows.empty()) break;
-    std::vector<float> out(rows.size() * vocab);
-    ASSERT_TRUE(eng.decode_batch(rows, out));
-    rows_fed += rows.size();
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const uint32_t s = rows[i].sequence;
-      const std::vector<float> got(out.begin() + static_cast<int64_t>(i * vocab),
-                                   out.begin() + static_cast<int64_t>((i + 1) * vocab));
-      EXPECT_EQ(got, alone[s][step[s]]) << "sequence " << s << ", step " << step[s];
-      ++step[s];
-    }
-  }
-  EXPECT_EQ(eng.selected_sequence(), 1u);
-  EXPECT_EQ(eng.position(), prompts[1].size() + kSteps);
-  EXPECT_EQ(eng.stats().batch_rows, rows_fed);
-  // Sequence 0 left after 4 steps; the others decoded every token.
-  EXPECT_EQ(step[0], 4u);
-  for (uint32_t s = 1; s < kSeqs; ++s) EXPECT_EQ(step[s], kSteps) << s;
-  const uint64_t batched = eng.stats().batch_experts - before;
-  EXPECT_GT(batched, 0u);
-  EXPECT_LT(batched, alone_experts) << "rows sharing an expert share its acquire";
-  // Bad batches are refused naming the row.
-  std::vector<float> out(2 * vocab);
-  const BatchRow twice[] = {{2, 1}, {2, 1}};
-  EXPECT_NE(eng.decode_batch(twice, out).error().message.find("sequence 2 has two rows"),
-            std::string::npos);
-  const BatchRow beyond[] = {{kSeqs, 1}};
-  EXPECT_NE(eng.decode_batch(beyond, out).error().message.find("the engine holds 4"),
-            std::string::npos);
+  test::expect_batch_is_each_alone(
+      gguf_of(fx), DenseLoad::Eager,
+      [](const DenseModel& m, ExpertSource& s, const EngineOptions& o) {
+        return create_cpu_engine(m, s, o);
+      },
+      true);
 }
 
 // A family with MTP blocks skips them: a file whose last block is declared a next-n block (the

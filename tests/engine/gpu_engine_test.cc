@@ -25,6 +25,7 @@
 #include "engine/family.h"
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
+#include "tests/engine/batch_check.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 
@@ -1403,6 +1404,38 @@ TEST(FamilyCuda, TheCudaEnginesDoWhatTheRegistrySays) {
     EXPECT_EQ((*engine)->stats().prefill_experts > 0, info.caps.cuda_batched_prefill)
         << "prefill_experts " << (*engine)->stats().prefill_experts;
     EXPECT_EQ((*engine)->truncate(2), info.caps.cuda_prefix_truncate);
+    // Sequences: an engine the row says batches holds the four asked for.
+    o.sequences = 4;
+    auto batched = create_gpu_engine(*model, **source, o, tier(GpuOptions::Tier::Experts, 64));
+    EXPECT_EQ(static_cast<bool>(batched), info.caps.cuda_batched_decode)
+        << (batched ? std::string("created") : batched.error().message);
+    if (batched) {
+      EXPECT_EQ((*batched)->sequences(), 4u);
+    }
+  }
+}
+
+// decode_batch() on the CUDA engine (issue 25), as the CPU engine's in family_test.cc: four
+// sequences decoded together give each one's logits as it decoded alone, to the bit, while rows
+// join and leave. qwen3moe and Mixtral run the rows layer by layer and acquire each distinct
+// expert of a step once (fewer acquires than the rows alone), through a VRAM tier of 8 slots that
+// evicts and through the q8_0 kernels; glm4moe and gpt-oss decode the rows in turn.
+TEST(FamilyCuda, ABatchedStepIsEachSequenceAloneToTheBit) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::tuple<const char*, const char*, bool> cases[] = {
+      {"qwen3moe-tiny", "q8_0", true}, {"mixtral-tiny", "q8_0", true},
+      {"qwen3moe-tiny", "f32", true},  {"gptoss-tiny", "mxfp4", false},
+      {"glm4moe-tiny", "q8_0", false},
+  };
+  for (const auto& [dir, variant, grouped] : cases) {
+    SCOPED_TRACE(fmt::format("{} {}", dir, variant));
+    test::expect_batch_is_each_alone(
+        test::fixture_path(fmt::format("{}/model-{}.gguf", dir, variant)), DenseLoad::Deferred,
+        [](const DenseModel& m, ExpertSource& s, const EngineOptions& o) {
+          return create_gpu_engine(m, s, o, tier(GpuOptions::Tier::Experts, 8));
+        },
+        grouped);
   }
 }
 

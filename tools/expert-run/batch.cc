@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "engine/batch_width.h"
 #include "engine/daemon_expert_source.h"
 #include "engine/setup.h"
 #include "expertd/client.h"
@@ -211,17 +212,31 @@ int run_batch(const BatchRun& b) {
   const EngineStats at_prompt = engine.stats();
   std::vector<BatchRow> rows;
   std::vector<uint32_t> seq_of;
+  // The first sequences (in the file's order) with a token pending, as many as the width allows.
+  BatchWidth width(n);
+  uint32_t narrowest = n;
+  // Counted here: an engine of one sequence decodes its step with decode(), outside batch_rows.
+  uint64_t steps = 0;
+  uint64_t rows_fed = 0;
   for (;;) {
     rows.clear();
     seq_of.clear();
-    for (uint32_t s = 0; s < n; ++s) {
+    for (uint32_t s = 0; s < n && rows.size() < width.width(); ++s) {
       if (pending[s]) {
         rows.push_back(BatchRow{s, *pending[s]});
         seq_of.push_back(s);
       }
     }
     if (rows.empty()) break;
+    const uint64_t acquired = engine.stats().batch_experts;
     if (auto st = engine.decode_batch(rows, logits); !st) return fail(st.error().message);
+    ++steps;
+    rows_fed += rows.size();
+    if (!b.fixed_width) {
+      width.observe(static_cast<uint32_t>(rows.size()), engine.stats().batch_experts - acquired,
+                    engine.stats().tiers_capacity);
+      narrowest = std::min(narrowest, width.width());
+    }
     for (size_t r = 0; r < rows.size(); ++r) {
       const uint32_t s = seq_of[r];
       pending[s] = next_of(s, std::span<const float>(logits.data() + r * v, v));
@@ -233,8 +248,6 @@ int run_batch(const BatchRun& b) {
   uint64_t generated = 0;
   for (uint32_t s = 0; s < n; ++s) generated += feeding ? fed[s] : gens[s]->generated();
   // The first token of each sequence comes from its prompt's logits; the steps fed the rest.
-  const uint64_t steps = st.batch_steps - at_prompt.batch_steps;
-  const uint64_t rows_fed = st.batch_rows - at_prompt.batch_rows;
   const double decode_s = static_cast<double>(t2 - t1) / 1e9;
   const double bytes = static_cast<double>(after.bytes_read - mid.bytes_read);
   const double per_token = rows_fed ? bytes / static_cast<double>(rows_fed) : 0.0;
@@ -264,6 +277,9 @@ int run_batch(const BatchRun& b) {
         {"bytes_read_per_token", per_token},
         {"experts_acquired", experts},
         {"experts_per_step", steps ? static_cast<double>(experts) / steps : 0.0},
+        {"tiers_capacity", st.tiers_capacity},
+        {"width_adaptive", !b.fixed_width},
+        {"width_narrowest", narrowest},
         {"stall_s", static_cast<double>(st.stall_ns - at_prompt.stall_ns) / 1e9},
         {"generated_tokens", generated},
         {"generated", gen},

@@ -18,6 +18,9 @@ struct BatchRun {
   text::SamplerOptions sampling;
   bool ignore_eos = false;
   bool json = false;
+  // Every sequence in every step (--batch-every-step); else engine::BatchWidth narrows a step whose
+  // distinct experts outgrow the tiers.
+  bool fixed_width = false;
 };
 
 // The prompts of FILE: one per line, token ids separated by commas or white space, or

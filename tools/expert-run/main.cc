@@ -79,6 +79,7 @@ struct Options : expertd::tools::EngineFlags {
   bool no_hash_hints = false;
   std::string feed_tokens;    // --feed-tokens SPEC
   std::string batch_prompts;  // --batch-prompts FILE
+  bool batch_every = false;   // --batch-every-step
   bool max_tokens_given = false;
 };
 
@@ -1010,7 +1011,16 @@ int main(int argc, char** argv) {
                  "with one prompt per line, token ids (commas or spaces) or random:N[:SEED]; "
                  "prints each sequence's ids and the aggregate tokens/s and MB read per token "
                  "(with --max-tokens, the sampling flags, --ignore-eos, --json)");
+  app.add_flag(
+      "--batch-every-step", o.batch_every,
+      "With --batch-prompts: every sequence in every step, even when a step's distinct "
+      "experts outgrow what the VRAM tier and the daemon's cache hold (by default the "
+      "step narrows to fit, the rest wait: docs/ENGINE.md \"Sequences decoded together\")");
   CLI11_PARSE(app, argc, argv);
+  if (o.batch_every && o.batch_prompts.empty()) {
+    std::fprintf(stderr, "expert-run: --batch-every-step needs --batch-prompts\n");
+    return 2;
+  }
   if (!o.batch_prompts.empty()) {
     if (!o.prompt_tokens.empty() || !o.prompt_text.empty() || !o.prompt_file.empty() ||
         !o.feed_tokens.empty() || !o.routing_trace.empty() || !o.stop.empty()) {
@@ -1027,6 +1037,7 @@ int main(int argc, char** argv) {
                                 o.min_p,       o.repeat_penalty, o.repeat_last_n};
     b.ignore_eos = o.ignore_eos;
     b.json = o.json;
+    b.fixed_width = o.batch_every;
     return expertd::tools::run_batch(b);
   }
   return run(o);

@@ -21,7 +21,8 @@ Generator::Generator(std::unique_ptr<Engine> engine, const Tokenizer& tokenizer,
       queue_limit_(queue_limit),
       on_daemon_gone_(std::move(on_daemon_gone)),
       slots_(engine_->sequences()),
-      logits_(uint64_t{engine_->sequences()} * engine_->params().n_vocab) {
+      logits_(uint64_t{engine_->sequences()} * engine_->params().n_vocab),
+      width_(engine_->sequences()) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -304,12 +305,34 @@ std::optional<Error> Generator::decode_step() {
     slot_of_.push_back(i);
   }
   if (rows_.empty()) return std::nullopt;
+  // More rows than the tiers' width (engine/batch_width.h): the oldest requests' rows step, the
+  // others wait for a later step.
+  if (rows_.size() > width_.width()) {
+    std::vector<size_t> order(rows_.size());
+    for (size_t r = 0; r < order.size(); ++r) order[r] = r;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return slots_[slot_of_[a]].job->submitted_ns < slots_[slot_of_[b]].job->submitted_ns;
+    });
+    order.resize(width_.width());
+    std::sort(order.begin(), order.end());
+    std::vector<BatchRow> kept;
+    std::vector<size_t> kept_slots;
+    for (const size_t r : order) {
+      kept.push_back(rows_[r]);
+      kept_slots.push_back(slot_of_[r]);
+    }
+    rows_.swap(kept);
+    slot_of_.swap(kept_slots);
+  }
   const uint32_t n_vocab = engine_->params().n_vocab;
+  const uint64_t acquired = engine_->stats().batch_experts;
   if (auto st = engine_->decode_batch(rows_, logits_); !st) {
     const Error e = st.error();
     for (const size_t i : slot_of_) fail(i, e);
     return e;
   }
+  width_.observe(static_cast<uint32_t>(rows_.size()), engine_->stats().batch_experts - acquired,
+                 engine_->stats().tiers_capacity);
   counters_.steps.fetch_add(1, std::memory_order_relaxed);
   counters_.rows.fetch_add(rows_.size(), std::memory_order_relaxed);
   for (size_t r = 0; r < rows_.size(); ++r) {

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/batch_width.h"
 #include "engine/engine.h"
 #include "text/generation.h"
 #include "text/reasoning.h"
@@ -160,6 +161,7 @@ class Generator {
   std::vector<float> logits_;  // [sequences][n_vocab]
   std::vector<engine::BatchRow> rows_;
   std::vector<size_t> slot_of_;  // rows_[r]'s slot
+  engine::BatchWidth width_;     // the rows a step takes (engine/batch_width.h)
   std::thread thread_;
 };
 
