@@ -237,6 +237,9 @@ def test_bad_requests(h, client):
         ("prompt longer than the context", "POST", "/v1/completions", {"prompt": long_prompt},
          400, "prompt"),
         ("non-UTF-8 text", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+        # A number beyond double's range anywhere in the body (issue 26): a 400, not a 500.
+        ("number out of range", "POST", "/v1/completions", b'{"prompt": "x", "y": 1e400}', 400,
+         None),
         ("unknown model", "POST", "/v1/completions", {"model": "nope", "prompt": "x"}, 404,
          "model"),
         ("missing prompt", "POST", "/v1/completions", {"model": MODEL}, 400, "prompt"),

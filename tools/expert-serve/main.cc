@@ -292,8 +292,9 @@ class Service {
   static std::optional<ApiError> parse_body(const httplib::Request& req, json& body) {
     try {
       body = json::parse(req.body);
-    } catch (const json::parse_error& e) {
-      // nlohmann's message after its "[json.exception.parse_error.101] " tag.
+    } catch (const json::exception& e) {
+      // parse_error, and out_of_range for a number beyond double's range ("x": 1e400): nlohmann's
+      // message after its "[json.exception.parse_error.101] " tag.
       std::string what = e.what();
       if (const size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
       return api_error(400, "the body is not valid JSON: " + what);
@@ -948,6 +949,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "expert-serve: an OpenAI-compatible HTTP server for a MoE model whose experts stream from "
       "expertd"};
+  app.set_version_flag("--version", std::string("expert-serve ") + EXPERTD_VERSION);
   Options o;
   add_engine_flags(app, o, "The model's name in expertd (and in the API)");
   app.add_option("--host", o.host, "Address to listen on (127.0.0.1: this machine only)");
