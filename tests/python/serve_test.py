@@ -254,6 +254,7 @@ def test_bad_requests(h, client):
         ("best_of = 2", "POST", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
         ("wrong method", "GET", "/v1/completions", None, 405, None),
         ("wrong method on /health", "POST", "/health", "{}", 405, None),
+        ("OPTIONS", "OPTIONS", "/v1/chat/completions", None, 405, None),  # issue 26
         ("unknown path", "GET", "/v1/nothing", None, 404, None),
     ]
     for name, method, path, body, status, param in cases:

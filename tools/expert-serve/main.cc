@@ -200,12 +200,14 @@ class Service {
       svr.Put(path, not_allowed("POST"));
       svr.Patch(path, not_allowed("POST"));
       svr.Delete(path, not_allowed("POST"));
+      svr.Options(path, not_allowed("POST"));
     }
     for (const char* path : {"/health", "/v1/models", "/props", "/metrics"}) {
       svr.Post(path, not_allowed("GET"));
       svr.Put(path, not_allowed("GET"));
       svr.Patch(path, not_allowed("GET"));
       svr.Delete(path, not_allowed("GET"));
+      svr.Options(path, not_allowed("GET"));
     }
     // Answers that no handler wrote a body for (unknown paths, malformed HTTP, a body too large)
     // get OpenAI's error body too.
