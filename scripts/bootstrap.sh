@@ -11,7 +11,7 @@ packages=(
   liburing-dev capnproto libcapnp-dev libxxhash-dev
   libpcre2-dev libutf8proc-dev
   libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
-  libcpp-httplib-dev
+  libboost1.74-dev  # expert-serve: Boost.Beast and Asio (headers)
   libsystemd-dev systemd
   debootstrap systemd-container  # scripts/systemd-check.sh: systemd as PID 1 in systemd-nspawn
   libgtest-dev libgmock-dev googletest libbenchmark-dev

@@ -15,7 +15,7 @@ import sys
 SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".capnp", ".cmake", ".txt", ".in", ".py", ".sh"}
 SKIP_DIRS = {"build", "build-asan", "build-fuzz", ".git", ".venv", ".device", "vendor", "docs"}
 # Qualifiers of names that are not this project's.
-FOREIGN = {"kj", "std", "capnp", "nlohmann", "fmt", "spdlog", "CLI", "httplib", "toml", "testing",
+FOREIGN = {"kj", "std", "capnp", "nlohmann", "fmt", "spdlog", "CLI", "httplib", "boost", "asio", "beast", "toml", "testing",
            "RpcSystem", "ReaderOptions", "TwoPartyVatNetwork"}  # the last three: Cap'n Proto's
 # Calls of the C library, the kernel, CUDA and build tools that documents mention.
 EXTERNAL = {

@@ -534,7 +534,7 @@ def test_unsupported_template(args, sock, procs):
     log_path = os.path.join(args.workdir, "expert-serve-odd.log")
     procs.append(subprocess.Popen(
         [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", "odd", "--port",
-         str(port), "--ctx", "256", "--cpu"],
+         str(port), "--ctx", "256", "--cpu", "--reconnect-timeout", "3"],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
     h = Http(port)
 
@@ -614,17 +614,27 @@ def main():
             rest[-300:]
         print("ok: SIGTERM mid-stream: the stream ends with an error event, expert-serve exits 0")
 
-        # expertd goes away: the next request gets a 500 naming it and expert-serve exits 1, so
-        # that its unit (Restart=on-failure) starts it again.
+        # expertd goes away: /health turns 503 naming it (its ping), requests get 503 with
+        # Retry-After while expert-serve waits for expertd, and once --reconnect-timeout (3 s)
+        # has passed it exits 1, so that its unit (Restart=on-failure) starts it again.
+        # (tests/chaos/serve_chaos.py has expertd coming back.)
         daemon = procs.pop(0)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=20) == 0, f"expertd exited {daemon.returncode}"
-        status, _, data = odd_h.request("POST", "/v1/completions",
-                                        {"prompt": "Hi", "max_tokens": 2})
-        assert status == 500 and b"expertd went away" in data, f"{status} {data!r}"
+        t0 = time.monotonic()
+
+        def health_503():
+            status, _, data = odd_h.request("GET", "/health")
+            return (status, data) if status == 503 else None
+        status, data = wait_for("/health's 503", health_503, timeout=2.5)
+        assert b"expertd" in data, data
+        status, headers, data = odd_h.request("POST", "/v1/completions",
+                                              {"prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and headers.get("Retry-After") == "1", f"{status} {data!r}"
         assert odd_serve.wait(timeout=20) == 1, f"expert-serve exited {odd_serve.returncode}"
         procs.remove(odd_serve)
-        print("ok: expertd went away: 500 naming it, then expert-serve exits 1")
+        print(f"ok: expertd went away: /health 503 after {time.monotonic() - t0:.2f} s, "
+              "requests 503, then expert-serve exits 1 after --reconnect-timeout")
     except BaseException:
         for name in ("expert-serve.log", "expertd.log"):
             path = os.path.join(args.workdir, name)

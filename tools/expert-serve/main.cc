@@ -7,7 +7,7 @@
 // Bound to loopback by default: the API has no authentication.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <httplib.h>
+#include <malloc.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -37,6 +37,7 @@
 #include "engine/setup.h"
 #include "expertd/client.h"
 #include "generator.h"
+#include "http_server.h"
 #include "text/chat_template.h"
 #include "text/reasoning.h"
 #include "text/stop.h"
@@ -55,6 +56,7 @@ using expertd::serve::dump;
 using expertd::serve::Generator;
 using expertd::serve::Job;
 using json = nlohmann::json;
+namespace http = expertd::serve::http;
 using namespace expertd::engine;
 using namespace expertd::text;
 
@@ -70,6 +72,16 @@ struct Options : expertd::tools::EngineFlags {
   std::string reasoning_effort;      // --reasoning-effort
   ChatOptions chat_defaults;         // the two read (main)
   std::string log_level = "info";
+  uint32_t max_tokens = 2048;  // a chat request's max_tokens when it gives none (and room allows)
+  std::string api_key;
+  std::string api_key_file;
+  std::string cors_origin;
+  size_t max_connections = 128;
+  double header_timeout = 10;
+  double body_timeout = 60;
+  double idle_timeout = 30;
+  double write_timeout = 30;
+  double reconnect_timeout = 60;
 };
 
 void setup_logging(const std::string& level) {
@@ -89,25 +101,15 @@ std::string random_id(const char* prefix) {
   return fmt::format("{}{:016x}", prefix, rng());
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  res.set_content(dump(expertd::serve::error_body(e)), "application/json");
+http::Response json_response(const json& j, int status = 200) {
+  http::Response r;
+  r.status = status;
+  r.body = dump(j);
+  return r;
 }
 
-// What httplib's own refusals mean (it writes no body for them).
-const char* status_text(int status) {
-  switch (status) {
-    case 400:
-      return "malformed HTTP request";
-    case 413:
-      return "the body is too large";
-    case 414:
-      return "the URI is too long";
-    case 416:
-      return "range not satisfiable";
-    default:
-      return "refused";
-  }
+http::Response error_response(const ApiError& e) {
+  return json_response(expertd::serve::error_body(e), e.status);
 }
 
 ApiError api_error(int status, std::string message, std::string param = "") {
@@ -119,16 +121,10 @@ ApiError api_error(int status, std::string message, std::string param = "") {
   return e;
 }
 
-// The HTTP side: reads requests, hands jobs to the Generator and writes the answers.
-class Service {
+// Every answer, by endpoint and status, for /metrics (kept across reconnections to expertd).
+class ResponseCounts {
  public:
-  // `chat` is the chat template, or why there is none (chat requests then get a 400 saying so).
-  Service(const Options& o, const Tokenizer& tok, Result<ChatTemplate> chat, Generator& gen,
-          std::string engine_note)
-      : o_(o), tok_(tok), chat_(std::move(chat)), gen_(gen), engine_note_(std::move(engine_note)) {}
-
-  // Every answer, by endpoint and status (the logger calls it).
-  void count_response(const std::string& path, int status) {
+  void count(const std::string& path, int status) {
     static constexpr std::string_view kPaths[] = {"/v1/completions", "/v1/chat/completions",
                                                   "/v1/models",      "/tokenize",
                                                   "/detokenize",     "/props",
@@ -137,103 +133,81 @@ class Service {
     for (const std::string_view p : kPaths) {
       if (path == p || (p == "/v1/models" && path.starts_with("/v1/models/"))) endpoint = p;
     }
-    std::lock_guard lock(responses_mu_);
-    ++responses_[{std::string(endpoint), status}];
+    std::lock_guard lock(mu_);
+    ++counts_[{std::string(endpoint), status}];
+  }
+  std::string samples() const {
+    std::string out;
+    std::lock_guard lock(mu_);
+    for (const auto& [key, n] : counts_) {
+      out += fmt::format("expert_serve_responses_total{{endpoint=\"{}\",status=\"{}\"}} {}\n",
+                         key.first, key.second, n);
+    }
+    return out;
   }
 
-  void install(httplib::Server& svr) {
-    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(dump({{"status", "ok"},
-                            {"model", o_.model},
-                            {"engine", engine_note_},
-                            {"context", o_.ctx},
-                            {"running", gen_.running()},
-                            {"parallel", gen_.parallel()},
-                            {"queued", gen_.queued()},
-                            {"queue_limit", o_.queue},
-                            {"served", gen_.served()}}),
-                      "application/json");
-    });
-    svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(dump({{"object", "list"}, {"data", json::array({model_object()})}}),
-                      "application/json");
-    });
-    svr.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
-      if (req.matches[1] != o_.model) {
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> counts_;  // by (endpoint, status)
+};
+
+// The engine side of the HTTP API, for one connection to expertd: tokenizes, hands jobs to the
+// Generator and writes the answers.
+class Service {
+ public:
+  // `chat` is the chat template, or why there is none (chat requests then get a 400 saying so).
+  Service(const Options& o, const Tokenizer& tok, Result<ChatTemplate> chat, Generator& gen,
+          std::string engine_note, const ResponseCounts& counts)
+      : o_(o),
+        tok_(tok),
+        chat_(std::move(chat)),
+        counts_(counts),
+        gen_(gen),
+        engine_note_(std::move(engine_note)) {}
+
+  // Network thread: the answers that need neither a worker nor the engine (nullopt: a worker
+  // answers). Paths and methods were checked by the Front.
+  std::optional<http::Response> fast(const http::Request& req) const {
+    if (req.path == "/v1/models") {
+      return json_response({{"object", "list"}, {"data", json::array({model_object()})}});
+    }
+    if (req.path.starts_with("/v1/models/")) {
+      const std::string name = req.path.substr(std::string_view("/v1/models/").size());
+      if (name != o_.model) {
         ApiError e = api_error(404,
                                fmt::format("The model '{}' does not exist (this server "
                                            "serves '{}')",
-                                           req.matches[1].str(), o_.model),
+                                           name, o_.model),
                                "model");
         e.code = "model_not_found";
-        return send_error(res, e);
+        return error_response(e);
       }
-      res.set_content(dump(model_object()), "application/json");
-    });
-    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      generate(req, res, /*chat=*/false);
-    });
-    svr.Post("/tokenize",
-             [this](const httplib::Request& req, httplib::Response& res) { tokenize(req, res); });
-    svr.Post("/detokenize",
-             [this](const httplib::Request& req, httplib::Response& res) { detokenize(req, res); });
-    svr.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(dump(props()), "application/json");
-    });
-    svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(metrics(), "text/plain; version=0.0.4; charset=utf-8");
-    });
-    svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      generate(req, res, /*chat=*/true);
-    });
-    // A known path asked with another method: 405 naming the one it takes.
-    auto not_allowed = [](const char* allow) {
-      return [allow](const httplib::Request& req, httplib::Response& res) {
-        res.set_header("Allow", allow);
-        send_error(res, api_error(405, fmt::format("{} {}: method not allowed (use {})", req.method,
-                                                   req.path, allow)));
-      };
-    };
-    for (const char* path :
-         {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
-      svr.Get(path, not_allowed("POST"));
-      svr.Put(path, not_allowed("POST"));
-      svr.Patch(path, not_allowed("POST"));
-      svr.Delete(path, not_allowed("POST"));
-      svr.Options(path, not_allowed("POST"));
+      return json_response(model_object());
     }
-    for (const char* path : {"/health", "/v1/models", "/props", "/metrics"}) {
-      svr.Post(path, not_allowed("GET"));
-      svr.Put(path, not_allowed("GET"));
-      svr.Patch(path, not_allowed("GET"));
-      svr.Delete(path, not_allowed("GET"));
-      svr.Options(path, not_allowed("GET"));
-    }
-    // Answers that no handler wrote a body for (unknown paths, malformed HTTP, a body too large)
-    // get OpenAI's error body too.
-    svr.set_error_handler(httplib::Server::HandlerWithResponse(
-        [](const httplib::Request& req, httplib::Response& res) {
-          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-          const std::string what =
-              res.status == 404
-                  ? fmt::format("{} {}: no such endpoint", req.method, req.path)
-                  : fmt::format("{} {}: {}", req.method, req.path, status_text(res.status));
-          send_error(res, api_error(res.status, what));
-          return httplib::Server::HandlerResponse::Handled;
-        }));
-    svr.set_exception_handler(
-        [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-          std::string what = "unknown exception";
-          try {
-            std::rethrow_exception(ep);
-          } catch (const std::exception& e) {
-            what = e.what();
-          } catch (...) {
-          }
-          spdlog::error("{} {}: {}", req.method, req.path, what);
-          send_error(res, api_error(500, "internal error: " + what));
-        });
+    if (req.path == "/props") return json_response(props());
+    return std::nullopt;
   }
+
+  // A worker: the endpoints that tokenize, generate or call expertd.
+  void handle(http::Exchange& ex) {
+    const std::string& path = ex.request().path;
+    if (path == "/v1/completions") return generate(ex, /*chat=*/false);
+    if (path == "/v1/chat/completions") return generate(ex, /*chat=*/true);
+    if (path == "/tokenize") return tokenize(ex);
+    if (path == "/detokenize") return detokenize(ex);
+    if (path == "/metrics") {
+      return ex.reply({200, "text/plain; version=0.0.4; charset=utf-8", {}, metrics()});
+    }
+  }
+
+  // /health's fields from the engine side.
+  json health_fields() const {
+    return {{"model", o_.model},         {"engine", engine_note_},      {"context", o_.ctx},
+            {"running", gen_.running()}, {"parallel", gen_.parallel()}, {"queued", gen_.queued()},
+            {"queue_limit", o_.queue},   {"served", gen_.served()}};
+  }
+
+  Generator& generator() { return gen_; }
 
  private:
   json model_object() const {
@@ -291,7 +265,12 @@ class Service {
   }
 
   // The body as a JSON object, or the 400 that says why not.
-  static std::optional<ApiError> parse_body(const httplib::Request& req, json& body) {
+  static void send_error(http::Exchange& ex, const ApiError& e) { ex.reply(error_response(e)); }
+  static void set_content(http::Exchange& ex, std::string body, const char* type) {
+    ex.reply({200, type, {}, std::move(body)});
+  }
+
+  static std::optional<ApiError> parse_body(const http::Request& req, json& body) {
     try {
       body = json::parse(req.body);
     } catch (const json::exception& e) {
@@ -307,11 +286,12 @@ class Service {
 
   // POST /tokenize {"content", "add_special" (false), "with_pieces" (false)}: llama.cpp server's
   // endpoint. {"tokens": [ids]}, or [{"id", "piece"}] with pieces.
-  void tokenize(const httplib::Request& req, httplib::Response& res) {
+  void tokenize(http::Exchange& ex) {
+    const http::Request& req = ex.request();
     json body;
-    if (auto e = parse_body(req, body)) return send_error(res, *e);
+    if (auto e = parse_body(req, body)) return send_error(ex, *e);
     if (!body.contains("content") || !body["content"].is_string()) {
-      return send_error(res, api_error(400, "content must be a string", "content"));
+      return send_error(ex, api_error(400, "content must be a string", "content"));
     }
     bool add_special = false;
     bool with_pieces = false;
@@ -319,12 +299,12 @@ class Service {
          {std::pair{"add_special", &add_special}, std::pair{"with_pieces", &with_pieces}}) {
       if (!body.contains(name) || body[name].is_null()) continue;
       if (!body[name].is_boolean()) {
-        return send_error(res, api_error(400, fmt::format("{} must be a boolean", name), name));
+        return send_error(ex, api_error(400, fmt::format("{} must be a boolean", name), name));
       }
       *flag = body[name].get<bool>();
     }
     auto ids = tok_.encode(body["content"].get<std::string>(), add_special);
-    if (!ids) return send_error(res, api_error(400, "content: " + ids.error().message, "content"));
+    if (!ids) return send_error(ex, api_error(400, "content: " + ids.error().message, "content"));
     json tokens = json::array();
     for (const uint32_t id : *ids) {
       if (with_pieces) {
@@ -333,29 +313,30 @@ class Service {
         tokens.push_back(id);
       }
     }
-    res.set_content(dump({{"tokens", tokens}}), "application/json");
+    set_content(ex, dump({{"tokens", tokens}}), "application/json");
   }
 
   // POST /detokenize {"tokens": [ids]}: {"content": text}.
-  void detokenize(const httplib::Request& req, httplib::Response& res) {
+  void detokenize(http::Exchange& ex) {
+    const http::Request& req = ex.request();
     json body;
-    if (auto e = parse_body(req, body)) return send_error(res, *e);
+    if (auto e = parse_body(req, body)) return send_error(ex, *e);
     if (!body.contains("tokens") || !body["tokens"].is_array()) {
-      return send_error(res, api_error(400, "tokens must be an array of token ids", "tokens"));
+      return send_error(ex, api_error(400, "tokens must be an array of token ids", "tokens"));
     }
     std::vector<uint32_t> ids;
     for (size_t i = 0; i < body["tokens"].size(); ++i) {
       const json& t = body["tokens"][i];
       if (!t.is_number_unsigned() || t.get<uint64_t>() >= tok_.size()) {
-        return send_error(res, api_error(400,
-                                         fmt::format("tokens[{}] = {} is not a token id below "
-                                                     "the vocabulary's {}",
-                                                     i, t.dump(), tok_.size()),
-                                         "tokens"));
+        return send_error(ex, api_error(400,
+                                        fmt::format("tokens[{}] = {} is not a token id below "
+                                                    "the vocabulary's {}",
+                                                    i, t.dump(), tok_.size()),
+                                        "tokens"));
       }
       ids.push_back(t.get<uint32_t>());
     }
-    res.set_content(dump({{"content", tok_.decode(ids)}}), "application/json");
+    set_content(ex, dump({{"content", tok_.decode(ids)}}), "application/json");
   }
 
   // GET /metrics: Prometheus text (format 0.0.4): the server's own counters and gauges, then
@@ -370,11 +351,7 @@ class Service {
     auto one = [](std::string_view name, double v) { return fmt::format("{} {}\n", name, v); };
     {
       std::string samples;
-      std::lock_guard lock(responses_mu_);
-      for (const auto& [key, n] : responses_) {
-        samples += fmt::format("expert_serve_responses_total{{endpoint=\"{}\",status=\"{}\"}} {}\n",
-                               key.first, key.second, n);
-      }
+      samples = counts_.samples();
       metric("expert_serve_responses_total", "counter", "HTTP answers by endpoint and status",
              samples);
     }
@@ -445,26 +422,27 @@ class Service {
           {"prefix_reuse", true}}}};
   }
 
-  void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  void generate(http::Exchange& ex, bool chat) {
+    const http::Request& req = ex.request();
     json body;
-    if (auto e = parse_body(req, body)) return send_error(res, *e);
+    if (auto e = parse_body(req, body)) return send_error(ex, *e);
     expertd::serve::Request r;
     if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
-      return send_error(res, *e);
+      return send_error(ex, *e);
     }
     auto job = std::make_shared<Job>();
     job->gen.stops = r.stops;
-    if (auto e = prompt_tokens(r, *job)) return send_error(res, *e);
+    if (auto e = prompt_tokens(r, *job)) return send_error(ex, *e);
     const char* prompt_param = chat ? "messages" : "prompt";
     const uint64_t n = job->prompt.size();
-    if (n == 0) return send_error(res, api_error(400, "the prompt encodes to no tokens"));
+    if (n == 0) return send_error(ex, api_error(400, "the prompt encodes to no tokens"));
     if (n >= o_.ctx) {
-      return send_error(res, api_error(400,
-                                       fmt::format("the prompt has {} tokens; the context holds "
-                                                   "{} (--ctx), and at least one must be left to "
-                                                   "generate",
-                                                   n, o_.ctx),
-                                       prompt_param));
+      return send_error(ex, api_error(400,
+                                      fmt::format("the prompt has {} tokens; the context holds "
+                                                  "{} (--ctx), and at least one must be left to "
+                                                  "generate",
+                                                  n, o_.ctx),
+                                      prompt_param));
     }
     const uint32_t room = o_.ctx - static_cast<uint32_t>(n);
     if (r.max_tokens) {
@@ -473,27 +451,27 @@ class Service {
               ? "max_completion_tokens"
               : "max_tokens";
       if (*r.max_tokens > room) {
-        return send_error(res, api_error(400,
-                                         fmt::format("{} is {}: the context holds {} tokens and "
-                                                     "the prompt has {}, leaving {}",
-                                                     param, *r.max_tokens, o_.ctx, n, room),
-                                         param));
+        return send_error(ex, api_error(400,
+                                        fmt::format("{} is {}: the context holds {} tokens and "
+                                                    "the prompt has {}, leaving {}",
+                                                    param, *r.max_tokens, o_.ctx, n, room),
+                                        param));
       }
     }
     if (r.n > o_.queue + gen_.parallel()) {
       return send_error(
-          res, api_error(400,
-                         fmt::format("n is {}: the server holds at most {} "
-                                     "requests (--parallel {} running, --queue {} "
-                                     "waiting), one per choice",
-                                     r.n, o_.queue + gen_.parallel(), gen_.parallel(), o_.queue),
-                         "n"));
+          ex, api_error(400,
+                        fmt::format("n is {}: the server holds at most {} "
+                                    "requests (--parallel {} running, --queue {} "
+                                    "waiting), one per choice",
+                                    r.n, o_.queue + gen_.parallel(), gen_.parallel(), o_.queue),
+                        "n"));
     }
     job->id = next_id_.fetch_add(1) + 1;
     job->kind = chat ? "chat" : "completion";
     job->gen.sampling = r.sampling;
     job->gen.max_tokens = r.max_tokens ? static_cast<uint32_t>(*r.max_tokens)
-                          : chat       ? room
+                          : chat       ? std::min(o_.max_tokens, room)
                                        : std::min<uint32_t>(16, room);
     job->gen.stop_at_end_token = !r.ignore_eos;
     job->gen.logprobs = r.logprobs;
@@ -511,17 +489,18 @@ class Service {
     }
     if (!gen_.submit_all(jobs)) {
       spdlog::warn("request {}: refused, {} requests already wait (--queue)", job->id, o_.queue);
-      res.set_header("Retry-After", "1");
       ApiError e = api_error(503, fmt::format("the server is busy: {} requests already wait for "
                                               "the model; retry later",
                                               o_.queue));
       e.code = "queue_full";
-      return send_error(res, e);
+      http::Response busy = error_response(e);
+      busy.headers.emplace_back("Retry-After", "1");
+      return ex.reply(std::move(busy));
     }
     const std::string id = random_id(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = std::time(nullptr);
-    if (!r.stream) return answer(res, jobs, id, created, chat);
-    stream(res, jobs, id, created, chat, r.include_usage);
+    if (!r.stream) return answer(ex, jobs, id, created, chat);
+    stream(ex, jobs, id, created, chat, r.include_usage);
   }
 
   // The logprobs of `items` as OpenAI gives them (null when not asked for): chat's
@@ -587,16 +566,26 @@ class Service {
   }
 
   // Waits for every choice's whole answer.
-  void answer(httplib::Response& res, const Jobs& jobs, const std::string& id, int64_t created,
+  // A client that leaves meanwhile (its connection closed) cancels them all at once: the engine
+  // stops them after the token in progress.
+  void answer(http::Exchange& ex, const Jobs& jobs, const std::string& id, int64_t created,
               bool chat) {
+    ex.on_gone([jobs] {
+      for (const auto& j : jobs) {
+        j->cancelled = true;
+        std::lock_guard lock(j->mu);
+        j->cv.notify_all();
+      }
+    });
     json choices = json::array();
     for (size_t i = 0; i < jobs.size(); ++i) {
       Job& job = *jobs[i];
       std::unique_lock lock(job.mu);
-      job.cv.wait(lock, [&] { return job.done; });
+      job.cv.wait(lock, [&] { return job.done || ex.gone(); });
+      if (!job.done) return;  // nobody to answer
       if (!job.error.empty()) {
         for (const auto& other : jobs) other->cancelled = true;
-        return send_error(res, api_error(job.error_status, job.error));
+        return send_error(ex, api_error(job.error_status, job.error));
       }
       json choice = {{"index", i},
                      {"logprobs", logprobs_json(job.gen.logprobs, job.logprobs_out, chat, 0)},
@@ -616,13 +605,13 @@ class Service {
         {"id", id},           {"object", chat ? "chat.completion" : "text_completion"},
         {"created", created}, {"model", o_.model},
         {"choices", choices}, {"usage", usage_of(jobs)}};
-    res.set_content(dump(out), "application/json");
+    set_content(ex, dump(out), "application/json");
   }
 
   // Server-sent events: for each choice a chunk per piece of text as it is generated, then its
   // finish reason; once every choice is complete the usage when asked for, and [DONE]. A write
   // that fails (the client left) cancels every choice.
-  void stream(httplib::Response& res, const Jobs& jobs, const std::string& id, int64_t created,
+  void stream(http::Exchange& ex, const Jobs& jobs, const std::string& id, int64_t created,
               bool chat, bool include_usage) {
     struct Choice {
       bool role_sent = false;
@@ -635,8 +624,6 @@ class Service {
     };
     auto state = std::make_shared<State>();
     state->choices.resize(jobs.size());
-    res.set_header("Cache-Control", "no-cache");
-    res.set_header("X-Accel-Buffering", "no");
     auto chunk = [this, id, created, chat, include_usage](json choice) {
       json c = {{"id", id},
                 {"object", chat ? "chat.completion.chunk" : "text_completion"},
@@ -657,144 +644,155 @@ class Service {
       }
       return choice;
     };
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, jobs, state, chunk, piece_choice, id, created, chat, include_usage](
-            size_t, httplib::DataSink& sink) {
-          auto send = [&](const std::string& data) {
-            if (!sink.write(data.data(), data.size())) return false;
-            state->last_write = std::chrono::steady_clock::now();
-            return true;
-          };
-          auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
-          auto leave = [&] {
-            for (const auto& j : jobs) j->cancelled = true;
-            return false;
-          };
-          using expertd::serve::utf8_ready;
-          // Wait (a while) for the first choice still running to have something to say.
-          for (size_t i = 0; i < jobs.size(); ++i) {
-            if (state->choices[i].finished) continue;
-            Job& job = *jobs[i];
-            std::unique_lock lock(job.mu);
-            job.cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
-              return job.done || utf8_ready(job.text) > 0 || utf8_ready(job.reasoning_text) > 0 ||
-                     !job.logprobs_out.empty();
-            });
-            break;
-          }
-          bool all_done = true;
-          for (size_t i = 0; i < jobs.size(); ++i) {
-            Choice& c = state->choices[i];
-            if (c.finished) continue;
-            Job& job = *jobs[i];
-            std::string piece;
-            std::string thought;  // reasoning, sent before the content that came with it
-            std::vector<expertd::text::TokenLogprob> lps;  // with logprobs: the tokens since
-            bool done = false;
-            std::string error;
-            int error_status = 500;
-            std::string finish_reason;
-            {
-              std::unique_lock lock(job.mu);
-              done = job.done;
-              // Each part holds its own incomplete character back.
-              auto take = [done](std::string& from, std::string& to) {
-                const size_t ready = done ? from.size() : utf8_ready(from);
-                to = from.substr(0, ready);
-                from.erase(0, ready);
-              };
-              take(job.text, piece);
-              take(job.reasoning_text, thought);
-              lps.swap(job.logprobs_out);
-              error = job.error;
-              error_status = job.error_status;
-              finish_reason = job.finish_reason;
-            }
-            if (chat && !c.role_sent) {
-              json choice = {{"index", i},
-                             {"delta", {{"role", "assistant"}, {"content", ""}}},
-                             {"logprobs", nullptr},
-                             {"finish_reason", nullptr}};
-              if (!event(chunk(std::move(choice)))) return leave();
-              c.role_sent = true;
-            }
-            // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
-            // their own), each token once.
-            auto with_logprobs = [&](json choice) {
-              if (job.gen.logprobs >= 0 && !lps.empty()) {
-                choice["logprobs"] = logprobs_json(job.gen.logprobs, lps, chat, c.sent_bytes);
-                lps.clear();
-              }
-              return choice;
-            };
-            if (!thought.empty() &&
-                !event(chunk(
-                    piece.empty()
-                        ? with_logprobs(piece_choice(i, thought, nullptr, "reasoning_content"))
-                        : piece_choice(i, thought, nullptr, "reasoning_content")))) {
-              return leave();
-            }
-            if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(i, piece, nullptr))))) {
-              return leave();
-            }
-            if (job.gen.logprobs >= 0 && !lps.empty() &&
-                !event(chunk(with_logprobs(piece_choice(i, "", nullptr))))) {
-              return leave();
-            }
-            c.sent_bytes += piece.size();
-            if (!done) {
-              all_done = false;
-              continue;
-            }
-            if (!error.empty()) {
-              event(expertd::serve::error_body(api_error(error_status, error)));
-              leave();
-              send("data: [DONE]\n\n");
-              sink.done();
-              return true;
-            }
-            if (!event(chunk(piece_choice(i, "", finish_reason)))) return leave();
-            c.finished = true;
-          }
-          if (all_done) {
-            if (include_usage) {
-              json tail = {{"id", id},
-                           {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                           {"created", created},
-                           {"model", o_.model},
-                           {"choices", json::array()}};
-              {
-                std::vector<std::unique_lock<std::mutex>> locks;
-                for (const auto& j : jobs) locks.emplace_back(j->mu);
-                tail["usage"] = usage_of(jobs);
-              }
-              if (!event(tail)) return leave();
-            }
-            if (!send("data: [DONE]\n\n")) return leave();
-            sink.done();
-            return true;
-          }
-          // Nothing to say for a while (queued, or text held for a stop string): an SSE comment,
-          // so a client that has gone is noticed and its sequences freed.
-          if (std::chrono::steady_clock::now() - state->last_write > std::chrono::seconds(1) &&
-              !send(": waiting\n\n")) {
-            return leave();
-          }
-          return true;
-        },
-        [jobs](bool success) {
-          if (!success) {
-            for (const auto& j : jobs) j->cancelled = true;
-          }
+    auto cancel = [jobs] {
+      for (const auto& j : jobs) {
+        j->cancelled = true;
+        std::lock_guard lock(j->mu);
+        j->cv.notify_all();
+      }
+    };
+    if (!ex.stream_begin(200, "text/event-stream",
+                         {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}})) {
+      return cancel();
+    }
+    ex.on_gone(cancel);
+    bool ended = false;
+    // One turn: what the choices have to say now. False: the client is gone (or all is sent).
+    auto step = [&]() -> bool {
+      auto send = [&](const std::string& data) {
+        if (!ex.stream_write(data)) return false;
+        state->last_write = std::chrono::steady_clock::now();
+        return true;
+      };
+      auto event = [&](const json& j) { return send("data: " + dump(j) + "\n\n"); };
+      auto leave = [&] {
+        for (const auto& j : jobs) j->cancelled = true;
+        return false;
+      };
+      using expertd::serve::utf8_ready;
+      // Wait (a while) for the first choice still running to have something to say.
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        if (state->choices[i].finished) continue;
+        Job& job = *jobs[i];
+        std::unique_lock lock(job.mu);
+        job.cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
+          return job.done || utf8_ready(job.text) > 0 || utf8_ready(job.reasoning_text) > 0 ||
+                 !job.logprobs_out.empty();
         });
+        break;
+      }
+      bool all_done = true;
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        Choice& c = state->choices[i];
+        if (c.finished) continue;
+        Job& job = *jobs[i];
+        std::string piece;
+        std::string thought;  // reasoning, sent before the content that came with it
+        std::vector<expertd::text::TokenLogprob> lps;  // with logprobs: the tokens since
+        bool done = false;
+        std::string error;
+        int error_status = 500;
+        std::string finish_reason;
+        {
+          std::unique_lock lock(job.mu);
+          done = job.done;
+          // Each part holds its own incomplete character back.
+          auto take = [done](std::string& from, std::string& to) {
+            const size_t ready = done ? from.size() : utf8_ready(from);
+            to = from.substr(0, ready);
+            from.erase(0, ready);
+          };
+          take(job.text, piece);
+          take(job.reasoning_text, thought);
+          lps.swap(job.logprobs_out);
+          error = job.error;
+          error_status = job.error_status;
+          finish_reason = job.finish_reason;
+        }
+        if (chat && !c.role_sent) {
+          json choice = {{"index", i},
+                         {"delta", {{"role", "assistant"}, {"content", ""}}},
+                         {"logprobs", nullptr},
+                         {"finish_reason", nullptr}};
+          if (!event(chunk(std::move(choice)))) return leave();
+          c.role_sent = true;
+        }
+        // The tokens' logprobs ride on the content chunk (else the reasoning's, else one of
+        // their own), each token once.
+        auto with_logprobs = [&](json choice) {
+          if (job.gen.logprobs >= 0 && !lps.empty()) {
+            choice["logprobs"] = logprobs_json(job.gen.logprobs, lps, chat, c.sent_bytes);
+            lps.clear();
+          }
+          return choice;
+        };
+        if (!thought.empty() &&
+            !event(chunk(piece.empty()
+                             ? with_logprobs(piece_choice(i, thought, nullptr, "reasoning_content"))
+                             : piece_choice(i, thought, nullptr, "reasoning_content")))) {
+          return leave();
+        }
+        if (!piece.empty() && !event(chunk(with_logprobs(piece_choice(i, piece, nullptr))))) {
+          return leave();
+        }
+        if (job.gen.logprobs >= 0 && !lps.empty() &&
+            !event(chunk(with_logprobs(piece_choice(i, "", nullptr))))) {
+          return leave();
+        }
+        c.sent_bytes += piece.size();
+        if (!done) {
+          all_done = false;
+          continue;
+        }
+        if (!error.empty()) {
+          event(expertd::serve::error_body(api_error(error_status, error)));
+          leave();
+          send("data: [DONE]\n\n");
+          ended = true;
+          return false;
+        }
+        if (!event(chunk(piece_choice(i, "", finish_reason)))) return leave();
+        c.finished = true;
+      }
+      if (all_done) {
+        if (include_usage) {
+          json tail = {{"id", id},
+                       {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                       {"created", created},
+                       {"model", o_.model},
+                       {"choices", json::array()}};
+          {
+            std::vector<std::unique_lock<std::mutex>> locks;
+            for (const auto& j : jobs) locks.emplace_back(j->mu);
+            tail["usage"] = usage_of(jobs);
+          }
+          if (!event(tail)) return leave();
+        }
+        if (!send("data: [DONE]\n\n")) return leave();
+        ended = true;
+        return false;
+      }
+      // Nothing to say for a while (queued, or text held for a stop string): an SSE comment,
+      // so a client that has gone is noticed and its sequences freed.
+      if (std::chrono::steady_clock::now() - state->last_write > std::chrono::seconds(1) &&
+          !send(": waiting\n\n")) {
+        return leave();
+      }
+      return true;
+    };
+    while (step()) {
+    }
+    if (ended) {
+      ex.stream_end();
+    } else {
+      cancel();
+    }
   }
 
   const Options& o_;
   const Tokenizer& tok_;
   const Result<ChatTemplate> chat_;
-  std::mutex responses_mu_;
-  std::map<std::pair<std::string, int>, uint64_t> responses_;  // by (endpoint, status)
+  const ResponseCounts& counts_;
   Generator& gen_;
   const std::string engine_note_;
   const int64_t started_ = std::time(nullptr);
@@ -806,47 +804,40 @@ int fail(const std::string& message) {
   return 1;
 }
 
-int run(const Options& o) {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  // Every thread started from here on (the client's, the engine's, the HTTP pool) inherits the
-  // mask; one thread takes the signals with sigwait.
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+// What one connection to expertd gives: the model's dense weights, its tokenizer, the engine on
+// the daemon's experts, the generator that runs it and the API over them. Built at start, and
+// again when expertd comes back after going away. Members in order of need: the service uses
+// the generator, which uses the tokenizer and the engine (on the source and the model).
+struct Backend {
+  std::optional<DenseModel> model;
+  std::optional<Tokenizer> tok;
+  std::unique_ptr<DaemonExpertSource> source;
+  std::unique_ptr<Generator> gen;
+  std::unique_ptr<Service> service;
+};
 
-  if (o.ctx == 0) return fail("--ctx must be at least 1");
-  if (o.queue == 0) return fail("--queue must be at least 1");
-  if (o.parallel == 0) return fail("--parallel must be at least 1");
-  httplib::Server svr;
-  // httplib's default also sets SO_REUSEPORT, which lets a second server share the port without a
-  // word: only SO_REUSEADDR (a restart may bind while old connections sit in TIME_WAIT).
-  svr.set_socket_options([](socket_t sock) {
-    const int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  // The port first: a port in use is found before the model is loaded.
-  errno = 0;
-  if (!svr.bind_to_port(o.host, o.port)) {
-    return fail(fmt::format("cannot listen on {}:{}: {}", o.host, o.port,
-                            errno ? std::strerror(errno) : "the address is not usable"));
-  }
-
+// `on_gone` runs (on the engine thread) when a request failed because expertd went away.
+Result<std::shared_ptr<Backend>> build_backend(const Options& o, const ResponseCounts& counts,
+                                               std::function<void(const std::string&)> on_gone) {
+  auto b = std::make_shared<Backend>();
   auto daemon = expertd::client::Client::connect(o.socket);
-  if (!daemon) return fail(daemon.error().message);
+  if (!daemon) return daemon.take_error();
   // The CUDA engines read each dense matrix from the file as they upload it, so the host never
   // holds them all: under a memory cap that memory is expertd's cache.
   const DeviceChoice device = choose_device(o.cpu);
   auto model = load_dense(daemon->get(), o.model, o.gguf, device);
-  if (!model) return fail(model.error().message);
-  const ModelParams& p = model->params();
-  auto tok = Tokenizer::from_gguf(model->gguf().meta());
-  if (!tok) return fail(tok.error().message);
-  const EndTokens end_tokens = EndTokens::from_gguf(model->gguf().meta());
-  auto chat = ChatTemplate::from_flag(o.chat_template, model->gguf().meta(), *tok);
+  if (!model) return model.take_error();
+  b->model.emplace(std::move(*model));
+  const ModelParams& p = b->model->params();
+  const auto& meta = b->model->gguf().meta();
+  auto tok = Tokenizer::from_gguf(meta);
+  if (!tok) return tok.take_error();
+  b->tok.emplace(std::move(*tok));
+  const EndTokens end_tokens = EndTokens::from_gguf(meta);
+  auto chat = ChatTemplate::from_flag(o.chat_template, meta, *b->tok);
   if (!chat) {
     // The user asked for that template: no point serving without it.
-    if (!o.chat_template.empty()) return fail(chat.error().message);
+    if (!o.chat_template.empty()) return chat.take_error();
     spdlog::error("chat completions are off: {}", chat.error().message);
   } else {
     const ReasoningSyntax syntax = reasoning_syntax(chat->kind());
@@ -866,8 +857,9 @@ int run(const Options& o) {
     }
   }
 
-  auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *model, "expert-serve");
-  if (!source) return fail(source.error().message);
+  auto source = DaemonExpertSource::attach(std::move(*daemon), o.model, *b->model, "expert-serve");
+  if (!source) return source.take_error();
+  b->source = std::move(*source);
   EngineOptions eo;
   eo.max_context = o.ctx;
   eo.prefetch_depth = o.lookahead;
@@ -876,73 +868,476 @@ int run(const Options& o) {
   // --parallel sequences where the engine batches them (the registry says which), else one.
   eo.sequences = o.parallel;
   auto created =
-      create_engine(*model, **source, EngineSetup{eo, o.vram_experts, false, ""}, device);
-  if (!created) return fail(created.error().message);
+      create_engine(*b->model, *b->source, EngineSetup{eo, o.vram_experts, false, ""}, device);
+  if (!created) return created.take_error();
   if (!created->sequences_note.empty()) {
     spdlog::info("--parallel {}: {}", o.parallel, created->sequences_note);
   }
   std::unique_ptr<Engine> engine = std::move(created->engine);
-  const std::string engine_note = created->note;
   spdlog::info("model {}: {}, {} layers, {} experts (top-{}), dense weights {:.1f} MiB from {}{}",
                o.model, p.architecture, p.n_layer, p.n_expert, p.n_expert_used,
-               static_cast<double>(model->dense_bytes()) / (1 << 20), model->path(),
-               model->deferred() ? " (read straight into VRAM)" : "");
-  spdlog::info("engine: {}; context {} tokens per sequence, {} sequence{} at once", engine_note,
+               static_cast<double>(b->model->dense_bytes()) / (1 << 20), b->model->path(),
+               b->model->deferred() ? " (read straight into VRAM)" : "");
+  spdlog::info("engine: {}; context {} tokens per sequence, {} sequence{} at once", created->note,
                o.ctx, engine->sequences(), engine->sequences() == 1 ? "" : "s");
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
   }
+  b->gen = std::make_unique<Generator>(std::move(engine), *b->tok, end_tokens, o.queue,
+                                       std::move(on_gone));
+  b->service =
+      std::make_unique<Service>(o, *b->tok, std::move(chat), *b->gen, created->note, counts);
+  return b;
+}
 
-  // expertd went away: this engine cannot serve again, so exit non-zero and let the service
-  // manager start expert-serve again (it reconnects when expertd is back).
-  std::mutex gone_mu;
-  std::string daemon_gone;
-  Generator gen(std::move(engine), *tok, end_tokens, o.queue, [&](const std::string& why) {
+// Whether expertd answers: a ping every 500 ms on a connection of its own, made when the
+// backend was (so that a daemon restarted between two pings is noticed too: that connection is
+// gone). /health reads the last answer; a failure calls `on_lost` once per connection.
+class DaemonWatch {
+ public:
+  explicit DaemonWatch(std::function<void(const std::string&)> on_lost)
+      : on_lost_(std::move(on_lost)), thread_([this] { loop(); }) {}
+  ~DaemonWatch() {
     {
-      std::lock_guard lock(gone_mu);
-      daemon_gone = why;
+      std::lock_guard lock(mu_);
+      stop_ = true;
     }
-    svr.stop();
-  });
-  Service service(o, *tok, std::move(chat), gen, engine_note);
-  service.install(svr);
-  // Each waiting request holds a pool thread, and so does an idle keep-alive connection for a
-  // few seconds: enough more answer /health and refusals meanwhile.
-  const size_t threads = o.queue + 16;
-  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  // A request is a prompt: far less than this even for a long context (413 past it).
-  svr.set_payload_max_length(size_t{64} << 20);
-  svr.set_logger([&service](const httplib::Request& req, const httplib::Response& res) {
-    service.count_response(req.path, res.status);
-    if (res.status >= 400) {
-      spdlog::info("{} {}: {} {}", req.method, req.path, res.status, res.body.substr(0, 300));
-    }
-  });
+    cv_.notify_all();
+    thread_.join();
+  }
 
-  std::atomic<bool> ended{false};
+  // Watches `client` from now on.
+  void watch(std::unique_ptr<expertd::client::Client> client) {
+    std::lock_guard lock(mu_);
+    client_ = std::move(client);
+    last_ok_ = std::chrono::steady_clock::now();
+    why_.clear();
+    cv_.notify_all();
+  }
+
+  // Whether expertd answered within the last second (or so: a ping every 500 ms), else why not.
+  std::optional<std::string> down(const std::string& socket) const {
+    std::lock_guard lock(mu_);
+    if (!why_.empty()) return why_;
+    const double age =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_ok_).count();
+    if (!client_) return fmt::format("not connected to expertd at {}", socket);
+    if (age > 1.5) {
+      return fmt::format("expertd at {} has not answered a ping for {:.1f} s", socket, age);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(500));
+      if (stop_ || !client_) continue;
+      expertd::client::Client* c = client_.get();
+      lock.unlock();
+      const expertd::Status st = c->ping();
+      lock.lock();
+      if (client_.get() != c) continue;  // replaced meanwhile
+      if (st) {
+        last_ok_ = std::chrono::steady_clock::now();
+        why_.clear();
+        continue;
+      }
+      why_ = "expertd went away: " + st.error().message;
+      client_.reset();
+      const std::string why = why_;
+      lock.unlock();
+      on_lost_(why);
+      lock.lock();
+    }
+  }
+
+  const std::function<void(const std::string&)> on_lost_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unique_ptr<expertd::client::Client> client_;
+  std::chrono::steady_clock::time_point last_ok_ = std::chrono::steady_clock::now();
+  std::string why_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// The HTTP front, for the whole process: paths and methods, the API key, CORS, /health, and the
+// current Backend's Service (none while starting or reconnecting: 503 with Retry-After).
+class Front {
+ public:
+  enum class State { Starting, Serving, Reconnecting, Draining };
+
+  Front(const Options& o, std::string api_key, ResponseCounts& counts, const DaemonWatch& watch)
+      : o_(o), api_key_(std::move(api_key)), counts_(counts), watch_(watch) {}
+
+  void set(std::shared_ptr<Backend> b, State s, std::string why = "") {
+    std::lock_guard lock(mu_);
+    backend_ = std::move(b);
+    state_ = s;
+    why_ = std::move(why);
+  }
+
+  // Network thread.
+  std::optional<http::Response> fast(const http::Request& req) {
+    const char* allow = method_of(req.path);
+    if (allow == nullptr) {
+      return decorate(req, error_response(api_error(
+                               404, fmt::format("{} {}: no such endpoint", req.method, req.path))));
+    }
+    if (req.method == "OPTIONS" && cors(req)) {
+      // A CORS preflight from the allowed origin.
+      http::Response r{204, "", {}, ""};
+      r.headers = {{"Access-Control-Allow-Methods", std::string(allow) + ", OPTIONS"},
+                   {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                   {"Access-Control-Max-Age", "600"}};
+      return decorate(req, std::move(r));
+    }
+    if (req.method != allow) {
+      http::Response r = error_response(api_error(
+          405, fmt::format("{} {}: method not allowed (use {})", req.method, req.path, allow)));
+      r.headers.emplace_back("Allow", allow);
+      return decorate(req, std::move(r));
+    }
+    if (req.path == "/health") return decorate(req, health(req));
+    if (!authorized(req)) {
+      ApiError e = api_error(401,
+                             "Incorrect or missing API key: send it as 'Authorization: Bearer "
+                             "KEY' (--api-key)");
+      e.code = "invalid_api_key";
+      http::Response r = error_response(e);
+      r.headers.emplace_back("WWW-Authenticate", "Bearer");
+      return decorate(req, std::move(r));
+    }
+    auto [b, unavailable] = current();
+    if (!b) return decorate(req, std::move(*unavailable));
+    if (auto r = b->service->fast(req)) return decorate(req, std::move(*r));
+    return std::nullopt;
+  }
+
+  // A worker.
+  void handle(http::Exchange& ex) {
+    auto [b, unavailable] = current();
+    Decorated d(ex, cors(ex.request()) ? cors_headers(ex.request()) : http::Headers{});
+    if (!b) return d.reply(std::move(*unavailable));
+    b->service->handle(d);
+  }
+
+  void log(const http::Request* req, int status, std::string_view body) {
+    counts_.count(req != nullptr ? req->path : "", status);
+    if (status >= 400) {
+      spdlog::info("{} {}: {} {}", req != nullptr ? req->method : "-",
+                   req != nullptr ? req->path : "(refused before a request was read)", status,
+                   body.substr(0, 300));
+    }
+  }
+
+ private:
+  // Adds the CORS headers to a worker's answers.
+  class Decorated final : public http::Exchange {
+   public:
+    Decorated(http::Exchange& ex, http::Headers extra) : ex_(ex), extra_(std::move(extra)) {}
+    const http::Request& request() const override { return ex_.request(); }
+    void reply(http::Response r) override {
+      r.headers.insert(r.headers.end(), extra_.begin(), extra_.end());
+      ex_.reply(std::move(r));
+    }
+    bool stream_begin(int status, std::string type, http::Headers headers) override {
+      headers.insert(headers.end(), extra_.begin(), extra_.end());
+      return ex_.stream_begin(status, std::move(type), std::move(headers));
+    }
+    bool stream_write(std::string_view data) override { return ex_.stream_write(data); }
+    void stream_end() override { ex_.stream_end(); }
+    bool gone() const override { return ex_.gone(); }
+    void on_gone(std::function<void()> f) override { ex_.on_gone(std::move(f)); }
+
+   private:
+    http::Exchange& ex_;
+    const http::Headers extra_;
+  };
+
+  static const char* method_of(const std::string& path) {
+    for (const char* p : {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
+      if (path == p) return "POST";
+    }
+    for (const char* p : {"/health", "/v1/models", "/props", "/metrics"}) {
+      if (path == p) return "GET";
+    }
+    if (path.starts_with("/v1/models/") && path.size() > std::string_view("/v1/models/").size()) {
+      return "GET";
+    }
+    return nullptr;
+  }
+
+  // Whether the request comes from the origin --cors-origin allows.
+  bool cors(const http::Request& req) const {
+    if (o_.cors_origin.empty()) return false;
+    const auto origin = req.header("origin");
+    return origin && (o_.cors_origin == "*" || *origin == o_.cors_origin);
+  }
+  http::Headers cors_headers(const http::Request& req) const {
+    return {{"Access-Control-Allow-Origin", std::string(*req.header("origin"))},
+            {"Vary", "Origin"}};
+  }
+  http::Response decorate(const http::Request& req, http::Response r) const {
+    if (cors(req)) {
+      for (auto& h : cors_headers(req)) r.headers.push_back(std::move(h));
+    }
+    return r;
+  }
+
+  bool authorized(const http::Request& req) const {
+    if (api_key_.empty()) return true;
+    const auto auth = req.header("authorization");
+    if (!auth || auth->size() < 7 ||
+        !std::equal(auth->begin(), auth->begin() + 7, "Bearer ",
+                    [](char a, char b) { return std::tolower(a) == std::tolower(b); })) {
+      return false;
+    }
+    std::string_view key = auth->substr(7);
+    while (!key.empty() && key.front() == ' ') key.remove_prefix(1);
+    // In constant time for keys of the same length.
+    if (key.size() != api_key_.size()) return false;
+    unsigned char diff = 0;
+    for (size_t i = 0; i < key.size(); ++i) {
+      diff |= static_cast<unsigned char>(key[i] ^ api_key_[i]);
+    }
+    return diff == 0;
+  }
+
+  static const char* state_name(State s) {
+    switch (s) {
+      case State::Starting:
+        return "starting";
+      case State::Serving:
+        return "ok";
+      case State::Reconnecting:
+        return "reconnecting";
+      case State::Draining:
+        return "draining";
+    }
+    return "?";
+  }
+
+  // The backend, or the 503 to answer without one.
+  std::pair<std::shared_ptr<Backend>, std::optional<http::Response>> current() const {
+    std::lock_guard lock(mu_);
+    if (backend_ && state_ == State::Serving) return {backend_, std::nullopt};
+    ApiError e = api_error(503, fmt::format("the server is {}{}{}; retry later",
+                                            state_ == State::Starting ? "starting (loading the "
+                                                                        "model)"
+                                                                      : state_name(state_),
+                                            why_.empty() ? "" : ": ", why_));
+    e.code = "unavailable";
+    http::Response r = error_response(e);
+    r.headers.emplace_back("Retry-After", "1");
+    return {nullptr, std::move(r)};
+  }
+
+  // GET /health: 200 {"status": "ok", ...} while serving with expertd answering; 503 with the
+  // reason when expertd is gone or (for /health?ready) the server is starting or draining.
+  // Without ?ready, starting and draining are 200: the process is alive, not yet (or no longer)
+  // ready.
+  http::Response health(const http::Request& req) const {
+    std::shared_ptr<Backend> b;
+    State s;
+    std::string why;
+    {
+      std::lock_guard lock(mu_);
+      b = backend_;
+      s = state_;
+      why = why_;
+    }
+    const bool ready_asked = req.has_query_key("ready");
+    std::optional<std::string> down;
+    if (s == State::Serving) down = watch_.down(o_.socket);
+    if (s == State::Reconnecting && why.empty()) why = "expertd went away";
+    json j = {{"status", down ? "unavailable" : state_name(s)}};
+    if (down) why = *down;
+    if (!why.empty()) j["reason"] = why;
+    if (b && s == State::Serving) j.update(b->service->health_fields());
+    const bool ok = s == State::Serving && !down;
+    const bool alive = ok || ((s == State::Starting || s == State::Draining) && !ready_asked);
+    http::Response r = json_response(j, alive ? 200 : 503);
+    if (!alive) r.headers.emplace_back("Retry-After", "1");
+    return r;
+  }
+
+  const Options& o_;
+  const std::string api_key_;
+  ResponseCounts& counts_;
+  const DaemonWatch& watch_;
+  mutable std::mutex mu_;
+  std::shared_ptr<Backend> backend_;
+  State state_ = State::Starting;
+  std::string why_;
+};
+
+// The API key: --api-key, or the first line of --api-key-file (a systemd credential).
+Result<std::string> api_key(const Options& o) {
+  if (!o.api_key.empty() && !o.api_key_file.empty()) {
+    return Error{EINVAL, "give --api-key or --api-key-file, not both"};
+  }
+  if (!o.api_key_file.empty()) {
+    std::ifstream in(o.api_key_file);
+    std::string key;
+    if (!in || !std::getline(in, key)) {
+      return Error{EINVAL, fmt::format("--api-key-file {}: cannot read it ({})", o.api_key_file,
+                                       std::strerror(errno))};
+    }
+    while (!key.empty() && (key.back() == '\r' || key.back() == ' ')) key.pop_back();
+    if (key.empty()) {
+      return Error{EINVAL,
+                   fmt::format("--api-key-file {}: the first line is empty", o.api_key_file)};
+    }
+    return key;
+  }
+  return o.api_key;
+}
+
+int run(const Options& o) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  // Every thread started from here on (the client's, the engine's, the HTTP threads) inherits the
+  // mask; one thread takes the signals with sigwait.
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  if (o.ctx == 0) return fail("--ctx must be at least 1");
+  if (o.queue == 0) return fail("--queue must be at least 1");
+  if (o.parallel == 0) return fail("--parallel must be at least 1");
+  auto key = api_key(o);
+  if (!key) return fail(key.error().message);
+
+  http::Limits limits;
+  limits.header_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.header_timeout * 1000));
+  limits.body_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.body_timeout * 1000));
+  limits.idle_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.idle_timeout * 1000));
+  limits.write_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.write_timeout * 1000));
+  limits.max_connections = o.max_connections;
+  // A request is a prompt: far less than this even for a long context (413 past it).
+  limits.body_limit = size_t{64} << 20;
+  // Each request waiting for the engine holds a worker (the rest get 503 at once), and a few
+  // more answer tokenize, metrics and refusals meanwhile. Reading requests holds none.
+  limits.workers = o.queue + o.parallel + 8;
+  // The port first: a port in use is found before the model is loaded.
+  auto server = http::Server::bind(o.host, o.port, limits);
+  if (!server) return fail(server.error().message);
+
+  // The supervisor's events: a signal, or expertd gone.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop_asked = false;
+  std::string lost;
+  auto on_lost = [&](const std::string& why) {
+    std::lock_guard lock(mu);
+    if (lost.empty()) lost = why;
+    cv.notify_all();
+  };
+  ResponseCounts counts;
+  DaemonWatch watch(on_lost);
+  Front front(o, *key, counts, watch);
+  (*server)->start([&](const http::Request& r) { return front.fast(r); },
+                   [&](http::Exchange& ex) { front.handle(ex); },
+                   [&](const http::Request* r, int status, std::string_view body) {
+                     front.log(r, status, body);
+                   });
+
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
-    if (ended) return;
-    spdlog::info("{}: shutting down", strsignal(sig));
-    // The generation in progress stops and the queued requests are answered first, so the HTTP
-    // threads waiting for them can end.
-    gen.stop();
-    svr.stop();
+    std::lock_guard lock(mu);
+    if (!stop_asked) spdlog::info("{}: shutting down", strsignal(sig));
+    stop_asked = true;
+    cv.notify_all();
   });
-  spdlog::info("listening on http://{}:{} (model {}, queue {})", o.host, o.port, o.model, o.queue);
-  const bool ok = svr.listen_after_bind();
-  ended = true;
-  pthread_kill(signal_thread.native_handle(), SIGTERM);  // wakes it when listening ended by itself
-  signal_thread.join();
-  gen.stop();
-  {
-    std::lock_guard lock(gone_mu);
-    if (!daemon_gone.empty())
-      return fail(daemon_gone + "; exiting so that expert-serve is restarted");
+  auto end = [&](int rc) {
+    {
+      std::lock_guard lock(mu);
+      stop_asked = true;
+    }
+    pthread_kill(signal_thread.native_handle(), SIGTERM);  // wakes it if no signal came
+    signal_thread.join();
+    (*server)->stop(std::chrono::seconds(5));
+    return rc;
+  };
+  // A backend and the connection that watches the daemon beside it.
+  auto connect = [&]() -> Result<std::shared_ptr<Backend>> {
+    {
+      std::lock_guard lock(mu);
+      lost.clear();
+    }
+    auto watcher = expertd::client::Client::connect(o.socket);
+    if (!watcher) return watcher.take_error();
+    auto b = build_backend(o, counts, on_lost);
+    if (!b) return b.take_error();
+    watch.watch(std::move(*watcher));
+    return b;
+  };
+
+  auto first = connect();
+  if (!first) return end(fail(first.error().message));
+  std::shared_ptr<Backend> backend = std::move(*first);
+  front.set(backend, Front::State::Serving);
+  spdlog::info("listening on http://{}:{} (model {}, queue {}, at most {} connections{})", o.host,
+               o.port, o.model, o.queue, o.max_connections,
+               key->empty() ? "" : ", API key required");
+  for (;;) {
+    std::string why;
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return stop_asked || !lost.empty(); });
+      if (stop_asked) break;
+      why = lost;
+    }
+    // expertd went away: this engine cannot serve again. Answer what waits (503), free it, and
+    // build another when expertd is back (socket activation restarts it).
+    spdlog::warn("{}: reconnecting (for at most {} s, --reconnect-timeout)", why,
+                 o.reconnect_timeout);
+    front.set(nullptr, Front::State::Reconnecting, why);
+    backend->gen->stop();
+    std::weak_ptr<Backend> old = backend;
+    backend.reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto waited = [&] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    while (!old.expired() && waited() < 10) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // requests still answering
+    }
+    std::string last_error;
+    while (!backend) {
+      {
+        std::unique_lock lock(mu);
+        if (cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return stop_asked; })) break;
+      }
+      if (waited() > o.reconnect_timeout) {
+        return end(
+            fail(fmt::format("expertd did not come back within {} s (--reconnect-timeout; "
+                             "last: {}); exiting so that expert-serve is restarted",
+                             o.reconnect_timeout, last_error)));
+      }
+      auto b = connect();
+      if (!b) {
+        if (b.error().message != last_error) spdlog::info("reconnecting: {}", b.error().message);
+        last_error = b.error().message;
+        continue;
+      }
+      backend = std::move(*b);
+      front.set(backend, Front::State::Serving);
+      spdlog::info("expertd is back after {:.1f} s: serving again", waited());
+    }
+    if (!backend) break;  // stop asked while reconnecting
   }
-  if (!ok) return fail(fmt::format("listening on {}:{} failed", o.host, o.port));
-  return 0;
+  // Draining: the generation in progress stops and the queued requests are answered first, so
+  // the workers waiting for them can end.
+  front.set(backend, Front::State::Draining);
+  if (backend) backend->gen->stop();
+  const int rc = end(0);
+  front.set(nullptr, Front::State::Draining);
+  return rc;
 }
 
 }  // namespace
@@ -990,6 +1385,42 @@ int main(int argc, char** argv) {
                      "'s reasoning effort for every chat request (its template's default: "
                      "medium); a request's reasoning_effort overrides it")
       ->check(CLI::IsMember({"low", "medium", "high"}));
+  app.add_option("--max-tokens", o.max_tokens,
+                 "A chat request's max_tokens when it gives none (llama-server's --n-predict; "
+                 "vLLM would give the whole rest of the context). Completions keep OpenAI's 16. "
+                 "Never more than the context leaves (2048)")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--api-key", o.api_key,
+                 "Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
+                 "otherwise). Visible in ps: prefer --api-key-file");
+  app.add_option("--api-key-file", o.api_key_file,
+                 "The API key from the first line of FILE (under systemd: a credential, "
+                 "${CREDENTIALS_DIRECTORY}/api-key)");
+  app.add_option("--cors-origin", o.cors_origin,
+                 "Allow browser pages from this origin (e.g. http://localhost:3000; * for any) "
+                 "to call the API: CORS headers and preflight answers. Off by default");
+  app.add_option("--max-connections", o.max_connections,
+                 "Connections open at once; one more gets 503 and is closed (128)")
+      ->check(CLI::Range(size_t{1}, size_t{65536}));
+  app.add_option("--header-timeout", o.header_timeout,
+                 "Seconds a request's head (request line and headers) may take from its first "
+                 "byte; then 408 and the connection closes (10)")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--body-timeout", o.body_timeout,
+                 "Seconds a request's body may take after its head; then 408 (60)")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--idle-timeout", o.idle_timeout,
+                 "Seconds a keep-alive connection may wait for its next request (30)")
+      ->check(CLI::Range(0.01, 86400.0));
+  app.add_option("--write-timeout", o.write_timeout,
+                 "Seconds one write of an answer may take (a client that stops reading); then "
+                 "the connection closes and its generation stops (30)")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--reconnect-timeout", o.reconnect_timeout,
+                 "When expertd goes away: seconds to wait for it to come back (answering 503 "
+                 "meanwhile) before exiting non-zero, so that the service manager restarts "
+                 "expert-serve (60)")
+      ->check(CLI::Range(0.0, 86400.0));
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error (info)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
   app.footer(
