@@ -129,7 +129,8 @@ class ExchangeImpl final : public Exchange {
 
 class ServerImpl final : public Server {
  public:
-  explicit ServerImpl(Limits limits) : limits_(limits), acceptor_(io_) {}
+  explicit ServerImpl(Limits limits)
+      : limits_(limits), body_limit_(limits.body_limit), acceptor_(io_) {}
   ~ServerImpl() override { stop(std::chrono::milliseconds(0)); }
 
   Status open(const std::string& host, int port) {
@@ -168,6 +169,7 @@ class ServerImpl final : public Server {
 
   void stop(std::chrono::milliseconds grace) override;
 
+  void set_body_limit(size_t bytes) override { body_limit_.store(bytes); }
   size_t connections() const override { return open_.load(); }
   uint64_t refused() const override { return refused_.load(); }
   uint64_t timed_out() const override { return timed_out_.load(); }
@@ -184,6 +186,7 @@ class ServerImpl final : public Server {
   asio::io_context io_;
   Fast fast_;
   std::atomic<uint64_t> timed_out_{0};
+  std::atomic<size_t> body_limit_;
 
  private:
   void work();
@@ -274,7 +277,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
     if (closed_) return;
     parser_.emplace();
     parser_->header_limit(static_cast<uint32_t>(s_.limits_.header_limit));
-    parser_->body_limit(s_.limits_.body_limit);
+    parser_->body_limit(s_.body_limit_.load());
     cut_ = false;
     arm(s_.limits_.header_timeout, [this] { cut(); });
     bhttp::async_read_header(
@@ -305,7 +308,9 @@ class Conn : public std::enable_shared_from_this<Conn> {
       refuse(431,
              fmt::format("the request's head is larger than {} bytes", s_.limits_.header_limit));
     } else if (ec == bhttp::error::body_limit) {
-      refuse(413, fmt::format("the body is larger than {} bytes", s_.limits_.body_limit));
+      refuse(413, fmt::format("the body is larger than {} bytes, more than any request that "
+                              "fits the context can take",
+                              s_.body_limit_.load()));
     } else if (ec == bhttp::error::bad_content_length) {
       refuse(400, "malformed HTTP request: Content-Length is not a valid length");
     } else {

@@ -114,6 +114,8 @@ class Server {
   // Stops accepting, closes idle connections, waits (at most `grace`) for the exchanges in
   // progress to end, then closes the rest and joins the threads.
   virtual void stop(std::chrono::milliseconds grace) = 0;
+  // The largest body read from now on (413 past it, from Content-Length before the body).
+  virtual void set_body_limit(size_t bytes) = 0;
   // Connections open now.
   virtual size_t connections() const = 0;
   // Connections refused because max_connections were open, and requests cut for a deadline.

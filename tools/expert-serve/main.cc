@@ -151,6 +151,13 @@ class ResponseCounts {
   std::map<std::pair<std::string, int>, uint64_t> counts_;  // by (endpoint, status)
 };
 
+// The bytes of the vocabulary's longest token.
+size_t longest_token(const Tokenizer& tok) {
+  size_t longest = 1;
+  for (uint32_t id = 0; id < tok.size(); ++id) longest = std::max(longest, tok.decode(id).size());
+  return longest;
+}
+
 // The engine side of the HTTP API, for one connection to expertd: tokenizes, hands jobs to the
 // Generator and writes the answers.
 class Service {
@@ -160,6 +167,7 @@ class Service {
           std::string engine_note, const ResponseCounts& counts)
       : o_(o),
         tok_(tok),
+        max_token_bytes_(longest_token(tok)),
         chat_(std::move(chat)),
         counts_(counts),
         gen_(gen),
@@ -208,6 +216,14 @@ class Service {
   }
 
   Generator& generator() { return gen_; }
+
+  // The largest body a request that fits the context can need: its prompt at the longest
+  // token's bytes per position, each byte escaped in JSON (at most 6: \u00XX), and 4 MiB for
+  // the other fields (a logit_bias over a whole vocabulary); at most 64 MiB.
+  size_t body_limit() const {
+    return std::min<size_t>(size_t{64} << 20,
+                            size_t{6} * o_.ctx * max_token_bytes_ + (size_t{4} << 20));
+  }
 
  private:
   json model_object() const {
@@ -429,6 +445,18 @@ class Service {
     expertd::serve::Request r;
     if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
       return send_error(ex, *e);
+    }
+    // A prompt longer than the context could hold even at the longest token's bytes per
+    // position is refused before it is tokenized (or rendered).
+    uint64_t prompt_bytes = r.prompt_text.size();
+    for (const auto& m : r.messages) prompt_bytes += m.content.size();
+    if (prompt_bytes > uint64_t{o_.ctx} * max_token_bytes_) {
+      return send_error(ex, api_error(400,
+                                      fmt::format("the prompt has {} bytes: more than the {} "
+                                                  "tokens of the context (--ctx) can hold, at "
+                                                  "most {} bytes a token",
+                                                  prompt_bytes, o_.ctx, max_token_bytes_),
+                                      chat ? "messages" : "prompt"));
     }
     auto job = std::make_shared<Job>();
     job->gen.stops = r.stops;
@@ -791,6 +819,7 @@ class Service {
 
   const Options& o_;
   const Tokenizer& tok_;
+  const size_t max_token_bytes_;  // the vocabulary's longest token, in bytes
   const Result<ChatTemplate> chat_;
   const ResponseCounts& counts_;
   Generator& gen_;
@@ -1022,6 +1051,8 @@ class Front {
     Decorated d(ex, cors(ex.request()) ? cors_headers(ex.request()) : http::Headers{});
     if (!b) return d.reply(std::move(*unavailable));
     b->service->handle(d);
+    // A large request's memory (its body, its JSON, its tokens) goes back to the system.
+    if (ex.request().body.size() > (size_t{1} << 20)) malloc_trim(0);
   }
 
   void log(const http::Request* req, int status, std::string_view body) {
@@ -1280,6 +1311,7 @@ int run(const Options& o) {
   auto first = connect();
   if (!first) return end(fail(first.error().message));
   std::shared_ptr<Backend> backend = std::move(*first);
+  (*server)->set_body_limit(backend->service->body_limit());
   front.set(backend, Front::State::Serving);
   spdlog::info("listening on http://{}:{} (model {}, queue {}, at most {} connections{})", o.host,
                o.port, o.model, o.queue, o.max_connections,
