@@ -2,9 +2,11 @@
 // server-sent events) for a model whose routed experts come from a running expertd. The engine
 // is set up as expert-run sets it up (the dense weights from the files the daemon passes, or
 // --gguf; the CUDA engine when there is a device, else the CPU one); one thread owns it and runs
-// one sequence at a time (generator.h), and requests wait in a bounded queue.
+// up to --parallel sequences batched by expert (generator.h), and requests wait in a bounded
+// queue. HTTP is http_server.h's (every client bounded); a Front routes, checks the API key and
+// answers /health, and a Backend per connection to expertd holds the engine and the Service.
 //
-// Bound to loopback by default: the API has no authentication.
+// Bound to loopback by default; --api-key requires a key on every endpoint but /health.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <malloc.h>
