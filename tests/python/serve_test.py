@@ -527,6 +527,48 @@ def test_startup_errors(args, sock, port):
     print("ok: startup errors name the socket, the model and the address in use")
 
 
+def test_two_models(args, sock, tiny_h, odd_h):
+    """Several models behind one port: --model twice; a request's "model" picks the engine, and
+    each answers as the server of that model alone does."""
+    procs = []
+    try:
+        port, h, _ = start_serve(args, sock, MODEL, ["--model", "odd", "--ctx", "256", "--cpu"],
+                                 procs)
+        status, _, data = h.request("GET", "/v1/models")
+        assert status == 200, data
+        assert [m["id"] for m in json.loads(data)["data"]] == [MODEL, "odd"], data
+        req = {"prompt": "Once upon", "max_tokens": 6}
+        for name, alone in ((MODEL, tiny_h), ("odd", odd_h)):
+            status, _, both = h.request("POST", "/v1/completions", dict(req, model=name))
+            assert status == 200, both
+            status, _, one = alone.request("POST", "/v1/completions", dict(req, model=name))
+            assert status == 200, one
+            assert json.loads(both)["choices"][0]["text"] == json.loads(one)["choices"][0]["text"]
+        status, _, data = h.request("POST", "/v1/completions", req)
+        assert status == 400 and json.loads(data)["error"]["param"] == "model", data
+        status, _, data = h.request("POST", "/v1/completions", dict(req, model="nope"))
+        assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", data
+        status, _, data = h.request("GET", "/props?model=odd")
+        assert status == 200 and json.loads(data)["model"] == "odd", data
+        assert json.loads(data)["models"] == [MODEL, "odd"], data
+        status, _, data = h.request("GET", "/metrics")
+        text = data.decode()
+        assert f'expert_serve_requests_total{{model="{MODEL}"}} 1' in text, text[:2000]
+        assert 'expert_serve_requests_total{model="odd"} 1' in text, text[:2000]
+        assert text.count("# TYPE expert_serve_requests_total ") == 1, text[:2000]
+        health = h.health()
+        assert set(health["models"]) == {MODEL, "odd"}, health
+        twice = subprocess.run(
+            [os.path.join(args.bin, "expert-serve"), "--socket", sock, "--model", "odd",
+             "--model", "odd", "--port", str(free_port())],
+            capture_output=True, text=True, timeout=20)
+        assert twice.returncode == 1 and "--model odd is given twice" in twice.stderr, twice
+        print("ok: two models behind one port: each request to its model's engine, answers as "
+              "each alone; no model 400, unknown 404; /metrics labelled by model")
+    finally:
+        stop_procs(procs)
+
+
 def test_unsupported_template(args, sock, procs):
     """A model whose chat template no family matches: chat requests get a 400 naming it, and
     completions still work."""
@@ -595,6 +637,7 @@ def main():
         test_queue_and_disconnect(h, log_path)
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)
+        test_two_models(args, sock, h, odd_h)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.

@@ -74,6 +74,7 @@ struct Options : expertd::tools::EngineFlags {
   std::string reasoning_effort;      // --reasoning-effort
   ChatOptions chat_defaults;         // the two read (main)
   std::string log_level = "info";
+  std::vector<std::string> models;  // --model, once or more (EngineFlags::model: each Backend's)
   uint32_t max_tokens = 2048;  // a chat request's max_tokens when it gives none (and room allows)
   std::string api_key;
   std::string api_key_file;
@@ -123,6 +124,36 @@ ApiError api_error(int status, std::string message, std::string param = "") {
   return e;
 }
 
+// Prometheus text (format 0.0.4): each metric's HELP and TYPE once, then its samples from every
+// model.
+class MetricSet {
+ public:
+  void add(std::string_view name, std::string_view type, std::string_view help,
+           const std::string& samples) {
+    for (auto& f : families_) {
+      if (f.name == name) {
+        f.samples += samples;
+        return;
+      }
+    }
+    families_.push_back({std::string(name), std::string(type), std::string(help), samples});
+  }
+  std::string text() const {
+    std::string out;
+    for (const auto& f : families_) {
+      out +=
+          fmt::format("# HELP {} {}\n# TYPE {} {}\n{}", f.name, f.help, f.name, f.type, f.samples);
+    }
+    return out;
+  }
+
+ private:
+  struct Family {
+    std::string name, type, help, samples;
+  };
+  std::vector<Family> families_;
+};
+
 // Every answer, by endpoint and status, for /metrics (kept across reconnections to expertd).
 class ResponseCounts {
  public:
@@ -153,6 +184,21 @@ class ResponseCounts {
   std::map<std::pair<std::string, int>, uint64_t> counts_;  // by (endpoint, status)
 };
 
+// The body as a JSON object, or the 400 that says why not.
+std::optional<ApiError> parse_body(const http::Request& req, json& body) {
+  try {
+    body = json::parse(req.body);
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double's range ("x": 1e400): nlohmann's
+    // message after its "[json.exception.parse_error.101] " tag.
+    std::string what = e.what();
+    if (const size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
+    return api_error(400, "the body is not valid JSON: " + what);
+  }
+  if (!body.is_object()) return api_error(400, "the request body must be a JSON object");
+  return std::nullopt;
+}
+
 // The bytes of the vocabulary's longest token.
 size_t longest_token(const Tokenizer& tok) {
   size_t longest = 1;
@@ -166,49 +212,24 @@ class Service {
  public:
   // `chat` is the chat template, or why there is none (chat requests then get a 400 saying so).
   Service(const Options& o, const Tokenizer& tok, Result<ChatTemplate> chat, Generator& gen,
-          std::string engine_note, const ResponseCounts& counts)
+          std::string engine_note)
       : o_(o),
         tok_(tok),
         max_token_bytes_(longest_token(tok)),
         chat_(std::move(chat)),
-        counts_(counts),
         gen_(gen),
         engine_note_(std::move(engine_note)) {}
 
-  // Network thread: the answers that need neither a worker nor the engine (nullopt: a worker
-  // answers). Paths and methods were checked by the Front.
-  std::optional<http::Response> fast(const http::Request& req) const {
-    if (req.path == "/v1/models") {
-      return json_response({{"object", "list"}, {"data", json::array({model_object()})}});
-    }
-    if (req.path.starts_with("/v1/models/")) {
-      const std::string name = req.path.substr(std::string_view("/v1/models/").size());
-      if (name != o_.model) {
-        ApiError e = api_error(404,
-                               fmt::format("The model '{}' does not exist (this server "
-                                           "serves '{}')",
-                                           name, o_.model),
-                               "model");
-        e.code = "model_not_found";
-        return error_response(e);
-      }
-      return json_response(model_object());
-    }
-    if (req.path == "/props") return json_response(props());
-    return std::nullopt;
+  // A worker: the endpoints that tokenize or generate, with the request's body (a JSON object).
+  void handle(http::Exchange& ex, const json& body) {
+    const std::string& path = ex.request().path;
+    if (path == "/v1/completions") return generate(ex, body, /*chat=*/false);
+    if (path == "/v1/chat/completions") return generate(ex, body, /*chat=*/true);
+    if (path == "/tokenize") return tokenize(ex, body);
+    if (path == "/detokenize") return detokenize(ex, body);
   }
 
-  // A worker: the endpoints that tokenize, generate or call expertd.
-  void handle(http::Exchange& ex) {
-    const std::string& path = ex.request().path;
-    if (path == "/v1/completions") return generate(ex, /*chat=*/false);
-    if (path == "/v1/chat/completions") return generate(ex, /*chat=*/true);
-    if (path == "/tokenize") return tokenize(ex);
-    if (path == "/detokenize") return detokenize(ex);
-    if (path == "/metrics") {
-      return ex.reply({200, "text/plain; version=0.0.4; charset=utf-8", {}, metrics()});
-    }
-  }
+  const std::string& model() const { return o_.model; }
 
   // /health's fields from the engine side.
   json health_fields() const {
@@ -227,11 +248,12 @@ class Service {
                             size_t{6} * o_.ctx * max_token_bytes_ + (size_t{4} << 20));
   }
 
- private:
+ public:
   json model_object() const {
     return {{"id", o_.model}, {"object", "model"}, {"created", started_}, {"owned_by", "expertd"}};
   }
 
+ private:
   static json usage(const Job& job) {
     const uint32_t prompt = static_cast<uint32_t>(job.prompt.size());
     return {{"prompt_tokens", prompt},
@@ -282,32 +304,14 @@ class Service {
     return std::nullopt;
   }
 
-  // The body as a JSON object, or the 400 that says why not.
   static void send_error(http::Exchange& ex, const ApiError& e) { ex.reply(error_response(e)); }
   static void set_content(http::Exchange& ex, std::string body, const char* type) {
     ex.reply({200, type, {}, std::move(body)});
   }
 
-  static std::optional<ApiError> parse_body(const http::Request& req, json& body) {
-    try {
-      body = json::parse(req.body);
-    } catch (const json::exception& e) {
-      // parse_error, and out_of_range for a number beyond double's range ("x": 1e400): nlohmann's
-      // message after its "[json.exception.parse_error.101] " tag.
-      std::string what = e.what();
-      if (const size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
-      return api_error(400, "the body is not valid JSON: " + what);
-    }
-    if (!body.is_object()) return api_error(400, "the request body must be a JSON object");
-    return std::nullopt;
-  }
-
   // POST /tokenize {"content", "add_special" (false), "with_pieces" (false)}: llama.cpp server's
   // endpoint. {"tokens": [ids]}, or [{"id", "piece"}] with pieces.
-  void tokenize(http::Exchange& ex) {
-    const http::Request& req = ex.request();
-    json body;
-    if (auto e = parse_body(req, body)) return send_error(ex, *e);
+  void tokenize(http::Exchange& ex, const json& body) {
     if (!body.contains("content") || !body["content"].is_string()) {
       return send_error(ex, api_error(400, "content must be a string", "content"));
     }
@@ -335,10 +339,7 @@ class Service {
   }
 
   // POST /detokenize {"tokens": [ids]}: {"content": text}.
-  void detokenize(http::Exchange& ex) {
-    const http::Request& req = ex.request();
-    json body;
-    if (auto e = parse_body(req, body)) return send_error(ex, *e);
+  void detokenize(http::Exchange& ex, const json& body) {
     if (!body.contains("tokens") || !body["tokens"].is_array()) {
       return send_error(ex, api_error(400, "tokens must be an array of token ids", "tokens"));
     }
@@ -357,62 +358,43 @@ class Service {
     set_content(ex, dump({{"content", tok_.decode(ids)}}), "application/json");
   }
 
-  // GET /metrics: Prometheus text (format 0.0.4): the server's own counters and gauges, then
-  // expertd's (client/prometheus.h, as `expertctl metrics` prints them) through a connection of
-  // its own; expert_serve_daemon_up says whether that answered.
-  std::string metrics() {
-    std::string out;
-    auto metric = [&](std::string_view name, std::string_view type, std::string_view help,
-                      const std::string& samples) {
-      out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{}", name, help, name, type, samples);
+ public:
+  // This model's counters and gauges into `m`, each sample with `label` ("" or
+  // {model="NAME"} when the server has several models).
+  void metrics(MetricSet& m, const std::string& label) const {
+    auto one = [&](std::string_view name, double v) {
+      return fmt::format("{}{} {}\n", name, label, v);
     };
-    auto one = [](std::string_view name, double v) { return fmt::format("{} {}\n", name, v); };
-    {
-      std::string samples;
-      samples = counts_.samples();
-      metric("expert_serve_responses_total", "counter", "HTTP answers by endpoint and status",
-             samples);
-    }
     const expertd::serve::GeneratorCounters& c = gen_.counters();
     auto load = [](const std::atomic<uint64_t>& a) {
       return static_cast<double>(a.load(std::memory_order_relaxed));
     };
-    metric("expert_serve_requests_total", "counter",
-           "generation requests ended (answered, failed or cancelled)",
-           one("expert_serve_requests_total", load(c.requests)));
-    metric("expert_serve_prompt_tokens_total", "counter", "prompt tokens of those requests",
-           one("expert_serve_prompt_tokens_total", load(c.prompt_tokens)));
-    metric("expert_serve_cached_prompt_tokens_total", "counter",
-           "of those, reused from a sequence's KV cache (prefix reuse)",
-           one("expert_serve_cached_prompt_tokens_total", load(c.cached_tokens)));
-    metric("expert_serve_generated_tokens_total", "counter", "tokens sampled",
-           one("expert_serve_generated_tokens_total", load(c.generated_tokens)));
-    metric("expert_serve_time_to_first_token_seconds", "summary",
-           "from a request's queueing to its first token",
-           fmt::format("expert_serve_time_to_first_token_seconds_sum {}\n"
-                       "expert_serve_time_to_first_token_seconds_count {}\n",
-                       load(c.first_token_ns) / 1e9, load(c.first_tokens)));
-    metric("expert_serve_decode_steps_total", "counter",
-           "decode steps (one token for each generating sequence)",
-           one("expert_serve_decode_steps_total", load(c.steps)));
-    metric("expert_serve_decode_rows_total", "counter",
-           "sequences fed by those steps (rows / steps: the batch occupancy)",
-           one("expert_serve_decode_rows_total", load(c.rows)));
-    metric("expert_serve_requests_running", "gauge", "requests on a sequence now",
-           one("expert_serve_requests_running", static_cast<double>(gen_.running())));
-    metric("expert_serve_requests_queued", "gauge", "requests waiting for a sequence",
-           one("expert_serve_requests_queued", static_cast<double>(gen_.queued())));
-    metric("expert_serve_sequences", "gauge", "sequences the engine holds (--parallel)",
-           one("expert_serve_sequences", static_cast<double>(gen_.parallel())));
-    std::string daemon;
-    if (auto client = expertd::client::Client::connect(o_.socket)) {
-      if (auto st = (*client)->stats()) {
-        if (auto text = expertd::client::prometheus_text(*st)) daemon = std::move(*text);
-      }
-    }
-    metric("expert_serve_daemon_up", "gauge", "whether expertd answered this scrape's stats call",
-           one("expert_serve_daemon_up", daemon.empty() ? 0.0 : 1.0));
-    return out + daemon;
+    m.add("expert_serve_requests_total", "counter",
+          "generation requests ended (answered, failed or cancelled)",
+          one("expert_serve_requests_total", load(c.requests)));
+    m.add("expert_serve_prompt_tokens_total", "counter", "prompt tokens of those requests",
+          one("expert_serve_prompt_tokens_total", load(c.prompt_tokens)));
+    m.add("expert_serve_cached_prompt_tokens_total", "counter",
+          "of those, reused from a sequence's KV cache (prefix reuse)",
+          one("expert_serve_cached_prompt_tokens_total", load(c.cached_tokens)));
+    m.add("expert_serve_generated_tokens_total", "counter", "tokens sampled",
+          one("expert_serve_generated_tokens_total", load(c.generated_tokens)));
+    m.add("expert_serve_time_to_first_token_seconds", "summary",
+          "from a request's queueing to its first token",
+          one("expert_serve_time_to_first_token_seconds_sum", load(c.first_token_ns) / 1e9) +
+              one("expert_serve_time_to_first_token_seconds_count", load(c.first_tokens)));
+    m.add("expert_serve_decode_steps_total", "counter",
+          "decode steps (one token for each generating sequence)",
+          one("expert_serve_decode_steps_total", load(c.steps)));
+    m.add("expert_serve_decode_rows_total", "counter",
+          "sequences fed by those steps (rows / steps: the batch occupancy)",
+          one("expert_serve_decode_rows_total", load(c.rows)));
+    m.add("expert_serve_requests_running", "gauge", "requests on a sequence now",
+          one("expert_serve_requests_running", static_cast<double>(gen_.running())));
+    m.add("expert_serve_requests_queued", "gauge", "requests waiting for a sequence",
+          one("expert_serve_requests_queued", static_cast<double>(gen_.queued())));
+    m.add("expert_serve_sequences", "gauge", "sequences the engine holds (--parallel)",
+          one("expert_serve_sequences", static_cast<double>(gen_.parallel())));
   }
 
   // GET /props: what this server runs and can do.
@@ -440,10 +422,8 @@ class Service {
           {"prefix_reuse", true}}}};
   }
 
-  void generate(http::Exchange& ex, bool chat) {
-    const http::Request& req = ex.request();
-    json body;
-    if (auto e = parse_body(req, body)) return send_error(ex, *e);
+ private:
+  void generate(http::Exchange& ex, const json& body, bool chat) {
     expertd::serve::Request r;
     if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
       return send_error(ex, *e);
@@ -823,7 +803,6 @@ class Service {
   const Tokenizer& tok_;
   const size_t max_token_bytes_;  // the vocabulary's longest token, in bytes
   const Result<ChatTemplate> chat_;
-  const ResponseCounts& counts_;
   Generator& gen_;
   const std::string engine_note_;
   const int64_t started_ = std::time(nullptr);
@@ -840,6 +819,7 @@ int fail(const std::string& message) {
 // again when expertd comes back after going away. Members in order of need: the service uses
 // the generator, which uses the tokenizer and the engine (on the source and the model).
 struct Backend {
+  Options o;  // the server's, with this model's name
   std::optional<DenseModel> model;
   std::optional<Tokenizer> tok;
   std::unique_ptr<DaemonExpertSource> source;
@@ -848,9 +828,12 @@ struct Backend {
 };
 
 // `on_gone` runs (on the engine thread) when a request failed because expertd went away.
-Result<std::shared_ptr<Backend>> build_backend(const Options& o, const ResponseCounts& counts,
+Result<std::shared_ptr<Backend>> build_backend(const Options& server, const std::string& name,
                                                std::function<void(const std::string&)> on_gone) {
   auto b = std::make_shared<Backend>();
+  b->o = server;
+  b->o.model = name;
+  const Options& o = b->o;
   auto daemon = expertd::client::Client::connect(o.socket);
   if (!daemon) return daemon.take_error();
   // The CUDA engines read each dense matrix from the file as they upload it, so the host never
@@ -916,8 +899,7 @@ Result<std::shared_ptr<Backend>> build_backend(const Options& o, const ResponseC
   }
   b->gen = std::make_unique<Generator>(std::move(engine), *b->tok, end_tokens, o.queue,
                                        std::move(on_gone));
-  b->service =
-      std::make_unique<Service>(o, *b->tok, std::move(chat), *b->gen, created->note, counts);
+  b->service = std::make_unique<Service>(o, *b->tok, std::move(chat), *b->gen, created->note);
   return b;
 }
 
@@ -994,8 +976,11 @@ class DaemonWatch {
   std::thread thread_;
 };
 
-// The HTTP front, for the whole process: paths and methods, the API key, CORS, /health, and the
-// current Backend's Service (none while starting or reconnecting: 503 with Retry-After).
+using Backends = std::vector<std::shared_ptr<Backend>>;
+
+// The HTTP front, for the whole process: paths and methods, the API key, CORS, /health, the
+// model list, /metrics, and each request to its model's Service (a Backend per --model; none
+// while starting or reconnecting: 503 with Retry-After).
 class Front {
  public:
   enum class State { Starting, Serving, Reconnecting, Draining };
@@ -1003,9 +988,9 @@ class Front {
   Front(const Options& o, std::string api_key, ResponseCounts& counts, const DaemonWatch& watch)
       : o_(o), api_key_(std::move(api_key)), counts_(counts), watch_(watch) {}
 
-  void set(std::shared_ptr<Backend> b, State s, std::string why = "") {
+  void set(Backends b, State s, std::string why = "") {
     std::lock_guard lock(mu_);
-    backend_ = std::move(b);
+    backends_ = std::move(b);
     state_ = s;
     why_ = std::move(why);
   }
@@ -1041,20 +1026,62 @@ class Front {
       r.headers.emplace_back("WWW-Authenticate", "Bearer");
       return decorate(req, std::move(r));
     }
-    auto [b, unavailable] = current();
-    if (!b) return decorate(req, std::move(*unavailable));
-    if (auto r = b->service->fast(req)) return decorate(req, std::move(*r));
+    auto [backends, unavailable] = current();
+    if (backends.empty()) return decorate(req, std::move(*unavailable));
+    if (req.path == "/v1/models") {
+      json data = json::array();
+      for (const auto& b : backends) data.push_back(b->service->model_object());
+      return decorate(req, json_response({{"object", "list"}, {"data", data}}));
+    }
+    if (req.path.starts_with("/v1/models/")) {
+      const std::string name = req.path.substr(std::string_view("/v1/models/").size());
+      if (const Backend* b = find(backends, name)) {
+        return decorate(req, json_response(b->service->model_object()));
+      }
+      return decorate(req, error_response(not_found(backends, name)));
+    }
+    if (req.path == "/props") {
+      // The first model's, or ?model=NAME's; "models" lists them all.
+      const Backend* b = backends.front().get();
+      if (const std::string name = query_value(req, "model"); !name.empty()) {
+        b = find(backends, name);
+        if (b == nullptr) return decorate(req, error_response(not_found(backends, name)));
+      }
+      json props = b->service->props();
+      props["models"] = names(backends);
+      return decorate(req, json_response(props));
+    }
     return std::nullopt;
   }
 
-  // A worker.
+  // A worker: /metrics, and the POST endpoints, each to the Service of its body's "model" (the
+  // only one when the server has one and the body names none).
   void handle(http::Exchange& ex) {
-    auto [b, unavailable] = current();
+    auto [backends, unavailable] = current();
     Decorated d(ex, cors(ex.request()) ? cors_headers(ex.request()) : http::Headers{});
-    if (!b) return d.reply(std::move(*unavailable));
-    b->service->handle(d);
+    if (backends.empty()) return d.reply(std::move(*unavailable));
+    const http::Request& req = ex.request();
+    if (req.path == "/metrics") return d.reply(metrics(backends));
+    {
+      json body;
+      if (auto e = parse_body(req, body)) return d.reply(error_response(*e));
+      const Backend* b = backends.size() == 1 ? backends.front().get() : nullptr;
+      if (body.contains("model") && body["model"].is_string()) {
+        b = find(backends, body["model"].get<std::string>());
+        if (b == nullptr) {
+          return d.reply(error_response(not_found(backends, body["model"].get<std::string>())));
+        }
+      } else if (b == nullptr) {
+        return d.reply(
+            error_response(api_error(400,
+                                     fmt::format("model is required: this server serves {}",
+                                                 fmt::join(names(backends), ", ")),
+                                     "model")));
+      }
+      b->service->handle(d, body);
+    }
     // A large request's memory (its body, its JSON, its tokens) goes back to the system.
-    if (ex.request().body.size() > (size_t{1} << 20)) malloc_trim(0);
+    if (req.body.size() > (size_t{1} << 20)) malloc_trim(0);
   }
 
   void log(const http::Request* req, int status, std::string_view body) {
@@ -1153,10 +1180,67 @@ class Front {
     return "?";
   }
 
-  // The backend, or the 503 to answer without one.
-  std::pair<std::shared_ptr<Backend>, std::optional<http::Response>> current() const {
+  static const Backend* find(const Backends& backends, const std::string& name) {
+    for (const auto& b : backends) {
+      if (b->o.model == name) return b.get();
+    }
+    return nullptr;
+  }
+  static json names(const Backends& backends) {
+    json out = json::array();
+    for (const auto& b : backends) out.push_back(b->o.model);
+    return out;
+  }
+  static ApiError not_found(const Backends& backends, const std::string& name) {
+    ApiError e = api_error(404,
+                           fmt::format("The model '{}' does not exist (this server serves {})",
+                                       name, names(backends).dump()),
+                           "model");
+    e.code = "model_not_found";
+    return e;
+  }
+  // The value of `key` in the query ("" when absent), undecoded.
+  static std::string query_value(const http::Request& req, std::string_view key) {
+    std::string_view q = req.query;
+    while (!q.empty()) {
+      const size_t amp = q.find('&');
+      const std::string_view part = q.substr(0, amp);
+      if (part.starts_with(key) && part.size() > key.size() && part[key.size()] == '=') {
+        return std::string(part.substr(key.size() + 1));
+      }
+      if (amp == std::string_view::npos) break;
+      q.remove_prefix(amp + 1);
+    }
+    return "";
+  }
+
+  // GET /metrics: Prometheus text (format 0.0.4): the answers by endpoint and status, each
+  // model's counters and gauges (labelled model="NAME" when there are several), then expertd's
+  // (client/prometheus.h, as `expertctl metrics` prints them) through a connection of its own;
+  // expert_serve_daemon_up says whether that answered.
+  http::Response metrics(const Backends& backends) const {
+    MetricSet m;
+    m.add("expert_serve_responses_total", "counter", "HTTP answers by endpoint and status",
+          counts_.samples());
+    for (const auto& b : backends) {
+      b->service->metrics(m,
+                          backends.size() == 1 ? "" : fmt::format("{{model=\"{}\"}}", b->o.model));
+    }
+    std::string daemon;
+    if (auto client = expertd::client::Client::connect(o_.socket)) {
+      if (auto st = (*client)->stats()) {
+        if (auto text = expertd::client::prometheus_text(*st)) daemon = std::move(*text);
+      }
+    }
+    m.add("expert_serve_daemon_up", "gauge", "whether expertd answered this scrape's stats call",
+          fmt::format("expert_serve_daemon_up {}\n", daemon.empty() ? 0 : 1));
+    return {200, "text/plain; version=0.0.4; charset=utf-8", {}, m.text() + daemon};
+  }
+
+  // The backends, or the 503 to answer without them.
+  std::pair<Backends, std::optional<http::Response>> current() const {
     std::lock_guard lock(mu_);
-    if (backend_ && state_ == State::Serving) return {backend_, std::nullopt};
+    if (!backends_.empty() && state_ == State::Serving) return {backends_, std::nullopt};
     ApiError e = api_error(503, fmt::format("the server is {}{}{}; retry later",
                                             state_ == State::Starting ? "starting (loading the "
                                                                         "model)"
@@ -1165,7 +1249,7 @@ class Front {
     e.code = "unavailable";
     http::Response r = error_response(e);
     r.headers.emplace_back("Retry-After", "1");
-    return {nullptr, std::move(r)};
+    return {Backends{}, std::move(r)};
   }
 
   // GET /health: 200 {"status": "ok", ...} while serving with expertd answering; 503 with the
@@ -1173,12 +1257,12 @@ class Front {
   // Without ?ready, starting and draining are 200: the process is alive, not yet (or no longer)
   // ready.
   http::Response health(const http::Request& req) const {
-    std::shared_ptr<Backend> b;
+    Backends backends;
     State s;
     std::string why;
     {
       std::lock_guard lock(mu_);
-      b = backend_;
+      backends = backends_;
       s = state_;
       why = why_;
     }
@@ -1189,7 +1273,15 @@ class Front {
     json j = {{"status", down ? "unavailable" : state_name(s)}};
     if (down) why = *down;
     if (!why.empty()) j["reason"] = why;
-    if (b && s == State::Serving) j.update(b->service->health_fields());
+    if (!backends.empty() && s == State::Serving) {
+      // The first model's fields; with several, each one's under "models".
+      j.update(backends.front()->service->health_fields());
+      if (backends.size() > 1) {
+        json models = json::object();
+        for (const auto& b : backends) models[b->o.model] = b->service->health_fields();
+        j["models"] = models;
+      }
+    }
     const bool ok = s == State::Serving && !down;
     const bool alive = ok || ((s == State::Starting || s == State::Draining) && !ready_asked);
     http::Response r = json_response(j, alive ? 200 : 503);
@@ -1202,7 +1294,7 @@ class Front {
   ResponseCounts& counts_;
   const DaemonWatch& watch_;
   mutable std::mutex mu_;
-  std::shared_ptr<Backend> backend_;
+  Backends backends_;
   State state_ = State::Starting;
   std::string why_;
 };
@@ -1296,28 +1388,37 @@ int run(const Options& o) {
     (*server)->stop(std::chrono::seconds(5));
     return rc;
   };
-  // A backend and the connection that watches the daemon beside it.
-  auto connect = [&]() -> Result<std::shared_ptr<Backend>> {
+  // A backend per model, and the connection that watches the daemon beside them.
+  auto connect = [&]() -> Result<Backends> {
     {
       std::lock_guard lock(mu);
       lost.clear();
     }
     auto watcher = expertd::client::Client::connect(o.socket);
     if (!watcher) return watcher.take_error();
-    auto b = build_backend(o, counts, on_lost);
-    if (!b) return b.take_error();
+    Backends all;
+    for (const std::string& name : o.models) {
+      auto b = build_backend(o, name, on_lost);
+      if (!b) {
+        if (o.models.size() == 1) return b.take_error();
+        return Error{b.error().code, fmt::format("model {}: {}", name, b.error().message)};
+      }
+      all.push_back(std::move(*b));
+    }
     watch.watch(std::move(*watcher));
-    return b;
+    return all;
   };
 
   auto first = connect();
   if (!first) return end(fail(first.error().message));
-  std::shared_ptr<Backend> backend = std::move(*first);
-  (*server)->set_body_limit(backend->service->body_limit());
-  front.set(backend, Front::State::Serving);
-  spdlog::info("listening on http://{}:{} (model {}, queue {}, at most {} connections{})", o.host,
-               o.port, o.model, o.queue, o.max_connections,
-               key->empty() ? "" : ", API key required");
+  Backends backends = std::move(*first);
+  size_t body_limit = 0;
+  for (const auto& b : backends) body_limit = std::max(body_limit, b->service->body_limit());
+  (*server)->set_body_limit(body_limit);
+  front.set(backends, Front::State::Serving);
+  spdlog::info("listening on http://{}:{} (model{} {}, queue {}, at most {} connections{})", o.host,
+               o.port, o.models.size() == 1 ? "" : "s", fmt::join(o.models, ", "), o.queue,
+               o.max_connections, key->empty() ? "" : ", API key required");
   for (;;) {
     std::string why;
     {
@@ -1330,19 +1431,25 @@ int run(const Options& o) {
     // build another when expertd is back (socket activation restarts it).
     spdlog::warn("{}: reconnecting (for at most {} s, --reconnect-timeout)", why,
                  o.reconnect_timeout);
-    front.set(nullptr, Front::State::Reconnecting, why);
-    backend->gen->stop();
-    std::weak_ptr<Backend> old = backend;
-    backend.reset();
+    front.set({}, Front::State::Reconnecting, why);
+    std::vector<std::weak_ptr<Backend>> old;
+    for (const auto& b : backends) {
+      b->gen->stop();
+      old.push_back(b);
+    }
+    backends.clear();
     const auto t0 = std::chrono::steady_clock::now();
     auto waited = [&] {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    while (!old.expired() && waited() < 10) {
+    auto in_use = [&] {
+      return std::any_of(old.begin(), old.end(), [](const auto& w) { return !w.expired(); });
+    };
+    while (in_use() && waited() < 10) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));  // requests still answering
     }
     std::string last_error;
-    while (!backend) {
+    while (backends.empty()) {
       {
         std::unique_lock lock(mu);
         if (cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return stop_asked; })) break;
@@ -1359,18 +1466,18 @@ int run(const Options& o) {
         last_error = b.error().message;
         continue;
       }
-      backend = std::move(*b);
-      front.set(backend, Front::State::Serving);
+      backends = std::move(*b);
+      front.set(backends, Front::State::Serving);
       spdlog::info("expertd is back after {:.1f} s: serving again", waited());
     }
-    if (!backend) break;  // stop asked while reconnecting
+    if (backends.empty()) break;  // stop asked while reconnecting
   }
   // Draining: the generation in progress stops and the queued requests are answered first, so
   // the workers waiting for them can end.
-  front.set(backend, Front::State::Draining);
-  if (backend) backend->gen->stop();
+  front.set(backends, Front::State::Draining);
+  for (const auto& b : backends) b->gen->stop();
   const int rc = end(0);
-  front.set(nullptr, Front::State::Draining);
+  front.set({}, Front::State::Draining);
   return rc;
 }
 
@@ -1383,6 +1490,15 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("expert-serve ") + EXPERTD_VERSION);
   Options o;
   add_engine_flags(app, o, "The model's name in expertd (and in the API)");
+  // Several models behind one port: --model again for each (a request's "model" picks one).
+  app.remove_option(app.get_option("--model"));
+  app.add_option("--model", o.models,
+                 "The model's name in expertd (and in the API); given more than once, each is "
+                 "served, the request's \"model\" field choosing (each has its own engine, "
+                 "--parallel sequences and queue)")
+      ->required()
+      ->take_all()
+      ->allow_extra_args(false);
   app.add_option("--host", o.host, "Address to listen on (127.0.0.1: this machine only)");
   app.add_option("--port", o.port, "TCP port to listen on (8080)")->check(CLI::Range(1, 65535));
   app.add_option("--ctx", o.ctx, "Context length: KV cache positions, prompt and answer (4096)")
@@ -1464,6 +1580,17 @@ int main(int argc, char** argv) {
       "stop strings apply to the content. docs/SERVE.md lists the fields.");
   CLI11_PARSE(app, argc, argv);
   setup_logging(o.log_level);
+  for (size_t i = 0; i < o.models.size(); ++i) {
+    if (std::find(o.models.begin(), o.models.begin() + i, o.models[i]) != o.models.begin() + i) {
+      return fail(fmt::format("--model {} is given twice", o.models[i]));
+    }
+  }
+  if (o.models.size() > 1 && !o.gguf.empty()) {
+    return fail(
+        "--gguf names one model's file: with several --model, each model's dense "
+        "weights come from the files expertd passes");
+  }
+  o.model = o.models.front();
   if (!o.chat_template_kwargs.empty()) {
     const expertd::Status read = read_chat_template_kwargs(
         o.chat_template_kwargs, "--chat-template-kwargs", o.chat_defaults);
