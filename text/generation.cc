@@ -16,11 +16,27 @@ Result<std::unique_ptr<Generation>> Generation::create(
   if (!token_text && (!options.end_strings.empty() || !options.stops.empty())) {
     return make_error(EINVAL, "stop strings need the model's vocabulary, and it has none");
   }
+  if (!token_text && options.json_schema) {
+    return make_error(EINVAL, "response_format needs the model's vocabulary, and it has none");
+  }
   EXPERTD_TRY_ASSIGN(StopMatcher ends, StopMatcher::create(options.end_strings));
   EXPERTD_TRY_ASSIGN(StopMatcher stops, StopMatcher::create(options.stops));
   std::unique_ptr<Generation> g(new Generation(options, n_vocab, std::move(token_text), end_tokens,
                                                std::move(ends), std::move(stops)));
   for (const uint32_t t : prompt) g->sampler_.accept(t);  // the penalty's window starts there
+  if (options.json_schema) {
+    g->constraint_.emplace(options.json_schema);
+    g->texts_.resize(n_vocab);
+    g->ends_answer_.assign(n_vocab, 0);
+    for (uint32_t id = 0; id < n_vocab; ++id) {
+      g->texts_[id] = g->token_text_(id);
+      bool end = end_tokens.contains(id);
+      for (const std::string& s : options.end_strings) {
+        end = end || g->texts_[id].find(s) != std::string::npos;
+      }
+      g->ends_answer_[id] = end ? 1 : 0;
+    }
+  }
   return g;
 }
 
@@ -56,8 +72,31 @@ std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
     stop_reason_ = "max_tokens";
     return std::nullopt;
   }
-  const uint32_t next = sampler_.sample(logits);
+  std::span<const float> allowed = logits;
+  if (constraint_) {
+    // Structured output: only tokens that keep the text JSON of the schema; end tokens once the
+    // value is whole.
+    masked_.assign(logits.begin(), logits.end());
+    const bool whole = constraint_->complete();
+    bool any = false;
+    for (uint32_t id = 0; id < masked_.size(); ++id) {
+      const bool ok =
+          ends_answer_[id] ? whole : !texts_[id].empty() && constraint_->allows(texts_[id]);
+      if (ok) {
+        any = true;
+      } else {
+        masked_[id] = -INFINITY;
+      }
+    }
+    if (!any) {  // no token of the vocabulary continues the value
+      stop_reason_ = "stop";
+      return std::nullopt;
+    }
+    allowed = masked_;
+  }
+  const uint32_t next = sampler_.sample(allowed);
   tokens_.push_back(next);
+  if (constraint_ && !ends_answer_[next]) constraint_->accept(texts_[next]);
   if (opts_.stop_at_end_token && end_tokens_.contains(next)) {
     stop_reason_ = "eos";
     return std::nullopt;
@@ -95,6 +134,10 @@ std::optional<uint32_t> Generation::advance(std::span<const float> logits) {
       stop_reason_ = "stop";
       return std::nullopt;
     }
+  }
+  if (constraint_ && constraint_->closed()) {  // the object or array closed: nothing may follow
+    stop_reason_ = "stop";
+    return std::nullopt;
   }
   if (tokens_.size() == opts_.max_tokens) {
     stop_reason_ = "max_tokens";

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "expertd/result.h"
+#include "text/json_constraint.h"
 #include "text/reasoning.h"
 #include "text/sampler.h"
 #include "text/stop.h"
@@ -34,6 +35,10 @@ struct GenerationOptions {
   // model's logits (log-softmax, before temperature and penalties, as OpenAI reports them);
   // -1: none.
   int32_t logprobs = -1;
+  // Structured output (response_format): every token whose bytes would leave JSON of this schema
+  // is masked before sampling, end tokens (and tokens holding an end string) until the value is
+  // whole; the answer ends when the value closes. Null: free text.
+  std::shared_ptr<const JsonSchema> json_schema;
 };
 
 // One sampled token's log probability and the most likely alternatives at its step.
@@ -99,6 +104,12 @@ class Generation {
   std::vector<double> lsm_;      // log-softmax of a step's logits
   std::vector<uint32_t> order_;  // token ids for the top alternatives
   const char* stop_reason_ = "";
+  // With json_schema: the recognizer, every token's bytes, which tokens end the answer, and a
+  // step's masked logits.
+  std::optional<JsonConstraint> constraint_;
+  std::vector<std::string> texts_;
+  std::vector<uint8_t> ends_answer_;
+  std::vector<float> masked_;
 };
 
 }  // namespace expertd::text

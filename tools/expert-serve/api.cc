@@ -99,10 +99,39 @@ std::optional<ApiError> unsupported(const json& body) {
   if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) {
     return bad("tools", "tools are not supported");
   }
-  if (const json* v = field(body, "response_format");
-      v && !(v->is_object() && v->value("type", json()) == "text")) {
-    return bad("response_format", "only response_format {\"type\": \"text\"} is supported");
+  return std::nullopt;
+}
+
+// response_format: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
+// "json_schema": {"name", "schema", "strict", "description"}} (OpenAI's shapes).
+std::optional<ApiError> read_response_format(const json& body,
+                                             std::shared_ptr<const text::JsonSchema>& out) {
+  const json* v = field(body, "response_format");
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_object() || !v->contains("type") || !(*v)["type"].is_string()) {
+    return bad("response_format", "response_format must be an object with a \"type\"");
   }
+  const std::string type = (*v)["type"].get<std::string>();
+  if (type == "text") return std::nullopt;
+  if (type == "json_object") {
+    out = text::JsonSchema::any_object();
+    return std::nullopt;
+  }
+  if (type != "json_schema") {
+    return bad("response_format.type",
+               fmt::format("'{}' is not one of text, json_object, json_schema", type));
+  }
+  const json* js = v->contains("json_schema") ? &(*v)["json_schema"] : nullptr;
+  if (js == nullptr || !js->is_object() || !js->contains("schema")) {
+    return bad("response_format.json_schema",
+               "json_schema must be an object with the \"schema\" to follow");
+  }
+  auto compiled = text::JsonSchema::compile((*js)["schema"].dump());
+  if (!compiled) {
+    return bad("response_format.json_schema.schema",
+               "the schema cannot be enforced: " + compiled.error().message);
+  }
+  out = std::move(*compiled);
   return std::nullopt;
 }
 
@@ -358,6 +387,7 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   if (auto e = read_logit_bias(body, n_vocab, out.sampling.logit_bias)) return e;
   if (auto e = read_stop(body, out.stops)) return e;
   if (auto e = unsupported(body)) return e;
+  if (auto e = read_response_format(body, out.json_schema)) return e;
   if (auto e = read_logprobs(body, chat, out.logprobs)) return e;
   std::optional<int64_t> n;
   if (auto e = get_int(body, "n", 1, kMaxChoices, n)) return e;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "text/chat_template.h"
+#include "text/json_constraint.h"
 #include "text/sampler.h"
 
 namespace expertd::serve {
@@ -56,6 +57,8 @@ struct Request {
   // enable_thinking, thinking, reasoning_effort; other keys ignored) and reasoning_effort
   // (OpenAI's); set ones override the server's --chat-template-kwargs / --reasoning-effort.
   text::ChatOptions chat_options;
+  // response_format: json_object (any object) or json_schema (compiled); null: text.
+  std::shared_ptr<const text::JsonSchema> json_schema;
 };
 
 // The most alternatives top_logprobs (chat) or logprobs (completions) may ask for (OpenAI's 20).

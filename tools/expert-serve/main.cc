@@ -292,6 +292,19 @@ class Service {
         job.gen.reasoning = answer_reasoning_syntax(chat_->kind(), *text);
         job.gen.starts_in_reasoning = prompt_opens_think(*text);
       }
+      // Structured output constrains the raw text: an answer that must open with reasoning
+      // (gpt-oss's channels, a prompt that opened a <think> block) cannot be JSON from its first
+      // byte.
+      if (r.json_schema &&
+          (chat_->kind() == ChatTemplate::Kind::kGptOss || prompt_opens_think(*text))) {
+        return api_error(400,
+                         fmt::format("response_format: the {} template makes the answer begin "
+                                     "with its reasoning, which constrained JSON cannot follow; "
+                                     "turn thinking off (chat_template_kwargs "
+                                     "{{\"enable_thinking\": false}}) or ask without it",
+                                     chat_->family()),
+                         "response_format");
+      }
       return std::nullopt;
     }
     if (r.prompt_ids_given) {
@@ -484,6 +497,7 @@ class Service {
                           : chat       ? std::min(o_.max_tokens, room)
                                        : std::min<uint32_t>(16, room);
     job->gen.stop_at_end_token = !r.ignore_eos;
+    job->gen.json_schema = r.json_schema;
     job->gen.logprobs = r.logprobs;
     // n choices: n jobs on the same prompt (each on its own sequence, decoded together), each
     // sampling from its own seed (seed + i), so they differ unless sampling is greedy.
