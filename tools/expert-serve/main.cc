@@ -971,7 +971,9 @@ class DaemonWatch {
         why_.clear();
         continue;
       }
-      why_ = "expertd went away: " + st.error().message;
+      why_ = st.error().message.starts_with("expertd went away")
+                 ? st.error().message
+                 : "expertd went away: " + st.error().message;
       client_.reset();
       const std::string why = why_;
       lock.unlock();
@@ -1594,6 +1596,11 @@ int main(int argc, char** argv) {
       "stop strings apply to the content. docs/SERVE.md lists the fields.");
   CLI11_PARSE(app, argc, argv);
   setup_logging(o.log_level);
+  // Blocks of 1 MiB and more (request bodies, their JSON, prompts) are mapped and unmapped rather
+  // than kept in the heap: glibc would otherwise raise this threshold after the first large free,
+  // and the memory of large requests would stay with the process (tests/chaos/serve_chaos.py,
+  // big_prompts).
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   for (size_t i = 0; i < o.models.size(); ++i) {
     if (std::find(o.models.begin(), o.models.begin() + i, o.models[i]) != o.models.begin() + i) {
       return fail(fmt::format("--model {} is given twice", o.models[i]));
