@@ -238,6 +238,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   CLI::App app{"expert-chaos-client: acquire random experts and check every byte against the file"};
+  app.set_version_flag("--version", std::string("expert-chaos-client ") + EXPERTD_VERSION);
   Options o;
   app.add_option("--socket", o.socket, "expertd's control socket (default $EXPERTD_SOCKET)");
   app.add_option("--model", o.model, "The model's name")->required();

@@ -941,6 +941,7 @@ int main(int argc, char** argv) {
       "expert-gpu-bench: host-to-device copy from pinned memory vs a registered sealed memfd, and "
       "the batch-1 expert FFN (fused dequant+matvec kernels vs dequantise + cuBLAS, and in place "
       "over PCIe) against the device's HBM bandwidth"};
+  app.set_version_flag("--version", std::string("expert-gpu-bench ") + EXPERTD_VERSION);
   app.add_option("--rows", f.rows, "expert hidden size n_ff: gate/up rows, down columns")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 20));

@@ -482,6 +482,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "expertd: out-of-core expert streaming daemon for Mixture-of-Experts models. Each flag "
       "overrides its key in the configuration file (systemd/expertd.toml documents them)"};
+  app.set_version_flag("--version", std::string("expertd ") + EXPERTD_VERSION);
   Flags f;
   const auto u32 = CLI::Range(int64_t{0}, int64_t{0xffffffff});
   app.add_option("--config", f.config_path,

@@ -299,6 +299,7 @@ int run(int argc, char** argv) {
       fmt::format("expert-forge: write a synthetic llama.cpp GGUF model of {} whose every "
                   "byte is derived from --seed (and can be recomputed to verify a read)",
                   forge_arch_names())};
+  app.set_version_flag("--version", std::string("expert-forge ") + EXPERTD_VERSION);
   // A later flag overrides an earlier one, so scripts can append to a base command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // "(qwen3moe Q, deepseek4 D, mixtral M)": the default of a flag that depends on --arch.

@@ -926,6 +926,7 @@ int run(Options o) {
 
 int main(int argc, char** argv) {
   CLI::App app{"expert-run: generate tokens with a MoE model whose experts stream from expertd"};
+  app.set_version_flag("--version", std::string("expert-run ") + EXPERTD_VERSION);
   Options o;
   add_engine_flags(app, o, "The model's name in expertd");
   app.add_option("--prompt", o.prompt_text,

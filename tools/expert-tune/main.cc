@@ -339,6 +339,7 @@ int run_synth(const SynthOptions& o) {
 
 int main(int argc, char** argv) {
   CLI::App app{"expert-tune: tune expertd's cache and prefetch from routing traces"};
+  app.set_version_flag("--version", std::string("expert-tune ") + EXPERTD_VERSION);
   app.require_subcommand(1);
   std::function<int()> run;
 

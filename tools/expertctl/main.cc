@@ -1,12 +1,14 @@
 // expertctl: the command-line client of expertd. `inspect` and `tokenize` work offline on GGUF
 // files; the daemon subcommands talk to expertd over its control socket.
 #include <CLI/CLI.hpp>
+#include <string>
 #include <functional>
 
 #include "tools/expertctl/commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"expertctl: inspect MoE models and control the expertd daemon"};
+  app.set_version_flag("--version", std::string("expertctl ") + EXPERTD_VERSION);
   app.require_subcommand(1);
   std::function<int()> run;
   expertctl::add_inspect_command(app, &run);
