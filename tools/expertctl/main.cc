@@ -1,8 +1,8 @@
 // expertctl: the command-line client of expertd. `inspect` and `tokenize` work offline on GGUF
 // files; the daemon subcommands talk to expertd over its control socket.
 #include <CLI/CLI.hpp>
-#include <string>
 #include <functional>
+#include <string>
 
 #include "tools/expertctl/commands.h"
 
