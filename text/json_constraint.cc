@@ -72,6 +72,9 @@ class Compiler {
         }
         for (const auto& v : s["enum"]) out->literals.push_back(v.dump());
       }
+      if (out->literals.size() > 64) {
+        return schema_error(path + "/enum", "more than 64 values");
+      }
       return Schema(out);
     }
     for (const char* key : {"anyOf", "oneOf"}) {

@@ -71,6 +71,9 @@ TEST(JsonSchemaCompile, RefusesWhatItCannotEnforceNamingThePath) {
   EXPECT_EQ(refusal(R"({"$ref": "#/$defs/nope"})"), "/$ref: #/$defs/nope is not in the schema");
   EXPECT_EQ(refusal(R"({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})"),
             "/$defs/n: nested deeper than 32 (a recursive $ref?)");
+  std::string values;
+  for (int i = 0; i < 65; ++i) values += (i ? "," : "") + std::to_string(i);
+  EXPECT_EQ(refusal(R"({"enum": [)" + values + "]}"), "/enum: more than 64 values");
   EXPECT_EQ(refusal(R"({"type": "array", "minItems": 3, "maxItems": 2})"),
             "/minItems: is above maxItems");
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -33,8 +34,12 @@ std::string kind(const json& v) {
       return "an array";
     case json::value_t::object:
       return "an object";
-    case json::value_t::number_float:
-      return "a number with a fraction";
+    case json::value_t::number_float: {
+      // A whole number beyond 64 bits is read as a float.
+      const double d = v.get<double>();
+      return std::isfinite(d) && d == std::floor(d) ? "an integer out of range"
+                                                    : "a number with a fraction";
+    }
     default:
       return "an integer";
   }
