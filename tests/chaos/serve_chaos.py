@@ -778,6 +778,38 @@ def case_protocol(args, sock, procs):
     assert fifth[0] == 200 and json.loads(fifth[2])["data"][0]["id"] == MODEL, f"5th: {fifth}"
     assert not raw.closed_by_server(0.3), "the keep-alive connection was closed"
     raw.close()
+
+    # A chunked body whose trailer (or chunk extension) never ends: Beast bounds the head, not
+    # these lines; the connection's buffer is bounded, so 64 MB of it is refused, not held.
+    rss0 = mem_bytes(plain.proc.pid, "VmRSS")
+    for what, lead in (("an endless chunked trailer", b"0\r\nX-A: "),
+                       ("an endless chunk extension", b"1;a=")):
+        raw = Raw(plain.port)
+        raw.send(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n" + lead)
+        sent = 0
+        try:
+            for _ in range(64):
+                raw.send(b"a" * (1 << 20))
+                sent += 1
+        except OSError:
+            pass  # the server answered and closed
+        grown = (mem_bytes(plain.proc.pid, "VmRSS") - rss0) >> 20
+        raw.close()
+        assert grown < 32, f"{what}: RSS grew {grown} MiB after {sent} MiB sent"
+        print(f"ok: {what}: refused after at most {sent} MiB sent, RSS +{grown} MiB")
+    assert h.health()["status"] == "ok"
+
+    # A client that sends its request and closes its sending side counts as gone: its request
+    # is cancelled, and the log says 499 (the client left), not a 500.
+    raw = Raw(plain.port)
+    raw.send(post_head("/v1/completions", len(comp)) + comp)
+    raw.sock.shutdown(socket.SHUT_WR)
+    raw.closed_by_server(5.0)
+    raw.close()
+    wait_for("the 499 in the log", lambda: "499" in plain.log(), timeout=5)
+    assert ": 500 " not in plain.log(), plain.log()[-2000:]
+    print("ok: a half-closed request is cancelled and logged 499, not 500")
     print("ok: pipelined /health + /tokenize, then completion + /health + /v1/models: answered "
           "in order on one connection")
 

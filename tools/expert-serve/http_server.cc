@@ -105,6 +105,15 @@ class ExchangeImpl final : public Exchange {
     if (f) f();
   }
   bool answered() const { return replied_; }
+  bool streaming() const { return streaming_; }
+  void set_status(int status, std::string note) {
+    status_ = status;
+    logged_body_ = std::move(note);
+  }
+  void detach() { conn_.reset(); }
+  // A handler failed mid-stream: the connection closes without the last chunk, so the client
+  // sees a cut stream rather than a complete one.
+  void abort();
   bool keep_alive() const { return keep_alive_ && !http10_stream_; }
   int status() const { return status_; }
   const std::string& logged_body() const { return logged_body_; }
@@ -114,7 +123,7 @@ class ExchangeImpl final : public Exchange {
 
   std::shared_ptr<Conn> conn_;
   Request req_;
-  const bool keep_alive_;
+  bool keep_alive_;
   const bool http10_;
   bool replied_ = false;
   bool streaming_ = false;
@@ -170,6 +179,7 @@ class ServerImpl final : public Server {
   void stop(std::chrono::milliseconds grace) override;
 
   void set_body_limit(size_t bytes) override { body_limit_.store(bytes); }
+  bool stopping() const { return stopping_.load(); }
   size_t connections() const override { return open_.load(); }
   uint64_t refused() const override { return refused_.load(); }
   uint64_t timed_out() const override { return timed_out_.load(); }
@@ -192,6 +202,8 @@ class ServerImpl final : public Server {
   void work();
 
   tcp::acceptor acceptor_;
+  asio::steady_timer accept_timer_{io_};
+  uint64_t accept_errors_ = 0;  // network thread
   Handler handler_;
   Logger logger_;
   std::thread io_thread_;
@@ -210,7 +222,11 @@ class ServerImpl final : public Server {
 
 class Conn : public std::enable_shared_from_this<Conn> {
  public:
-  Conn(ServerImpl& s, tcp::socket sock) : s_(s), sock_(std::move(sock)), timer_(s.io_) {
+  Conn(ServerImpl& s, tcp::socket sock)
+      : s_(s),
+        sock_(std::move(sock)),
+        timer_(s.io_),
+        buf_(s.limits_.header_limit + kPipelineLimit + (64 << 10)) {
     error_code ec;
     const auto ep = sock_.remote_endpoint(ec);
     if (!ec) peer_ = fmt::format("{}:{}", ep.address().to_string(), ep.port());
@@ -239,6 +255,12 @@ class Conn : public std::enable_shared_from_this<Conn> {
                         done = std::move(done)]() mutable {
       self->io_write(std::move(data), std::move(done));
     });
+  }
+
+  bool stopping() const { return s_.stopping(); }
+  // Any thread: closes the connection (after what was written).
+  void close_soon() {
+    asio::post(s_.io_, [self = shared_from_this()] { self->close(); });
   }
 
   // Any thread: the worker ended the exchange.
@@ -338,6 +360,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   void read_body() {
     if (closed_) return;
+    cut_ = false;
     arm(s_.limits_.body_timeout, [this] { cut(); });
     bhttp::async_read(sock_, buf_, *parser_,
                       [self = shared_from_this()](error_code ec, size_t) { self->on_body(ec); });
@@ -373,6 +396,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
   }
 
   void dispatch(Request req, bool keep_alive, bool http10) {
+    keep_alive = keep_alive && !s_.stopping();  // a stopping server answers and closes
     std::optional<Response> fast;
     try {
       if (s_.fast_) fast = s_.fast_(req);
@@ -404,31 +428,42 @@ class Conn : public std::enable_shared_from_this<Conn> {
   void watch() {
     if (closed_ || watching_ || buf_.size() >= kPipelineLimit) return;
     watching_ = true;
-    sock_.async_read_some(buf_.prepare(64 << 10),
-                          [self = shared_from_this()](error_code ec, size_t n) {
-                            self->watching_ = false;
-                            self->buf_.commit(n);
-                            if (self->closed_) return;
-                            if (ec && ec != asio::error::operation_aborted) {
-                              // EOF or a reset: the client is gone; the exchange (if still running)
-                              // stops.
-                              self->peer_gone_ = true;
-                              if (self->ex_) self->ex_->mark_gone();
-                              if (self->resume_ || !self->ex_) self->close();
-                              return;
-                            }
-                            if (self->resume_) {
-                              self->resume_ = false;
-                              return self->wait_request();
-                            }
-                            if (!ec) self->watch();
-                          });
+    const size_t room = std::min<size_t>(64 << 10, buf_.max_size() - buf_.size());
+    sock_.async_read_some(buf_.prepare(room), [self = shared_from_this()](error_code ec, size_t n) {
+      self->on_watch(ec, n);
+    });
+  }
+
+  void on_watch(error_code ec, size_t n) {
+    watching_ = false;
+    buf_.commit(n);
+    if (closed_) return;
+    if (ec && ec != asio::error::operation_aborted) {
+      // EOF or a reset: the client is gone; the exchange (if still running) stops.
+      peer_gone_ = true;
+      if (ex_) ex_->mark_gone();
+      if (resume_ || close_after_ || !ex_) close();
+      return;
+    }
+    if (close_after_) return linger_close();
+    if (resume_) {
+      resume_ = false;
+      return wait_request();
+    }
+    if (!ec) watch();
   }
 
   void io_finished(ExchangeImpl& ex) {
     ex_.reset();
+    ex.detach();  // breaks the exchange's hold on this connection
     if (closed_) return;
-    if (!ex.keep_alive() || peer_gone_) return linger_close();
+    if (!ex.keep_alive() || peer_gone_ || s_.stopping()) {
+      if (!watching_) return linger_close();
+      close_after_ = true;  // the watch's completion closes: one read at a time
+      error_code ec;
+      sock_.cancel(ec);
+      return;
+    }
     if (watching_) {
       resume_ = true;  // the watch's completion goes on to the next request
       error_code ec;
@@ -448,12 +483,12 @@ class Conn : public std::enable_shared_from_this<Conn> {
         sock_, asio::buffer(*data),
         [self = shared_from_this(), data, done = std::move(done)](error_code ec, size_t) {
           if (!self->closed_) self->disarm();
+          done(!ec);  // the writer learns first; then the exchange's on_gone runs
           if (ec) {
             self->peer_gone_ = true;
             if (self->ex_) self->ex_->mark_gone();
             self->close();
           }
-          done(!ec);
         });
   }
 
@@ -500,6 +535,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
   bool cut_ = false;
   bool watching_ = false;
   bool resume_ = false;
+  bool close_after_ = false;
   bool peer_gone_ = false;
   friend class ServerImpl;
 };
@@ -520,6 +556,7 @@ void ExchangeImpl::reply(Response r) {
   replied_ = true;
   status_ = r.status;
   logged_body_ = r.body.substr(0, 300);
+  if (conn_->stopping()) keep_alive_ = false;  // a stopping server says it closes
   std::string data =
       head_of(r.status, r.content_type, r.headers, r.body.size(), keep_alive_, http10_);
   if (!req_.head) data += r.body;
@@ -532,6 +569,7 @@ bool ExchangeImpl::stream_begin(int status, std::string content_type, Headers he
   streaming_ = true;
   status_ = status;
   http10_stream_ = http10_;
+  if (conn_->stopping()) keep_alive_ = false;
   return send(
       head_of(status, content_type, headers, std::nullopt, keep_alive_ && !http10_, http10_));
 }
@@ -540,6 +578,12 @@ bool ExchangeImpl::stream_write(std::string_view data) {
   if (!streaming_ || data.empty()) return streaming_ && !failed_;
   if (http10_) return send(std::string(data));
   return send(fmt::format("{:x}\r\n{}\r\n", data.size(), data));
+}
+
+void ExchangeImpl::abort() {
+  streaming_ = false;
+  failed_ = true;
+  conn_->close_soon();
 }
 
 void ExchangeImpl::stream_end() {
@@ -578,7 +622,13 @@ void ServerImpl::accept() {
     // Prune the closed ones now and then.
     if (conns_.size() > 2 * open_.load() + 64)
       conns_.remove_if([](auto& w) { return w.expired(); });
-    accept();
+    if (!ec) return accept();
+    // No descriptor left (EMFILE) or the like: try again in a while rather than spin.
+    if (accept_errors_++ == 0) log(nullptr, 503, "accept failed: " + ec.message());
+    accept_timer_.expires_after(std::chrono::milliseconds(100));
+    accept_timer_.async_wait([this](error_code tec) {
+      if (!tec && !stopping_) accept();
+    });
   });
 }
 
@@ -604,16 +654,24 @@ void ServerImpl::work() {
       queue_.pop_front();
     }
     std::string failure = "the handler gave no answer";
+    bool threw = false;
     try {
       handler_(*ex);
     } catch (const std::exception& e) {
       failure = e.what();
+      threw = true;
     } catch (...) {
       failure = "unknown exception";
+      threw = true;
     }
-    if (!ex->answered()) {
+    if (!ex->answered() && ex->gone() && !threw) {
+      // The client left before its answer: nobody to answer (nginx's 499 in the log).
+      ex->set_status(499, "the client closed the connection before the answer");
+    } else if (!ex->answered()) {
       ex->reply(Response{
           500, "application/json", {}, error_json(fmt::format("internal error: {}", failure))});
+    } else if (threw && ex->streaming()) {
+      ex->abort();
     }
     ex->stream_end();
     log(&ex->request(), ex->status(), ex->logged_body());
@@ -646,6 +704,7 @@ void ServerImpl::stop(std::chrono::milliseconds grace) {
   on_io([this] {
     error_code ec;
     acceptor_.close(ec);
+    accept_timer_.cancel();
     for (auto& w : conns_) {
       if (auto c = w.lock(); c && c->idle()) c->close();
     }
@@ -667,7 +726,12 @@ void ServerImpl::stop(std::chrono::milliseconds grace) {
   cv_.notify_all();
   for (auto& t : workers_) t.join();
   workers_.clear();
-  io_.stop();
+  // After the handlers the workers posted last (their exchanges' ends), so no connection leaks.
+  if (io_thread_.joinable()) {
+    asio::post(io_, [this] { io_.stop(); });
+  } else {
+    io_.stop();
+  }
   if (io_thread_.joinable()) io_thread_.join();
 }
 

@@ -89,8 +89,10 @@ class Exchange {
   virtual void stream_end() = 0;
   // Whether the client closed or reset its connection.
   virtual bool gone() const = 0;
-  // `f` runs once when the client leaves (on the network thread: keep it short), at once if it
-  // already has; replaces an earlier one.
+  // `f` runs once when the client leaves (on the network thread: keep it short, and take no lock
+  // that a worker holds across a call of this Exchange, whose writes wait for that thread), at
+  // once if it already has; replaces an earlier one. A client that closes its sending side
+  // (shutdown(SHUT_WR)) counts as gone: its request is cancelled and nothing more is read.
   virtual void on_gone(std::function<void()> f) = 0;
 };
 

@@ -608,8 +608,12 @@ class Service {
       job.cv.wait(lock, [&] { return job.done || ex.gone(); });
       if (!job.done) return;  // nobody to answer
       if (!job.error.empty()) {
+        // Answered after the lock is let go: a write waits for the network thread, which may be
+        // running this request's on_gone (it takes job.mu).
+        const ApiError e = api_error(job.error_status, job.error);
+        lock.unlock();
         for (const auto& other : jobs) other->cancelled = true;
-        return send_error(ex, api_error(job.error_status, job.error));
+        return send_error(ex, e);
       }
       json choice = {{"index", i},
                      {"logprobs", logprobs_json(job.gen.logprobs, job.logprobs_out, chat, 0)},
