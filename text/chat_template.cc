@@ -1,5 +1,7 @@
 #include "text/chat_template.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -200,10 +202,24 @@ Error template_error(std::string message) { return make_error(EINVAL, std::move(
 // Qwen3-0.6B's template (and the Qwen3 MoE models'): reasoning kept only after the last real user
 // query, the final assistant turn always gets a <think> block.
 // enable_thinking false closes an empty block in the generation prompt: the model answers at once.
-std::string render_qwen3(std::span<const ChatMessage> m, bool gen, const ChatOptions& o) {
+std::string render_qwen3(std::span<const ChatMessage> m, bool gen, const ChatOptions& o,
+                         std::span<const std::string> tools) {
   std::string out;
   const size_t n = m.size();
-  if (m[0].role == "system") out += "<|im_start|>system\n" + m[0].content + "<|im_end|>\n";
+  if (!tools.empty()) {
+    out += "<|im_start|>system\n";
+    if (m[0].role == "system") out += m[0].content + "\n\n";
+    out +=
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+        "provided with function signatures within <tools></tools> XML tags:\n<tools>";
+    for (const std::string& t : tools) out += "\n" + t;
+    out +=
+        "\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+  } else if (m[0].role == "system") {
+    out += "<|im_start|>system\n" + m[0].content + "<|im_end|>\n";
+  }
   size_t last_query = n - 1;
   for (size_t k = n; k-- > 0;) {
     const std::string& c = m[k].content;
@@ -238,7 +254,16 @@ std::string render_qwen3(std::span<const ChatMessage> m, bool gen, const ChatOpt
         out += "<|im_start|>assistant\n";
         out += content;
       }
+      for (size_t j = 0; j < msg.tool_calls.size(); ++j) {
+        if (j > 0 || !content.empty()) out += "\n";
+        out += "<tool_call>\n{\"name\": \"" + msg.tool_calls[j].name +
+               "\", \"arguments\": " + msg.tool_calls[j].arguments + "}\n</tool_call>";
+      }
       out += "<|im_end|>\n";
+    } else if (msg.role == "tool") {
+      if (i == 0 || m[i - 1].role != "tool") out += "<|im_start|>user";
+      out += "\n<tool_response>\n" + msg.content + "\n</tool_response>";
+      if (i == n - 1 || m[i + 1].role != "tool") out += "<|im_end|>\n";
     }
   }
   if (gen) {
@@ -668,21 +693,29 @@ std::string ChatTemplate::names() {
 }
 
 Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
-                                         bool add_generation_prompt,
-                                         const ChatOptions& options) const {
+                                         bool add_generation_prompt, const ChatOptions& options,
+                                         std::span<const std::string> tools) const {
   if (messages.empty()) return make_error(EINVAL, "chat template: no messages");
+  bool tool_parts = !tools.empty();
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string& r = messages[i].role;
-    if (r != "system" && r != "user" && r != "assistant") {
+    tool_parts = tool_parts || r == "tool" || !messages[i].tool_calls.empty();
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
       return make_error(EINVAL, "chat template: message " + std::to_string(i) + " has role '" + r +
-                                    "'; known: system, user, assistant");
+                                    "'; known: system, user, assistant, tool");
     }
+  }
+  if (tool_parts && !supports_tools()) {
+    return make_error(EINVAL,
+                      "chat template: tools, tool calls and tool messages are not "
+                      "supported with the " +
+                          family_ + " template yet (Qwen3 only)");
   }
   switch (kind_) {
     case Kind::kChatml:
       return render_chatml(messages, add_generation_prompt);
     case Kind::kQwen3:
-      return render_qwen3(messages, add_generation_prompt, options);
+      return render_qwen3(messages, add_generation_prompt, options, tools);
     case Kind::kQwen25:
       return render_qwen25(messages, add_generation_prompt);
     case Kind::kDeepseek3:
@@ -804,6 +837,142 @@ Result<ChatTemplate> ChatTemplate::from_flag(const std::string& flag, const Gguf
              : named(flag, bos, eos);
   if (!t) return Error{t.error().code, "--chat-template " + flag + ": " + t.error().message};
   return t;
+}
+
+}  // namespace expertd::text
+
+namespace expertd::text {
+namespace {
+
+// Python's json.dumps string escapes with ensure_ascii=False.
+void python_string(std::string_view s, std::string& out) {
+  out += '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          out += fmt::format("\\u{:04x}", c);
+        } else {
+          out += ch;
+        }
+    }
+  }
+  out += '"';
+}
+
+void python_json(const nlohmann::ordered_json& v, std::string& out) {
+  switch (v.type()) {
+    case nlohmann::ordered_json::value_t::object: {
+      out += '{';
+      bool first = true;
+      for (const auto& [k, x] : v.items()) {
+        if (!first) out += ", ";
+        first = false;
+        python_string(k, out);
+        out += ": ";
+        python_json(x, out);
+      }
+      out += '}';
+      break;
+    }
+    case nlohmann::ordered_json::value_t::array: {
+      out += '[';
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (i > 0) out += ", ";
+        python_json(v[i], out);
+      }
+      out += ']';
+      break;
+    }
+    case nlohmann::ordered_json::value_t::string:
+      python_string(v.get_ref<const std::string&>(), out);
+      break;
+    default:
+      out += v.dump();  // numbers, booleans, null
+  }
+}
+
+}  // namespace
+
+Result<std::string> template_json(std::string_view json_text) {
+  nlohmann::ordered_json v;
+  try {
+    v = nlohmann::ordered_json::parse(json_text);
+  } catch (const nlohmann::ordered_json::exception& e) {
+    return make_error(EINVAL, std::string("not JSON: ") + e.what());
+  }
+  std::string out;
+  python_json(v, out);
+  return out;
+}
+
+bool ChatTemplate::supports_tools() const { return kind_ == Kind::kQwen3; }
+
+std::string_view ChatTemplate::tool_call_opening() const {
+  return supports_tools() ? "<tool_call>\n" : "";
+}
+
+std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
+  if (!supports_tools()) return std::nullopt;
+  constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+  const size_t first = answer.find(kOpen);
+  if (first == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  out.content = std::string(rstrip_nl(answer.substr(0, first)));
+  size_t at = first;
+  while (at != std::string_view::npos) {
+    const size_t body = at + kOpen.size();
+    const size_t end = answer.find(kClose, body);
+    // A call cut short (max_tokens) has no closing tag: the JSON must still be whole.
+    const std::string_view text =
+        answer.substr(body, end == std::string_view::npos ? std::string_view::npos : end - body);
+    nlohmann::ordered_json call;
+    try {
+      call = nlohmann::ordered_json::parse(text);
+    } catch (const nlohmann::ordered_json::exception&) {
+      return std::nullopt;
+    }
+    if (!call.is_object() || !call.contains("name") || !call["name"].is_string()) {
+      return std::nullopt;
+    }
+    ChatToolCall c;
+    c.name = call["name"].get<std::string>();
+    const auto args =
+        call.contains("arguments") ? call["arguments"] : nlohmann::ordered_json::object();
+    c.arguments = args.is_string() ? args.get<std::string>() : args.dump();
+    out.calls.push_back(std::move(c));
+    if (end == std::string_view::npos) break;
+    // Only whitespace may separate calls; anything else after them ends the calls.
+    const size_t next = answer.find(kOpen, end + kClose.size());
+    const std::string_view between = answer.substr(
+        end + kClose.size(),
+        next == std::string_view::npos ? std::string_view::npos : next - end - kClose.size());
+    if (between.find_first_not_of(" \n\t\r") != std::string_view::npos) break;
+    at = next;
+  }
+  return out;
 }
 
 }  // namespace expertd::text

@@ -29,9 +29,29 @@ namespace expertd::text {
 
 class Tokenizer;
 
+// One function call of an assistant turn: the function's name and its arguments as JSON text
+// (OpenAI's API carries them as a string; the template writes them as they are).
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;
+};
+
 struct ChatMessage {
-  std::string role;  // system | user | assistant
+  std::string role;  // system | user | assistant | tool (a tool's result)
   std::string content;
+  std::vector<ChatToolCall> tool_calls;  // assistant
+};
+
+// A JSON value's text as the templates' `tojson` writes it (transformers': Python's json.dumps
+// with ensure_ascii=False: ", " and ": " separators, keys in the order given, non-ASCII kept).
+// `json_text` must keep its keys' order, so parse it with an order-keeping parser. Errors: not
+// JSON.
+Result<std::string> template_json(std::string_view json_text);
+
+// What a model's answer says, split into its text and its tool calls (parse_tool_calls).
+struct ParsedToolCalls {
+  std::string content;  // the text before the first call
+  std::vector<ChatToolCall> calls;
 };
 
 // The switches a template reads besides the messages (transformers' apply_chat_template keyword
@@ -88,8 +108,21 @@ class ChatTemplate {
   // does); add_generation_prompt opens the assistant's turn. Errors: no messages, an unknown role,
   // a conversation the family's template itself rejects (e.g. Mistral's alternation rule) with the
   // template's message. `options`: the thinking switches, as the family's template reads them.
+  // `tools`: the request's tool definitions, each as template_json() writes it; a family whose
+  // template has no tool syntax here refuses tools, tool calls and tool messages (EINVAL, naming
+  // the family).
   Result<std::string> render(std::span<const ChatMessage> messages, bool add_generation_prompt,
-                             const ChatOptions& options = {}) const;
+                             const ChatOptions& options = {},
+                             std::span<const std::string> tools = {}) const;
+  // Whether this family's template renders tools and their results (Qwen3 today).
+  bool supports_tools() const;
+  // The text that opens a tool call in this family's answers ("<tool_call>\n" for Qwen3's
+  // Hermes-style calls), "" without tool support.
+  std::string_view tool_call_opening() const;
+  // The tool calls in a model's answer, in this family's syntax (Qwen3: <tool_call>{"name",
+  // "arguments"}</tool_call> blocks): nullopt when there are none or one is malformed (the answer
+  // is then text). Arguments come back as compact JSON text.
+  std::optional<ParsedToolCalls> parse_tool_calls(std::string_view answer) const;
   // The switches `options` sets that this family's template does not read (render ignores them):
   // "enable_thinking", "thinking", "reasoning_effort", for a log line.
   std::vector<std::string> ignored(const ChatOptions& options) const;

@@ -8,6 +8,7 @@
 
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -298,6 +299,93 @@ TEST(ChatTemplate, FromGgufWithoutATemplateIsChatml) {
   const std::vector<ChatMessage> m = {{"user", "Hi"}};
   EXPECT_EQ(*t->render(m, true), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
   EXPECT_EQ(t->stop_strings(), std::vector<std::string>{"<|im_end|>"});
+}
+
+}  // namespace
+}  // namespace expertd::engine
+
+namespace expertd::engine {
+namespace {
+
+using namespace expertd::text;
+
+// Tool calls (issue 25) against transformers: tests/fixtures/chat-tools/<name>.json, written by
+// tools/reference/make_tool_fixtures.py from the vendor template with tools, assistant tool calls
+// and tool results. Read with the keys' order kept: the template writes the tools as given.
+TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
+  std::ifstream in(test::fixture_path("chat-tools/qwen3.json"));
+  ASSERT_TRUE(in) << "no fixture";
+  const nlohmann::ordered_json f = nlohmann::ordered_json::parse(in);
+  auto t = ChatTemplate::from_text(f["template"].get<std::string>(), f["bos"], f["eos"]);
+  ASSERT_TRUE(t) << t.error().message;
+  ASSERT_TRUE(t->supports_tools());
+  ASSERT_GE(f["cases"].size(), 18u);
+  int i = 0;
+  for (const auto& c : f["cases"]) {
+    std::vector<std::string> tools;
+    if (!c["tools"].is_null()) {
+      for (const auto& tool : c["tools"]) {
+        auto text = template_json(tool.dump());
+        ASSERT_TRUE(text) << text.error().message;
+        tools.push_back(*text);
+      }
+    }
+    std::vector<ChatMessage> m;
+    for (const auto& msg : c["messages"]) {
+      ChatMessage cm{msg["role"], msg["content"], {}};
+      if (msg.contains("tool_calls")) {
+        for (const auto& tc : msg["tool_calls"]) {
+          cm.tool_calls.push_back({tc["function"]["name"], tc["function"]["arguments"]});
+        }
+      }
+      m.push_back(std::move(cm));
+    }
+    ChatOptions options;
+    if (c.contains("kwargs")) {
+      ASSERT_TRUE(read_chat_template_kwargs(c["kwargs"].dump(), "kwargs", options));
+    }
+    auto out = t->render(m, c["add_generation_prompt"], options, tools);
+    ASSERT_TRUE(out) << "case " << i << ": " << out.error().message;
+    EXPECT_EQ(*out, c["output"].get<std::string>())
+        << "case " << i << "\n got " << nlohmann::json(*out).dump() << "\nwant "
+        << c["output"].dump();
+    ++i;
+  }
+  // Another family refuses tools rather than dropping them.
+  auto chatml = ChatTemplate::named("chatml", "", "");
+  ASSERT_TRUE(chatml);
+  const ChatMessage user{"user", "Hi", {}};
+  const std::string tool = R"({"type": "function"})";
+  auto refused = chatml->render(std::span(&user, 1), true, {}, std::span(&tool, 1));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("not supported with the chatml template"),
+            std::string::npos)
+      << refused.error().message;
+}
+
+TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
+  auto t = ChatTemplate::named("qwen3", "", "<|im_end|>");
+  ASSERT_TRUE(t);
+  auto p = t->parse_tool_calls(
+      "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+      "</tool_call>\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"x\", \"n\": 2}}\n"
+      "</tool_call>");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->content, "Checking.");
+  ASSERT_EQ(p->calls.size(), 2u);
+  EXPECT_EQ(p->calls[0].name, "get_weather");
+  EXPECT_EQ(p->calls[0].arguments, R"({"city":"Paris"})");
+  EXPECT_EQ(p->calls[1].arguments, R"({"q":"x","n":2})");  // the model's key order
+  EXPECT_FALSE(t->parse_tool_calls("no calls here"));
+  EXPECT_FALSE(t->parse_tool_calls("<tool_call>\n{\"name\": \"x\", \"argu"));  // cut short
+  EXPECT_FALSE(t->parse_tool_calls("<tool_call>\n[1]\n</tool_call>"));
+  // A call cut at max_tokens after its JSON closed still counts.
+  auto cut = t->parse_tool_calls("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n");
+  ASSERT_TRUE(cut);
+  EXPECT_EQ(cut->calls[0].arguments, "{}");
+  // template_json writes Python's json.dumps: separators, order, unicode, escapes.
+  EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
+            "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");
 }
 
 }  // namespace

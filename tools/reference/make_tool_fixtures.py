@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Tool-call chat fixtures for text/chat_template (tests/engine/chat_template_test.cc, "tools"):
+renders a vendor template over conversations with tools, assistant tool calls and tool results
+with transformers' own renderer (render_jinja_template, as make_chat_fixtures.py does) and writes
+tests/fixtures/chat-tools/<name>.json: the template, and per case the tools, the messages, the
+keyword arguments and the expected text (or the template's error). Tool call arguments are JSON
+strings, as OpenAI's API carries them. Deterministic.
+
+Run with a Python that has jinja2 and transformers (e.g. /tmp/refvenv/bin/python):
+  make_tool_fixtures.py --templates <llama.cpp>/models/templates --out tests/fixtures/chat-tools
+"""
+import argparse
+import json
+import os
+
+from transformers.utils.chat_template_utils import render_jinja_template
+
+TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>")}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City name"},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web",
+    "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}, "exact": {"type": "boolean"},
+        "filters": {"type": "array", "items": {"type": "string"}}},
+        "required": ["q"], "additionalProperties": False}}}
+
+
+def call(name, args, cid="call_1"):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def cases():
+    u = {"role": "user", "content": "What is the weather in Paris?"}
+    s = {"role": "system", "content": "You are terse."}
+    a_call = {"role": "assistant", "content": "",
+              "tool_calls": [call("get_weather", '{"city": "Paris", "unit": "c"}')]}
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "clear"}'}
+    two = {"role": "assistant", "content": "Let me check both.",
+           "tool_calls": [call("get_weather", '{"city":"Paris"}', "call_1"),
+                          call("search", '{"q": "Paris events", "filters": ["today"]}', "call_2")]}
+    t1 = {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}
+    t2 = {"role": "tool", "tool_call_id": "call_2", "content": "A concert at 8 pm."}
+    final = {"role": "assistant", "content": "It is 21 C; a concert at 8 pm."}
+    thought = {"role": "assistant", "content": "<think>\nThe user wants weather.\n</think>\n\n",
+               "tool_calls": [call("get_weather", '{"city": "Oslo"}')]}
+    tools1, tools2 = [WEATHER], [WEATHER, SEARCH]
+    out = []
+    for gen in (True, False):
+        out += [
+            (tools1, [u], gen, None),
+            (tools2, [s, u], gen, None),
+            (tools1, [u, a_call, tool], gen, None),
+            (tools2, [s, u, two, t1, t2, final], gen, None),
+            (tools2, [u, two, t1, t2, final, {"role": "user", "content": "Thanks!"}], gen, None),
+            (None, [u, a_call, tool], gen, None),
+            (tools1, [u, thought, tool], gen, None),
+            (tools1, [u, a_call, tool], gen, {"enable_thinking": False}),
+            (tools2, [s, u, two, t1], gen, {"enable_thinking": True}),
+        ]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--templates", required=True)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
+                                                  "../../tests/fixtures/chat-tools"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for name, (src, bos, eos) in TEMPLATES.items():
+        text = open(os.path.join(args.templates, src)).read()
+        doc = {"name": name, "source": f"llama.cpp models/templates/{src}", "template": text,
+               "bos": bos, "eos": eos, "cases": []}
+        for tools, messages, gen, kwargs in cases():
+            case = {"tools": tools, "messages": messages, "add_generation_prompt": gen}
+            if kwargs is not None:
+                case["kwargs"] = kwargs
+            try:
+                rendered = render_jinja_template(conversations=[messages], tools=tools,
+                                                 chat_template=text, add_generation_prompt=gen,
+                                                 bos_token=bos, eos_token=eos, **(kwargs or {}))
+                case["output"] = rendered[0][0]
+            except Exception as e:
+                case["error"] = str(e)
+            doc["cases"].append(case)
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump(doc, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        print(f"{name}: {len(doc['cases'])} cases")
+
+
+if __name__ == "__main__":
+    main()
