@@ -228,11 +228,17 @@ TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
 TEST(ChatTemplate, UnknownRoleAndEmptyConversationAreErrors) {
   auto t = ChatTemplate::named("qwen3", "", "");
   ASSERT_TRUE(t);
-  const std::vector<ChatMessage> tool = {{"user", "q"}, {"tool", "result"}};
-  auto out = t->render(tool, true);
+  const std::vector<ChatMessage> odd = {{"user", "q", {}}, {"function", "result", {}}};
+  auto out = t->render(odd, true);
   ASSERT_FALSE(out);
   EXPECT_EQ(out.error().message,
-            "chat template: message 1 has role 'tool'; known: system, user, assistant");
+            "chat template: message 1 has role 'function'; known: system, user, assistant, tool");
+  // A tool result on a family without tool syntax here is refused, naming it.
+  const std::vector<ChatMessage> tool = {{"user", "q", {}}, {"tool", "result", {}}};
+  auto llama = ChatTemplate::named("llama3", "", "")->render(tool, true);
+  ASSERT_FALSE(llama);
+  EXPECT_NE(llama.error().message.find("not supported with the llama3"), std::string::npos)
+      << llama.error().message;
   EXPECT_FALSE(t->render({}, true));
 }
 

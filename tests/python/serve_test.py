@@ -573,6 +573,94 @@ def test_response_format(h, client):
           "and parse (of the schema); an unenforceable schema is a 400 naming its keyword")
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city"], "additionalProperties": False}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+def test_tools(args, sock, plain_client):
+    """Tool calls (Qwen3's template): a forced call (a named function, or required) comes back as
+    message.tool_calls with finish_reason tool_calls and arguments of the function's schema,
+    streamed or not; auto leaves a model that calls nothing answering text; a second turn with
+    the call and its result renders; a template without tool syntax refuses tools by name."""
+    procs = []
+    try:
+        port, h, _ = start_serve(args, sock, MODEL,
+                                 ["--chat-template", "qwen3", "--ctx", "4096", "--cpu"], procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        called = 0
+        for seed in range(1, 5):
+            r = client.chat.completions.create(
+                model=MODEL, messages=ask, tools=[WEATHER, SEARCH], tool_choice=named,
+                max_tokens=1500, temperature=1.0, seed=seed)
+            c = r.choices[0]
+            if c.finish_reason == "length":
+                continue  # a random model's string ran past max_tokens
+            assert c.finish_reason == "tool_calls", c
+            call = c.message.tool_calls[0]
+            assert call.type == "function" and call.function.name == "get_weather", call
+            a = json.loads(call.function.arguments)
+            assert isinstance(a.get("city"), str) and set(a) <= {"city", "unit"}, a
+            assert a.get("unit", "c") in ("c", "f"), a
+            called += 1
+        assert called >= 2, f"{called} of 4 forced calls closed"
+        # Streamed, required: the call arrives as one tool_calls delta, then finish tool_calls.
+        streamed = 0
+        for seed in range(1, 5):
+            calls, finish = {}, None
+            for chunk in client.chat.completions.create(
+                    model=MODEL, messages=ask, tools=[WEATHER, SEARCH], tool_choice="required",
+                    max_tokens=1500, temperature=1.0, seed=seed, stream=True):
+                d = chunk.choices[0].delta
+                for tc in d.tool_calls or []:
+                    calls.setdefault(tc.index, [tc.function.name, ""])
+                    calls[tc.index][1] += tc.function.arguments or ""
+                assert not d.content, f"content streamed with a forced call: {d.content!r}"
+                finish = chunk.choices[0].finish_reason or finish
+            if finish == "length":
+                continue
+            assert finish == "tool_calls" and calls[0][0] in ("get_weather", "search"), calls
+            assert isinstance(json.loads(calls[0][1]), dict), calls
+            streamed += 1
+        assert streamed >= 2, f"{streamed} of 4 streamed forced calls closed"
+        # auto: the tools are in the prompt; a model that calls nothing answers text.
+        plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4)
+        auto = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+                                              max_tokens=4)
+        assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50, (auto.usage, plain.usage)
+        assert auto.choices[0].finish_reason in ("stop", "length"), auto
+        # The call and its result in the next turn render (and generate).
+        turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
+        r = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER],
+                                           max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), r
+        status, _, data = h.request("POST", "/v1/chat/completions", {
+            "messages": ask, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        assert status == 400 and json.loads(data)["error"]["param"] == "tool_choice", data
+        # ChatML (the other server) has no tool syntax: tools are a 400 naming the template.
+        try:
+            plain_client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER])
+            raise AssertionError("tools on a ChatML model were accepted")
+        except openai.BadRequestError as e:
+            assert "chatml" in str(e) and "tools" in str(e), e
+        print(f"ok: tools (Qwen3): {called} of 4 named calls and {streamed} of 4 streamed "
+              "required calls came back as tool_calls of the schema; auto renders the tools; a "
+              "tool turn renders; ChatML refuses tools")
+    finally:
+        stop_procs(procs)
+
+
 def test_two_models(args, sock, tiny_h, odd_h):
     """Several models behind one port: --model twice; a request's "model" picks the engine, and
     each answers as the server of that model alone does."""
@@ -685,6 +773,7 @@ def main():
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)
         test_two_models(args, sock, h, odd_h)
+        test_tools(args, sock, client)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -101,9 +102,82 @@ std::optional<ApiError> unsupported(const json& body) {
   if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->empty())) {
     return bad("suffix", "suffix is not supported");
   }
-  if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) {
-    return bad("tools", "tools are not supported");
+  return std::nullopt;
+}
+
+// tools [{"type": "function", "function": {"name", "description", "parameters"}}], tool_choice
+// and parallel_tool_calls (chat only), as OpenAI's API takes them.
+std::optional<ApiError> read_tools(const json& body, bool chat, Request& out) {
+  const json* tools = field(body, "tools");
+  const json* choice = field(body, "tool_choice");
+  if (!chat) {
+    if (tools && !(tools->is_array() && tools->empty())) {
+      return bad("tools", "tools are for chat completions");
+    }
+    return std::nullopt;
   }
+  if (tools) {
+    if (!tools->is_array()) return wrong_type("tools", "an array of tools", *tools);
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string w = fmt::format("tools[{}]", i);
+      if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
+          !t["function"].is_object()) {
+        return bad(w, w + " must be {\"type\": \"function\", \"function\": {...}}");
+      }
+      const json& f = t["function"];
+      if (!f.contains("name") || !f["name"].is_string() || f["name"].get<std::string>().empty()) {
+        return bad(w + ".function.name", w + ".function.name must be a non-empty string");
+      }
+      Tool tool{f["name"].get<std::string>(), ""};
+      if (f.contains("parameters") && !f["parameters"].is_null()) {
+        if (!f["parameters"].is_object()) {
+          return wrong_type(w + ".function.parameters", "a JSON Schema object", f["parameters"]);
+        }
+        tool.parameters = f["parameters"].dump();
+      }
+      for (const Tool& other : out.tools) {
+        if (other.name == tool.name) {
+          return bad(w + ".function.name", fmt::format("two tools are named '{}'", tool.name));
+        }
+      }
+      out.tools.push_back(std::move(tool));
+    }
+  }
+  out.tool_choice = out.tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
+  if (choice) {
+    if (out.tools.empty()) return bad("tool_choice", "tool_choice needs tools");
+    if (choice->is_string()) {
+      const std::string c = choice->get<std::string>();
+      if (c == "none") {
+        out.tool_choice = ToolChoice::kNone;
+      } else if (c == "auto") {
+        out.tool_choice = ToolChoice::kAuto;
+      } else if (c == "required") {
+        out.tool_choice = ToolChoice::kRequired;
+      } else {
+        return bad("tool_choice", fmt::format("tool_choice '{}' is not none, auto, required or "
+                                              "{{\"type\": \"function\", ...}}",
+                                              c));
+      }
+    } else if (choice->is_object() && choice->contains("function") &&
+               (*choice)["function"].is_object() && (*choice)["function"].contains("name") &&
+               (*choice)["function"]["name"].is_string()) {
+      out.tool_choice = ToolChoice::kNamed;
+      out.tool_choice_name = (*choice)["function"]["name"].get<std::string>();
+      if (std::none_of(out.tools.begin(), out.tools.end(),
+                       [&](const Tool& t) { return t.name == out.tool_choice_name; })) {
+        return bad("tool_choice", fmt::format("tool_choice names '{}', which is not in tools",
+                                              out.tool_choice_name));
+      }
+    } else {
+      return wrong_type("tool_choice",
+                        "none, auto, required or {\"type\": \"function\", \"function\": "
+                        "{\"name\"}}",
+                        *choice);
+    }
+  }
+  if (auto e = get_bool(body, "parallel_tool_calls", out.parallel_tool_calls)) return e;
   return std::nullopt;
 }
 
@@ -259,12 +333,35 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
     if (!role || !role->is_string()) {
       return bad(where + ".role", where + ".role must be a string");
     }
-    Message msg{role->get<std::string>(), ""};
+    Message msg{role->get<std::string>(), "", {}};
     if (msg.role == "developer") msg.role = "system";  // OpenAI's newer name for it
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
-      return bad(
-          where + ".role",
-          fmt::format("{}.role '{}' is not system, developer, user or assistant", where, msg.role));
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
+        msg.role != "tool") {
+      return bad(where + ".role",
+                 fmt::format("{}.role '{}' is not system, developer, user, assistant or tool",
+                             where, msg.role));
+    }
+    if (const json* calls = field(m, "tool_calls")) {
+      if (msg.role != "assistant" || !calls->is_array()) {
+        return bad(where + ".tool_calls", where +
+                                              ".tool_calls must be an array, on an assistant "
+                                              "message");
+      }
+      for (size_t k = 0; k < calls->size(); ++k) {
+        const json& tc = (*calls)[k];
+        const std::string w = fmt::format("{}.tool_calls[{}]", where, k);
+        if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object() ||
+            !tc["function"].contains("name") || !tc["function"]["name"].is_string()) {
+          return bad(w, w + " must be {\"type\": \"function\", \"function\": {\"name\", "
+                            "\"arguments\"}}");
+        }
+        const json args = tc["function"].value("arguments", json("{}"));
+        if (!args.is_string() && !args.is_object()) {
+          return wrong_type(w + ".function.arguments", "a JSON string or an object", args);
+        }
+        msg.tool_calls.push_back({tc["function"]["name"].get<std::string>(),
+                                  args.is_string() ? args.get<std::string>() : args.dump()});
+      }
     }
     const json* content = field(m, "content");
     if (!content) {
@@ -393,6 +490,7 @@ std::optional<ApiError> read_request(const json& body, bool chat, const std::str
   if (auto e = read_stop(body, out.stops)) return e;
   if (auto e = unsupported(body)) return e;
   if (auto e = read_response_format(body, out.json_schema)) return e;
+  if (auto e = read_tools(body, chat, out)) return e;
   if (auto e = read_logprobs(body, chat, out.logprobs)) return e;
   std::optional<int64_t> n;
   if (auto e = get_int(body, "n", 1, kMaxChoices, n)) return e;

@@ -28,9 +28,18 @@ struct ApiError {
 nlohmann::json error_body(const ApiError& e);
 
 struct Message {
-  std::string role;
+  std::string role;  // system (developer), user, assistant, tool
   std::string content;
+  std::vector<text::ChatToolCall> tool_calls;  // assistant
 };
+
+// A function the model may call (tools[i].function).
+struct Tool {
+  std::string name;
+  std::string parameters;  // its JSON Schema's text ("" when absent)
+};
+
+enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
 
 // One request to /v1/completions or /v1/chat/completions, checked field by field.
 struct Request {
@@ -59,6 +68,12 @@ struct Request {
   text::ChatOptions chat_options;
   // response_format: json_object (any object) or json_schema (compiled); null: text.
   std::shared_ptr<const text::JsonSchema> json_schema;
+  // Chat: tools, tool_choice (default auto with tools, none without; kNamed: tool_choice_name)
+  // and parallel_tool_calls.
+  std::vector<Tool> tools;
+  ToolChoice tool_choice = ToolChoice::kNone;
+  std::string tool_choice_name;
+  bool parallel_tool_calls = true;
 };
 
 // The most alternatives top_logprobs (chat) or logprobs (completions) may ask for (OpenAI's 20).

@@ -45,6 +45,12 @@ struct Job {
   // logprobs.
   text::GenerationOptions gen;
 
+  // Chat with tools (not read by the generator): kParse looks for the template's tool calls in the
+  // answer; kForced prefilled the call's opening and constrained the answer to its JSON.
+  enum class Tools { kNone, kParse, kForced };
+  Tools tools = Tools::kNone;
+  bool parallel_tool_calls = true;
+
   std::atomic<bool> cancelled{false};
   uint64_t submitted_ns = 0;  // monotonic, set by submit(): the time to first token starts here
 

@@ -264,20 +264,25 @@ class Service {
 
   // The prompt's tokens into `job`, with how its answer is cut and split; or the error to answer
   // with.
-  std::optional<ApiError> prompt_tokens(const expertd::serve::Request& r, Job& job) const {
+  // `tools`: the tool definitions as the template writes them (none: tool_choice none or no
+  // tools); with a forced tool choice the call's opening is written after the generation prompt.
+  std::optional<ApiError> prompt_tokens(const expertd::serve::Request& r, Job& job,
+                                        std::span<const std::string> tools) const {
     std::vector<uint32_t>& out = job.prompt;
     if (r.chat) {
       if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
       std::vector<ChatMessage> messages;
-      for (const auto& m : r.messages) messages.push_back({m.role, m.content});
+      for (const auto& m : r.messages) messages.push_back({m.role, m.content, m.tool_calls});
       // A switch the template does not read is ignored, as vLLM's (jinja) rendering ignores it.
       if (const auto ignored = chat_->ignored(r.chat_options); !ignored.empty()) {
         spdlog::info("chat request: {} ignored: the {} template does not read it",
                      fmt::join(ignored, ", "), chat_->family());
       }
       const ChatOptions options = o_.chat_defaults.overridden_by(r.chat_options);
-      auto text = chat_->render(messages, /*add_generation_prompt=*/true, options);
+      auto text = chat_->render(messages, /*add_generation_prompt=*/true, options, tools);
       if (!text) return api_error(400, "messages: " + text.error().message, "messages");
+      const bool forced = job.tools == Job::Tools::kForced;
+      if (forced) *text += chat_->tool_call_opening();
       spdlog::debug("chat prompt: {}", dump(*text));
       // The template writes the BOS itself where the model wants one.
       auto ids = tok_.encode(*text, /*add_special=*/false);
@@ -295,7 +300,7 @@ class Service {
       // Structured output constrains the raw text: an answer that must open with reasoning
       // (gpt-oss's channels, a prompt that opened a <think> block) cannot be JSON from its first
       // byte.
-      if (r.json_schema &&
+      if ((r.json_schema || forced) &&
           (chat_->kind() == ChatTemplate::Kind::kGptOss || prompt_opens_think(*text))) {
         return api_error(400,
                          fmt::format("response_format: the {} template makes the answer begin "
@@ -436,6 +441,97 @@ class Service {
   }
 
  private:
+  // Tools for a chat request whose tool_choice is not none: their texts as the template writes
+  // them (from the body again, parsed keeping key order), the job's tool mode, and for a forced
+  // choice (required, or a named function) the schema of the call's JSON: {"name": one of the
+  // names, "arguments": the function's parameters} (arguments any object where the parameters
+  // use keywords constrained decoding does not enforce, or several functions may be called).
+  std::optional<ApiError> tools_for(const http::Request& req, const expertd::serve::Request& r,
+                                    Job& job, std::vector<std::string>& texts,
+                                    std::shared_ptr<const JsonSchema>& forced) const {
+    using expertd::serve::ToolChoice;
+    if (!chat_ || !chat_->supports_tools()) {
+      return api_error(400,
+                       fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3 "
+                                   "only); send tool_choice \"none\" to ignore them",
+                                   chat_ ? chat_->family() : std::string("model's")),
+                       "tools");
+    }
+    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(req.body);
+    for (const auto& t : ordered["tools"]) {
+      auto text = template_json(t.dump());
+      if (!text) return api_error(400, "tools: " + text.error().message, "tools");
+      texts.push_back(std::move(*text));
+    }
+    job.parallel_tool_calls = r.parallel_tool_calls;
+    if (r.tool_choice == ToolChoice::kAuto) {
+      job.tools = Job::Tools::kParse;
+      return std::nullopt;
+    }
+    if (r.json_schema) {
+      return api_error(400, "response_format and a forced tool_choice both constrain the answer",
+                       "tool_choice");
+    }
+    job.tools = Job::Tools::kForced;
+    json names = json::array();
+    std::string parameters;
+    for (const auto& t : r.tools) {
+      if (r.tool_choice == ToolChoice::kNamed && t.name != r.tool_choice_name) continue;
+      names.push_back(t.name);
+      parameters = t.parameters;
+    }
+    auto schema_with = [&](const json& arguments) {
+      return JsonSchema::compile(json{
+          {"type", "object"},
+          {"properties", {{"name", {{"enum", names}}}, {"arguments", arguments}}},
+          {"required", {"name", "arguments"}},
+          {"additionalProperties",
+           false}}.dump());
+    };
+    const json any_object = {{"type", "object"}};
+    auto schema = schema_with(names.size() == 1 && !parameters.empty() ? json::parse(parameters)
+                                                                       : any_object);
+    if (!schema) {
+      spdlog::info("tool_choice: the arguments of {} are not constrained to its parameters ({})",
+                   names.dump(), schema.error().message);
+      schema = schema_with(any_object);
+    }
+    if (!schema) return api_error(500, "tool_choice: " + schema.error().message);
+    forced = std::move(*schema);
+    return std::nullopt;
+  }
+
+  // The tool calls of a finished chat answer ({"id", "type", "function": {"name", "arguments"}}
+  // each), and its content without them; nullopt: the answer is text.
+  std::optional<json> tool_calls_of(const Job& job, std::string_view text,
+                                    std::string& content) const {
+    std::vector<expertd::text::ChatToolCall> calls;
+    if (job.tools == Job::Tools::kForced) {
+      try {
+        const nlohmann::ordered_json call = nlohmann::ordered_json::parse(text);
+        calls.push_back({call.at("name").get<std::string>(), call.at("arguments").dump()});
+      } catch (const nlohmann::ordered_json::exception&) {
+        return std::nullopt;  // cut short at max_tokens
+      }
+      content.clear();
+    } else if (job.tools == Job::Tools::kParse) {
+      auto parsed = chat_->parse_tool_calls(text);
+      if (!parsed) return std::nullopt;
+      calls = std::move(parsed->calls);
+      content = std::move(parsed->content);
+      if (!job.parallel_tool_calls) calls.resize(1);
+    } else {
+      return std::nullopt;
+    }
+    json out = json::array();
+    for (const auto& c : calls) {
+      out.push_back({{"id", random_id("call_")},
+                     {"type", "function"},
+                     {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+    }
+    return out;
+  }
+
   void generate(http::Exchange& ex, const json& body, bool chat) {
     expertd::serve::Request r;
     if (auto e = expertd::serve::read_request(body, chat, o_.model, tok_.size(), r)) {
@@ -455,7 +551,14 @@ class Service {
     }
     auto job = std::make_shared<Job>();
     job->gen.stops = r.stops;
-    if (auto e = prompt_tokens(r, *job)) return send_error(ex, *e);
+    std::vector<std::string> tool_texts;
+    std::shared_ptr<const JsonSchema> forced_schema;
+    if (chat && r.tool_choice != expertd::serve::ToolChoice::kNone) {
+      if (auto e = tools_for(ex.request(), r, *job, tool_texts, forced_schema)) {
+        return send_error(ex, *e);
+      }
+    }
+    if (auto e = prompt_tokens(r, *job, tool_texts)) return send_error(ex, *e);
     const char* prompt_param = chat ? "messages" : "prompt";
     const uint64_t n = job->prompt.size();
     if (n == 0) return send_error(ex, api_error(400, "the prompt encodes to no tokens"));
@@ -498,6 +601,7 @@ class Service {
                                        : std::min<uint32_t>(16, room);
     job->gen.stop_at_end_token = !r.ignore_eos;
     job->gen.json_schema = r.json_schema;
+    if (forced_schema) job->gen.json_schema = forced_schema;
     job->gen.logprobs = r.logprobs;
     // n choices: n jobs on the same prompt (each on its own sequence, decoded together), each
     // sampling from its own seed (seed + i), so they differ unless sampling is greedy.
@@ -620,6 +724,12 @@ class Service {
                      {"finish_reason", job.finish_reason}};
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", job.text}};
+        std::string content;
+        if (auto calls = tool_calls_of(job, job.text, content)) {
+          choice["message"]["content"] = content.empty() ? json(nullptr) : json(content);
+          choice["message"]["tool_calls"] = std::move(*calls);
+          choice["finish_reason"] = "tool_calls";
+        }
         // As DeepSeek's API and vLLM give it; absent when the model did not reason (or
         // reasoning_format is none).
         if (!job.reasoning_text.empty())
@@ -645,6 +755,8 @@ class Service {
       bool role_sent = false;
       bool finished = false;  // its finish chunk went out
       size_t sent_bytes = 0;  // content bytes sent (completions: logprobs text_offset)
+      std::string held;       // with tools: content held back (a call, or what may open one)
+      bool in_calls = false;  // the content reached the template's tool call opening
     };
     struct State {
       std::vector<Choice> choices;
@@ -737,6 +849,32 @@ class Service {
           error_status = job.error_status;
           finish_reason = job.finish_reason;
         }
+        // With tools, content is held back from where a tool call opens (or may be opening): the
+        // calls go out whole, as one delta, once the answer is complete.
+        if (job.tools == Job::Tools::kForced) {
+          c.held += piece;
+          piece.clear();
+        } else if (job.tools == Job::Tools::kParse && !c.in_calls) {
+          c.held += piece;
+          constexpr std::string_view kOpen = "<tool_call>";
+          if (const size_t k = c.held.find(kOpen); k != std::string::npos) {
+            piece = c.held.substr(0, k);
+            c.held.erase(0, k);
+            c.in_calls = true;
+          } else {
+            size_t keep = std::min(c.held.size(), kOpen.size() - 1);
+            while (keep > 0 &&
+                   !kOpen.starts_with(std::string_view(c.held).substr(c.held.size() - keep))) {
+              --keep;
+            }
+            if (done) keep = 0;
+            piece = c.held.substr(0, c.held.size() - keep);
+            c.held.erase(0, c.held.size() - keep);
+          }
+        } else if (job.tools == Job::Tools::kParse) {
+          c.held += piece;
+          piece.clear();
+        }
         if (chat && !c.role_sent) {
           json choice = {{"index", i},
                          {"delta", {{"role", "assistant"}, {"content", ""}}},
@@ -778,6 +916,24 @@ class Service {
           send("data: [DONE]\n\n");
           ended = true;
           return false;
+        }
+        if (job.tools != Job::Tools::kNone && !c.held.empty()) {
+          std::string content;
+          if (auto calls = tool_calls_of(job, c.held, content)) {
+            for (size_t k = 0; k < calls->size(); ++k) (*calls)[k]["index"] = k;
+            if (!content.empty() && !event(chunk(piece_choice(i, content, nullptr)))) {
+              return leave();
+            }
+            json choice = {{"index", i},
+                           {"delta", {{"tool_calls", std::move(*calls)}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", nullptr}};
+            if (!event(chunk(std::move(choice)))) return leave();
+            finish_reason = "tool_calls";
+          } else if (!event(chunk(piece_choice(i, c.held, nullptr)))) {
+            return leave();
+          }
+          c.held.clear();
         }
         if (!event(chunk(piece_choice(i, "", finish_reason)))) return leave();
         c.finished = true;
