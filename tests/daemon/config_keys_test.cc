@@ -52,8 +52,10 @@ TEST(ConfigKeys, EveryKeyHasAFlagInHelp) {
         << "key " << k.key << ": its flag " << k.flag << " is not in expertd --help:\n"
         << help;
   }
-  // Flags without a key: the file itself, logging, help, and --lock-memory's negation.
-  const std::set<std::string> cli_only = {"--help", "--config", "--log-level", "--no-mlock"};
+  // Flags without a key: the file itself, logging, help, the version, and --lock-memory's
+  // negation.
+  const std::set<std::string> cli_only = {"--help", "--version", "--config", "--log-level",
+                                          "--no-mlock"};
   for (const auto& f : flags) {
     EXPECT_TRUE(of_keys.count(f) || cli_only.count(f))
         << "flag " << f << " has no key in kConfigKeys (daemon/config.h): add one, with its "
