@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <ctime>
@@ -478,15 +479,33 @@ std::string_view after_last(std::string_view s, std::string_view sep) {
 // GLM-4.5/4.6: every answer opens with a <think> block, filled only after the last user turn; the
 // generation prompt leaves thinking to the model. enable_thinking false: "/nothink" ends each user
 // message (once), and the generation prompt closes an empty block.
-std::string render_glm45(std::span<const ChatMessage> m, bool gen, const ChatOptions& o) {
+std::string render_glm45(std::span<const ChatMessage> m, bool gen, const ChatOptions& o,
+                         std::span<const std::string> tools) {
   const bool no_think = o.enable_thinking == false;
   std::string out = "[gMASK]<sop>";
+  if (!tools.empty()) {
+    out +=
+        "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML "
+        "tags:\n<tools>\n";
+    for (const std::string& t : tools) out += t + "\n";
+    out +=
+        "</tools>\n\nFor each function call, output the function name and arguments within the "
+        "following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
+        "<arg_value>{arg-value-1}</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n"
+        "<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>";
+  }
   ptrdiff_t last_user = -1;  // none: every turn is after it
   for (size_t k = 0; k < m.size(); ++k) {
     if (m[k].role == "user") last_user = static_cast<ptrdiff_t>(k);
   }
   for (size_t i = 0; i < m.size(); ++i) {
     const ChatMessage& msg = m[i];
+    if (msg.role == "tool") {
+      if (i == 0 || m[i - 1].role != "tool") out += "<|observation|>";
+      out += "\n<tool_response>\n" + msg.content + "\n</tool_response>";
+      continue;
+    }
     if (msg.role != "assistant") {
       out += "<|" + msg.role + "|>\n" + msg.content;
       if (no_think && msg.role == "user" && !ends_with(msg.content, "/nothink")) out += "/nothink";
@@ -505,6 +524,26 @@ std::string render_glm45(std::span<const ChatMessage> m, bool gen, const ChatOpt
     if (!py_strip(content).empty()) {
       out += "\n";
       out += py_strip(content);
+    }
+    // Each call's arguments as key/value pairs: strings as they are, other values as tojson.
+    for (const ChatToolCall& call : msg.tool_calls) {
+      out += "\n<tool_call>" + call.name + "\n";
+      nlohmann::ordered_json args;
+      try {
+        args = nlohmann::ordered_json::parse(call.arguments);
+      } catch (const nlohmann::ordered_json::exception&) {
+        args = nlohmann::ordered_json::object();
+      }
+      for (const auto& [k, v] : args.items()) {
+        out += "<arg_key>" + k + "</arg_key>\n<arg_value>";
+        if (v.is_string()) {
+          out += v.get<std::string>();
+        } else {
+          out += *template_json(v.dump());
+        }
+        out += "</arg_value>\n";
+      }
+      out += "</tool_call>";
     }
   }
   if (gen) out += no_think ? "<|assistant|>\n<think></think>" : "<|assistant|>";
@@ -709,7 +748,7 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     return make_error(EINVAL,
                       "chat template: tools, tool calls and tool messages are not "
                       "supported with the " +
-                          family_ + " template yet (Qwen3 only)");
+                          family_ + " template yet (Qwen3, GLM-4.5)");
   }
   switch (kind_) {
     case Kind::kChatml:
@@ -732,7 +771,7 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     case Kind::kLlama31:
       return render_llama31(messages, add_generation_prompt, bos_);
     case Kind::kGlm45:
-      return render_glm45(messages, add_generation_prompt, options);
+      return render_glm45(messages, add_generation_prompt, options, tools);
     case Kind::kGptOss:
       return render_gpt_oss(messages, add_generation_prompt, date_, options);
     case Kind::kKimiK2:
@@ -916,6 +955,62 @@ void python_json(const nlohmann::ordered_json& v, std::string& out) {
 
 }  // namespace
 
+// GLM-4.5's calls:
+// <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>, a value that
+// reads as JSON taken as that value, else as a string.
+static std::optional<ParsedToolCalls> parse_glm_calls(std::string_view answer) {
+  constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+  const size_t first = answer.find(kOpen);
+  if (first == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  std::string_view before = answer.substr(0, first);
+  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
+    before.remove_suffix(1);
+  }
+  out.content = std::string(before);
+  size_t at = first;
+  while (at != std::string_view::npos) {
+    const size_t end = answer.find(kClose, at);
+    if (end == std::string_view::npos) return std::nullopt;  // cut short
+    std::string_view body = answer.substr(at + kOpen.size(), end - at - kOpen.size());
+    const size_t nl = body.find('\n');
+    std::string_view name = body.substr(0, nl);
+    while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) {
+      name.remove_suffix(1);
+    }
+    if (name.empty()) return std::nullopt;
+    nlohmann::ordered_json args = nlohmann::ordered_json::object();
+    std::string_view rest = nl == std::string_view::npos ? "" : body.substr(nl);
+    for (;;) {
+      const size_t k0 = rest.find("<arg_key>");
+      if (k0 == std::string_view::npos) break;
+      const size_t k1 = rest.find("</arg_key>", k0);
+      const size_t v0 = rest.find("<arg_value>", k1);
+      const size_t v1 = rest.find("</arg_value>", v0);
+      if (k1 == std::string_view::npos || v0 == std::string_view::npos ||
+          v1 == std::string_view::npos) {
+        return std::nullopt;
+      }
+      const std::string key(rest.substr(k0 + 9, k1 - k0 - 9));
+      const std::string value(rest.substr(v0 + 11, v1 - v0 - 11));
+      try {
+        args[key] = nlohmann::ordered_json::parse(value);
+      } catch (const nlohmann::ordered_json::exception&) {
+        args[key] = value;
+      }
+      rest = rest.substr(v1 + 12);
+    }
+    out.calls.push_back({std::string(name), args.dump()});
+    const size_t next = answer.find(kOpen, end + kClose.size());
+    const std::string_view between = answer.substr(
+        end + kClose.size(),
+        next == std::string_view::npos ? std::string_view::npos : next - end - kClose.size());
+    if (between.find_first_not_of(" \n\t\r") != std::string_view::npos) break;
+    at = next;
+  }
+  return out;
+}
+
 Result<std::string> template_json(std::string_view json_text) {
   nlohmann::ordered_json v;
   try {
@@ -928,14 +1023,15 @@ Result<std::string> template_json(std::string_view json_text) {
   return out;
 }
 
-bool ChatTemplate::supports_tools() const { return kind_ == Kind::kQwen3; }
+bool ChatTemplate::supports_tools() const { return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45; }
 
 std::string_view ChatTemplate::tool_call_opening() const {
-  return supports_tools() ? "<tool_call>\n" : "";
+  return kind_ == Kind::kQwen3 ? "<tool_call>\n" : "";
 }
 
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
+  if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
   constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
   const size_t first = answer.find(kOpen);
   if (first == std::string_view::npos) return std::nullopt;

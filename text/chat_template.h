@@ -114,14 +114,16 @@ class ChatTemplate {
   Result<std::string> render(std::span<const ChatMessage> messages, bool add_generation_prompt,
                              const ChatOptions& options = {},
                              std::span<const std::string> tools = {}) const;
-  // Whether this family's template renders tools and their results (Qwen3 today).
+  // Whether this family's template renders tools and their results (Qwen3 and GLM-4.5 today).
   bool supports_tools() const;
-  // The text that opens a tool call in this family's answers ("<tool_call>\n" for Qwen3's
-  // Hermes-style calls), "" without tool support.
+  // The text that opens a tool call whose body is JSON in this family's answers ("<tool_call>",
+  // a newline, for Qwen3's Hermes-style calls), so that a forced call can be constrained; "" where
+  // calls are not JSON (GLM-4.5's key/value tags) or there is no tool support.
   std::string_view tool_call_opening() const;
   // The tool calls in a model's answer, in this family's syntax (Qwen3: <tool_call>{"name",
-  // "arguments"}</tool_call> blocks): nullopt when there are none or one is malformed (the answer
-  // is then text). Arguments come back as compact JSON text.
+  // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs):
+  // nullopt when there are none or one is malformed (the answer is then text). Arguments come back
+  // as compact JSON text.
   std::optional<ParsedToolCalls> parse_tool_calls(std::string_view answer) const;
   // The switches `options` sets that this family's template does not read (render ignores them):
   // "enable_thinking", "thinking", "reasoning_effort", for a log line.

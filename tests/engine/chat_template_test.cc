@@ -315,11 +315,30 @@ namespace {
 
 using namespace expertd::text;
 
+void check_tool_fixture(const std::string& name);
+
 // Tool calls (issue 25) against transformers: tests/fixtures/chat-tools/<name>.json, written by
 // tools/reference/make_tool_fixtures.py from the vendor template with tools, assistant tool calls
 // and tool results. Read with the keys' order kept: the template writes the tools as given.
 TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
-  std::ifstream in(test::fixture_path("chat-tools/qwen3.json"));
+  for (const char* name : {"qwen3", "glm4.5"}) {
+    SCOPED_TRACE(name);
+    check_tool_fixture(name);
+  }
+  // Another family refuses tools rather than dropping them.
+  auto chatml = ChatTemplate::named("chatml", "", "");
+  ASSERT_TRUE(chatml);
+  const ChatMessage user{"user", "Hi", {}};
+  const std::string tool = R"({"type": "function"})";
+  auto refused = chatml->render(std::span(&user, 1), true, {}, std::span(&tool, 1));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("not supported with the chatml template"),
+            std::string::npos)
+      << refused.error().message;
+}
+
+void check_tool_fixture(const std::string& name) {
+  std::ifstream in(test::fixture_path("chat-tools/" + name + ".json"));
   ASSERT_TRUE(in) << "no fixture";
   const nlohmann::ordered_json f = nlohmann::ordered_json::parse(in);
   auto t = ChatTemplate::from_text(f["template"].get<std::string>(), f["bos"], f["eos"]);
@@ -357,16 +376,6 @@ TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
         << c["output"].dump();
     ++i;
   }
-  // Another family refuses tools rather than dropping them.
-  auto chatml = ChatTemplate::named("chatml", "", "");
-  ASSERT_TRUE(chatml);
-  const ChatMessage user{"user", "Hi", {}};
-  const std::string tool = R"({"type": "function"})";
-  auto refused = chatml->render(std::span(&user, 1), true, {}, std::span(&tool, 1));
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find("not supported with the chatml template"),
-            std::string::npos)
-      << refused.error().message;
 }
 
 TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
@@ -389,6 +398,16 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   auto cut = t->parse_tool_calls("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n");
   ASSERT_TRUE(cut);
   EXPECT_EQ(cut->calls[0].arguments, "{}");
+  auto glm = ChatTemplate::named("glm4.5", "", "");
+  ASSERT_TRUE(glm);
+  auto g = glm->parse_tool_calls(
+      "\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>Paris events</arg_value>\n"
+      "<arg_key>filters</arg_key>\n<arg_value>[\"today\"]</arg_value>\n</tool_call>");
+  ASSERT_TRUE(g);
+  ASSERT_EQ(g->calls.size(), 1u);
+  EXPECT_EQ(g->calls[0].name, "search");
+  EXPECT_EQ(g->calls[0].arguments, R"({"q":"Paris events","filters":["today"]})");
+  EXPECT_TRUE(glm->tool_call_opening().empty());  // not JSON: no forced calls
   // template_json writes Python's json.dumps: separators, order, unicode, escapes.
   EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
             "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");

@@ -451,11 +451,12 @@ class Service {
                                     std::shared_ptr<const JsonSchema>& forced) const {
     using expertd::serve::ToolChoice;
     if (!chat_ || !chat_->supports_tools()) {
-      return api_error(400,
-                       fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3 "
-                                   "only); send tool_choice \"none\" to ignore them",
-                                   chat_ ? chat_->family() : std::string("model's")),
-                       "tools");
+      return api_error(
+          400,
+          fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3, "
+                      "GLM-4.5); send tool_choice \"none\" to ignore them",
+                      chat_ ? chat_->family() : std::string("model's")),
+          "tools");
     }
     const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(req.body);
     for (const auto& t : ordered["tools"]) {
@@ -470,6 +471,13 @@ class Service {
     }
     if (r.json_schema) {
       return api_error(400, "response_format and a forced tool_choice both constrain the answer",
+                       "tool_choice");
+    }
+    if (chat_->tool_call_opening().empty()) {
+      return api_error(400,
+                       fmt::format("tool_choice: a forced call is constrained as JSON, and the {} "
+                                   "template's calls are not JSON; use \"auto\"",
+                                   chat_->family()),
                        "tool_choice");
     }
     job.tools = Job::Tools::kForced;

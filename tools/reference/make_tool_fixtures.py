@@ -15,7 +15,10 @@ import os
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
-TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>")}
+# name: (template file, bos, eos, whether tool call arguments go in as objects: GLM's template
+# iterates them and refuses a string, so a server parses them first, as vLLM does)
+TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", False),
+             "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", True)}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
@@ -74,12 +77,17 @@ def main():
                                                   "../../tests/fixtures/chat-tools"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for name, (src, bos, eos) in TEMPLATES.items():
+    for name, (src, bos, eos, objects) in TEMPLATES.items():
         text = open(os.path.join(args.templates, src)).read()
         doc = {"name": name, "source": f"llama.cpp models/templates/{src}", "template": text,
                "bos": bos, "eos": eos, "cases": []}
         for tools, messages, gen, kwargs in cases():
             case = {"tools": tools, "messages": messages, "add_generation_prompt": gen}
+            if objects:
+                messages = json.loads(json.dumps(messages))
+                for m in messages:
+                    for tc in m.get("tool_calls", []):
+                        tc["function"]["arguments"] = json.loads(tc["function"]["arguments"])
             if kwargs is not None:
                 case["kwargs"] = kwargs
             try:
