@@ -955,24 +955,53 @@ void python_json(const nlohmann::ordered_json& v, std::string& out) {
 
 }  // namespace
 
-// GLM-4.5's calls:
-// <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>, a value that
-// reads as JSON taken as that value, else as a string.
-static std::optional<ParsedToolCalls> parse_glm_calls(std::string_view answer) {
+// The <tool_call>...</tool_call> blocks of an answer (Qwen3's and GLM-4.5's calls): the text
+// before the first, and each block's body, up to the first block followed by anything but
+// whitespace. A last block without its closing tag (cut at max_tokens) runs to the answer's end
+// and sets `cut`.
+struct CallBlocks {
+  std::string_view before;
+  std::vector<std::string_view> bodies;
+  bool cut = false;
+};
+
+static std::optional<CallBlocks> call_blocks(std::string_view answer) {
   constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
   const size_t first = answer.find(kOpen);
   if (first == std::string_view::npos) return std::nullopt;
+  CallBlocks out;
+  out.before = answer.substr(0, first);
+  for (size_t at = first; at != std::string_view::npos;) {
+    const size_t body = at + kOpen.size();
+    const size_t end = answer.find(kClose, body);
+    if (end == std::string_view::npos) {
+      out.bodies.push_back(answer.substr(body));
+      out.cut = true;
+      break;
+    }
+    out.bodies.push_back(answer.substr(body, end - body));
+    const size_t after = end + kClose.size();
+    const size_t next = answer.find(kOpen, after);
+    const std::string_view between = answer.substr(
+        after, next == std::string_view::npos ? std::string_view::npos : next - after);
+    if (between.find_first_not_of(" \n\t\r") != std::string_view::npos) break;
+    at = next;
+  }
+  return out;
+}
+
+// GLM-4.5's calls: <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...
+// </tool_call>, a value that reads as JSON taken as that value, else as a string.
+static std::optional<ParsedToolCalls> parse_glm_calls(std::string_view answer) {
+  const auto blocks = call_blocks(answer);
+  if (!blocks || blocks->cut) return std::nullopt;
   ParsedToolCalls out;
-  std::string_view before = answer.substr(0, first);
+  std::string_view before = blocks->before;
   while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
     before.remove_suffix(1);
   }
   out.content = std::string(before);
-  size_t at = first;
-  while (at != std::string_view::npos) {
-    const size_t end = answer.find(kClose, at);
-    if (end == std::string_view::npos) return std::nullopt;  // cut short
-    std::string_view body = answer.substr(at + kOpen.size(), end - at - kOpen.size());
+  for (const std::string_view body : blocks->bodies) {
     const size_t nl = body.find('\n');
     std::string_view name = body.substr(0, nl);
     while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) {
@@ -1001,12 +1030,6 @@ static std::optional<ParsedToolCalls> parse_glm_calls(std::string_view answer) {
       rest = rest.substr(v1 + 12);
     }
     out.calls.push_back({std::string(name), args.dump()});
-    const size_t next = answer.find(kOpen, end + kClose.size());
-    const std::string_view between = answer.substr(
-        end + kClose.size(),
-        next == std::string_view::npos ? std::string_view::npos : next - end - kClose.size());
-    if (between.find_first_not_of(" \n\t\r") != std::string_view::npos) break;
-    at = next;
   }
   return out;
 }
@@ -1032,18 +1055,13 @@ std::string_view ChatTemplate::tool_call_opening() const {
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
   if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
-  constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
-  const size_t first = answer.find(kOpen);
-  if (first == std::string_view::npos) return std::nullopt;
+  // Qwen3: each block a JSON object {"name", "arguments"}; a last one cut short still counts when
+  // its JSON is whole.
+  const auto blocks = call_blocks(answer);
+  if (!blocks) return std::nullopt;
   ParsedToolCalls out;
-  out.content = std::string(rstrip_nl(answer.substr(0, first)));
-  size_t at = first;
-  while (at != std::string_view::npos) {
-    const size_t body = at + kOpen.size();
-    const size_t end = answer.find(kClose, body);
-    // A call cut short (max_tokens) has no closing tag: the JSON must still be whole.
-    const std::string_view text =
-        answer.substr(body, end == std::string_view::npos ? std::string_view::npos : end - body);
+  out.content = std::string(rstrip_nl(blocks->before));
+  for (const std::string_view text : blocks->bodies) {
     nlohmann::ordered_json call;
     try {
       call = nlohmann::ordered_json::parse(text);
@@ -1053,20 +1071,10 @@ std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view a
     if (!call.is_object() || !call.contains("name") || !call["name"].is_string()) {
       return std::nullopt;
     }
-    ChatToolCall c;
-    c.name = call["name"].get<std::string>();
     const auto args =
         call.contains("arguments") ? call["arguments"] : nlohmann::ordered_json::object();
-    c.arguments = args.is_string() ? args.get<std::string>() : args.dump();
-    out.calls.push_back(std::move(c));
-    if (end == std::string_view::npos) break;
-    // Only whitespace may separate calls; anything else after them ends the calls.
-    const size_t next = answer.find(kOpen, end + kClose.size());
-    const std::string_view between = answer.substr(
-        end + kClose.size(),
-        next == std::string_view::npos ? std::string_view::npos : next - end - kClose.size());
-    if (between.find_first_not_of(" \n\t\r") != std::string_view::npos) break;
-    at = next;
+    out.calls.push_back({call["name"].get<std::string>(),
+                         args.is_string() ? args.get<std::string>() : args.dump()});
   }
   return out;
 }

@@ -20,6 +20,37 @@ Error schema_error(const std::string& path, const std::string& what) {
   return Error{EINVAL, fmt::format("{}: {}", path.empty() ? "/" : path, what)};
 }
 
+bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+
+// Whether a value of `s` may begin with byte `c` (a union picks its alternative by it).
+bool begins(const JsonSchema& s, unsigned char c) {
+  switch (s.kind) {
+    case JsonSchema::Kind::Any:
+      return c == '{' || c == '[' || c == '"' || c == '-' || is_digit(c) || c == 't' || c == 'f' ||
+             c == 'n';
+    case JsonSchema::Kind::Object:
+      return c == '{';
+    case JsonSchema::Kind::Array:
+      return c == '[';
+    case JsonSchema::Kind::String:
+      return c == '"';
+    case JsonSchema::Kind::Number:
+    case JsonSchema::Kind::Integer:
+      return c == '-' || is_digit(c);
+    case JsonSchema::Kind::Boolean:
+      return c == 't' || c == 'f';
+    case JsonSchema::Kind::Null:
+      return c == 'n';
+    case JsonSchema::Kind::Literal:
+      return std::any_of(s.literals.begin(), s.literals.end(),
+                         [&](const std::string& l) { return !l.empty() && l[0] == c; });
+    case JsonSchema::Kind::Union:
+      return std::any_of(s.alternatives.begin(), s.alternatives.end(),
+                         [&](const auto& a) { return begins(*a, c); });
+  }
+  return false;
+}
+
 class Compiler {
  public:
   explicit Compiler(const json& root) : root_(root) {}
@@ -187,53 +218,16 @@ class Compiler {
     return Schema(out);
   }
 
-  // The first bytes a value of `s` may start with.
-  static std::string starts(const JsonSchema& s) {
-    switch (s.kind) {
-      case JsonSchema::Kind::Any:
-        return "{[\"-0123456789tfn";
-      case JsonSchema::Kind::Object:
-        return "{";
-      case JsonSchema::Kind::Array:
-        return "[";
-      case JsonSchema::Kind::String:
-        return "\"";
-      case JsonSchema::Kind::Number:
-      case JsonSchema::Kind::Integer:
-        return "-0123456789";
-      case JsonSchema::Kind::Boolean:
-        return "tf";
-      case JsonSchema::Kind::Null:
-        return "n";
-      case JsonSchema::Kind::Literal: {
-        std::string out;
-        for (const auto& l : s.literals) out += l.substr(0, 1);
-        return out;
-      }
-      case JsonSchema::Kind::Union: {
-        std::string out;
-        for (const auto& a : s.alternatives) out += starts(*a);
-        return out;
-      }
-    }
-    return "";
-  }
-
   // The recognizer picks a union's alternative by its first byte: they must begin differently.
   static Status check_union(const JsonSchema& u, const std::string& path) {
-    std::string seen;
-    for (const auto& a : u.alternatives) {
-      std::string first = starts(*a);
-      std::sort(first.begin(), first.end());
-      first.erase(std::unique(first.begin(), first.end()), first.end());
-      for (const char c : first) {
-        if (seen.find(c) != std::string::npos) {
-          return schema_error(path, fmt::format("two alternatives may both begin with '{}': "
-                                                "constrained decoding picks one by the first byte",
-                                                c));
-        }
+    for (unsigned c = 0; c < 256; ++c) {
+      const auto starting = std::count_if(u.alternatives.begin(), u.alternatives.end(),
+                                          [&](const auto& a) { return begins(*a, c); });
+      if (starting > 1) {
+        return schema_error(path, fmt::format("two alternatives may both begin with '{}': "
+                                              "constrained decoding picks one by the first byte",
+                                              static_cast<char>(c)));
       }
-      seen += first;
     }
     return Ok{};
   }
@@ -242,7 +236,6 @@ class Compiler {
 };
 
 bool is_ws(unsigned char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
 bool is_hex(unsigned char c) {
   return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
@@ -432,34 +425,6 @@ class Machine {
     }
     st_.back() = std::move(v);
     return true;
-  }
-
-  static bool begins(const JsonSchema& s, unsigned char c) {
-    switch (s.kind) {
-      case JsonSchema::Kind::Any:
-        return c == '{' || c == '[' || c == '"' || c == '-' || is_digit(c) || c == 't' ||
-               c == 'f' || c == 'n';
-      case JsonSchema::Kind::Object:
-        return c == '{';
-      case JsonSchema::Kind::Array:
-        return c == '[';
-      case JsonSchema::Kind::String:
-        return c == '"';
-      case JsonSchema::Kind::Number:
-      case JsonSchema::Kind::Integer:
-        return c == '-' || is_digit(c);
-      case JsonSchema::Kind::Boolean:
-        return c == 't' || c == 'f';
-      case JsonSchema::Kind::Null:
-        return c == 'n';
-      case JsonSchema::Kind::Literal:
-        return std::any_of(s.literals.begin(), s.literals.end(),
-                           [&](const std::string& l) { return !l.empty() && l[0] == c; });
-      case JsonSchema::Kind::Union:
-        return std::any_of(s.alternatives.begin(), s.alternatives.end(),
-                           [&](const auto& a) { return begins(*a, c); });
-    }
-    return false;
   }
 
   bool number_start(Frame& v, unsigned char c, bool integer) {

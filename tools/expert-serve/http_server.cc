@@ -744,16 +744,19 @@ std::optional<std::string_view> Request::header(std::string_view name) const {
   return std::nullopt;
 }
 
-bool Request::has_query_key(std::string_view key) const {
+std::optional<std::string_view> Request::query_value(std::string_view key) const {
   std::string_view q = query;
   while (!q.empty()) {
     const size_t amp = q.find('&');
-    std::string_view part = q.substr(0, amp);
-    if (part.substr(0, part.find('=')) == key) return true;
+    const std::string_view part = q.substr(0, amp);
+    const size_t eq = part.find('=');
+    if (part.substr(0, eq) == key) {
+      return eq == std::string_view::npos ? std::string_view() : part.substr(eq + 1);
+    }
     if (amp == std::string_view::npos) break;
     q.remove_prefix(amp + 1);
   }
-  return false;
+  return std::nullopt;
 }
 
 Result<std::unique_ptr<Server>> Server::bind(const std::string& host, int port, Limits limits) {

@@ -63,8 +63,9 @@ struct Request {
 
   // The value of header `name` (lower-case), or nullopt.
   std::optional<std::string_view> header(std::string_view name) const;
-  // Whether the query has `key` (as "key", "key=..." or among "&"-separated parts).
-  bool has_query_key(std::string_view key) const;
+  // The value of `key` in the query ("" for a bare "key"), undecoded; nullopt when absent.
+  std::optional<std::string_view> query_value(std::string_view key) const;
+  bool has_query_key(std::string_view key) const { return query_value(key).has_value(); }
 };
 
 struct Response {

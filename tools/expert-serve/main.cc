@@ -1227,9 +1227,11 @@ class Front {
     if (req.path == "/props") {
       // The first model's, or ?model=NAME's; "models" lists them all.
       const Backend* b = backends.front().get();
-      if (const std::string name = query_value(req, "model"); !name.empty()) {
-        b = find(backends, name);
-        if (b == nullptr) return decorate(req, error_response(not_found(backends, name)));
+      if (const auto name = req.query_value("model"); name && !name->empty()) {
+        b = find(backends, std::string(*name));
+        if (b == nullptr) {
+          return decorate(req, error_response(not_found(backends, std::string(*name))));
+        }
       }
       json props = b->service->props();
       props["models"] = names(backends);
@@ -1383,21 +1385,6 @@ class Front {
     e.code = "model_not_found";
     return e;
   }
-  // The value of `key` in the query ("" when absent), undecoded.
-  static std::string query_value(const http::Request& req, std::string_view key) {
-    std::string_view q = req.query;
-    while (!q.empty()) {
-      const size_t amp = q.find('&');
-      const std::string_view part = q.substr(0, amp);
-      if (part.starts_with(key) && part.size() > key.size() && part[key.size()] == '=') {
-        return std::string(part.substr(key.size() + 1));
-      }
-      if (amp == std::string_view::npos) break;
-      q.remove_prefix(amp + 1);
-    }
-    return "";
-  }
-
   // GET /metrics: Prometheus text (format 0.0.4): the answers by endpoint and status, each
   // model's counters and gauges (labelled model="NAME" when there are several), then expertd's
   // (client/prometheus.h, as `expertctl metrics` prints them) through a connection of its own;
