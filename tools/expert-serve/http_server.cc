@@ -180,9 +180,6 @@ class ServerImpl final : public Server {
 
   void set_body_limit(size_t bytes) override { body_limit_.store(bytes); }
   bool stopping() const { return stopping_.load(); }
-  size_t connections() const override { return open_.load(); }
-  uint64_t refused() const override { return refused_.load(); }
-  uint64_t timed_out() const override { return timed_out_.load(); }
 
   // Network thread.
   void accept();
@@ -195,7 +192,6 @@ class ServerImpl final : public Server {
   std::atomic<size_t> open_{0};  // before io_: the connections its destructor frees count down
   asio::io_context io_;
   Fast fast_;
-  std::atomic<uint64_t> timed_out_{0};
   std::atomic<size_t> body_limit_;
 
  private:
@@ -209,7 +205,6 @@ class ServerImpl final : public Server {
   std::thread io_thread_;
   std::vector<std::thread> workers_;
   std::list<std::weak_ptr<Conn>> conns_;  // network thread
-  std::atomic<uint64_t> refused_{0};
   std::atomic<bool> stopping_{false};
 
   std::mutex mu_;
@@ -310,7 +305,6 @@ class Conn : public std::enable_shared_from_this<Conn> {
   // A deadline passed while reading: the read is cancelled and the request answered 408.
   void cut() {
     cut_ = true;
-    s_.timed_out_.fetch_add(1);
     error_code ec;
     sock_.cancel(ec);
   }
@@ -475,10 +469,7 @@ class Conn : public std::enable_shared_from_this<Conn> {
 
   void io_write(std::shared_ptr<std::string> data, std::function<void(bool)> done) {
     if (closed_) return done(false);
-    arm(s_.limits_.write_timeout, [this] {
-      s_.timed_out_.fetch_add(1);
-      close();
-    });
+    arm(s_.limits_.write_timeout, [this] { close(); });
     asio::async_write(
         sock_, asio::buffer(*data),
         [self = shared_from_this(), data, done = std::move(done)](error_code ec, size_t) {
@@ -599,7 +590,6 @@ void ServerImpl::accept() {
     if (!ec) {
       if (open_.load() >= limits_.max_connections) {
         // Refused cheaply: a canned answer written without waiting, then closed.
-        refused_.fetch_add(1);
         const std::string body = error_json(
             fmt::format("the server has {} connections open (--max-connections); retry later",
                         limits_.max_connections));

@@ -119,11 +119,6 @@ class Server {
   virtual void stop(std::chrono::milliseconds grace) = 0;
   // The largest body read from now on (413 past it, from Content-Length before the body).
   virtual void set_body_limit(size_t bytes) = 0;
-  // Connections open now.
-  virtual size_t connections() const = 0;
-  // Connections refused because max_connections were open, and requests cut for a deadline.
-  virtual uint64_t refused() const = 0;
-  virtual uint64_t timed_out() const = 0;
 };
 
 // The status line's reason phrase of `status`.

@@ -238,8 +238,6 @@ class Service {
             {"queue_limit", o_.queue},   {"served", gen_.served()}};
   }
 
-  Generator& generator() { return gen_; }
-
   // The largest body a request that fits the context can need: its prompt at the longest
   // token's bytes per position, each byte escaped in JSON (at most 6: \u00XX), and 4 MiB for
   // the other fields (a logit_bias over a whole vocabulary); at most 64 MiB.
