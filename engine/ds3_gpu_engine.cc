@@ -107,10 +107,11 @@ struct Ds3GpuEngine::Impl {
   // prefill(): `chunk` positions layer by layer (prefill_chunk).
   uint32_t chunk = 1;
   uint64_t ce = 0;         // row stride of cx and cxn: n_embd rounded up to 64 floats
-  uint64_t cne = 0;        // row stride of crl and h_crl: n_expert rounded up to 64 floats
+  uint64_t cne = 0;        // n_expert rounded up to 64 floats
+  uint64_t crs = 0;        // row stride of crl and h_crl: (1 + lookahead) * cne
   float* cx = nullptr;     // [chunk][ce] the chunk's residuals
   float* cxn = nullptr;    // [chunk][ce] their FFN-normed rows
-  float* crl = nullptr;    // [chunk][cne] router logits
+  float* crl = nullptr;    // [chunk][crs] router logits, then the lookahead layers'
   float* cw = nullptr;     // [chunk][k] routing weights
   float* h_crl = nullptr;  // pinned mirrors
   float* h_cw = nullptr;
@@ -231,9 +232,10 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   // Rows 256-byte aligned, as decode()'s single-row buffers are.
   ce = gpu::align_up(e, 64);
   cne = gpu::align_up(p.n_expert, 64);
+  crs = uint64_t{1 + opts.prefetch_depth} * cne;
   cx = c.take_n<float>(uint64_t{chunk} * ce);
   cxn = c.take_n<float>(uint64_t{chunk} * ce);
-  crl = c.take_n<float>(uint64_t{chunk} * cne);
+  crl = c.take_n<float>(uint64_t{chunk} * crs);
   cw = c.take_n<float>(uint64_t{chunk} * k);
 }
 
@@ -273,13 +275,13 @@ Status Ds3GpuEngine::Impl::init() {
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
   const uint64_t host_floats =
-      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (cne + k);
+      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (crs + k);
   EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
   h_rlogits = host_mem.get<float>();
   h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
   h_logits = h_weights + k;
   h_crl = h_logits + p.n_vocab;
-  h_cw = h_crl + uint64_t{chunk} * cne;
+  h_cw = h_crl + uint64_t{chunk} * crs;
   csel.resize(uint64_t{chunk} * k);
   needed.resize(p.n_expert);
   chunk_hints.reserve(p.n_expert);
@@ -447,8 +449,16 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
         xn = cxn + i * ce;
         EXPERTD_TRY(mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, out));
         EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
-      } else if (router.computes(pos, layer)) {
-        EXPERTD_TRY(mv(l.gate_inp, cxn + i * ce, crl + uint64_t{i} * cne));
+      } else {
+        float* rl = crl + uint64_t{i} * crs;
+        if (router.computes(pos, layer)) EXPERTD_TRY(mv(l.gate_inp, cxn + i * ce, rl));
+        // The lookahead routers on this row's residual, as decode's route() runs them.
+        for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
+          if (!router.looks_ahead(layer, j)) continue;
+          EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, layers[layer + j].ffn_norm, pxn, 1, p.n_embd,
+                                                 p.rms_eps, st));
+          EXPERTD_TRY(mv(layers[layer + j].gate_inp, pxn, rl + uint64_t{j} * cne));
+        }
       }
     }
     planner.from_layer(layer);
@@ -458,11 +468,11 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     }
     // Every row's routing: one copy back, one sync.
     EXPERTD_CUDA_TRY(
-        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
+        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * crs * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_TRY(experts->sync_compute());
-    EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats,
-                                   experts->hint_source(), routing_log,
-                                   std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+    EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0,
+                                   experts->hint_budget(), planner, stats, experts->hint_source(),
+                                   routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_cw, uint64_t{n} * k), needed, chunk_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {

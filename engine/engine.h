@@ -159,6 +159,13 @@ struct EngineStats {
   // Exact hints prefill sends for a chunk's layer once its routing is known, before acquiring its
   // experts in groups of top-k (not in hints_sent: they are not predictions).
   uint64_t prefill_hints = 0;
+  // The next layer's experts a chunk's rows will route to, hinted while this layer computes (its
+  // router on this layer's residual, as decode's lookahead; the GPU engine's chunked prefill), and
+  // hints held back because the daemon's free slots could not keep them until their acquire.
+  uint64_t prefill_lookahead_hints = 0;
+  uint64_t prefill_hints_held = 0;
+  // Prefill's expert GEMMs ran in bf16 on tensor cores (GpuOptions::PrefillGemm::Bf16).
+  uint64_t prefill_bf16_gemms = 0;
   // decode_batch(): steps, rows (sequences fed; they count in `tokens` too) and routed experts
   // acquired (each distinct (layer, expert) of a step once; rows sharing one share the read).
   uint64_t batch_steps = 0;

@@ -99,6 +99,12 @@ cudaError_t rope(const ModelParams& p, float* x, uint32_t heads, uint32_t pos,
 
 }  // namespace
 
+Result<GpuOptions::PrefillGemm> parse_prefill_gemm(const std::string& text) {
+  if (text == "f32") return GpuOptions::PrefillGemm::F32;
+  if (text == "bf16") return GpuOptions::PrefillGemm::Bf16;
+  return make_error(EINVAL, fmt::format("--prefill-gemm: '{}' is neither f32 nor bf16", text));
+}
+
 Result<GpuOptions> parse_vram_experts(const std::string& text) {
   GpuOptions g;
   if (text == "auto") return g;
@@ -215,20 +221,25 @@ struct GpuEngine::Impl {
   uint32_t chunk = 0;
   uint32_t chunk_asked = 0;  // options.prefill_chunk (capped at max_context), before clamping
   uint64_t chunk_bytes = 0;
-  float* cx = nullptr;           // [chunk][n_embd] residual streams
-  float* cxn = nullptr;          // [chunk][n_embd] normalised inputs
-  float* cq = nullptr;           // [chunk][q_dim]
-  float* catt = nullptr;         // [chunk][q_dim] attention outputs
-  float* cscores = nullptr;      // [chunk][max_context] one head's scores, then probabilities
-  float* crl = nullptr;          // [chunk][n_expert] router logits
-  uint32_t* d_routes = nullptr;  // [rows][k] experts, then [rows][k] weights (floats)
-  uint32_t* d_rows = nullptr;    // [chunk][k] weights, rows by expert, slots by expert; tokens
-  float* cxe = nullptr;          // [chunk][n_embd] one expert's rows
-  float* chg = nullptr;          // [chunk][n_ff] gate, then SwiGLU
-  float* chu = nullptr;          // [chunk][n_ff] up
-  float* cdown = nullptr;        // [chunk][n_embd] one expert's outputs
-  float* ceo = nullptr;          // [chunk][k][n_embd] every route slot's expert output
-  float* cw = nullptr;           // [n_ff * n_embd] one projection of one expert, as f32
+  float* cx = nullptr;            // [chunk][n_embd] residual streams
+  float* cxn = nullptr;           // [chunk][n_embd] normalised inputs
+  float* cq = nullptr;            // [chunk][q_dim]
+  float* catt = nullptr;          // [chunk][q_dim] attention outputs
+  float* cscores = nullptr;       // [chunk][max_context] one head's scores, then probabilities
+  float* crl = nullptr;           // [chunk][n_expert] router logits
+  uint32_t* d_routes = nullptr;   // [rows][k] experts, then [rows][k] weights (floats)
+  uint32_t* d_rows = nullptr;     // [chunk][k] weights, rows by expert, slots by expert; tokens
+  float* cxe = nullptr;           // [chunk][n_embd] one expert's rows
+  float* chg = nullptr;           // [chunk][n_ff] gate, then SwiGLU
+  float* chu = nullptr;           // [chunk][n_ff] up
+  float* cdown = nullptr;         // [chunk][n_embd] one expert's outputs
+  float* ceo = nullptr;           // [chunk][k][n_embd] every route slot's expert output
+  float* cw = nullptr;            // [n_ff * n_embd] one projection of one expert, as f32 (or bf16)
+  __nv_bfloat16* cxeh = nullptr;  // PrefillGemm::Bf16: [chunk][n_embd] cxe as bf16
+  __nv_bfloat16* chgh = nullptr;  // PrefillGemm::Bf16: [chunk][n_ff] the SwiGLU as bf16
+  std::vector<std::pair<uint32_t, uint32_t>> next_counts;  // (rows, expert): the lookahead's
+  std::vector<uint32_t> next_rows;                         // [n_expert] the lookahead's rows
+  std::vector<ExpertHint> next_hints;
   uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
   uint32_t* h_rows = nullptr;
   std::vector<uint32_t> expert_rows;   // [n_expert] rows routed to each expert this layer
@@ -239,7 +250,8 @@ struct GpuEngine::Impl {
   // glm4moe's and gpt-oss's prefill, layer by layer over the chunk (prefill_layerwise): cx, cxn
   // and crl above, and each row's routes.
   uint64_t ce = 0;         // row stride of cx and cxn: n_embd rounded up to 64 floats
-  uint64_t cne = 0;        // row stride of crl and h_crl: n_expert rounded up to 64 floats
+  uint64_t cne = 0;        // n_expert rounded up to 64 floats
+  uint64_t crs = 0;        // row stride of crl and h_crl: (1 + lookahead) * cne
   float* crw = nullptr;    // [chunk][k] routing weights on the device
   float* h_crl = nullptr;  // pinned mirrors ([chunk][n_expert], [chunk][k])
   float* h_crw = nullptr;
@@ -313,6 +325,13 @@ struct GpuEngine::Impl {
               float* out, float beta);
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
+  // prefill's expert GEMMs in bf16 (PrefillGemm::Bf16), gemm()'s layout, beta 0.
+  Status expert_rows_bf16(const GpuExperts::LayerShape& sh, const ExpertPtrs& ex, uint32_t n);
+  Status gemm_bf16(const __nv_bfloat16* w, uint32_t out_cols, uint32_t in_cols,
+                   const __nv_bfloat16* in, uint32_t rows, float* out);
+  // Hints at most `budget` of the experts layer `next` will route the chunk's rows to (chunk_moe,
+  // before this layer's experts compute). Overwrites cxe, crl, d_routes and h_routes.
+  Status hint_next_layer(uint32_t next, uint32_t rows, uint64_t budget);
   Status moe(uint32_t layer);
   // One routed expert applied to one row: its weights, the row's normalised input, and where its
   // gate, up, SwiGLU and output go.
@@ -906,8 +925,10 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   // Rows 256-byte aligned, as decode()'s single-row buffers are (cuBLAS reads and writes them).
   ce = align_up(p.n_embd, 64);
   cne = align_up(p.n_expert, 64);
+  // Each row's router logits, then the lookahead layers' (route_chunk's `ahead`).
+  crs = uint64_t{1 + opts.prefetch_depth} * cne;
   EXPERTD_TRY(alloc_chunk_scratch(
-      [&](uint64_t c) { return (c * ce * 2 + c * cne + c * k) * 4 + 4 * kAlign; }));
+      [&](uint64_t c) { return (c * ce * 2 + c * crs + c * k) * 4 + 4 * kAlign; }));
   const uint64_t c = chunk;
   uint8_t* cursor = chunk_mem.get();
   auto take = [&](uint64_t values) {
@@ -917,11 +938,11 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   };
   cx = take(c * ce);
   cxn = take(c * ce);
-  crl = take(c * cne);
+  crl = take(c * crs);
   crw = take(c * k);
-  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * cne + c * k) * 4));
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * crs + c * k) * 4));
   h_crl = chunk_host.get<float>();
-  h_crw = h_crl + c * cne;
+  h_crw = h_crl + c * crs;
   csel.resize(c * k);
   cneeded.resize(p.n_expert);
   needed_hints.reserve(p.n_expert);
@@ -978,10 +999,21 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
         EXPERTD_TRY(
             gpu::run_mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, rn, sg, su, sout, st));
         EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
-      } else if (router.computes(pos, layer)) {
-        float* rl = crl + uint64_t{i} * cne;
-        EXPERTD_TRY(gemv(l.router, ne, p.n_embd, rn, rl, 0.0f));
-        if (l.router_b != nullptr) EXPERTD_CUDA_TRY(kernels::add(rl, l.router_b, ne, st));
+      } else {
+        float* rl = crl + uint64_t{i} * crs;
+        if (router.computes(pos, layer)) {
+          EXPERTD_TRY(gemv(l.router, ne, p.n_embd, rn, rl, 0.0f));
+          if (l.router_b != nullptr) EXPERTD_CUDA_TRY(kernels::add(rl, l.router_b, ne, st));
+        }
+        // The lookahead routers on this row's residual, as decode's route_and_hint runs them.
+        for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
+          if (!router.looks_ahead(layer, j)) continue;
+          const DevLayer& next = layers[layer + j];
+          float* out = rl + uint64_t{j} * cne;
+          EXPERTD_CUDA_TRY(kernels::rms_norm(x, next.ffn_norm, pxn, 1, p.n_embd, p.rms_eps, st));
+          EXPERTD_TRY(gemv(next.router, ne, p.n_embd, pxn, out, 0.0f));
+          if (next.router_b != nullptr) EXPERTD_CUDA_TRY(kernels::add(out, next.router_b, ne, st));
+        }
       }
     }
     planner.from_layer(layer);
@@ -991,12 +1023,13 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     }
     // Every row's routing: one copy back, one sync, then decided on the host as decode() does.
     EXPERTD_CUDA_TRY(
-        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * cne * 4, cudaMemcpyDeviceToHost, st));
+        cudaMemcpyAsync(h_crl, crl, uint64_t{n} * crs * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_TRY(experts->sync_compute());
-    EXPERTD_TRY(
-        router.route_chunk(pos0, layer, n, h_crl, cne, planner, stats, experts->hint_source(),
-                           routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
-                           std::span<float>(h_crw, uint64_t{n} * k), cneeded, needed_hints));
+    EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0,
+                                   experts->hint_budget(), planner, stats, experts->hint_source(),
+                                   routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+                                   std::span<float>(h_crw, uint64_t{n} * k), cneeded,
+                                   needed_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;
@@ -1044,7 +1077,8 @@ uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
   const uint64_t ff = p.n_ff_exp;
   const uint64_t floats = c * e * 5 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert +
                           c * k * 2 + (c * k * 3 + c) + c * ff * 2 + c * k * e + ff * e;
-  return floats * 4 + 16 * kAlign;
+  const uint64_t bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16 ? c * (e + ff) * 2 : 0;
+  return floats * 4 + bf16 + 16 * kAlign;
 }
 
 Status GpuEngine::Impl::alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for) {
@@ -1098,6 +1132,10 @@ Status GpuEngine::Impl::init_prefill() {
   cdown = reinterpret_cast<float*>(take(c * e));
   ceo = reinterpret_cast<float*>(take(c * k * e));
   cw = reinterpret_cast<float*>(take(ff * e));
+  if (gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16) {
+    cxeh = reinterpret_cast<__nv_bfloat16*>(take((c * e + 1) / 2));
+    chgh = reinterpret_cast<__nv_bfloat16*>(take((c * ff + 1) / 2));
+  }
   EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * k * 2 + c * k * 3 + c) * 4));
   h_routes = chunk_host.get<uint32_t>();
   h_rows = h_routes + c * k * 2;
@@ -1105,7 +1143,78 @@ Status GpuEngine::Impl::init_prefill() {
   expert_first.resize(p.n_expert);
   needed.reserve(p.n_expert);
   needed_hints.reserve(p.n_expert);
+  next_counts.reserve(p.n_expert);
+  next_rows.resize(p.n_expert);
+  next_hints.reserve(p.n_expert);
   return Ok{};
+}
+
+Status GpuEngine::Impl::gemm_bf16(const __nv_bfloat16* w, uint32_t out_cols, uint32_t in_cols,
+                                  const __nv_bfloat16* in, uint32_t rows, float* out) {
+  // gemm()'s layout with bf16 operands, f32 output and accumulation (tensor cores).
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  EXPERTD_CUBLAS_TRY(cublasGemmEx(
+      blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols), static_cast<int>(rows),
+      static_cast<int>(in_cols), &alpha, w, CUDA_R_16BF, static_cast<int>(in_cols), in, CUDA_R_16BF,
+      static_cast<int>(in_cols), &beta, out, CUDA_R_32F, static_cast<int>(out_cols),
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::hint_next_layer(uint32_t next, uint32_t rows, uint64_t budget) {
+  // decode's lookahead over the chunk: the next layer's router on this layer's residual through
+  // the next layer's norm, each row's top-k; the distinct experts, those most rows want first.
+  const uint32_t k = p.n_expert_used;
+  const uint64_t rk = uint64_t{rows} * k;
+  EXPERTD_CUDA_TRY(
+      kernels::rms_norm(cx, layers[next].ffn_norm, cxe, rows, p.n_embd, p.rms_eps, compute.get()));
+  EXPERTD_TRY(gemm(layers[next].router, p.n_expert, p.n_embd, cxe, rows, crl, 0.0f));
+  EXPERTD_CUDA_TRY(kernels::router_topk(crl, rows, p.n_expert, k, p.norm_topk, d_routes,
+                                        reinterpret_cast<float*>(d_routes + rk), nullptr,
+                                        compute.get()));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_routes, d_routes, rk * 4, cudaMemcpyDeviceToHost, compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
+  std::fill(next_rows.begin(), next_rows.end(), 0u);
+  for (uint64_t i = 0; i < rk; ++i) {
+    if (h_routes[i] < p.n_expert) ++next_rows[h_routes[i]];
+  }
+  next_counts.clear();
+  for (uint32_t ex = 0; ex < p.n_expert; ++ex) {
+    if (next_rows[ex] > 0) next_counts.emplace_back(next_rows[ex], ex);
+  }
+  std::stable_sort(next_counts.begin(), next_counts.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  const uint64_t send = std::min<uint64_t>(next_counts.size(), budget);
+  stats.prefill_hints_held += next_counts.size() - send;
+  if (send == 0) return Ok{};
+  next_hints.clear();
+  for (uint64_t i = 0; i < send; ++i) {
+    next_hints.push_back(ExpertHint{next, next_counts[i].second, 0.5f});
+  }
+  if (!experts->hint_source().prefetch(next_hints)) ++stats.hint_errors;
+  stats.prefill_lookahead_hints += send;
+  return Ok{};
+}
+
+Status GpuEngine::Impl::expert_rows_bf16(const GpuExperts::LayerShape& sh, const ExpertPtrs& ex,
+                                         uint32_t n) {
+  // chunk_moe's expert on its n gathered rows (cxe -> cdown) with bf16 operands: the projection
+  // dequantised into cw as bf16, the rows and the SwiGLU rounded to bf16, f32 results.
+  const uint32_t ff = p.n_ff_exp;
+  const uint64_t proj = uint64_t{ff} * p.n_embd;
+  auto* w = reinterpret_cast<__nv_bfloat16*>(cw);
+  const cudaStream_t st = compute.get();
+  EXPERTD_CUDA_TRY(kernels::to_bf16(cxe, cxeh, uint64_t{n} * p.n_embd, st));
+  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.gate.type, ex.gate, w, proj, st));
+  EXPERTD_TRY(gemm_bf16(w, ff, p.n_embd, cxeh, n, chg));
+  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.up.type, ex.up, w, proj, st));
+  EXPERTD_TRY(gemm_bf16(w, ff, p.n_embd, cxeh, n, chu));
+  EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, st));
+  EXPERTD_CUDA_TRY(kernels::to_bf16(chg, chgh, uint64_t{n} * ff, st));
+  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.down.type, ex.down, w, proj, st));
+  return gemm_bf16(w, p.n_embd, ff, chgh, n, cdown);
 }
 
 Status GpuEngine::Impl::gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in,
@@ -1245,8 +1354,27 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   EXPERTD_CUDA_TRY(
       cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, compute.get()));
   // Every expert the layer needs is asked for at once, so the daemon reads them in parallel
-  // while the first ones compute.
-  if (!experts->hint_source().prefetch(needed_hints)) ++stats.hint_errors;
+  // while the first ones compute: as many as the daemon's slots keep until their acquire, the
+  // rest as the groups' acquires free room (top_up). Then, with room left, the next layer's.
+  const uint64_t budget = experts->hint_budget();
+  size_t hinted = 0;  // needed_hints[0, hinted) sent
+  auto top_up = [&](size_t acquired) {
+    const size_t upto = static_cast<size_t>(
+        std::min<uint64_t>(needed_hints.size(), acquired + std::min<uint64_t>(budget, UINT32_MAX)));
+    if (upto <= hinted) return;
+    if (!experts->hint_source().prefetch(
+            std::span<const ExpertHint>(needed_hints.data() + hinted, upto - hinted))) {
+      ++stats.hint_errors;
+    }
+    stats.prefill_hints += upto - hinted;
+    hinted = upto;
+  };
+  top_up(0);
+  stats.prefill_hints_held += needed_hints.size() - hinted;
+  if (layer + 1 < p.n_layer && lookahead(layer) > 0 && !p.dense_layer(layer + 1) &&
+      budget > needed_hints.size()) {
+    EXPERTD_TRY(hint_next_layer(layer + 1, rows, budget - needed_hints.size()));
+  }
 
   // Acquired at most top-k at a time (what a daemon cache sized for decode can hold), each
   // applied to all its rows as GEMMs, the holds given back once their kernels are done.
@@ -1257,6 +1385,8 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   const float* d_w = reinterpret_cast<const float*>(d_rows);
   const uint32_t* d_gather = d_rows + rk;
   const uint32_t* d_dest = d_rows + 2 * rk;
+  const bool bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16;
+  if (bf16) stats.prefill_bf16_gemms += 3 * needed.size();
   for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
     const uint32_t count = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
     uint64_t waited = 0;
@@ -1267,18 +1397,23 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       const uint32_t n = expert_rows[ex];
       const uint32_t at = expert_first[ex];
       EXPERTD_CUDA_TRY(kernels::gather_rows(cxn, d_gather + at, n, p.n_embd, cxe, compute.get()));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, cw, proj, compute.get()));
-      EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chg, 0.0f));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, cw, proj, compute.get()));
-      EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chu, 0.0f));
-      EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, compute.get()));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, cw, proj, compute.get()));
-      EXPERTD_TRY(gemm(cw, p.n_embd, ff, chg, n, cdown, 0.0f));
+      if (bf16) {
+        EXPERTD_TRY(expert_rows_bf16(sh, ptrs[j], n));
+      } else {
+        EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, cw, proj, compute.get()));
+        EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chg, 0.0f));
+        EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, cw, proj, compute.get()));
+        EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chu, 0.0f));
+        EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, compute.get()));
+        EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, cw, proj, compute.get()));
+        EXPERTD_TRY(gemm(cw, p.n_embd, ff, chg, n, cdown, 0.0f));
+      }
       EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + at, n, p.n_embd, ceo, compute.get()));
     }
     EXPERTD_TRY(experts->finish_layer());
     EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
     EXPERTD_TRY(experts->release_demand_holds());
+    top_up(g0 + count);
   }
   stats.experts_used += needed.size();
   stats.prefill_experts += needed.size();
@@ -1634,11 +1769,13 @@ std::string GpuEngine::description() const {
           ? fmt::format("prefill in chunks of {}{} ({} scratch)", m.chunk, how, gib(m.chunk_bytes))
           : fmt::format("prefill in chunks of {}{}, clamped from {} to fit its {} scratch", m.chunk,
                         how, m.chunk_asked, gib(m.chunk_bytes));
+  const bool bf16 = m.gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16 && !host_routed(m.p);
   return fmt::format(
-      "CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}", m.device_name,
+      "CUDA engine on {}: dense weights {} as f32 (cuBLAS){}, {}, {}{}{}", m.device_name,
       gib(m.dense_device_bytes),
       m.p.router == RouterKind::Sigmoid ? ", dense MLPs and shared experts as in the file" : "",
-      tier, prefill, x.arena_registered() ? "" : "; arena not registered: pageable copies");
+      tier, prefill, bf16 ? ", experts' GEMMs in bf16" : "",
+      x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 
 }  // namespace expertd::engine

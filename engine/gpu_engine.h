@@ -56,7 +56,17 @@ struct GpuOptions {
   bool coordinate = false;
   // The VRAM tier's replacement policy (policy/policy.h names); empty: VramTier::kDefaultPolicy.
   std::string policy;
+  // How the chunked prefill multiplies an expert by its rows (qwen3moe, Mixtral). F32: the
+  // expert dequantised to an f32 copy and f32 SGEMMs, the numbers decode() computes. Bf16: the
+  // expert dequantised to bf16 (half the copy's bytes), the rows rounded to bf16, and bf16
+  // tensor-core GEMMs accumulating in f32; within the tolerance GpuPrefillGemm's test gives
+  // (docs/ENGINE.md "Prefill GEMMs").
+  enum class PrefillGemm { F32, Bf16 };
+  PrefillGemm prefill_gemm = PrefillGemm::F32;
 };
+
+// --prefill-gemm: "f32" or "bf16". Errors name the flag and the value.
+Result<GpuOptions::PrefillGemm> parse_prefill_gemm(const std::string& text);
 
 // --vram-experts: "auto" (half the free device memory), a number of experts ("0" = the in-place
 // mode) or a size with a unit (8G, 512M, 4GiB). Errors name the flag and the value.

@@ -126,10 +126,23 @@ bool HostRouter::looks_ahead(uint32_t layer, uint32_t j) const {
 void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
                        EngineStats& stats, ExpertSource& hints_to,
                        std::vector<RoutingRecord>* log) {
-  const uint32_t ne = p.n_expert;
-  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
   // Hints for the next layers, as the CPU engines' send_hints sends them.
   planner.from_layer(layer);
+  add_lookahead(pos, layer, logits, p.n_expert, planner);
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  last_hints.assign(hints.begin(), hints.end());
+  if (!hints.empty() && !hints_to.prefetch(hints)) ++stats.hint_errors;
+  if (layer < d.dense_lead) {
+    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+    return;
+  }
+  decide(pos, layer, logits, planner, stats, log);
+}
+
+void HostRouter::add_lookahead(uint32_t pos, uint32_t layer, const float* logits, uint64_t ahead,
+                               HintPlanner& planner) {
+  const uint32_t ne = p.n_expert;
+  const bool scripted_hints = opts.script != nullptr && opts.hints == HintSource::Script;
   for (uint32_t j = 1; j <= opts.prefetch_depth && layer + j < p.n_layer; ++j) {
     const uint32_t next = layer + j;
     if (next < d.dense_lead) continue;  // no experts
@@ -137,7 +150,7 @@ void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPl
       add_scripted_hints(*opts.script, pos, layer, next, planner);
       continue;
     }
-    const float* row = logits + uint64_t{j} * ne;
+    const float* row = logits + uint64_t{j} * ahead;
     if (gptoss) {
       // CpuEngine::hint_probs: the softmax over every expert.
       for (uint32_t e = 0; e < ne; ++e) probs[e] = row[e];
@@ -147,14 +160,6 @@ void HostRouter::route(uint32_t pos, uint32_t layer, const float* logits, HintPl
     }
     planner.add_ranked(next, std::span<const double>(probs.data(), ne));
   }
-  const std::span<const ExpertHint> hints = planner.take(stats);
-  last_hints.assign(hints.begin(), hints.end());
-  if (!hints.empty() && !hints_to.prefetch(hints)) ++stats.hint_errors;
-  if (layer < d.dense_lead) {
-    planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
-    return;
-  }
-  decide(pos, layer, logits, planner, stats, log);
 }
 
 void HostRouter::decide(uint32_t pos, uint32_t layer, const float* logits, HintPlanner& planner,
@@ -176,10 +181,11 @@ void HostRouter::decide(uint32_t pos, uint32_t layer, const float* logits, HintP
 }
 
 Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const float* logits,
-                               uint64_t stride, HintPlanner& planner, EngineStats& stats,
-                               ExpertSource& hints_to, std::vector<RoutingRecord>* log,
-                               std::span<uint32_t> routes, std::span<float> route_weights,
-                               std::vector<uint8_t>& seen, std::vector<ExpertHint>& hints) {
+                               uint64_t stride, uint64_t ahead, uint64_t budget,
+                               HintPlanner& planner, EngineStats& stats, ExpertSource& hints_to,
+                               std::vector<RoutingRecord>* log, std::span<uint32_t> routes,
+                               std::span<float> route_weights, std::vector<uint8_t>& seen,
+                               std::vector<ExpertHint>& hints) {
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   std::fill(seen.begin(), seen.end(), uint8_t{0});
@@ -202,10 +208,33 @@ Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const 
   }
   // The layer's distinct experts hinted at once and exactly: the daemon reads each while the rows
   // before its first use compute; the repeats find it in VRAM or the daemon's cache.
+  // As many as the daemon's slots keep until their acquire; the rest are read when acquired.
   stats.prefill_experts += hints.size();
-  stats.prefill_hints += hints.size();
-  if (!hints.empty() && !hints_to.prefetch(hints)) ++stats.hint_errors;
+  const uint64_t exact = std::min<uint64_t>(hints.size(), budget);
+  stats.prefill_hints += exact;
+  stats.prefill_hints_held += hints.size() - exact;
+  if (exact > 0 && !hints_to.prefetch(std::span<const ExpertHint>(hints.data(), exact))) {
+    ++stats.hint_errors;
+  }
+  // The next layers' experts, from every row's lookahead logits, into what the budget leaves: the
+  // daemon reads them while this layer's rows compute.
+  if (ahead == 0) return Ok{};
+  for (uint32_t i = 0; i < n; ++i) {
+    add_lookahead(pos0 + i, layer, logits + uint64_t{i} * stride, ahead, planner);
+  }
+  const std::span<const ExpertHint> next = planner.take(stats);
+  const uint64_t room = budget - exact;
+  const uint64_t send = std::min<uint64_t>(next.size(), room);
+  stats.prefill_hints_held += next.size() - send;
+  stats.prefill_lookahead_hints += send;
+  if (send > 0 && !hints_to.prefetch(next.first(send))) ++stats.hint_errors;
   return Ok{};
+}
+
+uint64_t GpuExperts::hint_budget() const {
+  const uint32_t slots = source_.host_resident(p_.n_expert, {});
+  if (slots == 0) return UINT64_MAX;
+  return std::max<uint64_t>(p_.n_expert_used, static_cast<uint64_t>(kHintFill * slots));
 }
 
 Status run_mlp(const DevMat& gate, const DevMat& up, const DevMat& down, const float* x, float* g,

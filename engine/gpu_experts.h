@@ -162,11 +162,15 @@ struct HostRouter {
   // GpuEngine's glm4moe / gpt-oss): rows [0, n) at positions pos0.. decided from their logits
   // (row i at logits + i * stride), each row's experts and weights into routes / route_weights
   // ([n][k]), then the layer's distinct experts hinted exactly and at once through `hints_to` and
-  // counted (prefill_experts, prefill_hints). `seen` (n_expert flags) and `hints` are scratch.
-  // Errors: a route outside the experts.
+  // counted (prefill_experts, prefill_hints), then the next layers' (decode's lookahead over the
+  // rows: row i's logits for layer + j at logits + i * stride + j * ahead where looks_ahead; the
+  // planner's union, prefill_lookahead_hints). At most `budget` hints in all (the daemon's slots,
+  // GpuExperts::hint_budget); the rest are held back (prefill_hints_held) and the experts read
+  // when acquired. `seen` (n_expert flags) and `hints` are scratch. Errors: a route outside the
+  // experts.
   Status route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const float* logits,
-                     uint64_t stride, HintPlanner& planner, EngineStats& stats,
-                     ExpertSource& hints_to, std::vector<RoutingRecord>* log,
+                     uint64_t stride, uint64_t ahead, uint64_t budget, HintPlanner& planner,
+                     EngineStats& stats, ExpertSource& hints_to, std::vector<RoutingRecord>* log,
                      std::span<uint32_t> routes, std::span<float> route_weights,
                      std::vector<uint8_t>& seen, std::vector<ExpertHint>& hints);
 
@@ -178,7 +182,15 @@ struct HostRouter {
   std::vector<uint32_t> selected;            // the layer's experts (k)
   std::vector<float> weights;                // and their weights
   std::vector<ExpertHint> last_hints;        // route()'s hints, for GpuExperts::prefetch
-  std::vector<double> probs, sel;            // n_expert scratch
+
+ private:
+  // The planner's candidates for layers layer+1..layer+depth from one position's lookahead
+  // logits (layer + j's at logits + j * ahead), or the script's.
+  void add_lookahead(uint32_t pos, uint32_t layer, const float* logits, uint64_t ahead,
+                     HintPlanner& planner);
+
+ public:
+  std::vector<double> probs, sel;  // n_expert scratch
   std::vector<uint32_t> order;
 };
 
@@ -293,6 +305,12 @@ class GpuExperts {
   // Where the engine sends its hints (every source.prefetch of the engine goes here): the source
   // less the experts already in VRAM.
   ExpertSource& hint_source() { return hints_; }
+  // Hints a prefill may have outstanding at once: kHintFill of the source's host slots (the
+  // daemon's cache and staging, its slot table), at least top-k; UINT64_MAX when the source does
+  // not say. A hint beyond what the cache keeps until its acquire is read, evicted unused and read
+  // again (DeepSeek-V4's prefill read 1.8x its experts' bytes for that).
+  static constexpr double kHintFill = 0.85;
+  uint64_t hint_budget() const;
 
   const LayerShape& shape(uint32_t layer) const { return shapes_[layer]; }
   bool has_tier() const { return tier_ != nullptr; }

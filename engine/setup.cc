@@ -49,6 +49,7 @@ Result<CreatedEngine> create_engine(const DenseModel& model, ExpertSource& sourc
     EXPERTD_TRY_ASSIGN(GpuOptions gpu, parse_vram_experts(setup.vram_experts));
     gpu.coordinate = setup.coordinate;
     gpu.policy = setup.vram_policy;
+    EXPERTD_TRY_ASSIGN(gpu.prefill_gemm, parse_prefill_gemm(setup.prefill_gemm));
     EXPERTD_TRY_ASSIGN(out.engine, create_gpu_engine(model, source, setup.options, gpu));
     out.note = out.engine->description();
     return out;

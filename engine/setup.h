@@ -35,6 +35,7 @@ struct EngineSetup {
   std::string vram_experts = "auto";  // --vram-experts (CUDA)
   bool coordinate = false;            // --tiers coordinated (CUDA)
   std::string vram_policy;            // --vram-policy (CUDA; empty: the default)
+  std::string prefill_gemm = "f32";   // --prefill-gemm (CUDA): f32 or bf16
 };
 
 struct CreatedEngine {

@@ -858,6 +858,59 @@ TEST_F(GpuKernels, DequantizeIsBitIdenticalToCpu) {
   }
 }
 
+// bf16 by round to nearest even, as __float2bfloat16_rn rounds (NaN aside: compared as NaN).
+uint16_t bf16_bits(float f) {
+  uint32_t u = 0;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+bool bf16_is_nan(uint16_t b) { return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0; }
+
+// dequantize_bf16 (prefill's bf16 GEMMs, GpuOptions::PrefillGemm::Bf16) writes dequantize's f32
+// values rounded to bf16, every type; to_bf16 rounds floats the same way.
+TEST_F(GpuKernels, DequantizeBf16IsTheF32ValuesRounded) {
+  std::mt19937_64 rng(11);
+  for (const GgmlType type : kAllTypes) {
+    const uint64_t n = uint64_t{ggml_traits(type).block_elems} * 1031;
+    SCOPED_TRACE(ggml_type_name(type));
+    std::vector<uint8_t> w = random_weights(type, 1, n, data_bytes(type, n), rng);
+    std::vector<float> want(n);
+    engine::dequantize_row(type, w.data(), want.data(), n);
+    DeviceBuffer<uint8_t> dsrc(w);
+    DeviceBuffer<uint16_t> dst(n);
+    CUDA_OK(
+        dequantize_bf16(type, dsrc.get(), reinterpret_cast<__nv_bfloat16*>(dst.get()), n, stream_));
+    CUDA_OK(sync());
+    const std::vector<uint16_t> got = dst.download();
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint16_t expect = bf16_bits(want[i]);
+      if (got[i] != expect && !(bf16_is_nan(got[i]) && bf16_is_nan(expect))) ++bad;
+    }
+    EXPECT_EQ(bad, 0u);
+  }
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> x(100003);
+  for (float& v : x) v = normal(rng);
+  x[0] = 0.0f;
+  x[1] = -0.0f;
+  x[2] = 1e-40f;  // subnormal
+  x[3] = 3.0e38f;
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<uint16_t> dy(x.size());
+  CUDA_OK(to_bf16(dx.get(), reinterpret_cast<__nv_bfloat16*>(dy.get()), x.size(), stream_));
+  CUDA_OK(sync());
+  const std::vector<uint16_t> y = dy.download();
+  uint64_t bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) bad += y[i] != bf16_bits(x[i]);
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(to_bf16(nullptr, reinterpret_cast<__nv_bfloat16*>(dy.get()), 1, stream_),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(dequantize_bf16(GgmlType::Q4_K, dx.get(), nullptr, 256, stream_),
+            cudaErrorInvalidValue);
+}
+
 struct MatvecShape {
   uint32_t rows;
   uint32_t cols;

@@ -21,6 +21,7 @@ struct EngineFlags {
   uint32_t lookahead = 1;
   uint32_t prefetch_width = 0;
   uint32_t prefill_chunk = 512;
+  std::string prefill_gemm = "f32";
 };
 
 // `model_help`: what --model names for this tool.
@@ -44,6 +45,11 @@ inline void add_engine_flags(CLI::App& app, EngineFlags& f, const std::string& m
                  "Prompt positions processed together, each routed expert acquired once per "
                  "chunk (512)")
       ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--prefill-gemm", f.prefill_gemm,
+                 "CUDA prefill's expert GEMMs: f32 (the experts dequantised to f32, the numbers "
+                 "decode computes) or bf16 (dequantised to bf16, tensor cores, f32 accumulation; "
+                 "qwen3moe and Mixtral)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
 }  // namespace expertd::tools

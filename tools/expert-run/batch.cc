@@ -166,7 +166,8 @@ int run_batch(const BatchRun& b) {
   eo.prefill_chunk = b.flags.prefill_chunk;
   eo.sequences = n;
   auto created =
-      create_engine(*model, **source, EngineSetup{eo, b.flags.vram_experts, false, ""}, device);
+      create_engine(*model, **source,
+                    EngineSetup{eo, b.flags.vram_experts, false, "", b.flags.prefill_gemm}, device);
   if (!created) return fail(created.error().message);
   Engine& engine = *created->engine;
   if (engine.sequences() < n) {

@@ -466,7 +466,8 @@ int run(Options o) {
   eo.prefill_chunk = o.prefill_chunk;
 
   auto created = create_engine(
-      *model, **source, EngineSetup{eo, o.vram_experts, o.tiers == "coordinated", o.vram_policy},
+      *model, **source,
+      EngineSetup{eo, o.vram_experts, o.tiers == "coordinated", o.vram_policy, o.prefill_gemm},
       device);
   if (!created) return fail(created.error());
   std::unique_ptr<Engine> engine = std::move(created->engine);
@@ -703,6 +704,10 @@ int run(Options o) {
           {"tokens_per_s", prompt_tokens_per_s},
           {"time_to_first_token_ms", static_cast<double>(t1 - t0) / 1e6},
           {"experts_acquired", at_prompt.prefill_experts},
+          {"hints", at_prompt.prefill_hints},
+          {"lookahead_hints", at_prompt.prefill_lookahead_hints},
+          {"hints_held", at_prompt.prefill_hints_held},
+          {"bf16_gemms", at_prompt.prefill_bf16_gemms},
           {"expert_bytes", expert_bytes},
           {"read_over_acquired",
            acquired_bytes > 0
