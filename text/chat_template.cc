@@ -559,29 +559,229 @@ std::string today() {
   return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
 }
 
+// gpt-oss's tools, as its template writes them: a TypeScript `functions` namespace.
+using ojson = nlohmann::ordered_json;
+
+void python_string(std::string_view s, std::string& out);  // below, with template_json
+
+// A string as tojson writes it.
+std::string json_quoted(std::string_view s) {
+  std::string out;
+  python_string(s, out);
+  return out;
+}
+
+// v[key], or null when v is not an object or has no such key (Jinja's undefined).
+const ojson* member(const ojson& v, const char* key) {
+  if (!v.is_object()) return nullptr;
+  const auto it = v.find(key);
+  return it == v.end() ? nullptr : &*it;
+}
+
+// Jinja's truth of a value (undefined is false).
+bool truthy(const ojson* v) {
+  if (v == nullptr || v->is_null()) return false;
+  if (v->is_boolean()) return v->get<bool>();
+  if (v->is_number()) return v->get<double>() != 0;
+  if (v->is_string()) return !v->get_ref<const std::string&>().empty();
+  return !v->empty();
+}
+
+bool is_string(const ojson* v, std::string_view s) {
+  return v != nullptr && v->is_string() && v->get_ref<const std::string&>() == s;
+}
+
+// Python's str() of a value, as Jinja's join and {{ }} write it.
+std::string py_str(const ojson& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_boolean()) return v.get<bool>() ? "True" : "False";
+  if (v.is_null()) return "None";
+  return *template_json(v.dump());
+}
+
+// `name not in (required or [])`.
+bool optional_key(const ojson* required, const std::string& name) {
+  if (!truthy(required) || !required->is_array()) return true;
+  return std::none_of(required->begin(), required->end(),
+                      [&](const ojson& r) { return r.is_string() && r == name; });
+}
+
+size_t code_points(std::string_view s) {
+  return static_cast<size_t>(std::count_if(
+      s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xc0) != 0x80; }));
+}
+
+// The template's render_typescript_type macro, white space and all (a nested object's members
+// each on a new line after 16 spaces; a oneOf's alternatives joined by " | " and a newline).
+std::string ts_type(const ojson& spec) {
+  const ojson* type = member(spec, "type");
+  const bool nullable = truthy(member(spec, "nullable"));
+  if (is_string(type, "array")) {
+    const ojson* items = member(spec, "items");
+    std::string out = "any[]";
+    if (truthy(items)) {
+      const ojson* t = member(*items, "type");
+      if (is_string(t, "string")) {
+        out = "string[]";
+      } else if (is_string(t, "number") || is_string(t, "integer")) {
+        out = "number[]";
+      } else if (is_string(t, "boolean")) {
+        out = "boolean[]";
+      } else {
+        const std::string inner = ts_type(*items);
+        out = inner == "object | object" || code_points(inner) > 50 ? "any[]" : inner + "[]";
+      }
+    }
+    return nullable ? out + " | null" : out;
+  }
+  if (type != nullptr && type->is_array() && !type->empty()) {
+    std::string out;
+    for (const ojson& t : *type) out += (out.empty() ? "" : " | ") + py_str(t);
+    return out;
+  }
+  // The template means to write "any" for a oneOf with object alternatives, but its flag is set
+  // inside the loop (a Jinja scope of its own), so it never is.
+  if (const ojson* one_of = member(spec, "oneOf"); truthy(one_of) && one_of->is_array()) {
+    std::string out;
+    for (size_t i = 0; i < one_of->size(); ++i) {
+      const ojson& variant = (*one_of)[i];
+      out += ts_type(variant);
+      if (const ojson* d = member(variant, "description"); truthy(d)) out += "// " + py_str(*d);
+      if (const ojson* d = member(variant, "default")) {
+        out += std::string(20, ' ') + "// default: " + *template_json(d->dump());
+      }
+      if (i + 1 < one_of->size()) out += " | \n";
+    }
+    return out;
+  }
+  if (is_string(type, "string")) {
+    if (const ojson* e = member(spec, "enum"); truthy(e) && e->is_array()) {
+      std::string out = "\"";
+      for (size_t i = 0; i < e->size(); ++i) out += (i > 0 ? "\" | \"" : "") + py_str((*e)[i]);
+      return out + "\"";
+    }
+    return nullable ? "string | null" : "string";
+  }
+  if (is_string(type, "number") || is_string(type, "integer")) return "number";
+  if (is_string(type, "boolean")) return "boolean";
+  if (is_string(type, "object")) {
+    const ojson* props = member(spec, "properties");
+    if (!truthy(props) || !props->is_object()) return "object";
+    const ojson* required = member(spec, "required");
+    std::string out = "{\n";
+    size_t i = 0;
+    for (const auto& [name, prop] : props->items()) {
+      out += name + (optional_key(required, name) ? "?" : "") + ": \n" + std::string(16, ' ') +
+             ts_type(prop);
+      if (++i < props->size()) out += ", ";
+    }
+    return out + "}";
+  }
+  return "any";
+}
+
+// Jinja's `str + value`: Python refuses anything but a string.
+Result<std::string> concat(const ojson& v) {
+  if (v.is_string()) return v.get<std::string>();
+  return template_error(fmt::format("can only concatenate str (not \"{}\") to str",
+                                    v.is_boolean()  ? "bool"
+                                    : v.is_number() ? (v.is_number_float() ? "float" : "int")
+                                    : v.is_null()   ? "NoneType"
+                                    : v.is_array()  ? "list"
+                                                    : "dict"));
+}
+
+// The developer message's "## functions" namespace (render_tool_namespace). A tool without a
+// description, which the template cannot render, gets no comment line.
+Result<std::string> gpt_oss_namespace(std::span<const std::string> tools) {
+  std::string out = "## functions\n\nnamespace functions {\n\n";
+  for (const std::string& text : tools) {
+    const ojson tool = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+    const ojson* fn = member(tool, "function");
+    const ojson* name = fn == nullptr ? nullptr : member(*fn, "name");
+    if (name == nullptr || !name->is_string()) {
+      return template_error("a tool without function.name: " + text.substr(0, 80));
+    }
+    if (const ojson* d = member(*fn, "description"); d != nullptr && !d->is_null()) {
+      out += "// " + py_str(*d) + "\n";
+    }
+    out += "type " + name->get<std::string>() + " = ";
+    const ojson* params = member(*fn, "parameters");
+    const ojson* props = params == nullptr ? nullptr : member(*params, "properties");
+    if (!truthy(params) || !truthy(props) || !props->is_object()) {
+      out += "() => any;\n\n";
+      continue;
+    }
+    const ojson* required = member(*params, "required");
+    out += "(_: {\n";
+    for (const auto& [pname, spec] : props->items()) {
+      if (const ojson* d = member(spec, "description"); truthy(d)) out += "// " + py_str(*d) + "\n";
+      out += pname + (optional_key(required, pname) ? "?" : "") + ": " + ts_type(spec);
+      if (const ojson* d = member(spec, "default")) {
+        if (truthy(member(spec, "enum")) || truthy(member(spec, "oneOf"))) {
+          auto value = concat(*d);
+          if (!value) return value.take_error();
+          out += (truthy(member(spec, "enum")) ? ", // default: " : "// default: ") + *value;
+        } else {
+          out += ", // default: " + *template_json(d->dump());
+        }
+      }
+      out += ",\n";
+    }
+    out += "}) => any;\n\n";
+  }
+  return out + "} // namespace functions";
+}
+
 // gpt-oss (harmony): the system block with the model identity, date and reasoning effort (medium
-// unless given), a first system message as the developer's instructions, answers in the final
-// channel; the last one ends with <|return|> when no generation prompt follows.
+// unless given), a first system message as the developer's instructions and the tools after them,
+// answers in the final channel; the last one ends with <|return|> when no generation prompt
+// follows. A call goes to=functions.NAME in the commentary channel (only a message's first: the
+// template takes one per message), after the message's content as analysis unless a later answer
+// without calls follows; a tool's result comes from functions.NAME of the last call, quoted as
+// JSON.
 Result<std::string> render_gpt_oss(std::span<const ChatMessage> m, bool gen,
-                                   const std::string& date, const ChatOptions& o) {
+                                   const std::string& date, const ChatOptions& o,
+                                   std::span<const std::string> tools) {
   std::string out =
       "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
       "Knowledge cutoff: 2024-06\nCurrent date: " +
       (date.empty() ? today() : date) + "\n\nReasoning: " +
       (o.reasoning_effort.empty() ? std::string("medium") : o.reasoning_effort) +
       "\n\n# Valid channels: analysis, commentary, final. Channel must be "
-      "included for every message.<|end|>";
+      "included for every message.";
+  if (!tools.empty())
+    out += "\nCalls to these tools must go to the commentary channel: 'functions'.";
+  out += "<|end|>";
   std::span<const ChatMessage> rest = m;
+  std::string_view developer;
   if (m[0].role == "system") {
-    if (!m[0].content.empty()) {
-      out += "<|start|>developer<|message|># Instructions\n\n" + m[0].content + "\n\n<|end|>";
-    }
+    developer = m[0].content;
     rest = m.subspan(1);
   }
+  if (!developer.empty() || !tools.empty()) {
+    out += "<|start|>developer<|message|>";
+    if (!developer.empty()) out += "# Instructions\n\n" + std::string(developer) + "\n\n";
+    if (!tools.empty()) {
+      auto ns = gpt_oss_namespace(tools);
+      if (!ns) return ns.take_error();
+      out += "# Tools\n\n" + *ns;
+    }
+    out += "<|end|>";
+  }
+  std::optional<std::string> last_call;  // the name the next tool result comes from
   for (size_t i = 0; i < rest.size(); ++i) {
     const ChatMessage& msg = rest[i];
     if (msg.role == "user") {
       out += "<|start|>user<|message|>" + msg.content + "<|end|>";
+    } else if (msg.role == "tool") {
+      if (!last_call) {
+        return template_error(
+            "Message has tool role, but there was no previous assistant message with a tool "
+            "call!");
+      }
+      out += "<|start|>functions." + *last_call + " to=assistant<|channel|>commentary<|message|>" +
+             json_quoted(msg.content) + "<|end|>";
     } else if (msg.role == "assistant") {
       if (contains(msg.content, "<|channel|>analysis<|message|>") ||
           contains(msg.content, "<|channel|>final<|message|>")) {
@@ -591,9 +791,26 @@ Result<std::string> render_gpt_oss(std::span<const ChatMessage> m, bool gen,
             "and '<|end|>') in the 'thinking' field, and final messages (the string between "
             "'<|message|>' and '<|end|>') in the 'content' field.");
       }
+      if (!msg.tool_calls.empty()) {
+        const bool final_follows = std::any_of(rest.begin() + i + 1, rest.end(), [](auto& later) {
+          return later.role == "assistant" && later.tool_calls.empty();
+        });
+        if (!msg.content.empty() && !final_follows) {
+          out += "<|start|>assistant<|channel|>analysis<|message|>" + msg.content + "<|end|>";
+        }
+        const ChatToolCall& call = msg.tool_calls[0];
+        // The arguments as tojson writes them (a server parses them first, as vLLM does; a
+        // string that is not JSON is written quoted, as the template would).
+        auto args = template_json(call.arguments);
+        out += "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json" +
+               "<|message|>" + (args ? *args : json_quoted(call.arguments)) + "<|call|>";
+        last_call = call.name;
+        continue;
+      }
       const bool last = i + 1 == rest.size() && !gen;
       out += "<|start|>assistant<|channel|>final<|message|>" + msg.content +
              (last ? "<|return|>" : "<|end|>");
+      last_call.reset();
     }  // a later system message: the template drops it
   }
   if (gen) out += "<|start|>assistant";
@@ -748,7 +965,7 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     return make_error(EINVAL,
                       "chat template: tools, tool calls and tool messages are not "
                       "supported with the " +
-                          family_ + " template yet (Qwen3, GLM-4.5)");
+                          family_ + " template yet (Qwen3, GLM-4.5, gpt-oss)");
   }
   switch (kind_) {
     case Kind::kChatml:
@@ -773,7 +990,7 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     case Kind::kGlm45:
       return render_glm45(messages, add_generation_prompt, options, tools);
     case Kind::kGptOss:
-      return render_gpt_oss(messages, add_generation_prompt, date_, options);
+      return render_gpt_oss(messages, add_generation_prompt, date_, options, tools);
     case Kind::kKimiK2:
       // Kimi-K2-Instruct's template; its system turn ends with the template's stray newline.
       return render_kimi_k2(messages, add_generation_prompt,
@@ -1046,15 +1263,76 @@ Result<std::string> template_json(std::string_view json_text) {
   return out;
 }
 
-bool ChatTemplate::supports_tools() const { return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45; }
+bool ChatTemplate::supports_tools() const {
+  return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45 || kind_ == Kind::kGptOss;
+}
 
-std::string_view ChatTemplate::tool_call_opening() const {
-  return kind_ == Kind::kQwen3 ? "<tool_call>\n" : "";
+std::optional<ChatTemplate::ForcedCall> ChatTemplate::forced_call(std::string_view name) const {
+  switch (kind_) {
+    case Kind::kQwen3:
+      return ForcedCall{"<tool_call>\n", false};
+    case Kind::kGptOss:
+      // The header as the template writes earlier calls (the recipient before the channel).
+      if (name.empty()) return std::nullopt;
+      return ForcedCall{
+          " to=functions." + std::string(name) + "<|channel|>commentary json<|message|>", true};
+    default:
+      return std::nullopt;
+  }
+}
+
+std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
+  static constexpr std::array<std::string_view, 1> kBlocks = {"<tool_call>"};
+  // The reasoning splitter leaves a call's harmony header in the content, from its <|start|>
+  // (after an analysis message), its <|channel|> or its recipient (first in the answer).
+  static constexpr std::array<std::string_view, 3> kHarmony = {"<|start|>", "<|channel|>",
+                                                               " to=functions."};
+  switch (kind_) {
+    case Kind::kQwen3:
+    case Kind::kGlm45:
+      return kBlocks;
+    case Kind::kGptOss:
+      return kHarmony;
+    default:
+      return {};
+  }
+}
+
+// gpt-oss's call, as the reasoning splitter leaves it in the content: a header naming
+// to=functions.NAME (before or after its <|channel|>, from "<|start|>assistant" after an analysis
+// message), "<|message|>", and the arguments up to <|call|> (a stop string: usually already cut)
+// or the end. The text before the header is content. One call: <|call|> ends the answer.
+static std::optional<ParsedToolCalls> parse_harmony_call(std::string_view answer) {
+  constexpr std::string_view kTo = " to=functions.", kMessage = "<|message|>";
+  const size_t to = answer.find(kTo);
+  if (to == std::string_view::npos) return std::nullopt;
+  // The header starts at the last tag before the recipient.
+  size_t start = to;
+  for (const std::string_view tag : {"<|start|>", "<|channel|>"}) {
+    const size_t at = answer.rfind(tag, to);
+    if (at != std::string_view::npos && answer.find("<|message|>", at) > to) {
+      start = std::min(start, at);
+    }
+  }
+  const size_t message = answer.find(kMessage, to);
+  if (message == std::string_view::npos) return std::nullopt;
+  std::string_view name = answer.substr(to + kTo.size(), message - to - kTo.size());
+  name = name.substr(0, std::min(name.find(' '), name.find('<')));
+  if (name.empty()) return std::nullopt;
+  std::string_view body = answer.substr(message + kMessage.size());
+  body = body.substr(0, std::min(body.find("<|call|>"), body.find("<|end|>")));
+  const ojson args = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (args.is_discarded()) return std::nullopt;
+  ParsedToolCalls out;
+  out.content = std::string(answer.substr(0, start));
+  out.calls.push_back({std::string(name), args.dump()});
+  return out;
 }
 
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
   if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
+  if (kind_ == Kind::kGptOss) return parse_harmony_call(answer);
   // Qwen3: each block a JSON object {"name", "arguments"}; a last one cut short still counts when
   // its JSON is whole.
   const auto blocks = call_blocks(answer);

@@ -34,12 +34,14 @@ class Tokenizer;
 struct ChatToolCall {
   std::string name;
   std::string arguments;
+  std::string id;  // "" when not given; Mistral's templates write it
 };
 
 struct ChatMessage {
   std::string role;  // system | user | assistant | tool (a tool's result)
   std::string content;
   std::vector<ChatToolCall> tool_calls;  // assistant
+  std::string tool_call_id;              // tool: the call it answers (Mistral's templates write it)
 };
 
 // A JSON value's text as the templates' `tojson` writes it (transformers': Python's json.dumps
@@ -114,16 +116,27 @@ class ChatTemplate {
   Result<std::string> render(std::span<const ChatMessage> messages, bool add_generation_prompt,
                              const ChatOptions& options = {},
                              std::span<const std::string> tools = {}) const;
-  // Whether this family's template renders tools and their results (Qwen3 and GLM-4.5 today).
+  // Whether this family's template renders tools and their results (Qwen3, GLM-4.5, gpt-oss).
   bool supports_tools() const;
-  // The text that opens a tool call whose body is JSON in this family's answers ("<tool_call>",
-  // a newline, for Qwen3's Hermes-style calls), so that a forced call can be constrained; "" where
-  // calls are not JSON (GLM-4.5's key/value tags) or there is no tool support.
-  std::string_view tool_call_opening() const;
+  // How a forced call of `name` ("": of any of the tools) is written so that it can be
+  // constrained: the text that opens it after the generation prompt, and what JSON follows. Qwen3:
+  // "<tool_call>\n", then {"name", "arguments"}; gpt-oss: the named function's commentary header,
+  // then its arguments. nullopt where the calls are not JSON (GLM-4.5's key/value tags), the name
+  // is written outside the JSON and none is given, or there is no tool support.
+  struct ForcedCall {
+    std::string opening;
+    bool arguments_only = false;  // the JSON is the arguments; else {"name", "arguments"}
+  };
+  std::optional<ForcedCall> forced_call(std::string_view name) const;
+  // The texts at which a call may begin in the answer's content (Qwen3's "<tool_call>"): a stream
+  // holds content back from the first of them, and from an answer's end that may be opening one,
+  // until the answer says whether it is a call. Empty without tool support.
+  std::span<const std::string_view> tool_call_markers() const;
   // The tool calls in a model's answer, in this family's syntax (Qwen3: <tool_call>{"name",
-  // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs):
-  // nullopt when there are none or one is malformed (the answer is then text). Arguments come back
-  // as compact JSON text.
+  // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs;
+  // gpt-oss: a commentary message to=functions.NAME, as the reasoning splitter leaves it in the
+  // content): nullopt when there are none or one is malformed (the answer is then text).
+  // Arguments come back as compact JSON text.
   std::optional<ParsedToolCalls> parse_tool_calls(std::string_view answer) const;
   // The switches `options` sets that this family's template does not read (render ignores them):
   // "enable_thinking", "thinking", "reasoning_effort", for a log line.

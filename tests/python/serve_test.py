@@ -582,6 +582,39 @@ SEARCH = {"type": "function", "function": {
     "name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
 
 
+def start_tools_serve(args, sock, model, template, procs):
+    """expert-serve for `model` with the chat template `template`; its client and Http."""
+    port, h, _ = start_serve(args, sock, model,
+                             ["--chat-template", template, "--ctx", "4096", "--cpu"], procs)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    return client, h
+
+
+def streamed_forced_calls(client, names, **request):
+    """Streams a forced call with seeds 1..4: in each, the call arrives as one tool_calls delta
+    (no content), then finish tool_calls, its function one of `names` and its arguments an
+    object; one cut at max_tokens is skipped. Returns how many closed."""
+    streamed = 0
+    for seed in range(1, 5):
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(temperature=1.0, seed=seed, stream=True,
+                                                    **request):
+            d = chunk.choices[0].delta
+            for tc in d.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])
+                calls[tc.index][1] += tc.function.arguments or ""
+            assert not d.content, f"content streamed with a forced call: {d.content!r}"
+            finish = chunk.choices[0].finish_reason or finish
+        if finish == "length":
+            continue
+        assert finish == "tool_calls" and calls[0][0] in names, calls
+        assert isinstance(json.loads(calls[0][1]), dict), calls
+        streamed += 1
+    assert streamed >= 2, f"{streamed} of 4 streamed forced calls closed"
+    return streamed
+
+
 def test_tools(args, sock, plain_client):
     """Tool calls (Qwen3's template): a forced call (a named function, or required) comes back as
     message.tool_calls with finish_reason tool_calls and arguments of the function's schema,
@@ -589,10 +622,7 @@ def test_tools(args, sock, plain_client):
     the call and its result renders; a template without tool syntax refuses tools by name."""
     procs = []
     try:
-        port, h, _ = start_serve(args, sock, MODEL,
-                                 ["--chat-template", "qwen3", "--ctx", "4096", "--cpu"], procs)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=120)
+        client, h = start_tools_serve(args, sock, MODEL, "qwen3", procs)
         ask = [{"role": "user", "content": "Weather in Paris?"}]
         named = {"type": "function", "function": {"name": "get_weather"}}
         called = 0
@@ -612,24 +642,9 @@ def test_tools(args, sock, plain_client):
             called += 1
         assert called >= 2, f"{called} of 4 forced calls closed"
         # Streamed, required: the call arrives as one tool_calls delta, then finish tool_calls.
-        streamed = 0
-        for seed in range(1, 5):
-            calls, finish = {}, None
-            for chunk in client.chat.completions.create(
-                    model=MODEL, messages=ask, tools=[WEATHER, SEARCH], tool_choice="required",
-                    max_tokens=1500, temperature=1.0, seed=seed, stream=True):
-                d = chunk.choices[0].delta
-                for tc in d.tool_calls or []:
-                    calls.setdefault(tc.index, [tc.function.name, ""])
-                    calls[tc.index][1] += tc.function.arguments or ""
-                assert not d.content, f"content streamed with a forced call: {d.content!r}"
-                finish = chunk.choices[0].finish_reason or finish
-            if finish == "length":
-                continue
-            assert finish == "tool_calls" and calls[0][0] in ("get_weather", "search"), calls
-            assert isinstance(json.loads(calls[0][1]), dict), calls
-            streamed += 1
-        assert streamed >= 2, f"{streamed} of 4 streamed forced calls closed"
+        streamed = streamed_forced_calls(
+            client, ("get_weather", "search"), model=MODEL, messages=ask,
+            tools=[WEATHER, SEARCH], tool_choice="required", max_tokens=1500)
         # auto: the tools are in the prompt; a model that calls nothing answers text.
         plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4)
         auto = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
@@ -657,6 +672,56 @@ def test_tools(args, sock, plain_client):
         print(f"ok: tools (Qwen3): {called} of 4 named calls and {streamed} of 4 streamed "
               "required calls came back as tool_calls of the schema; auto renders the tools; a "
               "tool turn renders; ChatML refuses tools")
+    finally:
+        stop_procs(procs)
+
+
+def test_tools_gptoss(args, sock):
+    """Tool calls on gpt-oss's template (the gptoss-tiny fixture, byte tokens): a named forced call
+    (its commentary header to=functions.NAME prefilled, the arguments constrained to the schema)
+    comes back as message.tool_calls, streamed or not, and so does required with one tool;
+    required with several is a 400 (the name is outside the JSON); a turn with a call and its
+    result renders."""
+    procs = []
+    try:
+        client, h = start_tools_serve(args, sock, "oss", "gpt-oss", procs)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        called = 0
+        for seed in range(1, 5):
+            r = client.chat.completions.create(
+                model="oss", messages=ask, tools=[WEATHER, SEARCH] if seed % 2 else [WEATHER],
+                tool_choice=named if seed % 2 else "required", max_tokens=600, temperature=1.0,
+                seed=seed)
+            c = r.choices[0]
+            if c.finish_reason == "length":
+                continue
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            call = c.message.tool_calls[0]
+            assert call.function.name == "get_weather", call
+            a = json.loads(call.function.arguments)
+            assert isinstance(a.get("city"), str) and set(a) <= {"city", "unit"}, a
+            called += 1
+        assert called >= 2, f"{called} of 4 forced calls closed"
+        streamed = streamed_forced_calls(client, ("get_weather",), model="oss", messages=ask,
+                                         tools=[WEATHER, SEARCH], tool_choice=named,
+                                         max_tokens=600)
+        status, _, data = h.request("POST", "/v1/chat/completions", {
+            "messages": ask, "tools": [WEATHER, SEARCH], "tool_choice": "required"})
+        error = json.loads(data)["error"]
+        assert status == 400 and error["param"] == "tool_choice", data
+        assert "name one function" in error["message"], error
+        turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
+        plain = client.chat.completions.create(model="oss", messages=ask, max_tokens=2)
+        r = client.chat.completions.create(model="oss", messages=turn, tools=[WEATHER],
+                                           max_tokens=2)
+        assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 200, (r.usage, plain.usage)
+        print(f"ok: tools (gpt-oss): {called} of 4 forced calls and {streamed} of 4 streamed "
+              "named calls came back as tool_calls of the schema; required with several tools "
+              "is a 400; a tool turn renders")
     finally:
         stop_procs(procs)
 
@@ -751,7 +816,10 @@ def main():
                    check=True, capture_output=True, timeout=60)
     procs = []
     try:
-        start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}"], sock, procs)
+        # gpt-oss's fixture, for its tool calls.
+        oss = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.gguf))),
+                           "gptoss-tiny", "model-f32.gguf")
+        start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}", f"oss={oss}"], sock, procs)
         port, h, log_path = start_serve(args, sock, MODEL,
                                         ["--ctx", str(CTX), "--queue", "1", "--parallel", "1", "--cpu"], procs)
 
@@ -774,6 +842,7 @@ def main():
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)
         test_two_models(args, sock, h, odd_h)
         test_tools(args, sock, client)
+        test_tools_gptoss(args, sock)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.

@@ -50,6 +50,10 @@ struct Job {
   enum class Tools { kNone, kParse, kForced };
   Tools tools = Tools::kNone;
   bool parallel_tool_calls = true;
+  // kForced: the text written after the generation prompt, and the function whose arguments the
+  // constrained JSON is ("": the JSON is the call, {"name", "arguments"}).
+  std::string forced_opening;
+  std::string forced_function;
 
   std::atomic<bool> cancelled{false};
   uint64_t submitted_ns = 0;  // monotonic, set by submit(): the time to first token starts here

@@ -280,7 +280,7 @@ class Service {
       auto text = chat_->render(messages, /*add_generation_prompt=*/true, options, tools);
       if (!text) return api_error(400, "messages: " + text.error().message, "messages");
       const bool forced = job.tools == Job::Tools::kForced;
-      if (forced) *text += chat_->tool_call_opening();
+      if (forced) *text += job.forced_opening;
       spdlog::debug("chat prompt: {}", dump(*text));
       // The template writes the BOS itself where the model wants one.
       auto ids = tok_.encode(*text, /*add_special=*/false);
@@ -290,16 +290,16 @@ class Service {
       job.gen.end_strings = chat_->stop_strings();
       const std::string& format =
           r.reasoning_format.empty() ? o_.reasoning_format : r.reasoning_format;
-      if (format != "none") {
+      if (format != "none" && !forced) {  // a forced call's answer is the call's JSON
         // A prompt that closed the think block (a switch turned thinking off): all content.
         job.gen.reasoning = answer_reasoning_syntax(chat_->kind(), *text);
         job.gen.starts_in_reasoning = prompt_opens_think(*text);
       }
       // Structured output constrains the raw text: an answer that must open with reasoning
       // (gpt-oss's channels, a prompt that opened a <think> block) cannot be JSON from its first
-      // byte.
-      if ((r.json_schema || forced) &&
-          (chat_->kind() == ChatTemplate::Kind::kGptOss || prompt_opens_think(*text))) {
+      // byte. A forced call on gpt-oss is not one: its opening wrote the message's header.
+      if ((r.json_schema && chat_->kind() == ChatTemplate::Kind::kGptOss) ||
+          ((r.json_schema || forced) && prompt_opens_think(*text))) {
         return api_error(400,
                          fmt::format("response_format: the {} template makes the answer begin "
                                      "with its reasoning, which constrained JSON cannot follow; "
@@ -441,9 +441,11 @@ class Service {
  private:
   // Tools for a chat request whose tool_choice is not none: their texts as the template writes
   // them (from the body again, parsed keeping key order), the job's tool mode, and for a forced
-  // choice (required, or a named function) the schema of the call's JSON: {"name": one of the
-  // names, "arguments": the function's parameters} (arguments any object where the parameters
-  // use keywords constrained decoding does not enforce, or several functions may be called).
+  // choice (required, or a named function; required with one tool names it) the schema of the
+  // call's JSON: {"name": one of the names, "arguments": the function's parameters}, or the
+  // parameters alone where the template's opening names the function (arguments any object where
+  // the parameters use keywords constrained decoding does not enforce, or several functions may be
+  // called).
   std::optional<ApiError> tools_for(const http::Request& req, const expertd::serve::Request& r,
                                     Job& job, std::vector<std::string>& texts,
                                     std::shared_ptr<const JsonSchema>& forced) const {
@@ -452,7 +454,7 @@ class Service {
       return api_error(
           400,
           fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3, "
-                      "GLM-4.5); send tool_choice \"none\" to ignore them",
+                      "GLM-4.5, gpt-oss); send tool_choice \"none\" to ignore them",
                       chat_ ? chat_->family() : std::string("model's")),
           "tools");
     }
@@ -471,18 +473,30 @@ class Service {
       return api_error(400, "response_format and a forced tool_choice both constrain the answer",
                        "tool_choice");
     }
-    if (chat_->tool_call_opening().empty()) {
+    const std::string named = r.tool_choice == ToolChoice::kNamed ? r.tool_choice_name
+                              : r.tools.size() == 1               ? r.tools[0].name
+                                                                  : std::string();
+    const auto call = chat_->forced_call(named);
+    if (!call) {
       return api_error(400,
-                       fmt::format("tool_choice: a forced call is constrained as JSON, and the {} "
-                                   "template's calls are not JSON; use \"auto\"",
-                                   chat_->family()),
+                       named.empty() && chat_->forced_call("any")
+                           ? fmt::format("tool_choice: the {} template writes a call's function "
+                                         "name outside its JSON, so \"required\" with several "
+                                         "tools cannot be constrained; name one function, or use "
+                                         "\"auto\"",
+                                         chat_->family())
+                           : fmt::format("tool_choice: a forced call is constrained as JSON, and "
+                                         "the {} template's calls are not JSON; use \"auto\"",
+                                         chat_->family()),
                        "tool_choice");
     }
     job.tools = Job::Tools::kForced;
+    job.forced_opening = call->opening;
+    if (call->arguments_only) job.forced_function = named;
     json names = json::array();
     std::string parameters;
     for (const auto& t : r.tools) {
-      if (r.tool_choice == ToolChoice::kNamed && t.name != r.tool_choice_name) continue;
+      if (!named.empty() && t.name != named) continue;
       names.push_back(t.name);
       parameters = t.parameters;
     }
@@ -495,12 +509,15 @@ class Service {
            false}}.dump());
     };
     const json any_object = {{"type", "object"}};
-    auto schema = schema_with(names.size() == 1 && !parameters.empty() ? json::parse(parameters)
-                                                                       : any_object);
+    const json arguments =
+        names.size() == 1 && !parameters.empty() ? json::parse(parameters) : any_object;
+    auto schema =
+        call->arguments_only ? JsonSchema::compile(arguments.dump()) : schema_with(arguments);
     if (!schema) {
       spdlog::info("tool_choice: the arguments of {} are not constrained to its parameters ({})",
                    names.dump(), schema.error().message);
-      schema = schema_with(any_object);
+      schema =
+          call->arguments_only ? JsonSchema::compile(any_object.dump()) : schema_with(any_object);
     }
     if (!schema) return api_error(500, "tool_choice: " + schema.error().message);
     forced = std::move(*schema);
@@ -515,7 +532,11 @@ class Service {
     if (job.tools == Job::Tools::kForced) {
       try {
         const nlohmann::ordered_json call = nlohmann::ordered_json::parse(text);
-        calls.push_back({call.at("name").get<std::string>(), call.at("arguments").dump()});
+        if (!job.forced_function.empty()) {
+          calls.push_back({job.forced_function, call.dump()});
+        } else {
+          calls.push_back({call.at("name").get<std::string>(), call.at("arguments").dump()});
+        }
       } catch (const nlohmann::ordered_json::exception&) {
         return std::nullopt;  // cut short at max_tokens
       }
@@ -862,17 +883,21 @@ class Service {
           piece.clear();
         } else if (job.tools == Job::Tools::kParse && !c.in_calls) {
           c.held += piece;
-          constexpr std::string_view kOpen = "<tool_call>";
-          if (const size_t k = c.held.find(kOpen); k != std::string::npos) {
+          size_t k = std::string::npos;  // the first marker's
+          size_t keep = 0;               // else the end that may be opening one
+          for (const std::string_view open : chat_->tool_call_markers()) {
+            k = std::min(k, c.held.find(open));
+            size_t n = std::min(c.held.size(), open.size() - 1);
+            while (n > 0 && !open.starts_with(std::string_view(c.held).substr(c.held.size() - n))) {
+              --n;
+            }
+            keep = std::max(keep, n);
+          }
+          if (k != std::string::npos) {
             piece = c.held.substr(0, k);
             c.held.erase(0, k);
             c.in_calls = true;
           } else {
-            size_t keep = std::min(c.held.size(), kOpen.size() - 1);
-            while (keep > 0 &&
-                   !kOpen.starts_with(std::string_view(c.held).substr(c.held.size() - keep))) {
-              --keep;
-            }
             if (done) keep = 0;
             piece = c.held.substr(0, c.held.size() - keep);
             c.held.erase(0, c.held.size() - keep);

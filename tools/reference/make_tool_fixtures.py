@@ -15,10 +15,16 @@ import os
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
-# name: (template file, bos, eos, whether tool call arguments go in as objects: GLM's template
-# iterates them and refuses a string, so a server parses them first, as vLLM does)
+# strftime_now's date (gpt-oss's "Current date: ..."): make_chat_fixtures fixes it when imported,
+# and the fixture records it as "date" for the test to pass to ChatTemplate::with_date.
+from make_chat_fixtures import FIXED_DATE
+
+# name: (template file, bos, eos, whether tool call arguments go in as objects: GLM's, gpt-oss's
+# and DeepSeek's templates iterate them or write them with tojson, which would quote a string, so
+# a server parses them first, as vLLM does)
 TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", False),
-             "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", True)}
+             "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", True),
+             "gpt-oss": ("openai-gpt-oss-120b.jinja", "<|startoftext|>", "<|return|>", True)}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
@@ -33,6 +39,37 @@ SEARCH = {"type": "function", "function": {
         "q": {"type": "string"}, "exact": {"type": "boolean"},
         "filters": {"type": "array", "items": {"type": "string"}}},
         "required": ["q"], "additionalProperties": False}}}
+# A schema with every kind of parameter type that gpt-oss's template writes as TypeScript.
+PLAN = {"type": "function", "function": {
+    "name": "plan_trip", "description": "Plan a trip",
+    "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "description": "Labels"},
+        "scores": {"type": "array", "items": {"type": "number"}},
+        "counts": {"type": "array", "items": {"type": "integer"}, "nullable": True},
+        "flags": {"type": "array", "items": {"type": "boolean"}},
+        "stops": {"type": "array", "items": {"type": "object", "properties": {
+            "city": {"type": "string"}, "nights": {"type": "integer"}}, "required": ["city"]}},
+        "grid": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+        "anything": {"type": "array"},
+        "blobs": {"type": "array", "items": {"type": "object"}},
+        "mode": {"type": "string", "enum": ["fast", "cheap"], "default": "fast"},
+        "note": {"type": "string", "nullable": True, "default": "none"},
+        "budget": {"type": "number", "default": 100.5, "description": "Euros"},
+        "either": {"type": ["string", "integer"]},
+        "single": {"type": ["boolean"]},
+        "one": {"oneOf": [{"type": "string", "description": "a name"},
+                          {"type": "integer", "default": 3}]},
+        "shape": {"oneOf": [{"type": "object"}, {"type": "string"}]},
+        "obj": {"type": "object"},
+        "nested": {"type": "object", "properties": {
+            "a": {"type": "string"}, "b": {"type": "array", "items": {"type": "string"}},
+            "c": {"type": "object", "properties": {"d": {"type": "boolean"}}}},
+            "required": ["a"]},
+        "free": {"description": "Anything at all"}},
+        "required": ["tags", "mode"]}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time",
+                                        "parameters": {"type": "object", "properties": {}}}}
+BARE = {"type": "function", "function": {"name": "ping", "description": "Ping"}}
 
 
 def call(name, args, cid="call_1"):
@@ -66,6 +103,9 @@ def cases():
             (tools1, [u, thought, tool], gen, None),
             (tools1, [u, a_call, tool], gen, {"enable_thinking": False}),
             (tools2, [s, u, two, t1], gen, {"enable_thinking": True}),
+            ([PLAN, NOW, BARE], [s, u], gen, None),
+            (tools1, [u, tool], gen, None),
+            (tools2, [u, two, t1, t2], gen, {"reasoning_effort": "high"}),
         ]
     return out
 
@@ -81,6 +121,8 @@ def main():
         text = open(os.path.join(args.templates, src)).read()
         doc = {"name": name, "source": f"llama.cpp models/templates/{src}", "template": text,
                "bos": bos, "eos": eos, "cases": []}
+        if "strftime_now" in text:
+            doc["date"] = FIXED_DATE.strftime("%Y-%m-%d")
         for tools, messages, gen, kwargs in cases():
             case = {"tools": tools, "messages": messages, "add_generation_prompt": gen}
             if objects:
