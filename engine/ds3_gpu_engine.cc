@@ -20,6 +20,7 @@
 namespace expertd::engine {
 namespace {
 
+using cuda::CublasHandle;
 using cuda::CudaStream;
 using cuda::DeviceBytes;
 using cuda::PinnedBytes;
@@ -70,6 +71,7 @@ struct Ds3GpuEngine::Impl {
   PinnedBytes host_mem;   // pinned mirrors of the router logits, the weights and the logits
   CudaStream copy;
   CudaStream compute;
+  CublasHandle blas;  // prefill's expert GEMMs (f32, CUBLAS_PEDANTIC_MATH)
   std::unique_ptr<GpuExperts> experts;
 
   // Dense weights.
@@ -115,8 +117,10 @@ struct Ds3GpuEngine::Impl {
   float* cw = nullptr;     // [chunk][k] routing weights
   float* h_crl = nullptr;  // pinned mirrors
   float* h_cw = nullptr;
-  std::vector<uint32_t> csel;   // [chunk][k] the chunk's routes
-  std::vector<uint8_t> needed;  // per expert: routed to by the chunk at this layer
+  float* ceo = nullptr;           // [chunk][k][n_embd] every route slot's expert output
+  gpu::RowsScratch rows_scratch;  // the expert GEMMs over the chunk's rows (run_experts_by_rows)
+  std::vector<uint32_t> csel;     // [chunk][k] the chunk's routes
+  std::vector<uint8_t> needed;    // per expert: routed to by the chunk at this layer
   std::vector<ExpertHint> chunk_hints;
 
   // Host scratch.
@@ -237,6 +241,13 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   cxn = c.take_n<float>(uint64_t{chunk} * ce);
   crl = c.take_n<float>(uint64_t{chunk} * crs);
   cw = c.take_n<float>(uint64_t{chunk} * k);
+  ceo = c.take_n<float>(uint64_t{chunk} * k * e);
+  rows_scratch.xe = c.take_n<float>(uint64_t{chunk} * e);
+  rows_scratch.hg = c.take_n<float>(uint64_t{chunk} * p.n_ff_exp);
+  rows_scratch.hu = c.take_n<float>(uint64_t{chunk} * p.n_ff_exp);
+  rows_scratch.down = c.take_n<float>(uint64_t{chunk} * e);
+  rows_scratch.w = c.take_n<float>(uint64_t{p.n_ff_exp} * e);
+  rows_scratch.d_index = c.take_n<uint32_t>(gpu::RowsScratch::host_words(p, chunk));
 }
 
 Status Ds3GpuEngine::Impl::init() {
@@ -274,14 +285,21 @@ Status Ds3GpuEngine::Impl::init() {
 
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
-  const uint64_t host_floats =
-      uint64_t{1 + depth} * p.n_expert + k + p.n_vocab + uint64_t{chunk} * (crs + k);
+  const uint64_t host_floats = uint64_t{1 + depth} * p.n_expert + k + p.n_vocab +
+                               uint64_t{chunk} * (crs + k) + gpu::RowsScratch::host_words(p, chunk);
   EXPERTD_TRY_ASSIGN(host_mem, PinnedBytes::alloc(host_floats * 4));
   h_rlogits = host_mem.get<float>();
   h_weights = h_rlogits + uint64_t{1 + depth} * p.n_expert;
   h_logits = h_weights + k;
   h_crl = h_logits + p.n_vocab;
   h_cw = h_crl + uint64_t{chunk} * crs;
+  rows_scratch.h_index = reinterpret_cast<uint32_t*>(h_cw + uint64_t{chunk} * k);
+  rows_scratch.count.resize(p.n_expert);
+  rows_scratch.first.resize(p.n_expert);
+  rows_scratch.needed.reserve(p.n_expert);
+  EXPERTD_TRY_ASSIGN(blas, CublasHandle::create(compute.get()));
+  EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
+  EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
   csel.resize(uint64_t{chunk} * k);
   needed.resize(p.n_expert);
   chunk_hints.reserve(p.n_expert);
@@ -475,20 +493,22 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
                                    routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_cw, uint64_t{n} * k), needed, chunk_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
+    // The routed experts grouped by expert, each applied to all its rows as GEMMs; then each row's
+    // shared expert and its weighted sum, as decode()'s run_sigmoid_moe ends.
+    EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
+                                         std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
+                                         cxn, ce, ptrs, p, rows_scratch, ceo, stats, st));
+    const bool shared = l.moe.shexp_gate.rows > 0;
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;
-      xn = cxn + i * ce;
-      pos = pos0 + i;
-      EXPERTD_TRY(gpu::run_sigmoid_moe(
-          *experts, layer, std::span<const uint32_t>(csel.data() + uint64_t{i} * k, k), ptrs, l.moe,
-          p, xn, cw + uint64_t{i} * k, gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out,
-          stats, st));
-      EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
-      // The holds of the rows' misses go back after a sync once they reach top-k, as many as
-      // decode() keeps: a small daemon cache never runs out of slots to a chunk.
-      if (experts->demand_holds() >= k && i + 1 < n) {
-        EXPERTD_TRY(experts->sync_compute());
+      const float* rn = cxn + i * ce;
+      if (shared) {
+        EXPERTD_TRY(
+            gpu::run_mlp(l.moe.shexp_gate, l.moe.shexp_up, l.moe.shexp_down, rn, sg, su, sout, st));
       }
+      EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * p.n_embd, cw + uint64_t{i} * k,
+                                            k, shared ? sout : nullptr, p.n_embd, out, st));
+      EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
     }
   }
   pos = pos0;

@@ -239,6 +239,7 @@ struct GpuEngine::Impl {
   __nv_bfloat16* chgh = nullptr;  // PrefillGemm::Bf16: [chunk][n_ff] the SwiGLU as bf16
   std::vector<std::pair<uint32_t, uint32_t>> next_counts;  // (rows, expert): the lookahead's
   std::vector<uint32_t> next_rows;                         // [n_expert] the lookahead's rows
+  gpu::RowsScratch rows_scratch;  // glm4moe's layer-by-layer prefill: its grouped expert GEMMs
   std::vector<ExpertHint> next_hints;
   uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
   uint32_t* h_rows = nullptr;
@@ -927,8 +928,17 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   cne = align_up(p.n_expert, 64);
   // Each row's router logits, then the lookahead layers' (route_chunk's `ahead`).
   crs = uint64_t{1 + opts.prefetch_depth} * cne;
-  EXPERTD_TRY(alloc_chunk_scratch(
-      [&](uint64_t c) { return (c * ce * 2 + c * crs + c * k) * 4 + 4 * kAlign; }));
+  // glm4moe's routed experts run grouped by expert over the chunk (run_experts_by_rows): their
+  // scratch and every route slot's output. gpt-oss's run row by row (decode()'s kernels).
+  const bool grouped = p.act != ExpertAct::ClampedSwiglu;
+  auto grouped_floats = [&](uint64_t c) {
+    return grouped ? gpu::RowsScratch::device_floats(p, c) + c * k * p.n_embd +
+                         gpu::RowsScratch::host_words(p, c)
+                   : 0;
+  };
+  EXPERTD_TRY(alloc_chunk_scratch([&](uint64_t c) {
+    return (c * ce * 2 + c * crs + c * k + grouped_floats(c)) * 4 + 12 * kAlign;
+  }));
   const uint64_t c = chunk;
   uint8_t* cursor = chunk_mem.get();
   auto take = [&](uint64_t values) {
@@ -940,9 +950,23 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   cxn = take(c * ce);
   crl = take(c * crs);
   crw = take(c * k);
-  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * crs + c * k) * 4));
+  const uint64_t index_words = grouped ? gpu::RowsScratch::host_words(p, c) : 0;
+  if (grouped) {
+    ceo = take(c * k * p.n_embd);
+    rows_scratch.xe = take(c * p.n_embd);
+    rows_scratch.hg = take(c * p.n_ff_exp);
+    rows_scratch.hu = take(c * p.n_ff_exp);
+    rows_scratch.down = take(c * p.n_embd);
+    rows_scratch.w = take(uint64_t{p.n_ff_exp} * p.n_embd);
+    rows_scratch.d_index = reinterpret_cast<uint32_t*>(take(index_words));
+    rows_scratch.count.resize(p.n_expert);
+    rows_scratch.first.resize(p.n_expert);
+    rows_scratch.needed.reserve(p.n_expert);
+  }
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * crs + c * k + index_words) * 4));
   h_crl = chunk_host.get<float>();
   h_crw = h_crl + c * crs;
+  rows_scratch.h_index = reinterpret_cast<uint32_t*>(h_crw + c * k);
   csel.resize(c * k);
   cneeded.resize(p.n_expert);
   needed_hints.reserve(p.n_expert);
@@ -1031,30 +1055,42 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
                                    std::span<float>(h_crw, uint64_t{n} * k), cneeded,
                                    needed_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
+    if (p.act != ExpertAct::ClampedSwiglu) {
+      // glm_ffn: the routed experts grouped by expert, each applied to all its rows as GEMMs;
+      // then each row's shared expert and its weighted sum, as run_sigmoid_moe ends.
+      EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
+                                           std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
+                                           cxn, ce, ptrs, p, rows_scratch, ceo, stats, st));
+      const bool shared = l.moe.shexp_gate.rows > 0;
+      for (uint32_t i = 0; i < n; ++i) {
+        const float* rn = cxn + i * ce;
+        if (shared) {
+          EXPERTD_TRY(gpu::run_mlp(l.moe.shexp_gate, l.moe.shexp_up, l.moe.shexp_down, rn, sg, su,
+                                   sout, st));
+        }
+        EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * p.n_embd,
+                                              crw + uint64_t{i} * k, k, shared ? sout : nullptr,
+                                              p.n_embd, mout, st));
+        EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, mout, p.n_embd, st));
+      }
+      continue;
+    }
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;
       xn = cxn + i * ce;
       pos = pos0 + i;
       const std::span<const uint32_t> sel(csel.data() + uint64_t{i} * k, k);
       const float* w = crw + uint64_t{i} * k;
-      if (p.act == ExpertAct::ClampedSwiglu) {
-        // gptoss_ffn with this row's route.
-        uint64_t waited = 0;
-        EXPERTD_TRY(experts->acquire(layer, sel, ptrs, &waited));
-        stats.experts_used += k;
-        const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, sel};
-        EXPERTD_TRY(gpu::run_experts(experts->shape(layer),
-                                     std::span<const ExpertPtrs>(ptrs.data(), k), p.n_ff_exp,
-                                     p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
-        EXPERTD_TRY(experts->finish_layer());
-        EXPERTD_CUDA_TRY(kernels::moe_combine(eo, w, x, k, p.n_embd, st));
-      } else {
-        // glm_ffn with this row's route.
-        EXPERTD_TRY(gpu::run_sigmoid_moe(*experts, layer, sel, ptrs, l.moe, p, xn, w,
-                                         gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout,
-                                         stats, st));
-        EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
-      }
+      // gptoss_ffn with this row's route.
+      uint64_t waited = 0;
+      EXPERTD_TRY(experts->acquire(layer, sel, ptrs, &waited));
+      stats.experts_used += k;
+      const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, sel};
+      EXPERTD_TRY(gpu::run_experts(experts->shape(layer),
+                                   std::span<const ExpertPtrs>(ptrs.data(), k), p.n_ff_exp,
+                                   p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
+      EXPERTD_TRY(experts->finish_layer());
+      EXPERTD_CUDA_TRY(kernels::moe_combine(eo, w, x, k, p.n_embd, st));
       // The holds of the rows' misses go back after a sync once they reach top-k, as many as
       // decode() keeps: a small daemon cache never runs out of slots to a chunk.
       if (experts->demand_holds() >= k && i + 1 < n) {

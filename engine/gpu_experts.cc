@@ -11,8 +11,10 @@
 #include "engine/routing.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
+#include "kernels/dequant.cuh"
 #include "kernels/ds4.cuh"
 #include "kernels/matvec.cuh"
+#include "kernels/prefill.cuh"
 #include "kernels/swiglu.cuh"
 #include "storage/slice_map.h"
 
@@ -98,6 +100,91 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
   }
   EXPERTD_CUDA_TRY(
       kernels::ds4_moe_sum(s.eo, weights, k, shared ? s.shared : nullptr, p.n_embd, y, st));
+  return Ok{};
+}
+
+namespace {
+
+// out[rows][out_cols] = in[rows][in_cols] w^T, w row-major [out_cols][in_cols] (GpuEngine's gemm).
+Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
+                  const float* in, uint32_t rows, float* out) {
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  EXPERTD_CUBLAS_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
+                                 static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
+                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta,
+                                 out, static_cast<int>(out_cols)));
+  return Ok{};
+}
+
+}  // namespace
+
+Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
+                           std::span<const uint32_t> routes, const float* xn, uint64_t stride,
+                           std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
+                           float* eo, EngineStats& stats, cudaStream_t st) {
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const uint64_t nk = uint64_t{n} * k;
+  if (routes.size() < nk || ptrs.size() < k || s.count.size() < ne || s.first.size() < ne) {
+    return make_error(EINVAL, "run_experts_by_rows: scratch smaller than the chunk");
+  }
+  // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
+  // slot, so a row's experts are summed in its route's order.
+  std::fill(s.count.begin(), s.count.end(), 0u);
+  for (uint64_t i = 0; i < nk; ++i) {
+    if (routes[i] >= ne) {
+      return make_error(EIO,
+                        fmt::format("layer {}: routed to expert {} of {}", layer, routes[i], ne));
+    }
+    ++s.count[routes[i]];
+  }
+  s.needed.clear();
+  uint32_t at = 0;
+  for (uint32_t ex = 0; ex < ne; ++ex) {
+    s.first[ex] = at;
+    at += s.count[ex];
+    if (s.count[ex] > 0) s.needed.push_back(ex);
+  }
+  std::fill(s.count.begin(), s.count.end(), 0u);
+  for (uint32_t r = 0; r < n; ++r) {
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint32_t ex = routes[uint64_t{r} * k + j];
+      const uint32_t slot = s.first[ex] + s.count[ex]++;
+      s.h_index[slot] = r;
+      s.h_index[nk + slot] = r * k + j;
+    }
+  }
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(s.d_index, s.h_index, nk * 2 * 4, cudaMemcpyHostToDevice, st));
+  const GpuExperts::LayerShape& sh = experts.shape(layer);
+  if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
+  const uint32_t ff = p.n_ff_exp;
+  const uint32_t e = p.n_embd;
+  const uint64_t proj = uint64_t{ff} * e;
+  for (size_t g0 = 0; g0 < s.needed.size(); g0 += k) {
+    const auto group = static_cast<uint32_t>(std::min<size_t>(k, s.needed.size() - g0));
+    uint64_t waited = 0;
+    EXPERTD_TRY(experts.acquire(layer, std::span<const uint32_t>(s.needed.data() + g0, group), ptrs,
+                                &waited));
+    for (uint32_t j = 0; j < group; ++j) {
+      const uint32_t ex = s.needed[g0 + j];
+      const uint32_t rows = s.count[ex];
+      const uint32_t* gather = s.d_index + s.first[ex];
+      const uint32_t* dest = s.d_index + nk + s.first[ex];
+      EXPERTD_CUDA_TRY(kernels::gather_rows_strided(xn, stride, gather, rows, e, s.xe, st));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, s.w, proj, st));
+      EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hg));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, s.w, proj, st));
+      EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hu));
+      EXPERTD_CUDA_TRY(kernels::swiglu(s.hg, s.hu, s.hg, uint64_t{rows} * ff, st));
+      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, s.w, proj, st));
+      EXPERTD_TRY(sgemm_rows(blas, s.w, e, ff, s.hg, rows, s.down));
+      EXPERTD_CUDA_TRY(kernels::scatter_rows(s.down, dest, rows, e, eo, st));
+    }
+    EXPERTD_TRY(experts.finish_layer());
+    EXPERTD_TRY(experts.sync_compute());
+  }
+  stats.experts_used += s.needed.size();
   return Ok{};
 }
 

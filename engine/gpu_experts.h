@@ -409,4 +409,33 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
                        const float* x, const float* weights, const SigmoidMoeScratch& s, float* y,
                        EngineStats& stats, cudaStream_t stream);
 
+// A chunk's rows through their routed experts, grouped by expert (the layer-by-layer prefills of
+// DeepSeek-V3/Kimi and GLM-4.5): eo[r][j] (row-major [n][k][n_embd]) = SwiGLU expert
+// routes[r * k + j] applied to row r of xn (rows `stride` floats apart). Each distinct expert is
+// acquired once, top-k at a time, and applied to all its rows as f32 cuBLAS GEMMs on a copy
+// dequantised into `w` (GpuEngine::chunk_moe's numbers); the compute stream is synchronised after
+// each group and the holds given back, so a cache sized for decode is enough. Counts the experts
+// in experts_used. The scratch is sized for the chunk: device_floats() floats on the device (xe
+// .. w) and host_words() pinned words (h_index), d_index the device copy of h_index.
+struct RowsScratch {
+  float* xe = nullptr;          // [rows][n_embd] one expert's rows
+  float* hg = nullptr;          // [rows][n_ff_exp] gate, then the SwiGLU
+  float* hu = nullptr;          // [rows][n_ff_exp] up
+  float* down = nullptr;        // [rows][n_embd] one expert's outputs
+  float* w = nullptr;           // [n_ff_exp * n_embd] one projection, dequantised
+  uint32_t* d_index = nullptr;  // [rows * k] gathered rows by expert, then [rows * k] output slots
+  uint32_t* h_index = nullptr;  // pinned mirror of d_index
+  std::vector<uint32_t> count, first, needed;  // [n_expert] (sized by the engine)
+  static uint64_t device_floats(const ModelParams& p, uint64_t rows) {
+    return rows * p.n_embd * 2 + rows * p.n_ff_exp * 2 + uint64_t{p.n_ff_exp} * p.n_embd;
+  }
+  static uint64_t host_words(const ModelParams& p, uint64_t rows) {
+    return rows * p.n_expert_used * 2;
+  }
+};
+Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
+                           std::span<const uint32_t> routes, const float* xn, uint64_t stride,
+                           std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
+                           float* eo, EngineStats& stats, cudaStream_t stream);
+
 }  // namespace expertd::engine::gpu

@@ -85,13 +85,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    gather_rows_kernel(const float* src, const uint32_t* idx, uint32_t rows, uint32_t n,
-                       float* dst) {
+    gather_rows_kernel(const float* src, uint64_t src_stride, const uint32_t* idx, uint32_t rows,
+                       uint32_t n, float* dst) {
   const uint64_t total = uint64_t{rows} * n;
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t e = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total; e += stride) {
     const uint64_t r = e / n;
-    dst[e] = src[uint64_t{idx[r]} * n + e % n];
+    dst[e] = src[uint64_t{idx[r]} * src_stride + e % n];
   }
 }
 
@@ -152,8 +152,18 @@ cudaError_t gather_rows(const float* src, const uint32_t* idx, uint32_t rows, ui
   if (src == nullptr || idx == nullptr || dst == nullptr || rows == 0 || n == 0) {
     return cudaErrorInvalidValue;
   }
-  gather_rows_kernel<<<blocks_for(uint64_t{rows} * n), kThreads, 0, stream>>>(src, idx, rows, n,
+  gather_rows_kernel<<<blocks_for(uint64_t{rows} * n), kThreads, 0, stream>>>(src, n, idx, rows, n,
                                                                               dst);
+  return cudaGetLastError();
+}
+
+cudaError_t gather_rows_strided(const float* src, uint64_t src_stride, const uint32_t* idx,
+                                uint32_t rows, uint32_t n, float* dst, cudaStream_t stream) {
+  if (src == nullptr || idx == nullptr || dst == nullptr || rows == 0 || n == 0 || src_stride < n) {
+    return cudaErrorInvalidValue;
+  }
+  gather_rows_kernel<<<blocks_for(uint64_t{rows} * n), kThreads, 0, stream>>>(src, src_stride, idx,
+                                                                              rows, n, dst);
   return cudaGetLastError();
 }
 

@@ -8,7 +8,8 @@
 //   position pos0 + r and keeps columns 0..pos0+r (softmax over them, max-subtracted, exp and sum
 //   in double), the rest become 0. Needs pos0 + rows <= n_ctx.
 // gather_rows: dst[i] = src[idx[i]] for i < rows (n floats each; the embedding lookup of a chunk
-//   and the rows routed to one expert).
+//   and the rows routed to one expert). gather_rows_strided: the same from rows `src_stride`
+//   floats apart (>= n: padded rows).
 // scatter_rows: dst[idx[i]] = src[i] for i < rows; the indices must be distinct.
 // moe_combine_rows: x[r][i] += sum_j w[r][j] * eo[r][j][i] for r < rows, j < k: moe_combine
 //   (kernels/combine.cuh) of each row, the same double sum in route-slot order.
@@ -32,6 +33,9 @@ cudaError_t causal_softmax(float* s, uint32_t rows, uint32_t n_ctx, uint32_t pos
 
 cudaError_t gather_rows(const float* src, const uint32_t* idx, uint32_t rows, uint32_t n,
                         float* dst, cudaStream_t stream);
+
+cudaError_t gather_rows_strided(const float* src, uint64_t src_stride, const uint32_t* idx,
+                                uint32_t rows, uint32_t n, float* dst, cudaStream_t stream);
 
 cudaError_t scatter_rows(const float* src, const uint32_t* idx, uint32_t rows, uint32_t n,
                          float* dst, cudaStream_t stream);

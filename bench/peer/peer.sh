@@ -84,6 +84,8 @@
 #   --lookahead N     expert-run's --prefetch-depth: the layers ahead its router hints (default 1,
 #                     expert-run's); other than 1 the expertd configs are named expertd-lN
 #                     (expertd-d0-lN), so sweeps into one --out keep every run
+#   --prefill-gemm G  expert-run's --prefill-gemm (f32, its default, or bf16: the experts' prefill
+#                     GEMMs on tensor cores); bf16 names the expertd configs expertd-bf16
 #   --read SPEC       expertd's reads: QD (--queue-depth QD, whole slices), QD:CHUNK (--chunk CHUNK,
 #                     e.g. 32:4MiB) or probe (expertd probes the disk at start, its default);
 #                     default 32; other than 32 the expertd configs are named expertd-rSPEC
@@ -157,7 +159,7 @@ configs=expertd,feed-cuda-tier,cuda-tier
 streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead=""
+read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead="" prefill_gemm=""
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -184,6 +186,7 @@ while [ $# -gt 0 ]; do
     --vram) need "$@"; vram_list=$2; shift ;;
     --staging) need "$@"; staging=$2; shift ;;
     --lookahead) need "$@"; lookahead=$2; shift ;;
+    --prefill-gemm) need "$@"; prefill_gemm=$2; shift ;;
     --margin) need "$@"; margin=$2; shift ;;
     --read) need "$@"; read_spec=$2; shift ;;
     --bin) need "$@"; bin=$2; shift ;;
@@ -214,6 +217,7 @@ for v in tg pp timeout cpu_timeout budget staging margin jobs cuda_arch seed; do
   is_uint "${!v}" || bad "--${v//_/-} '${!v}' is not a whole number"
 done
 [ "$tg" -ge 1 ] && [ "$pp" -ge 1 ] || bad "--tg and --pp must be at least 1"
+case $prefill_gemm in "" | f32 | bf16) ;; *) bad "--prefill-gemm '$prefill_gemm' is neither f32 nor bf16" ;; esac
 [ -z "$lookahead" ] || { is_uint "$lookahead" && [ "$lookahead" -le 8 ]; } ||
   bad "--lookahead '$lookahead' is not a whole number of layers from 0 to 8"
 is_model() { case $1 in mixtral | qwen3 | mixtral-llama | ds3) return 0 ;; esac; return 1; }
@@ -447,6 +451,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
     eng_config+="-l$lookahead"
   fi
   if [ "$read_spec" != 32 ] && [[ $c == expertd* ]]; then eng_config+="-r${read_spec//:/-}"; fi
+  if [ "$prefill_gemm" = bf16 ] && [[ $c == expertd* ]]; then eng_config+="-bf16"; fi
   local id="$m-${cap}g-$eng_config"
   [ "$stream" = - ] || id+="-$stream"
   dense=$(dense_bytes)
@@ -498,12 +503,14 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
         cmd+=(--feed-tokens "$sfile" "${vflag[@]}" --prefill-chunk "$pp" --json)
       fi
       [ -z "$lookahead" ] || cmd+=(--prefetch-depth "$lookahead")
+      [ -z "$prefill_gemm" ] || cmd+=(--prefill-gemm "$prefill_gemm")
       what="expertd cache ${cache} MiB, staging $staging MiB, $([ $cpu_engine = 1 ] && echo "CPU engine" || echo "VRAM tier $V experts")"
       what+=", daemon prefetch depth $depth"
       what+=", engine router lookahead ${lookahead:-1} layer(s)"
       [ "$c" = sampled ] && what+=", sampled decode (not comparable)"
       fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth"
-        --field "lookahead=${lookahead:-1}" --field "read=$read_spec")
+        --field "lookahead=${lookahead:-1}" --field "read=$read_spec"
+        --field "prefill_gemm=${prefill_gemm:-f32}")
       [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
       ;;
     cuda-tier | cuda-all | cpu | feed-cuda-tier | feed-cuda-all | feed-cpu)

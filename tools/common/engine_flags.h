@@ -48,7 +48,7 @@ inline void add_engine_flags(CLI::App& app, EngineFlags& f, const std::string& m
   app.add_option("--prefill-gemm", f.prefill_gemm,
                  "CUDA prefill's expert GEMMs: f32 (the experts dequantised to f32, the numbers "
                  "decode computes) or bf16 (dequantised to bf16, tensor cores, f32 accumulation; "
-                 "qwen3moe and Mixtral)")
+                 "the softmax-routed families)")
       ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
