@@ -210,47 +210,56 @@ void copy_running(const From& from, To& to) {
 
 }  // namespace
 
-void Ds4CpuEngine::save_checkpoint() {
-  for (const Checkpoint& cp : checkpoints_) {
-    if (cp.valid && cp.pos == pos_) return;
+int Ds4CheckpointSlots::pick(uint32_t at) const {
+  int slot = -1;
+  for (uint32_t i = 0; i < kCount; ++i) {
+    if (valid_[i] && pos_[i] == at) return -1;
   }
-  // A free one, else the one of the earliest position: a continued conversation cuts near its end.
-  Checkpoint* pick = &checkpoints_[0];
-  for (Checkpoint& cp : checkpoints_) {
-    if (!cp.valid) {
-      pick = &cp;
-      break;
-    }
-    if (cp.pos < pick->pos) pick = &cp;
+  for (uint32_t i = 0; i < kCount; ++i) {
+    if (!valid_[i]) return static_cast<int>(i);
+    if (slot < 0 || pos_[i] < pos_[slot]) slot = static_cast<int>(i);
   }
-  Checkpoint& cp = *pick;
-  cp.valid = true;
-  cp.pos = pos_;
-  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(layers_[i], cp.layers[i]);
+  return slot;
 }
 
-void Ds4CpuEngine::restore_checkpoint(const Checkpoint& cp) {
-  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(cp.layers[i], layers_[i]);
-  pos_ = cp.pos;
+void Ds4CheckpointSlots::hold(int slot, uint32_t at) {
+  valid_[slot] = 1;
+  pos_[slot] = at;
+}
+
+int Ds4CheckpointSlots::latest_at_or_before(uint32_t n) {
+  int best = -1;
+  for (uint32_t i = 0; i < kCount; ++i) {
+    if (!valid_[i]) continue;
+    if (pos_[i] > n) {
+      valid_[i] = 0;
+    } else if (best < 0 || pos_[i] > pos_[best]) {
+      best = static_cast<int>(i);
+    }
+  }
+  return best;
+}
+
+void Ds4CpuEngine::save_checkpoint() {
+  const int slot = saved_.pick(pos_);
+  if (slot < 0) return;
+  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(layers_[i], checkpoints_[slot].layers[i]);
+  saved_.hold(slot, pos_);
+}
+
+void Ds4CpuEngine::restore_checkpoint(int slot) {
+  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(checkpoints_[slot].layers[i], layers_[i]);
+  pos_ = saved_.pos(slot);
 }
 
 bool Ds4CpuEngine::truncate(uint32_t n) {
   if (n == pos_) return true;
   if (n > pos_) return false;
-  // The latest checkpoint at or before n (position 0 is the reset state), and none after n: they
-  // describe positions about to be fed anew.
-  const Checkpoint* best = nullptr;
-  for (Checkpoint& cp : checkpoints_) {
-    if (!cp.valid) continue;
-    if (cp.pos > n) {
-      cp.valid = false;
-    } else if (best == nullptr || cp.pos > best->pos) {
-      best = &cp;
-    }
-  }
+  // The latest checkpoint at or before n (position 0 is the reset state).
+  const int best = saved_.latest_at_or_before(n);
   const uint32_t end = n;
-  if (best != nullptr) {
-    restore_checkpoint(*best);
+  if (best >= 0) {
+    restore_checkpoint(best);
   } else {
     reset();  // position 0; fed_ keeps the ids
   }
@@ -280,7 +289,7 @@ std::string Ds4CpuEngine::description() const {
 
 void Ds4CpuEngine::reset() {
   pos_ = 0;
-  for (Checkpoint& cp : checkpoints_) cp.valid = false;
+  saved_.clear();
   for (LayerState& s : layers_) {
     s.comp.count = s.index.count = 0;
     s.comp.has_prev = s.index.has_prev = false;

@@ -43,6 +43,7 @@
 // unless a routing log is attached. Not thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -59,6 +60,29 @@ namespace expertd::engine {
 // whose caches are not absurd.
 Status check_ds4_engine(const DenseModel& model, const EngineOptions& options);
 
+// truncate()'s bookkeeping for both DeepSeek-V4 engines (each keeps the copies, on the host or the
+// device): which position each of kCount checkpoint slots holds, where the next one goes and which
+// one a cut restores. One policy, so the CPU and CUDA engines feed the same positions again.
+class Ds4CheckpointSlots {
+ public:
+  static constexpr uint32_t kCount = 4;
+  static constexpr uint32_t kEvery = 64;  // decoded positions between two checkpoints
+  // The slot to copy the state at position `at` into: a free one, else the one of the earliest
+  // position (a continued conversation cuts near its end); -1 when one holds `at` already.
+  // hold() it once the copy is made.
+  int pick(uint32_t at) const;
+  void hold(int slot, uint32_t at);
+  // For truncate(n): forgets the slots after n (those positions are about to be fed anew) and
+  // returns the one of the latest position at or before n; -1 when none (feed from position 0).
+  int latest_at_or_before(uint32_t n);
+  uint32_t pos(int slot) const { return pos_[slot]; }
+  void clear() { valid_.fill(0); }
+
+ private:
+  std::array<uint8_t, kCount> valid_{};
+  std::array<uint32_t, kCount> pos_{};
+};
+
 class Ds4CpuEngine final : public Engine {
  public:
   // `model` (a deepseek4 model) and `source` must outlive the engine.
@@ -70,8 +94,8 @@ class Ds4CpuEngine final : public Engine {
   // engine reset, when feeding fails (an expert read error); false, unchanged, for n > position().
   bool truncate(uint32_t n) override;
   // Checkpoints kept, and the decode positions between two.
-  static constexpr uint32_t kCheckpoints = 4;
-  static constexpr uint32_t kCheckpointEvery = 64;
+  static constexpr uint32_t kCheckpoints = Ds4CheckpointSlots::kCount;
+  static constexpr uint32_t kCheckpointEvery = Ds4CheckpointSlots::kEvery;
   // Positions truncate() fed again (for tests and the run summary).
   uint64_t refed_positions() const { return refed_; }
   // The batched forward of the prompt (see above). After an error, reset().
@@ -116,14 +140,11 @@ class Ds4CpuEngine final : public Engine {
     CompCheckpoint index;
   };
   struct Checkpoint {
-    bool valid = false;
-    uint32_t pos = 0;
     std::vector<LayerCheckpoint> layers;
   };
-  // Saves the state at pos_ into a free checkpoint, else over the earliest one (nothing when one
-  // holds pos_ already).
+  // Saves the state at pos_ into the slot saved_ picks (nothing when one holds pos_ already).
   void save_checkpoint();
-  void restore_checkpoint(const Checkpoint& c);
+  void restore_checkpoint(int slot);
 
   Ds4CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
 
@@ -163,9 +184,10 @@ class Ds4CpuEngine final : public Engine {
   EngineOptions opts_;
   uint32_t pos_ = 0;
   EngineStats stats_;
-  std::vector<uint32_t> fed_;  // [max_context]: the id at each position
-  std::vector<Checkpoint> checkpoints_;
-  bool replaying_ = false;  // truncate() is feeding positions again
+  std::vector<uint32_t> fed_;            // [max_context]: the id at each position
+  std::vector<Checkpoint> checkpoints_;  // [kCheckpoints], by slot
+  Ds4CheckpointSlots saved_;             // which position each checkpoint holds
+  bool replaying_ = false;               // truncate() is feeding positions again
   uint64_t refed_ = 0;
   std::vector<RoutingRecord>* routing_log_ = nullptr;
 

@@ -79,6 +79,20 @@ struct DevLayerState {
   DevCompState comp, index;
 };
 
+// A compressor's host-side running state, as a checkpoint keeps it.
+struct HostComp {
+  uint32_t count = 0;
+  bool has_prev = false;
+};
+
+// truncate(): the running state at the position its slot holds (Ds4CheckpointSlots). The device
+// part is a copy of the running region (every layer's window ring and compressor buffers); the
+// entries are append-only, so their counts say which are the checkpoint's.
+struct Checkpoint {
+  uint8_t* running = nullptr;   // device, running_bytes
+  std::vector<HostComp> comps;  // [layer][comp, index]
+};
+
 }  // namespace
 
 struct Ds4GpuEngine::Impl {
@@ -118,8 +132,11 @@ struct Ds4GpuEngine::Impl {
   const double* freq_main = nullptr;      // n_rot / 2
   const double* freq_compress = nullptr;  // n_rot / 2
 
-  // Caches and activations.
+  // Caches and activations. Every layer's window ring and compressor buffers (not the entries)
+  // lie in [running, running + running_bytes): one copy saves or restores them.
   std::vector<DevLayerState> state;
+  uint8_t* running = nullptr;
+  uint64_t running_bytes = 0;
   float* streams = nullptr;  // [hc][n_embd]
   float* flat = nullptr;     // hc * n_embd, normalised
   float* mixes = nullptr;    // (2 + hc) * hc
@@ -190,6 +207,13 @@ struct Ds4GpuEngine::Impl {
   std::vector<ExpertHint> hash_hints;
   std::vector<ExpertHint> last_hints;
 
+  // truncate(): checkpoints (device copies in work_mem) by slot, the ids fed so far.
+  std::vector<Checkpoint> checkpoints;
+  Ds4CheckpointSlots saved;   // which position each checkpoint holds
+  std::vector<uint32_t> fed;  // [max_context]: the id at each position
+  bool replaying = false;     // truncate() is feeding positions again
+  uint64_t refed = 0;
+
   Impl(const DenseModel& m, ExpertSource& s, const EngineOptions& o, const GpuOptions& g)
       : model(m),
         source(s),
@@ -225,6 +249,11 @@ struct Ds4GpuEngine::Impl {
   Status chunk_attention(uint32_t layer, uint32_t i);
   void chunk_route(uint32_t layer, std::span<const uint32_t> tokens);
   Status prefill_moe(uint32_t layer, uint32_t n);
+
+  void reset();
+  Status save_checkpoint();
+  Status restore_checkpoint(int slot);
+  bool truncate(uint32_t n);
 };
 
 Ds4GpuEngine::Impl::~Impl() {
@@ -311,6 +340,8 @@ void Ds4GpuEngine::Impl::carve_work(Carver& c) {
   uint32_t max_entries = 0;
   uint64_t ff_sh = p.n_ff_exp;
   state.resize(p.n_layer);
+  // The running state first, every layer's in one region, then the append-only entries.
+  const uint64_t running_at = c.total();
   for (uint32_t i = 0; i < p.n_layer; ++i) {
     DevLayerState& s = state[i];
     const DevLayer& dl = layers[i];
@@ -321,14 +352,29 @@ void Ds4GpuEngine::Impl::carve_work(Carver& c) {
       cs.gate = c.take_n<float>(uint64_t{ratio} * cw.coff * cw.dim);
       cs.prev_kv = c.take_n<float>(uint64_t{ratio} * cw.dim);
       cs.prev_gate = c.take_n<float>(uint64_t{ratio} * cw.dim);
-      cs.entries = c.take_n<float>(uint64_t{opts.max_context / ratio + 1} * cw.dim);
     };
+    if (dl.has_comp) comp(dl.comp, s.comp);
+    if (dl.has_index) comp(dl.index, s.index);
+  }
+  running_bytes = c.total() - running_at;
+  running = reinterpret_cast<uint8_t*>(state[0].window);  // the region's first buffer
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    DevLayerState& s = state[i];
+    const DevLayer& dl = layers[i];
+    const uint32_t ratio = d.compress_ratio[i];
     if (dl.has_comp) {
-      comp(dl.comp, s.comp);
+      s.comp.entries = c.take_n<float>(uint64_t{opts.max_context / ratio + 1} * dl.comp.dim);
       max_entries = std::max(max_entries, opts.max_context / ratio + 1);
     }
-    if (dl.has_index) comp(dl.index, s.index);
+    if (dl.has_index) {
+      s.index.entries = c.take_n<float>(uint64_t{opts.max_context / ratio + 1} * dl.index.dim);
+    }
     if (dl.has_shexp) ff_sh = std::max<uint64_t>(ff_sh, dl.shexp_gate.rows);
+  }
+  checkpoints.resize(kCheckpoints);
+  for (Checkpoint& cp : checkpoints) {
+    cp.running = c.take(running_bytes);
+    cp.comps.resize(2 * uint64_t{p.n_layer});
   }
   const uint32_t cdim = std::max(p.head_dim, d.index_dim);
   streams = c.take_n<float>(hc * e);
@@ -428,6 +474,7 @@ Status Ds4GpuEngine::Impl::init() {
   ready.resize(k);
   ptrs.resize(k);
   hash_hints.reserve(uint64_t{d.hash_layers} * k);
+  fed.resize(opts.max_context);
   return Ok{};
 }
 
@@ -985,7 +1032,80 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   pos = p0 + n;
   // Token-major routing records (the chunk logged them layer by layer), the positions counted.
   finish_prefill_chunk(routing_log, logged, n, stats);
+  if (replaying) return Ok{};  // truncate() feeds ids from `fed` and keeps only its last position
+  std::copy(tokens.begin(), tokens.end(), fed.begin() + p0);
+  return save_checkpoint();
+}
+
+// --- truncate ----------------------------------------------------------------------------------
+
+void Ds4GpuEngine::Impl::reset() {
+  pos = 0;
+  saved.clear();
+  for (DevLayerState& s : state) {
+    s.comp.count = s.index.count = 0;
+    s.comp.has_prev = s.index.has_prev = false;
+  }
+}
+
+Status Ds4GpuEngine::Impl::save_checkpoint() {
+  const int slot = saved.pick(pos);
+  if (slot < 0) return Ok{};
+  Checkpoint& cp = checkpoints[slot];
+  // On the compute stream, which writes the state: after every kernel of the positions before
+  // pos, before any of the next one.
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(cp.running, running, running_bytes, cudaMemcpyDeviceToDevice, compute.get()));
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    cp.comps[2 * i] = HostComp{state[i].comp.count, state[i].comp.has_prev};
+    cp.comps[2 * i + 1] = HostComp{state[i].index.count, state[i].index.has_prev};
+  }
+  saved.hold(slot, pos);
   return Ok{};
+}
+
+Status Ds4GpuEngine::Impl::restore_checkpoint(int slot) {
+  const Checkpoint& cp = checkpoints[slot];
+  // Ordered, on the compute stream, after the work of the positions being dropped and before the
+  // prefill that follows.
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(running, cp.running, running_bytes, cudaMemcpyDeviceToDevice, compute.get()));
+  for (uint32_t i = 0; i < p.n_layer; ++i) {
+    state[i].comp.count = cp.comps[2 * i].count;
+    state[i].comp.has_prev = cp.comps[2 * i].has_prev;
+    state[i].index.count = cp.comps[2 * i + 1].count;
+    state[i].index.has_prev = cp.comps[2 * i + 1].has_prev;
+  }
+  pos = saved.pos(slot);
+  return Ok{};
+}
+
+bool Ds4GpuEngine::Impl::truncate(uint32_t n) {
+  if (n == pos) return true;
+  if (n > pos) return false;
+  // The latest checkpoint at or before n (position 0 is the reset state).
+  const int best = saved.latest_at_or_before(n);
+  Status st = Ok{};
+  if (best >= 0) {
+    st = restore_checkpoint(best);
+  } else {
+    reset();  // position 0; fed keeps the ids
+  }
+  // Feed [pos, n) again in prefill chunks, from the ids kept. Only n is kept as a checkpoint: the
+  // chunk ends on the way would push out the older ones.
+  replaying = true;
+  while (st && pos < n) {
+    const uint32_t m = std::min(chunk, n - pos);
+    refed += m;
+    st = prefill_chunk(std::span<const uint32_t>(fed.data() + pos, m), {});
+  }
+  replaying = false;
+  if (st && pos > 0) st = save_checkpoint();
+  if (!st) {
+    reset();
+    return false;
+  }
+  return true;
 }
 
 // --- Ds4GpuEngine ------------------------------------------------------------------------------
@@ -1032,8 +1152,10 @@ Status Ds4GpuEngine::decode(uint32_t token, std::span<float> logits) {
   }
   EXPERTD_TRY(m.head(logits));
   m.experts->measure_tiers();
+  m.fed[m.pos] = token;
   ++m.pos;
   ++m.stats.tokens;
+  if (m.pos % kCheckpointEvery == 0) EXPERTD_TRY(m.save_checkpoint());
   m.stats.decode_ns += monotonic_ns() - t0;
   return Ok{};
 }
@@ -1044,14 +1166,9 @@ Status Ds4GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
   return impl_->prefill_chunk(tokens, logits);
 }
 
-void Ds4GpuEngine::reset() {
-  Impl& m = *impl_;
-  m.pos = 0;
-  for (DevLayerState& s : m.state) {
-    s.comp.count = s.index.count = 0;
-    s.comp.has_prev = s.index.has_prev = false;
-  }
-}
+void Ds4GpuEngine::reset() { impl_->reset(); }
+bool Ds4GpuEngine::truncate(uint32_t n) { return impl_->truncate(n); }
+uint64_t Ds4GpuEngine::refed_positions() const { return impl_->refed; }
 
 uint32_t Ds4GpuEngine::position() const { return impl_->pos; }
 const EngineStats& Ds4GpuEngine::stats() const { return impl_->stats; }

@@ -24,12 +24,25 @@
 // cuBLAS GEMMs (the clamped SwiGLU between); each position sums its route slots in decode()'s
 // order. The chunk scratch is allocated at create().
 //
-// decode() and prefill() allocate nothing unless a routing log is attached. Not thread-safe.
+// truncate(n) works for any n (prefix reuse), as Ds4CpuEngine's: the sliding-window ring and the
+// compressors' open windows cannot be cut back, so the engine keeps kCheckpoints device copies of
+// that running state (at the end of every prefill chunk, every kCheckpointEvery decoded positions
+// and at the last cut; the running buffers of every layer are one contiguous region, so a
+// checkpoint is one device-to-device copy on the compute stream), restores the last one at or
+// before n and feeds the positions from there to n again through prefill, from the ids it keeps on
+// the host. The emitted compressed entries are append-only: a checkpoint keeps their counts. The
+// checkpoints are sized at create(); truncate() allocates nothing. The state it leaves is the one a
+// fresh engine reaches through the same calls (the kernels are deterministic), not decode()'s to
+// the bit: prefill's expert GEMMs round differently from decode's fused matvecs.
+//
+// decode(), prefill() and truncate() allocate nothing unless a routing log is attached. Not
+// thread-safe.
 #pragma once
 
 #include <memory>
 #include <string>
 
+#include "engine/ds4_cpu_engine.h"
 #include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/gpu_engine.h"
@@ -48,6 +61,15 @@ class Ds4GpuEngine final : public Engine {
   ~Ds4GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // Any n <= position(): restores a checkpoint and feeds the rest (see above). False, with the
+  // engine reset, when feeding fails (an expert read or a device error); false, unchanged, for
+  // n > position().
+  bool truncate(uint32_t n) override;
+  // Checkpoints kept, and the decoded positions between two (Ds4CpuEngine's policy).
+  static constexpr uint32_t kCheckpoints = Ds4CheckpointSlots::kCount;
+  static constexpr uint32_t kCheckpointEvery = Ds4CheckpointSlots::kEvery;
+  // Positions truncate() fed again (for tests and the run summary).
+  uint64_t refed_positions() const;
   void reset() override;
   uint32_t position() const override;
   const EngineStats& stats() const override;

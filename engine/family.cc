@@ -42,7 +42,7 @@ constexpr std::array kFamilies = {
     FamilyInfo{Family::DeepSeek4, "deepseek4", "DeepSeek-V4", "", "deepseek4",
                "DeepSeek-V4-Flash", "", EngineClass::DeepSeek4,
                {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = true,
-                .prefix_truncate = true, .cuda_prefix_truncate = false,
+                .prefix_truncate = true, .cuda_prefix_truncate = true,
                 .hash_hints = true, .mtp_blocks = true}},
 };
 // clang-format on

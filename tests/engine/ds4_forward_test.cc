@@ -12,6 +12,7 @@
 #include "engine/ds4_cpu_engine.h"
 #include "storage/gguf_writer.h"
 #include "testing/temp_dir.h"
+#include "tests/engine/ds4_truncate_cuts.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 #include "tests/engine/gguf_edit.h"
@@ -223,17 +224,18 @@ TEST(Ds4Forward, ResetStartsTheSequenceAgain) {
 // Prefix reuse: truncate(n) for any n restores the last checkpoint at or before n (prefill chunk
 // ends, every kCheckpointEvery decoded positions) and feeds the rest again, so the logits that
 // follow are a fresh run's to the bit: at a checkpoint, between two, in the middle of a
-// compressor's window (ratios 4 and 8) and of the sliding window (8), and at 0.
+// compressor's window (ratios 4 and 8) and of the sliding window (8), and at 0 (the run and the
+// cuts: ds4_truncate_cuts.h, which the CUDA engine's test shares).
 TEST(Ds4Forward, TruncateToAnyPositionGivesTheLogitsOfAFreshRun) {
   auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
   ASSERT_TRUE(model) << model.error().message;
   const uint32_t vocab = model->params().n_vocab;
-  constexpr uint32_t kTokens = 160;
-  constexpr uint32_t kPrompt = 20;  // prefilled in chunks of 8: checkpoints at 8, 16, 20
+  constexpr uint32_t kTokens = test::kDs4CutTokens;
+  constexpr uint32_t kPrompt = test::kDs4CutPrompt;
   std::vector<uint32_t> ids(kTokens);
   for (uint32_t i = 0; i < kTokens; ++i) ids[i] = (i * 37 + 11) % vocab;
   EngineOptions o{kTokens + 8, 1, 0};
-  o.prefill_chunk = 8;
+  o.prefill_chunk = test::kDs4CutChunk;
 
   // The reference: every position decoded once, each one's logits kept.
   auto ref_source = FileExpertSource::open(*model);
@@ -251,27 +253,13 @@ TEST(Ds4Forward, TruncateToAnyPositionGivesTheLogitsOfAFreshRun) {
   std::vector<float> logits(vocab);
   ASSERT_TRUE(eng.prefill(std::span<const uint32_t>(ids.data(), kPrompt), logits));
   EXPECT_EQ(logits, want[kPrompt - 1]);
-  for (uint32_t t = kPrompt; t < 150; ++t) ASSERT_TRUE(eng.decode(ids[t], logits));
-  EXPECT_FALSE(eng.truncate(151)) << "past the position";
-  EXPECT_EQ(eng.position(), 150u);
+  for (uint32_t t = kPrompt; t < test::kDs4CutDecoded; ++t) {
+    ASSERT_TRUE(eng.decode(ids[t], logits));
+  }
+  EXPECT_FALSE(eng.truncate(test::kDs4CutDecoded + 1)) << "past the position";
+  EXPECT_EQ(eng.position(), test::kDs4CutDecoded);
 
-  // Each cut is followed by three decoded positions. refed: the positions fed again. The four
-  // checkpoints: the prompt's chunk ends 8, 16, 20, then decode's 64, and 128 in place of 8 (the
-  // earliest goes first); a cut keeps its own position and drops those after it.
-  const struct {
-    uint32_t n;
-    uint64_t refed;
-  } cuts[] = {{149, 21},  // from 128; keeps 149 in place of 16: {20, 64, 128, 149}
-              {128, 0},   // at one; 149 dropped
-              {99, 35},   // from 64; 128 dropped, 99 kept: {20, 64, 99}
-              {100, 1},   // from 99, which the last cut kept: {20, 64, 99, 100}
-              {64, 0},    // at one; 99 and 100 dropped
-              {45, 25},   // from 20 (the prompt's end); 64 dropped: {20, 45}
-              {17, 17},   // none at or before 17 is left: from 0, keeping 17
-              {13, 13},   // likewise
-              {5, 5},    {0, 0}};
-  static_assert(Ds4CpuEngine::kCheckpoints == 4 && Ds4CpuEngine::kCheckpointEvery == 64);
-  for (const auto& c : cuts) {
+  for (const test::Ds4Cut& c : test::kDs4Cuts) {
     const uint64_t before = eng.refed_positions();
     ASSERT_TRUE(eng.truncate(c.n)) << c.n;
     EXPECT_EQ(eng.position(), c.n);

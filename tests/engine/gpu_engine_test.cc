@@ -26,6 +26,7 @@
 #include "expertd/client.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/batch_check.h"
+#include "tests/engine/ds4_truncate_cuts.h"
 #include "tests/engine/file_expert_source.h"
 #include "tests/engine/fixture.h"
 
@@ -1165,6 +1166,156 @@ TEST(Ds4GpuEngine, PrefillMatchesTokenByTokenThroughTheDaemon) {
   }
   const std::string log = d.log();
   EXPECT_EQ(d.stop(), 0) << log;
+}
+
+// Where two logit vectors differ: how many entries, the largest |a - b| and its index.
+struct LogitDiff {
+  size_t count = 0;
+  float max_abs = 0.0f;
+  size_t at = 0;
+};
+LogitDiff logit_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  LogitDiff d;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    ++d.count;
+    const float abs = std::fabs(a[i] - b[i]);
+    if (!(abs <= d.max_abs)) {  // NaN counts as the largest
+      d.max_abs = abs;
+      d.at = i;
+    }
+  }
+  return d;
+}
+
+// Prefix reuse on the device (Ds4Forward.TruncateToAnyPositionGivesTheLogitsOfAFreshRun's twin):
+// truncate(n) restores the last checkpoint at or before n (prefill chunk ends, every
+// kCheckpointEvery decoded positions, the last cut) and feeds the rest again through prefill. Cuts
+// at a checkpoint, between two, in the middle of a compressor's window (ratios 4 and 8) and of the
+// sliding window (8), and at 0, each followed by three decoded positions; the run, the cuts and
+// their refed counts are the CPU test's (ds4_truncate_cuts.h: the same checkpoints). The GPU's
+// prefill is not decode() to the bit (its routed experts run as dequantised f32 cuBLAS GEMMs,
+// decode's as fused matvecs on the encoded bytes), so the logits after a cut are compared to the
+// bit with a fresh engine fed the same positions through the same calls (the prefill chunks and
+// decodes that made the cut engine's state; the kernels are deterministic), and within prefill's
+// tolerance (f32 1e-3, q8_0 2e-2, as PrefillMatchesTokenByTokenThroughTheDaemon) with a run that
+// decoded every position.
+TEST(Ds4GpuEngine, TruncateToAnyPositionGivesTheLogitsOfAFreshRun) {
+  REQUIRE_GPU();
+  for (const auto& [variant, tol] : {std::pair{"f32", 1e-3}, std::pair{"q8_0", 2e-2}}) {
+    SCOPED_TRACE(variant);
+    auto model = DenseModel::load(Ds4Fixture::gguf(variant));
+    ASSERT_TRUE(model) << model.error().message;
+    const uint32_t vocab = model->params().n_vocab;
+    constexpr uint32_t kTokens = test::kDs4CutTokens;
+    constexpr uint32_t kPrompt = test::kDs4CutPrompt;
+    constexpr uint32_t kChunk = test::kDs4CutChunk;
+    std::vector<uint32_t> ids(kTokens);
+    for (uint32_t i = 0; i < kTokens; ++i) ids[i] = (i * 37 + 11) % vocab;
+    EngineOptions o{kTokens + 8, 1, 0};
+    o.prefill_chunk = kChunk;
+
+    // The reference engine: first every position decoded once (each one's logits kept), then,
+    // after each cut, reset and fed again as the cut engine was.
+    auto ref_source = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(ref_source) << ref_source.error().message;
+    auto ref = Ds4GpuEngine::create(*model, **ref_source, o, tier(GpuOptions::Tier::Experts, 80));
+    ASSERT_TRUE(ref) << ref.error().message;
+    std::vector<std::vector<float>> want(kTokens, std::vector<float>(vocab));
+    for (uint32_t t = 0; t < kTokens; ++t) {
+      auto st = (*ref)->decode(ids[t], want[t]);
+      ASSERT_TRUE(st) << "position " << t << ": " << st.error().message;
+    }
+
+    // How the cut engine's state at each position was made: a call starts at t when begin[t]
+    // (a prefill chunk running to the next begin when prefilled[t], else decode(ids[t])).
+    std::vector<uint8_t> begin(kTokens + 1, 0);
+    std::vector<uint8_t> prefilled(kTokens, 0);
+    auto mark_prefill = [&](uint32_t from, uint32_t to) {
+      for (uint32_t t = from; t < to; ++t) {
+        prefilled[t] = 1;
+        begin[t] = (t - from) % kChunk == 0;
+      }
+      begin[to] = 1;
+    };
+    auto mark_decode = [&](uint32_t t) {
+      prefilled[t] = 0;
+      begin[t] = begin[t + 1] = 1;
+    };
+
+    auto source = test::FileExpertSource::open(*model);
+    ASSERT_TRUE(source) << source.error().message;
+    auto made = Ds4GpuEngine::create(*model, **source, o, tier(GpuOptions::Tier::Experts, 80));
+    ASSERT_TRUE(made) << made.error().message;
+    Ds4GpuEngine& eng = **made;
+    std::vector<float> logits(vocab);
+    auto st = eng.prefill(std::span<const uint32_t>(ids.data(), kPrompt), logits);
+    ASSERT_TRUE(st) << st.error().message;
+    mark_prefill(0, kPrompt);
+    EXPECT_LE(test::rel_err(logits.data(), want[kPrompt - 1].data(), vocab), tol);
+    for (uint32_t t = kPrompt; t < test::kDs4CutDecoded; ++t) {
+      st = eng.decode(ids[t], logits);
+      ASSERT_TRUE(st) << "position " << t << ": " << st.error().message;
+      mark_decode(t);
+    }
+    EXPECT_FALSE(eng.truncate(test::kDs4CutDecoded + 1)) << "past the position";
+    EXPECT_EQ(eng.position(), test::kDs4CutDecoded);
+    EXPECT_TRUE(eng.truncate(test::kDs4CutDecoded)) << "at the position";
+    EXPECT_EQ(eng.refed_positions(), 0u);
+
+    std::vector<float> fresh(vocab);
+    std::vector<float> scratch(vocab);
+    double worst = 0.0;
+    for (const test::Ds4Cut& c : test::kDs4Cuts) {
+      SCOPED_TRACE(fmt::format("cut at {}", c.n));
+      const uint64_t before = eng.refed_positions();
+      ASSERT_TRUE(eng.truncate(c.n));
+      EXPECT_EQ(eng.position(), c.n);
+      const uint64_t refed = eng.refed_positions() - before;
+      EXPECT_EQ(refed, c.refed);
+      ASSERT_LE(refed, c.n);
+      const auto from = static_cast<uint32_t>(c.n - refed);
+      mark_prefill(from, c.n);
+
+      // The fresh engine, fed [0, n) through the calls that made the cut engine's state.
+      (*ref)->reset();
+      for (uint32_t t = 0; t < c.n;) {
+        uint32_t end = t + 1;
+        while (end < c.n && !begin[end]) ++end;
+        if (prefilled[t]) {
+          st = (*ref)->prefill(std::span<const uint32_t>(ids.data() + t, end - t), scratch);
+        } else {
+          st = (*ref)->decode(ids[t], scratch);
+        }
+        ASSERT_TRUE(st) << "fresh run, position " << t << ": " << st.error().message;
+        t = end;
+      }
+      ASSERT_EQ((*ref)->position(), c.n);
+
+      for (uint32_t t = c.n; t < c.n + 3; ++t) {
+        st = eng.decode(ids[t], logits);
+        ASSERT_TRUE(st) << "position " << t << ": " << st.error().message;
+        mark_decode(t);
+        st = (*ref)->decode(ids[t], fresh);
+        ASSERT_TRUE(st) << "fresh run, position " << t << ": " << st.error().message;
+        const LogitDiff d = logit_diff(logits, fresh);
+        EXPECT_EQ(d.count, 0u) << fmt::format(
+            "cut at {} (re-fed from {}), position {}: {} of {} logits differ from a fresh run's, "
+            "max |diff| {:.3e} at {} ({} vs {})",
+            c.n, from, t, d.count, vocab, d.max_abs, d.at, logits[d.at], fresh[d.at]);
+        const double err = test::rel_err(logits.data(), want[t].data(), vocab);
+        EXPECT_LE(err, tol) << "cut at " << c.n << ", position " << t << " against decode()";
+        worst = std::max(worst, err);
+      }
+    }
+    std::printf(
+        "[ %s ] deepseek4 GPU truncate: %llu positions re-fed over %zu cuts; max relative error "
+        "against decode() %.3e\n",
+        variant, static_cast<unsigned long long>(eng.refed_positions()), std::size(test::kDs4Cuts),
+        worst);
+    EXPECT_EQ((*source)->gets(), (*source)->releases());
+    EXPECT_EQ((*ref_source)->gets(), (*ref_source)->releases());
+  }
 }
 
 // --- Mixtral (`llama` with routed experts: no q/k norms, NORM RoPE) -----------------------------
