@@ -300,6 +300,40 @@ std::string render_chatml(std::span<const ChatMessage> m, bool gen) {
   return out;
 }
 
+// Tools, calls and their arguments as the templates read them: JSON values kept in order.
+using ojson = nlohmann::ordered_json;
+
+// Python's json.dumps, below with template_json.
+void python_string(std::string_view s, std::string& out);
+void python_json(const nlohmann::ordered_json& v, std::string& out);
+
+// A string as tojson writes it.
+std::string json_quoted(std::string_view s) {
+  std::string out;
+  python_string(s, out);
+  return out;
+}
+
+// v[key], or null when v is not an object or has no such key (Jinja's undefined).
+const ojson* member(const ojson& v, const char* key) {
+  if (!v.is_object()) return nullptr;
+  const auto it = v.find(key);
+  return it == v.end() ? nullptr : &*it;
+}
+
+// Jinja's truth of a value (undefined is false).
+bool truthy(const ojson* v) {
+  if (v == nullptr || v->is_null()) return false;
+  if (v->is_boolean()) return v->get<bool>();
+  if (v->is_number()) return v->get<double>() != 0;
+  if (v->is_string()) return !v->get_ref<const std::string&>().empty();
+  return !v->empty();
+}
+
+bool is_string(const ojson* v, std::string_view s) {
+  return v != nullptr && v->is_string() && v->get_ref<const std::string&>() == s;
+}
+
 // Every system message, joined, goes first (both DeepSeek templates).
 std::string deepseek_system(std::span<const ChatMessage> m) {
   std::string sys;
@@ -318,23 +352,51 @@ bool deepseek_thinking(const ChatOptions& o) {
   return o.thinking.value_or(o.enable_thinking.value_or(false));
 }
 
-// DeepSeek-V3.1: an empty <think></think> opens each earlier answer; the generation prompt opens
-// the block when thinking, else closes it empty.
+// A call's arguments as the templates' tojson writes them: the JSON object a server parses them
+// into first (as vLLM does), or, when they are not JSON, the string quoted.
+std::string tojson_arguments(const std::string& arguments) {
+  auto args = template_json(arguments);
+  return args ? *args : json_quoted(arguments);
+}
+
+// DeepSeek-V3.1: an empty <think></think> opens each answer to a user turn; the generation prompt
+// opens the block when thinking, else closes it empty. Calls follow the answer's content between
+// <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, each NAME<｜tool▁sep｜>ARGUMENTS; tool results
+// follow them, and the model's next answer follows the results with no generation prompt (its
+// template writes none after a tool result). The template writes no tool definitions.
 std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std::string& bos,
                              const ChatOptions& o) {
   std::string out = bos + deepseek_system(m);
   bool last_user = false;
+  bool after_tool = false;
   for (const ChatMessage& msg : m) {
     if (msg.role == "user") {
       last_user = true;
+      after_tool = false;
       out += "<｜User｜>" + msg.content;
+    } else if (msg.role == "tool") {
+      last_user = false;
+      after_tool = true;
+      out += "<｜tool▁output▁begin｜>" + msg.content + "<｜tool▁output▁end｜>";
     } else if (msg.role == "assistant") {
       if (last_user) out += "<｜Assistant｜><think></think>";
       last_user = false;
       std::string_view content = msg.content;
       const size_t end = content.find("</think>");
-      if (end != std::string_view::npos) content = content.substr(end + 8);
-      out += content;
+      if (!msg.tool_calls.empty() || after_tool || end == std::string_view::npos) {
+        out += content;  // after a tool result, and with calls, as it is
+      } else {
+        out += content.substr(end + 8);
+      }
+      after_tool = false;
+      if (!msg.tool_calls.empty()) {
+        out += "<｜tool▁calls▁begin｜>";
+        for (const ChatToolCall& call : msg.tool_calls) {
+          out += "<｜tool▁call▁begin｜>" + call.name + "<｜tool▁sep｜>" +
+                 tojson_arguments(call.arguments) + "<｜tool▁call▁end｜>";
+        }
+        out += "<｜tool▁calls▁end｜>";
+      }
       out += "<｜end▁of▁sentence｜>";
     }
   }
@@ -344,13 +406,72 @@ std::string render_deepseek3(std::span<const ChatMessage> m, bool gen, const std
   return out;
 }
 
-// DeepSeek-V4: consecutive user turns merge; answers open with </think>, except, when thinking,
-// those after the last user turn, with an empty <think></think> (the message's reasoning_content,
-// which ChatMessage has not); the generation prompt opens the block when thinking, else closes it.
-// `high_effort_preamble`: V4-Flash's template, which writes one for reasoning_effort "high" (both
-// write another for "max", which ChatOptions does not take).
-std::string render_deepseek4(std::span<const ChatMessage> m, bool gen, const std::string& bos,
-                             const ChatOptions& o, bool high_effort_preamble) {
+// DeepSeek-V4's tools: the system prompt's "## Tools" section with each function's JSON, and its
+// calls in DSML tags, each argument a parameter (strings as they are, other values as JSON).
+constexpr std::string_view kDsmlToolsHeader =
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can "
+    "invoke tools by writing a \"<｜DSML｜tool_calls>\" block like the following:\n\n"
+    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"$TOOL_NAME\">\n<｜DSML｜parameter "
+    "name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n...\n"
+    "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"$TOOL_NAME2\">\n...\n</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls>\n\nString parameters should be specified as is and set "
+    "`string=\"true\"`. For all other types (numbers, booleans, arrays, objects), pass the value "
+    "in JSON format and set `string=\"false\"`.\n\nIf thinking_mode is enabled (triggered by "
+    "<think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool "
+    "calls or final response.\n\nOtherwise, output directly after </think> with tool calls or "
+    "final response.\n\n### Available Tool Schemas\n\n";
+
+std::string deepseek4_system(std::span<const ChatMessage> m, std::span<const std::string> tools) {
+  std::string sys = deepseek_system(m);
+  if (tools.empty()) return sys;
+  if (!sys.empty()) sys += "\n\n";
+  sys += kDsmlToolsHeader;
+  for (const std::string& text : tools) {
+    const ojson tool = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+    const ojson* fn = member(tool, "function");
+    if (!is_string(member(tool, "type"), "function") || fn == nullptr) continue;
+    python_json(*fn, sys);
+    sys += "\n";
+  }
+  return sys +
+         "\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
+         "tool calls.\n";
+}
+
+Result<std::string> dsml_calls(std::span<const ChatToolCall> calls) {
+  std::string out = "\n\n<｜DSML｜tool_calls>\n";
+  for (const ChatToolCall& call : calls) {
+    out += "<｜DSML｜invoke name=\"" + call.name + "\">\n";
+    const ojson args = ojson::parse(call.arguments, nullptr, /*allow_exceptions=*/false);
+    if (!args.is_object()) {
+      return template_error("tool call " + call.name + ": arguments are not a JSON object");
+    }
+    for (const auto& [key, value] : args.items()) {
+      out += "<｜DSML｜parameter name=\"" + key + "\" string=\"";
+      if (value.is_string()) {
+        out += "true\">" + value.get<std::string>();
+      } else {
+        out += "false\">";
+        python_json(value, out);
+      }
+      out += "</｜DSML｜parameter>\n";
+    }
+    if (args.empty()) out += "\n";
+    out += "</｜DSML｜invoke>\n";
+  }
+  return out + "</｜DSML｜tool_calls>";
+}
+
+// DeepSeek-V4: consecutive user turns (and tool results, as <tool_result>) merge; answers open
+// with </think>, except, when thinking, those after the last user turn or tool result (or all,
+// with tools or tool results in the conversation), with an empty <think></think> (the message's
+// reasoning_content, which ChatMessage has not); the generation prompt opens the block when
+// thinking, else closes it. `high_effort_preamble`: V4-Flash's template, which writes one for
+// reasoning_effort "high" (both write another for "max", which ChatOptions does not take).
+Result<std::string> render_deepseek4(std::span<const ChatMessage> m, bool gen,
+                                     const std::string& bos, const ChatOptions& o,
+                                     bool high_effort_preamble,
+                                     std::span<const std::string> tools) {
   const bool thinking = deepseek_thinking(o);
   std::string out = bos;
   if (thinking && high_effort_preamble && o.reasoning_effort == "high") {
@@ -363,25 +484,32 @@ std::string render_deepseek4(std::span<const ChatMessage> m, bool gen, const std
         "every intermediate step, considered alternative, and rejected hypothesis to ensure "
         "absolutely no assumption is left unchecked.\n\n";
   }
-  out += deepseek_system(m);
-  size_t last_user = 0;
-  bool any_user = false;
+  out += deepseek4_system(m, tools);
+  ptrdiff_t last_user = -1;
+  bool tool_results = false;
   for (size_t k = 0; k < m.size(); ++k) {
-    if (m[k].role == "user") last_user = k, any_user = true;
+    if (m[k].role == "user" || m[k].role == "tool") last_user = static_cast<ptrdiff_t>(k);
+    tool_results = tool_results || m[k].role == "tool";
   }
   bool in_user = false;
   for (size_t i = 0; i < m.size(); ++i) {
     const ChatMessage& msg = m[i];
-    if (msg.role == "user") {
+    if (msg.role == "user" || msg.role == "tool") {
       out += in_user ? "\n\n" : "<｜User｜>";
       in_user = true;
-      out += msg.content;
+      out += msg.role == "tool" ? "<tool_result>" + msg.content + "</tool_result>" : msg.content;
     } else if (msg.role == "assistant") {
       in_user = false;
-      const bool after_last_user = !any_user || i > last_user;
-      out += thinking && after_last_user ? "<｜Assistant｜><think></think>"
-                                         : "<｜Assistant｜></think>";
-      out += msg.content + "<｜end▁of▁sentence｜>";
+      const bool keep =
+          thinking && (!tools.empty() || tool_results || static_cast<ptrdiff_t>(i) > last_user);
+      out += keep ? "<｜Assistant｜><think></think>" : "<｜Assistant｜></think>";
+      out += msg.content;
+      if (!msg.tool_calls.empty()) {
+        auto calls = dsml_calls(msg.tool_calls);
+        if (!calls) return calls.take_error();
+        out += *calls;
+      }
+      out += "<｜end▁of▁sentence｜>";
     }
   }
   if (gen) out += thinking ? "<｜Assistant｜><think>" : "<｜Assistant｜></think>";
@@ -557,38 +685,6 @@ std::string today() {
   localtime_r(&now, &tm);
   char buf[16];
   return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
-}
-
-// gpt-oss's tools, as its template writes them: a TypeScript `functions` namespace.
-using ojson = nlohmann::ordered_json;
-
-void python_string(std::string_view s, std::string& out);  // below, with template_json
-
-// A string as tojson writes it.
-std::string json_quoted(std::string_view s) {
-  std::string out;
-  python_string(s, out);
-  return out;
-}
-
-// v[key], or null when v is not an object or has no such key (Jinja's undefined).
-const ojson* member(const ojson& v, const char* key) {
-  if (!v.is_object()) return nullptr;
-  const auto it = v.find(key);
-  return it == v.end() ? nullptr : &*it;
-}
-
-// Jinja's truth of a value (undefined is false).
-bool truthy(const ojson* v) {
-  if (v == nullptr || v->is_null()) return false;
-  if (v->is_boolean()) return v->get<bool>();
-  if (v->is_number()) return v->get<double>() != 0;
-  if (v->is_string()) return !v->get_ref<const std::string&>().empty();
-  return !v->empty();
-}
-
-bool is_string(const ojson* v, std::string_view s) {
-  return v != nullptr && v->is_string() && v->get_ref<const std::string&>() == s;
 }
 
 // Python's str() of a value, as Jinja's join and {{ }} write it.
@@ -799,11 +895,8 @@ Result<std::string> render_gpt_oss(std::span<const ChatMessage> m, bool gen,
           out += "<|start|>assistant<|channel|>analysis<|message|>" + msg.content + "<|end|>";
         }
         const ChatToolCall& call = msg.tool_calls[0];
-        // The arguments as tojson writes them (a server parses them first, as vLLM does; a
-        // string that is not JSON is written quoted, as the template would).
-        auto args = template_json(call.arguments);
         out += "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json" +
-               "<|message|>" + (args ? *args : json_quoted(call.arguments)) + "<|call|>";
+               "<|message|>" + tojson_arguments(call.arguments) + "<|call|>";
         last_call = call.name;
         continue;
       }
@@ -977,8 +1070,8 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     case Kind::kDeepseek3:
       return render_deepseek3(messages, add_generation_prompt, bos_, options);
     case Kind::kDeepseek4:
-      return render_deepseek4(messages, add_generation_prompt, bos_, options,
-                              high_effort_preamble_);
+      return render_deepseek4(messages, add_generation_prompt, bos_, options, high_effort_preamble_,
+                              tools);
     case Kind::kMistral:
       return render_mistral(messages, bos_, eos_);
     case Kind::kMistralV01:
@@ -1264,13 +1357,19 @@ Result<std::string> template_json(std::string_view json_text) {
 }
 
 bool ChatTemplate::supports_tools() const {
-  return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45 || kind_ == Kind::kGptOss;
+  return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45 || kind_ == Kind::kGptOss ||
+         kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4;
 }
 
 std::optional<ChatTemplate::ForcedCall> ChatTemplate::forced_call(std::string_view name) const {
   switch (kind_) {
     case Kind::kQwen3:
       return ForcedCall{"<tool_call>\n", false};
+    case Kind::kDeepseek3:
+      if (name.empty()) return std::nullopt;
+      return ForcedCall{
+          "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + std::string(name) + "<｜tool▁sep｜>",
+          true};
     case Kind::kGptOss:
       // The header as the template writes earlier calls (the recipient before the channel).
       if (name.empty()) return std::nullopt;
@@ -1287,12 +1386,20 @@ std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
   // (after an analysis message), its <|channel|> or its recipient (first in the answer).
   static constexpr std::array<std::string_view, 3> kHarmony = {"<|start|>", "<|channel|>",
                                                                " to=functions."};
+  // DeepSeek-V3.1's first call may come without the list's opening tag.
+  static constexpr std::array<std::string_view, 2> kDeepseek3 = {"<｜tool▁calls▁begin｜>",
+                                                                 "<｜tool▁call▁begin｜>"};
+  static constexpr std::array<std::string_view, 1> kDsml = {"<｜DSML｜tool_calls>"};
   switch (kind_) {
     case Kind::kQwen3:
     case Kind::kGlm45:
       return kBlocks;
     case Kind::kGptOss:
       return kHarmony;
+    case Kind::kDeepseek3:
+      return kDeepseek3;
+    case Kind::kDeepseek4:
+      return kDsml;
     default:
       return {};
   }
@@ -1329,10 +1436,98 @@ static std::optional<ParsedToolCalls> parse_harmony_call(std::string_view answer
   return out;
 }
 
+// DeepSeek-V3.1's calls: [<｜tool▁calls▁begin｜>] then <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON
+// <｜tool▁call▁end｜> each, up to <｜tool▁calls▁end｜> or the end; a last call cut short still
+// counts when its JSON is whole (as Qwen3's).
+static std::optional<ParsedToolCalls> parse_deepseek3_calls(std::string_view answer) {
+  constexpr std::string_view kBegin = "<｜tool▁call▁begin｜>", kSep = "<｜tool▁sep｜>",
+                             kEnd = "<｜tool▁call▁end｜>";
+  size_t at = answer.find(kBegin);
+  if (at == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  std::string_view before = answer.substr(0, at);
+  if (const size_t list = before.rfind("<｜tool▁calls▁begin｜>"); list != std::string_view::npos) {
+    before = before.substr(0, list);
+  }
+  out.content = std::string(before);
+  while (at != std::string_view::npos) {
+    const size_t sep = answer.find(kSep, at);
+    if (sep == std::string_view::npos) return std::nullopt;
+    const std::string_view name =
+        py_strip(answer.substr(at + kBegin.size(), sep - at - kBegin.size()));
+    const size_t end = answer.find(kEnd, sep);
+    const std::string_view body =
+        answer.substr(sep + kSep.size(), end == std::string_view::npos ? std::string_view::npos
+                                                                       : end - sep - kSep.size());
+    const ojson args = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (name.empty() || !args.is_object()) return std::nullopt;
+    out.calls.push_back({std::string(name), args.dump()});
+    if (end == std::string_view::npos) break;
+    // The next call follows at once (white space at most); anything else ends the list.
+    const size_t next = end + kEnd.size();
+    const size_t skip = answer.find_first_not_of(" \n\t\r", next);
+    at = skip != std::string_view::npos && answer.substr(skip).starts_with(kBegin)
+             ? skip
+             : std::string_view::npos;
+  }
+  return out;
+}
+
+// DeepSeek-V4's DSML calls: <｜DSML｜tool_calls> then <｜DSML｜invoke name="NAME"> with
+// <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> each (a string as
+// it is, else JSON) and </｜DSML｜invoke>, up to </｜DSML｜tool_calls>. The text before is content,
+// less its trailing white space.
+static std::optional<ParsedToolCalls> parse_dsml_calls(std::string_view answer) {
+  constexpr std::string_view kList = "<｜DSML｜tool_calls>", kInvoke = "<｜DSML｜invoke name=\"",
+                             kInvokeEnd = "</｜DSML｜invoke>",
+                             kParam = "<｜DSML｜parameter name=\"",
+                             kParamEnd = "</｜DSML｜parameter>";
+  const size_t list = answer.find(kList);
+  if (list == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  out.content = std::string(py_strip(answer.substr(0, list)));
+  std::string_view rest = answer.substr(list + kList.size());
+  for (size_t at = rest.find(kInvoke); at != std::string_view::npos; at = rest.find(kInvoke)) {
+    rest.remove_prefix(at + kInvoke.size());
+    const size_t quote = rest.find("\">");
+    const size_t end = rest.find(kInvokeEnd);
+    if (quote == std::string_view::npos || end == std::string_view::npos || quote > end) {
+      return std::nullopt;
+    }
+    const std::string name(rest.substr(0, quote));
+    std::string_view params = rest.substr(quote + 2, end - quote - 2);
+    rest.remove_prefix(end + kInvokeEnd.size());
+    ojson args = ojson::object();
+    for (size_t p = params.find(kParam); p != std::string_view::npos; p = params.find(kParam)) {
+      params.remove_prefix(p + kParam.size());
+      const size_t key_end = params.find('"');
+      const size_t open = params.find('>');
+      const size_t close = params.find(kParamEnd);
+      if (key_end == std::string_view::npos || open == std::string_view::npos ||
+          close == std::string_view::npos || open > close) {
+        return std::nullopt;
+      }
+      const std::string key(params.substr(0, key_end));
+      const std::string_view value = params.substr(open + 1, close - open - 1);
+      const bool is_text =
+          params.substr(key_end, open - key_end).find("string=\"true\"") != std::string_view::npos;
+      ojson parsed = is_text ? ojson() : ojson::parse(value, nullptr, /*allow_exceptions=*/false);
+      args[key] = is_text || parsed.is_discarded() ? ojson(std::string(value)) : std::move(parsed);
+      params.remove_prefix(close + kParamEnd.size());
+    }
+    if (name.empty()) return std::nullopt;
+    out.calls.push_back({name, args.dump()});
+  }
+  if (out.calls.empty()) return std::nullopt;
+  return out;
+}
+
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
   if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
   if (kind_ == Kind::kGptOss) return parse_harmony_call(answer);
+  if (kind_ == Kind::kDeepseek3) return parse_deepseek3_calls(answer);
+  if (kind_ == Kind::kDeepseek4) return parse_dsml_calls(answer);
   // Qwen3: each block a JSON object {"name", "arguments"}; a last one cut short still counts when
   // its JSON is whole.
   const auto blocks = call_blocks(answer);

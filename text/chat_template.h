@@ -116,13 +116,15 @@ class ChatTemplate {
   Result<std::string> render(std::span<const ChatMessage> messages, bool add_generation_prompt,
                              const ChatOptions& options = {},
                              std::span<const std::string> tools = {}) const;
-  // Whether this family's template renders tools and their results (Qwen3, GLM-4.5, gpt-oss).
+  // Whether this family's template renders tools and their results (Qwen3, GLM-4.5, gpt-oss,
+  // DeepSeek-V3.1/V4).
   bool supports_tools() const;
   // How a forced call of `name` ("": of any of the tools) is written so that it can be
   // constrained: the text that opens it after the generation prompt, and what JSON follows. Qwen3:
-  // "<tool_call>\n", then {"name", "arguments"}; gpt-oss: the named function's commentary header,
-  // then its arguments. nullopt where the calls are not JSON (GLM-4.5's key/value tags), the name
-  // is written outside the JSON and none is given, or there is no tool support.
+  // "<tool_call>\n", then {"name", "arguments"}; gpt-oss and DeepSeek-V3.1: the named function's
+  // header, then its arguments. nullopt where the calls are not JSON (GLM-4.5's key/value tags,
+  // DeepSeek-V4's DSML parameters), the name is written outside the JSON and none is given, or
+  // there is no tool support.
   struct ForcedCall {
     std::string opening;
     bool arguments_only = false;  // the JSON is the arguments; else {"name", "arguments"}
@@ -135,7 +137,8 @@ class ChatTemplate {
   // The tool calls in a model's answer, in this family's syntax (Qwen3: <tool_call>{"name",
   // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs;
   // gpt-oss: a commentary message to=functions.NAME, as the reasoning splitter leaves it in the
-  // content): nullopt when there are none or one is malformed (the answer is then text).
+  // content; DeepSeek-V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON; DeepSeek-V4: DSML invoke and
+  // parameter tags): nullopt when there are none or one is malformed (the answer is then text).
   // Arguments come back as compact JSON text.
   std::optional<ParsedToolCalls> parse_tool_calls(std::string_view answer) const;
   // The switches `options` sets that this family's template does not read (render ignores them):

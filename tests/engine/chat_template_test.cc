@@ -321,7 +321,8 @@ void check_tool_fixture(const std::string& name);
 // tools/reference/make_tool_fixtures.py from the vendor template with tools, assistant tool calls
 // and tool results. Read with the keys' order kept: the template writes the tools as given.
 TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
-  for (const char* name : {"qwen3", "glm4.5", "gpt-oss"}) {
+  for (const char* name :
+       {"qwen3", "glm4.5", "gpt-oss", "deepseek3", "deepseek4", "deepseek4-flash"}) {
     SCOPED_TRACE(name);
     check_tool_fixture(name);
   }
@@ -386,19 +387,28 @@ void check_tool_fixture(const std::string& name) {
   }
 }
 
+// `answer` parses into `content` and `calls` (name and compact arguments each).
+void expect_parsed(const ChatTemplate& t, std::string_view answer, std::string_view content,
+                   const std::vector<std::pair<std::string, std::string>>& calls) {
+  SCOPED_TRACE(answer);
+  const auto p = t.parse_tool_calls(answer);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->content, content);
+  std::vector<std::pair<std::string, std::string>> got;
+  for (const auto& c : p->calls) got.emplace_back(c.name, c.arguments);
+  EXPECT_EQ(got, calls);
+}
+
 TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   auto t = ChatTemplate::named("qwen3", "", "<|im_end|>");
   ASSERT_TRUE(t);
-  auto p = t->parse_tool_calls(
+  expect_parsed(
+      *t,
       "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
       "</tool_call>\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"x\", \"n\": 2}}\n"
-      "</tool_call>");
-  ASSERT_TRUE(p);
-  EXPECT_EQ(p->content, "Checking.");
-  ASSERT_EQ(p->calls.size(), 2u);
-  EXPECT_EQ(p->calls[0].name, "get_weather");
-  EXPECT_EQ(p->calls[0].arguments, R"({"city":"Paris"})");
-  EXPECT_EQ(p->calls[1].arguments, R"({"q":"x","n":2})");  // the model's key order
+      "</tool_call>",
+      "Checking.",
+      {{"get_weather", R"({"city":"Paris"})"}, {"search", R"({"q":"x","n":2})"}});  // model's order
   EXPECT_FALSE(t->parse_tool_calls("no calls here"));
   EXPECT_FALSE(t->parse_tool_calls("<tool_call>\n{\"name\": \"x\", \"argu"));  // cut short
   EXPECT_FALSE(t->parse_tool_calls("<tool_call>\n[1]\n</tool_call>"));
@@ -408,13 +418,10 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   EXPECT_EQ(cut->calls[0].arguments, "{}");
   auto glm = ChatTemplate::named("glm4.5", "", "");
   ASSERT_TRUE(glm);
-  auto g = glm->parse_tool_calls(
-      "\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>Paris events</arg_value>\n"
-      "<arg_key>filters</arg_key>\n<arg_value>[\"today\"]</arg_value>\n</tool_call>");
-  ASSERT_TRUE(g);
-  ASSERT_EQ(g->calls.size(), 1u);
-  EXPECT_EQ(g->calls[0].name, "search");
-  EXPECT_EQ(g->calls[0].arguments, R"({"q":"Paris events","filters":["today"]})");
+  expect_parsed(*glm,
+                "\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>Paris events</arg_value>\n"
+                "<arg_key>filters</arg_key>\n<arg_value>[\"today\"]</arg_value>\n</tool_call>",
+                "", {{"search", R"({"q":"Paris events","filters":["today"]})"}});
   EXPECT_FALSE(glm->forced_call("search"));  // not JSON: no forced calls
   // gpt-oss: the call's header as the reasoning splitter leaves it in the content (after an
   // analysis message, or first in the answer, the recipient before or after the channel).
@@ -426,20 +433,12 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
         "{\"city\": \"Paris\"}<|call|>",
         " to=functions.get_weather<|channel|>commentary json<|message|>{\"city\":\"Paris\"}"}) {
-    SCOPED_TRACE(answer);
-    auto o = oss->parse_tool_calls(answer);
-    ASSERT_TRUE(o);
-    EXPECT_EQ(o->content, "");
-    ASSERT_EQ(o->calls.size(), 1u);
-    EXPECT_EQ(o->calls[0].name, "get_weather");
-    EXPECT_EQ(o->calls[0].arguments, R"({"city":"Paris"})");
+    expect_parsed(*oss, answer, "", {{"get_weather", R"({"city":"Paris"})"}});
   }
-  auto pre = oss->parse_tool_calls(
-      "Checking.<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json"
-      "<|message|>{}");
-  ASSERT_TRUE(pre);
-  EXPECT_EQ(pre->content, "Checking.");  // a commentary preamble
-  EXPECT_EQ(pre->calls[0].name, "now");
+  expect_parsed(*oss,
+                "Checking.<|start|>assistant<|channel|>commentary to=functions.now "
+                "<|constrain|>json<|message|>{}",
+                "Checking.", {{"now", "{}"}});  // a commentary preamble
   EXPECT_FALSE(oss->parse_tool_calls("It is sunny."));
   EXPECT_FALSE(oss->parse_tool_calls("<|channel|>commentary to=functions.f <|message|>{\"a\":"));
   // A forced call names its function in the header; the JSON is the arguments.
@@ -452,6 +451,32 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   EXPECT_FALSE(t->forced_call("")->arguments_only);
   EXPECT_EQ(oss->tool_call_markers().size(), 3u);
   EXPECT_TRUE(ChatTemplate::named("chatml", "", "")->tool_call_markers().empty());
+  // DeepSeek-V3.1: NAME<｜tool▁sep｜>JSON, one after another; a forced call names its function.
+  auto ds3 = ChatTemplate::named("deepseek3", "", "");
+  ASSERT_TRUE(ds3);
+  expect_parsed(
+      *ds3,
+      "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": "
+      "\"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+      "<｜tool▁calls▁end｜>",
+      "Checking.", {{"get_weather", R"({"city":"Paris"})"}, {"now", "{}"}});
+  EXPECT_FALSE(ds3->parse_tool_calls("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\":"));  // cut short
+  EXPECT_FALSE(ds3->forced_call(""));
+  EXPECT_EQ(ds3->forced_call("f")->opening,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>");
+  // DeepSeek-V4's DSML: strings as they are, other values as JSON; no forced calls.
+  auto ds4 = ChatTemplate::named("deepseek4", "", "");
+  ASSERT_TRUE(ds4);
+  expect_parsed(
+      *ds4,
+      "Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter "
+      "name=\"q\" string=\"true\">Paris [events]</｜DSML｜parameter>\n<｜DSML｜parameter "
+      "name=\"filters\" string=\"false\">[\"today\"]</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+      "<｜DSML｜invoke name=\"now\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+      "Let me check.",
+      {{"search", R"({"q":"Paris [events]","filters":["today"]})"}, {"now", "{}"}});
+  EXPECT_FALSE(ds4->parse_tool_calls("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">"));
+  EXPECT_FALSE(ds4->forced_call("f"));
   // template_json writes Python's json.dumps: separators, order, unicode, escapes.
   EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
             "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");

@@ -676,21 +676,21 @@ def test_tools(args, sock, plain_client):
         stop_procs(procs)
 
 
-def test_tools_gptoss(args, sock):
-    """Tool calls on gpt-oss's template (the gptoss-tiny fixture, byte tokens): a named forced call
-    (its commentary header to=functions.NAME prefilled, the arguments constrained to the schema)
-    comes back as message.tool_calls, streamed or not, and so does required with one tool;
-    required with several is a 400 (the name is outside the JSON); a turn with a call and its
-    result renders."""
+def test_tools_named(args, sock, model, template, label):
+    """Tool calls on a template whose calls write the function's name outside the JSON (gpt-oss's
+    commentary header to=functions.NAME, DeepSeek-V3.1's NAME<｜tool▁sep｜>), on its tiny fixture
+    (byte tokens): a named forced call (the call's opening prefilled, the arguments constrained to
+    the schema) comes back as message.tool_calls, streamed or not, and so does required with one
+    tool; required with several is a 400; a turn with a call and its result renders."""
     procs = []
     try:
-        client, h = start_tools_serve(args, sock, "oss", "gpt-oss", procs)
+        client, h = start_tools_serve(args, sock, model, template, procs)
         ask = [{"role": "user", "content": "Weather in Paris?"}]
         named = {"type": "function", "function": {"name": "get_weather"}}
         called = 0
         for seed in range(1, 5):
             r = client.chat.completions.create(
-                model="oss", messages=ask, tools=[WEATHER, SEARCH] if seed % 2 else [WEATHER],
+                model=model, messages=ask, tools=[WEATHER, SEARCH] if seed % 2 else [WEATHER],
                 tool_choice=named if seed % 2 else "required", max_tokens=600, temperature=1.0,
                 seed=seed)
             c = r.choices[0]
@@ -703,7 +703,7 @@ def test_tools_gptoss(args, sock):
             assert isinstance(a.get("city"), str) and set(a) <= {"city", "unit"}, a
             called += 1
         assert called >= 2, f"{called} of 4 forced calls closed"
-        streamed = streamed_forced_calls(client, ("get_weather",), model="oss", messages=ask,
+        streamed = streamed_forced_calls(client, ("get_weather",), model=model, messages=ask,
                                          tools=[WEATHER, SEARCH], tool_choice=named,
                                          max_tokens=600)
         status, _, data = h.request("POST", "/v1/chat/completions", {
@@ -711,17 +711,44 @@ def test_tools_gptoss(args, sock):
         error = json.loads(data)["error"]
         assert status == 400 and error["param"] == "tool_choice", data
         assert "name one function" in error["message"], error
-        turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
-        plain = client.chat.completions.create(model="oss", messages=ask, max_tokens=2)
-        r = client.chat.completions.create(model="oss", messages=turn, tools=[WEATHER],
-                                           max_tokens=2)
-        assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 200, (r.usage, plain.usage)
-        print(f"ok: tools (gpt-oss): {called} of 4 forced calls and {streamed} of 4 streamed "
+        check_tool_turn(client, model)
+        print(f"ok: tools ({label}): {called} of 4 forced calls and {streamed} of 4 streamed "
               "named calls came back as tool_calls of the schema; required with several tools "
               "is a 400; a tool turn renders")
+    finally:
+        stop_procs(procs)
+
+
+def check_tool_turn(client, model):
+    """A conversation with a call and its result renders (and generates)."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
+    plain = client.chat.completions.create(model=model, messages=ask, max_tokens=2)
+    r = client.chat.completions.create(model=model, messages=turn, tools=[WEATHER], max_tokens=2)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (r.usage, plain.usage)
+
+
+def test_tools_dsml(args, sock):
+    """DeepSeek-V4's template (the deepseek4-tiny fixture): its DSML calls are not JSON, so a
+    forced call is a 400; auto writes the tools into the system prompt; a tool turn renders."""
+    procs = []
+    try:
+        client, h = start_tools_serve(args, sock, "ds4", "deepseek4", procs)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        status, _, data = h.request("POST", "/v1/chat/completions", {
+            "messages": ask, "tools": [WEATHER], "tool_choice": "required"})
+        error = json.loads(data)["error"]
+        assert status == 400 and "not JSON" in error["message"], data
+        plain = client.chat.completions.create(model="ds4", messages=ask, max_tokens=2)
+        auto = client.chat.completions.create(model="ds4", messages=ask, tools=[WEATHER],
+                                              max_tokens=2)
+        assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 500, (auto.usage, plain.usage)
+        check_tool_turn(client, "ds4")
+        print("ok: tools (DeepSeek-V4): a forced call is a 400; auto renders the tools; a tool turn "
+              "renders")
     finally:
         stop_procs(procs)
 
@@ -816,10 +843,11 @@ def main():
                    check=True, capture_output=True, timeout=60)
     procs = []
     try:
-        # gpt-oss's fixture, for its tool calls.
-        oss = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.gguf))),
-                           "gptoss-tiny", "model-f32.gguf")
-        start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}", f"oss={oss}"], sock, procs)
+        # gpt-oss's and DeepSeek's fixtures, for their tool calls.
+        fixtures = os.path.dirname(os.path.dirname(os.path.abspath(args.gguf)))
+        others = [f"{name}={os.path.join(fixtures, d, 'model-f32.gguf')}" for name, d in
+                  (("oss", "gptoss-tiny"), ("ds3", "deepseek3-tiny"), ("ds4", "deepseek4-tiny"))]
+        start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}"] + others, sock, procs)
         port, h, log_path = start_serve(args, sock, MODEL,
                                         ["--ctx", str(CTX), "--queue", "1", "--parallel", "1", "--cpu"], procs)
 
@@ -842,7 +870,9 @@ def main():
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)
         test_two_models(args, sock, h, odd_h)
         test_tools(args, sock, client)
-        test_tools_gptoss(args, sock)
+        test_tools_named(args, sock, "oss", "gpt-oss", "gpt-oss")
+        test_tools_named(args, sock, "ds3", "deepseek3", "DeepSeek-V3.1")
+        test_tools_dsml(args, sock)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.

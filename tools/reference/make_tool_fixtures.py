@@ -24,7 +24,13 @@ from make_chat_fixtures import FIXED_DATE
 # a server parses them first, as vLLM does)
 TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", False),
              "glm4.5": ("GLM-4.6.jinja", "[gMASK]", "<|endoftext|>", True),
-             "gpt-oss": ("openai-gpt-oss-120b.jinja", "<|startoftext|>", "<|return|>", True)}
+             "gpt-oss": ("openai-gpt-oss-120b.jinja", "<|startoftext|>", "<|return|>", True),
+             "deepseek3": ("deepseek-ai-DeepSeek-V3.1.jinja", "<｜begin▁of▁sentence｜>",
+                           "<｜end▁of▁sentence｜>", True),
+             "deepseek4": ("deepseek-ai-DeepSeek-V4.jinja", "<｜begin▁of▁sentence｜>",
+                           "<｜end▁of▁sentence｜>", True),
+             "deepseek4-flash": ("deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
+                                 "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True)}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
@@ -90,6 +96,10 @@ def cases():
     final = {"role": "assistant", "content": "It is 21 C; a concert at 8 pm."}
     thought = {"role": "assistant", "content": "<think>\nThe user wants weather.\n</think>\n\n",
                "tool_calls": [call("get_weather", '{"city": "Oslo"}')]}
+    # Arguments of every JSON type, and none.
+    typed = {"role": "assistant", "content": "",
+             "tool_calls": [call("get_weather", '{"city": "Oslo", "days": 3}', "call_1"),
+                            call("now", "{}", "call_2")]}
     tools1, tools2 = [WEATHER], [WEATHER, SEARCH]
     out = []
     for gen in (True, False):
@@ -106,6 +116,7 @@ def cases():
             ([PLAN, NOW, BARE], [s, u], gen, None),
             (tools1, [u, tool], gen, None),
             (tools2, [u, two, t1, t2], gen, {"reasoning_effort": "high"}),
+            ([WEATHER, NOW], [u, typed, t1, t2], gen, {"thinking": True}),
         ]
     return out
 
