@@ -851,8 +851,15 @@ void Ds4GpuEngine::Impl::chunk_route(uint32_t layer, std::span<const uint32_t> t
     log_route(routing_log, pos, layer, route, wts);
   }
   pos = p0;
+  // The lookahead's candidates, at most what the daemon's slots keep beside this layer's experts
+  // (hinted next, in prefill_moe).
   const std::span<const ExpertHint> hints = planner.take(stats);
-  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
+  const uint64_t budget = experts->hint_budget();
+  const uint64_t room = budget > p.n_expert ? budget - p.n_expert : 0;
+  const uint64_t send = std::min<uint64_t>(hints.size(), room);
+  stats.prefill_hints_held += hints.size() - send;
+  stats.prefill_lookahead_hints += send;
+  if (send > 0 && !experts->hint_source().prefetch(hints.first(send))) ++stats.hint_errors;
 }
 
 Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
@@ -866,13 +873,27 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
   const std::span<const uint32_t> needed = groups.needed();
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted
-  // at the chunk's start).
-  if (!hash && n_needed > k) {
-    for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};
-    stats.prefill_hints += n_needed;
-    if (!experts->hint_source().prefetch(std::span<const ExpertHint>(exact.data(), n_needed))) {
+  // at the chunk's start), as many as the daemon's slots keep until their acquire; the rest as
+  // the groups' acquires free room (a learned layer of a chunk wants ~250 of 256 experts: hinted
+  // at once beyond the cache, they were read, evicted unused and read again).
+  const bool exact_hints = !hash && n_needed > k;
+  const uint64_t budget = experts->hint_budget();
+  uint32_t hinted = 0;  // exact[0, hinted) sent
+  auto top_up = [&](uint32_t acquired) {
+    if (!exact_hints) return;
+    const auto upto = static_cast<uint32_t>(std::min<uint64_t>(n_needed, acquired + budget));
+    if (upto <= hinted) return;
+    if (!experts->hint_source().prefetch(
+            std::span<const ExpertHint>(exact.data() + hinted, upto - hinted))) {
       ++stats.hint_errors;
     }
+    stats.prefill_hints += upto - hinted;
+    hinted = upto;
+  };
+  if (exact_hints) {
+    for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};
+    top_up(0);
+    stats.prefill_hints_held += n_needed - hinted;
   }
   if (!source.set_cursor(pos + n - 1, layer)) ++stats.hint_errors;
 
@@ -930,6 +951,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
     EXPERTD_TRY(experts->finish_layer());
     EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
     EXPERTD_TRY(experts->release_demand_holds());
+    top_up(g + m);
   }
   // Per position, as decode() does: the shared expert, then the routed slots summed in route
   // order with it.

@@ -179,9 +179,11 @@ void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<u
 uint64_t chunk_experts(const std::vector<RoutingRecord>& log, uint32_t chunk, uint32_t n);
 
 // prefill() in chunks of `chunk` on the GPU, through a VRAM tier of `slots`, is decode() of each
-// token: the last logits and every routing decision to the bit, the chunks and positions counted,
-// each chunk's distinct (layer, expert) pairs counted once, the engine at the prompt's end and
-// decoding on from there, every hold given back.
+// token: the last logits within 1e-4 (DeepSeek-V3's and GLM-4.5's routed experts run as GEMMs
+// over their rows, run_experts_by_rows, decode()'s as matvecs: the same f32 products summed in
+// another order; gpt-oss's row by row, to the bit) and every routing decision, the chunks and
+// positions counted, each chunk's distinct (layer, expert) pairs counted once, the engine at the
+// prompt's end and decoding on from there, every hold given back.
 void expect_chunked_prefill_is_decode(const DenseModel& model, const std::vector<uint32_t>& tokens,
                                       uint32_t chunk, uint64_t slots) {
   SCOPED_TRACE(fmt::format("tier slots {} chunk {}", slots, chunk));
@@ -208,7 +210,10 @@ void expect_chunked_prefill_is_decode(const DenseModel& model, const std::vector
   auto st = (*gpu)->prefill(tokens, prefilled);
   ASSERT_TRUE(st) << st.error().message;
   (*gpu)->set_routing_log(nullptr);
-  EXPECT_EQ(prefilled, decoded);
+  const double err = test::rel_err(prefilled.data(), decoded.data(), vocab);
+  EXPECT_LE(err, 1e-4);
+  std::printf("[ tier %llu chunk %u ] prefill vs decode: %.3e\n",
+              static_cast<unsigned long long>(slots), chunk, err);
   ASSERT_EQ(prefilled_routes.size(), decoded_routes.size());
   for (size_t i = 0; i < decoded_routes.size(); ++i) {
     EXPECT_EQ(prefilled_routes[i].token, decoded_routes[i].token) << "record " << i;
@@ -1506,11 +1511,11 @@ TEST(Ds3GpuEngine, MatchesTheCpuEngineOnTheSameFile) {
   }
 }
 
-// Prefill in chunks (layer by layer over the chunk, issue 24) is decode() of each position: the
-// same kernels in the same order, so the last logits and every routing decision are decode()'s to
-// the bit, through tiers that evict (6 slots) or hold a layer (40). Each chunk counts its distinct
-// (layer, expert) pairs once, and every hold goes back.
-TEST(Ds3GpuEngine, ChunkedPrefillIsDecodeToTheBitAndCountsEachExpertOncePerChunk) {
+// Prefill in chunks (layer by layer over the chunk, the routed experts grouped by expert as GEMMs,
+// issue 24) is decode() of each position: the last logits within 1e-4 and every routing
+// decision, through tiers that evict (6 slots) or hold a layer (40). Each chunk counts its
+// distinct (layer, expert) pairs once, and every hold goes back.
+TEST(Ds3GpuEngine, ChunkedPrefillIsDecodeAndCountsEachExpertOncePerChunk) {
   REQUIRE_GPU();
   const auto tokens =
       test::read_json(ds3_path("fixture.json")).at("tokens").get<std::vector<uint32_t>>();

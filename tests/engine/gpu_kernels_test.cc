@@ -771,6 +771,22 @@ TEST_F(GpuKernels, GatherAndScatterRowsMoveRowsExactly) {
                   want_mid.begin() + static_cast<int64_t>(i * n));
     }
     EXPECT_EQ(bit_mismatches(mid.download(), want_mid), 0u);
+    // The same rows read from a buffer whose rows are padded to stride n + 13 (prefill's cxn).
+    const uint64_t stride = uint64_t{n} + 13;
+    std::vector<float> padded(src_rows * stride, -1.0f);
+    for (uint32_t r = 0; r < src_rows; ++r) {
+      std::copy_n(src.begin() + static_cast<int64_t>(uint64_t{r} * n), n,
+                  padded.begin() + static_cast<int64_t>(r * stride));
+    }
+    DeviceBuffer<float> dpadded(padded);
+    DeviceBuffer<float> mid2(gidx.size() * n);
+    CUDA_OK(gather_rows_strided(dpadded.get(), stride, dg.get(), static_cast<uint32_t>(gidx.size()),
+                                n, mid2.get(), stream_));
+    CUDA_OK(sync());
+    EXPECT_EQ(bit_mismatches(mid2.download(), want_mid), 0u);
+    EXPECT_EQ(gather_rows_strided(dpadded.get(), n - 1, dg.get(), 1, n, mid2.get(), stream_),
+              cudaErrorInvalidValue)
+        << "a stride shorter than a row";
 
     const std::vector<uint32_t> sidx = {2, 7, 0, 4, 6, 9};
     const std::vector<float> base = uniform(size_t{10} * n, rng);
