@@ -19,7 +19,8 @@ namespace expertd::text {
 namespace {
 
 constexpr std::string_view kKnown =
-    "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2";
+    "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo, Llama 3, GLM-4.5/4.6, gpt-oss, "
+    "Kimi-K2";
 
 // A family is recognised when its template contains every one of these fragments of the vendor
 // template (the expressions that decide the output for plain conversations) and none of `absent`.
@@ -62,6 +63,15 @@ const std::vector<Signature>& signatures() {
         "' ' + message['content'] + eos_token",
         "(message['role'] == 'user') != (loop.index0 % 2 == 0)"},
        {"[SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]"}},
+      {K::kMistralNemo,
+       "mistral-nemo",
+       {R"("[INST]" + system_message + "\n\n" + message["content"] + "[/INST]")",
+        "{%- if tools is not none and (message == user_messages[-1]) %}",
+        R"({%- for key, val in tool.items() if key != "return" %})",
+        "{%- set out = tool_call.function|tojson %}", "{{- out[:-1] }}",
+        R"('[TOOL_RESULTS]{"content": ' + content|string + ", ")",
+        R"({{- message["content"] + eos_token}})"},
+       {"[SYSTEM_PROMPT]"}},
       {K::kMistralV01,
        "mistral-v0.1",
        {"[INST]", "'[INST] ' + message['content'] + ' [/INST]'", "message['content'] + eos_token",
@@ -545,6 +555,85 @@ Result<std::string> render_mistral(std::span<const ChatMessage> m, const std::st
   return out;
 }
 
+// Mistral-Nemo-Instruct-2407's template: an optional first system message folds into the last
+// message when that is a user turn (else it is dropped); the other turns alternate user/assistant,
+// calls and tool results aside. The tools, as JSON of the template's own making (a string value
+// written unescaped), go before the last user turn (and any other equal to it); calls are a JSON
+// list after [TOOL_CALLS] (the turn's content dropped), results [TOOL_RESULTS] with their content
+// unquoted. Call ids must have 9 characters. No generation prompt ([/INST] is one).
+Result<std::string> render_mistral_nemo(std::span<const ChatMessage> m, const std::string& bos,
+                                        const std::string& eos,
+                                        std::span<const std::string> tools) {
+  const bool has_system = m[0].role == "system";
+  const std::span<const ChatMessage> turns = has_system ? m.subspan(1) : m;
+  size_t index = 0;
+  const ChatMessage* last_user = nullptr;
+  for (const ChatMessage& msg : turns) {
+    if (msg.role == "user") last_user = &msg;
+    if (msg.role == "tool" || !msg.tool_calls.empty()) continue;
+    if ((msg.role == "user") != (index++ % 2 == 0)) {
+      return template_error(
+          "After the optional system message, conversation roles must alternate "
+          "user/assistant/user/assistant/...");
+    }
+  }
+  const Error bad_id =
+      template_error("Tool call IDs should be alphanumeric strings with length 9!");
+  std::string out = bos;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    const ChatMessage& msg = turns[i];
+    if (msg.role == "user") {
+      // The template compares the messages whole (Python dicts): role and content here.
+      if (!tools.empty() && msg.content == last_user->content) {
+        out += "[AVAILABLE_TOOLS][";
+        for (size_t t = 0; t < tools.size(); ++t) {
+          const ojson tool = ojson::parse(tools[t], nullptr, /*allow_exceptions=*/false);
+          const ojson* fn = member(tool, "function");
+          if (fn == nullptr || !fn->is_object()) return template_error("a tool without function");
+          out += "{\"type\": \"function\", \"function\": {";
+          bool first = true;
+          for (const auto& [key, value] : fn->items()) {
+            if (key == "return") continue;
+            out += (first ? "\"" : ", \"") + key + "\": ";
+            first = false;
+            if (value.is_string()) {
+              out += "\"" + value.get<std::string>() + "\"";
+            } else {
+              python_json(value, out);
+            }
+          }
+          out += t + 1 < tools.size() ? "}}, " : "}}]";
+        }
+        out += "[/AVAILABLE_TOOLS]";
+      }
+      const bool system_here = i + 1 == turns.size() && has_system;
+      out += "[INST]" + (system_here ? m[0].content + "\n\n" : std::string()) + msg.content +
+             "[/INST]";
+    } else if (!msg.tool_calls.empty()) {
+      out += "[TOOL_CALLS][";
+      for (size_t k = 0; k < msg.tool_calls.size(); ++k) {
+        const ChatToolCall& call = msg.tool_calls[k];
+        out += "{\"name\": " + json_quoted(call.name) +
+               ", \"arguments\": " + tojson_arguments(call.arguments);
+        if (call.id.size() != 9) return bad_id;
+        out += ", \"id\": \"" + call.id + "\"}";
+        out += k + 1 < msg.tool_calls.size() ? ", " : "]" + eos;
+      }
+    } else if (msg.role == "assistant") {
+      out += msg.content + eos;
+    } else if (msg.role == "tool") {
+      out += "[TOOL_RESULTS]{\"content\": " + msg.content + ", ";
+      if (msg.tool_call_id.size() != 9) return bad_id;
+      out += "\"call_id\": \"" + msg.tool_call_id + "\"}[/TOOL_RESULTS]";
+    } else {
+      return template_error(
+          "Only user and assistant roles are supported, with the exception of an initial optional "
+          "system message!");
+    }
+  }
+  return out;
+}
+
 // Mistral-7B-Instruct-v0.1's template: no system message at all.
 Result<std::string> render_mistral_v01(std::span<const ChatMessage> m, const std::string& bos,
                                        const std::string& eos) {
@@ -941,6 +1030,7 @@ ChatTemplate::ChatTemplate(Kind kind, std::string family, std::string bos, std::
       break;
     case Kind::kMistral:
     case Kind::kMistralV01:
+    case Kind::kMistralNemo:
       if (!eos_.empty()) stop_strings_ = {eos_};
       break;
     case Kind::kLlama3:
@@ -1006,7 +1096,7 @@ Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string
 }
 
 // The templates named() knows, by name.
-constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 13> kNamed = {{
+constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 14> kNamed = {{
     {"chatml", ChatTemplate::Kind::kChatml},
     {"qwen3", ChatTemplate::Kind::kQwen3},
     {"qwen2.5", ChatTemplate::Kind::kQwen25},
@@ -1014,6 +1104,7 @@ constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 13> kNamed
     {"deepseek4", ChatTemplate::Kind::kDeepseek4},
     {"mistral", ChatTemplate::Kind::kMistral},
     {"mistral-v0.1", ChatTemplate::Kind::kMistralV01},
+    {"mistral-nemo", ChatTemplate::Kind::kMistralNemo},
     {"llama3", ChatTemplate::Kind::kLlama3},
     {"llama3.1", ChatTemplate::Kind::kLlama31},
     {"glm4.5", ChatTemplate::Kind::kGlm45},
@@ -1076,6 +1167,8 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
       return render_mistral(messages, bos_, eos_);
     case Kind::kMistralV01:
       return render_mistral_v01(messages, bos_, eos_);
+    case Kind::kMistralNemo:
+      return render_mistral_nemo(messages, bos_, eos_, tools);
     case Kind::kLlama3:
       return render_llama3(messages, add_generation_prompt, bos_);
     case Kind::kLlama31:
@@ -1358,13 +1451,26 @@ Result<std::string> template_json(std::string_view json_text) {
 
 bool ChatTemplate::supports_tools() const {
   return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45 || kind_ == Kind::kGptOss ||
-         kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4;
+         kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4 || kind_ == Kind::kMistralNemo;
+}
+
+void ChatTemplate::fit_call_ids(std::span<ChatMessage> messages) const {
+  if (kind_ != Kind::kMistralNemo) return;
+  auto fit = [](std::string& id) {
+    if (id.size() > 9) id.erase(0, id.size() - 9);
+  };
+  for (ChatMessage& m : messages) {
+    fit(m.tool_call_id);
+    for (ChatToolCall& call : m.tool_calls) fit(call.id);
+  }
 }
 
 std::optional<ChatTemplate::ForcedCall> ChatTemplate::forced_call(std::string_view name) const {
   switch (kind_) {
     case Kind::kQwen3:
       return ForcedCall{"<tool_call>\n", false};
+    case Kind::kMistralNemo:
+      return ForcedCall{"[TOOL_CALLS][", false};
     case Kind::kDeepseek3:
       if (name.empty()) return std::nullopt;
       return ForcedCall{
@@ -1390,6 +1496,7 @@ std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
   static constexpr std::array<std::string_view, 2> kDeepseek3 = {"<｜tool▁calls▁begin｜>",
                                                                  "<｜tool▁call▁begin｜>"};
   static constexpr std::array<std::string_view, 1> kDsml = {"<｜DSML｜tool_calls>"};
+  static constexpr std::array<std::string_view, 1> kMistral = {"[TOOL_CALLS]"};
   switch (kind_) {
     case Kind::kQwen3:
     case Kind::kGlm45:
@@ -1400,6 +1507,8 @@ std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
       return kDeepseek3;
     case Kind::kDeepseek4:
       return kDsml;
+    case Kind::kMistralNemo:
+      return kMistral;
     default:
       return {};
   }
@@ -1522,12 +1631,39 @@ static std::optional<ParsedToolCalls> parse_dsml_calls(std::string_view answer) 
   return out;
 }
 
+// Mistral-Nemo's calls: [TOOL_CALLS] and a JSON list of {"name", "arguments"(, "id")} (one object
+// alone taken as a list of one); arguments an object, or a string of JSON.
+static std::optional<ParsedToolCalls> parse_mistral_calls(std::string_view answer) {
+  constexpr std::string_view kCalls = "[TOOL_CALLS]";
+  const size_t at = answer.find(kCalls);
+  if (at == std::string_view::npos) return std::nullopt;
+  ojson list = ojson::parse(answer.substr(at + kCalls.size()), nullptr, /*allow_exceptions=*/false);
+  if (list.is_object()) list = ojson::array({std::move(list)});
+  if (!list.is_array() || list.empty()) return std::nullopt;
+  ParsedToolCalls out;
+  std::string_view before = answer.substr(0, at);
+  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
+    before.remove_suffix(1);
+  }
+  out.content = std::string(before);
+  for (const ojson& call : list) {
+    const ojson* name = member(call, "name");
+    if (name == nullptr || !name->is_string()) return std::nullopt;
+    const ojson* args = member(call, "arguments");
+    out.calls.push_back({name->get<std::string>(), args == nullptr     ? std::string("{}")
+                                                   : args->is_string() ? args->get<std::string>()
+                                                                       : args->dump()});
+  }
+  return out;
+}
+
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
   if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
   if (kind_ == Kind::kGptOss) return parse_harmony_call(answer);
   if (kind_ == Kind::kDeepseek3) return parse_deepseek3_calls(answer);
   if (kind_ == Kind::kDeepseek4) return parse_dsml_calls(answer);
+  if (kind_ == Kind::kMistralNemo) return parse_mistral_calls(answer);
   // Qwen3: each block a JSON object {"name", "arguments"}; a last one cut short still counts when
   // its JSON is whole.
   const auto blocks = call_blocks(answer);

@@ -54,6 +54,7 @@ ReasoningSyntax reasoning_syntax(ChatTemplate::Kind kind) {
     case K::kQwen25:
     case K::kMistral:
     case K::kMistralV01:
+    case K::kMistralNemo:
     case K::kLlama3:
     case K::kLlama31:
     case K::kKimiK2:

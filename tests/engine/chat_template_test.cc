@@ -75,9 +75,10 @@ TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAs
     ASSERT_FALSE(t) << GetParam() << " must be refused, was detected as " << t->family();
     const std::string first = text.substr(0, text.find('\n')).substr(0, 120);
     EXPECT_EQ(t.error().code, EINVAL);
-    EXPECT_EQ(t.error().message, "chat template not supported (first line: '" + first +
-                                     "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral, "
-                                     "Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
+    EXPECT_EQ(t.error().message,
+              "chat template not supported (first line: '" + first +
+                  "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo, "
+                  "Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
     return;
   }
   ASSERT_TRUE(t) << t.error().message;
@@ -222,7 +223,7 @@ TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
   EXPECT_EQ(t.error().message,
             "chat template not supported (first line: '{{ bos_token }}{% for m in messages "
             "%}<start_of_turn>{{ m.role }}'); known: ChatML/Qwen3, DeepSeek-V3/V4, "
-            "Mistral/Mixtral, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
+            "Mistral/Mixtral/Nemo, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
 }
 
 TEST(ChatTemplate, UnknownRoleAndEmptyConversationAreErrors) {
@@ -321,8 +322,8 @@ void check_tool_fixture(const std::string& name);
 // tools/reference/make_tool_fixtures.py from the vendor template with tools, assistant tool calls
 // and tool results. Read with the keys' order kept: the template writes the tools as given.
 TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
-  for (const char* name :
-       {"qwen3", "glm4.5", "gpt-oss", "deepseek3", "deepseek4", "deepseek4-flash"}) {
+  for (const char* name : {"qwen3", "glm4.5", "gpt-oss", "deepseek3", "deepseek4",
+                           "deepseek4-flash", "mistral-nemo"}) {
     SCOPED_TRACE(name);
     check_tool_fixture(name);
   }
@@ -360,10 +361,10 @@ void check_tool_fixture(const std::string& name) {
     }
     std::vector<ChatMessage> m;
     for (const auto& msg : c["messages"]) {
-      ChatMessage cm{msg["role"], msg["content"], {}};
+      ChatMessage cm{msg["role"], msg["content"], {}, msg.value("tool_call_id", "")};
       if (msg.contains("tool_calls")) {
         for (const auto& tc : msg["tool_calls"]) {
-          cm.tool_calls.push_back({tc["function"]["name"], tc["function"]["arguments"]});
+          cm.tool_calls.push_back({tc["function"]["name"], tc["function"]["arguments"], tc["id"]});
         }
       }
       m.push_back(std::move(cm));
@@ -477,6 +478,27 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
       {{"search", R"({"q":"Paris [events]","filters":["today"]})"}, {"now", "{}"}});
   EXPECT_FALSE(ds4->parse_tool_calls("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">"));
   EXPECT_FALSE(ds4->forced_call("f"));
+  // Mistral-Nemo: [TOOL_CALLS] and a JSON list; a forced call opens the list.
+  auto nemo = ChatTemplate::named("mistral-nemo", "<s>", "</s>");
+  ASSERT_TRUE(nemo);
+  expect_parsed(*nemo,
+                "Checking. [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+                "\"Paris\"}, \"id\": \"abcdefghi\"}, {\"name\": \"now\", \"arguments\": \"{}\"}]",
+                "Checking.", {{"get_weather", R"({"city":"Paris"})"}, {"now", "{}"}});
+  expect_parsed(*nemo, "[TOOL_CALLS]{\"name\": \"now\"}", "", {{"now", "{}"}});
+  EXPECT_FALSE(nemo->parse_tool_calls("[TOOL_CALLS][{\"name\": \"now\", \"argum"));
+  EXPECT_EQ(nemo->forced_call("")->opening, "[TOOL_CALLS][");
+  // Its ids have 9 characters: longer ones keep their last 9.
+  std::vector<ChatMessage> m = {{"user", "Hi"},
+                                {"assistant", "", {{"now", "{}", "call_0123456789abcdef"}}},
+                                {"tool", "12:00", {}, "call_0123456789abcdef"}};
+  nemo->fit_call_ids(m);
+  EXPECT_EQ(m[1].tool_calls[0].id, "789abcdef");
+  EXPECT_EQ(m[2].tool_call_id, "789abcdef");
+  EXPECT_EQ(*nemo->render(m, true),
+            "<s>[INST]Hi[/INST][TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}, \"id\": "
+            "\"789abcdef\"}]</s>[TOOL_RESULTS]{\"content\": 12:00, \"call_id\": \"789abcdef\"}"
+            "[/TOOL_RESULTS]");
   // template_json writes Python's json.dumps: separators, order, unicode, escapes.
   EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
             "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");

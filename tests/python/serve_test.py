@@ -594,20 +594,21 @@ def start_tools_serve(args, sock, model, template, procs):
 def streamed_forced_calls(client, names, **request):
     """Streams a forced call with seeds 1..4: in each, the call arrives as one tool_calls delta
     (no content), then finish tool_calls, its function one of `names` and its arguments an
-    object; one cut at max_tokens is skipped. Returns how many closed."""
+    object; one cut at max_tokens is skipped. Returns how many closed (at least 2)."""
     streamed = 0
     for seed in range(1, 5):
-        calls, finish = {}, None
+        calls, finish, content = {}, None, ""
         for chunk in client.chat.completions.create(temperature=1.0, seed=seed, stream=True,
                                                     **request):
             d = chunk.choices[0].delta
             for tc in d.tool_calls or []:
                 calls.setdefault(tc.index, [tc.function.name, ""])
                 calls[tc.index][1] += tc.function.arguments or ""
-            assert not d.content, f"content streamed with a forced call: {d.content!r}"
+            content += d.content or ""
             finish = chunk.choices[0].finish_reason or finish
         if finish == "length":
-            continue
+            continue  # the call cut short comes as content
+        assert not content, f"content streamed with a forced call: {content!r}"
         assert finish == "tool_calls" and calls[0][0] in names, calls
         assert isinstance(json.loads(calls[0][1]), dict), calls
         streamed += 1
@@ -615,20 +616,22 @@ def streamed_forced_calls(client, names, **request):
     return streamed
 
 
-def test_tools(args, sock, plain_client):
-    """Tool calls (Qwen3's template): a forced call (a named function, or required) comes back as
-    message.tool_calls with finish_reason tool_calls and arguments of the function's schema,
-    streamed or not; auto leaves a model that calls nothing answering text; a second turn with
-    the call and its result renders; a template without tool syntax refuses tools by name."""
+def test_tools(args, sock, model, template, label, plain_client=None):
+    """Tool calls on a template whose calls are JSON with the function's name (Qwen3's
+    <tool_call>, Mistral-Nemo's [TOOL_CALLS] list): a forced call (a named function, or required)
+    comes back as message.tool_calls with finish_reason tool_calls and arguments of the function's
+    schema, streamed or not; auto leaves a model that calls nothing answering text; a second turn
+    with the call and its result renders; a template without tool syntax (`plain_client`'s)
+    refuses tools by name."""
     procs = []
     try:
-        client, h = start_tools_serve(args, sock, MODEL, "qwen3", procs)
+        client, h = start_tools_serve(args, sock, model, template, procs)
         ask = [{"role": "user", "content": "Weather in Paris?"}]
         named = {"type": "function", "function": {"name": "get_weather"}}
         called = 0
         for seed in range(1, 5):
             r = client.chat.completions.create(
-                model=MODEL, messages=ask, tools=[WEATHER, SEARCH], tool_choice=named,
+                model=model, messages=ask, tools=[WEATHER, SEARCH], tool_choice=named,
                 max_tokens=1500, temperature=1.0, seed=seed)
             c = r.choices[0]
             if c.finish_reason == "length":
@@ -643,35 +646,29 @@ def test_tools(args, sock, plain_client):
         assert called >= 2, f"{called} of 4 forced calls closed"
         # Streamed, required: the call arrives as one tool_calls delta, then finish tool_calls.
         streamed = streamed_forced_calls(
-            client, ("get_weather", "search"), model=MODEL, messages=ask,
+            client, ("get_weather", "search"), model=model, messages=ask,
             tools=[WEATHER, SEARCH], tool_choice="required", max_tokens=1500)
         # auto: the tools are in the prompt; a model that calls nothing answers text.
-        plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4)
-        auto = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+        plain = client.chat.completions.create(model=model, messages=ask, max_tokens=4)
+        auto = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
                                               max_tokens=4)
         assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50, (auto.usage, plain.usage)
         assert auto.choices[0].finish_reason in ("stop", "length"), auto
-        # The call and its result in the next turn render (and generate).
-        turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
-        r = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER],
-                                           max_tokens=4)
-        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), r
+        check_tool_turn(client, model)
         status, _, data = h.request("POST", "/v1/chat/completions", {
             "messages": ask, "tools": [WEATHER],
             "tool_choice": {"type": "function", "function": {"name": "nope"}}})
         assert status == 400 and json.loads(data)["error"]["param"] == "tool_choice", data
-        # ChatML (the other server) has no tool syntax: tools are a 400 naming the template.
-        try:
-            plain_client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER])
-            raise AssertionError("tools on a ChatML model were accepted")
-        except openai.BadRequestError as e:
-            assert "chatml" in str(e) and "tools" in str(e), e
-        print(f"ok: tools (Qwen3): {called} of 4 named calls and {streamed} of 4 streamed "
+        if plain_client:
+            # ChatML (the other server) has no tool syntax: tools are a 400 naming the template.
+            try:
+                plain_client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER])
+                raise AssertionError("tools on a ChatML model were accepted")
+            except openai.BadRequestError as e:
+                assert "chatml" in str(e) and "tools" in str(e), e
+        print(f"ok: tools ({label}): {called} of 4 named calls and {streamed} of 4 streamed "
               "required calls came back as tool_calls of the schema; auto renders the tools; a "
-              "tool turn renders; ChatML refuses tools")
+              "tool turn renders" + ("; ChatML refuses tools" if plain_client else ""))
     finally:
         stop_procs(procs)
 
@@ -720,12 +717,13 @@ def test_tools_named(args, sock, model, template, label):
 
 
 def check_tool_turn(client, model):
-    """A conversation with a call and its result renders (and generates)."""
+    """A conversation with a call and its result (OpenAI's form of id) renders (and generates)."""
     ask = [{"role": "user", "content": "Weather in Paris?"}]
+    call_id = "call_Qm9vQ2FsbElkMTIzNDU2"
     turn = ask + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function",
+        {"id": call_id, "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"}]
+        {"role": "tool", "tool_call_id": call_id, "content": "21 C, clear"}]
     plain = client.chat.completions.create(model=model, messages=ask, max_tokens=2)
     r = client.chat.completions.create(model=model, messages=turn, tools=[WEATHER], max_tokens=2)
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (r.usage, plain.usage)
@@ -843,10 +841,11 @@ def main():
                    check=True, capture_output=True, timeout=60)
     procs = []
     try:
-        # gpt-oss's and DeepSeek's fixtures, for their tool calls.
+        # gpt-oss's, DeepSeek's and Mixtral's fixtures, for their templates' tool calls.
         fixtures = os.path.dirname(os.path.dirname(os.path.abspath(args.gguf)))
         others = [f"{name}={os.path.join(fixtures, d, 'model-f32.gguf')}" for name, d in
-                  (("oss", "gptoss-tiny"), ("ds3", "deepseek3-tiny"), ("ds4", "deepseek4-tiny"))]
+                  (("oss", "gptoss-tiny"), ("ds3", "deepseek3-tiny"), ("ds4", "deepseek4-tiny"),
+                   ("mix", "mixtral-tiny"))]
         start_expertd(args, [f"{MODEL}={args.gguf}", f"odd={odd}"] + others, sock, procs)
         port, h, log_path = start_serve(args, sock, MODEL,
                                         ["--ctx", str(CTX), "--queue", "1", "--parallel", "1", "--cpu"], procs)
@@ -869,7 +868,8 @@ def main():
         test_startup_errors(args, sock, port)
         odd_serve, odd_h = test_unsupported_template(args, sock, procs)
         test_two_models(args, sock, h, odd_h)
-        test_tools(args, sock, client)
+        test_tools(args, sock, MODEL, "qwen3", "Qwen3", client)
+        test_tools(args, sock, "mix", "mistral-nemo", "Mistral-Nemo")
         test_tools_named(args, sock, "oss", "gpt-oss", "gpt-oss")
         test_tools_named(args, sock, "ds3", "deepseek3", "DeepSeek-V3.1")
         test_tools_dsml(args, sock)

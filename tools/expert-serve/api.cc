@@ -359,9 +359,16 @@ std::optional<ApiError> read_messages(const json& body, std::vector<Message>& ou
         if (!args.is_string() && !args.is_object()) {
           return wrong_type(w + ".function.arguments", "a JSON string or an object", args);
         }
+        const json* id = field(tc, "id");
+        if (id && !id->is_string()) return wrong_type(w + ".id", "a string", *id);
         msg.tool_calls.push_back({tc["function"]["name"].get<std::string>(),
-                                  args.is_string() ? args.get<std::string>() : args.dump()});
+                                  args.is_string() ? args.get<std::string>() : args.dump(),
+                                  id ? id->get<std::string>() : std::string()});
       }
+    }
+    if (const json* id = field(m, "tool_call_id"); id && msg.role == "tool") {
+      if (!id->is_string()) return wrong_type(where + ".tool_call_id", "a string", *id);
+      msg.tool_call_id = id->get<std::string>();
     }
     const json* content = field(m, "content");
     if (!content) {

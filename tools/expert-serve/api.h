@@ -30,7 +30,8 @@ nlohmann::json error_body(const ApiError& e);
 struct Message {
   std::string role;  // system (developer), user, assistant, tool
   std::string content;
-  std::vector<text::ChatToolCall> tool_calls;  // assistant
+  std::vector<text::ChatToolCall> tool_calls;  // assistant (with their ids, "" when not given)
+  std::string tool_call_id;                    // tool ("" when not given)
 };
 
 // A function the model may call (tools[i].function).

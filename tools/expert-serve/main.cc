@@ -270,7 +270,10 @@ class Service {
     if (r.chat) {
       if (!chat_) return api_error(400, "chat completions are off: " + chat_.error().message);
       std::vector<ChatMessage> messages;
-      for (const auto& m : r.messages) messages.push_back({m.role, m.content, m.tool_calls});
+      for (const auto& m : r.messages) {
+        messages.push_back({m.role, m.content, m.tool_calls, m.tool_call_id});
+      }
+      chat_->fit_call_ids(messages);
       // A switch the template does not read is ignored, as vLLM's (jinja) rendering ignores it.
       if (const auto ignored = chat_->ignored(r.chat_options); !ignored.empty()) {
         spdlog::info("chat request: {} ignored: the {} template does not read it",
@@ -453,10 +456,10 @@ class Service {
     if (!chat_ || !chat_->supports_tools()) {
       return api_error(
           400,
-          fmt::format(
-              "tools: the {} chat template has no tool syntax here yet (Qwen3, "
-              "GLM-4.5, gpt-oss, DeepSeek-V3.1/V4); send tool_choice \"none\" to ignore them",
-              chat_ ? chat_->family() : std::string("model's")),
+          fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3, "
+                      "GLM-4.5, gpt-oss, DeepSeek-V3.1/V4, Mistral-Nemo); send tool_choice "
+                      "\"none\" to ignore them",
+                      chat_ ? chat_->family() : std::string("model's")),
           "tools");
     }
     const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(req.body);

@@ -93,7 +93,7 @@ TEMPLATES = {
     "qwen3-coder": ("Qwen3-Coder.jinja", "", "<|im_end|>", None),
     "deepseek-r1-distill-qwen": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", DS_BOS, DS_EOS, None),
     "deepseek3.2": ("deepseek-ai-DeepSeek-V3.2.jinja", DS_BOS, DS_EOS, None),
-    "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", None),
+    "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", "mistral-nemo"),
     "mistral-small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "<s>", "</s>", None),
     "qwen3.5": ("Qwen3.5-4B.jinja", "", "<|im_end|>", None),
     "hermes2-pro": ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "<|begin_of_text|>", "<|im_end|>", None),

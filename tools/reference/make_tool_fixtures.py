@@ -30,7 +30,8 @@ TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", False),
              "deepseek4": ("deepseek-ai-DeepSeek-V4.jinja", "<｜begin▁of▁sentence｜>",
                            "<｜end▁of▁sentence｜>", True),
              "deepseek4-flash": ("deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
-                                 "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True)}
+                                 "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True),
+             "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", True)}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
@@ -78,7 +79,9 @@ NOW = {"type": "function", "function": {"name": "now", "description": "The time"
 BARE = {"type": "function", "function": {"name": "ping", "description": "Ping"}}
 
 
-def call(name, args, cid="call_1"):
+# Call ids of 9 alphanumeric characters, as Mistral's templates require (the others do not write
+# them).
+def call(name, args, cid="call00001"):
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
 
 
@@ -87,19 +90,19 @@ def cases():
     s = {"role": "system", "content": "You are terse."}
     a_call = {"role": "assistant", "content": "",
               "tool_calls": [call("get_weather", '{"city": "Paris", "unit": "c"}')]}
-    tool = {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "clear"}'}
+    tool = {"role": "tool", "tool_call_id": "call00001", "content": '{"temp": 21, "sky": "clear"}'}
     two = {"role": "assistant", "content": "Let me check both.",
-           "tool_calls": [call("get_weather", '{"city":"Paris"}', "call_1"),
-                          call("search", '{"q": "Paris events", "filters": ["today"]}', "call_2")]}
-    t1 = {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}
-    t2 = {"role": "tool", "tool_call_id": "call_2", "content": "A concert at 8 pm."}
+           "tool_calls": [call("get_weather", '{"city":"Paris"}', "call00001"),
+                          call("search", '{"q": "Paris events", "filters": ["today"]}', "call00002")]}
+    t1 = {"role": "tool", "tool_call_id": "call00001", "content": "21 C"}
+    t2 = {"role": "tool", "tool_call_id": "call00002", "content": "A concert at 8 pm."}
     final = {"role": "assistant", "content": "It is 21 C; a concert at 8 pm."}
     thought = {"role": "assistant", "content": "<think>\nThe user wants weather.\n</think>\n\n",
                "tool_calls": [call("get_weather", '{"city": "Oslo"}')]}
     # Arguments of every JSON type, and none.
     typed = {"role": "assistant", "content": "",
-             "tool_calls": [call("get_weather", '{"city": "Oslo", "days": 3}', "call_1"),
-                            call("now", "{}", "call_2")]}
+             "tool_calls": [call("get_weather", '{"city": "Oslo", "days": 3}', "call00001"),
+                            call("now", "{}", "call00002")]}
     tools1, tools2 = [WEATHER], [WEATHER, SEARCH]
     out = []
     for gen in (True, False):
@@ -117,6 +120,8 @@ def cases():
             (tools1, [u, tool], gen, None),
             (tools2, [u, two, t1, t2], gen, {"reasoning_effort": "high"}),
             ([WEATHER, NOW], [u, typed, t1, t2], gen, {"thinking": True}),
+            (tools1, [u, dict(a_call, tool_calls=[call("get_weather", "{}", "call_1")]),
+                      dict(tool, tool_call_id="call_1")], gen, None),
         ]
     return out
 
