@@ -678,7 +678,8 @@ def test_tools_named(args, sock, model, template, label):
     commentary header to=functions.NAME, DeepSeek-V3.1's NAME<｜tool▁sep｜>), on its tiny fixture
     (byte tokens): a named forced call (the call's opening prefilled, the arguments constrained to
     the schema) comes back as message.tool_calls, streamed or not, and so does required with one
-    tool; required with several is a 400; a turn with a call and its result renders."""
+    tool; thinking on, the prompt closes its think block before the call; required with several
+    tools is a 400; a turn with a call and its result renders."""
     procs = []
     try:
         client, h = start_tools_serve(args, sock, model, template, procs)
@@ -703,6 +704,13 @@ def test_tools_named(args, sock, model, template, label):
         streamed = streamed_forced_calls(client, ("get_weather",), model=model, messages=ask,
                                          tools=[WEATHER, SEARCH], tool_choice=named,
                                          max_tokens=600)
+        # Thinking on (DeepSeek-V3.1's generation prompt opens <think>): the block is closed
+        # before the call, which makes the prompt the one without thinking.
+        prompts = [client.chat.completions.create(
+            model=model, messages=ask, tools=[WEATHER], tool_choice=named, max_tokens=1,
+            extra_body={"chat_template_kwargs": {"thinking": thinking}}).usage.prompt_tokens
+            for thinking in (False, True)]
+        assert prompts[0] == prompts[1], prompts
         status, _, data = h.request("POST", "/v1/chat/completions", {
             "messages": ask, "tools": [WEATHER, SEARCH], "tool_choice": "required"})
         error = json.loads(data)["error"]

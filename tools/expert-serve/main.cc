@@ -283,7 +283,12 @@ class Service {
       auto text = chat_->render(messages, /*add_generation_prompt=*/true, options, tools);
       if (!text) return api_error(400, "messages: " + text.error().message, "messages");
       const bool forced = job.tools == Job::Tools::kForced;
-      if (forced) *text += job.forced_opening;
+      if (forced) {
+        // The call is the answer: a prompt that opened a think block (DeepSeek-V3.1's, thinking
+        // on) closes it first, as the template writes an answer without reasoning.
+        if (prompt_opens_think(*text)) *text += "</think>";
+        *text += job.forced_opening;
+      }
       spdlog::debug("chat prompt: {}", dump(*text));
       // The template writes the BOS itself where the model wants one.
       auto ids = tok_.encode(*text, /*add_special=*/false);
