@@ -19,7 +19,8 @@ namespace expertd::text {
 namespace {
 
 constexpr std::string_view kKnown =
-    "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo, Llama 3, GLM-4.5/4.6, gpt-oss, "
+    "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo/Small-3.2, Llama 3, GLM-4.5/4.6, "
+    "gpt-oss, "
     "Kimi-K2";
 
 // A family is recognised when its template contains every one of these fragments of the vendor
@@ -72,6 +73,17 @@ const std::vector<Signature>& signatures() {
         R"('[TOOL_RESULTS]{"content": ' + content|string + ", ")",
         R"({{- message["content"] + eos_token}})"},
        {"[SYSTEM_PROMPT]"}},
+      {K::kMistralSmall32,
+       "mistral-small-3.2",
+       {"You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI",
+        "The current date is \" + today + \".",
+        "{{- '[SYSTEM_PROMPT]' + system_prompt + '[/SYSTEM_PROMPT]' }}",
+        "{{- '[AVAILABLE_TOOLS]' + tools|tojson + '[/AVAILABLE_TOOLS]' }}",
+        "{{- '[CALL_ID]' + tool_call.id }}",
+        "{{- '[ARGS]' + tool_call['function']['arguments']|tojson }}",
+        "{{- '[TOOL_RESULTS]' + message.tool_call_id + '[TOOL_CONTENT]' + content|string + "
+        "'[/TOOL_RESULTS]' }}"},
+       {}},
       {K::kMistralV01,
        "mistral-v0.1",
        {"[INST]", "'[INST] ' + message['content'] + ' [/INST]'", "message['content'] + eos_token",
@@ -555,6 +567,36 @@ Result<std::string> render_mistral(std::span<const ChatMessage> m, const std::st
   return out;
 }
 
+// Mistral-Nemo's and Small-3.2's conversations: an optional system message first, then turns
+// that alternate user/assistant, calls and tool results aside (their rule); the last user turn is
+// where the tools go.
+struct MistralTurns {
+  bool has_system = false;
+  std::span<const ChatMessage> turns;  // after the system message
+  const ChatMessage* last_user = nullptr;
+};
+
+Result<MistralTurns> mistral_turns(std::span<const ChatMessage> m) {
+  MistralTurns out;
+  out.has_system = m[0].role == "system";
+  out.turns = out.has_system ? m.subspan(1) : m;
+  size_t index = 0;
+  for (const ChatMessage& msg : out.turns) {
+    if (msg.role == "user") out.last_user = &msg;
+    if (msg.role == "tool" || !msg.tool_calls.empty()) continue;
+    if ((msg.role == "user") != (index++ % 2 == 0)) {
+      return template_error(
+          "After the optional system message, conversation roles must alternate "
+          "user/assistant/user/assistant/...");
+    }
+  }
+  return out;
+}
+
+Error bad_call_id() {
+  return template_error("Tool call IDs should be alphanumeric strings with length 9!");
+}
+
 // Mistral-Nemo-Instruct-2407's template: an optional first system message folds into the last
 // message when that is a user turn (else it is dropped); the other turns alternate user/assistant,
 // calls and tool results aside. The tools, as JSON of the template's own making (a string value
@@ -564,21 +606,9 @@ Result<std::string> render_mistral(std::span<const ChatMessage> m, const std::st
 Result<std::string> render_mistral_nemo(std::span<const ChatMessage> m, const std::string& bos,
                                         const std::string& eos,
                                         std::span<const std::string> tools) {
-  const bool has_system = m[0].role == "system";
-  const std::span<const ChatMessage> turns = has_system ? m.subspan(1) : m;
-  size_t index = 0;
-  const ChatMessage* last_user = nullptr;
-  for (const ChatMessage& msg : turns) {
-    if (msg.role == "user") last_user = &msg;
-    if (msg.role == "tool" || !msg.tool_calls.empty()) continue;
-    if ((msg.role == "user") != (index++ % 2 == 0)) {
-      return template_error(
-          "After the optional system message, conversation roles must alternate "
-          "user/assistant/user/assistant/...");
-    }
-  }
-  const Error bad_id =
-      template_error("Tool call IDs should be alphanumeric strings with length 9!");
+  auto parts = mistral_turns(m);
+  if (!parts) return parts.take_error();
+  const auto [has_system, turns, last_user] = *parts;
   std::string out = bos;
   for (size_t i = 0; i < turns.size(); ++i) {
     const ChatMessage& msg = turns[i];
@@ -615,7 +645,7 @@ Result<std::string> render_mistral_nemo(std::span<const ChatMessage> m, const st
         const ChatToolCall& call = msg.tool_calls[k];
         out += "{\"name\": " + json_quoted(call.name) +
                ", \"arguments\": " + tojson_arguments(call.arguments);
-        if (call.id.size() != 9) return bad_id;
+        if (call.id.size() != 9) return bad_call_id();
         out += ", \"id\": \"" + call.id + "\"}";
         out += k + 1 < msg.tool_calls.size() ? ", " : "]" + eos;
       }
@@ -623,12 +653,96 @@ Result<std::string> render_mistral_nemo(std::span<const ChatMessage> m, const st
       out += msg.content + eos;
     } else if (msg.role == "tool") {
       out += "[TOOL_RESULTS]{\"content\": " + msg.content + ", ";
-      if (msg.tool_call_id.size() != 9) return bad_id;
+      if (msg.tool_call_id.size() != 9) return bad_call_id();
       out += "\"call_id\": \"" + msg.tool_call_id + "\"}[/TOOL_RESULTS]";
     } else {
       return template_error(
           "Only user and assistant roles are supported, with the exception of an initial optional "
           "system message!");
+    }
+  }
+  return out;
+}
+
+// Today's date as strftime_now("%Y-%m-%d") gives it (the local time, as Python's datetime.now()).
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[16];
+  return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
+}
+
+// Mistral-Small-3.2-24B-Instruct-2506's template: a [SYSTEM_PROMPT] first, the first system message
+// or the template's own (today's date in it); later system messages where they come; the other
+// turns alternate user/assistant, calls and tool results aside. The tools, as tojson writes the
+// list, go before the last user turn (and any other equal to it); each call is
+// [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]JSON, a result [TOOL_RESULTS]ID[TOOL_CONTENT]...; ids must have
+// 9 characters. No generation prompt ([/INST] is one).
+Result<std::string> render_mistral_small32(std::span<const ChatMessage> m, const std::string& bos,
+                                           const std::string& eos, const std::string& date,
+                                           std::span<const std::string> tools) {
+  auto parts = mistral_turns(m);
+  if (!parts) return parts.take_error();
+  const auto [has_system, turns, last_user] = *parts;
+  std::string out = bos + "[SYSTEM_PROMPT]";
+  if (has_system) {
+    out += m[0].content;
+  } else {
+    out +=
+        "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French "
+        "startup headquartered in Paris.\nYour knowledge base was last updated on 2023-10-01. The "
+        "current date is " +
+        (date.empty() ? today() : date) +
+        ".\n\nWhen you're not sure about some information or when the user's request requires "
+        "up-to-date or specific data, you must use the available tools to fetch the information. "
+        "Do not hesitate to use tools whenever they can provide a more accurate or complete "
+        "response. If no relevant tools are available, then clearly state that you don't have the "
+        "information and avoid making up anything.\n\nIf the user's question is not clear, "
+        "ambiguous, or does not provide enough context for you to accurately answer the question, "
+        "you do not try to answer it right away and you rather ask the user to clarify their "
+        "request (e.g. \"What are some good restaurants around me?\" => \"Where are you?\" or "
+        "\"When is the next flight to Tokyo\" => \"Where do you travel from?\").\nYou are always "
+        "very attentive to dates, and when asked about information at specific dates, you discard "
+        "information that is at another date.\nYou follow these instructions in all languages, and "
+        "always respond to the user in the language they use or request.\nNext sections describe "
+        "the capabilities that you have.\n\n# WEB BROWSING INSTRUCTIONS\n\nYou cannot perform any "
+        "web search or access internet to open URLs, links etc. If it seems like the user is "
+        "expecting you to do so, you clarify the situation and ask the user to copy paste the text "
+        "directly in the chat.\n\n# MULTI-MODAL INSTRUCTIONS\n\nYou have the ability to read "
+        "images, but you cannot generate images. You also cannot transcribe audio files or "
+        "videos.\nYou cannot read nor transcribe audio files or videos.\n\n# TOOL CALLING "
+        "INSTRUCTIONS\n\nYou may have access to tools that you can use to fetch information or "
+        "perform actions. You must use these tools in the following situations:\n\n1. When the "
+        "request requires up-to-date information.\n2. When the request requires specific data that "
+        "you do not have in your knowledge base.\n3. When the request involves actions that you "
+        "cannot perform without tools.\n\nAlways prioritize using tools to provide the most "
+        "accurate and helpful response. If tools are not available, inform the user that you "
+        "cannot perform the requested action at the moment.";
+  }
+  out += "[/SYSTEM_PROMPT]";
+  for (const ChatMessage& msg : turns) {
+    if (msg.role == "system") {
+      out += "[SYSTEM_PROMPT]" + msg.content + "[/SYSTEM_PROMPT]";
+    } else if (msg.role == "user") {
+      // The template compares the messages whole (Python dicts): role and content here.
+      if (!tools.empty() && msg.content == last_user->content) {
+        out += "[AVAILABLE_TOOLS][";
+        for (size_t t = 0; t < tools.size(); ++t) out += (t > 0 ? ", " : "") + tools[t];
+        out += "][/AVAILABLE_TOOLS]";
+      }
+      out += "[INST]" + msg.content + "[/INST]";
+    } else if (msg.role == "assistant") {
+      for (const ChatToolCall& call : msg.tool_calls) {
+        out += "[TOOL_CALLS]" + call.name;
+        if (call.id.size() != 9) return bad_call_id();
+        out += "[CALL_ID]" + call.id + "[ARGS]" + tojson_arguments(call.arguments);
+      }
+      out += (msg.tool_calls.empty() ? msg.content : std::string()) + eos;
+    } else {  // tool
+      if (msg.tool_call_id.size() != 9) return bad_call_id();
+      out +=
+          "[TOOL_RESULTS]" + msg.tool_call_id + "[TOOL_CONTENT]" + msg.content + "[/TOOL_RESULTS]";
     }
   }
   return out;
@@ -765,15 +879,6 @@ std::string render_glm45(std::span<const ChatMessage> m, bool gen, const ChatOpt
   }
   if (gen) out += no_think ? "<|assistant|>\n<think></think>" : "<|assistant|>";
   return out;
-}
-
-// Today's date as strftime_now("%Y-%m-%d") gives it (the local time, as Python's datetime.now()).
-std::string today() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  localtime_r(&now, &tm);
-  char buf[16];
-  return std::string(buf, std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm));
 }
 
 // Python's str() of a value, as Jinja's join and {{ }} write it.
@@ -1031,6 +1136,7 @@ ChatTemplate::ChatTemplate(Kind kind, std::string family, std::string bos, std::
     case Kind::kMistral:
     case Kind::kMistralV01:
     case Kind::kMistralNemo:
+    case Kind::kMistralSmall32:
       if (!eos_.empty()) stop_strings_ = {eos_};
       break;
     case Kind::kLlama3:
@@ -1096,7 +1202,7 @@ Result<ChatTemplate> ChatTemplate::from_text(std::string_view jinja, std::string
 }
 
 // The templates named() knows, by name.
-constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 14> kNamed = {{
+constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 15> kNamed = {{
     {"chatml", ChatTemplate::Kind::kChatml},
     {"qwen3", ChatTemplate::Kind::kQwen3},
     {"qwen2.5", ChatTemplate::Kind::kQwen25},
@@ -1105,6 +1211,7 @@ constexpr std::array<std::pair<std::string_view, ChatTemplate::Kind>, 14> kNamed
     {"mistral", ChatTemplate::Kind::kMistral},
     {"mistral-v0.1", ChatTemplate::Kind::kMistralV01},
     {"mistral-nemo", ChatTemplate::Kind::kMistralNemo},
+    {"mistral-small-3.2", ChatTemplate::Kind::kMistralSmall32},
     {"llama3", ChatTemplate::Kind::kLlama3},
     {"llama3.1", ChatTemplate::Kind::kLlama31},
     {"glm4.5", ChatTemplate::Kind::kGlm45},
@@ -1169,6 +1276,8 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
       return render_mistral_v01(messages, bos_, eos_);
     case Kind::kMistralNemo:
       return render_mistral_nemo(messages, bos_, eos_, tools);
+    case Kind::kMistralSmall32:
+      return render_mistral_small32(messages, bos_, eos_, date_, tools);
     case Kind::kLlama3:
       return render_llama3(messages, add_generation_prompt, bos_);
     case Kind::kLlama31:
@@ -1451,11 +1560,12 @@ Result<std::string> template_json(std::string_view json_text) {
 
 bool ChatTemplate::supports_tools() const {
   return kind_ == Kind::kQwen3 || kind_ == Kind::kGlm45 || kind_ == Kind::kGptOss ||
-         kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4 || kind_ == Kind::kMistralNemo;
+         kind_ == Kind::kDeepseek3 || kind_ == Kind::kDeepseek4 || kind_ == Kind::kMistralNemo ||
+         kind_ == Kind::kMistralSmall32;
 }
 
 void ChatTemplate::fit_call_ids(std::span<ChatMessage> messages) const {
-  if (kind_ != Kind::kMistralNemo) return;
+  if (kind_ != Kind::kMistralNemo && kind_ != Kind::kMistralSmall32) return;
   auto fit = [](std::string& id) {
     if (id.size() > 9) id.erase(0, id.size() - 9);
   };
@@ -1471,6 +1581,9 @@ std::optional<ChatTemplate::ForcedCall> ChatTemplate::forced_call(std::string_vi
       return ForcedCall{"<tool_call>\n", false};
     case Kind::kMistralNemo:
       return ForcedCall{"[TOOL_CALLS][", false};
+    case Kind::kMistralSmall32:
+      if (name.empty()) return std::nullopt;
+      return ForcedCall{"[TOOL_CALLS]" + std::string(name) + "[ARGS]", true};
     case Kind::kDeepseek3:
       if (name.empty()) return std::nullopt;
       return ForcedCall{
@@ -1508,6 +1621,7 @@ std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
     case Kind::kDeepseek4:
       return kDsml;
     case Kind::kMistralNemo:
+    case Kind::kMistralSmall32:
       return kMistral;
     default:
       return {};
@@ -1657,6 +1771,35 @@ static std::optional<ParsedToolCalls> parse_mistral_calls(std::string_view answe
   return out;
 }
 
+// Mistral-Small-3.2's calls: [TOOL_CALLS]NAME([CALL_ID]ID)[ARGS]JSON, one after another (white
+// space between at most). The text before the first is content.
+static std::optional<ParsedToolCalls> parse_mistral_small_calls(std::string_view answer) {
+  constexpr std::string_view kCalls = "[TOOL_CALLS]", kArgs = "[ARGS]";
+  size_t at = answer.find(kCalls);
+  if (at == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  std::string_view before = answer.substr(0, at);
+  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
+    before.remove_suffix(1);
+  }
+  out.content = std::string(before);
+  while (at != std::string_view::npos) {
+    const size_t args = answer.find(kArgs, at);
+    if (args == std::string_view::npos) return std::nullopt;
+    std::string_view name = answer.substr(at + kCalls.size(), args - at - kCalls.size());
+    name = name.substr(0, name.find("[CALL_ID]"));
+    const size_t next = answer.find(kCalls, args);
+    const ojson value = ojson::parse(
+        answer.substr(args + kArgs.size(),
+                      next == std::string_view::npos ? next : next - args - kArgs.size()),
+        nullptr, /*allow_exceptions=*/false);
+    if (py_strip(name).empty() || !value.is_object()) return std::nullopt;
+    out.calls.push_back({std::string(py_strip(name)), value.dump()});
+    at = next;
+  }
+  return out;
+}
+
 std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view answer) const {
   if (!supports_tools()) return std::nullopt;
   if (kind_ == Kind::kGlm45) return parse_glm_calls(answer);
@@ -1664,6 +1807,7 @@ std::optional<ParsedToolCalls> ChatTemplate::parse_tool_calls(std::string_view a
   if (kind_ == Kind::kDeepseek3) return parse_deepseek3_calls(answer);
   if (kind_ == Kind::kDeepseek4) return parse_dsml_calls(answer);
   if (kind_ == Kind::kMistralNemo) return parse_mistral_calls(answer);
+  if (kind_ == Kind::kMistralSmall32) return parse_mistral_small_calls(answer);
   // Qwen3: each block a JSON object {"name", "arguments"}; a last one cut short still counts when
   // its JSON is whole.
   const auto blocks = call_blocks(answer);

@@ -4,11 +4,12 @@
 // (Debian 12 has none of jinja2cpp/inja/minja), so instead of interpreting the program this module
 // recognises the known families by fragments of their vendor templates and reproduces what those
 // templates render for conversations of system/user/assistant messages with string content:
-// ChatML, Qwen3, Qwen2.5, DeepSeek-V3.1, DeepSeek-V4, Mistral/Mixtral (v0.1, the Mixtral-8x7B form
-// and Mistral-Nemo), Llama 3, Llama 3.1/3.3, GLM-4.5/4.6, gpt-oss (harmony, today's date) and
-// Kimi-K2, with the thinking switches their templates read (ChatOptions: the chat_template_kwargs
-// of vLLM and llama.cpp's server) or each template's default where none is given. Tools, assistant
-// tool calls and tool results too for Qwen3, GLM-4.5, gpt-oss, DeepSeek-V3.1/V4 and Mistral-Nemo
+// ChatML, Qwen3, Qwen2.5, DeepSeek-V3.1, DeepSeek-V4, Mistral/Mixtral (v0.1, the Mixtral-8x7B
+// form, Mistral-Nemo, and Mistral-Small-3.2 with today's date), Llama 3, Llama 3.1/3.3,
+// GLM-4.5/4.6, gpt-oss (harmony, today's date) and Kimi-K2, with the thinking switches their
+// templates read (ChatOptions: the chat_template_kwargs of vLLM and llama.cpp's server) or each
+// template's default where none is given. Tools, assistant tool calls and tool results too for
+// Qwen3, GLM-4.5, gpt-oss, DeepSeek-V3.1/V4, Mistral-Nemo and Mistral-Small-3.2
 // (tests/fixtures/chat-tools/, tools/reference/make_tool_fixtures.py).
 // Anything else is refused, naming the template's first line, rather than rendered as a look-alike
 // family: a wrong template gives plausible but degraded answers that nobody notices.
@@ -96,7 +97,8 @@ class ChatTemplate {
   // come from the tokenizer.
   static Result<ChatTemplate> from_gguf(const GgufFile& file, const Tokenizer& tok);
   // From template text (a .jinja file's contents) or a family name ("chatml", "qwen3", "deepseek3",
-  // "deepseek4", "mistral", "mistral-nemo", "llama3", "glm4.5", "gpt-oss", "kimi-k2"). An unknown
+  // "deepseek4", "mistral", "mistral-nemo", "mistral-small-3.2", "llama3", "glm4.5", "gpt-oss",
+  // "kimi-k2"). An unknown
   // template: EINVAL, message "chat template not supported (first line: '...'); known:
   // ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2".
   static Result<ChatTemplate> from_text(std::string_view jinja, std::string bos, std::string eos);
@@ -119,12 +121,12 @@ class ChatTemplate {
                              const ChatOptions& options = {},
                              std::span<const std::string> tools = {}) const;
   // Whether this family's template renders tools and their results (Qwen3, GLM-4.5, gpt-oss,
-  // DeepSeek-V3.1/V4, Mistral-Nemo).
+  // DeepSeek-V3.1/V4, Mistral-Nemo, Mistral-Small-3.2).
   bool supports_tools() const;
   // How a forced call of `name` ("": of any of the tools) is written so that it can be
   // constrained: the text that opens it after the generation prompt, and what JSON follows. Qwen3:
   // "<tool_call>\n" (Mistral-Nemo: "[TOOL_CALLS]["), then {"name", "arguments"}; gpt-oss and
-  // DeepSeek-V3.1: the named function's
+  // DeepSeek-V3.1 (and Mistral-Small-3.2: "[TOOL_CALLS]NAME[ARGS]"): the named function's
   // header, then its arguments. nullopt where the calls are not JSON (GLM-4.5's key/value tags,
   // DeepSeek-V4's DSML parameters), the name is written outside the JSON and none is given, or
   // there is no tool support.
@@ -141,12 +143,13 @@ class ChatTemplate {
   // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs;
   // gpt-oss: a commentary message to=functions.NAME, as the reasoning splitter leaves it in the
   // content; DeepSeek-V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON; DeepSeek-V4: DSML invoke
-  // and parameter tags; Mistral-Nemo: [TOOL_CALLS] and a JSON list of {"name", "arguments", "id"}):
-  // nullopt when there are none or one is malformed (the answer is then text).
+  // and parameter tags; Mistral-Nemo: [TOOL_CALLS] and a JSON list of {"name", "arguments", "id"};
+  // Mistral-Small-3.2: [TOOL_CALLS]NAME[ARGS]JSON each, maybe [CALL_ID]ID before [ARGS]): nullopt
+  // when there are none or one is malformed (the answer is then text).
   // Arguments come back as compact JSON text.
   std::optional<ParsedToolCalls> parse_tool_calls(std::string_view answer) const;
-  // Mistral-Nemo's template takes call ids (tool_calls[].id, a tool message's tool_call_id) of
-  // exactly 9 characters and refuses others; OpenAI's and this server's are longer. Those keep
+  // Mistral's templates take call ids (tool_calls[].id, a tool message's tool_call_id) of
+  // exactly 9 characters and refuse others; OpenAI's and this server's are longer. Those keep
   // their last 9 here, as vLLM cuts them (the same id, given back, is cut the same); other
   // families write no ids and keep them as they are.
   void fit_call_ids(std::span<ChatMessage> messages) const;
@@ -171,6 +174,7 @@ class ChatTemplate {
     kMistral,
     kMistralV01,
     kMistralNemo,
+    kMistralSmall32,
     kLlama3,
     kLlama31,
     kGlm45,
@@ -181,7 +185,8 @@ class ChatTemplate {
   Kind kind() const { return kind_; }
 
   // The same template with strftime_now's date fixed ("2026-01-15"), for templates that write
-  // today's date (gpt-oss's "Current date: ..."); by default render() takes the local date at the
+  // today's date (gpt-oss's "Current date: ...", Mistral-Small-3.2's system prompt); by default
+  // render() takes the local date at the
   // time of the call, as transformers' strftime_now does.
   ChatTemplate with_date(std::string date) const;
 

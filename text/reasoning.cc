@@ -55,6 +55,7 @@ ReasoningSyntax reasoning_syntax(ChatTemplate::Kind kind) {
     case K::kMistral:
     case K::kMistralV01:
     case K::kMistralNemo:
+    case K::kMistralSmall32:
     case K::kLlama3:
     case K::kLlama31:
     case K::kKimiK2:

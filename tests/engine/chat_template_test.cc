@@ -77,7 +77,7 @@ TEST_P(ChatTemplateVsTransformers, DetectsTheFamilyAndRendersEveryConversationAs
     EXPECT_EQ(t.error().code, EINVAL);
     EXPECT_EQ(t.error().message,
               "chat template not supported (first line: '" + first +
-                  "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo, "
+                  "'); known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo/Small-3.2, "
                   "Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
     return;
   }
@@ -223,7 +223,7 @@ TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
   EXPECT_EQ(t.error().message,
             "chat template not supported (first line: '{{ bos_token }}{% for m in messages "
             "%}<start_of_turn>{{ m.role }}'); known: ChatML/Qwen3, DeepSeek-V3/V4, "
-            "Mistral/Mixtral/Nemo, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
+            "Mistral/Mixtral/Nemo/Small-3.2, Llama 3, GLM-4.5/4.6, gpt-oss, Kimi-K2");
 }
 
 TEST(ChatTemplate, UnknownRoleAndEmptyConversationAreErrors) {
@@ -323,7 +323,7 @@ void check_tool_fixture(const std::string& name);
 // and tool results. Read with the keys' order kept: the template writes the tools as given.
 TEST(ChatTemplateTools, RendersToolsCallsAndResultsAsTransformers) {
   for (const char* name : {"qwen3", "glm4.5", "gpt-oss", "deepseek3", "deepseek4",
-                           "deepseek4-flash", "mistral-nemo"}) {
+                           "deepseek4-flash", "mistral-nemo", "mistral-small-3.2"}) {
     SCOPED_TRACE(name);
     check_tool_fixture(name);
   }
@@ -423,7 +423,6 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
                 "\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>Paris events</arg_value>\n"
                 "<arg_key>filters</arg_key>\n<arg_value>[\"today\"]</arg_value>\n</tool_call>",
                 "", {{"search", R"({"q":"Paris events","filters":["today"]})"}});
-  EXPECT_FALSE(glm->forced_call("search"));  // not JSON: no forced calls
   // gpt-oss: the call's header as the reasoning splitter leaves it in the content (after an
   // analysis message, or first in the answer, the recipient before or after the channel).
   auto oss = ChatTemplate::named("gpt-oss", "", "");
@@ -452,43 +451,69 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   EXPECT_FALSE(t->forced_call("")->arguments_only);
   EXPECT_EQ(oss->tool_call_markers().size(), 3u);
   EXPECT_TRUE(ChatTemplate::named("chatml", "", "")->tool_call_markers().empty());
-  // DeepSeek-V3.1: NAME<｜tool▁sep｜>JSON, one after another; a forced call names its function.
-  auto ds3 = ChatTemplate::named("deepseek3", "", "");
-  ASSERT_TRUE(ds3);
-  expect_parsed(
-      *ds3,
-      "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": "
-      "\"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
-      "<｜tool▁calls▁end｜>",
-      "Checking.", {{"get_weather", R"({"city":"Paris"})"}, {"now", "{}"}});
-  EXPECT_FALSE(ds3->parse_tool_calls("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\":"));  // cut short
-  EXPECT_FALSE(ds3->forced_call(""));
-  EXPECT_EQ(ds3->forced_call("f")->opening,
-            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>");
-  // DeepSeek-V4's DSML: strings as they are, other values as JSON; no forced calls.
-  auto ds4 = ChatTemplate::named("deepseek4", "", "");
-  ASSERT_TRUE(ds4);
-  expect_parsed(
-      *ds4,
-      "Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter "
-      "name=\"q\" string=\"true\">Paris [events]</｜DSML｜parameter>\n<｜DSML｜parameter "
-      "name=\"filters\" string=\"false\">[\"today\"]</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
-      "<｜DSML｜invoke name=\"now\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
-      "Let me check.",
-      {{"search", R"({"q":"Paris [events]","filters":["today"]})"}, {"now", "{}"}});
-  EXPECT_FALSE(ds4->parse_tool_calls("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">"));
-  EXPECT_FALSE(ds4->forced_call("f"));
-  // Mistral-Nemo: [TOOL_CALLS] and a JSON list; a forced call opens the list.
+  EXPECT_FALSE(ChatTemplate::named("glm4.5", "", "")->forced_call("search"));
+  // template_json writes Python's json.dumps: separators, order, unicode, escapes.
+  EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
+            "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");
+}
+
+// Each family's calls: an answer with two (content before them), one cut short (not a call), and
+// the forced call's opening for a named function ("": not JSON, no forced call).
+TEST(ChatTemplateTools, ParsesEachFamilysCallsAndOpensItsForcedCall) {
+  struct Case {
+    const char* family;
+    std::string answer;
+    std::string content;
+    std::string cut;
+    std::string forced;  // forced_call("now")
+  };
+  const std::vector<std::pair<std::string, std::string>> calls = {
+      {"get_weather", R"({"city":"Paris"})"}, {"now", "{}"}};
+  const std::vector<Case> cases = {
+      {"deepseek3",
+       "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": "
+       "\"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+       "<｜tool▁calls▁end｜>",
+       "Checking.", "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\":",
+       "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>"},
+      // DSML: strings as they are, other values as JSON.
+      {"deepseek4",
+       "Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
+       "name=\"get_weather\">\n<｜DSML｜parameter "
+       "name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+       "<｜DSML｜invoke name=\"now\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+       "Checking.", "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">", ""},
+      // A JSON list (or one object), arguments an object or a string of JSON.
+      {"mistral-nemo",
+       "Checking. [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+       "\"Paris\"}, \"id\": \"abcdefghi\"}, {\"name\": \"now\", \"arguments\": \"{}\"}]",
+       "Checking.", "[TOOL_CALLS][{\"name\": \"now\", \"argum", "[TOOL_CALLS]["},
+      {"mistral-small-3.2",
+       "Checking.\n[TOOL_CALLS]get_weather[CALL_ID]abcdefghi[ARGS]{\"city\": \"Paris\"}"
+       "[TOOL_CALLS]now[ARGS]{}",
+       "Checking.", "[TOOL_CALLS]now[ARGS]{\"a", "[TOOL_CALLS]now[ARGS]"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.family);
+    auto t = ChatTemplate::named(c.family, "<s>", "</s>");
+    ASSERT_TRUE(t);
+    expect_parsed(*t, c.answer, c.content, calls);
+    EXPECT_FALSE(t->parse_tool_calls(c.cut));
+    EXPECT_FALSE(t->parse_tool_calls("It is sunny."));
+    const auto forced = t->forced_call("now");
+    EXPECT_EQ(forced ? forced->opening : "", c.forced);
+  }
+  expect_parsed(*ChatTemplate::named("mistral-nemo", "", ""), "[TOOL_CALLS]{\"name\": \"now\"}", "",
+                {{"now", "{}"}});
+  // Where the opening names the function, "required" with several tools cannot be forced.
+  EXPECT_FALSE(ChatTemplate::named("deepseek3", "", "")->forced_call(""));
+  EXPECT_FALSE(ChatTemplate::named("mistral-small-3.2", "", "")->forced_call(""));
+}
+
+// Mistral's templates take 9-character ids: longer ones keep their last 9.
+TEST(ChatTemplateTools, MistralCallIdsKeepTheirLastNineCharacters) {
   auto nemo = ChatTemplate::named("mistral-nemo", "<s>", "</s>");
   ASSERT_TRUE(nemo);
-  expect_parsed(*nemo,
-                "Checking. [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": "
-                "\"Paris\"}, \"id\": \"abcdefghi\"}, {\"name\": \"now\", \"arguments\": \"{}\"}]",
-                "Checking.", {{"get_weather", R"({"city":"Paris"})"}, {"now", "{}"}});
-  expect_parsed(*nemo, "[TOOL_CALLS]{\"name\": \"now\"}", "", {{"now", "{}"}});
-  EXPECT_FALSE(nemo->parse_tool_calls("[TOOL_CALLS][{\"name\": \"now\", \"argum"));
-  EXPECT_EQ(nemo->forced_call("")->opening, "[TOOL_CALLS][");
-  // Its ids have 9 characters: longer ones keep their last 9.
   std::vector<ChatMessage> m = {{"user", "Hi"},
                                 {"assistant", "", {{"now", "{}", "call_0123456789abcdef"}}},
                                 {"tool", "12:00", {}, "call_0123456789abcdef"}};
@@ -499,9 +524,14 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
             "<s>[INST]Hi[/INST][TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}, \"id\": "
             "\"789abcdef\"}]</s>[TOOL_RESULTS]{\"content\": 12:00, \"call_id\": \"789abcdef\"}"
             "[/TOOL_RESULTS]");
-  // template_json writes Python's json.dumps: separators, order, unicode, escapes.
-  EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
-            "{\"b\": [1, 2.5, true, null], \"a\": \"é\\n\\\"x\\\"\\u0001\"}");
+  m[1].tool_calls[0].id = "call_1";  // shorter: the template's error
+  auto refused = nemo->render(m, true);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().message, "Tool call IDs should be alphanumeric strings with length 9!");
+  // A family whose template writes no ids keeps them.
+  ChatTemplate::named("qwen3", "", "")->fit_call_ids(m);
+  EXPECT_EQ(m[1].tool_calls[0].id, "call_1");
+  EXPECT_EQ(m[2].tool_call_id, "789abcdef");
 }
 
 }  // namespace

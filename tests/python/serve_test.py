@@ -675,11 +675,12 @@ def test_tools(args, sock, model, template, label, plain_client=None):
 
 def test_tools_named(args, sock, model, template, label):
     """Tool calls on a template whose calls write the function's name outside the JSON (gpt-oss's
-    commentary header to=functions.NAME, DeepSeek-V3.1's NAME<｜tool▁sep｜>), on its tiny fixture
-    (byte tokens): a named forced call (the call's opening prefilled, the arguments constrained to
-    the schema) comes back as message.tool_calls, streamed or not, and so does required with one
-    tool; thinking on, the prompt closes its think block before the call; required with several
-    tools is a 400; a turn with a call and its result renders."""
+    commentary header to=functions.NAME, DeepSeek-V3.1's NAME<｜tool▁sep｜>, Mistral-Small-3.2's
+    [TOOL_CALLS]NAME[ARGS]), on a tiny fixture: a named forced call (the call's opening
+    prefilled, the arguments constrained to the schema) comes back as message.tool_calls,
+    streamed or not, and so does required with one tool; thinking on, the prompt closes its think
+    block before the call; required with several tools is a 400; a turn with a call and its
+    result renders."""
     procs = []
     try:
         client, h = start_tools_serve(args, sock, model, template, procs)
@@ -880,6 +881,7 @@ def main():
         test_tools(args, sock, "mix", "mistral-nemo", "Mistral-Nemo")
         test_tools_named(args, sock, "oss", "gpt-oss", "gpt-oss")
         test_tools_named(args, sock, "ds3", "deepseek3", "DeepSeek-V3.1")
+        test_tools_named(args, sock, "mix", "mistral-small-3.2", "Mistral-Small-3.2")
         test_tools_dsml(args, sock)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server

@@ -31,7 +31,9 @@ TEMPLATES = {"qwen3": ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", False),
                            "<｜end▁of▁sentence｜>", True),
              "deepseek4-flash": ("deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
                                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True),
-             "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", True)}
+             "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>", True),
+             "mistral-small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "<s>", "</s>",
+                                   True)}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C, «unicode» kept)",
