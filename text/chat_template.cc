@@ -1628,6 +1628,22 @@ std::span<const std::string_view> ChatTemplate::tool_call_markers() const {
   }
 }
 
+ChatTemplate::CallHold ChatTemplate::hold_for_calls(std::string_view pending, bool done) const {
+  size_t first = std::string_view::npos;
+  size_t opening = 0;  // the longest end of `pending` that a marker starts with
+  for (const std::string_view marker : tool_call_markers()) {
+    first = std::min(first, pending.find(marker));
+    for (size_t n = std::min(pending.size(), marker.size() - 1); n > opening; --n) {
+      if (marker.starts_with(pending.substr(pending.size() - n))) {
+        opening = n;
+        break;
+      }
+    }
+  }
+  if (first != std::string_view::npos) return {first, true};
+  return {done ? pending.size() : pending.size() - opening, false};
+}
+
 // gpt-oss's call, as the reasoning splitter leaves it in the content: a header naming
 // to=functions.NAME (before or after its <|channel|>, from "<|start|>assistant" after an analysis
 // message), "<|message|>", and the arguments up to <|call|> (a stop string: usually already cut)

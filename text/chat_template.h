@@ -135,10 +135,19 @@ class ChatTemplate {
     bool arguments_only = false;  // the JSON is the arguments; else {"name", "arguments"}
   };
   std::optional<ForcedCall> forced_call(std::string_view name) const;
-  // The texts at which a call may begin in the answer's content (Qwen3's "<tool_call>"): a stream
-  // holds content back from the first of them, and from an answer's end that may be opening one,
-  // until the answer says whether it is a call. Empty without tool support.
+  // The texts at which a call may begin in the answer's content (Qwen3's "<tool_call>"; gpt-oss's
+  // "<|start|>", "<|channel|>" and " to=functions." of a header the reasoning splitter leaves in
+  // the content). Empty without tool support.
   std::span<const std::string_view> tool_call_markers() const;
+  // A stream's content while it looks for calls: of `pending` (content not sent yet), the first
+  // `ready` bytes can go out; the rest is held, from the first marker (`call` true: held to the
+  // answer's end, where parse_tool_calls says whether it is one) or, without one, the end that may
+  // be opening a marker. `done`: the answer is over, and nothing is held for a marker to come.
+  struct CallHold {
+    size_t ready = 0;
+    bool call = false;
+  };
+  CallHold hold_for_calls(std::string_view pending, bool done) const;
   // The tool calls in a model's answer, in this family's syntax (Qwen3: <tool_call>{"name",
   // "arguments"}</tool_call> blocks; GLM-4.5: <tool_call>NAME with <arg_key>/<arg_value> pairs;
   // gpt-oss: a commentary message to=functions.NAME, as the reasoning splitter leaves it in the

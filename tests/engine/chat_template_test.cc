@@ -449,8 +449,6 @@ TEST(ChatTemplateTools, ParsesTheCallsOfAnAnswer) {
   EXPECT_TRUE(forced->arguments_only);
   EXPECT_EQ(t->forced_call("")->opening, "<tool_call>\n");
   EXPECT_FALSE(t->forced_call("")->arguments_only);
-  EXPECT_EQ(oss->tool_call_markers().size(), 3u);
-  EXPECT_TRUE(ChatTemplate::named("chatml", "", "")->tool_call_markers().empty());
   EXPECT_FALSE(ChatTemplate::named("glm4.5", "", "")->forced_call("search"));
   // template_json writes Python's json.dumps: separators, order, unicode, escapes.
   EXPECT_EQ(*template_json(R"({"b": [1, 2.5, true, null], "a": "é\n\"x\"\u0001"})"),
@@ -508,6 +506,33 @@ TEST(ChatTemplateTools, ParsesEachFamilysCallsAndOpensItsForcedCall) {
   // Where the opening names the function, "required" with several tools cannot be forced.
   EXPECT_FALSE(ChatTemplate::named("deepseek3", "", "")->forced_call(""));
   EXPECT_FALSE(ChatTemplate::named("mistral-small-3.2", "", "")->forced_call(""));
+}
+
+// A stream sends content up to where a call opens, or may be opening, and holds the rest.
+TEST(ChatTemplateTools, StreamsHoldContentFromWhereACallMayOpen) {
+  using Hold = ChatTemplate::CallHold;
+  auto eq = [](Hold a, Hold b) { return a.ready == b.ready && a.call == b.call; };
+  auto qwen3 = ChatTemplate::named("qwen3", "", "");
+  ASSERT_TRUE(qwen3);
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("It is sunny.", false), {12, false}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool", false), {9, false}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool", true), {14, false}));  // over: all out
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool_call>\n{", false), {9, true}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("a < b", false), {5, false}));
+  // gpt-oss: any header the splitter left in the content, wherever it starts.
+  auto oss = ChatTemplate::named("gpt-oss", "", "");
+  ASSERT_TRUE(oss);
+  EXPECT_TRUE(eq(oss->hold_for_calls("Sure.<|start|>assistant<|chan", false), {5, true}));
+  EXPECT_TRUE(eq(oss->hold_for_calls("<|channel|>commentary to=functions.f", false), {0, true}));
+  EXPECT_TRUE(eq(oss->hold_for_calls(" to=functions.f<|channel|>", false), {0, true}));
+  EXPECT_TRUE(eq(oss->hold_for_calls("I want to", false), {6, false}));  // " to" may open one
+  EXPECT_TRUE(eq(oss->hold_for_calls("Hi <|", false), {3, false}));
+  auto nemo = ChatTemplate::named("mistral-nemo", "", "");
+  ASSERT_TRUE(nemo);
+  EXPECT_TRUE(eq(nemo->hold_for_calls("Ok [TOOL_CA", false), {3, false}));
+  // No tool syntax: nothing held.
+  EXPECT_TRUE(
+      eq(ChatTemplate::named("chatml", "", "")->hold_for_calls("<tool", false), {5, false}));
 }
 
 // Mistral's templates take 9-character ids: longer ones keep their last 9.

@@ -893,25 +893,10 @@ class Service {
           piece.clear();
         } else if (job.tools == Job::Tools::kParse && !c.in_calls) {
           c.held += piece;
-          size_t k = std::string::npos;  // the first marker's
-          size_t keep = 0;               // else the end that may be opening one
-          for (const std::string_view open : chat_->tool_call_markers()) {
-            k = std::min(k, c.held.find(open));
-            size_t n = std::min(c.held.size(), open.size() - 1);
-            while (n > 0 && !open.starts_with(std::string_view(c.held).substr(c.held.size() - n))) {
-              --n;
-            }
-            keep = std::max(keep, n);
-          }
-          if (k != std::string::npos) {
-            piece = c.held.substr(0, k);
-            c.held.erase(0, k);
-            c.in_calls = true;
-          } else {
-            if (done) keep = 0;
-            piece = c.held.substr(0, c.held.size() - keep);
-            c.held.erase(0, c.held.size() - keep);
-          }
+          const auto hold = chat_->hold_for_calls(c.held, done);
+          piece = c.held.substr(0, hold.ready);
+          c.held.erase(0, hold.ready);
+          c.in_calls = hold.call;
         } else if (job.tools == Job::Tools::kParse) {
           c.held += piece;
           piece.clear();
