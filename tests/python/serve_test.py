@@ -738,6 +738,89 @@ def check_tool_turn(client, model):
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 100, (r.usage, plain.usage)
 
 
+def byte_tokens(tokens):
+    """GPT-2's byte-level spelling: each byte's token text -> the byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(0xa1, 0xad))
+                 + list(range(0xae, 0x100)))
+    spelled, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            spelled[chr(b)] = b
+        else:
+            spelled[chr(256 + n)] = b
+            n += 1
+    return {i: spelled[t] for i, t in enumerate(tokens) if t in spelled}
+
+
+def test_tools_harmony_answer(args):
+    """gpt-oss's own call, through the reasoning splitter, as "auto" reads it: the gptoss-tiny
+    fixture's greedy two-token answer to a request with tools, spelled (in a copy of the GGUF, as
+    serve_reasoning_test.py spells answers) as an analysis message and a commentary message
+    to=functions.get_weather, comes back as reasoning_content and message.tool_calls (no content,
+    finish_reason tool_calls), streamed or not."""
+    import gguf
+    from serve_reasoning_test import CONTROL, write_gguf
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.gguf))),
+                       "gptoss-tiny", "model-f32.gguf")
+    tokens = list(gguf.GGUFReader(src).fields["tokenizer.ggml.tokens"].contents())
+    byte_of = byte_tokens(tokens)
+    id_of = {b: i for i, b in byte_of.items()}
+    # The prompt's <|end|> is one special token, a control byte's (no prompt has it).
+    end = {id_of[2]: ("<|end|>", CONTROL)}
+    plain, spelled = (os.path.join(args.workdir, n) for n in ("oss-plain.gguf", "oss-call.gguf"))
+    write_gguf(src, plain, "", end)
+    sock = os.path.join(args.workdir, "harmony.sock")
+    serve = ["--chat-template", "gpt-oss", "--ctx", "4096", "--cpu"]
+    procs = []
+    try:
+        start_expertd(args, [f"oss={plain}"], sock, procs)
+        port, _, _ = start_serve(args, sock, "oss", serve, procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        # The answer's two tokens are bytes that no prompt here has (a control byte, a byte of a
+        # multi-byte character): they can be spelled anew without changing the prompt's tokens.
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        r = client.chat.completions.create(model="oss", messages=ask, tools=[WEATHER],
+                                           max_tokens=2, temperature=0, logprobs=True)
+        answer = [bytes(t.bytes) for t in r.choices[0].logprobs.content]
+        assert len(answer) == 2 and answer[0] != answer[1] and all(
+            len(b) == 1 and (b[0] >= 0x80 or b[0] < 0x20 and b[0] not in b"\x02\t\n\r")
+            for b in answer), f"the fixture's answer cannot be spelled: {answer}"
+        prompt_tokens = r.usage.prompt_tokens
+        stop_procs(procs)
+        header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        write_gguf(src, spelled, "", {
+            **end, id_of[answer[0][0]]: ("<|channel|>analysis<|message|>Rain?<|end|>", CONTROL),
+            id_of[answer[1][0]]: ("<|start|>assistant" + header + '{"city": "Paris"}', CONTROL)})
+        start_expertd(args, [f"oss={spelled}"], sock, procs)
+        port, _, _ = start_serve(args, sock, "oss", serve, procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        request = {"model": "oss", "messages": ask, "tools": [WEATHER], "max_tokens": 2,
+                   "temperature": 0}
+        r = client.chat.completions.create(**request)
+        assert r.usage.prompt_tokens == prompt_tokens, "the prompt encodes differently"
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert (c.message.model_extra or {}).get("reasoning_content") == "Rain?", c.message
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+        assert calls == [("get_weather", {"city": "Paris"})], calls
+        reasoning, content, deltas, finish = "", "", [], None
+        for chunk in client.chat.completions.create(stream=True, **request):
+            d = chunk.choices[0].delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            deltas += d.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert (reasoning, content, finish) == ("Rain?", "", "tool_calls"), (reasoning, content)
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == calls
+        print("ok: tools (gpt-oss, auto): an analysis message and a commentary message "
+              "to=functions.get_weather come back as reasoning_content and tool_calls, streamed "
+              "or not")
+    finally:
+        stop_procs(procs)
+
+
 def test_tools_dsml(args, sock):
     """DeepSeek-V4's template (the deepseek4-tiny fixture): its DSML calls are not JSON, so a
     forced call is a 400; auto writes the tools into the system prompt; a tool turn renders."""
@@ -883,6 +966,7 @@ def main():
         test_tools_named(args, sock, "ds3", "deepseek3", "DeepSeek-V3.1")
         test_tools_named(args, sock, "mix", "mistral-small-3.2", "Mistral-Small-3.2")
         test_tools_dsml(args, sock)
+        test_tools_harmony_answer(args)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.
