@@ -752,59 +752,74 @@ def byte_tokens(tokens):
     return {i: spelled[t] for i, t in enumerate(tokens) if t in spelled}
 
 
-def test_tools_harmony_answer(args):
-    """gpt-oss's own call, through the reasoning splitter, as "auto" reads it: the gptoss-tiny
-    fixture's greedy two-token answer to a request with tools, spelled (in a copy of the GGUF, as
-    serve_reasoning_test.py spells answers) as an analysis message and a commentary message
-    to=functions.get_weather, comes back as reasoning_content and message.tool_calls (no content,
-    finish_reason tool_calls), streamed or not."""
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+# Answers to spell, per template: the text of each of the answer's first tokens, and the
+# reasoning and content it reads as beside the call.
+SPELLED_CALLS = [
+    ("gptoss-tiny", "gpt-oss",
+     ["<|channel|>analysis<|message|>Rain?<|end|>",
+      "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+      '<|message|>{"city": "Paris"}'], "Rain?", None),
+    ("qwen3moe-tiny", "qwen3", ["Checking.\n<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"],
+     None, "Checking."),
+    ("deepseek3-tiny", "deepseek3",
+     ["Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+      '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'], None, "Checking."),
+    ("deepseek4-tiny", "deepseek4",
+     ["Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+      '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+      "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"], None, "Checking."),
+]
+
+
+def test_tools_spelled_answer(args, fixture, template, pieces, want_reasoning, want_content):
+    """A model's own call, as "auto" reads it (through the reasoning splitter, streamed or not):
+    the tiny fixture's greedy answer to a request with tools, its first tokens spelled as
+    `pieces` in a copy of the GGUF (as serve_reasoning_test.py spells answers), comes back as
+    reasoning_content, content and message.tool_calls with finish_reason tool_calls."""
     import gguf
     from serve_reasoning_test import CONTROL, write_gguf
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.gguf))),
-                       "gptoss-tiny", "model-f32.gguf")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.gguf))), fixture,
+                       "model-f32.gguf")
     tokens = list(gguf.GGUFReader(src).fields["tokenizer.ggml.tokens"].contents())
-    byte_of = byte_tokens(tokens)
-    id_of = {b: i for i, b in byte_of.items()}
-    # The prompt's <|end|> is one special token, a control byte's (no prompt has it).
-    end = {id_of[2]: ("<|end|>", CONTROL)}
-    plain, spelled = (os.path.join(args.workdir, n) for n in ("oss-plain.gguf", "oss-call.gguf"))
+    id_of = {b: i for i, b in byte_tokens(tokens).items()}
+    # gpt-oss's prompt has <|end|> after each turn: one special token, a control byte's.
+    end = {id_of[2]: ("<|end|>", CONTROL)} if template == "gpt-oss" else {}
+    plain, spelled = (os.path.join(args.workdir, f"{fixture}-{n}.gguf") for n in ("plain", "call"))
     write_gguf(src, plain, "", end)
-    sock = os.path.join(args.workdir, "harmony.sock")
-    serve = ["--chat-template", "gpt-oss", "--ctx", "4096", "--cpu"]
+    sock = os.path.join(args.workdir, "spelled.sock")
     procs = []
+    request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [WEATHER], "max_tokens": len(pieces), "temperature": 0}
+
+    def serve(gguf_path):
+        start_expertd(args, [f"m={gguf_path}"], sock, procs)
+        port, _, _ = start_serve(args, sock, "m", ["--chat-template", template, "--ctx", "4096",
+                                                   "--cpu"], procs)
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                             max_retries=0, timeout=60)
     try:
-        start_expertd(args, [f"oss={plain}"], sock, procs)
-        port, _, _ = start_serve(args, sock, "oss", serve, procs)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=60)
-        # The answer's two tokens are bytes that no prompt here has (a control byte, a byte of a
-        # multi-byte character): they can be spelled anew without changing the prompt's tokens.
-        ask = [{"role": "user", "content": "Weather in Paris?"}]
-        r = client.chat.completions.create(model="oss", messages=ask, tools=[WEATHER],
-                                           max_tokens=2, temperature=0, logprobs=True)
+        r = serve(plain).chat.completions.create(logprobs=True, **request)
+        # The answer's tokens are bytes that no prompt here has (control bytes, bytes of
+        # multi-byte characters): they can be spelled anew without changing the prompt's tokens.
         answer = [bytes(t.bytes) for t in r.choices[0].logprobs.content]
-        assert len(answer) == 2 and answer[0] != answer[1] and all(
+        assert len(set(answer)) == len(pieces) and all(
             len(b) == 1 and (b[0] >= 0x80 or b[0] < 0x20 and b[0] not in b"\x02\t\n\r")
             for b in answer), f"the fixture's answer cannot be spelled: {answer}"
         prompt_tokens = r.usage.prompt_tokens
         stop_procs(procs)
-        header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-        write_gguf(src, spelled, "", {
-            **end, id_of[answer[0][0]]: ("<|channel|>analysis<|message|>Rain?<|end|>", CONTROL),
-            id_of[answer[1][0]]: ("<|start|>assistant" + header + '{"city": "Paris"}', CONTROL)})
-        start_expertd(args, [f"oss={spelled}"], sock, procs)
-        port, _, _ = start_serve(args, sock, "oss", serve, procs)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=60)
-        request = {"model": "oss", "messages": ask, "tools": [WEATHER], "max_tokens": 2,
-                   "temperature": 0}
+        write_gguf(src, spelled, "", {**end, **{id_of[b[0]]: (text, CONTROL)
+                                                for b, text in zip(answer, pieces)}})
+        client = serve(spelled)
         r = client.chat.completions.create(**request)
         assert r.usage.prompt_tokens == prompt_tokens, "the prompt encodes differently"
         c = r.choices[0]
-        assert c.finish_reason == "tool_calls" and c.message.content is None, c
-        assert (c.message.model_extra or {}).get("reasoning_content") == "Rain?", c.message
-        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
-        assert calls == [("get_weather", {"city": "Paris"})], calls
+        assert c.finish_reason == "tool_calls", c
+        assert (c.message.model_extra or {}).get("reasoning_content") == want_reasoning, c.message
+        assert c.message.content == want_content, c.message
+        calls = [{"name": t.function.name, "arguments": json.loads(t.function.arguments)}
+                 for t in c.message.tool_calls]
+        assert calls == [CALL], calls
         reasoning, content, deltas, finish = "", "", [], None
         for chunk in client.chat.completions.create(stream=True, **request):
             d = chunk.choices[0].delta
@@ -812,11 +827,13 @@ def test_tools_harmony_answer(args):
             content += d.content or ""
             deltas += d.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-        assert (reasoning, content, finish) == ("Rain?", "", "tool_calls"), (reasoning, content)
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in deltas] == calls
-        print("ok: tools (gpt-oss, auto): an analysis message and a commentary message "
-              "to=functions.get_weather come back as reasoning_content and tool_calls, streamed "
-              "or not")
+        # Streamed, the content before the call goes out as it comes, white space and all.
+        assert (reasoning or None, content.rstrip() or None, finish) == \
+            (want_reasoning, want_content, "tool_calls"), (reasoning, content, finish)
+        assert [{"name": t.function.name, "arguments": json.loads(t.function.arguments)}
+                for t in deltas] == calls, deltas
+        print(f"ok: tools ({template}, auto): the model's own call comes back as tool_calls "
+              "(reasoning and content beside it), streamed or not")
     finally:
         stop_procs(procs)
 
@@ -966,7 +983,8 @@ def main():
         test_tools_named(args, sock, "ds3", "deepseek3", "DeepSeek-V3.1")
         test_tools_named(args, sock, "mix", "mistral-small-3.2", "Mistral-Small-3.2")
         test_tools_dsml(args, sock)
-        test_tools_harmony_answer(args)
+        for case in SPELLED_CALLS:
+            test_tools_spelled_answer(args, *case)
 
         # SIGTERM in the middle of a stream: the stream ends with an error event, the server
         # exits 0 without generating the rest.
