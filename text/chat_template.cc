@@ -1640,8 +1640,12 @@ ChatTemplate::CallHold ChatTemplate::hold_for_calls(std::string_view pending, bo
       }
     }
   }
-  if (first != std::string_view::npos) return {first, true};
-  return {done ? pending.size() : pending.size() - opening, false};
+  if (done && first == std::string_view::npos) return {pending.size(), false};
+  // White space just before a call is not content (the parsers drop it): held with the call, or
+  // until what follows it says.
+  size_t ready = first != std::string_view::npos ? first : pending.size() - opening;
+  while (ready > 0 && std::isspace(static_cast<unsigned char>(pending[ready - 1]))) --ready;
+  return {ready, first != std::string_view::npos};
 }
 
 // gpt-oss's call, as the reasoning splitter leaves it in the content: a header naming

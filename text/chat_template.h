@@ -142,7 +142,8 @@ class ChatTemplate {
   // A stream's content while it looks for calls: of `pending` (content not sent yet), the first
   // `ready` bytes can go out; the rest is held, from the first marker (`call` true: held to the
   // answer's end, where parse_tool_calls says whether it is one) or, without one, the end that may
-  // be opening a marker. `done`: the answer is over, and nothing is held for a marker to come.
+  // be opening a marker, and the white space before either (which the parsers drop before a
+  // call). `done`: the answer is over, and nothing is held for a marker to come.
   struct CallHold {
     size_t ready = 0;
     bool call = false;

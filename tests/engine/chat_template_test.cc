@@ -515,10 +515,13 @@ TEST(ChatTemplateTools, StreamsHoldContentFromWhereACallMayOpen) {
   auto qwen3 = ChatTemplate::named("qwen3", "", "");
   ASSERT_TRUE(qwen3);
   EXPECT_TRUE(eq(qwen3->hold_for_calls("It is sunny.", false), {12, false}));
-  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool", false), {9, false}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool", false), {8, false}));
   EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool", true), {14, false}));  // over: all out
-  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool_call>\n{", false), {9, true}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking <tool_call>\n{", false), {8, true}));
   EXPECT_TRUE(eq(qwen3->hold_for_calls("a < b", false), {5, false}));
+  // White space before a call (or what may be one) waits with it.
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking.\n\n", false), {9, false}));
+  EXPECT_TRUE(eq(qwen3->hold_for_calls("Checking.\n\n", true), {11, false}));
   // gpt-oss: any header the splitter left in the content, wherever it starts.
   auto oss = ChatTemplate::named("gpt-oss", "", "");
   ASSERT_TRUE(oss);
@@ -526,10 +529,10 @@ TEST(ChatTemplateTools, StreamsHoldContentFromWhereACallMayOpen) {
   EXPECT_TRUE(eq(oss->hold_for_calls("<|channel|>commentary to=functions.f", false), {0, true}));
   EXPECT_TRUE(eq(oss->hold_for_calls(" to=functions.f<|channel|>", false), {0, true}));
   EXPECT_TRUE(eq(oss->hold_for_calls("I want to", false), {6, false}));  // " to" may open one
-  EXPECT_TRUE(eq(oss->hold_for_calls("Hi <|", false), {3, false}));
+  EXPECT_TRUE(eq(oss->hold_for_calls("Hi <|", false), {2, false}));
   auto nemo = ChatTemplate::named("mistral-nemo", "", "");
   ASSERT_TRUE(nemo);
-  EXPECT_TRUE(eq(nemo->hold_for_calls("Ok [TOOL_CA", false), {3, false}));
+  EXPECT_TRUE(eq(nemo->hold_for_calls("Ok [TOOL_CA", false), {2, false}));
   // No tool syntax: nothing held.
   EXPECT_TRUE(
       eq(ChatTemplate::named("chatml", "", "")->hold_for_calls("<tool", false), {5, false}));
