@@ -28,6 +28,7 @@
 #include "policy/policy.h"
 #include "trace/synth.h"
 #include "trace/trace.h"
+#include "tune/batch.h"
 #include "tune/replay.h"
 #include "tune/sweep.h"
 
@@ -136,6 +137,89 @@ int run_simulate(const SimulateOptions& o) {
           "{:>8} {:>9} {:>8} {:>8.1f}% {:>6.1f}% {:>12} {:>6.1f}% {:>6.1f}% {:>5} {:>6.1f}%\n",
           sizes[n], r->accesses, r->hits, 100 * r->hit_rate(), 100 * lru->hit_rate(), b.hits,
           100 * b.hit_rate(), 100 * goal, met ? "yes" : "no", 100 * st);
+    }
+  }
+  return 0;
+}
+
+struct BatchOptions {
+  std::vector<std::string> traces;
+  std::string streams = "1,2,4,8";
+  std::string cache_experts = "64,128";
+  std::string policy = "default";
+  uint32_t synth_tokens = 512;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
+// Sequences decoded together, offline (tune/batch.h): per stream count and cache size, the reads
+// per generated token through the policy and Belady's optimum, and the factor batching divides
+// them by against one stream.
+int run_batch(const BatchOptions& o) {
+  std::vector<Trace> traces;
+  std::string source;
+  for (const std::string& path : o.traces) {
+    auto t = expertd::load_trace(path);
+    if (!t) {
+      std::fprintf(stderr, "expert-tune batch: %s\n", t.error().message.c_str());
+      return 1;
+    }
+    traces.push_back(std::move(*t));
+    source += (source.empty() ? "" : " + ") + path;
+  }
+  if (traces.empty()) {
+    traces.push_back(
+        expertd::synthesize_trace(expertd::SynthParams::mixtral(o.synth_tokens), o.seed));
+    source = fmt::format("a generated Mixtral-shaped trace ({} tokens, seed {})", o.synth_tokens,
+                         o.seed);
+  }
+  std::vector<uint32_t> streams;
+  std::vector<uint32_t> sizes;
+  try {
+    streams = parse_list(o.streams);
+    sizes = parse_list(o.cache_experts);
+  } catch (...) {
+    std::fprintf(stderr,
+                 "expert-tune batch: --streams '%s' / --cache-experts '%s': expected N or "
+                 "N,N,...\n",
+                 o.streams.c_str(), o.cache_experts.c_str());
+    return 2;
+  }
+  const std::string policy(o.policy == "default" ? expertd::kDefaultPolicy : o.policy);
+  auto r = expertd::tune::simulate_batches(traces, streams, sizes, policy);
+  if (!r) {
+    std::fprintf(stderr, "expert-tune batch: %s\n", r.error().message.c_str());
+    return 2;
+  }
+  // The factor against one stream at the same capacity (when 1 is among the stream counts).
+  auto alone = [&](uint32_t capacity) -> const expertd::tune::BatchSimResult* {
+    for (const auto& x : *r)
+      if (x.streams == 1 && x.capacity == capacity) return &x;
+    return nullptr;
+  };
+  if (!o.json) {
+    fmt::print("{}; policy {}\n", source, policy);
+    fmt::print("{:>7} {:>6} {:>7} {:>11} {:>14} {:>13} {:>7} {:>14} {:>7}\n", "streams", "cache",
+               "tokens", "uses/token", "distinct/layer", "reads/token", "factor", "belady r/token",
+               "factor");
+  }
+  for (const auto& x : *r) {
+    const auto* one = alone(x.capacity);
+    const double f = one && x.misses ? one->misses_per_token() / x.misses_per_token() : 0.0;
+    const double fb =
+        one && x.belady_misses ? one->belady_misses_per_token() / x.belady_misses_per_token() : 0.0;
+    const double uses = x.tokens ? static_cast<double>(x.routed) / x.tokens : 0.0;
+    if (o.json) {
+      fmt::print(
+          "{{\"streams\":{},\"cache_experts\":{},\"policy\":\"{}\",\"steps\":{},\"tokens\":{},"
+          "\"uses_per_token\":{:.4f},\"distinct_per_layer\":{:.4f},\"reads_per_token\":{:.4f},"
+          "\"read_factor\":{:.4f},\"belady_reads_per_token\":{:.4f},\"belady_factor\":{:.4f}}}\n",
+          x.streams, x.capacity, policy, x.steps, x.tokens, uses, x.distinct_per_layer(),
+          x.misses_per_token(), f, x.belady_misses_per_token(), fb);
+    } else {
+      fmt::print("{:>7} {:>6} {:>7} {:>11.2f} {:>14.2f} {:>13.2f} {:>6.2f}x {:>14.2f} {:>6.2f}x\n",
+                 x.streams, x.capacity, x.tokens, uses, x.distinct_per_layer(),
+                 x.misses_per_token(), f, x.belady_misses_per_token(), fb);
     }
   }
   return 0;
@@ -359,6 +443,23 @@ int main(int argc, char** argv) {
   s->add_option("--seed", sim.seed, "Seed of the noisy hints (default 1)");
   s->add_flag("--json", sim.json, "One JSON object per capacity");
   s->callback([&] { run = [&] { return run_simulate(sim); }; });
+
+  BatchOptions bat;
+  auto* b = app.add_subcommand(
+      "batch",
+      "Offline (no daemon): N streams of a trace decoded together, each step reading the union of "
+      "its rows' experts through one cache; reads per token against one stream");
+  b->add_option("--trace", bat.traces,
+                "Trace(s): canonical JSON Lines or binary (.etrace), decoded one after another and "
+                "cut into the streams (default: a generated Mixtral-shaped trace)");
+  b->add_option("--streams", bat.streams, "Sequences decoded together: N or N,N,... (1,2,4,8)");
+  b->add_option("--cache-experts", bat.cache_experts, "Cache capacity in experts: N or N,N,...");
+  b->add_option("--policy", bat.policy, "default (cyclic-hint), cyclic-hint, cyclic, lru or fifo");
+  b->add_option("--synth-tokens", bat.synth_tokens,
+                "Tokens of the generated trace when no --trace is given (512)");
+  b->add_option("--seed", bat.seed, "Seed of the generated trace (1)");
+  b->add_flag("--json", bat.json, "One JSON object per (streams, cache)");
+  b->callback([&] { run = [&] { return run_batch(bat); }; });
 
   ReplayOptions rep;
   auto* r = app.add_subcommand("replay", "Replay a trace against a running expertd (real reads)");
