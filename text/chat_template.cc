@@ -20,8 +20,7 @@ namespace {
 
 constexpr std::string_view kKnown =
     "known: ChatML/Qwen3, DeepSeek-V3/V4, Mistral/Mixtral/Nemo/Small-3.2, Llama 3, GLM-4.5/4.6, "
-    "gpt-oss, "
-    "Kimi-K2";
+    "gpt-oss, Kimi-K2";
 
 // A family is recognised when its template contains every one of these fragments of the vendor
 // template (the expressions that decide the output for plain conversations) and none of `absent`.
@@ -217,6 +216,11 @@ std::string_view lstrip_nl(std::string_view s) {
 }
 std::string_view rstrip_nl(std::string_view s) {
   while (!s.empty() && s.back() == '\n') s.remove_suffix(1);
+  return s;
+}
+// The text before a call, as the parsers give it: less its trailing (ASCII) white space.
+std::string_view rstrip_space(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
   return s;
 }
 
@@ -1253,10 +1257,12 @@ Result<std::string> ChatTemplate::render(std::span<const ChatMessage> messages,
     }
   }
   if (tool_parts && !supports_tools()) {
-    return make_error(EINVAL,
-                      "chat template: tools, tool calls and tool messages are not "
-                      "supported with the " +
-                          family_ + " template yet (Qwen3, GLM-4.5, gpt-oss)");
+    return make_error(
+        EINVAL,
+        "chat template: tools, tool calls and tool messages are not "
+        "supported with the " +
+            family_ +
+            " template yet (Qwen3, GLM-4.5, gpt-oss, DeepSeek-V3.1/V4, Mistral-Nemo/Small-3.2)");
   }
   switch (kind_) {
     case Kind::kChatml:
@@ -1508,11 +1514,7 @@ static std::optional<ParsedToolCalls> parse_glm_calls(std::string_view answer) {
   const auto blocks = call_blocks(answer);
   if (!blocks || blocks->cut) return std::nullopt;
   ParsedToolCalls out;
-  std::string_view before = blocks->before;
-  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
-    before.remove_suffix(1);
-  }
-  out.content = std::string(before);
+  out.content = std::string(rstrip_space(blocks->before));
   for (const std::string_view body : blocks->bodies) {
     const size_t nl = body.find('\n');
     std::string_view name = body.substr(0, nl);
@@ -1728,7 +1730,7 @@ static std::optional<ParsedToolCalls> parse_dsml_calls(std::string_view answer) 
   const size_t list = answer.find(kList);
   if (list == std::string_view::npos) return std::nullopt;
   ParsedToolCalls out;
-  out.content = std::string(py_strip(answer.substr(0, list)));
+  out.content = std::string(rstrip_space(answer.substr(0, list)));
   std::string_view rest = answer.substr(list + kList.size());
   for (size_t at = rest.find(kInvoke); at != std::string_view::npos; at = rest.find(kInvoke)) {
     rest.remove_prefix(at + kInvoke.size());
@@ -1775,11 +1777,7 @@ static std::optional<ParsedToolCalls> parse_mistral_calls(std::string_view answe
   if (list.is_object()) list = ojson::array({std::move(list)});
   if (!list.is_array() || list.empty()) return std::nullopt;
   ParsedToolCalls out;
-  std::string_view before = answer.substr(0, at);
-  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
-    before.remove_suffix(1);
-  }
-  out.content = std::string(before);
+  out.content = std::string(rstrip_space(answer.substr(0, at)));
   for (const ojson& call : list) {
     const ojson* name = member(call, "name");
     if (name == nullptr || !name->is_string()) return std::nullopt;
@@ -1798,11 +1796,7 @@ static std::optional<ParsedToolCalls> parse_mistral_small_calls(std::string_view
   size_t at = answer.find(kCalls);
   if (at == std::string_view::npos) return std::nullopt;
   ParsedToolCalls out;
-  std::string_view before = answer.substr(0, at);
-  while (!before.empty() && std::isspace(static_cast<unsigned char>(before.back()))) {
-    before.remove_suffix(1);
-  }
-  out.content = std::string(before);
+  out.content = std::string(rstrip_space(answer.substr(0, at)));
   while (at != std::string_view::npos) {
     const size_t args = answer.find(kArgs, at);
     if (args == std::string_view::npos) return std::nullopt;
