@@ -216,6 +216,7 @@ int run_batch(const BatchRun& b) {
   // The first sequences (in the file's order) with a token pending, as many as the width allows.
   BatchWidth width(n);
   uint32_t narrowest = n;
+  std::vector<uint64_t> at_width(n + 1, 0);  // steps of each width
   // Counted here: an engine of one sequence decodes its step with decode(), outside batch_rows.
   uint64_t steps = 0;
   uint64_t rows_fed = 0;
@@ -230,12 +231,15 @@ int run_batch(const BatchRun& b) {
     }
     if (rows.empty()) break;
     const uint64_t acquired = engine.stats().batch_experts;
+    const uint64_t step0 = monotonic_ns();
     if (auto st = engine.decode_batch(rows, logits); !st) return fail(st.error().message);
     ++steps;
     rows_fed += rows.size();
+    ++at_width[rows.size()];
     if (!b.fixed_width) {
       width.observe(static_cast<uint32_t>(rows.size()), engine.stats().batch_experts - acquired,
                     engine.stats().tiers_capacity);
+      width.observe_time(static_cast<uint32_t>(rows.size()), monotonic_ns() - step0);
       narrowest = std::min(narrowest, width.width());
     }
     for (size_t r = 0; r < rows.size(); ++r) {
@@ -281,6 +285,7 @@ int run_batch(const BatchRun& b) {
         {"tiers_capacity", st.tiers_capacity},
         {"width_adaptive", !b.fixed_width},
         {"width_narrowest", narrowest},
+        {"steps_by_width", std::vector<uint64_t>(at_width.begin() + 1, at_width.end())},
         {"stall_s", static_cast<double>(st.stall_ns - at_prompt.stall_ns) / 1e9},
         {"generated_tokens", generated},
         {"generated", gen},

@@ -326,6 +326,7 @@ std::optional<Error> Generator::decode_step() {
   }
   const uint32_t n_vocab = engine_->params().n_vocab;
   const uint64_t acquired = engine_->stats().batch_experts;
+  const uint64_t t0 = monotonic_ns();
   if (auto st = engine_->decode_batch(rows_, logits_); !st) {
     const Error e = st.error();
     for (const size_t i : slot_of_) fail(i, e);
@@ -333,6 +334,7 @@ std::optional<Error> Generator::decode_step() {
   }
   width_.observe(static_cast<uint32_t>(rows_.size()), engine_->stats().batch_experts - acquired,
                  engine_->stats().tiers_capacity);
+  width_.observe_time(static_cast<uint32_t>(rows_.size()), monotonic_ns() - t0);
   counters_.steps.fetch_add(1, std::memory_order_relaxed);
   counters_.rows.fetch_add(rows_.size(), std::memory_order_relaxed);
   for (size_t r = 0; r < rows_.size(); ++r) {
