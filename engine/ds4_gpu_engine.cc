@@ -878,17 +878,11 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
   // at once beyond the cache, they were read, evicted unused and read again).
   const bool exact_hints = !hash && n_needed > k;
   const uint64_t budget = experts->hint_budget();
-  uint32_t hinted = 0;  // exact[0, hinted) sent
+  size_t hinted = 0;  // exact[0, hinted) sent
   auto top_up = [&](uint32_t acquired) {
     if (!exact_hints) return;
-    const auto upto = static_cast<uint32_t>(std::min<uint64_t>(n_needed, acquired + budget));
-    if (upto <= hinted) return;
-    if (!experts->hint_source().prefetch(
-            std::span<const ExpertHint>(exact.data() + hinted, upto - hinted))) {
-      ++stats.hint_errors;
-    }
-    stats.prefill_hints += upto - hinted;
-    hinted = upto;
+    experts->hint_within(std::span<const ExpertHint>(exact.data(), n_needed), acquired, budget,
+                         hinted, stats);
   };
   if (exact_hints) {
     for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};

@@ -333,6 +333,9 @@ struct GpuEngine::Impl {
   // Hints at most `budget` of the experts layer `next` will route the chunk's rows to (chunk_moe,
   // before this layer's experts compute). Overwrites cxe, crl, d_routes and h_routes.
   Status hint_next_layer(uint32_t next, uint32_t rows, uint64_t budget);
+  // The chunk's rows of cx through `layer`'s FFN norm (into `normed`) and router: each row's top-k
+  // experts then weights in d_routes, the first `words` of them copied to h_routes, synchronised.
+  Status route_rows(uint32_t layer, uint32_t rows, float* normed, uint64_t words);
   Status moe(uint32_t layer);
   // One routed expert applied to one row: its weights, the row's normalised input, and where its
   // gate, up, SwiGLU and output go.
@@ -1198,20 +1201,25 @@ Status GpuEngine::Impl::gemm_bf16(const __nv_bfloat16* w, uint32_t out_cols, uin
   return Ok{};
 }
 
+Status GpuEngine::Impl::route_rows(uint32_t layer, uint32_t rows, float* normed, uint64_t words) {
+  const uint64_t rk = uint64_t{rows} * p.n_expert_used;
+  EXPERTD_CUDA_TRY(kernels::rms_norm(cx, layers[layer].ffn_norm, normed, rows, p.n_embd, p.rms_eps,
+                                     compute.get()));
+  EXPERTD_TRY(gemm(layers[layer].router, p.n_expert, p.n_embd, normed, rows, crl, 0.0f));
+  EXPERTD_CUDA_TRY(kernels::router_topk(crl, rows, p.n_expert, p.n_expert_used, p.norm_topk,
+                                        d_routes, reinterpret_cast<float*>(d_routes + rk), nullptr,
+                                        compute.get()));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(h_routes, d_routes, words * 4, cudaMemcpyDeviceToHost, compute.get()));
+  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
+  return Ok{};
+}
+
 Status GpuEngine::Impl::hint_next_layer(uint32_t next, uint32_t rows, uint64_t budget) {
   // decode's lookahead over the chunk: the next layer's router on this layer's residual through
   // the next layer's norm, each row's top-k; the distinct experts, those most rows want first.
-  const uint32_t k = p.n_expert_used;
-  const uint64_t rk = uint64_t{rows} * k;
-  EXPERTD_CUDA_TRY(
-      kernels::rms_norm(cx, layers[next].ffn_norm, cxe, rows, p.n_embd, p.rms_eps, compute.get()));
-  EXPERTD_TRY(gemm(layers[next].router, p.n_expert, p.n_embd, cxe, rows, crl, 0.0f));
-  EXPERTD_CUDA_TRY(kernels::router_topk(crl, rows, p.n_expert, k, p.norm_topk, d_routes,
-                                        reinterpret_cast<float*>(d_routes + rk), nullptr,
-                                        compute.get()));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_routes, d_routes, rk * 4, cudaMemcpyDeviceToHost, compute.get()));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
+  const uint64_t rk = uint64_t{rows} * p.n_expert_used;
+  EXPERTD_TRY(route_rows(next, rows, cxe, rk));
   std::fill(next_rows.begin(), next_rows.end(), 0u);
   for (uint64_t i = 0; i < rk; ++i) {
     if (h_routes[i] < p.n_expert) ++next_rows[h_routes[i]];
@@ -1319,16 +1327,8 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   const uint32_t k = p.n_expert_used;
   const uint64_t rk = uint64_t{rows} * k;
   const uint32_t pos0 = pos;
-  EXPERTD_CUDA_TRY(
-      kernels::rms_norm(cx, layers[layer].ffn_norm, cxn, rows, p.n_embd, p.rms_eps, compute.get()));
-  EXPERTD_TRY(gemm(layers[layer].router, p.n_expert, p.n_embd, cxn, rows, crl, 0.0f));
-  EXPERTD_CUDA_TRY(kernels::router_topk(crl, rows, p.n_expert, k, p.norm_topk, d_routes,
-                                        reinterpret_cast<float*>(d_routes + rk), nullptr,
-                                        compute.get()));
-  // The chunk's routes: one copy, one sync per layer.
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(h_routes, d_routes, rk * 2 * 4, cudaMemcpyDeviceToHost, compute.get()));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
+  // The chunk's routes (experts and weights): one copy, one sync per layer.
+  EXPERTD_TRY(route_rows(layer, rows, cxn, rk * 2));
   EXPERTD_TRY(experts->release_demand_holds());
   EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
   EXPERTD_TRY(experts->account_copy_time());
@@ -1395,15 +1395,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   const uint64_t budget = experts->hint_budget();
   size_t hinted = 0;  // needed_hints[0, hinted) sent
   auto top_up = [&](size_t acquired) {
-    const size_t upto = static_cast<size_t>(
-        std::min<uint64_t>(needed_hints.size(), acquired + std::min<uint64_t>(budget, UINT32_MAX)));
-    if (upto <= hinted) return;
-    if (!experts->hint_source().prefetch(
-            std::span<const ExpertHint>(needed_hints.data() + hinted, upto - hinted))) {
-      ++stats.hint_errors;
-    }
-    stats.prefill_hints += upto - hinted;
-    hinted = upto;
+    experts->hint_within(needed_hints, acquired, budget, hinted, stats);
   };
   top_up(0);
   stats.prefill_hints_held += needed_hints.size() - hinted;

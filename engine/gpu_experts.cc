@@ -318,6 +318,16 @@ Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const 
   return Ok{};
 }
 
+void GpuExperts::hint_within(std::span<const ExpertHint> hints, size_t acquired, uint64_t budget,
+                             size_t& sent, EngineStats& stats) {
+  const uint64_t room = std::min<uint64_t>(budget, hints.size());
+  const auto upto = static_cast<size_t>(std::min<uint64_t>(hints.size(), acquired + room));
+  if (upto <= sent) return;
+  if (!hints_.prefetch(hints.subspan(sent, upto - sent))) ++stats.hint_errors;
+  stats.prefill_hints += upto - sent;
+  sent = upto;
+}
+
 uint64_t GpuExperts::hint_budget() const {
   const uint32_t slots = source_.host_resident(p_.n_expert, {});
   if (slots == 0) return UINT64_MAX;

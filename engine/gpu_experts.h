@@ -311,6 +311,11 @@ class GpuExperts {
   // again (DeepSeek-V4's prefill read 1.8x its experts' bytes for that).
   static constexpr double kHintFill = 0.85;
   uint64_t hint_budget() const;
+  // A prefill layer's exact hints kept within `budget` outstanding: hints[sent, acquired + budget)
+  // sent now through hint_source() (the first call with acquired 0, then one after each group's
+  // acquires), `sent` and stats.prefill_hints advanced.
+  void hint_within(std::span<const ExpertHint> hints, size_t acquired, uint64_t budget,
+                   size_t& sent, EngineStats& stats);
 
   const LayerShape& shape(uint32_t layer) const { return shapes_[layer]; }
   bool has_tier() const { return tier_ != nullptr; }
