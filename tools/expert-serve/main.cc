@@ -1081,8 +1081,8 @@ Result<std::shared_ptr<Backend>> build_backend(const Options& server, const std:
   eo.prefill_chunk = o.prefill_chunk;
   // --parallel sequences where the engine batches them (the registry says which), else one.
   eo.sequences = o.parallel;
-  auto created =
-      create_engine(*b->model, *b->source, EngineSetup{eo, o.vram_experts, false, ""}, device);
+  auto created = create_engine(*b->model, *b->source,
+                               EngineSetup{eo, o.vram_experts, false, "", o.prefill_gemm}, device);
   if (!created) return created.take_error();
   if (!created->sequences_note.empty()) {
     spdlog::info("--parallel {}: {}", o.parallel, created->sequences_note);
