@@ -461,11 +461,11 @@ class Service {
     if (!chat_ || !chat_->supports_tools()) {
       return api_error(
           400,
-          fmt::format(
-              "tools: the {} chat template has no tool syntax here yet (Qwen3, "
-              "GLM-4.5, gpt-oss, DeepSeek-V3.1/V4, Mistral-Nemo/Small-3.2); send tool_choice "
-              "\"none\" to ignore them",
-              chat_ ? chat_->family() : std::string("model's")),
+          fmt::format("tools: the {} chat template has no tool syntax here yet (Qwen3, "
+                      "GLM-4.5, the harmony format, DeepSeek-V3.1/V4, Mistral-Nemo/Small-3.2); "
+                      "send tool_choice "
+                      "\"none\" to ignore them",
+                      chat_ ? chat_->family() : std::string("model's")),
           "tools");
     }
     const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(req.body);
