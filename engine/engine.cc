@@ -62,6 +62,7 @@ HintPlanner::HintPlanner(const ModelParams& p, const EngineOptions& o)
       hinted_(uint64_t{p.n_layer} * p.n_expert),
       predicted_(uint64_t{o.prefetch_depth} * p.n_layer * p.n_expert),
       predicted_counts_(o.prefetch_depth),
+      pending_at_(uint64_t{p.n_layer} * p.n_expert),
       order_(p.n_expert) {
   pending_.reserve(uint64_t{depth_} * std::max(width_, p.n_expert_used) + p.n_expert);
 }
@@ -83,10 +84,21 @@ void HintPlanner::add(uint32_t next, uint32_t expert, float score) {
       ++predicted_counts_[depth - 1];
     }
   }
-  uint8_t& mark = hinted_[uint64_t{next} * n_expert_ + expert];
-  if (mark != 0) return;
+  const uint64_t key = uint64_t{next} * n_expert_ + expert;
+  uint8_t& mark = hinted_[key];
+  if (mark != 0) {
+    // Wanted again by another row of the same step or chunk while its hint is still pending: the
+    // chance that at least one of them routes to it, so an expert several rows want comes first.
+    const uint32_t at = pending_at_[key];
+    if (at != 0 && at <= pending_.size()) {
+      ExpertHint& h = pending_[at - 1];
+      if (h.layer == next && h.expert == expert) h.score = 1.0f - (1.0f - h.score) * (1.0f - score);
+    }
+    return;
+  }
   mark = static_cast<uint8_t>(std::min<uint32_t>(next - current_, 255));
   pending_.push_back(ExpertHint{next, expert, score});
+  pending_at_[key] = static_cast<uint32_t>(pending_.size());
 }
 
 bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,

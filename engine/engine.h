@@ -270,6 +270,7 @@ class HintPlanner {
   std::vector<uint8_t> predicted_;  // [depth - 1][layer][expert]: predicted from depth back
   std::vector<uint64_t> predicted_counts_;  // [depth - 1]: predictions not yet in the stats
   std::vector<ExpertHint> pending_;
+  std::vector<uint32_t> pending_at_;  // [layer][expert]: 1 + its index in pending_ when added
   std::vector<uint32_t> order_;
 };
 

@@ -192,5 +192,48 @@ TEST(CpuOps, RopeNeoxRotatesHalves) {
   }
 }
 
+// Several rows of one step (or prefill chunk) hinting the same expert make one hint whose score
+// is the chance that at least one of them routes to it (issue 25: the step's hints scored by how
+// many rows want each expert); an expert hinted at an earlier layer is not hinted again, and its
+// score does not change once its hints were routed past.
+TEST(HintPlanner, RowsWantingTheSameExpertMakeOneHintScoredByAllOfThem) {
+  ModelParams p;
+  p.n_layer = 4;
+  p.n_expert = 8;
+  p.n_expert_used = 2;
+  EngineOptions o{16, 2, 0};
+  HintPlanner planner(p, o);
+  EngineStats stats;
+  planner.begin_token();
+  planner.from_layer(0);
+  const std::vector<float> row_a = {0.5f, 0.3f, 0.1f, 0.05f, 0.05f, 0.0f, 0.0f, 0.0f};
+  const std::vector<float> row_b = {0.5f, 0.0f, 0.4f, 0.1f, 0.0f, 0.0f, 0.0f, 0.0f};
+  planner.add_ranked(1, std::span<const float>(row_a));  // experts 0 (0.5) and 1 (0.3)
+  planner.add_ranked(1, std::span<const float>(row_b));  // experts 0 (0.5) and 2 (0.4)
+  const auto hints = planner.take(stats);
+  ASSERT_EQ(hints.size(), 3u);
+  EXPECT_EQ(hints[0].expert, 0u);
+  EXPECT_FLOAT_EQ(hints[0].score, 0.75f) << "1 - (1 - 0.5)(1 - 0.5)";
+  EXPECT_EQ(hints[1].expert, 1u);
+  EXPECT_FLOAT_EQ(hints[1].score, 0.3f);
+  EXPECT_EQ(hints[2].expert, 2u);
+  EXPECT_FLOAT_EQ(hints[2].score, 0.4f);
+  EXPECT_EQ(stats.hints_sent, 3u);
+  // Layer 0 routed: the pending hints are gone; layer 1's view of layer 2 adds only new experts.
+  const std::vector<uint32_t> routed = {0, 1};
+  planner.routed(0, routed, stats, nullptr);
+  planner.from_layer(1);
+  planner.add_ranked(2, std::span<const float>(row_a));
+  planner.add_ranked(2, std::span<const float>(row_a));
+  const auto next = planner.take(stats);
+  ASSERT_EQ(next.size(), 2u);
+  EXPECT_FLOAT_EQ(next[0].score, 0.75f);
+  EXPECT_FLOAT_EQ(next[1].score, 1.0f - 0.7f * 0.7f);
+  // Layer 1's experts were hinted from layer 0: hinting them again from layer 1 adds nothing.
+  planner.add_ranked(1, std::span<const float>(row_b));
+  EXPECT_EQ(planner.take(stats).size(), 2u);
+  for (const ExpertHint& h : planner.take(stats)) EXPECT_LE(h.score, 1.0f);
+}
+
 }  // namespace
 }  // namespace expertd::engine
