@@ -495,21 +495,10 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     // The routed experts grouped by expert, each applied to all its rows as GEMMs; then each row's
     // shared expert and its weighted sum, as decode()'s run_sigmoid_moe ends.
-    EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
-                                         std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
-                                         cxn, ce, ptrs, p, rows_scratch, ceo, stats, st));
-    const bool shared = l.moe.shexp_gate.rows > 0;
-    for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * ce;
-      const float* rn = cxn + i * ce;
-      if (shared) {
-        EXPERTD_TRY(
-            gpu::run_mlp(l.moe.shexp_gate, l.moe.shexp_up, l.moe.shexp_down, rn, sg, su, sout, st));
-      }
-      EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * p.n_embd, cw + uint64_t{i} * k,
-                                            k, shared ? sout : nullptr, p.n_embd, out, st));
-      EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
-    }
+    EXPERTD_TRY(gpu::run_sigmoid_moe_rows(
+        *experts, blas.get(), layer, n, std::span<const uint32_t>(csel.data(), uint64_t{n} * k), cw,
+        l.moe, p, cxn, cx, ce, ptrs, rows_scratch, ceo,
+        gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out, stats, st));
   }
   pos = pos0;
   xn = xn_scratch;

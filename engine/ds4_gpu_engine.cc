@@ -783,15 +783,8 @@ Status Ds4GpuEngine::Impl::init_prefill() {
 
 Status Ds4GpuEngine::Impl::gemm(const float* wt, uint32_t out_cols, uint32_t in_cols,
                                 const float* in, uint32_t rows, float* o) {
-  // o[rows][out_cols] = in[rows][in_cols] wt^T, wt row-major [out_cols][in_cols]: column-major,
-  // o^T = wt-as-stored^T in^T (as GpuEngine::Impl::gemm).
-  const float alpha = 1.0f;
-  const float beta = 0.0f;
-  EXPERTD_CUBLAS_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
-                                 static_cast<int>(rows), static_cast<int>(in_cols), &alpha, wt,
-                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta, o,
-                                 static_cast<int>(out_cols)));
-  return Ok{};
+  // o[rows][out_cols] = in[rows][in_cols] wt^T, wt row-major [out_cols][in_cols].
+  return gpu::sgemm_rows(blas.get(), wt, out_cols, in_cols, in, rows, o);
 }
 
 Status Ds4GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t i) {

@@ -1059,23 +1059,12 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
                                    needed_hints));
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     if (p.act != ExpertAct::ClampedSwiglu) {
-      // glm_ffn: the routed experts grouped by expert, each applied to all its rows as GEMMs;
-      // then each row's shared expert and its weighted sum, as run_sigmoid_moe ends.
-      EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
-                                           std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
-                                           cxn, ce, ptrs, p, rows_scratch, ceo, stats, st));
-      const bool shared = l.moe.shexp_gate.rows > 0;
-      for (uint32_t i = 0; i < n; ++i) {
-        const float* rn = cxn + i * ce;
-        if (shared) {
-          EXPERTD_TRY(gpu::run_mlp(l.moe.shexp_gate, l.moe.shexp_up, l.moe.shexp_down, rn, sg, su,
-                                   sout, st));
-        }
-        EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * p.n_embd,
-                                              crw + uint64_t{i} * k, k, shared ? sout : nullptr,
-                                              p.n_embd, mout, st));
-        EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, mout, p.n_embd, st));
-      }
+      // glm_ffn over the rows: the routed experts grouped by expert, each applied to all its rows
+      // as GEMMs; then each row's shared expert and its weighted sum.
+      EXPERTD_TRY(gpu::run_sigmoid_moe_rows(
+          *experts, blas.get(), layer, n, std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
+          crw, l.moe, p, cxn, cx, ce, ptrs, rows_scratch, ceo,
+          gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats, st));
       continue;
     }
     for (uint32_t i = 0; i < n; ++i) {
@@ -1263,14 +1252,7 @@ Status GpuEngine::Impl::expert_rows_bf16(const GpuExperts::LayerShape& sh, const
 
 Status GpuEngine::Impl::gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in,
                              uint32_t rows, float* out, float beta) {
-  // out[rows][out_cols] (= beta out +) in[rows][in_cols] w^T, w row-major [out_cols][in_cols]:
-  // column-major, out^T = w^T-as-stored^T in^T.
-  const float alpha = 1.0f;
-  EXPERTD_CUBLAS_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
-                                 static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
-                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta,
-                                 out, static_cast<int>(out_cols)));
-  return Ok{};
+  return gpu::sgemm_rows(blas.get(), w, out_cols, in_cols, in, rows, out, beta);
 }
 
 Status GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t rows) {

@@ -103,21 +103,16 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
   return Ok{};
 }
 
-namespace {
-
-// out[rows][out_cols] = in[rows][in_cols] w^T, w row-major [out_cols][in_cols] (GpuEngine's gemm).
 Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
-                  const float* in, uint32_t rows, float* out) {
+                  const float* in, uint32_t rows, float* out, float beta) {
+  // Column-major, out^T = w^T-as-stored^T in^T.
   const float alpha = 1.0f;
-  const float beta = 0.0f;
   EXPERTD_CUBLAS_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
                                  static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
                                  static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta,
                                  out, static_cast<int>(out_cols)));
   return Ok{};
 }
-
-}  // namespace
 
 Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
@@ -185,6 +180,29 @@ Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t la
     EXPERTD_TRY(experts.sync_compute());
   }
   stats.experts_used += s.needed.size();
+  return Ok{};
+}
+
+Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
+                            std::span<const uint32_t> routes, const float* weights,
+                            const DevSigmoidMoe& m, const ModelParams& p, const float* xn, float* x,
+                            uint64_t stride, std::span<ExpertPtrs> ptrs, RowsScratch& rows,
+                            float* eo, const SigmoidMoeScratch& s, float* y, EngineStats& stats,
+                            cudaStream_t st) {
+  EXPERTD_TRY(run_experts_by_rows(experts, blas, layer, n, routes, xn, stride, ptrs, p, rows, eo,
+                                  stats, st));
+  const uint32_t k = p.n_expert_used;
+  const bool shared = m.shexp_gate.rows > 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (shared) {
+      EXPERTD_TRY(
+          run_mlp(m.shexp_gate, m.shexp_up, m.shexp_down, xn + i * stride, s.g, s.u, s.shared, st));
+    }
+    EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(eo + uint64_t{i} * k * p.n_embd,
+                                          weights + uint64_t{i} * k, k, shared ? s.shared : nullptr,
+                                          p.n_embd, y, st));
+    EXPERTD_CUDA_TRY(kernels::add(x + i * stride, y, p.n_embd, st));
+  }
   return Ok{};
 }
 

@@ -442,5 +442,19 @@ Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t la
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
                            std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
                            float* eo, EngineStats& stats, cudaStream_t stream);
+// run_sigmoid_moe over a chunk's rows: the routed experts by run_experts_by_rows (into eo), then
+// per row its shared experts (s.g, s.u, s.shared) and the sum weighted by weights[r] (device,
+// [n][k]) into y, added to row r of x (x and xn rows `stride` floats apart), in decode's order.
+Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
+                            std::span<const uint32_t> routes, const float* weights,
+                            const DevSigmoidMoe& m, const ModelParams& p, const float* xn, float* x,
+                            uint64_t stride, std::span<ExpertPtrs> ptrs, RowsScratch& rows,
+                            float* eo, const SigmoidMoeScratch& s, float* y, EngineStats& stats,
+                            cudaStream_t stream);
+
+// out[rows][out_cols] (= beta out +) in[rows][in_cols] w^T, w row-major [out_cols][in_cols]: the
+// f32 cuBLAS GEMM every CUDA engine's prefill runs (the handle's math mode decides TF32: pedantic).
+Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
+                  const float* in, uint32_t rows, float* out, float beta = 0.0f);
 
 }  // namespace expertd::engine::gpu
