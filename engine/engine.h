@@ -124,6 +124,10 @@ struct EngineStats {
   // Routed experts the tier's policy did not admit (or found every slot pinned for): read in
   // place from the daemon's registered arena for that use, displacing nothing.
   uint64_t vram_streamed = 0;
+  // The tier filled when the engine was made (GpuOptions::preload): experts, bytes, time.
+  uint64_t vram_preloaded = 0;
+  uint64_t vram_preload_bytes = 0;
+  uint64_t vram_preload_ns = 0;
   // Both tiers after each decoded token: distinct experts held in VRAM or host memory (the
   // daemon's READY slots), summed over `tiers_samples`, and the sum of the tiers' capacities.
   uint64_t tiers_distinct_sum = 0;

@@ -73,4 +73,35 @@ class ExpertSource {
   }
 };
 
+// An ExpertSource that passes every call on to `inner`: a wrapper overrides only what it changes
+// (TierHintFilter its hints; a test its counting).
+class ForwardingSource : public ExpertSource {
+ public:
+  explicit ForwardingSource(ExpertSource& inner) : inner_(inner) {}
+  Status get(uint32_t layer, std::span<const uint32_t> experts,
+             std::span<ExpertView> out) override {
+    return inner_.get(layer, experts, out);
+  }
+  Status release(std::span<const ExpertView> views) override { return inner_.release(views); }
+  Status release_kept(std::span<const ExpertView> views) override {
+    return inner_.release_kept(views);
+  }
+  Status unkeep(uint32_t layer, uint32_t expert) override { return inner_.unkeep(layer, expert); }
+  Status prefetch(std::span<const ExpertHint> hints) override { return inner_.prefetch(hints); }
+  Status set_cursor(uint32_t token, uint32_t layer) override {
+    return inner_.set_cursor(token, layer);
+  }
+  std::span<const uint8_t> host_memory() const override { return inner_.host_memory(); }
+  void host_ready(uint32_t layer, std::span<const uint32_t> experts,
+                  std::span<uint8_t> out) const override {
+    inner_.host_ready(layer, experts, out);
+  }
+  uint32_t host_resident(uint32_t n_expert, std::span<uint8_t> out) const override {
+    return inner_.host_resident(n_expert, out);
+  }
+
+ protected:
+  ExpertSource& inner_;
+};
+
 }  // namespace expertd::engine

@@ -35,6 +35,7 @@
 // Not thread-safe.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -63,6 +64,14 @@ struct GpuOptions {
   // (docs/ENGINE.md "Prefill GEMMs").
   enum class PrefillGemm { F32, Bf16 };
   PrefillGemm prefill_gemm = PrefillGemm::F32;
+  // Fill the VRAM tier when the engine is created, as llama.cpp loads the experts of its GPU
+  // layers (-ngl, -ncmoe) at model load: whole layers' experts from the last MoE layer back, read
+  // through the source, until the tier is full (GpuExperts::preload; docs/ENGINE.md "Preloading
+  // the VRAM tier"). Off here, so an engine made in a test starts with an empty tier; expert-run
+  // and expert-serve turn it on unless told --no-vram-preload.
+  bool preload = false;
+  // Called after each layer preloaded: experts so far, of how many, and their bytes so far.
+  std::function<void(uint32_t experts, uint32_t of, uint64_t bytes)> preload_progress;
 };
 
 // --prefill-gemm: "f32" or "bf16". Errors name the flag and the value.

@@ -501,6 +501,79 @@ Status GpuExperts::init(const std::string& device_name) {
     host_resident_.resize(uint64_t{p_.n_layer} * p_.n_expert);
     hints_.set_tier(tier_.get(), uint64_t{p_.n_layer} * p_.n_expert);
   }
+  return preload();
+}
+
+Status GpuExperts::preload() {
+  if (!tier_ || !gpu_.preload) return Ok{};
+  const uint64_t t0 = monotonic_ns();
+  // Which experts: whole layers from the last MoE layer back while the free slots last (the
+  // earliest of them perhaps in part), then loaded from the earliest layer on.
+  struct Group {
+    uint32_t layer;
+    uint32_t count;
+  };
+  std::vector<Group> layers;
+  uint32_t room = tier_->capacity() - tier_->size();
+  uint32_t total = 0;
+  for (uint32_t l = p_.n_layer; l-- > 0 && room > 0;) {
+    if (!shapes_[l].present) continue;
+    const uint32_t n = std::min(room, p_.n_expert);
+    layers.push_back(Group{l, n});
+    room -= n;
+    total += n;
+  }
+  std::reverse(layers.begin(), layers.end());
+  const uint32_t k = p_.n_expert_used;
+  std::vector<ExpertView> views(k);
+  std::vector<uint32_t> ids;
+  ids.reserve(k);
+  uint32_t done = 0;
+  uint64_t bytes = 0;
+  for (const Group& g : layers) {
+    for (uint32_t e0 = 0; e0 < g.count; e0 += k) {
+      ids.clear();
+      for (uint32_t e = e0; e < std::min(g.count, e0 + k); ++e) {
+        if (!tier_->contains(g.layer, e)) ids.push_back(e);
+      }
+      if (ids.empty()) continue;
+      const std::span<ExpertView> held(views.data(), ids.size());
+      if (auto st = source_.get(g.layer, ids, held); !st) {
+        return make_error(st.error().code,
+                          fmt::format("preloading the VRAM tier (--no-vram-preload skips it): "
+                                      "layer {} experts {}..{}: {}",
+                                      g.layer, ids.front(), ids.back(), st.error().message));
+      }
+      const uint64_t copied = stats_.copy_bytes;
+      Status st = Ok{};
+      for (size_t i = 0; i < ids.size() && st; ++i) {
+        const uint32_t slot = tier_->insert(g.layer, ids[i], false, true);
+        if (slot == VramTier::kNone) {
+          st = make_error(EIO, fmt::format("preloading the VRAM tier: no free slot for layer {} "
+                                           "expert {}",
+                                           g.layer, ids[i]));
+          break;
+        }
+        st = copy_expert(held[i], slot, false);
+        if (!st) tier_->erase(slot);
+      }
+      // The copies read the daemon's slots: they complete before the holds go back.
+      const cudaError_t synced = cudaStreamSynchronize(copy_);
+      const uint64_t n_bytes = stats_.copy_bytes - copied;
+      stats_.copy_bytes = copied;
+      if (synced != cudaSuccess && st) {
+        st = cuda::cuda_error(synced, "cudaStreamSynchronize(copy)", __FILE__, __LINE__);
+      }
+      if (auto rel = source_.release_kept(held); !rel && st) st = std::move(rel);
+      if (!st) return st;
+      done += static_cast<uint32_t>(ids.size());
+      bytes += n_bytes;
+      stats_.vram_preloaded += ids.size();
+      stats_.vram_preload_bytes += n_bytes;
+    }
+    if (gpu_.preload_progress) gpu_.preload_progress(done, total, bytes);
+  }
+  stats_.vram_preload_ns += monotonic_ns() - t0;
   return Ok{};
 }
 
@@ -685,6 +758,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
   // Pins left by a layer that failed half-way (a successful one leaves none).
   for (const uint32_t slot : used_slots_) tier_->unpin(slot);
   used_slots_.clear();
+  if (tier_ && tier_->sweeping()) tier_->sweep_to(layer);
   if (!tier_) {
     const uint64_t t0 = monotonic_ns();
     EXPERTD_TRY(source_.get(layer, experts, std::span<ExpertView>(views_.data(), k)));

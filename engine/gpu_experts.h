@@ -203,37 +203,16 @@ Result<cuda::DeviceBytes> alloc_dense(uint64_t bytes, std::string_view what,
 // The engine's source as its hints should see it: prefetch() passes on only hints for experts the
 // VRAM tier lacks (a hint for a VRAM-resident expert would have the daemon read back from disk
 // the host copy it was allowed to drop); everything else goes straight to the source.
-class TierHintFilter final : public ExpertSource {
+class TierHintFilter final : public ForwardingSource {
  public:
-  explicit TierHintFilter(ExpertSource& inner) : inner_(inner) {}
+  explicit TierHintFilter(ExpertSource& inner) : ForwardingSource(inner) {}
   void set_tier(const VramTier* tier, size_t max_hints) {
     tier_ = tier;
     kept_.reserve(max_hints);
   }
-
-  Status get(uint32_t layer, std::span<const uint32_t> experts,
-             std::span<ExpertView> out) override {
-    return inner_.get(layer, experts, out);
-  }
-  Status release(std::span<const ExpertView> views) override { return inner_.release(views); }
-  Status release_kept(std::span<const ExpertView> views) override {
-    return inner_.release_kept(views);
-  }
   Status prefetch(std::span<const ExpertHint> hints) override;
-  Status set_cursor(uint32_t token, uint32_t layer) override {
-    return inner_.set_cursor(token, layer);
-  }
-  std::span<const uint8_t> host_memory() const override { return inner_.host_memory(); }
-  void host_ready(uint32_t layer, std::span<const uint32_t> experts,
-                  std::span<uint8_t> out) const override {
-    inner_.host_ready(layer, experts, out);
-  }
-  uint32_t host_resident(uint32_t n_expert, std::span<uint8_t> out) const override {
-    return inner_.host_resident(n_expert, out);
-  }
 
  private:
-  ExpertSource& inner_;
   const VramTier* tier_ = nullptr;
   std::vector<ExpertHint> kept_;
 };
@@ -265,8 +244,24 @@ class GpuExperts {
   GpuExperts& operator=(const GpuExperts&) = delete;
 
   // Registers the source's host memory, reads the experts' shapes and sizes the VRAM tier
-  // (errors name the cause: an unregistrable arena in place, a tier too small or too large).
+  // (errors name the cause: an unregistrable arena in place, a tier too small or too large), then
+  // preloads it when GpuOptions::preload says so.
   Status init(const std::string& device_name);
+  // Fills the VRAM tier's free slots (GpuOptions::preload): the experts of whole MoE layers, the
+  // last layer first (as llama.cpp's -ncmoe keeps its last layers' experts on the GPU), acquired
+  // from the source top-k at a time (within the session's reservation), copied in, and released
+  // as client copies (the VRAM copy is the one kept). No-op without a tier. Counted in
+  // stats.vram_preloaded, vram_preload_bytes and vram_preload_ns, not in the copy counters;
+  // GpuOptions::preload_progress is called after each layer. Errors name the layer and experts.
+  Status preload();
+  // A prefill chunk's sweep of the layers (VramTier::begin_sweep): while it runs, acquire(layer)
+  // advances it, and the tier's residents of later layers are not victims. Use TierSweep.
+  void begin_sweep() {
+    if (tier_) tier_->begin_sweep();
+  }
+  void end_sweep() {
+    if (tier_) tier_->end_sweep();
+  }
 
   // The device addresses of `experts` of `layer` (out[i] for experts[i]); the compute stream is
   // made to wait for any copy they need. Time in the source's get() is added to stats.stall_ns
@@ -379,6 +374,18 @@ class GpuExperts {
   std::vector<uint8_t> ready_flags_;
   std::vector<uint32_t> candidates_;
   std::vector<uint8_t> host_resident_;  // measure_tiers(): [layer][expert]
+};
+
+// The sweep of one prefill chunk over the layers, ended however the chunk ends.
+class TierSweep {
+ public:
+  explicit TierSweep(GpuExperts& experts) : experts_(experts) { experts_.begin_sweep(); }
+  ~TierSweep() { experts_.end_sweep(); }
+  TierSweep(const TierSweep&) = delete;
+  TierSweep& operator=(const TierSweep&) = delete;
+
+ private:
+  GpuExperts& experts_;
 };
 
 // The routed experts of one layer on `x` (n_embd): gate and up of each (batched when they share a

@@ -50,6 +50,8 @@ Result<CreatedEngine> create_engine(const DenseModel& model, ExpertSource& sourc
     gpu.coordinate = setup.coordinate;
     gpu.policy = setup.vram_policy;
     EXPERTD_TRY_ASSIGN(gpu.prefill_gemm, parse_prefill_gemm(setup.prefill_gemm));
+    gpu.preload = setup.vram_preload;
+    gpu.preload_progress = setup.preload_progress;
     EXPERTD_TRY_ASSIGN(out.engine, create_gpu_engine(model, source, setup.options, gpu));
     out.note = out.engine->description();
     return out;

@@ -4,6 +4,8 @@
 // and the engine itself over an ExpertSource, with as many sequences as it can hold.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -36,6 +38,10 @@ struct EngineSetup {
   bool coordinate = false;            // --tiers coordinated (CUDA)
   std::string vram_policy;            // --vram-policy (CUDA; empty: the default)
   std::string prefill_gemm = "f32";   // --prefill-gemm (CUDA): f32 or bf16
+  // Fill the VRAM tier at start, the last layers' experts (CUDA; GpuOptions::preload); off with
+  // --no-vram-preload. `preload_progress` (optional) hears of each layer loaded.
+  bool vram_preload = true;
+  std::function<void(uint32_t experts, uint32_t of, uint64_t bytes)> preload_progress;
 };
 
 struct CreatedEngine {

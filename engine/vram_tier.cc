@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace expertd::engine {
 
 Result<std::unique_ptr<VramTier>> VramTier::create(uint32_t slots, uint32_t layers,
@@ -50,7 +52,12 @@ uint32_t VramTier::insert(uint32_t layer, uint32_t expert, bool prefetched, bool
     ++used_;
     if (evicted != nullptr) *evicted = Entry{};
   } else {
-    const std::optional<uint32_t> v = policy_->victim(incoming, force);
+    std::optional<uint32_t> v = policy_->victim(incoming, force);
+    if (!v && force && sweeping_) {
+      // Only held slots left: the sweep's hold gives way to an expert that must be in VRAM.
+      end_sweep();
+      v = policy_->victim(incoming, force);
+    }
     if (!v) {
       // Every slot pinned, or not worth a slot: the caller streams it.
       if (!force) ++refusals_;
@@ -63,10 +70,11 @@ uint32_t VramTier::insert(uint32_t layer, uint32_t expert, bool prefetched, bool
     policy_->on_remove(slot);
     ++evictions_;
   }
-  entries_[slot] = Entry{layer, expert, 0, prefetched};
+  const bool held = sweeping_ && layer >= swept_;
+  entries_[slot] = Entry{layer, expert, 0, prefetched, held};
   where_[key(layer, expert)] = slot;
   policy_->on_insert(slot, incoming);
-  policy_->on_evictable(slot, true);
+  policy_->on_evictable(slot, !held);
   return slot;
 }
 
@@ -82,13 +90,49 @@ void VramTier::erase(uint32_t slot) {
 
 void VramTier::pin(uint32_t slot) {
   Entry& e = entries_[slot];
-  if (e.pins++ == 0 && e.layer != kNone) policy_->on_evictable(slot, false);
+  if (e.pins++ == 0 && e.layer != kNone && !e.held) policy_->on_evictable(slot, false);
 }
 
 void VramTier::unpin(uint32_t slot) {
   Entry& e = entries_[slot];
   if (e.pins == 0) return;
-  if (--e.pins == 0 && e.layer != kNone) policy_->on_evictable(slot, true);
+  if (--e.pins == 0 && e.layer != kNone && !e.held) policy_->on_evictable(slot, true);
+}
+
+void VramTier::begin_sweep() {
+  if (sweeping_) end_sweep();
+  sweeping_ = true;
+  swept_ = 0;
+  for (uint32_t s = 0; s < entries_.size(); ++s) {
+    Entry& e = entries_[s];
+    if (e.layer == kNone || e.held) continue;
+    e.held = true;
+    if (e.pins == 0) policy_->on_evictable(s, false);
+  }
+}
+
+void VramTier::release_hold(uint32_t slot) {
+  Entry& e = entries_[slot];
+  if (!e.held) return;
+  e.held = false;
+  if (e.pins == 0 && e.layer != kNone) policy_->on_evictable(slot, true);
+}
+
+void VramTier::sweep_to(uint32_t layer) {
+  if (!sweeping_) return;
+  const uint32_t upto = std::min(layer + 1, layers_);
+  for (; swept_ < upto; ++swept_) {
+    for (uint32_t x = 0; x < experts_; ++x) {
+      const uint32_t slot = where_[key(swept_, x)];
+      if (slot != kNone) release_hold(slot);
+    }
+  }
+}
+
+void VramTier::end_sweep() {
+  if (!sweeping_) return;
+  sweeping_ = false;
+  for (uint32_t s = 0; s < entries_.size(); ++s) release_hold(s);
 }
 
 uint32_t VramTier::distinct_with(std::span<const uint8_t> host) const {

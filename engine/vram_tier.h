@@ -13,7 +13,16 @@
 // A slot is pinned while the layer being computed uses it, so the victim of an insert is never an
 // expert that layer reads. Slots remember whether they were filled by a prefetch and not yet
 // used, to count useful VRAM prefetches. Invariants: where_ and entries_ agree; a slot is on the
-// free list iff it is empty; the policy is told a slot is evictable iff it is filled and unpinned.
+// free list iff it is empty; the policy is told a slot is evictable iff it is filled, unpinned and
+// not held by a sweep.
+//
+// A prefill chunk sweeps the layers once with many rows, which between them want most of every
+// layer's resident experts (a 512-row chunk of the Mixtral shape routes to 70% of them, of the
+// DeepSeek-V3 slice to all). So while a sweep runs (begin_sweep() .. end_sweep()), the residents of
+// the layers the chunk has not reached yet (after the one sweep_to() last named) are held: not
+// victims. Without this, a chunk's misses evict the experts its later layers would have found in
+// VRAM (those preloaded at start, or the last chunk's) and read them again from the daemon. Decode
+// does not sweep: one row wants only top-k of a later layer's residents, which the policy weighs.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +48,7 @@ class VramTier {
     uint32_t expert = kNone;
     uint32_t pins = 0;
     bool prefetched = false;  // filled ahead of its layer and not used since
+    bool held = false;        // a layer the sweep has not reached yet: not a victim
   };
 
   // A tier of `slots` over a model of `layers` x `experts` with the named policy (an Error naming
@@ -56,13 +66,23 @@ class VramTier {
   // Whether (layer, expert) is present; not an access.
   bool contains(uint32_t layer, uint32_t expert) const;
   // A slot for (layer, expert), which must be absent: an empty slot, else the policy's victim
-  // among the unpinned ones (whose expert is forgotten; *evicted gets it when given). kNone when
-  // every slot is pinned or the policy refuses to admit it (never with `force` while a slot is
-  // unpinned). The slot is left unpinned.
+  // among the unpinned ones not held by a sweep (whose expert is forgotten; *evicted gets it when
+  // given). kNone when every slot is pinned or held, or the policy refuses to admit it (never with
+  // `force` while a slot is unpinned). The slot is left unpinned.
   uint32_t insert(uint32_t layer, uint32_t expert, bool prefetched, bool force = false,
                   Entry* evicted = nullptr);
   // Forgets the expert in `slot` (a copy that failed); the slot is used first again.
   void erase(uint32_t slot);
+
+  // A prefill chunk's sweep of the layers (see the top of this file). begin_sweep() holds every
+  // resident; sweep_to(layer) releases the layers up to `layer` (the one now computed; a lower
+  // one than before changes nothing); end_sweep() releases the rest. An insert during a sweep is
+  // held when its layer is after the sweep's. A forced insert that finds only held slots ends the
+  // sweep rather than fail.
+  void begin_sweep();
+  void sweep_to(uint32_t layer);
+  void end_sweep();
+  bool sweeping() const { return sweeping_; }
 
   void pin(uint32_t slot);
   void unpin(uint32_t slot);  // extra unpins are harmless
@@ -82,6 +102,7 @@ class VramTier {
   uint64_t key(uint32_t layer, uint32_t expert) const {
     return uint64_t{layer} * experts_ + expert;
   }
+  void release_hold(uint32_t slot);
 
   uint32_t layers_;
   uint32_t experts_;
@@ -92,6 +113,8 @@ class VramTier {
   uint32_t used_ = 0;
   uint64_t evictions_ = 0;
   uint64_t refusals_ = 0;
+  bool sweeping_ = false;
+  uint32_t swept_ = 0;  // layers [0, swept_) are released during a sweep
 };
 
 }  // namespace expertd::engine

@@ -86,6 +86,9 @@
 #                     (expertd-d0-lN), so sweeps into one --out keep every run
 #   --prefill-gemm G  expert-run's --prefill-gemm (f32, its default, or bf16: the experts' prefill
 #                     GEMMs on tensor cores); bf16 names the expertd configs expertd-bf16
+#   --no-vram-preload expert-run starts with an empty VRAM tier (by default it fills the tier at
+#                     start with the last layers' experts, untimed, as llama.cpp's -ncmoe loads
+#                     its GPU layers' experts at model load); names the configs expertd-nopre
 #   --read SPEC       expertd's reads: QD (--queue-depth QD, whole slices), QD:CHUNK (--chunk CHUNK,
 #                     e.g. 32:4MiB) or probe (expertd probes the disk at start, its default);
 #                     default 32; other than 32 the expertd configs are named expertd-rSPEC
@@ -159,7 +162,7 @@ configs=expertd,feed-cuda-tier,cuda-tier
 streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead="" prefill_gemm=""
+read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead="" prefill_gemm="" no_preload=0
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -187,6 +190,7 @@ while [ $# -gt 0 ]; do
     --staging) need "$@"; staging=$2; shift ;;
     --lookahead) need "$@"; lookahead=$2; shift ;;
     --prefill-gemm) need "$@"; prefill_gemm=$2; shift ;;
+    --no-vram-preload) no_preload=1 ;;
     --margin) need "$@"; margin=$2; shift ;;
     --read) need "$@"; read_spec=$2; shift ;;
     --bin) need "$@"; bin=$2; shift ;;
@@ -452,6 +456,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
   fi
   if [ "$read_spec" != 32 ] && [[ $c == expertd* ]]; then eng_config+="-r${read_spec//:/-}"; fi
   if [ "$prefill_gemm" = bf16 ] && [[ $c == expertd* ]]; then eng_config+="-bf16"; fi
+  if [ $no_preload = 1 ] && [[ $c == expertd* ]] && [ $cpu_engine = 0 ]; then eng_config+="-nopre"; fi
   local id="$m-${cap}g-$eng_config"
   [ "$stream" = - ] || id+="-$stream"
   dense=$(dense_bytes)
@@ -504,6 +509,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
       fi
       [ -z "$lookahead" ] || cmd+=(--prefetch-depth "$lookahead")
       [ -z "$prefill_gemm" ] || cmd+=(--prefill-gemm "$prefill_gemm")
+      [ $no_preload = 0 ] || [ $cpu_engine = 1 ] || cmd+=(--no-vram-preload)
       what="expertd cache ${cache} MiB, staging $staging MiB, $([ $cpu_engine = 1 ] && echo "CPU engine" || echo "VRAM tier $V experts")"
       what+=", daemon prefetch depth $depth"
       what+=", engine router lookahead ${lookahead:-1} layer(s)"
@@ -511,7 +517,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
       fields+=(--field "cache_mib=$cache" --field "staging_mib=$staging" --field "daemon_depth=$depth"
         --field "lookahead=${lookahead:-1}" --field "read=$read_spec"
         --field "prefill_gemm=${prefill_gemm:-f32}")
-      [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V")
+      [ $cpu_engine = 1 ] || fields+=(--field "vram_experts=$V" --field "vram_preload=$((1 - no_preload))")
       ;;
     cuda-tier | cuda-all | cpu | feed-cuda-tier | feed-cuda-all | feed-cpu)
       local kind=cuda ncmoe=$L fed=0

@@ -13,8 +13,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +25,7 @@
 #include "engine/daemon_expert_source.h"
 #include "engine/gpu_engine.h"
 #include "expertd/client.h"
+#include "storage/slice_map.h"
 #include "testing/expertd_fixture.h"
 #include "tests/engine/fixture.h"
 
@@ -196,6 +200,130 @@ TEST(GpuPrefill, HintsStayWithinTheDaemonsSlots) {
     const std::string log = d.log();
     EXPECT_EQ(d.stop(), 0) << log;
   }
+}
+
+// The source expertd's experts come through, counting the experts get() asked for, by layer.
+class CountingSource final : public ForwardingSource {
+ public:
+  CountingSource(ExpertSource& inner, uint32_t layers) : ForwardingSource(inner), gets(layers, 0) {}
+  Status get(uint32_t layer, std::span<const uint32_t> experts,
+             std::span<ExpertView> out) override {
+    if (layer < gets.size()) gets[layer] += experts.size();
+    return inner_.get(layer, experts, out);
+  }
+  std::vector<uint64_t> gets;
+};
+
+// GpuOptions::preload fills the VRAM tier at creation with the experts of the last MoE layers, and
+// a prefill chunk finds them there: not one of them is asked of the daemon again, although the
+// chunk's misses of the earlier layers would have evicted them (the policy values experts never
+// used at nothing) but for the chunk's sweep (VramTier::begin_sweep). The logits are those of an
+// engine that started empty. Every CUDA engine: GpuEngine's chunked (qwen3moe, Mixtral) and
+// layer-by-layer (GLM-4.5, gpt-oss) prefills, Ds3GpuEngine, Ds4GpuEngine; the tiny fixtures
+// llama.cpp's converter wrote, served by a real expertd.
+TEST(GpuPrefill, APreloadedTierHoldsTheLastLayersAndTheChunkFindsThemThere) {
+  REQUIRE_GPU();
+  TempDir dir;
+  const std::pair<const char*, const char*> fixtures[] = {
+      {"qwen3moe-tiny", "q8_0"}, {"mixtral-tiny", "q8_0"},   {"glm4moe-tiny", "q8_0"},
+      {"gptoss-tiny", "mxfp4"},  {"deepseek3-tiny", "q8_0"}, {"deepseek4-tiny", "q8_0"},
+      {"kimi-k2-tiny", "q8_0"}};
+  std::vector<std::string> args;
+  for (const auto& [fx, variant] : fixtures) {
+    args.insert(
+        args.end(),
+        {"--model", fmt::format("{}={}", fx,
+                                test::fixture_path(fmt::format("{}/model-{}.gguf", fx, variant)))});
+  }
+  const std::string sock = dir.path() + "/expertd.sock";
+  args.insert(args.end(), {"--socket", sock, "--cache", "256MiB", "--no-mlock"});
+  Daemon d(dir.path(), args);
+  ASSERT_TRUE(d.start());
+  for (const auto& [fx, variant] : fixtures) {
+    SCOPED_TRACE(fx);
+    const std::string path = test::fixture_path(fmt::format("{}/model-{}.gguf", fx, variant));
+    auto model = DenseModel::load(path, DenseLoad::Deferred);
+    ASSERT_TRUE(model) << model.error().message;
+    const ModelParams& p = model->params();
+    const std::vector<uint32_t> prompt =
+        test::read_json(test::fixture_path(std::string(fx) + "/fixture.json"))
+            .at("tokens")
+            .get<std::vector<uint32_t>>();
+    auto map = SliceMap::build(model->gguf());
+    ASSERT_TRUE(map) << map.error().message;
+    ASSERT_GE(map->layers().size(), 2u);
+    // The last two MoE layers, whole.
+    const uint32_t last = map->layers().back().layer;
+    const uint32_t before_last = map->layers()[map->layers().size() - 2].layer;
+    const uint64_t slots = 2ull * p.n_expert;
+    std::vector<float> empty_start;
+    for (const bool preload : {false, true}) {
+      SCOPED_TRACE(preload ? "preloaded" : "empty at start");
+      auto client = client::Client::connect(sock);
+      ASSERT_TRUE(client) << client.error().message;
+      auto session = (*client)->attach(fx, "gpu_prefill_tests");
+      ASSERT_TRUE(session) << session.error().message;
+      auto daemon_source = DaemonExpertSource::create(**session, *model);
+      ASSERT_TRUE(daemon_source) << daemon_source.error().message;
+      CountingSource source(**daemon_source, p.n_layer);
+      EngineOptions o{static_cast<uint32_t>(prompt.size()) + 1, 1, 0};
+      o.prefill_chunk = 512;
+      GpuOptions g;
+      g.tier = GpuOptions::Tier::Experts;
+      g.value = slots;
+      g.preload = preload;
+      uint32_t progress_calls = 0;
+      g.preload_progress = [&](uint32_t experts, uint32_t of, uint64_t bytes) {
+        ++progress_calls;
+        EXPECT_LE(experts, of);
+        EXPECT_GT(bytes, 0u);
+      };
+      auto created = create_gpu_engine(*model, source, o, g);
+      ASSERT_TRUE(created) << created.error().message;
+      std::unique_ptr<Engine> engine = std::move(*created);
+      const EngineStats at_start = engine->stats();
+      uint64_t got_at_start = 0;
+      for (uint32_t l = 0; l < p.n_layer; ++l) {
+        got_at_start += source.gets[l];
+        if (preload && l != last && l != before_last) {
+          EXPECT_EQ(source.gets[l], 0u) << l;
+        }
+      }
+      if (preload) {
+        EXPECT_EQ(at_start.vram_preloaded, slots);
+        EXPECT_EQ(source.gets[last], p.n_expert);
+        EXPECT_EQ(source.gets[before_last], p.n_expert);
+        EXPECT_GT(at_start.vram_preload_bytes, 0u);
+        EXPECT_EQ(at_start.copy_bytes, 0u) << "a preload is not a copy of the decode's";
+        EXPECT_EQ(progress_calls, 2u) << "one call per layer";
+      } else {
+        EXPECT_EQ(got_at_start, 0u);
+        EXPECT_EQ(at_start.vram_preloaded, 0u);
+      }
+      std::fill(source.gets.begin(), source.gets.end(), 0);
+      std::vector<float> logits(p.n_vocab);
+      auto st = engine->prefill(prompt, logits);
+      ASSERT_TRUE(st) << st.error().message;
+      const uint64_t tail = source.gets[last] + source.gets[before_last];
+      if (preload) {
+        EXPECT_EQ(tail, 0u) << "every expert of the last two layers was found in VRAM";
+        EXPECT_GT(engine->stats().vram_hits, 0u);
+        ASSERT_EQ(empty_start.size(), logits.size());
+        EXPECT_LE(test::rel_err(logits.data(), empty_start.data(), p.n_vocab), 1e-6);
+      } else {
+        EXPECT_GT(tail, 0u) << "an empty tier asks the daemon for them";
+        empty_start = logits;
+      }
+      std::printf(
+          "[ %s, %s ] the last two layers' experts asked of the daemon in the prefill: "
+          "%llu\n",
+          fx, preload ? "preloaded" : "empty at start", static_cast<unsigned long long>(tail));
+      engine.reset();  // destroyed: every hold goes back
+      EXPECT_EQ((*session)->holds(), 0u) << "every hold is given back";
+    }
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
 }
 
 }  // namespace

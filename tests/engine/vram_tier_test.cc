@@ -255,6 +255,81 @@ TEST(VramTier, RefusedAdmissionDisplacesNothing) {
   EXPECT_EQ(t.insert(2, 2, false, true), VramTier::kNone) << "every slot pinned";
 }
 
+// A prefill chunk's sweep: the residents of layers it has not reached are not victims until it
+// reaches them, whatever the policy thinks of them; without the sweep the same misses evict them.
+TEST(VramTier, ASweepKeepsTheLayersItHasNotReached) {
+  for (const bool sweep : {false, true}) {
+    SCOPED_TRACE(sweep ? "sweeping" : "not sweeping");
+    const auto owned = tier(4, 4, 4, VramTier::kDefaultPolicy);
+    VramTier& t = *owned;
+    // Preloaded: the last two layers' first two experts, never used yet (worth nothing to the
+    // policy, so its first victims).
+    for (const uint32_t l : {2u, 3u}) {
+      for (const uint32_t e : {0u, 1u}) ASSERT_NE(t.insert(l, e, false), VramTier::kNone);
+    }
+    if (sweep) t.begin_sweep();
+    // Layer 0 of the chunk: two misses.
+    t.sweep_to(0);
+    for (const uint32_t e : {0u, 1u}) {
+      ASSERT_EQ(t.find(0, e), VramTier::kNone);
+      const uint32_t s = t.insert(0, e, false);
+      EXPECT_EQ(s == VramTier::kNone, sweep) << "expert " << e;
+    }
+    EXPECT_EQ(t.contains(2, 0) && t.contains(2, 1) && t.contains(3, 0) && t.contains(3, 1), sweep);
+    if (!sweep) continue;
+    EXPECT_EQ(t.refusals(), 2u);
+    EXPECT_EQ(t.evictions(), 0u);
+    // A prefetch for layer 1 (not reached yet) finds nothing to evict either.
+    EXPECT_EQ(t.insert(1, 3, true), VramTier::kNone);
+    // Layer 2: its residents are computed (pinned), then released; layer 3's stay held.
+    t.sweep_to(2);
+    const uint32_t a = t.find(2, 0);
+    const uint32_t b = t.find(2, 1);
+    ASSERT_NE(a, VramTier::kNone);
+    ASSERT_NE(b, VramTier::kNone);
+    t.pin(a);
+    t.pin(b);
+    EXPECT_EQ(t.insert(2, 2, false), VramTier::kNone) << "layer 2's are pinned, layer 3's held";
+    t.unpin(a);
+    t.unpin(b);
+    // Layer 3: its two residents are routed (found and pinned, as acquire() does before it
+    // inserts the misses), and the miss takes a slot of layer 2.
+    t.sweep_to(3);
+    t.pin(t.find(3, 0));
+    t.pin(t.find(3, 1));
+    VramTier::Entry evicted;
+    const uint32_t s = t.insert(3, 2, false, true, &evicted);
+    ASSERT_NE(s, VramTier::kNone);
+    EXPECT_EQ(evicted.layer, 2u);
+    EXPECT_TRUE(t.contains(3, 0) && t.contains(3, 1));
+    t.end_sweep();
+    EXPECT_FALSE(t.sweeping());
+  }
+}
+
+// An insert during a sweep for a layer ahead of it is held at once; a forced insert that finds
+// only held slots ends the sweep instead of failing.
+TEST(VramTier, ASweepHoldsWhatItPrefetchesAndGivesWayToAForcedInsert) {
+  const auto owned = tier(2, 4, 4, "lru");
+  VramTier& t = *owned;
+  t.begin_sweep();
+  t.sweep_to(0);
+  ASSERT_NE(t.insert(0, 0, false), VramTier::kNone);
+  ASSERT_NE(t.insert(1, 0, true), VramTier::kNone) << "a free slot";
+  // (0, 0) is released (layer 0 reached), (1, 0) held: lru's victim must be (0, 0).
+  VramTier::Entry evicted;
+  ASSERT_NE(t.insert(0, 1, false, false, &evicted), VramTier::kNone);
+  EXPECT_EQ(evicted.layer, 0u);
+  EXPECT_EQ(evicted.expert, 0u);
+  EXPECT_TRUE(t.contains(1, 0));
+  t.pin(t.find(0, 1));
+  EXPECT_EQ(t.insert(0, 2, false), VramTier::kNone) << "one pinned, one held";
+  EXPECT_TRUE(t.sweeping());
+  ASSERT_NE(t.insert(0, 2, false, true, &evicted), VramTier::kNone);
+  EXPECT_EQ(evicted.layer, 1u) << "the held slot gave way";
+  EXPECT_FALSE(t.sweeping());
+}
+
 TEST(VramTier, UnknownPolicyIsAnError) {
   auto t = VramTier::create(4, 2, 2, "mru");
   ASSERT_FALSE(t);

@@ -2,8 +2,12 @@
 // (engine/setup.h does the setup): one definition, one help text. Header-only (CLI11 is).
 #pragma once
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
 #include <string>
 
 #include "expertd/client.h"
@@ -22,6 +26,7 @@ struct EngineFlags {
   uint32_t prefetch_width = 0;
   uint32_t prefill_chunk = 512;
   std::string prefill_gemm = "f32";
+  bool no_vram_preload = false;
 };
 
 // `model_help`: what --model names for this tool.
@@ -50,6 +55,22 @@ inline void add_engine_flags(CLI::App& app, EngineFlags& f, const std::string& m
                  "decode computes) or bf16 (dequantised to bf16, tensor cores, f32 accumulation; "
                  "the softmax-routed families)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_flag("--no-vram-preload", f.no_vram_preload,
+               "Start the CUDA engine with an empty VRAM tier. By default the tier is filled at "
+               "start with the experts of the last layers (as llama.cpp loads the experts of its "
+               "GPU layers), read through expertd before the first prompt");
+}
+
+// The progress of filling the VRAM tier at start (EngineSetup::preload_progress): one line on
+// stderr, redrawn per layer, when stderr is a terminal and `quiet` is false; nothing otherwise.
+inline std::function<void(uint32_t, uint32_t, uint64_t)> preload_progress(const char* tool,
+                                                                          bool quiet) {
+  if (quiet || isatty(STDERR_FILENO) != 1) return {};
+  return [tool](uint32_t experts, uint32_t of, uint64_t bytes) {
+    std::fprintf(stderr, "\r%s: filling the VRAM tier: %u/%u experts, %.2f GiB", tool, experts, of,
+                 static_cast<double>(bytes) / (1ull << 30));
+    if (experts == of) std::fputc('\n', stderr);
+  };
 }
 
 }  // namespace expertd::tools

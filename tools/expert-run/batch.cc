@@ -165,9 +165,11 @@ int run_batch(const BatchRun& b) {
   eo.prefetch_width = b.flags.prefetch_width;
   eo.prefill_chunk = b.flags.prefill_chunk;
   eo.sequences = n;
-  auto created =
-      create_engine(*model, **source,
-                    EngineSetup{eo, b.flags.vram_experts, false, "", b.flags.prefill_gemm}, device);
+  auto created = create_engine(
+      *model, **source,
+      EngineSetup{eo, b.flags.vram_experts, false, "", b.flags.prefill_gemm,
+                  !b.flags.no_vram_preload, expertd::tools::preload_progress("expert-run", b.json)},
+      device);
   if (!created) return fail(created.error().message);
   Engine& engine = *created->engine;
   if (engine.sequences() < n) {

@@ -467,7 +467,8 @@ int run(Options o) {
 
   auto created = create_engine(
       *model, **source,
-      EngineSetup{eo, o.vram_experts, o.tiers == "coordinated", o.vram_policy, o.prefill_gemm},
+      EngineSetup{eo, o.vram_experts, o.tiers == "coordinated", o.vram_policy, o.prefill_gemm,
+                  !o.no_vram_preload, expertd::tools::preload_progress("expert-run", o.json)},
       device);
   if (!created) return fail(created.error());
   std::unique_ptr<Engine> engine = std::move(created->engine);
@@ -506,6 +507,14 @@ int run(Options o) {
   if (!o.json) {
     std::printf("expert-run: %s\n", engine_note.c_str());
     if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
+    if (const EngineStats& es = engine->stats(); es.vram_preloaded > 0) {
+      std::printf(
+          "expert-run: VRAM tier filled at start (not timed): %llu experts of the last "
+          "layers, %.2f GiB in %.1f s\n",
+          static_cast<unsigned long long>(es.vram_preloaded),
+          static_cast<double>(es.vram_preload_bytes) / (1ull << 30),
+          static_cast<double>(es.vram_preload_ns) / 1e9);
+    }
     std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s%s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
                 static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str(),
@@ -742,6 +751,9 @@ int run(Options o) {
           {"prefetch_used", s.vram_prefetch_used},
           {"streamed", s.vram_streamed},
           {"streamed_bytes", s.streamed_bytes},
+          {"preloaded", s.vram_preloaded},
+          {"preload_bytes", s.vram_preload_bytes},
+          {"preload_s", static_cast<double>(s.vram_preload_ns) / 1e9},
           {"sync_ms", static_cast<double>(s.sync_ns) / 1e6},
           {"copy_bytes", s.copy_bytes},
           {"demand_copy_bytes", s.demand_copy_bytes},

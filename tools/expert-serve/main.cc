@@ -1081,8 +1081,11 @@ Result<std::shared_ptr<Backend>> build_backend(const Options& server, const std:
   eo.prefill_chunk = o.prefill_chunk;
   // --parallel sequences where the engine batches them (the registry says which), else one.
   eo.sequences = o.parallel;
-  auto created = create_engine(*b->model, *b->source,
-                               EngineSetup{eo, o.vram_experts, false, "", o.prefill_gemm}, device);
+  auto created =
+      create_engine(*b->model, *b->source,
+                    EngineSetup{eo, o.vram_experts, false, "", o.prefill_gemm, !o.no_vram_preload,
+                                expertd::tools::preload_progress("expert-serve", false)},
+                    device);
   if (!created) return created.take_error();
   if (!created->sequences_note.empty()) {
     spdlog::info("--parallel {}: {}", o.parallel, created->sequences_note);
@@ -1094,6 +1097,11 @@ Result<std::shared_ptr<Backend>> build_backend(const Options& server, const std:
                b->model->deferred() ? " (read straight into VRAM)" : "");
   spdlog::info("engine: {}; context {} tokens per sequence, {} sequence{} at once", created->note,
                o.ctx, engine->sequences(), engine->sequences() == 1 ? "" : "s");
+  if (const EngineStats& es = engine->stats(); es.vram_preloaded > 0) {
+    spdlog::info("VRAM tier filled at start: {} experts of the last layers, {:.2f} GiB in {:.1f} s",
+                 es.vram_preloaded, static_cast<double>(es.vram_preload_bytes) / (1ull << 30),
+                 static_cast<double>(es.vram_preload_ns) / 1e9);
+  }
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
   }
