@@ -274,6 +274,11 @@ struct GpuEngine::Impl {
   std::vector<uint32_t> bsel;       // [row][k] the step's routes at the current layer
   std::vector<uint32_t> bgroup_of;  // [n_expert] a needed expert's index in `needed`
   std::vector<ExpertHint> bhints;   // the step's hints at the current layer, every row's
+  // decode_batch: route_and_hint() adds a row's candidates to the planner and leaves the rest
+  // (take, send, routed()) to the step, so an expert several rows want is hinted once, scored by
+  // all of them (HintPlanner: 1 - prod(1 - p)).
+  bool batch_hints = false;
+  std::vector<size_t> brec;  // [row] its routing record's index in routing_log, or SIZE_MAX
 
   // Per-layer scratch on the host.
   std::vector<uint32_t> selected;
@@ -727,6 +732,8 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
             layer + j, std::span<const float>(h_probs + uint64_t{j - 1} * p.n_expert, p.n_expert));
       }
     }
+  }
+  if (opts.prefetch_depth > 0 && !batch_hints) {
     const std::span<const ExpertHint> hints = planner.take(stats);
     last_hints.assign(hints.begin(), hints.end());
     if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
@@ -755,6 +762,10 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
   if (routing_log != nullptr) {
     routing_log->push_back(RoutingRecord{pos, layer, selected, weights, {}});
     rec = &routing_log->back();
+  }
+  if (batch_hints) {
+    brec.push_back(rec != nullptr ? routing_log->size() - 1 : SIZE_MAX);
+    return Ok{};  // the step takes the hints and counts the routes (decode_batch)
   }
   planner.routed(layer, selected, stats, rec);
   return Ok{};
@@ -1549,13 +1560,24 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
     planner.begin_token();  // one step: each (layer, expert) hinted once for all the rows
     for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
       if (!source.set_cursor(last, layer)) ++stats.hint_errors;
-      bhints.clear();
+      brec.clear();
       for (uint32_t i = 0; i < n; ++i) {
         use_row(i);
         EXPERTD_TRY(attention(layer));
         EXPERTD_TRY(route_and_hint(layer));
         std::copy(selected.begin(), selected.end(), bsel.begin() + uint64_t{i} * k);
-        bhints.insert(bhints.end(), last_hints.begin(), last_hints.end());
+      }
+      // Every row's candidates, once each, scored by all the rows: one message to the daemon.
+      bhints.clear();
+      if (opts.prefetch_depth > 0) {
+        const std::span<const ExpertHint> hints = planner.take(stats);
+        bhints.assign(hints.begin(), hints.end());
+        if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
+      }
+      for (uint32_t i = 0; i < n; ++i) {
+        const size_t r = brec[i];
+        planner.routed(layer, std::span<const uint32_t>(bsel.data() + uint64_t{i} * k, k), stats,
+                       r == SIZE_MAX ? nullptr : &(*routing_log)[r]);
       }
       EXPERTD_TRY(batch_moe(layer, n));
       for (uint32_t i = 0; i < n; ++i) {
@@ -1572,7 +1594,9 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
     }
     return experts->logits_to_host(d_blogits, h_blogits, logits.first(n * v));
   };
+  batch_hints = true;
   const Status done = forward();
+  batch_hints = false;
   x = x0;
   xn = xn0;
   d_weights = w0;

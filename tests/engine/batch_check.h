@@ -4,21 +4,35 @@
 // sequence decoded alone by an engine of one sequence, step after step; the selected sequence and
 // its position are unchanged; bad batches are refused naming the row. `grouped`: the engine
 // acquires each (layer, expert) once per step (EngineStats::batch_experts), so fewer experts than
-// the rows one by one.
+// the rows one by one, and sends each layer's lookahead hints for all the rows as one message
+// (ExpertSource::prefetch at most twice per layer and step, with the exact hints, not per row).
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/expert_source.h"
 #include "engine/model.h"
 #include "tests/engine/file_expert_source.h"
 
 namespace expertd::engine::test {
+
+// Counts the prefetch() calls that carry hints; everything else passes through.
+class PrefetchCounter final : public ForwardingSource {
+ public:
+  using ForwardingSource::ForwardingSource;
+  Status prefetch(std::span<const ExpertHint> hints) override {
+    if (!hints.empty()) ++calls;
+    return inner_.prefetch(hints);
+  }
+  uint64_t calls = 0;
+};
 
 using MakeEngine = std::function<Result<std::unique_ptr<Engine>>(const DenseModel&, ExpertSource&,
                                                                  const EngineOptions&)>;
@@ -30,12 +44,13 @@ inline void expect_batch_is_each_alone(const std::string& gguf, DenseLoad load,
   const uint32_t vocab = model->params().n_vocab;
   constexpr uint32_t kSeqs = 4;
   constexpr uint32_t kSteps = 6;
-  auto source = FileExpertSource::open(*model);
-  ASSERT_TRUE(source);
+  auto file_source = FileExpertSource::open(*model);
+  ASSERT_TRUE(file_source);
+  PrefetchCounter source(**file_source);
   EngineOptions o{32, 1, 0};
   o.prefill_chunk = 4;
   o.sequences = kSeqs;
-  auto made = make(*model, **source, o);
+  auto made = make(*model, source, o);
   ASSERT_TRUE(made) << made.error().message;
   Engine& eng = **made;
   ASSERT_EQ(eng.sequences(), kSeqs);
@@ -70,7 +85,9 @@ inline void expect_batch_is_each_alone(const std::string& gguf, DenseLoad load,
   ASSERT_TRUE(eng.select_sequence(1));
   const uint64_t before = eng.stats().batch_experts;
   const uint64_t rows_before = eng.stats().batch_rows;
+  const uint64_t prefetches_before = source.calls;
   uint64_t rows_fed = 0;
+  uint64_t steps_run = 0;
   std::vector<uint32_t> step(kSeqs, 0);
   // Step r: sequence 3 joins at step 1, sequence 0 leaves after step 3; the rest run throughout.
   for (uint32_t r = 0; r < kSteps + 2; ++r) {
@@ -83,6 +100,7 @@ inline void expect_batch_is_each_alone(const std::string& gguf, DenseLoad load,
     std::vector<float> out(rows.size() * vocab);
     ASSERT_TRUE(eng.decode_batch(rows, out));
     rows_fed += rows.size();
+    ++steps_run;
     for (size_t i = 0; i < rows.size(); ++i) {
       const uint32_t s = rows[i].sequence;
       const std::vector<float> got(out.begin() + static_cast<int64_t>(i * vocab),
@@ -101,6 +119,12 @@ inline void expect_batch_is_each_alone(const std::string& gguf, DenseLoad load,
     const uint64_t batched = eng.stats().batch_experts - before;
     EXPECT_GT(batched, 0u);
     EXPECT_LT(batched, alone_experts) << "rows sharing an expert share its acquire";
+    const uint64_t prefetches = source.calls - prefetches_before;
+    EXPECT_GT(prefetches, 0u);
+    // Per layer and step: the lookahead's message (every row's candidates in it) and, where the
+    // step needs more experts than one acquire takes, the layer's exact hints; never one per row.
+    EXPECT_LE(prefetches, 2 * steps_run * model->params().n_layer);
+    EXPECT_LT(prefetches, rows_fed * model->params().n_layer);
   }
   // Bad batches are refused naming the row.
   std::vector<float> out(2 * vocab);
