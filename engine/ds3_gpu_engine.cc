@@ -555,7 +555,7 @@ uint32_t Ds3GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
 
 Status Ds3GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
   // One pass over the layers: the tier keeps the residents of the layers it has not reached.
-  const gpu::TierSweep sweep(*impl_->experts);
+  const gpu::TierSweep sweep(*impl_->experts, tokens.size());
   return impl_->prefill_chunk(tokens, logits);
 }
 

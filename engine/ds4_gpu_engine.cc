@@ -961,7 +961,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
 Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
                                          std::span<float> logits) {
   // One pass over the layers: the tier keeps the residents of the layers it has not reached.
-  const gpu::TierSweep sweep(*experts);
+  const gpu::TierSweep sweep(*experts, tokens.size());
   const auto n = static_cast<uint32_t>(tokens.size());
   const cudaStream_t st = compute.get();
   const uint32_t hc = d.hc;

@@ -1752,7 +1752,7 @@ uint32_t GpuEngine::prefill_chunk_size() const { return impl_->chunk; }
 
 Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
   // One pass over the layers: the tier keeps the residents of the layers it has not reached.
-  const gpu::TierSweep sweep(*impl_->experts);
+  const gpu::TierSweep sweep(*impl_->experts, tokens.size());
   // glm4moe and gpt-oss (biases, dense layers, host routing, shared expert, sinks, windows):
   // decode()'s kernels layer by layer over the chunk, each expert read once per chunk.
   if (host_routed(impl_->p)) return impl_->prefill_layerwise(tokens, logits);

@@ -539,10 +539,12 @@ Status GpuExperts::preload() {
       if (ids.empty()) continue;
       const std::span<ExpertView> held(views.data(), ids.size());
       if (auto st = source_.get(g.layer, ids, held); !st) {
-        return make_error(st.error().code,
-                          fmt::format("preloading the VRAM tier (--no-vram-preload skips it): "
-                                      "layer {} experts {}..{}: {}",
-                                      g.layer, ids.front(), ids.back(), st.error().message));
+        // A head start, not a need: the engine runs with what is in (the description says why
+        // the rest is not), as it would with --no-vram-preload. Device errors below still fail.
+        preload_note_ = fmt::format("the preload stopped at layer {} experts {}..{}: {}", g.layer,
+                                    ids.front(), ids.back(), st.error().message);
+        stats_.vram_preload_ns += monotonic_ns() - t0;
+        return Ok{};
       }
       const uint64_t copied = stats_.copy_bytes;
       Status st = Ok{};
@@ -974,9 +976,13 @@ Status GpuExperts::account_copy_time() {
 
 std::string GpuExperts::description() const {
   if (!tier_) return "in-place experts (kernels read the daemon's pinned arena over PCIe)";
-  return fmt::format("VRAM expert tier of {} experts ({}, {} policy{})", slots(),
+  std::string filled;
+  if (stats_.vram_preloaded > 0)
+    filled = fmt::format(", {} filled at start", stats_.vram_preloaded);
+  if (!preload_note_.empty()) filled += fmt::format(" ({})", preload_note_);
+  return fmt::format("VRAM expert tier of {} experts ({}, {} policy{}{})", slots(),
                      gib(uint64_t{slots()} * slot_bytes_), tier_->policy_name(),
-                     gpu_.coordinate ? ", coordinated with the daemon" : "");
+                     gpu_.coordinate ? ", coordinated with the daemon" : "", filled);
 }
 
 }  // namespace expertd::engine::gpu

@@ -252,12 +252,17 @@ class GpuExperts {
   // from the source top-k at a time (within the session's reservation), copied in, and released
   // as client copies (the VRAM copy is the one kept). No-op without a tier. Counted in
   // stats.vram_preloaded, vram_preload_bytes and vram_preload_ns, not in the copy counters;
-  // GpuOptions::preload_progress is called after each layer. Errors name the layer and experts.
+  // GpuOptions::preload_progress is called after each layer. An expert the source refuses (a
+  // daemon out of slots, a read error) stops the preload there, not the engine: description()
+  // says where and why. A failed copy is an error.
   Status preload();
   // A prefill chunk's sweep of the layers (VramTier::begin_sweep): while it runs, acquire(layer)
-  // advances it, and the tier's residents of later layers are not victims. Use TierSweep.
-  void begin_sweep() {
-    if (tier_) tier_->begin_sweep();
+  // advances it, and the tier's residents of the layer computed and later ones are not victims.
+  // Only for a chunk whose rows between them route to about every expert of a layer (rows x
+  // top-k >= experts): one of few rows wants few of a later layer's residents, and the policy
+  // weighs those as in decode. Use TierSweep.
+  void begin_sweep(uint32_t rows) {
+    if (tier_ && uint64_t{rows} * p_.n_expert_used >= p_.n_expert) tier_->begin_sweep();
   }
   void end_sweep() {
     if (tier_) tier_->end_sweep();
@@ -354,6 +359,7 @@ class GpuExperts {
   uint8_t* dev_base_ = nullptr;
 
   std::unique_ptr<VramTier> tier_;
+  std::string preload_note_;  // why preload() stopped short, when it did
   TierHintFilter hints_;
   uint64_t slot_bytes_ = 0;
   std::vector<ExpertPtrs> slot_ptrs_;  // per slot: where the projections landed
@@ -379,7 +385,9 @@ class GpuExperts {
 // The sweep of one prefill chunk over the layers, ended however the chunk ends.
 class TierSweep {
  public:
-  explicit TierSweep(GpuExperts& experts) : experts_(experts) { experts_.begin_sweep(); }
+  TierSweep(GpuExperts& experts, size_t rows) : experts_(experts) {
+    experts_.begin_sweep(static_cast<uint32_t>(rows));
+  }
   ~TierSweep() { experts_.end_sweep(); }
   TierSweep(const TierSweep&) = delete;
   TierSweep& operator=(const TierSweep&) = delete;

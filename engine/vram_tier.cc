@@ -120,7 +120,7 @@ void VramTier::release_hold(uint32_t slot) {
 
 void VramTier::sweep_to(uint32_t layer) {
   if (!sweeping_) return;
-  const uint32_t upto = std::min(layer + 1, layers_);
+  const uint32_t upto = std::min(layer, layers_);
   for (; swept_ < upto; ++swept_) {
     for (uint32_t x = 0; x < experts_; ++x) {
       const uint32_t slot = where_[key(swept_, x)];

@@ -21,8 +21,10 @@
 // DeepSeek-V3 slice to all). So while a sweep runs (begin_sweep() .. end_sweep()), the residents of
 // the layers the chunk has not reached yet (after the one sweep_to() last named) are held: not
 // victims. Without this, a chunk's misses evict the experts its later layers would have found in
-// VRAM (those preloaded at start, or the last chunk's) and read them again from the daemon. Decode
-// does not sweep: one row wants only top-k of a later layer's residents, which the policy weighs.
+// VRAM (those preloaded at start, or the last chunk's) and read them again from the daemon. The
+// layer being computed stays held too, so one group's misses do not evict a resident the layer's
+// next group wants. Decode does not sweep: one row wants only top-k of a later layer's residents,
+// which the policy weighs.
 #pragma once
 
 #include <cstdint>
@@ -75,10 +77,10 @@ class VramTier {
   void erase(uint32_t slot);
 
   // A prefill chunk's sweep of the layers (see the top of this file). begin_sweep() holds every
-  // resident; sweep_to(layer) releases the layers up to `layer` (the one now computed; a lower
+  // resident; sweep_to(layer) releases the layers before `layer` (the one now computed; a lower
   // one than before changes nothing); end_sweep() releases the rest. An insert during a sweep is
-  // held when its layer is after the sweep's. A forced insert that finds only held slots ends the
-  // sweep rather than fail.
+  // held unless its layer is one the sweep has passed. A forced insert that finds only held slots
+  // ends the sweep rather than fail.
   void begin_sweep();
   void sweep_to(uint32_t layer);
   void end_sweep();
@@ -114,7 +116,7 @@ class VramTier {
   uint64_t evictions_ = 0;
   uint64_t refusals_ = 0;
   bool sweeping_ = false;
-  uint32_t swept_ = 0;  // layers [0, swept_) are released during a sweep
+  uint32_t swept_ = 0;  // layers [0, swept_) are passed (released) during a sweep
 };
 
 }  // namespace expertd::engine
