@@ -390,7 +390,7 @@ Status CpuEngine::rows_forward(uint32_t n, uint32_t last) {
   // layer, so hints for this pass's layers (layer 0's included) target this pass, not the next.
   planner_.begin_token();
   cursor_ = last;
-  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  start_prefill_cursor(source_, last, p_.n_layer, stats_);
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     prefill_attention(layer, n);
     prefill_hints(layer, n);

@@ -301,7 +301,7 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
   // starts at the position before's last layer so this chunk's hints target this pass.
   planner_.begin_token();
   const uint32_t last = pos_ + n - 1;
-  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  start_prefill_cursor(source_, last, p_.n_layer, stats_);
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds3LayerWeights& l = w_.layers[layer];
     planner_.from_layer(layer);

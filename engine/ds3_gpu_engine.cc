@@ -449,11 +449,13 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
   const cudaStream_t st = compute.get();
   const uint32_t pos0 = pos;
   float* const xn_scratch = xn;  // attention()'s normed input
+  // The daemon's cursor as GpuEngine's chunked prefill keeps it: the chunk's last position, each
+  // layer named once its exact hints are out (route_chunk), so they target this pass.
+  const uint32_t last = pos0 + n - 1;
+  start_prefill_cursor(source, last, p.n_layer, stats);
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = layer < d.dense_lead;
-    // The cursor at the chunk's first position, as GpuEngine's chunked prefill keeps it.
-    if (!source.set_cursor(pos0, layer)) ++stats.hint_errors;
     // Attention, position by position (each attends to the rows before it, written just now),
     // then the FFN norm of each row, as decode() computes them.
     for (uint32_t i = 0; i < n; ++i) {
@@ -482,6 +484,7 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     planner.from_layer(layer);
     if (dense) {
       planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+      if (!source.set_cursor(last, layer)) ++stats.hint_errors;
       continue;
     }
     // Every row's routing: one copy back, one sync.
@@ -492,6 +495,7 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
                                    experts->hint_budget(), planner, stats, experts->hint_source(),
                                    routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_cw, uint64_t{n} * k), needed, chunk_hints));
+    if (!source.set_cursor(last, layer)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     // The routed experts grouped by expert, each applied to all its rows as GEMMs; then each row's
     // shared expert and its weighted sum, as decode()'s run_sigmoid_moe ends.

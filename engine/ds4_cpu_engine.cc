@@ -696,7 +696,7 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
   // The chunk is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
   // last position and starts before layer 0, so the hints below target this pass.
   planner_.begin_token();
-  if (last > 0 && !source_.set_cursor(last - 1, p_.n_layer - 1)) ++stats_.hint_errors;
+  start_prefill_cursor(source_, last, p_.n_layer, stats_);
   const bool hash_hints = opts_.hash_hints && d_.hash_layers > 0;
   if (hash_hints) {
     hint_hash_layer(source_, w_, 0, p_.n_expert_used, tokens, hash_mark_, hash_hints_, stats_);

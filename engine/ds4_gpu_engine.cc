@@ -981,7 +981,7 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
   // The chunk is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
   // last position and starts before layer 0, so the hints below target this pass.
   planner.begin_token();
-  if (last > 0 && !source.set_cursor(last - 1, p.n_layer - 1)) ++stats.hint_errors;
+  start_prefill_cursor(source, last, p.n_layer, stats);
   const bool hash_hints_on = opts.hash_hints && d.hash_layers > 0;
   if (hash_hints_on) {
     hint_hash_layer(experts->hint_source(), w, 0, p.n_expert_used, tokens, hash_mark, hash_hints,

@@ -124,6 +124,11 @@ void finish_prefill_chunk(std::vector<RoutingRecord>* log, size_t first, uint32_
   ++stats.prefill_chunks;
 }
 
+void start_prefill_cursor(ExpertSource& source, uint32_t last, uint32_t n_layer,
+                          EngineStats& stats) {
+  if (last > 0 && !source.set_cursor(last - 1, n_layer - 1)) ++stats.hint_errors;
+}
+
 Status end_prefill_chunk(Status done, std::vector<RoutingRecord>* log, size_t first, uint32_t n,
                          uint32_t pos0, uint32_t& pos, EngineStats& stats) {
   if (!done) {

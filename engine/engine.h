@@ -289,6 +289,14 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
 bool take_scripted_route(const EngineOptions& o, uint32_t pos, uint32_t layer,
                          std::span<uint32_t> selected, std::span<float> weights,
                          EngineStats& stats);
+// The start of a prefill chunk, one pass over the layers whose last position is `last`: the
+// daemon's cursor at the position before's last layer, so hints for any layer of the pass target
+// this pass. Each layer then moves the cursor to (last, layer) once the layer's exact hints are
+// out, never before: a hint for the cursor's own layer (or an earlier one) is for the next token,
+// which no prefetch depth reaches, and the daemon would not read it ahead. (Nothing for a first
+// chunk of one position: before any cursor the daemon counts layer 0 as one layer ahead.)
+void start_prefill_cursor(ExpertSource& source, uint32_t last, uint32_t n_layer,
+                          EngineStats& stats);
 // The end of a prefill chunk of n positions: the records it logged layer by layer from `first`
 // on put in decode()'s token-major order (stable: a position's layers stay ascending; nothing
 // when log is null), and the positions counted (tokens, prefill_tokens, prefill_chunks).

@@ -1020,10 +1020,13 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
   const cudaStream_t st = compute.get();
   const uint32_t pos0 = pos;
   float* const xn_scratch = xn;
+  // The daemon's cursor as the chunked prefill keeps it: the chunk's last position, each layer
+  // named once its exact hints are out (route_chunk), so they target this pass.
+  const uint32_t last = pos0 + n - 1;
+  start_prefill_cursor(source, last, p.n_layer, stats);
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = p.dense_layer(layer);
-    if (!source.set_cursor(pos0, layer)) ++stats.hint_errors;
     // Each position's attention (it attends to the rows before it, written just now), its FFN
     // norm, and its dense MLP or router, with decode()'s kernels in decode()'s order.
     for (uint32_t i = 0; i < n; ++i) {
@@ -1057,6 +1060,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     planner.from_layer(layer);
     if (dense) {
       planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+      if (!source.set_cursor(last, layer)) ++stats.hint_errors;
       continue;
     }
     // Every row's routing: one copy back, one sync, then decided on the host as decode() does.
@@ -1068,6 +1072,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
                                    routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_crw, uint64_t{n} * k), cneeded,
                                    needed_hints));
+    if (!source.set_cursor(last, layer)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     if (p.act != ExpertAct::ClampedSwiglu) {
       // glm_ffn over the rows: the routed experts grouped by expert, each applied to all its rows
@@ -1396,6 +1401,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       budget > needed_hints.size()) {
     EXPERTD_TRY(hint_next_layer(layer + 1, rows, budget - needed_hints.size()));
   }
+  if (!source.set_cursor(pos0 + rows - 1, layer)) ++stats.hint_errors;
 
   // Acquired at most top-k at a time (what a daemon cache sized for decode can hold), each
   // applied to all its rows as GEMMs, the holds given back once their kernels are done.
@@ -1455,8 +1461,12 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
   EXPERTD_CUDA_TRY(kernels::gather_rows(embd, d_tokens, rows, p.n_embd, cx, compute.get()));
   planner.begin_token();
   if (routing_log != nullptr) chunk_log.assign(uint64_t{rows} * p.n_layer, RoutingRecord{});
+  // The chunk is one pass over the layers (as CpuEngine's): the daemon's cursor names the chunk's
+  // last position and starts before layer 0; chunk_moe moves it to each layer once the layer's
+  // exact hints are out, so they target this pass (a hint for the cursor's own layer is for the
+  // next token, beyond any prefetch depth, and the daemon would not read it ahead).
+  start_prefill_cursor(source, pos + rows - 1, p.n_layer, stats);
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
-    if (!source.set_cursor(pos, layer)) ++stats.hint_errors;
     EXPERTD_TRY(chunk_attention(layer, rows));
     EXPERTD_TRY(chunk_moe(layer, rows));
   }

@@ -202,6 +202,90 @@ TEST(GpuPrefill, HintsStayWithinTheDaemonsSlots) {
   }
 }
 
+// The daemon reads a prefill layer's experts ahead of their acquires: the layer's exact hints
+// are sent while the daemon's cursor is still before the layer (start_prefill_cursor), so a daemon
+// with a fixed prefetch depth of 1 loads them while the first groups are acquired and computed.
+// (Sent after the cursor named the layer, as the CUDA prefills did until 2026-12-04, a hint for
+// the cursor's own layer is for the next token, which no depth reaches: nothing was read ahead.)
+// No lookahead (depth 0), so every load comes from the exact hints. GpuEngine's chunked and
+// layer-by-layer prefills and Ds3GpuEngine's, in place, through a real expertd.
+TEST(GpuPrefill, TheDaemonReadsALayersExactHintsAhead) {
+  REQUIRE_GPU();
+  TempDir dir;
+  const std::string forged = expertd::test::forge(
+      dir.path(), "m",
+      "--layers 4 --experts 16 --top-k 2 --embd 512 --ff 768 --heads 8 --kv-heads 2 --head-dim 64 "
+      "--vocab 320 --expert-type q4_k --dense-type f32 --seed 9");
+  struct Case {
+    const char* name;
+    std::string path;
+    std::vector<uint32_t> prompt;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"m", forged, {}});
+  for (const char* fx : {"glm4moe-tiny", "deepseek3-tiny"}) {
+    cases.push_back({fx, test::fixture_path(std::string(fx) + "/model-q8_0.gguf"),
+                     test::read_json(test::fixture_path(std::string(fx) + "/fixture.json"))
+                         .at("tokens")
+                         .get<std::vector<uint32_t>>()});
+  }
+  std::vector<std::string> args;
+  for (const Case& c : cases)
+    args.insert(args.end(), {"--model", std::string(c.name) + "=" + c.path});
+  const std::string sock = dir.path() + "/expertd.sock";
+  args.insert(args.end(),
+              {"--socket", sock, "--cache", "128MiB", "--prefetch-depth", "1", "--no-mlock"});
+  Daemon d(dir.path(), args);
+  ASSERT_TRUE(d.start());
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto model = DenseModel::load(c.path, DenseLoad::Deferred);
+    ASSERT_TRUE(model) << model.error().message;
+    const ModelParams& p = model->params();
+    if (c.prompt.empty()) c.prompt = prompt_of(64, p.n_vocab);
+    auto client = client::Client::connect(sock);
+    ASSERT_TRUE(client) << client.error().message;
+    auto session = (*client)->attach(c.name, "gpu_prefill_tests");
+    ASSERT_TRUE(session) << session.error().message;
+    auto source = DaemonExpertSource::create(**session, *model);
+    ASSERT_TRUE(source) << source.error().message;
+    EngineOptions o{static_cast<uint32_t>(c.prompt.size()) + 1, 0, 0};
+    o.prefill_chunk = 512;
+    auto engine = create_gpu_engine(*model, **source, o, in_vram(0, GpuOptions::PrefillGemm::F32));
+    ASSERT_TRUE(engine) << engine.error().message;
+    auto counters = [&] {
+      auto st = (*client)->stats();
+      EXPECT_TRUE(st) << st.error().message;
+      client::SchedulerStats out;
+      if (!st) return out;
+      for (const auto& m : st->models) {
+        if (m.name == c.name) out = m.scheduler;
+      }
+      return out;
+    };
+    const client::SchedulerStats before = counters();
+    std::vector<float> logits(p.n_vocab);
+    auto done = (*engine)->prefill(c.prompt, logits);
+    ASSERT_TRUE(done) << done.error().message;
+    const client::SchedulerStats after = counters();
+    const EngineStats& s = (*engine)->stats();
+    const uint64_t loads = after.prefetch_loads - before.prefetch_loads;
+    const uint64_t useful = after.prefetch_useful - before.prefetch_useful;
+    std::printf("[ %s ] experts acquired %llu, exact hints %llu, read ahead %llu (useful %llu)\n",
+                c.name, static_cast<unsigned long long>(s.prefill_experts),
+                static_cast<unsigned long long>(s.prefill_hints),
+                static_cast<unsigned long long>(loads), static_cast<unsigned long long>(useful));
+    EXPECT_GT(s.prefill_hints, 0u);
+    EXPECT_GT(loads, 0u) << "the layers' exact hints were read ahead";
+    EXPECT_GT(useful, 0u);
+    EXPECT_EQ(s.prefill_lookahead_hints, 0u) << "no lookahead at depth 0";
+    engine->reset();
+    EXPECT_EQ((*session)->holds(), 0u);
+  }
+  const std::string log = d.log();
+  EXPECT_EQ(d.stop(), 0) << log;
+}
+
 // The source expertd's experts come through, counting the experts get() asked for, by layer.
 class CountingSource final : public ForwardingSource {
  public:
