@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "engine/cpu_engine.h"
@@ -322,6 +324,63 @@ TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
     ASSERT_TRUE(st) << st.error().message;
   }
   EXPECT_EQ(logits, expected);
+  const std::string log = daemon.log();
+  EXPECT_EQ(daemon.stop(), 0) << log;
+}
+
+// The cursor rule every prefill keeps (start_prefill_cursor, then each layer named only once its
+// exact hints are out), against a real expertd at prefetch depth 1: hints sent while the cursor is
+// before their layer are read ahead (layer 0's from the chunk's start, layer 1's with the cursor
+// on layer 0); the same kind of hints sent after the cursor named their layer are for the next
+// token, beyond the depth, and are never read (the CUDA prefills sent them so until 2026-12-04).
+TEST(PrefillCursor, ALayersHintsAreReadAheadOnlyBeforeTheCursorNamesTheLayer) {
+  TempDir dir;
+  const std::string path = expertd::test::forge(
+      dir.path(), "m",
+      "--layers 4 --experts 16 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
+      "--vocab 320 --expert-type q8_0 --seed 3");
+  const std::string socket = dir.path() + "/expertd.sock";
+  Daemon daemon(dir.path(), {"--model", "m=" + path, "--socket", socket, "--cache", "64MiB",
+                             "--prefetch-depth", "1", "--no-mlock"});
+  ASSERT_TRUE(daemon.start());
+  auto model = DenseModel::load(path);
+  ASSERT_TRUE(model) << model.error().message;
+  auto source = DaemonExpertSource::connect(socket, "m", *model, "prefill_test");
+  ASSERT_TRUE(source) << source.error().message;
+  ExpertSource& s = **source;
+  auto hints = [](uint32_t layer, uint32_t from, uint32_t count) {
+    std::vector<ExpertHint> h;
+    for (uint32_t e = from; e < from + count; ++e) h.push_back(ExpertHint{layer, e, 1.0f});
+    return h;
+  };
+  // The wrong order: layer 2 named, then its hints.
+  ASSERT_TRUE(s.set_cursor(10, 2));
+  ASSERT_TRUE(s.prefetch(hints(2, 0, 6)));
+  // The rule, for the next chunk (last position 20): layer 0's hints from the chunk's start, then
+  // layer 0 named, then layer 1's.
+  EngineStats stats;
+  start_prefill_cursor(s, 20, model->params().n_layer, stats);
+  EXPECT_EQ(stats.hint_errors, 0u);
+  ASSERT_TRUE(s.prefetch(hints(0, 0, 4)));
+  ASSERT_TRUE(s.set_cursor(20, 0));
+  ASSERT_TRUE(s.prefetch(hints(1, 0, 6)));
+  auto ready = [&](uint32_t layer, uint32_t count) {
+    std::vector<uint32_t> ids(count);
+    for (uint32_t e = 0; e < count; ++e) ids[e] = e;
+    std::vector<uint8_t> out(count);
+    s.host_ready(layer, ids, out);
+    return static_cast<uint32_t>(std::count(out.begin(), out.end(), uint8_t{1}));
+  };
+  for (int i = 0; i < 400 && (ready(0, 4) < 4 || ready(1, 6) < 6); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(ready(0, 4), 4u) << "layer 0's hints, sent from the chunk's start, were read ahead";
+  EXPECT_EQ(ready(1, 6), 6u) << "layer 1's, sent with the cursor on layer 0, were read ahead";
+  EXPECT_EQ(ready(2, 6), 0u) << "layer 2's, sent after the cursor named it, were not";
+  auto st = (*source)->client()->stats();
+  ASSERT_TRUE(st) << st.error().message;
+  ASSERT_EQ(st->models.size(), 1u);
+  EXPECT_EQ(st->models[0].scheduler.prefetch_loads, 10u);
   const std::string log = daemon.log();
   EXPECT_EQ(daemon.stop(), 0) << log;
 }
