@@ -529,7 +529,7 @@ Status GpuExperts::preload() {
   std::vector<uint32_t> ids;
   ids.reserve(k);
   uint32_t done = 0;
-  uint64_t bytes = 0;
+  const uint64_t bytes0 = stats_.vram_preload_bytes;
   for (const Group& g : layers) {
     for (uint32_t e0 = 0; e0 < g.count; e0 += k) {
       ids.clear();
@@ -546,7 +546,6 @@ Status GpuExperts::preload() {
         stats_.vram_preload_ns += monotonic_ns() - t0;
         return Ok{};
       }
-      const uint64_t copied = stats_.copy_bytes;
       Status st = Ok{};
       for (size_t i = 0; i < ids.size() && st; ++i) {
         const uint32_t slot = tier_->insert(g.layer, ids[i], false, true);
@@ -556,24 +555,22 @@ Status GpuExperts::preload() {
                                            g.layer, ids[i]));
           break;
         }
-        st = copy_expert(held[i], slot, false);
+        st = copy_expert(held[i], slot, Copy::Preload);
         if (!st) tier_->erase(slot);
       }
       // The copies read the daemon's slots: they complete before the holds go back.
       const cudaError_t synced = cudaStreamSynchronize(copy_);
-      const uint64_t n_bytes = stats_.copy_bytes - copied;
-      stats_.copy_bytes = copied;
       if (synced != cudaSuccess && st) {
         st = cuda::cuda_error(synced, "cudaStreamSynchronize(copy)", __FILE__, __LINE__);
       }
       if (auto rel = source_.release_kept(held); !rel && st) st = std::move(rel);
       if (!st) return st;
       done += static_cast<uint32_t>(ids.size());
-      bytes += n_bytes;
       stats_.vram_preloaded += ids.size();
-      stats_.vram_preload_bytes += n_bytes;
     }
-    if (gpu_.preload_progress) gpu_.preload_progress(done, total, bytes);
+    if (gpu_.preload_progress) {
+      gpu_.preload_progress(done, total, stats_.vram_preload_bytes - bytes0);
+    }
   }
   stats_.vram_preload_ns += monotonic_ns() - t0;
   return Ok{};
@@ -710,7 +707,16 @@ Result<ExpertPtrs> GpuExperts::in_place(const ExpertView& v) const {
   return out;
 }
 
-Status GpuExperts::copy_expert(const ExpertView& v, uint32_t slot, bool demand) {
+void GpuExperts::count_copy(uint64_t bytes, Copy kind) {
+  if (kind == Copy::Preload) {
+    stats_.vram_preload_bytes += bytes;
+    return;
+  }
+  stats_.copy_bytes += bytes;
+  if (kind == Copy::Demand) stats_.demand_copy_bytes += bytes;
+}
+
+Status GpuExperts::copy_expert(const ExpertView& v, uint32_t slot, Copy kind) {
   auto* dst = tier_mem_.get() + uint64_t{slot} * slot_bytes_;
   const WeightView* parts[3] = {&v.gate, &v.up, &v.down};
   const uint8_t* lo = parts[0]->data;
@@ -730,8 +736,7 @@ Status GpuExperts::copy_expert(const ExpertView& v, uint32_t slot, bool demand) 
     sp.gate = dst + (v.gate.data - lo);
     sp.up = dst + (v.up.data - lo);
     sp.down = dst + (v.down.data - lo);
-    stats_.copy_bytes += static_cast<uint64_t>(hi - lo);
-    if (demand) stats_.demand_copy_bytes += static_cast<uint64_t>(hi - lo);
+    count_copy(static_cast<uint64_t>(hi - lo), kind);
   } else {
     uint64_t off = 0;
     const void** dsts[3] = {&sp.gate, &sp.up, &sp.down};
@@ -741,8 +746,7 @@ Status GpuExperts::copy_expert(const ExpertView& v, uint32_t slot, bool demand) 
           cudaMemcpyAsync(dst + off, parts[i]->data, bytes, cudaMemcpyHostToDevice, copy_));
       *dsts[i] = dst + off;
       off += align_up(bytes, kAlign);
-      stats_.copy_bytes += bytes;
-      if (demand) stats_.demand_copy_bytes += bytes;
+      count_copy(bytes, kind);
     }
   }
   EXPERTD_CUDA_TRY(cudaEventRecord(ready_event_[slot].get(), copy_));
@@ -824,7 +828,7 @@ Status GpuExperts::acquire(uint32_t layer, std::span<const uint32_t> experts,
     }
     tier_->pin(slot);
     used_slots_.push_back(slot);
-    if (auto st = copy_expert(views_[j], slot, true); !st) {
+    if (auto st = copy_expert(views_[j], slot, Copy::Demand); !st) {
       tier_->erase(slot);
       return st;
     }
@@ -878,7 +882,7 @@ Status GpuExperts::prefetch(uint32_t layer, uint32_t depth, uint32_t n_layer,
         EXPERTD_TRY(source_.release(std::span<const ExpertView>(&v, 1)));
         continue;
       }
-      if (auto st = copy_expert(v, slot, false); !st) {
+      if (auto st = copy_expert(v, slot, Copy::Prefetch); !st) {
         tier_->erase(slot);
         (void)source_.release(std::span<const ExpertView>(&v, 1));
         return st;
@@ -977,8 +981,12 @@ Status GpuExperts::account_copy_time() {
 std::string GpuExperts::description() const {
   if (!tier_) return "in-place experts (kernels read the daemon's pinned arena over PCIe)";
   std::string filled;
-  if (stats_.vram_preloaded > 0)
-    filled = fmt::format(", {} filled at start", stats_.vram_preloaded);
+  if (stats_.vram_preloaded > 0) {
+    filled =
+        fmt::format(", {} experts of the last layers filled at start ({} in {:.1f} s, not timed)",
+                    stats_.vram_preloaded, gib(stats_.vram_preload_bytes),
+                    static_cast<double>(stats_.vram_preload_ns) / 1e9);
+  }
   if (!preload_note_.empty()) filled += fmt::format(" ({})", preload_note_);
   return fmt::format("VRAM expert tier of {} experts ({}, {} policy{}{})", slots(),
                      gib(uint64_t{slots()} * slot_bytes_), tier_->policy_name(),

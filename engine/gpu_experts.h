@@ -328,7 +328,11 @@ class GpuExperts {
 
  private:
   Status setup_tier(const std::string& device_name);
-  Status copy_expert(const ExpertView& v, uint32_t slot, bool demand);
+  // Which counters a copy's bytes go to: copy_bytes (and demand_copy_bytes for a demand copy),
+  // or vram_preload_bytes.
+  enum class Copy { Demand, Prefetch, Preload };
+  Status copy_expert(const ExpertView& v, uint32_t slot, Copy kind);
+  void count_copy(uint64_t bytes, Copy kind);
   Status give_back(std::span<const ExpertView> views, bool kept);
   // Coordinated tiers: tells the source the tier no longer keeps `evicted` (no-op when empty).
   Status unkeep(const VramTier::Entry& evicted);

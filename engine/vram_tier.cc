@@ -70,11 +70,10 @@ uint32_t VramTier::insert(uint32_t layer, uint32_t expert, bool prefetched, bool
     policy_->on_remove(slot);
     ++evictions_;
   }
-  const bool held = sweeping_ && layer >= swept_;
-  entries_[slot] = Entry{layer, expert, 0, prefetched, held};
+  entries_[slot] = Entry{layer, expert, 0, prefetched};
   where_[key(layer, expert)] = slot;
   policy_->on_insert(slot, incoming);
-  policy_->on_evictable(slot, !held);
+  policy_->on_evictable(slot, !held(entries_[slot]));
   return slot;
 }
 
@@ -90,49 +89,44 @@ void VramTier::erase(uint32_t slot) {
 
 void VramTier::pin(uint32_t slot) {
   Entry& e = entries_[slot];
-  if (e.pins++ == 0 && e.layer != kNone && !e.held) policy_->on_evictable(slot, false);
+  if (e.pins++ == 0 && e.layer != kNone && !held(e)) policy_->on_evictable(slot, false);
 }
 
 void VramTier::unpin(uint32_t slot) {
   Entry& e = entries_[slot];
   if (e.pins == 0) return;
-  if (--e.pins == 0 && e.layer != kNone && !e.held) policy_->on_evictable(slot, true);
+  if (--e.pins == 0 && e.layer != kNone && !held(e)) policy_->on_evictable(slot, true);
 }
 
 void VramTier::begin_sweep() {
   if (sweeping_) end_sweep();
   sweeping_ = true;
   swept_ = 0;
+  // Every resident is held now; the pinned ones are already not evictable.
   for (uint32_t s = 0; s < entries_.size(); ++s) {
-    Entry& e = entries_[s];
-    if (e.layer == kNone || e.held) continue;
-    e.held = true;
-    if (e.pins == 0) policy_->on_evictable(s, false);
+    const Entry& e = entries_[s];
+    if (e.layer != kNone && e.pins == 0) policy_->on_evictable(s, false);
   }
-}
-
-void VramTier::release_hold(uint32_t slot) {
-  Entry& e = entries_[slot];
-  if (!e.held) return;
-  e.held = false;
-  if (e.pins == 0 && e.layer != kNone) policy_->on_evictable(slot, true);
 }
 
 void VramTier::sweep_to(uint32_t layer) {
   if (!sweeping_) return;
   const uint32_t upto = std::min(layer, layers_);
-  for (; swept_ < upto; ++swept_) {
+  for (; swept_ < upto; ++swept_) {  // layer swept_ is passed: its unpinned residents evictable
     for (uint32_t x = 0; x < experts_; ++x) {
       const uint32_t slot = where_[key(swept_, x)];
-      if (slot != kNone) release_hold(slot);
+      if (slot != kNone && entries_[slot].pins == 0) policy_->on_evictable(slot, true);
     }
   }
 }
 
 void VramTier::end_sweep() {
   if (!sweeping_) return;
+  for (uint32_t s = 0; s < entries_.size(); ++s) {
+    const Entry& e = entries_[s];
+    if (held(e) && e.pins == 0) policy_->on_evictable(s, true);
+  }
   sweeping_ = false;
-  for (uint32_t s = 0; s < entries_.size(); ++s) release_hold(s);
 }
 
 uint32_t VramTier::distinct_with(std::span<const uint8_t> host) const {

@@ -50,7 +50,6 @@ class VramTier {
     uint32_t expert = kNone;
     uint32_t pins = 0;
     bool prefetched = false;  // filled ahead of its layer and not used since
-    bool held = false;        // a layer the sweep has not reached yet: not a victim
   };
 
   // A tier of `slots` over a model of `layers` x `experts` with the named policy (an Error naming
@@ -104,7 +103,8 @@ class VramTier {
   uint64_t key(uint32_t layer, uint32_t expert) const {
     return uint64_t{layer} * experts_ + expert;
   }
-  void release_hold(uint32_t slot);
+  // Held by the sweep: filled, of the layer being computed or a later one.
+  bool held(const Entry& e) const { return sweeping_ && e.layer != kNone && e.layer >= swept_; }
 
   uint32_t layers_;
   uint32_t experts_;

@@ -507,14 +507,6 @@ int run(Options o) {
   if (!o.json) {
     std::printf("expert-run: %s\n", engine_note.c_str());
     if (!mode_note.empty()) std::printf("expert-run: %s\n", mode_note.c_str());
-    if (const EngineStats& es = engine->stats(); es.vram_preloaded > 0) {
-      std::printf(
-          "expert-run: VRAM tier filled at start (not timed): %llu experts of the last "
-          "layers, %.2f GiB in %.1f s\n",
-          static_cast<unsigned long long>(es.vram_preloaded),
-          static_cast<double>(es.vram_preload_bytes) / (1ull << 30),
-          static_cast<double>(es.vram_preload_ns) / 1e9);
-    }
     std::printf("model %s: %s, %u layers, %u experts (top-%u), dense weights %.1f MiB from %s%s\n",
                 o.model.c_str(), p.architecture.c_str(), p.n_layer, p.n_expert, p.n_expert_used,
                 static_cast<double>(model->dense_bytes()) / (1 << 20), model->path().c_str(),

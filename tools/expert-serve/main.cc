@@ -1097,11 +1097,6 @@ Result<std::shared_ptr<Backend>> build_backend(const Options& server, const std:
                b->model->deferred() ? " (read straight into VRAM)" : "");
   spdlog::info("engine: {}; context {} tokens per sequence, {} sequence{} at once", created->note,
                o.ctx, engine->sequences(), engine->sequences() == 1 ? "" : "s");
-  if (const EngineStats& es = engine->stats(); es.vram_preloaded > 0) {
-    spdlog::info("VRAM tier filled at start: {} experts of the last layers, {:.2f} GiB in {:.1f} s",
-                 es.vram_preloaded, static_cast<double>(es.vram_preload_bytes) / (1ull << 30),
-                 static_cast<double>(es.vram_preload_ns) / 1e9);
-  }
   if (p.n_ctx_train > 0 && o.ctx > p.n_ctx_train) {
     spdlog::warn("--ctx {} is more than the model was trained for ({})", o.ctx, p.n_ctx_train);
   }
