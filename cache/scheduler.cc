@@ -395,7 +395,7 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
       const PrefetchedSlot p = prefetched_[s];
       prefetched_[s] = PrefetchedSlot{};
       ++stats_.prefetch_useful;
-      count_outcome(p.session, p.bucket, p.bytes, true);
+      count_outcome(p.session, p.bucket, p.exact, p.bytes, true);
     }
     owner->hold(s);
     charge(session);
@@ -418,7 +418,7 @@ bool Scheduler::serve(uint32_t session, ExpertKey key, uint64_t tag) {
     const Load& l = loads_[load];
     if (l.prefetched && !l.demand) {
       ++stats_.prefetch_useful;
-      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_planned, true);
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.prefetch_exact, l.bytes_planned, true);
     }
   } else {
     load = start_load(key, false, true);
@@ -749,15 +749,16 @@ void Scheduler::finish_load(uint32_t id) {
     if (!l.cancelled && l.error_shard != kNil) ++shard_failed_[l.error_shard];
     // A cancelled prefetch is never one somebody waits for (cancel_load() skips those).
     if (l.cancelled && l.prefetched) {
-      count_outcome(l.prefetch_session, l.prefetch_bucket, l.bytes_done, false);
+      count_outcome(l.prefetch_session, l.prefetch_bucket, l.prefetch_exact, l.bytes_done, false);
     }
     if (observer_ != nullptr && !l.cancelled) observer_->failed(l.key, err);
   } else {
     owner.loaded(l.slot);
     ++stats_.loads_done;
     if (l.prefetched && !l.demand) {
-      prefetched_[l.slot] = PrefetchedSlot{true, static_cast<uint16_t>(l.prefetch_session),
-                                           static_cast<uint8_t>(l.prefetch_bucket), l.bytes_done};
+      prefetched_[l.slot] =
+          PrefetchedSlot{true, static_cast<uint16_t>(l.prefetch_session),
+                         static_cast<uint8_t>(l.prefetch_bucket), l.prefetch_exact, l.bytes_done};
     }
     if (observer_ != nullptr) {
       observer_->loaded(l.key, l.slot, slot_data(l.slot), monotonic_ns() - l.start_ns);
@@ -814,6 +815,12 @@ uint64_t Scheduler::target_of(uint32_t session, uint32_t layer) const {
   return pack_target(c.token + 1, layer);  // the cursor's layer or an earlier one: the next token's
 }
 
+uint64_t Scheduler::exact_target_of(uint32_t session, uint32_t layer) const {
+  const Cursor& c = cursors_[session];
+  if (!c.set || layer >= c.layer) return pack_target(c.token, layer);
+  return pack_target(c.token + 1, layer);
+}
+
 uint32_t Scheduler::depth_of(uint32_t session, uint64_t target) const {
   const Cursor& c = cursors_[session];
   const uint64_t layers = map_.block_count();
@@ -860,7 +867,13 @@ void Scheduler::count_recall(uint32_t session, ExpertKey key) {
   }
 }
 
-void Scheduler::count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful) {
+void Scheduler::count_outcome(uint32_t session, uint32_t bucket, bool exact, uint64_t bytes,
+                              bool useful) {
+  // An exact hint is not a prediction: its reads say nothing of the depths' precision.
+  if (exact) {
+    if (!useful) ++stats_.exact_wasted;
+    return;
+  }
   auto add = [&](PrefetchDepthStats& c) {
     if (useful) {
       ++c.useful;
@@ -879,7 +892,7 @@ void Scheduler::evicted(uint32_t slot, ExpertKey) {
   ++stats_.evictions;
   PrefetchedSlot& p = prefetched_[slot];
   if (!p.pending) return;
-  count_outcome(p.session, p.bucket, p.bytes, false);
+  count_outcome(p.session, p.bucket, p.exact, p.bytes, false);
   p = PrefetchedSlot{};
 }
 
@@ -897,26 +910,33 @@ uint64_t Scheduler::hint_distance(const Hint& h) const {
   return then >= now ? then - now : 0;
 }
 
-int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
+int Scheduler::prefetch(uint32_t session, ExpertKey key, float score, bool exact) {
   if (!valid(key) || session >= cursors_.size() || !(score >= 0.0f && score <= 1.0f)) {
     return -EINVAL;
   }
   if (unavailable_ != 0) return 0;
   ++stats_.prefetch_hints;
-  const uint64_t target = target_of(session, key.layer);
+  const uint64_t target =
+      exact ? exact_target_of(session, key.layer) : target_of(session, key.layer);
   const uint32_t bucket = depth_bucket(session, target);
-  ++depths_[bucket].hints;
-  ++session_depths_[session][bucket].hints;
-  // The estimate counts only hints for experts absent when their target was first hinted: a
-  // hint for a resident expert reads nothing, and counting those (right nearly always) made the
-  // estimate clear the bar while the reads it let through were mostly wrong (docs/CACHE.md).
   ExpertCache* owner = nullptr;
   const bool resident = find_slot(key, &owner) >= 0;  // cached or loading
-  if (mark_hinted(session, key, target, bucket, resident) && hinted_[key_index(key)].cold) {
-    count_estimate_hint(session, static_cast<uint32_t>(target >> 32), bucket);
+  if (exact) {
+    // Known, not predicted: no depth's telemetry or estimate counts it, and it is worth its read.
+    ++stats_.exact_hints;
+    cache_.policy().on_hint(key, depth_of(session, target), 1.0);
+  } else {
+    ++depths_[bucket].hints;
+    ++session_depths_[session][bucket].hints;
+    // The estimate counts only hints for experts absent when their target was first hinted: a
+    // hint for a resident expert reads nothing, and counting those (right nearly always) made the
+    // estimate clear the bar while the reads it let through were mostly wrong (docs/CACHE.md).
+    if (mark_hinted(session, key, target, bucket, resident) && hinted_[key_index(key)].cold) {
+      count_estimate_hint(session, static_cast<uint32_t>(target >> 32), bucket);
+    }
+    // Every hint, resident or not: a policy may protect a resident expert the router wants soon.
+    cache_.policy().on_hint(key, depth_of(session, target), hint_probability(bucket));
   }
-  // Every hint, resident or not: a policy may protect a resident expert the router wants soon.
-  cache_.policy().on_hint(key, depth_of(session, target), hint_probability(bucket));
   if (resident) return 0;
   // Merge with a queued hint for the same expert, else take a free entry, else replace the
   // farthest queued hint if this one is nearer.
@@ -930,6 +950,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
     }
     if (h.key == key) {
       h.score = std::max(h.score, score);
+      h.exact = h.exact || exact;
       if (target < h.target) {
         h.target = target;
         h.session = session;
@@ -950,7 +971,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score) {
   } else {
     ++hint_count_;
   }
-  hints_[entry] = Hint{session, key, score, target, bucket, true};
+  hints_[entry] = Hint{session, key, score, target, bucket, true, exact};
   return 0;
 }
 
@@ -997,14 +1018,15 @@ void Scheduler::cancel_load(uint32_t id) {
 
 void Scheduler::start_prefetches() {
   const uint32_t depth = prefetch_depth_now();
-  // Depth 0 is prefetch off: not even a hint for the cursor's own layer (about to be acquired,
-  // and a wasted read when it is wrong) is read.
-  if (depth == 0) return;
+  // A fixed depth of 0 is prefetch off: not even a hint for the cursor's own layer (about to be
+  // acquired, and a wasted read when it is wrong) is read. Automatic depth 0 still reads exact
+  // hints: they are known, not predicted, so no estimate has to earn them.
+  if (depth == 0 && !prefetch_depth_auto()) return;
   while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
     uint32_t best = kNil;
     for (uint32_t i = 0; i < hints_.size(); ++i) {
       const Hint& h = hints_[i];
-      if (!h.live || hint_distance(h) > depth) continue;
+      if (!h.live || (!h.exact && (depth == 0 || hint_distance(h) > depth))) continue;
       if (best == kNil) {
         best = i;
         continue;
@@ -1023,7 +1045,7 @@ void Scheduler::start_prefetches() {
       continue;
     }
     // The admission rule (docs/CACHE.md "Prefetch admission and automatic depth").
-    const double p = hint_probability(h.bucket);
+    const double p = h.exact ? 1.0 : hint_probability(h.bucket);
     if (!(p > kPrefetchMinProbability)) {
       hints_[best].live = false;
       --hint_count_;
@@ -1058,10 +1080,15 @@ void Scheduler::start_prefetches() {
     l.prefetched = true;
     l.prefetch_session = h.session;
     l.prefetch_bucket = h.bucket;
+    l.prefetch_exact = h.exact;
     l.prefetch_target = h.target;
     ++stats_.prefetch_loads;
-    ++depths_[h.bucket].loads;
-    ++session_depths_[h.session][h.bucket].loads;
+    if (h.exact) {
+      ++stats_.exact_loads;
+    } else {
+      ++depths_[h.bucket].loads;
+      ++session_depths_[h.session][h.bucket].loads;
+    }
     ++prefetch_loads_active_;
   }
 }
@@ -1155,10 +1182,12 @@ bool Scheduler::idle() const {
       free_loads_.size() != loads_.size() || !pending_.empty()) {
     return false;
   }
-  // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.
+  // Hints beyond the prefetch depth wait for the cursor; they are not work to do now. Exact hints
+  // are read at any depth while prefetch is on (start_prefetches()).
   const uint32_t depth = prefetch_depth_now();
+  const bool on = depth > 0 || prefetch_depth_auto();
   for (const Hint& h : hints_) {
-    if (h.live && depth > 0 && hint_distance(h) <= depth) return false;
+    if (h.live && on && (h.exact || (depth > 0 && hint_distance(h) <= depth))) return false;
   }
   return true;
 }

@@ -185,8 +185,11 @@ class Scheduler final : private EvictionListener {
 
   // Returns 0 (the completion follows, maybe at once) or -EINVAL for an expert outside the model.
   int acquire(uint32_t session, ExpertKey key, uint64_t tag);
-  // Hints that `session` will want `key` soon; score in [0, 1] from the router.
-  int prefetch(uint32_t session, ExpertKey key, float score);
+  // Hints that `session` will want `key` soon; score in [0, 1] from the router. `exact`: the
+  // session will acquire `key` at its cursor's token before the cursor passes key.layer (a prefill
+  // chunk's routing, known, not predicted): read whatever the automatic depth and at probability 1,
+  // unless prefetch is off (a fixed depth of 0), and kept out of the precision estimate.
+  int prefetch(uint32_t session, ExpertKey key, float score, bool exact = false);
   // Drops one hold of `session` on `slot` (taken by a completed acquire).
   int release(uint32_t session, uint32_t slot);
   // Reserves `slots` for `session` (attach): false, with nothing changed, when capacity() less
@@ -313,6 +316,7 @@ class Scheduler final : private EvictionListener {
     uint32_t ops = 0;  // chunk reads in flight
     uint32_t prefetch_session = 0;
     uint32_t prefetch_bucket = 0;  // depth bucket of the hint that started it
+    bool prefetch_exact = false;   // started by an exact hint (counted apart from the depths)
     uint64_t prefetch_target = 0;  // (token << 32 | layer) the prefetch is for
     uint64_t bytes_planned = 0;    // widened bytes of all its reads
     uint64_t bytes_done = 0;       // bytes its reads delivered
@@ -339,6 +343,7 @@ class Scheduler final : private EvictionListener {
     uint64_t target = 0;  // (token << 32 | layer)
     uint32_t bucket = 0;  // depth bucket when the (nearest) hint arrived
     bool live = false;
+    bool exact = false;  // known, not predicted (prefetch(), `exact`)
   };
   // The depths at which an expert was hinted for one target token (recall telemetry), and whether
   // the first hint for that target found it absent (neither cached nor loading): only such hints,
@@ -354,6 +359,7 @@ class Scheduler final : private EvictionListener {
     bool pending = false;
     uint16_t session = kNoSession;
     uint8_t bucket = 0;
+    bool exact = false;
     uint64_t bytes = 0;
   };
 
@@ -393,6 +399,8 @@ class Scheduler final : private EvictionListener {
   void cancel_passed_prefetch_loads();
   void retry_pending_demands();
   uint64_t target_of(uint32_t session, uint32_t layer) const;
+  // An exact hint's target: the cursor's token when the layer is the cursor's or after it.
+  uint64_t exact_target_of(uint32_t session, uint32_t layer) const;
   uint32_t depth_bucket(uint32_t session, uint64_t target) const;
   void cancel_load(uint32_t load);
   // Returns false when `key` was already hinted at this bucket for this target.
@@ -415,7 +423,8 @@ class Scheduler final : private EvictionListener {
   double hint_probability(uint32_t bucket) const;
   uint32_t depth_of(uint32_t session, uint64_t target) const;
   void count_recall(uint32_t session, ExpertKey key);
-  void count_outcome(uint32_t session, uint32_t bucket, uint64_t bytes, bool useful);
+  // A prefetch read's outcome, by its hint's depth; an exact hint's only in the exact counters.
+  void count_outcome(uint32_t session, uint32_t bucket, bool exact, uint64_t bytes, bool useful);
   void evicted(uint32_t slot, ExpertKey key) override;
   size_t key_index(ExpertKey key) const {
     return static_cast<size_t>(key.layer) * map_.expert_count() + key.expert;

@@ -1057,6 +1057,7 @@ Status Session::prefetch(std::span<const PrefetchHint> hints) {
     r.layer = h.layer;
     r.expert = h.expert;
     r.score = std::clamp(h.score, 0.0f, 1.0f);
+    r.flags = h.exact ? abi::kPrefetchExact : 0;
     if (auto st = push(r); !st) {
       ring_daemon();
       return st;

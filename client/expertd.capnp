@@ -76,6 +76,9 @@ struct SchedulerStats {
   readRetries @24 :UInt64;       # reads resubmitted after EIO or an early end of file, with backoff
   checksumMismatches @25 :UInt64;  # loads whose bytes did not match the checksum manifest
   readsTimedOut @26 :UInt64;     # reads not back within read_timeout_ms: their loads failed (ETIME)
+  exactHints @27 :UInt64;        # hints flagged exact (the session will acquire the expert: a prefill's routing), read at any depth
+  exactLoads @28 :UInt64;        # loads exact hints started (also in prefetchLoads; in no depth's counts)
+  exactWasted @29 :UInt64;       # loads of exact hints evicted, cancelled or failed before their acquire
 }
 
 # Prefetch telemetry for one lookahead depth: how many layers ahead of the session's cursor a hint

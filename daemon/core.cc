@@ -753,8 +753,14 @@ void DaemonCore::handle_request(Session& s, const abi::Request& r) {
                              fmt::format("prefetch of layer {} expert {} score {}: out of range",
                                          r.layer, r.expert, r.score));
       }
+      if ((r.flags & ~abi::kPrefetchExact) != 0) {
+        return close_session(s, -EINVAL,
+                             fmt::format("prefetch of layer {} expert {}: unknown flags {:#x}",
+                                         r.layer, r.expert, r.flags));
+      }
       ++s.prefetches;
-      (void)sched.prefetch(s.id, {r.layer, r.expert}, r.score);
+      (void)sched.prefetch(s.id, {r.layer, r.expert}, r.score,
+                           (r.flags & abi::kPrefetchExact) != 0);
       return;
     case abi::kOpRelease:
       if (r.arg >= s.holds.size() || s.holds[r.arg] == 0) {

@@ -180,7 +180,8 @@ Status DaemonExpertSource::prefetch(std::span<const ExpertHint> hints) {
   while (!hints.empty()) {
     const size_t n = std::min(hints.size(), hints_.size());
     for (size_t i = 0; i < n; ++i) {
-      hints_[i] = client::PrefetchHint{hints[i].layer, hints[i].expert, hints[i].score};
+      hints_[i] =
+          client::PrefetchHint{hints[i].layer, hints[i].expert, hints[i].score, hints[i].exact};
     }
     EXPERTD_TRY(session_->prefetch(std::span<const client::PrefetchHint>(hints_.data(), n)));
     hints = hints.subspan(n);

@@ -582,7 +582,7 @@ void Ds4CpuEngine::hint_hash_layers(uint32_t token) {
   const uint32_t k = p_.n_expert_used;
   for (uint32_t layer = 0; layer < d_.hash_layers; ++layer) {
     const uint32_t* ex = w_.layers[layer].tid2eid.data() + uint64_t{token} * k;
-    for (uint32_t i = 0; i < k; ++i) hash_hints_.push_back(ExpertHint{layer, ex[i], 1.0f});
+    for (uint32_t i = 0; i < k; ++i) hash_hints_.push_back(ExpertHint{layer, ex[i], 1.0f, true});
   }
   stats_.hash_hints += hash_hints_.size();
   if (!source_.prefetch(hash_hints_)) ++stats_.hint_errors;

@@ -609,7 +609,7 @@ void Ds4GpuEngine::Impl::hint_hash_layers(uint32_t token) {
   const uint32_t k = p.n_expert_used;
   for (uint32_t layer = 0; layer < d.hash_layers; ++layer) {
     const uint32_t* ex = w.layers[layer].tid2eid.data() + uint64_t{token} * k;
-    for (uint32_t i = 0; i < k; ++i) hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f});
+    for (uint32_t i = 0; i < k; ++i) hash_hints.push_back(ExpertHint{layer, ex[i], 1.0f, true});
   }
   stats.hash_hints += hash_hints.size();
   if (!experts->hint_source().prefetch(hash_hints)) ++stats.hint_errors;
@@ -878,7 +878,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
                          hinted, stats);
   };
   if (exact_hints) {
-    for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f};
+    for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f, true};
     top_up(0);
     stats.prefill_hints_held += n_needed - hinted;
   }

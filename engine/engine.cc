@@ -223,7 +223,7 @@ void add_scripted_hints(const RoutingScript& script, uint32_t pos, uint32_t from
 
 void hint_needed(ExpertSource& source, uint32_t layer, std::span<const uint32_t> needed,
                  std::span<ExpertHint> scratch, EngineStats& stats) {
-  for (size_t i = 0; i < needed.size(); ++i) scratch[i] = ExpertHint{layer, needed[i], 1.0f};
+  for (size_t i = 0; i < needed.size(); ++i) scratch[i] = ExpertHint{layer, needed[i], 1.0f, true};
   stats.prefill_hints += needed.size();
   if (!source.prefetch(scratch.first(needed.size()))) ++stats.hint_errors;
 }
@@ -239,7 +239,7 @@ void hint_hash_layer(ExpertSource& source, const Ds4Weights& w, uint32_t layer, 
       const uint32_t e = tid2eid[uint64_t{token} * k + i];
       if (e >= mark.size() || mark[e] != 0) continue;
       mark[e] = 1;
-      out.push_back(ExpertHint{layer, e, 1.0f});
+      out.push_back(ExpertHint{layer, e, 1.0f, true});
     }
   }
   stats.hash_hints += out.size();

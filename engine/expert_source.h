@@ -30,6 +30,10 @@ struct ExpertHint {
   uint32_t layer = 0;
   uint32_t expert = 0;
   float score = 0.0f;  // router probability in [0, 1]
+  // Known, not predicted: the engine will get() it at the token the cursor names, before the
+  // cursor passes the layer (a prefill chunk's routing, a hash layer's table). The daemon reads
+  // such hints at any prefetch depth; a predicted hint (the router's lookahead) leaves it false.
+  bool exact = false;
 };
 
 class ExpertSource {

@@ -213,6 +213,82 @@ TEST_P(PrefetchTelemetry, CacheLimitAndEvictAll) {
   EXPECT_GE(h.store->cache().lookup({3, 3}), 0);
 }
 
+// Exact hints (a prefill's routing: the engine will acquire them) are read on a fresh daemon,
+// whose automatic depth is 0 until predicted hints earn it; one for the cursor's own layer is for
+// this token, not the next. They count apart (exact_*), never as evidence for a depth, and a
+// fixed depth of 0 (prefetch off) reads none.
+TEST_P(PrefetchTelemetry, ExactHintsAreReadAtAnyDepthAndAreNoEvidence) {
+  Harness h(model_, GetParam(), small_cache(64ull << 20));  // the default: automatic depth
+  ASSERT_TRUE(h.sched().prefetch_depth_auto());
+  ASSERT_EQ(h.sched().prefetch_depth_now(), 0u) << "a fresh scheduler has no evidence";
+  const Scheduler& s = h.sched();
+
+  // The cursor's own layer and layers 1 and 6 ahead, exactly; the next layer predicted.
+  h.sched().set_cursor(0, 0, 2);
+  ASSERT_EQ(h.sched().prefetch(0, {2, 0}, 1.0f, true), 0);
+  ASSERT_EQ(h.sched().prefetch(0, {3, 1}, 1.0f, true), 0);
+  ASSERT_EQ(h.sched().prefetch(0, {8 - 1, 2}, 1.0f, true), 0);
+  ASSERT_EQ(h.sched().prefetch(0, {3, 3}, 0.9f), 0);
+  ASSERT_TRUE(h.drain());
+  EXPECT_EQ(s.stats().exact_hints, 3u);
+  EXPECT_EQ(s.stats().exact_loads, 3u) << "read at automatic depth 0";
+  EXPECT_EQ(s.stats().prefetch_loads, 3u) << "the predicted hint waits for evidence";
+  for (uint32_t d = 1; d <= kPrefetchDepthBuckets; ++d) {
+    EXPECT_EQ(at(s, d).loads, 0u) << "depth " << d;
+    EXPECT_EQ(at(s, d).hints, d == 1 ? 1u : 0u) << "depth " << d << ": only the predicted hint";
+  }
+  release(h, h.get({2, 0}));  // this token's: READY, not cancelled as a passed one
+  h.sched().set_cursor(0, 0, 3);
+  release(h, h.get({3, 1}));
+  h.sched().set_cursor(0, 0, 7);
+  release(h, h.get({7, 2}));
+  EXPECT_EQ(s.stats().misses, 0u);
+  EXPECT_EQ(s.stats().prefetch_useful, 3u);
+  EXPECT_EQ(s.stats().exact_wasted, 0u);
+  for (uint32_t d = 1; d <= kPrefetchDepthBuckets; ++d) EXPECT_EQ(at(s, d).useful, 0u);
+
+  // Many exact hints, each acquired where it said: still no evidence, the depth stays 0. The same
+  // pattern of predicted hints lifts it (the estimate works; exact hints are kept out of it).
+  auto run = [&](uint32_t token0, bool exact) {
+    for (uint32_t t = token0; t < token0 + 6; ++t) {
+      for (uint32_t l = 0; l + 1 < 8; ++l) {
+        const ExpertKey key{l + 1, t % 8};
+        h.sched().set_cursor(0, t, l);
+        ASSERT_EQ(h.sched().prefetch(0, key, exact ? 1.0f : 0.9f, exact), 0);
+        ASSERT_TRUE(h.drain());
+        h.sched().set_cursor(0, t, l + 1);
+        release(h, h.get(key));
+        ASSERT_TRUE(h.store->cache().evict(key));  // absent again: the next hint needs a read
+      }
+    }
+    h.sched().set_cursor(0, token0 + 6, 0);  // the tokens passed: their hints are settled
+  };
+  h.store->evict_all();  // every hinted expert absent: each hint needs its read
+  run(1, true);
+  EXPECT_EQ(s.stats().exact_loads, 3u + 42u);
+  EXPECT_EQ(s.stats().exact_wasted, 0u);
+  EXPECT_EQ(h.sched().prefetch_depth_now(), 0u) << "42 right exact hints are not evidence";
+  run(7, false);
+  EXPECT_GE(h.sched().prefetch_depth_now(), 1u) << "42 right predicted hints are";
+
+  // Read and evicted before its acquire: an exact hint's waste, in no depth's counts.
+  const uint64_t wasted_at_1 = at(s, 1).wasted;
+  h.sched().set_cursor(0, 20, 0);
+  ASSERT_EQ(h.sched().prefetch(0, {5, 5}, 1.0f, true), 0);
+  ASSERT_TRUE(h.drain());
+  ASSERT_TRUE(h.store->cache().evict({5, 5}));
+  EXPECT_EQ(s.stats().exact_wasted, 1u);
+  EXPECT_EQ(at(s, 1).wasted, wasted_at_1);
+
+  // A fixed depth of 0 is prefetch off: exact hints too.
+  const uint64_t loads = s.stats().prefetch_loads;
+  h.sched().set_prefetch_depth(0);
+  ASSERT_EQ(h.sched().prefetch(0, {6, 6}, 1.0f, true), 0);
+  ASSERT_TRUE(h.drain());
+  EXPECT_EQ(s.stats().prefetch_loads, loads);
+  EXPECT_LT(h.store->cache().lookup({6, 6}), 0);
+}
+
 std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
   return info.param == BackendKind::Uring ? "uring" : "pread";
 }

@@ -356,8 +356,8 @@ TEST_P(HostileRingTest, ClosesOnlyThatSession) {
   EXPECT_EQ(st->sessions_closed_hostile, 1u);
 }
 
-abi::Request req(uint32_t op, uint32_t layer, uint32_t expert, uint32_t arg = 0,
-                 float score = 0.5f) {
+abi::Request req(uint32_t op, uint32_t layer, uint32_t expert, uint32_t arg = 0, float score = 0.5f,
+                 uint32_t flags = 0) {
   abi::Request r{};
   r.op = op;
   r.layer = layer;
@@ -365,6 +365,7 @@ abi::Request req(uint32_t op, uint32_t layer, uint32_t expert, uint32_t arg = 0,
   r.arg = arg;
   r.tag = 1;
   r.score = score;
+  r.flags = flags;
   return r;
 }
 
@@ -375,6 +376,8 @@ INSTANTIATE_TEST_SUITE_P(
                       HostileCase{"expert_out_of_range", {req(abi::kOpAcquire, 0, 1000)}},
                       HostileCase{"release_unheld", {req(abi::kOpRelease, 0, 0, 5)}},
                       HostileCase{"prefetch_nan", {req(abi::kOpPrefetch, 0, 0, 0, NAN)}},
+                      HostileCase{"prefetch_unknown_flags",
+                                  {req(abi::kOpPrefetch, 0, 0, 0, 0.5f, 0x6)}},
                       HostileCase{"cursor_out_of_range", {req(abi::kOpCursor, 1u << 30, 0)}},
                       HostileCase{"unkeep_out_of_range", {req(abi::kOpUnkeep, 0, 1000)}},
                       // Acquires whose completions are never read, past the completion ring.

@@ -385,6 +385,87 @@ TEST(PrefillCursor, ALayersHintsAreReadAheadOnlyBeforeTheCursorNamesTheLayer) {
   EXPECT_EQ(daemon.stop(), 0) << log;
 }
 
+// Passes every call on, but sends the hints as predictions (the exact flag cleared): what the
+// engines sent before exact hints existed.
+class PredictedHintsOnly : public ForwardingSource {
+ public:
+  using ForwardingSource::ForwardingSource;
+  Status prefetch(std::span<const ExpertHint> hints) override {
+    copy_.assign(hints.begin(), hints.end());
+    for (ExpertHint& h : copy_) h.exact = false;
+    return ForwardingSource::prefetch(copy_);
+  }
+
+ private:
+  std::vector<ExpertHint> copy_;
+};
+
+// A fresh daemon's automatic depth is 0 until predicted hints earn it, and a one-chunk prompt
+// never moves the cursor's token, so the estimate never folds during it: the prefill's own routing
+// was read on demand only, layer after layer. Flagged exact, it is read ahead from the first layer.
+TEST(PrefillCursor, AFreshDaemonReadsAChunksExactHintsAhead) {
+  TempDir dir;
+  const std::string path = expertd::test::forge(
+      dir.path(), "m",
+      "--layers 4 --experts 16 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
+      "--vocab 320 --expert-type q8_0 --seed 3");
+  auto model = DenseModel::load(path);
+  ASSERT_TRUE(model) << model.error().message;
+  std::vector<uint32_t> prompt(48);
+  for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = (i * 37 + 5) % 320;
+  std::vector<float> logits(model->params().n_vocab);
+  std::vector<float> first;
+  client::SchedulerStats with{};
+  client::SchedulerStats without{};
+  for (const bool exact : {true, false}) {
+    SCOPED_TRACE(exact ? "exact hints" : "the same hints as predictions");
+    TempDir run;
+    const std::string socket = run.path() + "/expertd.sock";
+    Daemon daemon(run.path(),
+                  {"--model", "m=" + path, "--socket", socket, "--cache", "64MiB", "--no-mlock"});
+    ASSERT_TRUE(daemon.start());
+    auto source = DaemonExpertSource::connect(socket, "m", *model, "prefill_test");
+    ASSERT_TRUE(source) << source.error().message;
+    PredictedHintsOnly predicted(**source);
+    ExpertSource& s = exact ? static_cast<ExpertSource&>(**source) : predicted;
+    EngineOptions o{64, 1, 0};
+    o.prefill_chunk = static_cast<uint32_t>(prompt.size());
+    auto engine = CpuEngine::create(*model, s, o);
+    ASSERT_TRUE(engine) << engine.error().message;
+    ASSERT_TRUE((*engine)->prefill(prompt, logits));
+    if (first.empty()) {
+      first = logits;
+    } else {
+      EXPECT_EQ(logits, first) << "hints change what is read when, never the result";
+    }
+    EXPECT_GT((*engine)->stats().prefill_hints, 0u);
+    auto st = (*source)->client()->stats();
+    ASSERT_TRUE(st) << st.error().message;
+    ASSERT_EQ(st->models.size(), 1u);
+    EXPECT_EQ(st->models[0].prefetch_depth_now, 0u) << "no decode yet: no evidence";
+    (exact ? with : without) = st->models[0].scheduler;
+    const std::string log = daemon.log();
+    EXPECT_EQ(daemon.stop(), 0) << log;
+  }
+  std::printf(
+      "[ fresh daemon, one 48-row chunk ] exact hints: %llu read ahead, %llu demand "
+      "misses; as predictions: %llu read ahead, %llu demand misses\n",
+      static_cast<unsigned long long>(with.exact_loads),
+      static_cast<unsigned long long>(with.misses),
+      static_cast<unsigned long long>(without.prefetch_loads),
+      static_cast<unsigned long long>(without.misses));
+  EXPECT_EQ(without.prefetch_loads, 0u) << "predicted hints wait for evidence a chunk never gives";
+  EXPECT_EQ(without.exact_hints, 0u);
+  EXPECT_GT(with.exact_hints, 0u);
+  EXPECT_EQ(with.exact_loads, with.prefetch_loads);
+  EXPECT_EQ(with.exact_wasted, 0u);
+  // The same experts are acquired either way: read ahead, or on demand.
+  const uint64_t experts = without.misses;
+  ASSERT_GT(experts, 16u);
+  EXPECT_EQ(with.misses + with.exact_loads, experts);
+  EXPECT_GE(with.exact_loads, experts / 2) << "most of the chunk's experts were read ahead";
+}
+
 // Benchmark mode: prefill takes the script's routes for every position, as decode does, on a
 // forged model (q8_0 experts, f16 dense weights) read through the file source.
 TEST(PrefillScripted, TakesTheScriptedRoutesAsDecodeDoes) {

@@ -75,6 +75,9 @@ struct PrefetchHint {
   uint32_t layer = 0;
   uint32_t expert = 0;
   float score = 0.0f;  // the router's probability, in [0, 1]
+  // The engine will acquire it at its cursor's token before passing the layer (a prefill chunk's
+  // routing): the daemon reads it at any prefetch depth (protocol.h kPrefetchExact).
+  bool exact = false;
 };
 
 // One of a model's GGUF files (a shard of a split model) as the daemon passed it: an fd opened

@@ -84,6 +84,13 @@ enum RequestOp : uint32_t {
 // holds it, until an acquire (by any session) wants it from host memory again.
 inline constexpr uint32_t kReleaseClientCopy = 1;
 
+// Request::flags of kOpPrefetch. A daemon that predates a flag ignores it (it was reserved, 0).
+// kPrefetchExact: the client will acquire this expert at its cursor's token before the cursor
+// passes the layer (a prefill chunk's routing: known, not predicted). The hint is for the
+// cursor's token even when its layer is the cursor's own, is read whatever the automatic depth
+// (a fixed depth of 0 still reads nothing), and stays out of the precision estimate.
+inline constexpr uint32_t kPrefetchExact = 1;
+
 struct Request {
   uint32_t op;
   uint32_t layer;
@@ -91,7 +98,7 @@ struct Request {
   uint32_t arg;    // kOpRelease: slot; kOpCursor: token
   uint64_t tag;    // kOpAcquire: echoed in the completion
   float score;     // kOpPrefetch
-  uint32_t flags;  // kOpRelease: kRelease*; 0 otherwise
+  uint32_t flags;  // kOpRelease: kRelease*; kOpPrefetch: kPrefetch*; 0 otherwise
 };
 static_assert(sizeof(Request) == 32);
 static_assert(offsetof(Request, tag) == 16);
