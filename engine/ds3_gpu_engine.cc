@@ -40,6 +40,9 @@ struct DevLayer {
   gpu::DevSigmoidMoe moe;  // the dense MLP, or the shared experts
 };
 
+// The most floats a dense projection is dequantised into at once (64 MiB).
+constexpr uint64_t kDenseTileFloats = uint64_t{16} << 20;
+
 // The rows of matrix `head` of a stacked per-head matrix ([n_head * rows][cols]).
 const uint8_t* head_rows(const DevMat& m, uint32_t head, uint32_t rows) {
   return m.data + uint64_t{head} * rows * m.row_bytes;
@@ -119,8 +122,21 @@ struct Ds3GpuEngine::Impl {
   float* h_cw = nullptr;
   float* ceo = nullptr;           // [chunk][k][n_embd] every route slot's expert output
   gpu::RowsScratch rows_scratch;  // the expert GEMMs over the chunk's rows (run_experts_by_rows)
-  std::vector<uint32_t> csel;     // [chunk][k] the chunk's routes
-  std::vector<uint8_t> needed;    // per expert: routed to by the chunk at this layer
+  // chunk_attention(), for chunks of gpu::kDenseGemmRows or more: each row's normed input, query
+  // latent, query, latent and rope key, attention output and projection, rows 64 floats aligned.
+  struct {
+    uint64_t e = 0, qa = 0, q = 0, kv = 0, v = 0;  // row strides
+    float* xn = nullptr;
+    float* qa_rows = nullptr;
+    float* q_rows = nullptr;
+    float* kv_rows = nullptr;
+    float* att = nullptr;
+    float* out = nullptr;
+    float* tile = nullptr;  // a dense projection, dequantised (gpu::dense_rows)
+    uint64_t tile_floats = 0;
+  } ca;
+  std::vector<uint32_t> csel;   // [chunk][k] the chunk's routes
+  std::vector<uint8_t> needed;  // per expert: routed to by the chunk at this layer
   std::vector<ExpertHint> chunk_hints;
 
   // Host scratch.
@@ -150,6 +166,13 @@ struct Ds3GpuEngine::Impl {
   Status per_head(const DevMat& m, uint32_t rows, const float* in, uint64_t in_stride, float* y,
                   uint64_t y_stride);
   Status attention(uint32_t layer);
+  // attention() for rows [0, n) of the chunk (cx) at positions pos0.., the dense projections as
+  // GEMMs over the rows, the rest row by row (attend()).
+  Status chunk_attention(uint32_t layer, uint32_t pos0, uint32_t n);
+  // attention()'s middle for one position `at`: its latent and rope key (from kv, wkv_a's output)
+  // into the cache, the roped query (qrow, in place) through attn_k_b, the attention over the
+  // cache and attn_v_b into out_row.
+  Status attend(uint32_t layer, uint32_t at, float* qrow, const float* kv, float* out_row);
   Status mlp(const DevMat& gate, const DevMat& up, const DevMat& down, float* y);
   Status route(uint32_t layer);
   Status moe(uint32_t layer);
@@ -248,6 +271,26 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   rows_scratch.down = c.take_n<float>(uint64_t{chunk} * e);
   rows_scratch.w = c.take_n<float>(uint64_t{p.n_ff_exp} * e);
   rows_scratch.d_index = c.take_n<uint32_t>(gpu::RowsScratch::host_words(p, chunk));
+  if (chunk >= gpu::kDenseGemmRows) {
+    ca.e = gpu::align_up(e, 64);
+    ca.qa = gpu::align_up(d.q_lora_rank, 64);
+    ca.q = gpu::align_up(heads * p.head_dim, 64);
+    ca.kv = gpu::align_up(lat + p.n_rot, 64);
+    ca.v = gpu::align_up(heads * d.v_head_dim, 64);
+    ca.xn = c.take_n<float>(uint64_t{chunk} * ca.e);
+    ca.qa_rows = c.take_n<float>(uint64_t{chunk} * ca.qa);
+    ca.q_rows = c.take_n<float>(uint64_t{chunk} * ca.q);
+    ca.kv_rows = c.take_n<float>(uint64_t{chunk} * ca.kv);
+    ca.att = c.take_n<float>(uint64_t{chunk} * ca.v);
+    ca.out = c.take_n<float>(uint64_t{chunk} * ca.e);
+    ca.tile_floats = 0;
+    for (const DevLayer& l : layers) {
+      for (const DevMat* m : {&l.wq_a, &l.wq_b, &l.wq, &l.wkv_a, &l.wo}) {
+        ca.tile_floats = std::max(ca.tile_floats, gpu::dense_rows_tile(*m, kDenseTileFloats));
+      }
+    }
+    ca.tile = ca.tile_floats > 0 ? c.take_n<float>(ca.tile_floats) : nullptr;
+  }
 }
 
 Status Ds3GpuEngine::Impl::init() {
@@ -339,9 +382,6 @@ Status Ds3GpuEngine::Impl::per_head(const DevMat& m, uint32_t rows, const float*
 Status Ds3GpuEngine::Impl::attention(uint32_t layer) {
   const DevLayer& l = layers[layer];
   const cudaStream_t st = compute.get();
-  const uint32_t hd = p.head_dim;
-  const uint32_t lat = d.kv_lora_rank;
-  const uint64_t ctx = opts.max_context;
   EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, l.attn_norm, xn, 1, p.n_embd, p.rms_eps, st));
   if (d.q_lora_rank > 0) {
     EXPERTD_TRY(mv(l.wq_a, xn, qa));
@@ -350,23 +390,70 @@ Status Ds3GpuEngine::Impl::attention(uint32_t layer) {
   } else {
     EXPERTD_TRY(mv(l.wq, xn, q));
   }
-  // This position's latent and rope key go straight into the cache.
   EXPERTD_TRY(mv(l.wkv_a, xn, kva));
-  float* c = latent + (layer * ctx + pos) * lat;
-  float* kr = krope + (layer * ctx + pos) * p.n_rot;
-  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(kva, l.kv_a_norm, c, 1, lat, p.rms_eps, st));
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(kr, kva + lat, uint64_t{p.n_rot} * 4, cudaMemcpyDeviceToDevice, st));
-  EXPERTD_CUDA_TRY(kernels::ds4_rope(kr, 1, p.n_rot, p.n_rot, pos, freq, false, st));
-  EXPERTD_CUDA_TRY(kernels::ds4_rope(q, p.n_head, hd, p.n_rot, pos, freq, false, st));
-  // attn_k_b folds each head's non-rope query into the latent space.
-  EXPERTD_TRY(per_head(l.wk_b, lat, q, hd, qabs, lat));
-  EXPERTD_CUDA_TRY(kernels::ds3_mla_attention(
-      qabs, q + d.qk_nope, hd, latent + layer * ctx * lat, krope + layer * ctx * p.n_rot, pos + 1,
-      p.n_head, lat, p.n_rot, kq_scale, scores, static_cast<uint32_t>(ctx), olat, st));
-  EXPERTD_TRY(per_head(l.wv_b, d.v_head_dim, olat, lat, att, d.v_head_dim));
+  EXPERTD_TRY(attend(layer, pos, q, kva, att));
   EXPERTD_TRY(mv(l.wo, att, out));
   EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::attend(uint32_t layer, uint32_t at, float* qrow, const float* kv,
+                                  float* out_row) {
+  const DevLayer& l = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t hd = p.head_dim;
+  const uint32_t lat = d.kv_lora_rank;
+  const uint64_t ctx = opts.max_context;
+  // This position's latent and rope key go straight into the cache.
+  float* c = latent + (layer * ctx + at) * lat;
+  float* kr = krope + (layer * ctx + at) * p.n_rot;
+  EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(kv, l.kv_a_norm, c, 1, lat, p.rms_eps, st));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(kr, kv + lat, uint64_t{p.n_rot} * 4, cudaMemcpyDeviceToDevice, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(kr, 1, p.n_rot, p.n_rot, at, freq, false, st));
+  EXPERTD_CUDA_TRY(kernels::ds4_rope(qrow, p.n_head, hd, p.n_rot, at, freq, false, st));
+  // attn_k_b folds each head's non-rope query into the latent space.
+  EXPERTD_TRY(per_head(l.wk_b, lat, qrow, hd, qabs, lat));
+  EXPERTD_CUDA_TRY(kernels::ds3_mla_attention(
+      qabs, qrow + d.qk_nope, hd, latent + layer * ctx * lat, krope + layer * ctx * p.n_rot, at + 1,
+      p.n_head, lat, p.n_rot, kq_scale, scores, static_cast<uint32_t>(ctx), olat, st));
+  return per_head(l.wv_b, d.v_head_dim, olat, lat, out_row, d.v_head_dim);
+}
+
+Status Ds3GpuEngine::Impl::chunk_attention(uint32_t layer, uint32_t pos0, uint32_t n) {
+  const DevLayer& l = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t e = p.n_embd;
+  auto dense = [&](const DevMat& m, const float* in, uint64_t in_stride, float* y,
+                   uint64_t y_stride) {
+    return gpu::dense_rows(blas.get(), m, in, in_stride, n, y, y_stride, ca.tile, ca.tile_floats,
+                           st);
+  };
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(
+        kernels::ds4_rms_norm(cx + i * ce, l.attn_norm, ca.xn + i * ca.e, 1, e, p.rms_eps, st));
+  }
+  if (d.q_lora_rank > 0) {
+    EXPERTD_TRY(dense(l.wq_a, ca.xn, ca.e, ca.qa_rows, ca.qa));
+    for (uint32_t i = 0; i < n; ++i) {
+      float* r = ca.qa_rows + i * ca.qa;
+      EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(r, l.q_a_norm, r, 1, d.q_lora_rank, p.rms_eps, st));
+    }
+    EXPERTD_TRY(dense(l.wq_b, ca.qa_rows, ca.qa, ca.q_rows, ca.q));
+  } else {
+    EXPERTD_TRY(dense(l.wq, ca.xn, ca.e, ca.q_rows, ca.q));
+  }
+  EXPERTD_TRY(dense(l.wkv_a, ca.xn, ca.e, ca.kv_rows, ca.kv));
+  // Row by row, decode()'s kernels: row i's latent goes into the cache before it attends (the
+  // rows after it are not read: causal).
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_TRY(
+        attend(layer, pos0 + i, ca.q_rows + i * ca.q, ca.kv_rows + i * ca.kv, ca.att + i * ca.v));
+  }
+  EXPERTD_TRY(dense(l.wo, ca.att, ca.v, ca.out, ca.e));
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, ca.out + i * ca.e, e, st));
+  }
   return Ok{};
 }
 
@@ -453,16 +540,19 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
   // layer named once its exact hints are out (route_chunk), so they target this pass.
   const uint32_t last = pos0 + n - 1;
   start_prefill_cursor(source, last, p.n_layer, stats);
+  const bool batched = n >= gpu::kDenseGemmRows && ca.xn != nullptr;
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = layer < d.dense_lead;
-    // Attention, position by position (each attends to the rows before it, written just now),
-    // then the FFN norm of each row, as decode() computes them.
+    // Attention: over the chunk's rows with the projections as GEMMs, or position by position as
+    // decode() runs it (each attends to the rows before it, written just now). Then the FFN norm
+    // of each row, as decode() computes it.
+    if (batched) EXPERTD_TRY(chunk_attention(layer, pos0, n));
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;
       xn = xn_scratch;
       pos = pos0 + i;
-      EXPERTD_TRY(attention(layer));
+      if (!batched) EXPERTD_TRY(attention(layer));
       EXPERTD_CUDA_TRY(
           kernels::ds4_rms_norm(x, l.ffn_norm, cxn + i * ce, 1, p.n_embd, p.rms_eps, st));
       if (dense) {
@@ -584,8 +674,11 @@ std::string Ds3GpuEngine::description() const {
   return fmt::format(
       "CUDA engine ({}) on {}: dense weights {} as in the file (fused "
       "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each layer's experts "
-      "hinted once per chunk), {}{}",
+      "hinted once per chunk and run as GEMMs over its rows{}), {}{}",
       family_info(Family::DeepSeek3).arch, m.device_name, gib(m.dense_device_bytes), m.chunk,
+      m.ca.xn != nullptr
+          ? fmt::format(", the attention's projections too from {} rows", gpu::kDenseGemmRows)
+          : std::string(),
       x.description(), x.arena_registered() ? "" : "; arena not registered: pageable copies");
 }
 

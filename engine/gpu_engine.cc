@@ -239,7 +239,7 @@ struct GpuEngine::Impl {
   __nv_bfloat16* chgh = nullptr;  // PrefillGemm::Bf16: [chunk][n_ff] the SwiGLU as bf16
   std::vector<std::pair<uint32_t, uint32_t>> next_counts;  // (rows, expert): the lookahead's
   std::vector<uint32_t> next_rows;                         // [n_expert] the lookahead's rows
-  gpu::RowsScratch rows_scratch;  // glm4moe's layer-by-layer prefill: its grouped expert GEMMs
+  gpu::RowsScratch rows_scratch;  // the layer-by-layer prefill's grouped expert GEMMs
   std::vector<ExpertHint> next_hints;
   uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
   uint32_t* h_rows = nullptr;
@@ -258,6 +258,13 @@ struct GpuEngine::Impl {
   float* h_crw = nullptr;
   std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes
   std::vector<uint8_t> cneeded;  // [n_expert] routed to by the chunk at this layer
+  // rows_attention() (chunks of gpu::kDenseGemmRows or more): each row's q, k, v, its attention
+  // output and the output projection, rows lqs, las and ce floats apart (nullptr: row by row).
+  uint64_t lqs = 0;
+  uint64_t las = 0;
+  float* lqkv = nullptr;
+  float* latt = nullptr;
+  float* lout = nullptr;
 
   // decode_batch() (Softmax routers): each row's residual, normalised input, routing weights
   // ([1 + depth][k], as d_weights), gate/up, SwiGLU and expert outputs (as gu, h, eo), logits;
@@ -323,6 +330,12 @@ struct GpuEngine::Impl {
   Status alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for);
   Status prefill_layerwise(std::span<const uint32_t> tokens, std::span<float> logits);
   Status layerwise_layers(uint32_t n);
+  // attention() for rows [0, n) of the layer-by-layer chunk (cx) at positions pos0..: the QKV
+  // and output projections as GEMMs over the rows, the rest with decode()'s kernels row by row.
+  Status rows_attention(uint32_t layer, uint32_t pos0, uint32_t n);
+  // attention()'s middle for one position `at`: q (then k and v) as the QKV projection wrote
+  // them, biased, normed and roped in place, k and v into the cache, the attention into out.
+  Status attend(uint32_t layer, uint32_t at, float* q, float* out);
   uint64_t prefill_scratch_bytes(uint32_t rows) const;
   Status prefill_chunk(std::span<const uint32_t> tokens, bool last, std::span<float> logits);
   Status chunk_attention(uint32_t layer, uint32_t rows);
@@ -470,7 +483,8 @@ Status GpuEngine::Impl::init() {
   h_logits = h_probs + uint64_t{1 + d} * p.n_expert;
 
   // Before the tier: Tier::Auto sizes itself from what is left. glm4moe's and gpt-oss's prefill
-  // runs decode()'s kernels layer by layer over the chunk: only the rows' buffers.
+  // runs layer by layer over the chunk: the rows' buffers, the grouped experts' scratch and
+  // rows_attention's.
   EXPERTD_TRY(host_routed(p) ? init_layerwise_prefill() : init_prefill());
   seq_pos.assign(opts.sequences, 0);
   if (opts.sequences > 1 && !host_routed(p)) EXPERTD_TRY(init_batch());
@@ -652,38 +666,9 @@ Status GpuEngine::Impl::attention(uint32_t layer) {
   const uint32_t hd = p.head_dim;
   const uint64_t q_dim = uint64_t{p.n_head} * hd;
   const uint64_t kv_dim = uint64_t{p.n_head_kv} * hd;
-  float* q = qkv;
-  float* k = qkv + q_dim;
-  float* v = k + kv_dim;
   EXPERTD_CUDA_TRY(kernels::rms_norm(x, w.attn_norm, xn, 1, p.n_embd, p.rms_eps, compute.get()));
   EXPERTD_TRY(gemv(w.wqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), p.n_embd, xn, qkv, 0.0f));
-  if (w.bqkv != nullptr) {
-    EXPERTD_CUDA_TRY(
-        kernels::add(qkv, w.bqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), compute.get()));
-  }
-  if (p.qk_norm) {
-    EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, compute.get()));
-    EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, compute.get()));
-  }
-  if (inv_freq != nullptr) {
-    EXPERTD_CUDA_TRY(
-        kernels::rope_neox_freqs(q, p.n_head, hd, p.n_rot, pos, inv_freq, mscale, compute.get()));
-    EXPERTD_CUDA_TRY(kernels::rope_neox_freqs(k, p.n_head_kv, hd, p.n_rot, pos, inv_freq, mscale,
-                                              compute.get()));
-  } else {
-    EXPERTD_CUDA_TRY(rope(p, q, p.n_head, pos, compute.get()));
-    EXPERTD_CUDA_TRY(rope(p, k, p.n_head_kv, pos, compute.get()));
-  }
-  EXPERTD_CUDA_TRY(cudaMemcpyAsync(k_cache + kv_index(layer, pos), k, kv_dim * 4,
-                                   cudaMemcpyDeviceToDevice, compute.get()));
-  EXPERTD_CUDA_TRY(cudaMemcpyAsync(v_cache + kv_index(layer, pos), v, kv_dim * 4,
-                                   cudaMemcpyDeviceToDevice, compute.get()));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  // gpt-oss: a sliding layer sees its last swa_window positions, as CpuEngine::attend.
-  const uint32_t first = p.sliding(layer) && pos >= p.swa_window ? pos + 1 - p.swa_window : 0;
-  EXPERTD_CUDA_TRY(kernels::decode_attention(
-      q, k_cache + kv_index(layer, 0), v_cache + kv_index(layer, 0), att, p.n_head, p.n_head_kv, hd,
-      pos + 1, scale, compute.get(), first, w.sinks));
+  EXPERTD_TRY(attend(layer, pos, qkv, att));
   // x += Wo att (beta = 1 accumulates into the residual stream), then gpt-oss's output bias.
   EXPERTD_TRY(gemv(w.wo, p.n_embd, static_cast<uint32_t>(q_dim), att, x, 1.0f));
   if (w.bo != nullptr) EXPERTD_CUDA_TRY(kernels::add(x, w.bo, p.n_embd, compute.get()));
@@ -942,16 +927,21 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   cne = align_up(p.n_expert, 64);
   // Each row's router logits, then the lookahead layers' (route_chunk's `ahead`).
   crs = uint64_t{1 + opts.prefetch_depth} * cne;
-  // glm4moe's routed experts run grouped by expert over the chunk (run_experts_by_rows): their
-  // scratch and every route slot's output. gpt-oss's run row by row (decode()'s kernels).
-  const bool grouped = p.act != ExpertAct::ClampedSwiglu;
+  // The routed experts run grouped by expert over the chunk (run_experts_by_rows): their scratch
+  // and every route slot's output.
   auto grouped_floats = [&](uint64_t c) {
-    return grouped ? gpu::RowsScratch::device_floats(p, c) + c * k * p.n_embd +
-                         gpu::RowsScratch::host_words(p, c)
-                   : 0;
+    return gpu::RowsScratch::device_floats(p, c) + c * k * p.n_embd +
+           gpu::RowsScratch::host_words(p, c);
+  };
+  // rows_attention's rows, for chunks that run it.
+  lqs = align_up(uint64_t{p.n_head + 2 * p.n_head_kv} * p.head_dim, 64);
+  las = align_up(uint64_t{p.n_head} * p.head_dim, 64);
+  auto attention_floats = [&](uint64_t c) {
+    return c >= gpu::kDenseGemmRows ? c * (lqs + las + ce) : 0;
   };
   EXPERTD_TRY(alloc_chunk_scratch([&](uint64_t c) {
-    return (c * ce * 2 + c * crs + c * k + grouped_floats(c)) * 4 + 12 * kAlign;
+    return (c * ce * 2 + c * crs + c * k + grouped_floats(c) + attention_floats(c)) * 4 +
+           15 * kAlign;
   }));
   const uint64_t c = chunk;
   uint8_t* cursor = chunk_mem.get();
@@ -964,18 +954,21 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   cxn = take(c * ce);
   crl = take(c * crs);
   crw = take(c * k);
-  const uint64_t index_words = grouped ? gpu::RowsScratch::host_words(p, c) : 0;
-  if (grouped) {
-    ceo = take(c * k * p.n_embd);
-    rows_scratch.xe = take(c * p.n_embd);
-    rows_scratch.hg = take(c * p.n_ff_exp);
-    rows_scratch.hu = take(c * p.n_ff_exp);
-    rows_scratch.down = take(c * p.n_embd);
-    rows_scratch.w = take(uint64_t{p.n_ff_exp} * p.n_embd);
-    rows_scratch.d_index = reinterpret_cast<uint32_t*>(take(index_words));
-    rows_scratch.count.resize(p.n_expert);
-    rows_scratch.first.resize(p.n_expert);
-    rows_scratch.needed.reserve(p.n_expert);
+  const uint64_t index_words = gpu::RowsScratch::host_words(p, c);
+  ceo = take(c * k * p.n_embd);
+  rows_scratch.xe = take(c * p.n_embd);
+  rows_scratch.hg = take(c * p.n_ff_exp);
+  rows_scratch.hu = take(c * p.n_ff_exp);
+  rows_scratch.down = take(c * p.n_embd);
+  rows_scratch.w = take(uint64_t{p.n_ff_exp} * p.n_embd);
+  rows_scratch.d_index = reinterpret_cast<uint32_t*>(take(index_words));
+  rows_scratch.count.resize(p.n_expert);
+  rows_scratch.first.resize(p.n_expert);
+  rows_scratch.needed.reserve(p.n_expert);
+  if (c >= gpu::kDenseGemmRows) {
+    lqkv = take(c * lqs);
+    latt = take(c * las);
+    lout = take(c * ce);
   }
   EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * crs + c * k + index_words) * 4));
   h_crl = chunk_host.get<float>();
@@ -1014,6 +1007,71 @@ Status GpuEngine::Impl::prefill_layerwise(std::span<const uint32_t> tokens,
   return end_prefill_chunk(std::move(done), routing_log, logged, n, pos0, pos, stats);
 }
 
+Status GpuEngine::Impl::attend(uint32_t layer, uint32_t at, float* q, float* out) {
+  const DevLayer& w = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t hd = p.head_dim;
+  const uint64_t q_dim = uint64_t{p.n_head} * hd;
+  const uint64_t kv_dim = uint64_t{p.n_head_kv} * hd;
+  float* k = q + q_dim;
+  float* v = k + kv_dim;
+  if (w.bqkv != nullptr) {
+    EXPERTD_CUDA_TRY(kernels::add(q, w.bqkv, static_cast<uint32_t>(q_dim + 2 * kv_dim), st));
+  }
+  if (p.qk_norm) {
+    EXPERTD_CUDA_TRY(kernels::rms_norm(q, w.q_norm, q, p.n_head, hd, p.rms_eps, st));
+    EXPERTD_CUDA_TRY(kernels::rms_norm(k, w.k_norm, k, p.n_head_kv, hd, p.rms_eps, st));
+  }
+  if (inv_freq != nullptr) {
+    EXPERTD_CUDA_TRY(kernels::rope_neox_freqs(q, p.n_head, hd, p.n_rot, at, inv_freq, mscale, st));
+    EXPERTD_CUDA_TRY(
+        kernels::rope_neox_freqs(k, p.n_head_kv, hd, p.n_rot, at, inv_freq, mscale, st));
+  } else {
+    EXPERTD_CUDA_TRY(rope(p, q, p.n_head, at, st));
+    EXPERTD_CUDA_TRY(rope(p, k, p.n_head_kv, at, st));
+  }
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(k_cache + kv_index(layer, at), k, kv_dim * 4, cudaMemcpyDeviceToDevice, st));
+  EXPERTD_CUDA_TRY(
+      cudaMemcpyAsync(v_cache + kv_index(layer, at), v, kv_dim * 4, cudaMemcpyDeviceToDevice, st));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // gpt-oss: a sliding layer sees its last swa_window positions, as CpuEngine::attend.
+  const uint32_t first = p.sliding(layer) && at >= p.swa_window ? at + 1 - p.swa_window : 0;
+  EXPERTD_CUDA_TRY(kernels::decode_attention(q, k_cache + kv_index(layer, 0),
+                                             v_cache + kv_index(layer, 0), out, p.n_head,
+                                             p.n_head_kv, hd, at + 1, scale, st, first, w.sinks));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::rows_attention(uint32_t layer, uint32_t pos0, uint32_t n) {
+  const DevLayer& w = layers[layer];
+  const cudaStream_t st = compute.get();
+  const uint32_t hd = p.head_dim;
+  const uint64_t q_dim = uint64_t{p.n_head} * hd;
+  const uint64_t qkv_dim = q_dim + 2 * uint64_t{p.n_head_kv} * hd;
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(
+        kernels::rms_norm(cx + i * ce, w.attn_norm, cxn + i * ce, 1, p.n_embd, p.rms_eps, st));
+  }
+  // The dense weights are f32 on the device: GEMMs on them as they are.
+  const gpu::DevMat wqkv{GgmlType::F32, reinterpret_cast<const uint8_t*>(w.wqkv),
+                         static_cast<uint32_t>(qkv_dim), p.n_embd, uint64_t{p.n_embd} * 4};
+  EXPERTD_TRY(gpu::dense_rows(blas.get(), wqkv, cxn, ce, n, lqkv, lqs, nullptr, 0, st));
+  // Row by row: row i's K and V go into the cache before it attends (the rows after it are not
+  // read: causal).
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_TRY(attend(layer, pos0 + i, lqkv + i * lqs, latt + i * las));
+  }
+  const gpu::DevMat wo{GgmlType::F32, reinterpret_cast<const uint8_t*>(w.wo), p.n_embd,
+                       static_cast<uint32_t>(q_dim), q_dim * 4};
+  EXPERTD_TRY(gpu::dense_rows(blas.get(), wo, latt, las, n, lout, ce, nullptr, 0, st));
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, lout + i * ce, p.n_embd, st));
+    if (w.bo != nullptr) EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, w.bo, p.n_embd, st));
+  }
+  return Ok{};
+}
+
 Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
@@ -1027,14 +1085,17 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
   for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
     const DevLayer& l = layers[layer];
     const bool dense = p.dense_layer(layer);
-    // Each position's attention (it attends to the rows before it, written just now), its FFN
-    // norm, and its dense MLP or router, with decode()'s kernels in decode()'s order.
+    // The chunk's attention: its projections as GEMMs over the rows (rows_attention) or each
+    // position's attention() (it attends to the rows before it, written just now). Then each
+    // row's FFN norm and its dense MLP or router, with decode()'s kernels in decode()'s order.
+    const bool batched = n >= gpu::kDenseGemmRows && lqkv != nullptr;
+    if (batched) EXPERTD_TRY(rows_attention(layer, pos0, n));
     for (uint32_t i = 0; i < n; ++i) {
       x = cx + i * ce;
       xn = xn_scratch;
       pos = pos0 + i;
       float* rn = cxn + i * ce;
-      EXPERTD_TRY(attention(layer));
+      if (!batched) EXPERTD_TRY(attention(layer));
       EXPERTD_CUDA_TRY(kernels::rms_norm(x, l.ffn_norm, rn, 1, p.n_embd, p.rms_eps, st));
       if (dense) {
         EXPERTD_TRY(
@@ -1083,27 +1144,15 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
           gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats, st));
       continue;
     }
+    // gptoss_ffn over the rows: the routed experts grouped by expert, each applied to all its rows
+    // as GEMMs with its biases and clamped SwiGLU; then each row's weighted sum, as decode()'s.
+    const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, {}};
+    EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
+                                         std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
+                                         cxn, ce, ptrs, p, rows_scratch, ceo, stats, st, &oai));
     for (uint32_t i = 0; i < n; ++i) {
-      x = cx + i * ce;
-      xn = cxn + i * ce;
-      pos = pos0 + i;
-      const std::span<const uint32_t> sel(csel.data() + uint64_t{i} * k, k);
-      const float* w = crw + uint64_t{i} * k;
-      // gptoss_ffn with this row's route.
-      uint64_t waited = 0;
-      EXPERTD_TRY(experts->acquire(layer, sel, ptrs, &waited));
-      stats.experts_used += k;
-      const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, sel};
-      EXPERTD_TRY(gpu::run_experts(experts->shape(layer),
-                                   std::span<const ExpertPtrs>(ptrs.data(), k), p.n_ff_exp,
-                                   p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
-      EXPERTD_TRY(experts->finish_layer());
-      EXPERTD_CUDA_TRY(kernels::moe_combine(eo, w, x, k, p.n_embd, st));
-      // The holds of the rows' misses go back after a sync once they reach top-k, as many as
-      // decode() keeps: a small daemon cache never runs out of slots to a chunk.
-      if (experts->demand_holds() >= k && i + 1 < n) {
-        EXPERTD_TRY(experts->sync_compute());
-      }
+      EXPERTD_CUDA_TRY(kernels::moe_combine(ceo + uint64_t{i} * k * p.n_embd, crw + uint64_t{i} * k,
+                                            cx + i * ce, k, p.n_embd, st));
     }
   }
   pos = pos0;
@@ -1372,7 +1421,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
     first += expert_rows[ex];
     if (expert_rows[ex] == 0) continue;
     needed.push_back(ex);
-    needed_hints.push_back(ExpertHint{layer, ex, 1.0f});
+    needed_hints.push_back(ExpertHint{layer, ex, 1.0f, true});
   }
   // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
   // slot, so the combine sums in decode's order.
@@ -1764,7 +1813,8 @@ Status GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<floa
   // One pass over the layers: the tier keeps the residents of the layers it has not reached.
   const gpu::TierSweep sweep(*impl_->experts, tokens.size());
   // glm4moe and gpt-oss (biases, dense layers, host routing, shared expert, sinks, windows):
-  // decode()'s kernels layer by layer over the chunk, each expert read once per chunk.
+  // layer by layer over the chunk, the projections and experts as GEMMs over the rows, each
+  // expert read once per chunk.
   if (host_routed(impl_->p)) return impl_->prefill_layerwise(tokens, logits);
   return impl_->prefill_chunk(tokens, !logits.empty(), logits);
 }
@@ -1809,7 +1859,12 @@ std::string GpuEngine::description() const {
   const Impl& m = *impl_;
   const GpuExperts& x = *m.experts;
   const std::string tier = x.description();
-  const std::string how = host_routed(m.p) ? ", layer by layer" : "";
+  const std::string how =
+      !host_routed(m.p) ? ""
+      : m.lqkv != nullptr
+          ? fmt::format(", layer by layer, the attention's projections as GEMMs from {} rows",
+                        gpu::kDenseGemmRows)
+          : ", layer by layer";
   const std::string prefill =
       m.chunk == m.chunk_asked
           ? fmt::format("prefill in chunks of {}{} ({} scratch)", m.chunk, how, gib(m.chunk_bytes))

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "base/clock.h"
 #include "engine/cpu_ops.h"
@@ -114,10 +115,64 @@ Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32
   return Ok{};
 }
 
+uint64_t dense_rows_tile(const DevMat& m, uint64_t cap) {
+  if (m.type == GgmlType::F32 || m.rows == 0 || m.cols == 0) return 0;
+  const uint64_t whole = uint64_t{m.rows} * m.cols;
+  // Whole rows only: a cap below one row still takes one.
+  return std::max<uint64_t>(m.cols, std::min(whole, cap / m.cols * m.cols));
+}
+
+Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_t in_stride,
+                  uint32_t rows, float* out, uint64_t out_stride, float* tile, uint64_t tile_floats,
+                  cudaStream_t stream) {
+  if (rows == 0) return Ok{};
+  if (in_stride < m.cols || out_stride < m.rows) {
+    return make_error(EINVAL, fmt::format("dense_rows: row strides {} and {} below the matrix's "
+                                          "{} columns and {} rows",
+                                          in_stride, out_stride, m.cols, m.rows));
+  }
+  // Column-major, out^T = w^T-as-stored^T in^T, as sgemm_rows.
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  auto gemm = [&](const float* w, uint64_t w_rows, uint64_t lda, float* y) -> Status {
+    EXPERTD_CUBLAS_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w_rows),
+                                   static_cast<int>(rows), static_cast<int>(m.cols), &alpha, w,
+                                   static_cast<int>(lda), in, static_cast<int>(in_stride), &beta, y,
+                                   static_cast<int>(out_stride)));
+    return Ok{};
+  };
+  if (m.type == GgmlType::F32) {
+    if (m.row_bytes % 4 != 0 || m.row_bytes / 4 < m.cols) {
+      return make_error(EINVAL, fmt::format("dense_rows: f32 rows of {} bytes for {} columns",
+                                            m.row_bytes, m.cols));
+    }
+    return gemm(reinterpret_cast<const float*>(m.data), m.rows, m.row_bytes / 4, out);
+  }
+  const uint64_t per_tile = tile_floats / m.cols;
+  if (tile == nullptr || per_tile == 0) {
+    return make_error(EINVAL, fmt::format("dense_rows: a tile of {} floats holds no row of {} "
+                                          "columns",
+                                          tile_floats, m.cols));
+  }
+  // Rows back to back (as a file stores them) dequantise as one run; padded rows one at a time.
+  const std::optional<uint64_t> packed = ggml_row_bytes(m.type, m.cols);
+  const bool contiguous = packed && *packed == m.row_bytes;
+  for (uint64_t r0 = 0; r0 < m.rows; r0 += per_tile) {
+    const uint64_t t = std::min<uint64_t>(per_tile, m.rows - r0);
+    for (uint64_t r = 0; r < t; r += contiguous ? t : 1) {
+      const uint64_t count = contiguous ? t : 1;
+      EXPERTD_CUDA_TRY(kernels::dequantize(m.type, m.data + (r0 + r) * m.row_bytes,
+                                           tile + r * m.cols, count * m.cols, stream));
+    }
+    EXPERTD_TRY(gemm(tile, t, m.cols, out + r0));
+  }
+  return Ok{};
+}
+
 Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
                            std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
-                           float* eo, EngineStats& stats, cudaStream_t st) {
+                           float* eo, EngineStats& stats, cudaStream_t st, const OaiExperts* oai) {
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   const uint64_t nk = uint64_t{n} * k;
@@ -171,9 +226,18 @@ Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t la
       EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hg));
       EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, s.w, proj, st));
       EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hu));
-      EXPERTD_CUDA_TRY(kernels::swiglu(s.hg, s.hu, s.hg, uint64_t{rows} * ff, st));
+      if (oai == nullptr) {
+        EXPERTD_CUDA_TRY(kernels::swiglu(s.hg, s.hu, s.hg, uint64_t{rows} * ff, st));
+      } else {
+        const uint64_t bias = uint64_t{ex} * ff;
+        EXPERTD_CUDA_TRY(kernels::oai_swiglu_rows(s.hg, s.hu, oai->gate_b + bias, oai->up_b + bias,
+                                                  s.hg, rows, ff, kGptOssAlpha, kGptOssLimit, st));
+      }
       EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, s.w, proj, st));
       EXPERTD_TRY(sgemm_rows(blas, s.w, e, ff, s.hg, rows, s.down));
+      if (oai != nullptr) {
+        EXPERTD_CUDA_TRY(kernels::add_rows(s.down, oai->down_b + uint64_t{ex} * e, rows, e, st));
+      }
       EXPERTD_CUDA_TRY(kernels::scatter_rows(s.down, dest, rows, e, eo, st));
     }
     EXPERTD_TRY(experts.finish_layer());
@@ -307,7 +371,7 @@ Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const 
       route_weights[uint64_t{i} * k + j] = weights[j];
       if (seen[ex] == 0) {
         seen[ex] = 1;
-        hints.push_back(ExpertHint{layer, ex, 1.0f});
+        hints.push_back(ExpertHint{layer, ex, 1.0f, true});
       }
     }
   }

@@ -434,13 +434,15 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
                        EngineStats& stats, cudaStream_t stream);
 
 // A chunk's rows through their routed experts, grouped by expert (the layer-by-layer prefills of
-// DeepSeek-V3/Kimi and GLM-4.5): eo[r][j] (row-major [n][k][n_embd]) = SwiGLU expert
+// DeepSeek-V3/Kimi, GLM-4.5 and gpt-oss): eo[r][j] (row-major [n][k][n_embd]) = SwiGLU expert
 // routes[r * k + j] applied to row r of xn (rows `stride` floats apart). Each distinct expert is
 // acquired once, top-k at a time, and applied to all its rows as f32 cuBLAS GEMMs on a copy
 // dequantised into `w` (GpuEngine::chunk_moe's numbers); the compute stream is synchronised after
 // each group and the holds given back, so a cache sized for decode is enough. Counts the experts
 // in experts_used. The scratch is sized for the chunk: device_floats() floats on the device (xe
-// .. w) and host_words() pinned words (h_index), d_index the device copy of h_index.
+// .. w) and host_words() pinned words (h_index), d_index the device copy of h_index. With `oai`
+// (gpt-oss; its `selected` unused) each expert's biases are added and its clamped SwiGLU applied
+// to all its rows at once, as run_experts does to one row.
 struct RowsScratch {
   float* xe = nullptr;          // [rows][n_embd] one expert's rows
   float* hg = nullptr;          // [rows][n_ff_exp] gate, then the SwiGLU
@@ -460,7 +462,8 @@ struct RowsScratch {
 Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
                            std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
-                           float* eo, EngineStats& stats, cudaStream_t stream);
+                           float* eo, EngineStats& stats, cudaStream_t stream,
+                           const OaiExperts* oai = nullptr);
 // run_sigmoid_moe over a chunk's rows: the routed experts by run_experts_by_rows (into eo), then
 // per row its shared experts (s.g, s.u, s.shared) and the sum weighted by weights[r] (device,
 // [n][k]) into y, added to row r of x (x and xn rows `stride` floats apart), in decode's order.
@@ -475,5 +478,21 @@ Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t l
 // f32 cuBLAS GEMM every CUDA engine's prefill runs (the handle's math mode decides TF32: pedantic).
 Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
                   const float* in, uint32_t rows, float* out, float beta = 0.0f);
+
+// out[r][0, m.rows) = m in[r][0, m.cols) for rows r of a chunk (rows `in_stride` and `out_stride`
+// floats apart), for a dense matrix of any file type: f32 multiplied as it is, any other type
+// dequantised a tile of whole rows at a time into `tile` (at most `tile_floats` floats) and
+// multiplied tile by tile, so the scratch bounds the memory, not the matrix. The f32 cuBLAS GEMM
+// of sgemm_rows on `blas`'s stream, which must be `stream`. A prefill's dense projections: the
+// weights read once per chunk rather than once per row.
+Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_t in_stride,
+                  uint32_t rows, float* out, uint64_t out_stride, float* tile, uint64_t tile_floats,
+                  cudaStream_t stream);
+// The tile dense_rows needs for `m` (0 for f32, which needs none), at most `cap` floats.
+uint64_t dense_rows_tile(const DevMat& m, uint64_t cap);
+// The layer-by-layer prefills (Ds3GpuEngine's MLA, GpuEngine's for GLM-4.5 and gpt-oss) run a
+// chunk's attention projections as dense_rows GEMMs from this many rows; fewer run decode()'s
+// attention row by row. Dequantising a matrix for a GEMM costs about what eight rows' matvecs read.
+inline constexpr uint32_t kDenseGemmRows = 8;
 
 }  // namespace expertd::engine::gpu

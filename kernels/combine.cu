@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/combine.cuh"
 
 namespace expertd::kernels {
@@ -33,6 +35,14 @@ __global__ void __launch_bounds__(kThreads) add_kernel(float* x, const float* y,
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    add_rows_kernel(float* x, const float* b, uint64_t total, uint32_t n) {
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += stride) {
+    x[i] += b[i % n];
+  }
+}
+
 }  // namespace
 
 cudaError_t moe_combine(const float* expert_out, const float* weights, float* x, uint32_t k,
@@ -47,6 +57,14 @@ cudaError_t moe_combine(const float* expert_out, const float* weights, float* x,
 cudaError_t add(float* x, const float* y, uint32_t n, cudaStream_t stream) {
   if (x == nullptr || y == nullptr || n == 0) return cudaErrorInvalidValue;
   add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t add_rows(float* x, const float* b, uint32_t rows, uint32_t n, cudaStream_t stream) {
+  if (x == nullptr || b == nullptr || rows == 0 || n == 0) return cudaErrorInvalidValue;
+  const uint64_t total = uint64_t{rows} * n;
+  const uint64_t blocks = std::min<uint64_t>((total + kThreads - 1) / kThreads, kMaxBlocks);
+  add_rows_kernel<<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(x, b, total, n);
   return cudaGetLastError();
 }
 

@@ -19,12 +19,14 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     oai_swiglu_kernel(const float* gate, const float* up, const float* bg, const float* bu,
-                      float* out, uint64_t n, float alpha, float limit) {
+                      float* out, uint64_t n, uint64_t period, float alpha, float limit) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-    // The sums and clamps in float, the rest in double: CpuEngine's operations.
-    const double g = fminf(__fadd_rn(gate[i], bg[i]), limit);
-    const double u = fminf(fmaxf(__fadd_rn(up[i], bu[i]), -limit), limit);
+    // The biases repeat every `period` values (a row). The sums and clamps in float, the rest in
+    // double: CpuEngine's operations.
+    const uint64_t c = i % period;
+    const double g = fminf(__fadd_rn(gate[i], bg[c]), limit);
+    const double u = fminf(fmaxf(__fadd_rn(up[i], bu[c]), -limit), limit);
     out[i] = static_cast<float>((u + 1.0) * g / (1.0 + exp(-static_cast<double>(alpha) * g)));
   }
 }
@@ -40,7 +42,22 @@ cudaError_t oai_swiglu(const float* gate, const float* up, const float* bg, cons
   uint64_t blocks = (n + kThreads - 1) / kThreads;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   oai_swiglu_kernel<<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(gate, up, bg, bu, out,
-                                                                            n, alpha, limit);
+                                                                            n, n, alpha, limit);
+  return cudaGetLastError();
+}
+
+cudaError_t oai_swiglu_rows(const float* gate, const float* up, const float* bg, const float* bu,
+                            float* out, uint32_t rows, uint64_t n, float alpha, float limit,
+                            cudaStream_t stream) {
+  if (gate == nullptr || up == nullptr || bg == nullptr || bu == nullptr || out == nullptr ||
+      rows == 0 || n == 0) {
+    return cudaErrorInvalidValue;
+  }
+  const uint64_t total = uint64_t{rows} * n;
+  uint64_t blocks = (total + kThreads - 1) / kThreads;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  oai_swiglu_kernel<<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(gate, up, bg, bu, out,
+                                                                            total, n, alpha, limit);
   return cudaGetLastError();
 }
 

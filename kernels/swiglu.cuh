@@ -16,5 +16,10 @@ cudaError_t swiglu(const float* gate, const float* up, float* out, uint64_t n, c
 // or up.
 cudaError_t oai_swiglu(const float* gate, const float* up, const float* bg, const float* bu,
                        float* out, uint64_t n, float alpha, float limit, cudaStream_t stream);
+// The same over `rows` rows of n values back to back (one expert's rows of a prefill chunk), every
+// row with the same biases bg, bu (n each).
+cudaError_t oai_swiglu_rows(const float* gate, const float* up, const float* bg, const float* bu,
+                            float* out, uint32_t rows, uint64_t n, float alpha, float limit,
+                            cudaStream_t stream);
 
 }  // namespace expertd::kernels

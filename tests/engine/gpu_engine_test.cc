@@ -179,11 +179,11 @@ void expect_gpu_matches_cpu_on_file(const std::string& gguf, const std::vector<u
 uint64_t chunk_experts(const std::vector<RoutingRecord>& log, uint32_t chunk, uint32_t n);
 
 // prefill() in chunks of `chunk` on the GPU, through a VRAM tier of `slots`, is decode() of each
-// token: the last logits within 1e-4 (DeepSeek-V3's and GLM-4.5's routed experts run as GEMMs
-// over their rows, run_experts_by_rows, decode()'s as matvecs: the same f32 products summed in
-// another order; gpt-oss's row by row, to the bit) and every routing decision, the chunks and
-// positions counted, each chunk's distinct (layer, expert) pairs counted once, the engine at the
-// prompt's end and decoding on from there, every hold given back.
+// token: the last logits within 1e-4 (DeepSeek-V3's, GLM-4.5's and gpt-oss's routed experts run
+// as GEMMs over their rows, run_experts_by_rows, and from 8 rows their attention's projections
+// too, decode()'s as matvecs: the same f32 products summed in another order) and every routing
+// decision, the chunks and positions counted, each chunk's distinct (layer, expert) pairs counted
+// once, the engine at the prompt's end and decoding on from there, every hold given back.
 void expect_chunked_prefill_is_decode(const DenseModel& model, const std::vector<uint32_t>& tokens,
                                       uint32_t chunk, uint64_t slots) {
   SCOPED_TRACE(fmt::format("tier slots {} chunk {}", slots, chunk));

@@ -38,6 +38,7 @@
 #include "base/half.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
+#include "engine/gpu_experts.h"
 #include "kernels/attention.cuh"
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
@@ -494,6 +495,103 @@ TEST_F(GpuKernels, OaiSwigluMatchesCpu) {
                      engine::kGptOssLimit, stream_));
   CUDA_OK(sync());
   EXPECT_LE(normalised_error(dg.download(), want), 1e-6);
+}
+
+// oai_swiglu_rows (gpt-oss's prefill, an expert's rows at once) is oai_swiglu on each row with
+// the same biases, to the bit; add_rows is add of the bias to each row, to the bit.
+TEST_F(GpuKernels, OaiSwigluRowsAndAddRowsAreTheOneRowKernelsOnEachRow) {
+  std::mt19937_64 rng(15);
+  for (const auto& [rows, n] : {std::pair{1u, 3000u}, std::pair{7u, 777u}, std::pair{33u, 2880u}}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows of " << n);
+    const uint64_t total = uint64_t{rows} * n;
+    const std::vector<float> g = uniform(total, rng, -12.0f, 12.0f);
+    const std::vector<float> u = uniform(total, rng, -12.0f, 12.0f);
+    const std::vector<float> bg = uniform(n, rng, -1.0f, 1.0f);
+    const std::vector<float> bu = uniform(n, rng, -1.0f, 1.0f);
+    DeviceBuffer<float> dg(g);
+    DeviceBuffer<float> du(u);
+    DeviceBuffer<float> dbg(bg);
+    DeviceBuffer<float> dbu(bu);
+    DeviceBuffer<float> rows_out(total);
+    DeviceBuffer<float> one_out(total);
+    CUDA_OK(oai_swiglu_rows(dg.get(), du.get(), dbg.get(), dbu.get(), rows_out.get(), rows, n,
+                            engine::kGptOssAlpha, engine::kGptOssLimit, stream_));
+    for (uint32_t r = 0; r < rows; ++r) {
+      const uint64_t at = uint64_t{r} * n;
+      CUDA_OK(oai_swiglu(dg.get() + at, du.get() + at, dbg.get(), dbu.get(), one_out.get() + at, n,
+                         engine::kGptOssAlpha, engine::kGptOssLimit, stream_));
+    }
+    CUDA_OK(sync());
+    EXPECT_EQ(bit_mismatches(rows_out.download(), one_out.download()), 0u);
+
+    std::vector<float> want = g;
+    for (uint64_t i = 0; i < total; ++i) want[i] += bg[i % n];
+    CUDA_OK(add_rows(dg.get(), dbg.get(), rows, n, stream_));
+    CUDA_OK(sync());
+    EXPECT_EQ(bit_mismatches(dg.download(), want), 0u);
+  }
+  EXPECT_EQ(oai_swiglu_rows(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 1.0f, 1.0f, stream_),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(add_rows(nullptr, nullptr, 1, 1, stream_), cudaErrorInvalidValue);
+}
+
+// gpu::dense_rows (a prefill's dense projections as GEMMs over a chunk's rows) against the CPU's
+// matvec of each row, for f32 and quantised matrices, padded input and output rows, a tile that
+// takes the matrix in many pieces (the last one short) and one that takes it whole; and its
+// errors for a stride below the matrix and a tile that holds no row.
+TEST_F(GpuKernels, DenseRowsIsEachRowsMatvecWhateverTheTile) {
+  std::mt19937_64 rng(16);
+  auto blas = cuda::CublasHandle::create(stream_);
+  ASSERT_TRUE(blas) << blas.error().message;
+  ASSERT_EQ(cublasSetMathMode(blas->get(), CUBLAS_PEDANTIC_MATH), CUBLAS_STATUS_SUCCESS);
+  const uint32_t cols = 512;
+  const uint32_t out_rows = 300;
+  const uint32_t rows = 9;
+  const uint64_t in_stride = cols + 64;
+  const uint64_t out_stride = out_rows + 20;
+  for (const GgmlType type : {GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_K}) {
+    const uint64_t row_bytes = data_bytes(type, cols);
+    const std::vector<uint8_t> w = random_weights(type, out_rows, cols, row_bytes, rng);
+    std::vector<float> in(rows * in_stride, 0.0f);
+    std::vector<float> want(rows * out_stride, 0.0f);
+    for (uint32_t r = 0; r < rows; ++r) {
+      const std::vector<float> x = uniform(cols, rng);
+      std::copy(x.begin(), x.end(), in.begin() + r * in_stride);
+      const std::vector<float> y = cpu_matvec(type, w.data(), out_rows, cols, row_bytes, x);
+      std::copy(y.begin(), y.end(), want.begin() + r * out_stride);
+    }
+    DeviceBuffer<uint8_t> dw(w);
+    DeviceBuffer<float> din(in);
+    const engine::gpu::DevMat m{type, dw.get(), out_rows, cols, row_bytes};
+    for (const uint64_t tile_rows : {uint64_t{7}, uint64_t{out_rows}}) {
+      SCOPED_TRACE(testing::Message() << ggml_type_name(type) << " tile rows " << tile_rows);
+      const uint64_t tile_floats = engine::gpu::dense_rows_tile(m, tile_rows * cols);
+      EXPECT_EQ(tile_floats, type == GgmlType::F32 ? 0u : tile_rows * cols);
+      DeviceBuffer<float> tile(std::max<uint64_t>(tile_floats, 1));
+      DeviceBuffer<float> dout(std::vector<float>(rows * out_stride, 0.0f));
+      auto st = engine::gpu::dense_rows(blas->get(), m, din.get(), in_stride, rows, dout.get(),
+                                        out_stride, tile.get(), tile_floats, stream_);
+      ASSERT_TRUE(st) << st.error().message;
+      CUDA_OK(sync());
+      const double err = normalised_error(dout.download(), want);
+      EXPECT_LE(err, 1e-5);
+      worst_errors()["dense_rows"] = std::max(worst_errors()["dense_rows"], err);
+    }
+  }
+  const std::vector<uint8_t> w =
+      random_weights(GgmlType::Q8_0, 4, cols, data_bytes(GgmlType::Q8_0, cols), rng);
+  DeviceBuffer<uint8_t> dw(w);
+  DeviceBuffer<float> buf(8 * cols);
+  const engine::gpu::DevMat m{GgmlType::Q8_0, dw.get(), 4, cols, data_bytes(GgmlType::Q8_0, cols)};
+  auto narrow = engine::gpu::dense_rows(blas->get(), m, buf.get(), cols - 1, 1, buf.get(), 4,
+                                        buf.get(), cols, stream_);
+  ASSERT_FALSE(narrow);
+  EXPECT_NE(narrow.error().message.find("below the matrix"), std::string::npos)
+      << narrow.error().message;
+  auto small = engine::gpu::dense_rows(blas->get(), m, buf.get(), cols, 1, buf.get(), 4, buf.get(),
+                                       cols - 1, stream_);
+  ASSERT_FALSE(small);
+  EXPECT_NE(small.error().message.find("holds no row"), std::string::npos) << small.error().message;
 }
 
 // YaRN's NEOX rope (gpt-oss) against CpuEngine's rope_neox_freqs with the same frequencies.

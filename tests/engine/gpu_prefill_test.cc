@@ -202,11 +202,11 @@ TEST(GpuPrefill, HintsStayWithinTheDaemonsSlots) {
   }
 }
 
-// The daemon reads a prefill layer's experts ahead of their acquires: the layer's exact hints
-// are sent while the daemon's cursor is still before the layer (start_prefill_cursor), so a daemon
-// with a fixed prefetch depth of 1 loads them while the first groups are acquired and computed.
-// (Sent after the cursor named the layer, as the CUDA prefills did until 2026-12-04, a hint for
-// the cursor's own layer is for the next token, which no depth reaches: nothing was read ahead.)
+// The daemon reads a prefill layer's experts ahead of their acquires: the layer's hints are
+// flagged exact, and a fresh daemon, whose automatic prefetch depth is 0 until predicted hints
+// earn it, reads them while the first groups are acquired and computed. (Unflagged, a one-chunk
+// prompt on a fresh daemon read nothing ahead; and sent after the cursor named the layer, as the
+// CUDA prefills did until 2026-12-04, a hint for the cursor's own layer was for the next token.)
 // No lookahead (depth 0), so every load comes from the exact hints. GpuEngine's chunked and
 // layer-by-layer prefills and Ds3GpuEngine's, in place, through a real expertd.
 TEST(GpuPrefill, TheDaemonReadsALayersExactHintsAhead) {
@@ -233,8 +233,7 @@ TEST(GpuPrefill, TheDaemonReadsALayersExactHintsAhead) {
   for (const Case& c : cases)
     args.insert(args.end(), {"--model", std::string(c.name) + "=" + c.path});
   const std::string sock = dir.path() + "/expertd.sock";
-  args.insert(args.end(),
-              {"--socket", sock, "--cache", "128MiB", "--prefetch-depth", "1", "--no-mlock"});
+  args.insert(args.end(), {"--socket", sock, "--cache", "128MiB", "--no-mlock"});
   Daemon d(dir.path(), args);
   ASSERT_TRUE(d.start());
   for (Case& c : cases) {
@@ -277,6 +276,8 @@ TEST(GpuPrefill, TheDaemonReadsALayersExactHintsAhead) {
                 static_cast<unsigned long long>(loads), static_cast<unsigned long long>(useful));
     EXPECT_GT(s.prefill_hints, 0u);
     EXPECT_GT(loads, 0u) << "the layers' exact hints were read ahead";
+    EXPECT_EQ(after.exact_loads - before.exact_loads, loads) << "every one of them exact";
+    EXPECT_EQ(after.exact_wasted - before.exact_wasted, 0u);
     EXPECT_GT(useful, 0u);
     EXPECT_EQ(s.prefill_lookahead_hints, 0u) << "no lookahead at depth 0";
     engine->reset();
