@@ -809,16 +809,12 @@ void Scheduler::retry_pending_demands() {
   }
 }
 
-uint64_t Scheduler::target_of(uint32_t session, uint32_t layer) const {
+uint64_t Scheduler::target_of(uint32_t session, uint32_t layer, bool exact) const {
   const Cursor& c = cursors_[session];
-  if (!c.set || layer > c.layer) return pack_target(c.token, layer);
+  // An exact hint for the cursor's own layer is for this token: the engine has not acquired the
+  // layer's experts yet (a prefill layer's top-ups).
+  if (!c.set || layer > c.layer || (exact && layer == c.layer)) return pack_target(c.token, layer);
   return pack_target(c.token + 1, layer);  // the cursor's layer or an earlier one: the next token's
-}
-
-uint64_t Scheduler::exact_target_of(uint32_t session, uint32_t layer) const {
-  const Cursor& c = cursors_[session];
-  if (!c.set || layer >= c.layer) return pack_target(c.token, layer);
-  return pack_target(c.token + 1, layer);
 }
 
 uint32_t Scheduler::depth_of(uint32_t session, uint64_t target) const {
@@ -901,6 +897,20 @@ bool Scheduler::hint_passed(const Hint& h) const {
   return c.set && h.target < pack_target(c.token, c.layer);
 }
 
+bool Scheduler::prefetch_on(uint32_t depth) const {
+  // A fixed depth of 0 is prefetch off: not even a hint for the cursor's own layer (about to be
+  // acquired, and a wasted read when it is wrong) is read. Automatic depth 0 still reads exact
+  // hints: they are known, not predicted, so no estimate has to earn them.
+  return depth > 0 || prefetch_depth_auto();
+}
+
+bool Scheduler::readable_now(const Hint& h, uint32_t depth) const {
+  if (!h.live || !prefetch_on(depth)) return false;
+  // A predicted hint needs a depth earned (automatic) or set: at 0, even the cursor's own layer
+  // (distance 0) waits.
+  return h.exact || (depth > 0 && hint_distance(h) <= depth);
+}
+
 uint64_t Scheduler::hint_distance(const Hint& h) const {
   const Cursor& c = cursors_[h.session];
   const uint64_t tt = h.target >> 32;
@@ -916,8 +926,7 @@ int Scheduler::prefetch(uint32_t session, ExpertKey key, float score, bool exact
   }
   if (unavailable_ != 0) return 0;
   ++stats_.prefetch_hints;
-  const uint64_t target =
-      exact ? exact_target_of(session, key.layer) : target_of(session, key.layer);
+  const uint64_t target = target_of(session, key.layer, exact);
   const uint32_t bucket = depth_bucket(session, target);
   ExpertCache* owner = nullptr;
   const bool resident = find_slot(key, &owner) >= 0;  // cached or loading
@@ -1018,15 +1027,12 @@ void Scheduler::cancel_load(uint32_t id) {
 
 void Scheduler::start_prefetches() {
   const uint32_t depth = prefetch_depth_now();
-  // A fixed depth of 0 is prefetch off: not even a hint for the cursor's own layer (about to be
-  // acquired, and a wasted read when it is wrong) is read. Automatic depth 0 still reads exact
-  // hints: they are known, not predicted, so no estimate has to earn them.
-  if (depth == 0 && !prefetch_depth_auto()) return;
+  if (!prefetch_on(depth)) return;  // no hint is readable: skip the scan
   while (hint_count_ > 0 && !free_loads_.empty() && prefetch_loads_active_ < options_.queue_depth) {
     uint32_t best = kNil;
     for (uint32_t i = 0; i < hints_.size(); ++i) {
       const Hint& h = hints_[i];
-      if (!h.live || (!h.exact && (depth == 0 || hint_distance(h) > depth))) continue;
+      if (!readable_now(h, depth)) continue;
       if (best == kNil) {
         best = i;
         continue;
@@ -1182,12 +1188,10 @@ bool Scheduler::idle() const {
       free_loads_.size() != loads_.size() || !pending_.empty()) {
     return false;
   }
-  // Hints beyond the prefetch depth wait for the cursor; they are not work to do now. Exact hints
-  // are read at any depth while prefetch is on (start_prefetches()).
+  // Hints beyond the prefetch depth wait for the cursor; they are not work to do now.
   const uint32_t depth = prefetch_depth_now();
-  const bool on = depth > 0 || prefetch_depth_auto();
   for (const Hint& h : hints_) {
-    if (h.live && on && (h.exact || (depth > 0 && hint_distance(h) <= depth))) return false;
+    if (readable_now(h, depth)) return false;
   }
   return true;
 }

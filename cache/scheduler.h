@@ -396,11 +396,17 @@ class Scheduler final : private EvictionListener {
   void start_prefetches();
   bool hint_passed(const Hint& h) const;
   uint64_t hint_distance(const Hint& h) const;
+  // Whether prefetch is on at `depth` (prefetch_depth_now()): a fixed depth of 0 is off, the
+  // automatic 0 still reads exact hints.
+  bool prefetch_on(uint32_t depth) const;
+  // Whether start_prefetches() may read `h` at `depth`: live, prefetch on, and exact or within
+  // the depth.
+  bool readable_now(const Hint& h, uint32_t depth) const;
   void cancel_passed_prefetch_loads();
   void retry_pending_demands();
-  uint64_t target_of(uint32_t session, uint32_t layer) const;
-  // An exact hint's target: the cursor's token when the layer is the cursor's or after it.
-  uint64_t exact_target_of(uint32_t session, uint32_t layer) const;
+  // The (token, layer) a hint of `session` for `layer` is for: the cursor's token for a layer
+  // after the cursor's (or the cursor's own, when `exact`), else the next token's.
+  uint64_t target_of(uint32_t session, uint32_t layer, bool exact) const;
   uint32_t depth_bucket(uint32_t session, uint64_t target) const;
   void cancel_load(uint32_t load);
   // Returns false when `key` was already hinted at this bucket for this target.

@@ -258,13 +258,12 @@ struct GpuEngine::Impl {
   float* h_crw = nullptr;
   std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes
   std::vector<uint8_t> cneeded;  // [n_expert] routed to by the chunk at this layer
-  // rows_attention() (chunks of gpu::kDenseGemmRows or more): each row's q, k, v, its attention
-  // output and the output projection, rows lqs, las and ce floats apart (nullptr: row by row).
+  // rows_attention() (chunks of gpu::kDenseGemmRows or more): each row's q, k, v and its attention
+  // output, rows lqs and las floats apart (nullptr: row by row).
   uint64_t lqs = 0;
   uint64_t las = 0;
   float* lqkv = nullptr;
   float* latt = nullptr;
-  float* lout = nullptr;
 
   // decode_batch() (Softmax routers): each row's residual, normalised input, routing weights
   // ([1 + depth][k], as d_weights), gate/up, SwiGLU and expert outputs (as gu, h, eo), logits;
@@ -937,11 +936,11 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   lqs = align_up(uint64_t{p.n_head + 2 * p.n_head_kv} * p.head_dim, 64);
   las = align_up(uint64_t{p.n_head} * p.head_dim, 64);
   auto attention_floats = [&](uint64_t c) {
-    return c >= gpu::kDenseGemmRows ? c * (lqs + las + ce) : 0;
+    return c >= gpu::kDenseGemmRows ? c * (lqs + las) : 0;
   };
   EXPERTD_TRY(alloc_chunk_scratch([&](uint64_t c) {
     return (c * ce * 2 + c * crs + c * k + grouped_floats(c) + attention_floats(c)) * 4 +
-           15 * kAlign;
+           14 * kAlign;
   }));
   const uint64_t c = chunk;
   uint8_t* cursor = chunk_mem.get();
@@ -968,7 +967,6 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   if (c >= gpu::kDenseGemmRows) {
     lqkv = take(c * lqs);
     latt = take(c * las);
-    lout = take(c * ce);
   }
   EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * crs + c * k + index_words) * 4));
   h_crl = chunk_host.get<float>();
@@ -1064,10 +1062,11 @@ Status GpuEngine::Impl::rows_attention(uint32_t layer, uint32_t pos0, uint32_t n
   }
   const gpu::DevMat wo{GgmlType::F32, reinterpret_cast<const uint8_t*>(w.wo), p.n_embd,
                        static_cast<uint32_t>(q_dim), q_dim * 4};
-  EXPERTD_TRY(gpu::dense_rows(blas.get(), wo, latt, las, n, lout, ce, nullptr, 0, st));
-  for (uint32_t i = 0; i < n; ++i) {
-    EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, lout + i * ce, p.n_embd, st));
-    if (w.bo != nullptr) EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, w.bo, p.n_embd, st));
+  // x += att Wo^T (beta = 1 accumulates into the residual streams, as decode()'s gemv), then
+  // gpt-oss's output bias.
+  EXPERTD_TRY(gpu::dense_rows(blas.get(), wo, latt, las, n, cx, ce, nullptr, 0, st, 1.0f));
+  for (uint32_t i = 0; w.bo != nullptr && i < n; ++i) {
+    EXPERTD_CUDA_TRY(kernels::add(cx + i * ce, w.bo, p.n_embd, st));
   }
   return Ok{};
 }

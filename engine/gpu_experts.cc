@@ -104,15 +104,21 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
   return Ok{};
 }
 
-Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
-                  const float* in, uint32_t rows, float* out, float beta) {
+Status sgemm_rows(cublasHandle_t blas, const float* w, uint64_t w_stride, uint32_t out_cols,
+                  uint32_t in_cols, const float* in, uint64_t in_stride, uint32_t rows, float* out,
+                  uint64_t out_stride, float beta) {
   // Column-major, out^T = w^T-as-stored^T in^T.
   const float alpha = 1.0f;
   EXPERTD_CUBLAS_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
                                  static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
-                                 static_cast<int>(in_cols), in, static_cast<int>(in_cols), &beta,
-                                 out, static_cast<int>(out_cols)));
+                                 static_cast<int>(w_stride), in, static_cast<int>(in_stride), &beta,
+                                 out, static_cast<int>(out_stride)));
   return Ok{};
+}
+
+Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
+                  const float* in, uint32_t rows, float* out, float beta) {
+  return sgemm_rows(blas, w, in_cols, out_cols, in_cols, in, in_cols, rows, out, out_cols, beta);
 }
 
 uint64_t dense_rows_tile(const DevMat& m, uint64_t cap) {
@@ -124,29 +130,20 @@ uint64_t dense_rows_tile(const DevMat& m, uint64_t cap) {
 
 Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_t in_stride,
                   uint32_t rows, float* out, uint64_t out_stride, float* tile, uint64_t tile_floats,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, float beta) {
   if (rows == 0) return Ok{};
   if (in_stride < m.cols || out_stride < m.rows) {
     return make_error(EINVAL, fmt::format("dense_rows: row strides {} and {} below the matrix's "
                                           "{} columns and {} rows",
                                           in_stride, out_stride, m.cols, m.rows));
   }
-  // Column-major, out^T = w^T-as-stored^T in^T, as sgemm_rows.
-  const float alpha = 1.0f;
-  const float beta = 0.0f;
-  auto gemm = [&](const float* w, uint64_t w_rows, uint64_t lda, float* y) -> Status {
-    EXPERTD_CUBLAS_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w_rows),
-                                   static_cast<int>(rows), static_cast<int>(m.cols), &alpha, w,
-                                   static_cast<int>(lda), in, static_cast<int>(in_stride), &beta, y,
-                                   static_cast<int>(out_stride)));
-    return Ok{};
-  };
   if (m.type == GgmlType::F32) {
     if (m.row_bytes % 4 != 0 || m.row_bytes / 4 < m.cols) {
       return make_error(EINVAL, fmt::format("dense_rows: f32 rows of {} bytes for {} columns",
                                             m.row_bytes, m.cols));
     }
-    return gemm(reinterpret_cast<const float*>(m.data), m.rows, m.row_bytes / 4, out);
+    return sgemm_rows(blas, reinterpret_cast<const float*>(m.data), m.row_bytes / 4, m.rows, m.cols,
+                      in, in_stride, rows, out, out_stride, beta);
   }
   const uint64_t per_tile = tile_floats / m.cols;
   if (tile == nullptr || per_tile == 0) {
@@ -164,7 +161,8 @@ Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_
       EXPERTD_CUDA_TRY(kernels::dequantize(m.type, m.data + (r0 + r) * m.row_bytes,
                                            tile + r * m.cols, count * m.cols, stream));
     }
-    EXPERTD_TRY(gemm(tile, t, m.cols, out + r0));
+    EXPERTD_TRY(sgemm_rows(blas, tile, m.cols, static_cast<uint32_t>(t), m.cols, in, in_stride,
+                           rows, out + r0, out_stride, beta));
   }
   return Ok{};
 }

@@ -478,16 +478,20 @@ Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t l
 // f32 cuBLAS GEMM every CUDA engine's prefill runs (the handle's math mode decides TF32: pedantic).
 Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32_t in_cols,
                   const float* in, uint32_t rows, float* out, float beta = 0.0f);
+// The same with rows `w_stride`, `in_stride` and `out_stride` floats apart.
+Status sgemm_rows(cublasHandle_t blas, const float* w, uint64_t w_stride, uint32_t out_cols,
+                  uint32_t in_cols, const float* in, uint64_t in_stride, uint32_t rows, float* out,
+                  uint64_t out_stride, float beta);
 
-// out[r][0, m.rows) = m in[r][0, m.cols) for rows r of a chunk (rows `in_stride` and `out_stride`
-// floats apart), for a dense matrix of any file type: f32 multiplied as it is, any other type
-// dequantised a tile of whole rows at a time into `tile` (at most `tile_floats` floats) and
-// multiplied tile by tile, so the scratch bounds the memory, not the matrix. The f32 cuBLAS GEMM
-// of sgemm_rows on `blas`'s stream, which must be `stream`. A prefill's dense projections: the
-// weights read once per chunk rather than once per row.
+// out[r][0, m.rows) = m in[r][0, m.cols) (+ beta out[r]) for rows r of a chunk (rows `in_stride`
+// and `out_stride` floats apart), for a dense matrix of any file type: f32 multiplied as it is,
+// any other type dequantised a tile of whole rows at a time into `tile` (at most `tile_floats`
+// floats) and multiplied tile by tile, so the scratch bounds the memory, not the matrix. The f32
+// cuBLAS GEMM of sgemm_rows on `blas`'s stream, which must be `stream`. A prefill's dense
+// projections: the weights read once per chunk rather than once per row.
 Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_t in_stride,
                   uint32_t rows, float* out, uint64_t out_stride, float* tile, uint64_t tile_floats,
-                  cudaStream_t stream);
+                  cudaStream_t stream, float beta = 0.0f);
 // The tile dense_rows needs for `m` (0 for f32, which needs none), at most `cap` floats.
 uint64_t dense_rows_tile(const DevMat& m, uint64_t cap);
 // The layer-by-layer prefills (Ds3GpuEngine's MLA, GpuEngine's for GLM-4.5 and gpt-oss) run a

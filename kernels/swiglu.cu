@@ -35,15 +35,7 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t oai_swiglu(const float* gate, const float* up, const float* bg, const float* bu,
                        float* out, uint64_t n, float alpha, float limit, cudaStream_t stream) {
-  if (gate == nullptr || up == nullptr || bg == nullptr || bu == nullptr || out == nullptr ||
-      n == 0) {
-    return cudaErrorInvalidValue;
-  }
-  uint64_t blocks = (n + kThreads - 1) / kThreads;
-  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-  oai_swiglu_kernel<<<static_cast<uint32_t>(blocks), kThreads, 0, stream>>>(gate, up, bg, bu, out,
-                                                                            n, n, alpha, limit);
-  return cudaGetLastError();
+  return oai_swiglu_rows(gate, up, bg, bu, out, 1, n, alpha, limit, stream);
 }
 
 cudaError_t oai_swiglu_rows(const float* gate, const float* up, const float* bg, const float* bu,

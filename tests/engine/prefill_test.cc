@@ -328,6 +328,11 @@ TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
   EXPECT_EQ(daemon.stop(), 0) << log;
 }
 
+// The PrefillCursor tests' model: 4 layers of 16 experts, top-2, q8_0.
+constexpr const char* kCursorModel =
+    "--layers 4 --experts 16 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
+    "--vocab 320 --expert-type q8_0 --seed 3";
+
 // The cursor rule every prefill keeps (start_prefill_cursor, then each layer named only once its
 // exact hints are out), against a real expertd at prefetch depth 1: hints sent while the cursor is
 // before their layer are read ahead (layer 0's from the chunk's start, layer 1's with the cursor
@@ -335,10 +340,7 @@ TEST(PrefillSmallDaemon, AcquiresAtMostTopKAtATime) {
 // token, beyond the depth, and are never read (the CUDA prefills sent them so until 2026-12-04).
 TEST(PrefillCursor, ALayersHintsAreReadAheadOnlyBeforeTheCursorNamesTheLayer) {
   TempDir dir;
-  const std::string path = expertd::test::forge(
-      dir.path(), "m",
-      "--layers 4 --experts 16 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
-      "--vocab 320 --expert-type q8_0 --seed 3");
+  const std::string path = expertd::test::forge(dir.path(), "m", kCursorModel);
   const std::string socket = dir.path() + "/expertd.sock";
   Daemon daemon(dir.path(), {"--model", "m=" + path, "--socket", socket, "--cache", "64MiB",
                              "--prefetch-depth", "1", "--no-mlock"});
@@ -405,10 +407,7 @@ class PredictedHintsOnly : public ForwardingSource {
 // was read on demand only, layer after layer. Flagged exact, it is read ahead from the first layer.
 TEST(PrefillCursor, AFreshDaemonReadsAChunksExactHintsAhead) {
   TempDir dir;
-  const std::string path = expertd::test::forge(
-      dir.path(), "m",
-      "--layers 4 --experts 16 --top-k 2 --embd 256 --ff 256 --heads 4 --kv-heads 2 --head-dim 64 "
-      "--vocab 320 --expert-type q8_0 --seed 3");
+  const std::string path = expertd::test::forge(dir.path(), "m", kCursorModel);
   auto model = DenseModel::load(path);
   ASSERT_TRUE(model) << model.error().message;
   std::vector<uint32_t> prompt(48);
