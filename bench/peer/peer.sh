@@ -84,6 +84,9 @@
 #   --lookahead N     expert-run's --prefetch-depth: the layers ahead its router hints (default 1,
 #                     expert-run's); other than 1 the expertd configs are named expertd-lN
 #                     (expertd-d0-lN), so sweeps into one --out keep every run
+#   --daemon-depth D  expertd's --prefetch-depth for the expertd config (default auto: it starts at
+#                     0 and climbs on evidence, so a fresh daemon reads only exact hints ahead at
+#                     first); a fixed D names the configs expertd-pD
 #   --prefill-gemm G  expert-run's --prefill-gemm (f32, its default, or bf16: the experts' prefill
 #                     GEMMs on tensor cores); bf16 names the expertd configs expertd-bf16
 #   --no-vram-preload expert-run starts with an empty VRAM tier (by default it fills the tier at
@@ -162,7 +165,7 @@ configs=expertd,feed-cuda-tier,cuda-tier
 streams=random,text seed=1 tokenizer=""
 out=${OUT:+$OUT/peer}
 out=${out:-/tmp/peer-out}
-read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead="" prefill_gemm="" no_preload=0
+read_spec=32 fresh=0 quick=0 tg="" pp="" timeout="" cpu_timeout="" budget=0 staging=1024 margin=1536 lookahead="" daemon_depth="" prefill_gemm="" no_preload=0
 vram_list="mixtral=32,qwen3=256"
 bin="" work=${EXPERTD_BENCH_DIR:-/var/tmp/expertd-bench} llama_src="" builds="" jobs=$(nproc)
 cuda_arch=90 cpu_engine=0 no_cgroup=0 tiny=0 dry=0
@@ -189,6 +192,7 @@ while [ $# -gt 0 ]; do
     --vram) need "$@"; vram_list=$2; shift ;;
     --staging) need "$@"; staging=$2; shift ;;
     --lookahead) need "$@"; lookahead=$2; shift ;;
+    --daemon-depth) need "$@"; daemon_depth=$2; shift ;;
     --prefill-gemm) need "$@"; prefill_gemm=$2; shift ;;
     --no-vram-preload) no_preload=1 ;;
     --margin) need "$@"; margin=$2; shift ;;
@@ -224,6 +228,10 @@ done
 case $prefill_gemm in "" | f32 | bf16) ;; *) bad "--prefill-gemm '$prefill_gemm' is neither f32 nor bf16" ;; esac
 [ -z "$lookahead" ] || { is_uint "$lookahead" && [ "$lookahead" -le 8 ]; } ||
   bad "--lookahead '$lookahead' is not a whole number of layers from 0 to 8"
+[ -z "$daemon_depth" ] || [ "$daemon_depth" = auto ] ||
+  { is_uint "$daemon_depth" && [ "$daemon_depth" -le 64 ]; } ||
+  bad "--daemon-depth '$daemon_depth' is neither auto nor a whole number of layers from 0 to 64"
+[ "$daemon_depth" != auto ] || daemon_depth=""
 is_model() { case $1 in mixtral | qwen3 | mixtral-llama | ds3) return 0 ;; esac; return 1; }
 is_cap() { is_uint "$1" && [ "$1" -ge 1 ]; }
 # The cells (model, cap) in order: --cells as given, else every model at every cap.
@@ -454,6 +462,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
   if [ -n "$lookahead" ] && [ "$lookahead" != 1 ] && [[ $c == expertd* ]]; then
     eng_config+="-l$lookahead"
   fi
+  if [ -n "$daemon_depth" ] && [ "$c" = expertd ]; then eng_config+="-p$daemon_depth"; fi
   if [ "$read_spec" != 32 ] && [[ $c == expertd* ]]; then eng_config+="-r${read_spec//:/-}"; fi
   if [ "$prefill_gemm" = bf16 ] && [[ $c == expertd* ]]; then eng_config+="-bf16"; fi
   if [ $no_preload = 1 ] && [[ $c == expertd* ]] && [ $cpu_engine = 0 ]; then eng_config+="-nopre"; fi
@@ -483,6 +492,7 @@ run_one() {  # MODEL CAP CONFIG STREAM INDEX COUNT
     expertd | expertd-d0 | sampled)
       tool=expertd
       local depth=auto
+      [ "$c" != expertd ] || depth=${daemon_depth:-auto}
       [ "$c" != expertd-d0 ] || depth=0
       # The CUDA engine reads each dense matrix from the file as it uploads it (DenseLoad::Deferred):
       # its host peak is the largest one, the embeddings, as read and as f32. The CPU engine holds

@@ -32,7 +32,8 @@ has "$out" "NOT comparable" "--help"
 for args in "--models llama" "--caps 0" "--caps 8,x" "--configs gpu" "--tg" "--vram mixtral=x" \
   "--bogus" "--tg 0" "--streams bogus" "--streams random,sampled" "--streams ," "--seed x" \
   "--cells mixtral" "--cells foo:8" "--cells mixtral:0" "--cells mixtral:8,qwen3" \
-  "--cells mixtral:8 --models qwen3" "--lookahead x" "--lookahead 9"; do
+  "--cells mixtral:8 --models qwen3" "--lookahead x" "--lookahead 9" \
+  "--daemon-depth x" "--daemon-depth 65"; do
   # shellcheck disable=SC2086
   if err=$("$peer" $args --dry-run 2>&1); then
     fail "'$args' accepted"
@@ -242,5 +243,13 @@ la=$("$peer" --cells mixtral:8 --configs expertd --streams random --lookahead 3 
 has "$la" "mixtral-8g-expertd-l3-random" "--lookahead 3"
 has "$la" "--json --prefetch-depth 3" "--lookahead 3"
 has "$la" "engine router lookahead 3 layer(s)" "--lookahead 3"
+
+# --daemon-depth: expertd's --prefetch-depth for the expertd config (not expertd-d0's 0).
+dd=$("$peer" --cells mixtral:8 --configs expertd,expertd-d0 --streams random --daemon-depth 2 \
+  --dry-run 2>&1) || fail "--daemon-depth 2 --dry-run failed: $dd"
+has "$dd" "mixtral-8g-expertd-p2-random" "--daemon-depth 2"
+has "$dd" "daemon prefetch depth 2," "--daemon-depth 2"
+has "$dd" "mixtral-8g-expertd-d0-random" "--daemon-depth 2"
+has "$dd" "daemon prefetch depth 0," "--daemon-depth 2"
 
 if [ $fails = 0 ]; then echo "peer selftest: ok"; else echo "peer selftest: $fails failed"; exit 1; fi
