@@ -337,9 +337,7 @@ Status Ds3GpuEngine::Impl::init() {
   h_crl = h_logits + p.n_vocab;
   h_cw = h_crl + uint64_t{chunk} * crs;
   rows_scratch.h_index = reinterpret_cast<uint32_t*>(h_cw + uint64_t{chunk} * k);
-  rows_scratch.count.resize(p.n_expert);
-  rows_scratch.first.resize(p.n_expert);
-  rows_scratch.needed.reserve(p.n_expert);
+  rows_scratch.groups.reserve(p.n_expert, uint64_t{chunk} * p.n_expert_used);
   EXPERTD_TRY_ASSIGN(blas, CublasHandle::create(compute.get()));
   EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
   EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
@@ -581,10 +579,12 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * crs * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_TRY(experts->sync_compute());
+    const uint64_t budget = experts->hint_budget();
     EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0,
-                                   experts->hint_budget(), planner, stats, experts->hint_source(),
-                                   routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+                                   budget, planner, stats, experts->hint_source(), routing_log,
+                                   std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_cw, uint64_t{n} * k), needed, chunk_hints));
+    gpu::RowsHints hints{chunk_hints, std::min<uint64_t>(chunk_hints.size(), budget), budget};
     if (!source.set_cursor(last, layer)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(cw, h_cw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     // The routed experts grouped by expert, each applied to all its rows as GEMMs; then each row's
@@ -592,7 +592,7 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
     EXPERTD_TRY(gpu::run_sigmoid_moe_rows(
         *experts, blas.get(), layer, n, std::span<const uint32_t>(csel.data(), uint64_t{n} * k), cw,
         l.moe, p, cxn, cx, ce, ptrs, rows_scratch, ceo,
-        gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out, stats, st));
+        gpu::SigmoidMoeScratch{gu, hbuf, eo, sg, su, sout}, out, stats, st, &hints));
   }
   pos = pos0;
   xn = xn_scratch;

@@ -180,20 +180,16 @@ struct Ds4GpuEngine::Impl {
   double* ccomb = nullptr;     // [C][hc][hc] and comb
   float* cxn = nullptr;        // [C][n_embd] normalised MoE inputs
   float* crl = nullptr;        // [C][1 + depth][n_expert] router logits, then the lookahead's
-  uint32_t* d_rows = nullptr;  // [C * k] weights (floats), then rows by expert, then their slots
-  float* cxe = nullptr;        // [C][n_embd] one expert's rows
-  float* chg = nullptr;        // [C][n_ff] gate, then SwiGLU
-  float* chu = nullptr;        // [C][n_ff] up
-  float* cdown = nullptr;      // [C][n_embd] one expert's outputs
+  float* d_cw = nullptr;       // [C][k] routing weights
   float* ceo = nullptr;        // [C][k][n_embd] every route slot's expert output
   float* cmoe = nullptr;       // [C][n_embd] each position's MoE output
-  float* cwf = nullptr;        // [n_ff * n_embd] one projection of one expert, as f32
-  float* h_crl = nullptr;      // pinned mirrors of crl and d_rows
-  uint32_t* h_rows = nullptr;
-  ExpertGroups groups;             // the chunk's layer's route slots by expert
+  float* h_crl = nullptr;      // pinned mirrors of crl and d_cw
+  float* h_cw = nullptr;
+  // The routed experts' GEMMs over the chunk's rows (run_experts_by_rows); its groups are the
+  // chunk's layer's route slots by expert.
+  gpu::RowsScratch rows_scratch;
   std::vector<uint32_t> csel;      // [C][k] routes
   std::vector<float> cweights;     // [C][k]
-  std::vector<uint32_t> row_at;    // [n_expert] an expert's first entry in the row lists
   std::vector<ExpertHint> exact;   // a layer's needed experts' hints, n_expert
   std::vector<uint8_t> hash_mark;  // [expert]: hinted for this chunk's hash layer
 
@@ -740,14 +736,15 @@ void Ds4GpuEngine::Impl::carve_chunk(Carver& c) {
   ccomb = c.take_n<double>(n * hc * hc);
   cxn = c.take_n<float>(n * e);
   crl = c.take_n<float>(n * (1 + opts.prefetch_depth) * p.n_expert);
-  d_rows = c.take_n<uint32_t>(n * k * 3);
-  cxe = c.take_n<float>(n * e);
-  chg = c.take_n<float>(n * ff);
-  chu = c.take_n<float>(n * ff);
-  cdown = c.take_n<float>(n * e);
+  d_cw = c.take_n<float>(n * k);
+  rows_scratch.d_index = c.take_n<uint32_t>(gpu::RowsScratch::host_words(p, n));
+  rows_scratch.xe = c.take_n<float>(n * e);
+  rows_scratch.hg = c.take_n<float>(n * ff);
+  rows_scratch.hu = c.take_n<float>(n * ff);
+  rows_scratch.down = c.take_n<float>(n * e);
   ceo = c.take_n<float>(n * k * e);
   cmoe = c.take_n<float>(n * e);
-  cwf = c.take_n<float>(ff * e);
+  rows_scratch.w = c.take_n<float>(ff * e);
 }
 
 Status Ds4GpuEngine::Impl::init_prefill() {
@@ -766,16 +763,19 @@ Status Ds4GpuEngine::Impl::init_prefill() {
   carve_chunk(cc);
   const uint64_t k = p.n_expert_used;
   const uint64_t rl = uint64_t{chunk} * (1 + opts.prefetch_depth) * p.n_expert;
-  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((rl + uint64_t{chunk} * k * 3) * 4));
+  EXPERTD_TRY_ASSIGN(chunk_host,
+                     PinnedBytes::alloc((rl + uint64_t{chunk} * k +
+                                         gpu::RowsScratch::host_words(p, chunk)) *
+                                        4));
   h_crl = chunk_host.get<float>();
-  h_rows = reinterpret_cast<uint32_t*>(h_crl + rl);
+  h_cw = h_crl + rl;
+  rows_scratch.h_index = reinterpret_cast<uint32_t*>(h_cw + uint64_t{chunk} * k);
   EXPERTD_TRY_ASSIGN(blas, CublasHandle::create(compute.get()));
   EXPERTD_CUBLAS_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
   EXPERTD_CUBLAS_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));  // true f32, no TF32
-  groups.reserve(p.n_expert, uint64_t{chunk} * k);
+  rows_scratch.groups.reserve(p.n_expert, uint64_t{chunk} * k);
   csel.resize(uint64_t{chunk} * k);
   cweights.resize(uint64_t{chunk} * k);
-  row_at.resize(p.n_expert);
   exact.resize(p.n_expert);
   hash_mark.resize(p.n_expert);
   return Ok{};
@@ -860,10 +860,10 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
   const cudaStream_t st = compute.get();
   const uint32_t k = p.n_expert_used;
   const uint32_t e = p.n_embd;
-  const uint32_t ff = p.n_ff_exp;
   const uint64_t rk = uint64_t{n} * k;
   const bool hash = layer < d.hash_layers;
-  const std::span<const uint32_t> needed = groups.needed();
+  // The layer's groups, built by the caller (run_experts_by_rows builds the same from csel).
+  const std::span<const uint32_t> needed = rows_scratch.groups.needed();
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted
   // at the chunk's start), as many as the daemon's slots keep until their acquire; the rest as
@@ -871,75 +871,38 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
   // at once beyond the cache, they were read, evicted unused and read again).
   const bool exact_hints = !hash && n_needed > k;
   const uint64_t budget = experts->hint_budget();
-  size_t hinted = 0;  // exact[0, hinted) sent
-  auto top_up = [&](uint32_t acquired) {
-    if (!exact_hints) return;
-    experts->hint_within(std::span<const ExpertHint>(exact.data(), n_needed), acquired, budget,
-                         hinted, stats);
-  };
+  gpu::RowsHints hints{std::span<const ExpertHint>(exact.data(), n_needed), 0, budget};
   if (exact_hints) {
     for (uint32_t i = 0; i < n_needed; ++i) exact[i] = ExpertHint{layer, needed[i], 1.0f, true};
-    top_up(0);
-    stats.prefill_hints_held += n_needed - hinted;
+    experts->hint_within(hints.exact, 0, budget, hints.sent, stats);
+    stats.prefill_hints_held += n_needed - hints.sent;
   }
   if (!source.set_cursor(pos + n - 1, layer)) ++stats.hint_errors;
 
-  // The weights, then each expert's rows (position order) and the route slot each output goes to,
-  // so each position sums its slots in decode()'s order. The previous layer's upload is done: the
-  // layer's router copy synchronised the stream.
-  auto* up_w = reinterpret_cast<float*>(h_rows);
-  uint32_t* up_rows = h_rows + rk;
-  uint32_t* up_dest = h_rows + 2 * rk;
-  std::copy_n(cweights.data(), rk, up_w);
-  uint32_t at = 0;
-  for (const uint32_t ex : needed) {
-    row_at[ex] = at;
-    for (const uint32_t slot : groups.slots(ex)) {
-      up_rows[at] = slot / k;
-      up_dest[at] = slot;
-      ++at;
-    }
-  }
-  EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, st));
-  const float* d_w = reinterpret_cast<const float*>(d_rows);
-  const uint32_t* d_gather = d_rows + rk;
-  const uint32_t* d_dest = d_rows + 2 * rk;
-
-  // Held at most top-k at a time (what a daemon cache sized for decode can hold), each applied to
-  // all its rows as GEMMs, the holds given back once their kernels are done.
-  const GpuExperts::LayerShape& sh = experts->shape(layer);
-  const uint64_t proj = uint64_t{ff} * e;
-  for (uint32_t g = 0; g < n_needed; g += k) {
-    const uint32_t m = std::min(k, n_needed - g);
-    const std::span<const uint32_t> group = needed.subspan(g, m);
-    source.host_ready(layer, group, std::span<uint8_t>(ready.data(), m));
-    uint64_t waited = 0;
-    EXPERTD_TRY(experts->acquire(layer, group, std::span<ExpertPtrs>(ptrs.data(), m), &waited));
-    stats.experts_used += m;
-    stats.prefill_experts += m;
-    const auto n_ready = static_cast<uint64_t>(std::count(ready.begin(), ready.begin() + m, 1));
-    (hash ? stats.hash_experts : stats.learned_experts) += m;
+  // The weights (the previous layer's upload is done: the layer's router copy synchronised the
+  // stream), then the experts held at most top-k at a time (what a daemon cache sized for decode
+  // can hold), each applied to all its rows as GEMMs, the holds given back once their kernels are
+  // done; each group's readiness and wait counted as a hash or a learned layer's.
+  std::copy_n(cweights.data(), rk, h_cw);
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_cw, h_cw, rk * 4, cudaMemcpyHostToDevice, st));
+  gpu::RowsOptions o;
+  o.ds4_clamp = d.clamp_exp[layer];
+  if (exact_hints) o.hints = &hints;
+  o.before_acquire = [&](std::span<const uint32_t> group) {
+    source.host_ready(layer, group, std::span<uint8_t>(ready.data(), group.size()));
+  };
+  o.acquired = [&](std::span<const uint32_t> group, uint64_t waited) {
+    const auto n_ready =
+        static_cast<uint64_t>(std::count(ready.begin(), ready.begin() + group.size(), 1));
+    (hash ? stats.hash_experts : stats.learned_experts) += group.size();
     (hash ? stats.hash_ready : stats.learned_ready) += n_ready;
     (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
-    for (uint32_t v = 0; v < m; ++v) {
-      const auto rows = static_cast<uint32_t>(groups.slots(group[v]).size());
-      const uint32_t first = row_at[group[v]];
-      EXPERTD_CUDA_TRY(kernels::gather_rows(cxn, d_gather + first, rows, e, cxe, st));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[v].gate, cwf, proj, st));
-      EXPERTD_TRY(gemm(cwf, ff, e, cxe, rows, chg));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[v].up, cwf, proj, st));
-      EXPERTD_TRY(gemm(cwf, ff, e, cxe, rows, chu));
-      EXPERTD_CUDA_TRY(
-          kernels::ds4_swiglu(chg, chu, chg, uint64_t{rows} * ff, d.clamp_exp[layer], st));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[v].down, cwf, proj, st));
-      EXPERTD_TRY(gemm(cwf, e, ff, chg, rows, cdown));
-      EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + first, rows, e, ceo, st));
-    }
-    EXPERTD_TRY(experts->finish_layer());
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->release_demand_holds());
-    top_up(g + m);
-  }
+  };
+  EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
+                                       std::span<const uint32_t>(csel.data(), rk), cxn, e,
+                                       std::span<ExpertPtrs>(ptrs.data(), k), p, rows_scratch, ceo,
+                                       stats, st, o));
+  stats.prefill_experts += n_needed;
   // Per position, as decode() does: the shared expert, then the routed slots summed in route
   // order with it.
   for (uint32_t i = 0; i < n; ++i) {
@@ -951,7 +914,7 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
           kernels::ds4_swiglu(sg, su, sg, dl.shexp_gate.rows, d.clamp_shexp[layer], st));
       EXPERTD_TRY(mv(dl.shexp_down, sg, sout));
     }
-    EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * e, d_w + uint64_t{i} * k, k,
+    EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(ceo + uint64_t{i} * k * e, d_cw + uint64_t{i} * k, k,
                                           dl.has_shexp ? sout : nullptr, e, cmoe + uint64_t{i} * e,
                                           st));
   }
@@ -1018,6 +981,7 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
     EXPERTD_TRY(experts->account_copy_time());
     chunk_route(layer, tokens);
+    ExpertGroups& groups = rows_scratch.groups;
     groups.build(std::span<const uint32_t>(csel.data(), uint64_t{n} * p.n_expert_used));
     if (layer >= d.hash_layers) {
       routed_chunk(planner, layer, groups.needed(), stats, routing_log, logged);

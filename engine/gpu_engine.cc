@@ -228,24 +228,18 @@ struct GpuEngine::Impl {
   float* cscores = nullptr;       // [chunk][max_context] one head's scores, then probabilities
   float* crl = nullptr;           // [chunk][n_expert] router logits
   uint32_t* d_routes = nullptr;   // [rows][k] experts, then [rows][k] weights (floats)
-  uint32_t* d_rows = nullptr;     // [chunk][k] weights, rows by expert, slots by expert; tokens
-  float* cxe = nullptr;           // [chunk][n_embd] one expert's rows
-  float* chg = nullptr;           // [chunk][n_ff] gate, then SwiGLU
-  float* chu = nullptr;           // [chunk][n_ff] up
-  float* cdown = nullptr;         // [chunk][n_embd] one expert's outputs
+  uint32_t* d_rows = nullptr;     // [chunk][k] routing weights, then the chunk's tokens
   float* ceo = nullptr;           // [chunk][k][n_embd] every route slot's expert output
-  float* cw = nullptr;            // [n_ff * n_embd] one projection of one expert, as f32 (or bf16)
-  __nv_bfloat16* cxeh = nullptr;  // PrefillGemm::Bf16: [chunk][n_embd] cxe as bf16
-  __nv_bfloat16* chgh = nullptr;  // PrefillGemm::Bf16: [chunk][n_ff] the SwiGLU as bf16
   std::vector<std::pair<uint32_t, uint32_t>> next_counts;  // (rows, expert): the lookahead's
   std::vector<uint32_t> next_rows;                         // [n_expert] the lookahead's rows
-  gpu::RowsScratch rows_scratch;  // the layer-by-layer prefill's grouped expert GEMMs
+  // Both prefills' grouped expert GEMMs (run_experts_by_rows); its xe is also hint_next_layer's
+  // normed rows.
+  gpu::RowsScratch rows_scratch;
   std::vector<ExpertHint> next_hints;
   uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
   uint32_t* h_rows = nullptr;
-  std::vector<uint32_t> expert_rows;   // [n_expert] rows routed to each expert this layer
-  std::vector<uint32_t> expert_first;  // [n_expert] its first entry in the row lists
-  std::vector<uint32_t> needed;        // the distinct experts of the layer, ascending
+  std::vector<uint32_t> expert_rows;  // [n_expert] rows routed to each expert this layer
+  std::vector<uint32_t> needed;       // batch_moe: the distinct experts of the step, ascending
   std::vector<ExpertHint> needed_hints;
   std::vector<RoutingRecord> chunk_log;  // [row][layer], appended in decode's order
   // glm4moe's and gpt-oss's prefill, layer by layer over the chunk (prefill_layerwise): cx, cxn
@@ -256,7 +250,7 @@ struct GpuEngine::Impl {
   float* crw = nullptr;    // [chunk][k] routing weights on the device
   float* h_crl = nullptr;  // pinned mirrors ([chunk][n_expert], [chunk][k])
   float* h_crw = nullptr;
-  std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes
+  std::vector<uint32_t> csel;    // [chunk][k] the chunk's routes (both prefills)
   std::vector<uint8_t> cneeded;  // [n_expert] routed to by the chunk at this layer
   // rows_attention() (chunks of gpu::kDenseGemmRows or more): each row's q, k, v and its attention
   // output, rows lqs and las floats apart (nullptr: row by row).
@@ -343,12 +337,8 @@ struct GpuEngine::Impl {
               float* out, float beta);
   Status attention(uint32_t layer);
   Status route_and_hint(uint32_t layer);
-  // prefill's expert GEMMs in bf16 (PrefillGemm::Bf16), gemm()'s layout, beta 0.
-  Status expert_rows_bf16(const GpuExperts::LayerShape& sh, const ExpertPtrs& ex, uint32_t n);
-  Status gemm_bf16(const __nv_bfloat16* w, uint32_t out_cols, uint32_t in_cols,
-                   const __nv_bfloat16* in, uint32_t rows, float* out);
   // Hints at most `budget` of the experts layer `next` will route the chunk's rows to (chunk_moe,
-  // before this layer's experts compute). Overwrites cxe, crl, d_routes and h_routes.
+  // before this layer's experts compute). Overwrites rows_scratch.xe, crl, d_routes and h_routes.
   Status hint_next_layer(uint32_t next, uint32_t rows, uint64_t budget);
   // The chunk's rows of cx through `layer`'s FFN norm (into `normed`) and router: each row's top-k
   // experts then weights in d_routes, the first `words` of them copied to h_routes, synchronised.
@@ -961,9 +951,7 @@ Status GpuEngine::Impl::init_layerwise_prefill() {
   rows_scratch.down = take(c * p.n_embd);
   rows_scratch.w = take(uint64_t{p.n_ff_exp} * p.n_embd);
   rows_scratch.d_index = reinterpret_cast<uint32_t*>(take(index_words));
-  rows_scratch.count.resize(p.n_expert);
-  rows_scratch.first.resize(p.n_expert);
-  rows_scratch.needed.reserve(p.n_expert);
+  rows_scratch.groups.reserve(p.n_expert, c * k);
   if (c >= gpu::kDenseGemmRows) {
     lqkv = take(c * lqs);
     latt = take(c * las);
@@ -1127,11 +1115,13 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     EXPERTD_CUDA_TRY(
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * crs * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_TRY(experts->sync_compute());
+    const uint64_t budget = experts->hint_budget();
     EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0,
-                                   experts->hint_budget(), planner, stats, experts->hint_source(),
-                                   routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+                                   budget, planner, stats, experts->hint_source(), routing_log,
+                                   std::span<uint32_t>(csel.data(), uint64_t{n} * k),
                                    std::span<float>(h_crw, uint64_t{n} * k), cneeded,
                                    needed_hints));
+    gpu::RowsHints hints{needed_hints, std::min<uint64_t>(needed_hints.size(), budget), budget};
     if (!source.set_cursor(last, layer)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
     if (p.act != ExpertAct::ClampedSwiglu) {
@@ -1140,7 +1130,7 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
       EXPERTD_TRY(gpu::run_sigmoid_moe_rows(
           *experts, blas.get(), layer, n, std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
           crw, l.moe, p, cxn, cx, ce, ptrs, rows_scratch, ceo,
-          gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats, st));
+          gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats, st, &hints));
       continue;
     }
     // gptoss_ffn over the rows: the routed experts grouped by expert, each applied to all its rows
@@ -1148,7 +1138,8 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
     const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, {}};
     EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
                                          std::span<const uint32_t>(csel.data(), uint64_t{n} * k),
-                                         cxn, ce, ptrs, p, rows_scratch, ceo, stats, st, &oai));
+                                         cxn, ce, ptrs, p, rows_scratch, ceo, stats, st,
+                                         gpu::RowsOptions{.oai = &oai, .hints = &hints}));
     for (uint32_t i = 0; i < n; ++i) {
       EXPERTD_CUDA_TRY(kernels::moe_combine(ceo + uint64_t{i} * k * p.n_embd, crw + uint64_t{i} * k,
                                             cx + i * ce, k, p.n_embd, st));
@@ -1166,11 +1157,13 @@ uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
   const uint64_t k = p.n_expert_used;
   const uint64_t e = p.n_embd;
   const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
-  const uint64_t ff = p.n_ff_exp;
-  const uint64_t floats = c * e * 5 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert +
-                          c * k * 2 + (c * k * 3 + c) + c * ff * 2 + c * k * e + ff * e;
-  const uint64_t bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16 ? c * (e + ff) * 2 : 0;
-  return floats * 4 + bf16 + 16 * kAlign;
+  const uint64_t floats = c * e * 2 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert +
+                          c * k * 2 + (c * k + c) + c * k * e +
+                          gpu::RowsScratch::device_floats(p, c) + gpu::RowsScratch::host_words(p, c);
+  const uint64_t bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16
+                            ? gpu::RowsScratch::bf16_values(p, c) * 2
+                            : 0;
+  return floats * 4 + bf16 + 18 * kAlign;  // 17 buffers, each aligned
 }
 
 Status GpuEngine::Impl::alloc_chunk_scratch(const std::function<uint64_t(uint64_t)>& bytes_for) {
@@ -1217,40 +1210,30 @@ Status GpuEngine::Impl::init_prefill() {
   cscores = reinterpret_cast<float*>(take(c * opts.max_context));
   crl = reinterpret_cast<float*>(take(c * p.n_expert));
   d_routes = reinterpret_cast<uint32_t*>(take(c * k * 2));
-  d_rows = reinterpret_cast<uint32_t*>(take(c * k * 3 + c));
-  cxe = reinterpret_cast<float*>(take(c * e));
-  chg = reinterpret_cast<float*>(take(c * ff));
-  chu = reinterpret_cast<float*>(take(c * ff));
-  cdown = reinterpret_cast<float*>(take(c * e));
+  d_rows = reinterpret_cast<uint32_t*>(take(c * k + c));
   ceo = reinterpret_cast<float*>(take(c * k * e));
-  cw = reinterpret_cast<float*>(take(ff * e));
+  const uint64_t index_words = gpu::RowsScratch::host_words(p, c);
+  rows_scratch.xe = reinterpret_cast<float*>(take(c * e));
+  rows_scratch.hg = reinterpret_cast<float*>(take(c * ff));
+  rows_scratch.hu = reinterpret_cast<float*>(take(c * ff));
+  rows_scratch.down = reinterpret_cast<float*>(take(c * e));
+  rows_scratch.w = reinterpret_cast<float*>(take(ff * e));
+  rows_scratch.d_index = reinterpret_cast<uint32_t*>(take(index_words));
   if (gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16) {
-    cxeh = reinterpret_cast<__nv_bfloat16*>(take((c * e + 1) / 2));
-    chgh = reinterpret_cast<__nv_bfloat16*>(take((c * ff + 1) / 2));
+    rows_scratch.xeh = reinterpret_cast<__nv_bfloat16*>(take((c * e + 1) / 2));
+    rows_scratch.hgh = reinterpret_cast<__nv_bfloat16*>(take((c * ff + 1) / 2));
   }
-  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * k * 2 + c * k * 3 + c) * 4));
+  rows_scratch.groups.reserve(p.n_expert, c * k);
+  EXPERTD_TRY_ASSIGN(chunk_host, PinnedBytes::alloc((c * k * 2 + c * k + c + index_words) * 4));
   h_routes = chunk_host.get<uint32_t>();
   h_rows = h_routes + c * k * 2;
+  rows_scratch.h_index = h_rows + c * k + c;
+  csel.resize(c * k);
   expert_rows.resize(p.n_expert);
-  expert_first.resize(p.n_expert);
-  needed.reserve(p.n_expert);
   needed_hints.reserve(p.n_expert);
   next_counts.reserve(p.n_expert);
   next_rows.resize(p.n_expert);
   next_hints.reserve(p.n_expert);
-  return Ok{};
-}
-
-Status GpuEngine::Impl::gemm_bf16(const __nv_bfloat16* w, uint32_t out_cols, uint32_t in_cols,
-                                  const __nv_bfloat16* in, uint32_t rows, float* out) {
-  // gemm()'s layout with bf16 operands, f32 output and accumulation (tensor cores).
-  const float alpha = 1.0f;
-  const float beta = 0.0f;
-  EXPERTD_CUBLAS_TRY(cublasGemmEx(
-      blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols), static_cast<int>(rows),
-      static_cast<int>(in_cols), &alpha, w, CUDA_R_16BF, static_cast<int>(in_cols), in, CUDA_R_16BF,
-      static_cast<int>(in_cols), &beta, out, CUDA_R_32F, static_cast<int>(out_cols),
-      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Ok{};
 }
 
@@ -1272,7 +1255,7 @@ Status GpuEngine::Impl::hint_next_layer(uint32_t next, uint32_t rows, uint64_t b
   // decode's lookahead over the chunk: the next layer's router on this layer's residual through
   // the next layer's norm, each row's top-k; the distinct experts, those most rows want first.
   const uint64_t rk = uint64_t{rows} * p.n_expert_used;
-  EXPERTD_TRY(route_rows(next, rows, cxe, rk));
+  EXPERTD_TRY(route_rows(next, rows, rows_scratch.xe, rk));
   std::fill(next_rows.begin(), next_rows.end(), 0u);
   for (uint64_t i = 0; i < rk; ++i) {
     if (h_routes[i] < p.n_expert) ++next_rows[h_routes[i]];
@@ -1293,25 +1276,6 @@ Status GpuEngine::Impl::hint_next_layer(uint32_t next, uint32_t rows, uint64_t b
   if (!experts->hint_source().prefetch(next_hints)) ++stats.hint_errors;
   stats.prefill_lookahead_hints += send;
   return Ok{};
-}
-
-Status GpuEngine::Impl::expert_rows_bf16(const GpuExperts::LayerShape& sh, const ExpertPtrs& ex,
-                                         uint32_t n) {
-  // chunk_moe's expert on its n gathered rows (cxe -> cdown) with bf16 operands: the projection
-  // dequantised into cw as bf16, the rows and the SwiGLU rounded to bf16, f32 results.
-  const uint32_t ff = p.n_ff_exp;
-  const uint64_t proj = uint64_t{ff} * p.n_embd;
-  auto* w = reinterpret_cast<__nv_bfloat16*>(cw);
-  const cudaStream_t st = compute.get();
-  EXPERTD_CUDA_TRY(kernels::to_bf16(cxe, cxeh, uint64_t{n} * p.n_embd, st));
-  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.gate.type, ex.gate, w, proj, st));
-  EXPERTD_TRY(gemm_bf16(w, ff, p.n_embd, cxeh, n, chg));
-  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.up.type, ex.up, w, proj, st));
-  EXPERTD_TRY(gemm_bf16(w, ff, p.n_embd, cxeh, n, chu));
-  EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, st));
-  EXPERTD_CUDA_TRY(kernels::to_bf16(chg, chgh, uint64_t{n} * ff, st));
-  EXPERTD_CUDA_TRY(kernels::dequantize_bf16(sh.down.type, ex.down, w, proj, st));
-  return gemm_bf16(w, p.n_embd, ff, chgh, n, cdown);
 }
 
 Status GpuEngine::Impl::gemm(const float* w, uint32_t out_cols, uint32_t in_cols, const float* in,
@@ -1384,8 +1348,6 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   uint32_t* sel_all = h_routes;
   float* w_all = reinterpret_cast<float*>(h_routes + rk);
   float* up_w = reinterpret_cast<float*>(h_rows);
-  uint32_t* up_rows = h_rows + rk;
-  uint32_t* up_dest = h_rows + 2 * rk;
   std::fill(expert_rows.begin(), expert_rows.end(), 0u);
   for (uint32_t r = 0; r < rows; ++r) {
     const std::span<uint32_t> sel(sel_all + uint64_t{r} * k, k);
@@ -1400,6 +1362,8 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       }
     }
     std::copy(wts.begin(), wts.end(), up_w + uint64_t{r} * k);
+    // Kept apart from h_routes, which the next layer's lookahead overwrites.
+    std::copy(sel.begin(), sel.end(), csel.begin() + uint64_t{r} * k);
     for (const uint32_t ex : sel) ++expert_rows[ex];
     RoutingRecord* rec = nullptr;
     if (routing_log != nullptr) {
@@ -1412,39 +1376,20 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
     }
     planner.routed(layer, sel, stats, rec);
   }
-  needed.clear();
+  // The layer's distinct experts, ascending (as run_experts_by_rows acquires them).
   needed_hints.clear();
-  uint32_t first = 0;
   for (uint32_t ex = 0; ex < p.n_expert; ++ex) {
-    expert_first[ex] = first;
-    first += expert_rows[ex];
-    if (expert_rows[ex] == 0) continue;
-    needed.push_back(ex);
-    needed_hints.push_back(ExpertHint{layer, ex, 1.0f, true});
+    if (expert_rows[ex] > 0) needed_hints.push_back(ExpertHint{layer, ex, 1.0f, true});
   }
-  // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
-  // slot, so the combine sums in decode's order.
-  std::fill(expert_rows.begin(), expert_rows.end(), 0u);
-  for (uint32_t r = 0; r < rows; ++r) {
-    for (uint32_t j = 0; j < k; ++j) {
-      const uint32_t ex = sel_all[uint64_t{r} * k + j];
-      const uint32_t at = expert_first[ex] + expert_rows[ex]++;
-      up_rows[at] = r;
-      up_dest[at] = r * k + j;
-    }
-  }
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(d_rows, h_rows, rk * 3 * 4, cudaMemcpyHostToDevice, compute.get()));
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_rows, h_rows, rk * 4, cudaMemcpyHostToDevice, compute.get()));
   // Every expert the layer needs is asked for at once, so the daemon reads them in parallel
   // while the first ones compute: as many as the daemon's slots keep until their acquire, the
-  // rest as the groups' acquires free room (top_up). Then, with room left, the next layer's.
+  // rest as the groups' acquires free room (run_experts_by_rows). Then, with room left, the next
+  // layer's.
   const uint64_t budget = experts->hint_budget();
-  size_t hinted = 0;  // needed_hints[0, hinted) sent
-  auto top_up = [&](size_t acquired) {
-    experts->hint_within(needed_hints, acquired, budget, hinted, stats);
-  };
-  top_up(0);
-  stats.prefill_hints_held += needed_hints.size() - hinted;
+  gpu::RowsHints hints{needed_hints, 0, budget};
+  experts->hint_within(needed_hints, 0, budget, hints.sent, stats);
+  stats.prefill_hints_held += needed_hints.size() - hints.sent;
   if (layer + 1 < p.n_layer && lookahead(layer) > 0 && !p.dense_layer(layer + 1) &&
       budget > needed_hints.size()) {
     EXPERTD_TRY(hint_next_layer(layer + 1, rows, budget - needed_hints.size()));
@@ -1453,46 +1398,14 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
 
   // Acquired at most top-k at a time (what a daemon cache sized for decode can hold), each
   // applied to all its rows as GEMMs, the holds given back once their kernels are done.
-  const GpuExperts::LayerShape& sh = experts->shape(layer);
-  if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
-  const uint32_t ff = p.n_ff_exp;
-  const uint64_t proj = uint64_t{ff} * p.n_embd;
-  const float* d_w = reinterpret_cast<const float*>(d_rows);
-  const uint32_t* d_gather = d_rows + rk;
-  const uint32_t* d_dest = d_rows + 2 * rk;
-  const bool bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16;
-  if (bf16) stats.prefill_bf16_gemms += 3 * needed.size();
-  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
-    const uint32_t count = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
-    uint64_t waited = 0;
-    EXPERTD_TRY(experts->acquire(layer, std::span<const uint32_t>(needed.data() + g0, count), ptrs,
-                                 &waited));
-    for (uint32_t j = 0; j < count; ++j) {
-      const uint32_t ex = needed[g0 + j];
-      const uint32_t n = expert_rows[ex];
-      const uint32_t at = expert_first[ex];
-      EXPERTD_CUDA_TRY(kernels::gather_rows(cxn, d_gather + at, n, p.n_embd, cxe, compute.get()));
-      if (bf16) {
-        EXPERTD_TRY(expert_rows_bf16(sh, ptrs[j], n));
-      } else {
-        EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, cw, proj, compute.get()));
-        EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chg, 0.0f));
-        EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, cw, proj, compute.get()));
-        EXPERTD_TRY(gemm(cw, ff, p.n_embd, cxe, n, chu, 0.0f));
-        EXPERTD_CUDA_TRY(kernels::swiglu(chg, chu, chg, uint64_t{n} * ff, compute.get()));
-        EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, cw, proj, compute.get()));
-        EXPERTD_TRY(gemm(cw, p.n_embd, ff, chg, n, cdown, 0.0f));
-      }
-      EXPERTD_CUDA_TRY(kernels::scatter_rows(cdown, d_dest + at, n, p.n_embd, ceo, compute.get()));
-    }
-    EXPERTD_TRY(experts->finish_layer());
-    EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
-    EXPERTD_TRY(experts->release_demand_holds());
-    top_up(g0 + count);
-  }
-  stats.experts_used += needed.size();
-  stats.prefill_experts += needed.size();
-  EXPERTD_CUDA_TRY(kernels::moe_combine_rows(ceo, d_w, cx, rows, k, p.n_embd, compute.get()));
+  EXPERTD_TRY(gpu::run_experts_by_rows(
+      *experts, blas.get(), layer, rows, std::span<const uint32_t>(csel.data(), rk), cxn, p.n_embd,
+      ptrs, p, rows_scratch, ceo, stats, compute.get(),
+      gpu::RowsOptions{.bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16,
+                       .hints = &hints}));
+  stats.prefill_experts += needed_hints.size();
+  EXPERTD_CUDA_TRY(kernels::moe_combine_rows(ceo, reinterpret_cast<const float*>(d_rows), cx,
+                                             rows, k, p.n_embd, compute.get()));
   return Ok{};
 }
 
@@ -1501,8 +1414,8 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
   const uint32_t rows = static_cast<uint32_t>(tokens.size());
   const uint64_t ck = uint64_t{chunk} * p.n_expert_used;
   // The tokens sit after the row lists' room, so the layers' uploads never overwrite them.
-  uint32_t* h_tokens = h_rows + 3 * ck;
-  uint32_t* d_tokens = d_rows + 3 * ck;
+  uint32_t* h_tokens = h_rows + ck;
+  uint32_t* d_tokens = d_rows + ck;
   std::copy(tokens.begin(), tokens.end(), h_tokens);
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(d_tokens, h_tokens, uint64_t{rows} * 4, cudaMemcpyHostToDevice,
                                    compute.get()));

@@ -121,6 +121,19 @@ Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32
   return sgemm_rows(blas, w, in_cols, out_cols, in_cols, in, in_cols, rows, out, out_cols, beta);
 }
 
+Status gemm_bf16_rows(cublasHandle_t blas, const __nv_bfloat16* w, uint32_t out_cols,
+                      uint32_t in_cols, const __nv_bfloat16* in, uint32_t rows, float* out) {
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  EXPERTD_CUBLAS_TRY(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
+                                  static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
+                                  CUDA_R_16BF, static_cast<int>(in_cols), in, CUDA_R_16BF,
+                                  static_cast<int>(in_cols), &beta, out, CUDA_R_32F,
+                                  static_cast<int>(out_cols), CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+  return Ok{};
+}
+
 uint64_t dense_rows_tile(const DevMat& m, uint64_t cap) {
   if (m.type == GgmlType::F32 || m.rows == 0 || m.cols == 0) return 0;
   const uint64_t whole = uint64_t{m.rows} * m.cols;
@@ -170,37 +183,32 @@ Status dense_rows(cublasHandle_t blas, const DevMat& m, const float* in, uint64_
 Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
                            std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
-                           float* eo, EngineStats& stats, cudaStream_t st, const OaiExperts* oai) {
+                           float* eo, EngineStats& stats, cudaStream_t st, const RowsOptions& o) {
   const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   const uint64_t nk = uint64_t{n} * k;
-  if (routes.size() < nk || ptrs.size() < k || s.count.size() < ne || s.first.size() < ne) {
+  if (routes.size() < nk || ptrs.size() < k) {
     return make_error(EINVAL, "run_experts_by_rows: scratch smaller than the chunk");
   }
-  // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
-  // slot, so a row's experts are summed in its route's order.
-  std::fill(s.count.begin(), s.count.end(), 0u);
+  if (o.bf16 && (s.xeh == nullptr || s.hgh == nullptr)) {
+    return make_error(EINVAL, "run_experts_by_rows: bf16 GEMMs without their bf16 scratch");
+  }
   for (uint64_t i = 0; i < nk; ++i) {
     if (routes[i] >= ne) {
       return make_error(EIO,
                         fmt::format("layer {}: routed to expert {} of {}", layer, routes[i], ne));
     }
-    ++s.count[routes[i]];
   }
-  s.needed.clear();
+  // Rows by expert (each expert's rows ascending) and where each row's output goes: its route
+  // slot, so a row's experts are summed in its route's order.
+  s.groups.build(routes.first(nk));
+  const std::span<const uint32_t> needed = s.groups.needed();
   uint32_t at = 0;
-  for (uint32_t ex = 0; ex < ne; ++ex) {
-    s.first[ex] = at;
-    at += s.count[ex];
-    if (s.count[ex] > 0) s.needed.push_back(ex);
-  }
-  std::fill(s.count.begin(), s.count.end(), 0u);
-  for (uint32_t r = 0; r < n; ++r) {
-    for (uint32_t j = 0; j < k; ++j) {
-      const uint32_t ex = routes[uint64_t{r} * k + j];
-      const uint32_t slot = s.first[ex] + s.count[ex]++;
-      s.h_index[slot] = r;
-      s.h_index[nk + slot] = r * k + j;
+  for (const uint32_t ex : needed) {
+    for (const uint32_t slot : s.groups.slots(ex)) {
+      s.h_index[at] = slot / k;
+      s.h_index[nk + at] = slot;
+      ++at;
     }
   }
   EXPERTD_CUDA_TRY(cudaMemcpyAsync(s.d_index, s.h_index, nk * 2 * 4, cudaMemcpyHostToDevice, st));
@@ -209,39 +217,62 @@ Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t la
   const uint32_t ff = p.n_ff_exp;
   const uint32_t e = p.n_embd;
   const uint64_t proj = uint64_t{ff} * e;
-  for (size_t g0 = 0; g0 < s.needed.size(); g0 += k) {
-    const auto group = static_cast<uint32_t>(std::min<size_t>(k, s.needed.size() - g0));
+  auto* wh = reinterpret_cast<__nv_bfloat16*>(s.w);
+  // One projection of the expert in `q` on `rows` rows: in (f32, or its bf16 copy) -> out.
+  auto project = [&](const GpuExperts::Proj& t, const void* q, uint32_t out_cols, uint32_t in_cols,
+                     const float* in, const __nv_bfloat16* in_h, uint32_t rows,
+                     float* out) -> Status {
+    if (o.bf16) {
+      EXPERTD_CUDA_TRY(kernels::dequantize_bf16(t.type, q, wh, proj, st));
+      return gemm_bf16_rows(blas, wh, out_cols, in_cols, in_h, rows, out);
+    }
+    EXPERTD_CUDA_TRY(kernels::dequantize(t.type, q, s.w, proj, st));
+    return sgemm_rows(blas, s.w, out_cols, in_cols, in, rows, out);
+  };
+  uint32_t first = 0;  // the group's first expert's entry in the row lists
+  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
+    const auto group = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
+    const std::span<const uint32_t> experts_of = needed.subspan(g0, group);
+    if (o.before_acquire) o.before_acquire(experts_of);
     uint64_t waited = 0;
-    EXPERTD_TRY(experts.acquire(layer, std::span<const uint32_t>(s.needed.data() + g0, group), ptrs,
-                                &waited));
+    EXPERTD_TRY(experts.acquire(layer, experts_of, ptrs, &waited));
+    if (o.acquired) o.acquired(experts_of, waited);
     for (uint32_t j = 0; j < group; ++j) {
-      const uint32_t ex = s.needed[g0 + j];
-      const uint32_t rows = s.count[ex];
-      const uint32_t* gather = s.d_index + s.first[ex];
-      const uint32_t* dest = s.d_index + nk + s.first[ex];
+      const uint32_t ex = experts_of[j];
+      const auto rows = static_cast<uint32_t>(s.groups.slots(ex).size());
+      const uint32_t* gather = s.d_index + first;
+      const uint32_t* dest = s.d_index + nk + first;
+      first += rows;
       EXPERTD_CUDA_TRY(kernels::gather_rows_strided(xn, stride, gather, rows, e, s.xe, st));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.gate.type, ptrs[j].gate, s.w, proj, st));
-      EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hg));
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.up.type, ptrs[j].up, s.w, proj, st));
-      EXPERTD_TRY(sgemm_rows(blas, s.w, ff, e, s.xe, rows, s.hu));
-      if (oai == nullptr) {
+      if (o.bf16) EXPERTD_CUDA_TRY(kernels::to_bf16(s.xe, s.xeh, uint64_t{rows} * e, st));
+      EXPERTD_TRY(project(sh.gate, ptrs[j].gate, ff, e, s.xe, s.xeh, rows, s.hg));
+      EXPERTD_TRY(project(sh.up, ptrs[j].up, ff, e, s.xe, s.xeh, rows, s.hu));
+      if (o.ds4_clamp) {
+        EXPERTD_CUDA_TRY(
+            kernels::ds4_swiglu(s.hg, s.hu, s.hg, uint64_t{rows} * ff, *o.ds4_clamp, st));
+      } else if (o.oai == nullptr) {
         EXPERTD_CUDA_TRY(kernels::swiglu(s.hg, s.hu, s.hg, uint64_t{rows} * ff, st));
       } else {
         const uint64_t bias = uint64_t{ex} * ff;
-        EXPERTD_CUDA_TRY(kernels::oai_swiglu_rows(s.hg, s.hu, oai->gate_b + bias, oai->up_b + bias,
-                                                  s.hg, rows, ff, kGptOssAlpha, kGptOssLimit, st));
+        EXPERTD_CUDA_TRY(kernels::oai_swiglu_rows(s.hg, s.hu, o.oai->gate_b + bias,
+                                                  o.oai->up_b + bias, s.hg, rows, ff, kGptOssAlpha,
+                                                  kGptOssLimit, st));
       }
-      EXPERTD_CUDA_TRY(kernels::dequantize(sh.down.type, ptrs[j].down, s.w, proj, st));
-      EXPERTD_TRY(sgemm_rows(blas, s.w, e, ff, s.hg, rows, s.down));
-      if (oai != nullptr) {
-        EXPERTD_CUDA_TRY(kernels::add_rows(s.down, oai->down_b + uint64_t{ex} * e, rows, e, st));
+      if (o.bf16) EXPERTD_CUDA_TRY(kernels::to_bf16(s.hg, s.hgh, uint64_t{rows} * ff, st));
+      EXPERTD_TRY(project(sh.down, ptrs[j].down, e, ff, s.hg, s.hgh, rows, s.down));
+      if (o.oai != nullptr) {
+        EXPERTD_CUDA_TRY(kernels::add_rows(s.down, o.oai->down_b + uint64_t{ex} * e, rows, e, st));
       }
       EXPERTD_CUDA_TRY(kernels::scatter_rows(s.down, dest, rows, e, eo, st));
     }
     EXPERTD_TRY(experts.finish_layer());
     EXPERTD_TRY(experts.sync_compute());
+    if (o.hints != nullptr) {
+      experts.hint_within(o.hints->exact, g0 + group, o.hints->budget, o.hints->sent, stats);
+    }
   }
-  stats.experts_used += s.needed.size();
+  stats.experts_used += needed.size();
+  if (o.bf16) stats.prefill_bf16_gemms += 3 * needed.size();
   return Ok{};
 }
 
@@ -250,9 +281,9 @@ Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t l
                             const DevSigmoidMoe& m, const ModelParams& p, const float* xn, float* x,
                             uint64_t stride, std::span<ExpertPtrs> ptrs, RowsScratch& rows,
                             float* eo, const SigmoidMoeScratch& s, float* y, EngineStats& stats,
-                            cudaStream_t st) {
+                            cudaStream_t st, RowsHints* hints) {
   EXPERTD_TRY(run_experts_by_rows(experts, blas, layer, n, routes, xn, stride, ptrs, p, rows, eo,
-                                  stats, st));
+                                  stats, st, RowsOptions{.hints = hints}));
   const uint32_t k = p.n_expert_used;
   const bool shared = m.shexp_gate.rows > 0;
   for (uint32_t i = 0; i < n; ++i) {
@@ -367,11 +398,12 @@ Status HostRouter::route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const 
       }
       routes[uint64_t{i} * k + j] = ex;
       route_weights[uint64_t{i} * k + j] = weights[j];
-      if (seen[ex] == 0) {
-        seen[ex] = 1;
-        hints.push_back(ExpertHint{layer, ex, 1.0f, true});
-      }
+      seen[ex] = 1;
     }
+  }
+  // Ascending, the order run_experts_by_rows acquires them in.
+  for (uint32_t ex = 0; ex < ne; ++ex) {
+    if (seen[ex] != 0) hints.push_back(ExpertHint{layer, ex, 1.0f, true});
   }
   // The layer's distinct experts hinted at once and exactly: the daemon reads each while the rows
   // before its first use compute; the repeats find it in VRAM or the daemon's cache.

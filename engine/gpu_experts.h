@@ -23,15 +23,19 @@
 // both streams before this goes: the destructor gives back every hold still held.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "engine/cpu_ops.h"
 #include "engine/engine.h"
 #include "engine/expert_source.h"
 #include "engine/gpu_engine.h"
@@ -161,13 +165,14 @@ struct HostRouter {
   // A prefill chunk's routing at `layer` (the layer-by-layer prefills of Ds3GpuEngine and
   // GpuEngine's glm4moe / gpt-oss): rows [0, n) at positions pos0.. decided from their logits
   // (row i at logits + i * stride), each row's experts and weights into routes / route_weights
-  // ([n][k]), then the layer's distinct experts hinted exactly and at once through `hints_to` and
-  // counted (prefill_experts, prefill_hints), then the next layers' (decode's lookahead over the
-  // rows: row i's logits for layer + j at logits + i * stride + j * ahead where looks_ahead; the
-  // planner's union, prefill_lookahead_hints). At most `budget` hints in all (the daemon's slots,
-  // GpuExperts::hint_budget); the rest are held back (prefill_hints_held) and the experts read
-  // when acquired. `seen` (n_expert flags) and `hints` are scratch. Errors: a route outside the
-  // experts.
+  // ([n][k]), then the layer's distinct experts (ascending, into `hints`) hinted exactly and at
+  // once through `hints_to` and counted (prefill_experts, prefill_hints), then the next layers'
+  // (decode's lookahead over the rows: row i's logits for layer + j at logits + i * stride + j *
+  // ahead where looks_ahead; the planner's union, prefill_lookahead_hints). At most `budget`
+  // hints in all (the daemon's slots, GpuExperts::hint_budget): the first min(hints, budget) of
+  // `hints` are sent, the rest held back (prefill_hints_held) for run_experts_by_rows to send as
+  // its acquires leave room (RowsHints). `seen` (n_expert flags) is scratch. Errors: a route
+  // outside the experts.
   Status route_chunk(uint32_t pos0, uint32_t layer, uint32_t n, const float* logits,
                      uint64_t stride, uint64_t ahead, uint64_t budget, HintPlanner& planner,
                      EngineStats& stats, ExpertSource& hints_to, std::vector<RoutingRecord>* log,
@@ -433,46 +438,78 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
                        const float* x, const float* weights, const SigmoidMoeScratch& s, float* y,
                        EngineStats& stats, cudaStream_t stream);
 
-// A chunk's rows through their routed experts, grouped by expert (the layer-by-layer prefills of
-// DeepSeek-V3/Kimi, GLM-4.5 and gpt-oss): eo[r][j] (row-major [n][k][n_embd]) = SwiGLU expert
-// routes[r * k + j] applied to row r of xn (rows `stride` floats apart). Each distinct expert is
-// acquired once, top-k at a time, and applied to all its rows as f32 cuBLAS GEMMs on a copy
-// dequantised into `w` (GpuEngine::chunk_moe's numbers); the compute stream is synchronised after
-// each group and the holds given back, so a cache sized for decode is enough. Counts the experts
-// in experts_used. The scratch is sized for the chunk: device_floats() floats on the device (xe
-// .. w) and host_words() pinned words (h_index), d_index the device copy of h_index. With `oai`
-// (gpt-oss; its `selected` unused) each expert's biases are added and its clamped SwiGLU applied
-// to all its rows at once, as run_experts does to one row.
+// A chunk's rows through their routed experts, grouped by expert (every CUDA prefill: GpuEngine's
+// chunk and layer-by-layer ones, Ds3GpuEngine's, Ds4GpuEngine's): eo[r][j] (row-major
+// [n][k][n_embd]) = SwiGLU expert routes[r * k + j] applied to row r of xn (rows `stride` floats
+// apart). Each distinct expert is acquired once, in ascending order, top-k at a time, and applied
+// to all its rows as cuBLAS GEMMs on a copy dequantised into `w`; the compute stream is
+// synchronised after each group and the holds given back, so a cache sized for decode is enough.
+// Counts the experts in experts_used. The scratch is sized for the chunk: device_floats() floats
+// on the device (xe .. w) and host_words() pinned words (h_index), d_index the device copy of
+// h_index, groups reserved for the chunk's rows * k slots; xeh and hgh (bf16_values() together)
+// only for RowsOptions::bf16.
 struct RowsScratch {
-  float* xe = nullptr;          // [rows][n_embd] one expert's rows
-  float* hg = nullptr;          // [rows][n_ff_exp] gate, then the SwiGLU
-  float* hu = nullptr;          // [rows][n_ff_exp] up
-  float* down = nullptr;        // [rows][n_embd] one expert's outputs
-  float* w = nullptr;           // [n_ff_exp * n_embd] one projection, dequantised
-  uint32_t* d_index = nullptr;  // [rows * k] gathered rows by expert, then [rows * k] output slots
-  uint32_t* h_index = nullptr;  // pinned mirror of d_index
-  std::vector<uint32_t> count, first, needed;  // [n_expert] (sized by the engine)
+  float* xe = nullptr;             // [rows][n_embd] one expert's rows
+  float* hg = nullptr;             // [rows][n_ff_exp] gate, then the SwiGLU
+  float* hu = nullptr;             // [rows][n_ff_exp] up
+  float* down = nullptr;           // [rows][n_embd] one expert's outputs
+  float* w = nullptr;              // [n_ff_exp * n_embd] one projection, dequantised (f32 or bf16)
+  __nv_bfloat16* xeh = nullptr;    // RowsOptions::bf16: [rows][n_embd] xe as bf16
+  __nv_bfloat16* hgh = nullptr;    // RowsOptions::bf16: [rows][n_ff_exp] the SwiGLU as bf16
+  uint32_t* d_index = nullptr;     // [rows * k] gathered rows by expert, then [rows * k] output slots
+  uint32_t* h_index = nullptr;     // pinned mirror of d_index
+  ExpertGroups groups;             // the layer's route slots by expert (built from the routes)
   static uint64_t device_floats(const ModelParams& p, uint64_t rows) {
     return rows * p.n_embd * 2 + rows * p.n_ff_exp * 2 + uint64_t{p.n_ff_exp} * p.n_embd;
   }
   static uint64_t host_words(const ModelParams& p, uint64_t rows) {
     return rows * p.n_expert_used * 2;
   }
+  // The bf16 values of xeh plus hgh.
+  static uint64_t bf16_values(const ModelParams& p, uint64_t rows) {
+    return rows * (uint64_t{p.n_embd} + p.n_ff_exp);
+  }
+};
+// The layer's exact hints, one per distinct expert in ascending order (as run_experts_by_rows
+// acquires them), of which the caller has sent `sent`: run_experts_by_rows sends the rest as its
+// groups' acquires leave room, keeping at most `budget` sent and not yet acquired
+// (GpuExperts::hint_within), so a hinted expert is not evicted before its acquire.
+struct RowsHints {
+  std::span<const ExpertHint> exact;
+  size_t sent = 0;
+  uint64_t budget = UINT64_MAX;
+};
+struct RowsOptions {
+  // gpt-oss: each expert's biases added and its clamped SwiGLU applied to all its rows at once, as
+  // run_experts does to one row (`selected` unused).
+  const OaiExperts* oai = nullptr;
+  // DeepSeek-V4: its SwiGLU (kernels::ds4_swiglu) with the layer's clamp, as run_experts does.
+  std::optional<float> ds4_clamp;
+  // The three projections with bf16 operands, f32 results and accumulation (tensor cores;
+  // GpuOptions::PrefillGemm::Bf16): the rows and the SwiGLU rounded to bf16, each projection
+  // dequantised into w as bf16. Counted in prefill_bf16_gemms.
+  bool bf16 = false;
+  RowsHints* hints = nullptr;
+  // Called with each group of experts before its acquire, and after it with the nanoseconds the
+  // acquire waited (DeepSeek-V4's hash and learned layers' counts).
+  std::function<void(std::span<const uint32_t> group)> before_acquire;
+  std::function<void(std::span<const uint32_t> group, uint64_t waited)> acquired;
 };
 Status run_experts_by_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                            std::span<const uint32_t> routes, const float* xn, uint64_t stride,
                            std::span<ExpertPtrs> ptrs, const ModelParams& p, RowsScratch& s,
                            float* eo, EngineStats& stats, cudaStream_t stream,
-                           const OaiExperts* oai = nullptr);
+                           const RowsOptions& options = {});
 // run_sigmoid_moe over a chunk's rows: the routed experts by run_experts_by_rows (into eo), then
 // per row its shared experts (s.g, s.u, s.shared) and the sum weighted by weights[r] (device,
 // [n][k]) into y, added to row r of x (x and xn rows `stride` floats apart), in decode's order.
+// `hints`: the layer's exact hints for run_experts_by_rows to top up.
 Status run_sigmoid_moe_rows(GpuExperts& experts, cublasHandle_t blas, uint32_t layer, uint32_t n,
                             std::span<const uint32_t> routes, const float* weights,
                             const DevSigmoidMoe& m, const ModelParams& p, const float* xn, float* x,
                             uint64_t stride, std::span<ExpertPtrs> ptrs, RowsScratch& rows,
                             float* eo, const SigmoidMoeScratch& s, float* y, EngineStats& stats,
-                            cudaStream_t stream);
+                            cudaStream_t stream, RowsHints* hints = nullptr);
 
 // out[rows][out_cols] (= beta out +) in[rows][in_cols] w^T, w row-major [out_cols][in_cols]: the
 // f32 cuBLAS GEMM every CUDA engine's prefill runs (the handle's math mode decides TF32: pedantic).
@@ -482,6 +519,9 @@ Status sgemm_rows(cublasHandle_t blas, const float* w, uint32_t out_cols, uint32
 Status sgemm_rows(cublasHandle_t blas, const float* w, uint64_t w_stride, uint32_t out_cols,
                   uint32_t in_cols, const float* in, uint64_t in_stride, uint32_t rows, float* out,
                   uint64_t out_stride, float beta);
+// sgemm_rows' layout (beta 0) with bf16 w and in, f32 out and accumulation: tensor cores.
+Status gemm_bf16_rows(cublasHandle_t blas, const __nv_bfloat16* w, uint32_t out_cols,
+                      uint32_t in_cols, const __nv_bfloat16* in, uint32_t rows, float* out);
 
 // out[r][0, m.rows) = m in[r][0, m.cols) (+ beta out[r]) for rows r of a chunk (rows `in_stride`
 // and `out_stride` floats apart), for a dense matrix of any file type: f32 multiplied as it is,
