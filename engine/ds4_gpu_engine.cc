@@ -175,15 +175,15 @@ struct Ds4GpuEngine::Impl {
   // prefill(): C = min(prefill_chunk, max_context) positions; row-major [row][...] buffers.
   uint32_t chunk = 0;
   uint64_t chunk_bytes = 0;
-  float* cstreams = nullptr;   // [C][hc][n_embd] every position's mHC streams
-  double* cpost = nullptr;     // [C][hc] the FFN site's post mix per position
-  double* ccomb = nullptr;     // [C][hc][hc] and comb
-  float* cxn = nullptr;        // [C][n_embd] normalised MoE inputs
-  float* crl = nullptr;        // [C][1 + depth][n_expert] router logits, then the lookahead's
-  float* d_cw = nullptr;       // [C][k] routing weights
-  float* ceo = nullptr;        // [C][k][n_embd] every route slot's expert output
-  float* cmoe = nullptr;       // [C][n_embd] each position's MoE output
-  float* h_crl = nullptr;      // pinned mirrors of crl and d_cw
+  float* cstreams = nullptr;  // [C][hc][n_embd] every position's mHC streams
+  double* cpost = nullptr;    // [C][hc] the FFN site's post mix per position
+  double* ccomb = nullptr;    // [C][hc][hc] and comb
+  float* cxn = nullptr;       // [C][n_embd] normalised MoE inputs
+  float* crl = nullptr;       // [C][1 + depth][n_expert] router logits, then the lookahead's
+  float* d_cw = nullptr;      // [C][k] routing weights
+  float* ceo = nullptr;       // [C][k][n_embd] every route slot's expert output
+  float* cmoe = nullptr;      // [C][n_embd] each position's MoE output
+  float* h_crl = nullptr;     // pinned mirrors of crl and d_cw
   float* h_cw = nullptr;
   // The routed experts' GEMMs over the chunk's rows (run_experts_by_rows); its groups are the
   // chunk's layer's route slots by expert.
@@ -763,10 +763,9 @@ Status Ds4GpuEngine::Impl::init_prefill() {
   carve_chunk(cc);
   const uint64_t k = p.n_expert_used;
   const uint64_t rl = uint64_t{chunk} * (1 + opts.prefetch_depth) * p.n_expert;
-  EXPERTD_TRY_ASSIGN(chunk_host,
-                     PinnedBytes::alloc((rl + uint64_t{chunk} * k +
-                                         gpu::RowsScratch::host_words(p, chunk)) *
-                                        4));
+  EXPERTD_TRY_ASSIGN(
+      chunk_host,
+      PinnedBytes::alloc((rl + uint64_t{chunk} * k + gpu::RowsScratch::host_words(p, chunk)) * 4));
   h_crl = chunk_host.get<float>();
   h_cw = h_crl + rl;
   rows_scratch.h_index = reinterpret_cast<uint32_t*>(h_cw + uint64_t{chunk} * k);
@@ -898,10 +897,9 @@ Status Ds4GpuEngine::Impl::prefill_moe(uint32_t layer, uint32_t n) {
     (hash ? stats.hash_ready : stats.learned_ready) += n_ready;
     (hash ? stats.hash_stall_ns : stats.learned_stall_ns) += waited;
   };
-  EXPERTD_TRY(gpu::run_experts_by_rows(*experts, blas.get(), layer, n,
-                                       std::span<const uint32_t>(csel.data(), rk), cxn, e,
-                                       std::span<ExpertPtrs>(ptrs.data(), k), p, rows_scratch, ceo,
-                                       stats, st, o));
+  EXPERTD_TRY(gpu::run_experts_by_rows(
+      *experts, blas.get(), layer, n, std::span<const uint32_t>(csel.data(), rk), cxn, e,
+      std::span<ExpertPtrs>(ptrs.data(), k), p, rows_scratch, ceo, stats, st, o));
   stats.prefill_experts += n_needed;
   // Per position, as decode() does: the shared expert, then the routed slots summed in route
   // order with it.

@@ -221,15 +221,15 @@ struct GpuEngine::Impl {
   uint32_t chunk = 0;
   uint32_t chunk_asked = 0;  // options.prefill_chunk (capped at max_context), before clamping
   uint64_t chunk_bytes = 0;
-  float* cx = nullptr;            // [chunk][n_embd] residual streams
-  float* cxn = nullptr;           // [chunk][n_embd] normalised inputs
-  float* cq = nullptr;            // [chunk][q_dim]
-  float* catt = nullptr;          // [chunk][q_dim] attention outputs
-  float* cscores = nullptr;       // [chunk][max_context] one head's scores, then probabilities
-  float* crl = nullptr;           // [chunk][n_expert] router logits
-  uint32_t* d_routes = nullptr;   // [rows][k] experts, then [rows][k] weights (floats)
-  uint32_t* d_rows = nullptr;     // [chunk][k] routing weights, then the chunk's tokens
-  float* ceo = nullptr;           // [chunk][k][n_embd] every route slot's expert output
+  float* cx = nullptr;           // [chunk][n_embd] residual streams
+  float* cxn = nullptr;          // [chunk][n_embd] normalised inputs
+  float* cq = nullptr;           // [chunk][q_dim]
+  float* catt = nullptr;         // [chunk][q_dim] attention outputs
+  float* cscores = nullptr;      // [chunk][max_context] one head's scores, then probabilities
+  float* crl = nullptr;          // [chunk][n_expert] router logits
+  uint32_t* d_routes = nullptr;  // [rows][k] experts, then [rows][k] weights (floats)
+  uint32_t* d_rows = nullptr;    // [chunk][k] routing weights, then the chunk's tokens
+  float* ceo = nullptr;          // [chunk][k][n_embd] every route slot's expert output
   std::vector<std::pair<uint32_t, uint32_t>> next_counts;  // (rows, expert): the lookahead's
   std::vector<uint32_t> next_rows;                         // [n_expert] the lookahead's rows
   // Both prefills' grouped expert GEMMs (run_experts_by_rows); its xe is also hint_next_layer's
@@ -1116,11 +1116,10 @@ Status GpuEngine::Impl::layerwise_layers(uint32_t n) {
         cudaMemcpyAsync(h_crl, crl, uint64_t{n} * crs * 4, cudaMemcpyDeviceToHost, st));
     EXPERTD_TRY(experts->sync_compute());
     const uint64_t budget = experts->hint_budget();
-    EXPERTD_TRY(router.route_chunk(pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0,
-                                   budget, planner, stats, experts->hint_source(), routing_log,
-                                   std::span<uint32_t>(csel.data(), uint64_t{n} * k),
-                                   std::span<float>(h_crw, uint64_t{n} * k), cneeded,
-                                   needed_hints));
+    EXPERTD_TRY(router.route_chunk(
+        pos0, layer, n, h_crl, crs, opts.prefetch_depth > 0 ? cne : 0, budget, planner, stats,
+        experts->hint_source(), routing_log, std::span<uint32_t>(csel.data(), uint64_t{n} * k),
+        std::span<float>(h_crw, uint64_t{n} * k), cneeded, needed_hints));
     gpu::RowsHints hints{needed_hints, std::min<uint64_t>(needed_hints.size(), budget), budget};
     if (!source.set_cursor(last, layer)) ++stats.hint_errors;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(crw, h_crw, uint64_t{n} * k * 4, cudaMemcpyHostToDevice, st));
@@ -1157,9 +1156,9 @@ uint64_t GpuEngine::Impl::prefill_scratch_bytes(uint32_t rows) const {
   const uint64_t k = p.n_expert_used;
   const uint64_t e = p.n_embd;
   const uint64_t q_dim = uint64_t{p.n_head} * p.head_dim;
-  const uint64_t floats = c * e * 2 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert +
-                          c * k * 2 + (c * k + c) + c * k * e +
-                          gpu::RowsScratch::device_floats(p, c) + gpu::RowsScratch::host_words(p, c);
+  const uint64_t floats =
+      c * e * 2 + c * q_dim * 2 + c * opts.max_context + c * p.n_expert + c * k * 2 + (c * k + c) +
+      c * k * e + gpu::RowsScratch::device_floats(p, c) + gpu::RowsScratch::host_words(p, c);
   const uint64_t bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16
                             ? gpu::RowsScratch::bf16_values(p, c) * 2
                             : 0;
@@ -1404,8 +1403,8 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
       gpu::RowsOptions{.bf16 = gpu.prefill_gemm == GpuOptions::PrefillGemm::Bf16,
                        .hints = &hints}));
   stats.prefill_experts += needed_hints.size();
-  EXPERTD_CUDA_TRY(kernels::moe_combine_rows(ceo, reinterpret_cast<const float*>(d_rows), cx,
-                                             rows, k, p.n_embd, compute.get()));
+  EXPERTD_CUDA_TRY(kernels::moe_combine_rows(ceo, reinterpret_cast<const float*>(d_rows), cx, rows,
+                                             k, p.n_embd, compute.get()));
   return Ok{};
 }
 

@@ -125,12 +125,11 @@ Status gemm_bf16_rows(cublasHandle_t blas, const __nv_bfloat16* w, uint32_t out_
                       uint32_t in_cols, const __nv_bfloat16* in, uint32_t rows, float* out) {
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  EXPERTD_CUBLAS_TRY(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols),
-                                  static_cast<int>(rows), static_cast<int>(in_cols), &alpha, w,
-                                  CUDA_R_16BF, static_cast<int>(in_cols), in, CUDA_R_16BF,
-                                  static_cast<int>(in_cols), &beta, out, CUDA_R_32F,
-                                  static_cast<int>(out_cols), CUBLAS_COMPUTE_32F,
-                                  CUBLAS_GEMM_DEFAULT));
+  EXPERTD_CUBLAS_TRY(cublasGemmEx(
+      blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out_cols), static_cast<int>(rows),
+      static_cast<int>(in_cols), &alpha, w, CUDA_R_16BF, static_cast<int>(in_cols), in, CUDA_R_16BF,
+      static_cast<int>(in_cols), &beta, out, CUDA_R_32F, static_cast<int>(out_cols),
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Ok{};
 }
 

@@ -449,16 +449,16 @@ Status run_sigmoid_moe(GpuExperts& experts, uint32_t layer, std::span<const uint
 // h_index, groups reserved for the chunk's rows * k slots; xeh and hgh (bf16_values() together)
 // only for RowsOptions::bf16.
 struct RowsScratch {
-  float* xe = nullptr;             // [rows][n_embd] one expert's rows
-  float* hg = nullptr;             // [rows][n_ff_exp] gate, then the SwiGLU
-  float* hu = nullptr;             // [rows][n_ff_exp] up
-  float* down = nullptr;           // [rows][n_embd] one expert's outputs
-  float* w = nullptr;              // [n_ff_exp * n_embd] one projection, dequantised (f32 or bf16)
-  __nv_bfloat16* xeh = nullptr;    // RowsOptions::bf16: [rows][n_embd] xe as bf16
-  __nv_bfloat16* hgh = nullptr;    // RowsOptions::bf16: [rows][n_ff_exp] the SwiGLU as bf16
-  uint32_t* d_index = nullptr;     // [rows * k] gathered rows by expert, then [rows * k] output slots
-  uint32_t* h_index = nullptr;     // pinned mirror of d_index
-  ExpertGroups groups;             // the layer's route slots by expert (built from the routes)
+  float* xe = nullptr;           // [rows][n_embd] one expert's rows
+  float* hg = nullptr;           // [rows][n_ff_exp] gate, then the SwiGLU
+  float* hu = nullptr;           // [rows][n_ff_exp] up
+  float* down = nullptr;         // [rows][n_embd] one expert's outputs
+  float* w = nullptr;            // [n_ff_exp * n_embd] one projection, dequantised (f32 or bf16)
+  __nv_bfloat16* xeh = nullptr;  // RowsOptions::bf16: [rows][n_embd] xe as bf16
+  __nv_bfloat16* hgh = nullptr;  // RowsOptions::bf16: [rows][n_ff_exp] the SwiGLU as bf16
+  uint32_t* d_index = nullptr;   // [rows * k] gathered rows by expert, then [rows * k] output slots
+  uint32_t* h_index = nullptr;   // pinned mirror of d_index
+  ExpertGroups groups;           // the layer's route slots by expert (built from the routes)
   static uint64_t device_floats(const ModelParams& p, uint64_t rows) {
     return rows * p.n_embd * 2 + rows * p.n_ff_exp * 2 + uint64_t{p.n_ff_exp} * p.n_embd;
   }
