@@ -362,26 +362,10 @@ bool CpuEngine::truncate(uint32_t n) {
 }
 
 Status CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
-  const auto n = static_cast<uint32_t>(tokens.size());
-  const uint64_t e = p_.n_embd;
-  const Matrix& embd = model_.token_embd();
-  for (uint32_t i = 0; i < n; ++i) {
-    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes,
-                   cx_.data() + i * e, e);
-  }
-  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    rseq_[i] = cur_;
-    rpos_[i] = pos_ + i;
-  }
-  EXPERTD_TRY(rows_forward(n, pos_ + n - 1));
-  if (!logits.empty()) {
-    cpu_head(model_, cx_.data() + (n - 1) * e, xn_.data(), logits.data(), row_.data());
-  }
-  pos_ += n;
-  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
-  finish_prefill_chunk(routing_log_, logged, n, stats_);
-  return Ok{};
+  return cpu_prefill_rows(model_, tokens, logits, cur_, pos_,
+                          RowsStep{rseq_.data(), rpos_.data(), cx_.data(), xn_.data(), row_.data()},
+                          routing_log_, stats_,
+                          [this](uint32_t n, uint32_t last) { return rows_forward(n, last); });
 }
 
 Status CpuEngine::rows_forward(uint32_t n, uint32_t last) {
@@ -402,50 +386,90 @@ Status CpuEngine::rows_forward(uint32_t n, uint32_t last) {
 
 Status CpuEngine::select_sequence(uint32_t sequence) {
   EXPERTD_TRY(Engine::select_sequence(sequence));
-  seq_pos_[cur_] = pos_;
-  cur_ = sequence;
-  pos_ = seq_pos_[cur_];
+  switch_sequence(seq_pos_, cur_, pos_, sequence);
   return Ok{};
 }
 
 Status CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
-  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  return cpu_batch_step(*this, model_, opts_.max_context, rows, logits, seq_pos_, cur_, pos_,
+                        RowsStep{rseq_.data(), rpos_.data(), cx_.data(), xn_.data(), row_.data()},
+                        stats_,
+                        [this](uint32_t n, uint32_t last) { return rows_forward(n, last); });
+}
+
+void switch_sequence(std::span<uint32_t> seq_pos, uint32_t& cur, uint32_t& pos, uint32_t sequence) {
+  seq_pos[cur] = pos;
+  cur = sequence;
+  pos = seq_pos[cur];
+}
+
+Status cpu_prefill_rows(const DenseModel& model, std::span<const uint32_t> tokens,
+                        std::span<float> logits, uint32_t cur, uint32_t& pos, const RowsStep& step,
+                        std::vector<RoutingRecord>* log, EngineStats& stats,
+                        const std::function<Status(uint32_t n, uint32_t last)>& forward) {
+  const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t e = model.params().n_embd;
+  const Matrix& embd = model.token_embd();
+  for (uint32_t i = 0; i < n; ++i) {
+    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes,
+                   step.cx + i * e, e);
+    step.seq[i] = cur;
+    step.pos[i] = pos + i;
+  }
+  const size_t logged = log != nullptr ? log->size() : 0;
+  EXPERTD_TRY(forward(n, pos + n - 1));
+  if (!logits.empty()) {
+    cpu_head(model, step.cx + (n - 1) * e, step.xn, logits.data(), step.row);
+  }
+  pos += n;
+  // Token-major routing records (the pass logged them layer by layer), the positions counted.
+  finish_prefill_chunk(log, logged, n, stats);
+  return Ok{};
+}
+
+Status cpu_batch_step(const Engine& engine, const DenseModel& model, uint32_t max_context,
+                      std::span<const BatchRow> rows, std::span<float> logits,
+                      std::span<uint32_t> seq_pos, uint32_t cur, uint32_t& pos,
+                      const RowsStep& step, EngineStats& stats,
+                      const std::function<Status(uint32_t n, uint32_t last)>& forward) {
+  EXPERTD_TRY(check_batch(engine, rows, logits.size()));
+  seq_pos[cur] = pos;  // read back below: a failed step moves no sequence on
+  const ModelParams& p = model.params();
   const auto n = static_cast<uint32_t>(rows.size());
-  const uint64_t e = p_.n_embd;
-  const uint64_t v = p_.n_vocab;
-  seq_pos_[cur_] = pos_;
-  uint32_t last = 0;
+  const uint64_t e = p.n_embd;
+  const uint64_t v = p.n_vocab;
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t s = rows[i].sequence;
-    if (seq_pos_[s] >= opts_.max_context) {
-      return make_error(ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)", s,
-                                            opts_.max_context));
+    if (seq_pos[s] >= max_context) {
+      return make_error(
+          ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)", s, max_context));
     }
   }
   const uint64_t t0 = monotonic_ns();
-  const Matrix& embd = model_.token_embd();
+  const Matrix& embd = model.token_embd();
+  uint32_t last = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    rseq_[i] = rows[i].sequence;
-    rpos_[i] = seq_pos_[rows[i].sequence];
-    last = std::max(last, rpos_[i]);
+    step.seq[i] = rows[i].sequence;
+    step.pos[i] = seq_pos[rows[i].sequence];
+    last = std::max(last, step.pos[i]);
     dequantize_row(embd.type, embd.bytes.data() + uint64_t{rows[i].token} * embd.row_bytes,
-                   cx_.data() + i * e, e);
+                   step.cx + i * e, e);
   }
-  const uint64_t experts_before = stats_.prefill_experts;
-  const Status st = rows_forward(n, last);
-  // rows_forward counts the step's acquires as prefill's; they are the batch's.
-  stats_.batch_experts += stats_.prefill_experts - experts_before;
-  stats_.prefill_experts = experts_before;
+  const uint64_t experts_before = stats.prefill_experts;
+  const Status st = forward(n, last);
+  // The pass counts the step's acquires as prefill's; they are the batch's.
+  stats.batch_experts += stats.prefill_experts - experts_before;
+  stats.prefill_experts = experts_before;
   EXPERTD_TRY(st);
   for (uint32_t i = 0; i < n; ++i) {
-    cpu_head(model_, cx_.data() + i * e, xn_.data(), logits.data() + i * v, row_.data());
-    ++seq_pos_[rows[i].sequence];
+    cpu_head(model, step.cx + i * e, step.xn, logits.data() + i * v, step.row);
+    ++seq_pos[rows[i].sequence];
   }
-  pos_ = seq_pos_[cur_];
-  stats_.tokens += n;
-  stats_.batch_rows += n;
-  ++stats_.batch_steps;
-  stats_.decode_ns += monotonic_ns() - t0;
+  pos = seq_pos[cur];
+  stats.tokens += n;
+  stats.batch_rows += n;
+  ++stats.batch_steps;
+  stats.decode_ns += monotonic_ns() - t0;
   return Ok{};
 }
 

@@ -38,6 +38,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -206,6 +207,35 @@ Status run_chunk_experts(ExpertSource& source, uint32_t layer, const ExpertGroup
 // of CpuEngine's and Ds3CpuEngine's decode, prefill and batch steps. `xn` (n_embd) and `row` (a
 // dequantised weight row) are scratch.
 void cpu_head(const DenseModel& model, const float* x, float* xn, float* logits, float* row);
+
+// decode_batch() of the CPU engines that run a step as one pass over rows (CpuEngine,
+// Ds3CpuEngine), around their `forward(n, last)`: the rows checked (each sequence's cache has
+// room), each row's embedding into rows.cx ([n][n_embd]) and its sequence and position into
+// rows.seq / rows.pos, the pass, each row's head into logits ([n][n_vocab]), every row's sequence
+// moved on in `seq_pos` (the selected sequence `cur`'s position `pos` stored there first, and
+// read back after), and the step counted (its acquires as the batch's, not prefill's).
+struct RowsStep {
+  uint32_t* seq = nullptr;  // [n]
+  uint32_t* pos = nullptr;  // [n]
+  float* cx = nullptr;      // [n][n_embd]
+  float* xn = nullptr;      // n_embd
+  float* row = nullptr;     // a dequantised weight row
+};
+Status cpu_batch_step(const Engine& engine, const DenseModel& model, uint32_t max_context,
+                      std::span<const BatchRow> rows, std::span<float> logits,
+                      std::span<uint32_t> seq_pos, uint32_t cur, uint32_t& pos,
+                      const RowsStep& step, EngineStats& stats,
+                      const std::function<Status(uint32_t n, uint32_t last)>& forward);
+// prefill_chunk() of those engines: the tokens of sequence `cur` at positions [pos, pos + n) as the
+// rows of one pass, the last row's head into logits (when non-empty), pos moved on, the routing
+// records from `log`'s end put in token order and the chunk counted.
+Status cpu_prefill_rows(const DenseModel& model, std::span<const uint32_t> tokens,
+                        std::span<float> logits, uint32_t cur, uint32_t& pos, const RowsStep& step,
+                        std::vector<RoutingRecord>* log, EngineStats& stats,
+                        const std::function<Status(uint32_t n, uint32_t last)>& forward);
+// select_sequence() of those engines, after Engine's check: the selected sequence `cur`'s
+// position `pos` stored in seq_pos, `sequence` selected and its position loaded.
+void switch_sequence(std::span<uint32_t> seq_pos, uint32_t& cur, uint32_t& pos, uint32_t sequence);
 
 // The CPU engine for `model`'s architecture: CpuEngine (qwen3moe, llama, gpt-oss, glm4moe),
 // Ds4CpuEngine (deepseek4) or Ds3CpuEngine (deepseek2).

@@ -41,17 +41,20 @@ double ds3_kq_scale(const ModelParams& p) {
   return mscale * mscale / std::sqrt(static_cast<double>(p.head_dim));
 }
 
-Status check_ds3_engine(const DenseModel& model, const EngineOptions& options) {
+Status check_ds3_engine(const DenseModel& model, const EngineOptions& options,
+                        uint32_t max_sequences) {
   const ModelParams& p = model.params();
   if (!p.is_ds3() || model.ds3() == nullptr) {
     return make_error(EINVAL, fmt::format("{}: architecture '{}' is not {}", model.path(),
                                           p.architecture, family_info(Family::DeepSeek3).arch));
   }
-  EXPERTD_TRY(check_engine_options(p, options));
+  EXPERTD_TRY(check_engine_options(p, options, max_sequences));
   const uint64_t per_pos = uint64_t{p.ds3.kv_lora_rank} + p.n_rot;
-  if (uint64_t{p.n_layer} * options.max_context * per_pos > (uint64_t{1} << 34)) {
+  if (uint64_t{p.n_layer} * options.max_context * per_pos * options.sequences >
+      (uint64_t{1} << 34)) {
     return make_error(EINVAL,
-                      fmt::format("a context of {} positions is too large", options.max_context));
+                      fmt::format("a context of {} positions for {} sequence(s) is too large",
+                                  options.max_context, options.sequences));
   }
   return Ok{};
 }
@@ -60,7 +63,7 @@ Result<std::unique_ptr<Ds3CpuEngine>> Ds3CpuEngine::create(const DenseModel& mod
                                                            ExpertSource& source,
                                                            const EngineOptions& options) {
   EXPERTD_TRY(check_cpu_model(model));
-  EXPERTD_TRY(check_ds3_engine(model, options));
+  EXPERTD_TRY(check_ds3_engine(model, options, CpuEngine::kMaxSequences));
   return std::unique_ptr<Ds3CpuEngine>(new Ds3CpuEngine(model, source, options));
 }
 
@@ -82,8 +85,10 @@ Ds3CpuEngine::Ds3CpuEngine(const DenseModel& model, ExpertSource& source,
       std::max<uint64_t>(d_.n_ff, uint64_t{p_.n_ff_exp} * std::max(1u, d_.n_shared));
   inv_freq_ = ds3_inv_freq(p_);
   kq_scale_ = ds3_kq_scale(p_);
-  latent_.resize(p_.n_layer * ctx * lat);
-  krope_.resize(p_.n_layer * ctx * p_.n_rot);
+  const uint64_t seqs = opts_.sequences;
+  latent_.resize(seqs * p_.n_layer * ctx * lat);
+  krope_.resize(seqs * p_.n_layer * ctx * p_.n_rot);
+  seq_pos_.assign(opts_.sequences, 0);
   x_.resize(e);
   xn_.resize(e);
   qa_.resize(d_.q_lora_rank);
@@ -108,8 +113,10 @@ Ds3CpuEngine::Ds3CpuEngine(const DenseModel& model, ExpertSource& source,
   tmp_.resize(e);
   views_.resize(p_.n_expert_used);
   chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
-  const uint64_t c = chunk_;
+  const uint64_t c = std::max(chunk_, opts_.sequences);
   const uint32_t k = p_.n_expert_used;
+  rseq_.resize(c);
+  rpos_.resize(c);
   cx_.resize(c * e);
   cxn_.resize(c * e);
   csel_.resize(c * k);
@@ -144,7 +151,7 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds3LayerWeights& l = w_.layers[layer];
     rms_norm(x_.data(), l.attn_norm.data(), xn_.data(), e, p_.rms_eps);
-    attention(layer, pos_);
+    attention(cur_, layer, pos_);
     for (uint64_t j = 0; j < e; ++j) x_[j] += out_[j];
     rms_norm(x_.data(), l.ffn_norm.data(), xn_.data(), e, p_.rms_eps);
     if (!source_.set_cursor(pos_, layer)) ++stats_.hint_errors;
@@ -170,12 +177,11 @@ Status Ds3CpuEngine::decode(uint32_t token, std::span<float> logits) {
   return Ok{};
 }
 
-void Ds3CpuEngine::attention(uint32_t layer, uint32_t pos) {
+void Ds3CpuEngine::attention(uint32_t seq, uint32_t layer, uint32_t pos) {
   const Ds3LayerWeights& l = w_.layers[layer];
   const uint32_t hd = p_.head_dim;
   const uint32_t nope = d_.qk_nope;
   const uint64_t lat = d_.kv_lora_rank;
-  const uint64_t ctx = opts_.max_context;
   if (d_.q_lora_rank > 0) {
     matvec(l.wq_a.view(), xn_.data(), qa_.data(), row_.data());
     rms_norm(qa_.data(), l.q_a_norm.data(), qa_.data(), d_.q_lora_rank, p_.rms_eps);
@@ -185,13 +191,13 @@ void Ds3CpuEngine::attention(uint32_t layer, uint32_t pos) {
   }
   // This position's latent and rope key go straight into the cache.
   matvec(l.wkv_a.view(), xn_.data(), kva_.data(), row_.data());
-  float* c = latent_.data() + (layer * ctx + pos) * lat;
-  float* kr = krope_.data() + (layer * ctx + pos) * p_.n_rot;
+  float* c = latent_.data() + cache_pos(seq, layer, pos) * lat;
+  float* kr = krope_.data() + cache_pos(seq, layer, pos) * p_.n_rot;
   rms_norm(kva_.data(), l.kv_a_norm.data(), c, lat, p_.rms_eps);
   std::copy_n(kva_.data() + lat, p_.n_rot, kr);
   rope_pairs(kr, inv_freq_, pos);
-  const float* lat0 = latent_.data() + layer * ctx * lat;
-  const float* kr0 = krope_.data() + layer * ctx * p_.n_rot;
+  const float* lat0 = latent_.data() + cache_pos(seq, layer, 0) * lat;
+  const float* kr0 = krope_.data() + cache_pos(seq, layer, 0) * p_.n_rot;
   const uint32_t n = pos + 1;
   for (uint32_t h = 0; h < p_.n_head; ++h) {
     float* qh = q_.data() + uint64_t{h} * hd;
@@ -288,19 +294,19 @@ Status Ds3CpuEngine::moe(uint32_t layer) {
 }
 
 Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
-  const auto n = static_cast<uint32_t>(tokens.size());
+  return cpu_prefill_rows(model_, tokens, logits, cur_, pos_,
+                          RowsStep{rseq_.data(), rpos_.data(), cx_.data(), xn_.data(), row_.data()},
+                          routing_log_, stats_,
+                          [this](uint32_t n, uint32_t last) { return rows_forward(n, last); });
+}
+
+Status Ds3CpuEngine::rows_forward(uint32_t n, uint32_t last) {
   const uint64_t e = p_.n_embd;
   const uint32_t k = p_.n_expert_used;
-  const Matrix& embd = model_.token_embd();
-  for (uint32_t i = 0; i < n; ++i) {
-    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes,
-                   cx_.data() + i * e, e);
-  }
-  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
-  // One pass over the layers, as qwen3moe's prefill: hints dedup over the chunk, and the cursor
-  // starts at the position before's last layer so this chunk's hints target this pass.
+  // One pass over the layers, as qwen3moe's prefill: hints dedup over the rows, and the cursor
+  // starts at the position before's last layer so this pass's hints target this pass.
   planner_.begin_token();
-  const uint32_t last = pos_ + n - 1;
+  cursor_ = last;
   start_prefill_cursor(source_, last, p_.n_layer, stats_);
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds3LayerWeights& l = w_.layers[layer];
@@ -308,9 +314,9 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
     for (uint32_t i = 0; i < n; ++i) {
       float* x = cx_.data() + i * e;
       rms_norm(x, l.attn_norm.data(), xn_.data(), e, p_.rms_eps);
-      attention(layer, pos_ + i);
+      attention(rseq_[i], layer, rpos_[i]);
       for (uint64_t j = 0; j < e; ++j) x[j] += out_[j];
-      add_lookahead(layer, pos_ + i, x);
+      add_lookahead(layer, rpos_[i], x);
       rms_norm(x, l.ffn_norm.data(), cxn_.data() + i * e, e, p_.rms_eps);
       if (layer < d_.dense_lead) {
         std::copy_n(cxn_.data() + i * e, e, xn_.data());
@@ -325,7 +331,7 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
     }
     for (uint32_t i = 0; i < n; ++i) {
       std::copy_n(cxn_.data() + i * e, e, xn_.data());
-      route(layer, pos_ + i, std::span<uint32_t>(csel_.data() + uint64_t{i} * k, k),
+      route(layer, rpos_[i], std::span<uint32_t>(csel_.data() + uint64_t{i} * k, k),
             std::span<float>(cweights_.data() + uint64_t{i} * k, k));
     }
     groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
@@ -333,21 +339,28 @@ Status Ds3CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
                  routing_log_ != nullptr ? routing_log_->size() - n : 0);
     EXPERTD_TRY(prefill_moe(layer, n));
   }
-  if (!logits.empty()) {
-    cpu_head(model_, cx_.data() + (n - 1) * e, xn_.data(), logits.data(), row_.data());
-  }
-  pos_ += n;
-  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
-  finish_prefill_chunk(routing_log_, logged, n, stats_);
   return Ok{};
+}
+
+Status Ds3CpuEngine::select_sequence(uint32_t sequence) {
+  EXPERTD_TRY(Engine::select_sequence(sequence));
+  switch_sequence(seq_pos_, cur_, pos_, sequence);
+  return Ok{};
+}
+
+Status Ds3CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  return cpu_batch_step(*this, model_, opts_.max_context, rows, logits, seq_pos_, cur_, pos_,
+                        RowsStep{rseq_.data(), rpos_.data(), cx_.data(), xn_.data(), row_.data()},
+                        stats_,
+                        [this](uint32_t n, uint32_t last) { return rows_forward(n, last); });
 }
 
 Status Ds3CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
   const Ds3LayerWeights& l = w_.layers[layer];
   const uint32_t k = p_.n_expert_used;
   const uint64_t e = p_.n_embd;
-  EXPERTD_TRY(run_chunk_experts(source_, layer, groups_, k, pos_ + n - 1, cxn_.data(), e,
-                                p_.n_ff_exp, cout_.data(),
+  EXPERTD_TRY(run_chunk_experts(source_, layer, groups_, k, cursor_, cxn_.data(), e, p_.n_ff_exp,
+                                cout_.data(),
                                 ChunkExperts{views_, exact_, cgx_.data(), cgate_.data(),
                                              cup_.data(), cdown_.data(), row_.data()},
                                 stats_));

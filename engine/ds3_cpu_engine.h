@@ -26,9 +26,16 @@
 // positions). Each position sums its experts in decode()'s order, so the logits are decode()'s to
 // the bit.
 //
-// Owns the KV cache (sized by max_context at create()) and every scratch buffer (the prefill ones
-// sized by the chunk); decode() and prefill() allocate nothing unless a routing log is attached.
-// Not thread-safe.
+// Sequences (EngineOptions::sequences, at most CpuEngine::kMaxSequences), as CpuEngine's: each
+// has its own latent cache of max_context positions; decode_batch() runs one step of several as a
+// prefill chunk whose rows belong to different sequences at their own positions (each row's
+// attention over its own sequence's cache, every routed expert the step needs acquired once and
+// applied to all the rows that route to it), so each row's logits are decode()'s of its sequence
+// alone, to the bit.
+//
+// Owns the latent caches (sized by max_context and the sequences at create()) and every scratch
+// buffer (the prefill ones sized by the chunk, at least the sequences); decode(), prefill() and
+// decode_batch() allocate nothing unless a routing log is attached. Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -43,9 +50,10 @@
 
 namespace expertd::engine {
 
-// What both DeepSeek-V3 engines check at create(): a deepseek2 model, the options, a KV cache
-// that is not absurd.
-Status check_ds3_engine(const DenseModel& model, const EngineOptions& options);
+// What both DeepSeek-V3 engines check at create(): a deepseek2 model, the options (at most
+// `max_sequences` sequences), KV caches that are not absurd.
+Status check_ds3_engine(const DenseModel& model, const EngineOptions& options,
+                        uint32_t max_sequences = 1);
 
 class Ds3CpuEngine final : public Engine {
  public:
@@ -54,7 +62,12 @@ class Ds3CpuEngine final : public Engine {
                                                       const EngineOptions& options);
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // Forgets the selected sequence.
   void reset() override { pos_ = 0; }
+  uint32_t sequences() const override { return opts_.sequences; }
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override { return cur_; }
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   // The cache holds positions independently: any prefix can be kept.
   bool truncate(uint32_t n) override;
   uint32_t position() const override { return pos_; }
@@ -69,8 +82,13 @@ class Ds3CpuEngine final : public Engine {
   EngineStats& mutable_stats() override { return stats_; }
   Ds3CpuEngine(const DenseModel& model, ExpertSource& source, const EngineOptions& options);
 
-  // Position `pos`'s attention on xn_ into out_ (its latent and rope key into the cache).
-  void attention(uint32_t layer, uint32_t pos);
+  // Sequence `seq`'s position `pos`: its attention on xn_ into out_ (its latent and rope key into
+  // the sequence's cache).
+  void attention(uint32_t seq, uint32_t layer, uint32_t pos);
+  // Index of (seq, layer, pos) in the caches, in positions (× kv_lora_rank or × n_rot).
+  uint64_t cache_pos(uint32_t seq, uint32_t layer, uint32_t pos) const {
+    return (uint64_t{seq} * p_.n_layer + layer) * opts_.max_context + pos;
+  }
   // The next layers' candidates from position `pos`'s residual `x` (hints are sent by flush).
   void add_lookahead(uint32_t layer, uint32_t pos, const float* x);
   void flush_hints();
@@ -79,6 +97,9 @@ class Ds3CpuEngine final : public Engine {
   Status moe(uint32_t layer);
   uint32_t prefill_chunk_size() const override { return chunk_; }
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
+  // The layers over the n rows of cx_ (rseq_/rpos_ say each row's sequence and position); the
+  // daemon's cursor names `last`, the pass's last position.
+  Status rows_forward(uint32_t n, uint32_t last);
   Status prefill_moe(uint32_t layer, uint32_t n);
   // SwiGLU MLP of xn_ into out_ (+= when `add`).
   void mlp(const WeightView& gate, const WeightView& up, const WeightView& down, bool add);
@@ -89,14 +110,17 @@ class Ds3CpuEngine final : public Engine {
   const Ds3Params& d_;
   const Ds3Weights& w_;
   EngineOptions opts_;
-  uint32_t pos_ = 0;
+  uint32_t pos_ = 0;               // the selected sequence's position
+  uint32_t cur_ = 0;               // the selected sequence
+  std::vector<uint32_t> seq_pos_;  // every sequence's position (cur_'s is pos_ while selected)
+  uint32_t cursor_ = 0;            // rows_forward()'s last position
   EngineStats stats_;
   std::vector<RoutingRecord>* routing_log_ = nullptr;
 
   std::vector<double> inv_freq_;  // n_rot / 2
   double kq_scale_ = 1.0;
-  std::vector<float> latent_;  // [layer][max_context][kv_lora_rank]
-  std::vector<float> krope_;   // [layer][max_context][n_rot]
+  std::vector<float> latent_;  // [sequence][layer][max_context][kv_lora_rank]
+  std::vector<float> krope_;   // [sequence][layer][max_context][n_rot]
 
   std::vector<float> x_;        // residual, n_embd
   std::vector<float> xn_;       // normalised sublayer input, n_embd
@@ -121,8 +145,11 @@ class Ds3CpuEngine final : public Engine {
   std::vector<ExpertView> views_;
   HintPlanner planner_;
 
-  // prefill(): C = min(prefill_chunk, max_context) positions.
+  // prefill(): chunk_ = min(prefill_chunk, max_context) positions; the buffers below hold
+  // C = max(chunk_, sequences) rows (a decode_batch() step has a row per sequence).
   uint32_t chunk_ = 0;
+  std::vector<uint32_t> rseq_;     // each row's sequence, [C]
+  std::vector<uint32_t> rpos_;     // each row's position, [C]
   std::vector<float> cx_;          // residuals, [C][n_embd]
   std::vector<float> cxn_;         // normalised MoE inputs, [C][n_embd]
   std::vector<uint32_t> csel_;     // routes, [C][k]
