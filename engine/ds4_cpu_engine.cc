@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "base/check.h"
+#include "engine/cpu_engine.h"
 #include "engine/cpu_ops.h"
 #include "engine/dequant.h"
 #include "engine/routing.h"
@@ -51,16 +52,19 @@ std::vector<double> ds4_inv_freq(uint32_t dim, double base, const Ds4Params* yar
       Yarn{yarn->yarn_factor, yarn->yarn_orig_ctx, yarn->yarn_beta_fast, yarn->yarn_beta_slow});
 }
 
-Status check_ds4_engine(const DenseModel& model, const EngineOptions& options) {
+Status check_ds4_engine(const DenseModel& model, const EngineOptions& options,
+                        uint32_t max_sequences) {
   const ModelParams& p = model.params();
   if (!p.is_ds4() || model.ds4() == nullptr) {
     return make_error(EINVAL, fmt::format("{}: architecture '{}' is not {}", model.path(),
                                           p.architecture, family_info(Family::DeepSeek4).arch));
   }
-  EXPERTD_TRY(check_engine_options(p, options));
-  if (uint64_t{p.n_layer} * options.max_context * p.head_dim > (uint64_t{1} << 34)) {
+  EXPERTD_TRY(check_engine_options(p, options, max_sequences));
+  if (uint64_t{p.n_layer} * options.max_context * p.head_dim * options.sequences >
+      (uint64_t{1} << 34)) {
     return make_error(EINVAL,
-                      fmt::format("a context of {} positions is too large", options.max_context));
+                      fmt::format("a context of {} positions for {} sequence(s) is too large",
+                                  options.max_context, options.sequences));
   }
   return Ok{};
 }
@@ -69,7 +73,7 @@ Result<std::unique_ptr<Ds4CpuEngine>> Ds4CpuEngine::create(const DenseModel& mod
                                                            ExpertSource& source,
                                                            const EngineOptions& options) {
   EXPERTD_TRY(check_cpu_model(model));
-  EXPERTD_TRY(check_ds4_engine(model, options));
+  EXPERTD_TRY(check_ds4_engine(model, options, CpuEngine::kMaxSequences));
   return std::unique_ptr<Ds4CpuEngine>(new Ds4CpuEngine(model, source, options));
 }
 
@@ -90,9 +94,9 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   inv_freq_compress_ = ds4_inv_freq(p_.n_rot, d_.compress_rope_base, &d_);
   uint32_t max_entries = 0;
   uint32_t max_ratio = 1;
-  layers_.resize(p_.n_layer);
+  std::vector<LayerState> layers(p_.n_layer);
   for (uint32_t i = 0; i < p_.n_layer; ++i) {
-    LayerState& s = layers_[i];
+    LayerState& s = layers[i];
     s.window.resize(uint64_t{d_.window} * p_.head_dim);
     const Ds4LayerWeights& l = w_.layers[i];
     const uint32_t ratio = d_.compress_ratio[i];
@@ -153,8 +157,11 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   views_.resize(p_.n_expert_used);
   hash_hints_.reserve(uint64_t{d_.hash_layers} * p_.n_expert);
   chunk_ = std::min(opts_.prefill_chunk, opts_.max_context);
-  const uint64_t c = chunk_;
+  const uint64_t c = std::max(chunk_, opts_.sequences);
   const uint32_t k = p_.n_expert_used;
+  rseq_.resize(c);
+  rpos_.resize(c);
+  rtok_.resize(opts_.sequences);
   cstreams_.resize(c * hc * e);
   cpost_.resize(c * hc);
   ccomb_.resize(c * hc * hc);
@@ -170,12 +177,11 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
   cgate_.resize(c * ff_sh);
   cup_.resize(c * ff_sh);
   cdown_.resize(c * e);
-  fed_.resize(opts_.max_context);
-  checkpoints_.resize(kCheckpoints);
-  for (Checkpoint& cp : checkpoints_) {
+  std::vector<Checkpoint> checkpoints(kCheckpoints);
+  for (Checkpoint& cp : checkpoints) {
     cp.layers.resize(p_.n_layer);
     for (uint32_t i = 0; i < p_.n_layer; ++i) {
-      const LayerState& s = layers_[i];
+      const LayerState& s = layers[i];
       LayerCheckpoint& lc = cp.layers[i];
       lc.window.resize(s.window.size());
       for (auto [from, to] : {std::pair{&s.comp, &lc.comp}, std::pair{&s.index, &lc.index}}) {
@@ -186,6 +192,14 @@ Ds4CpuEngine::Ds4CpuEngine(const DenseModel& model, ExpertSource& source,
       }
     }
   }
+  seqs_.resize(opts_.sequences);
+  for (Sequence& q : seqs_) {
+    q.layers = layers;
+    q.fed.resize(opts_.max_context);
+    q.checkpoints = checkpoints;
+  }
+  seq_pos_.assign(opts_.sequences, 0);
+  s_ = &seqs_[0];
 }
 
 namespace {
@@ -241,35 +255,39 @@ int Ds4CheckpointSlots::latest_at_or_before(uint32_t n) {
 }
 
 void Ds4CpuEngine::save_checkpoint() {
-  const int slot = saved_.pick(pos_);
+  const int slot = s_->saved.pick(pos_);
   if (slot < 0) return;
-  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(layers_[i], checkpoints_[slot].layers[i]);
-  saved_.hold(slot, pos_);
+  for (uint32_t i = 0; i < p_.n_layer; ++i) {
+    copy_running(s_->layers[i], s_->checkpoints[slot].layers[i]);
+  }
+  s_->saved.hold(slot, pos_);
 }
 
 void Ds4CpuEngine::restore_checkpoint(int slot) {
-  for (uint32_t i = 0; i < p_.n_layer; ++i) copy_running(checkpoints_[slot].layers[i], layers_[i]);
-  pos_ = saved_.pos(slot);
+  for (uint32_t i = 0; i < p_.n_layer; ++i) {
+    copy_running(s_->checkpoints[slot].layers[i], s_->layers[i]);
+  }
+  pos_ = s_->saved.pos(slot);
 }
 
 bool Ds4CpuEngine::truncate(uint32_t n) {
   if (n == pos_) return true;
   if (n > pos_) return false;
   // The latest checkpoint at or before n (position 0 is the reset state).
-  const int best = saved_.latest_at_or_before(n);
+  const int best = s_->saved.latest_at_or_before(n);
   const uint32_t end = n;
   if (best >= 0) {
     restore_checkpoint(best);
   } else {
-    reset();  // position 0; fed_ keeps the ids
+    reset();  // position 0; the sequence's fed ids are kept
   }
-  // Feed [pos_, n) again, in prefill chunks; fed_ holds their ids (prefill_chunk rewrites them
+  // Feed [pos_, n) again, in prefill chunks; `fed` holds their ids (prefill_chunk rewrites them
   // with themselves). Only n is kept as a checkpoint: the chunk ends on the way would push out
   // the older ones.
   replaying_ = true;
   while (pos_ < end) {
     const uint32_t m = std::min(chunk_, end - pos_);
-    const std::vector<uint32_t> ids(fed_.begin() + pos_, fed_.begin() + pos_ + m);
+    const std::vector<uint32_t> ids(s_->fed.begin() + pos_, s_->fed.begin() + pos_ + m);
     refed_ += m;
     if (!prefill_chunk(ids, {})) {
       replaying_ = false;
@@ -289,8 +307,8 @@ std::string Ds4CpuEngine::description() const {
 
 void Ds4CpuEngine::reset() {
   pos_ = 0;
-  saved_.clear();
-  for (LayerState& s : layers_) {
+  s_->saved.clear();
+  for (LayerState& s : s_->layers) {
     s.comp.count = s.index.count = 0;
     s.comp.has_prev = s.index.has_prev = false;
   }
@@ -304,14 +322,7 @@ void Ds4CpuEngine::rope(float* v, uint32_t dim, uint32_t pos, bool compress, boo
 Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
   EXPERTD_TRY(check_decode(p_, opts_, pos_, token, logits.size()));
   const uint64_t t0 = monotonic_ns();
-  const uint64_t e = p_.n_embd;
-  const Matrix& embd = model_.token_embd();
-  dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, streams_.data(),
-                 e);
-  for (uint32_t i = 1; i < d_.hc; ++i) {
-    std::copy(streams_.begin(), streams_.begin() + static_cast<int64_t>(e),
-              streams_.begin() + static_cast<int64_t>(i * e));
-  }
+  embed(token, streams_.data());
   planner_.begin_token();
   hint_hash_layers(token);
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
@@ -327,7 +338,7 @@ Status Ds4CpuEngine::decode(uint32_t token, std::span<float> logits) {
     hc_expand(out_.data());
   }
   head(logits);
-  fed_[pos_] = token;
+  s_->fed[pos_] = token;
   ++pos_;
   if (pos_ % kCheckpointEvery == 0) save_checkpoint();
   ++stats_.tokens;
@@ -460,7 +471,7 @@ void Ds4CpuEngine::select_entries(uint32_t layer) {
   // The Lightning Indexer: score every compressed entry with Σ_h w_h · relu(q_h · k) and keep the
   // top index_topk.
   const Ds4LayerWeights& l = w_.layers[layer];
-  CompState& s = layers_[layer].index;
+  CompState& s = s_->layers[layer].index;
   const uint32_t di = d_.index_dim;
   matvec(l.index_q_b.view(), qr_.data(), iq_.data(), row_.data());
   for (uint32_t h = 0; h < d_.index_heads; ++h) {
@@ -490,7 +501,7 @@ void Ds4CpuEngine::select_entries(uint32_t layer) {
 
 void Ds4CpuEngine::attention(uint32_t layer) {
   const Ds4LayerWeights& l = w_.layers[layer];
-  LayerState& st = layers_[layer];
+  LayerState& st = s_->layers[layer];
   const uint32_t hd = p_.head_dim;
   const Ds4Attention type = d_.attention[layer];
   const bool compress = type != Ds4Attention::Sliding;
@@ -571,7 +582,7 @@ void Ds4CpuEngine::attention(uint32_t layer) {
 
 void Ds4CpuEngine::compress_into(uint32_t layer, uint32_t ratio) {
   const Ds4LayerWeights& l = w_.layers[layer];
-  LayerState& st = layers_[layer];
+  LayerState& st = s_->layers[layer];
   compress(*l.compressor, st.comp, ratio);
   if (l.index_comp) compress(*l.index_comp, st.index, ratio);
 }
@@ -680,20 +691,42 @@ Status Ds4CpuEngine::moe(uint32_t layer) {
 
 Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) {
   const auto n = static_cast<uint32_t>(tokens.size());
+  const uint64_t se = uint64_t{d_.hc} * p_.n_embd;  // one position's streams
+  const uint32_t p0 = pos_;
+  for (uint32_t i = 0; i < n; ++i) {
+    embed(tokens[i], cstreams_.data() + i * se);
+    rseq_[i] = cur_;
+    rpos_[i] = p0 + i;
+  }
+  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
+  EXPERTD_TRY(forward_rows(tokens, p0 + n - 1));
+  if (!logits.empty()) {
+    std::copy_n(cstreams_.data() + (n - 1) * se, se, streams_.data());
+    head(logits);
+  }
+  pos_ = p0 + n;
+  std::copy(tokens.begin(), tokens.end(), s_->fed.begin() + p0);
+  if (!replaying_) save_checkpoint();
+  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
+  finish_prefill_chunk(routing_log_, logged, n, stats_);
+  return Ok{};
+}
+
+void Ds4CpuEngine::embed(uint32_t token, float* streams) const {
+  const uint64_t e = p_.n_embd;
+  const Matrix& embd = model_.token_embd();
+  dequantize_row(embd.type, embd.bytes.data() + uint64_t{token} * embd.row_bytes, streams, e);
+  for (uint32_t h = 1; h < d_.hc; ++h) std::copy_n(streams, e, streams + h * e);
+}
+
+Status Ds4CpuEngine::forward_rows(std::span<const uint32_t> tokens, uint32_t last) {
+  const auto n = static_cast<uint32_t>(tokens.size());
   const uint32_t hc = d_.hc;
   const uint64_t e = p_.n_embd;
   const uint64_t se = hc * e;  // one position's streams
   const uint32_t k = p_.n_expert_used;
-  const uint32_t p0 = pos_;
-  const uint32_t last = p0 + n - 1;
-  const Matrix& embd = model_.token_embd();
-  for (uint32_t i = 0; i < n; ++i) {
-    float* st = cstreams_.data() + i * se;
-    dequantize_row(embd.type, embd.bytes.data() + uint64_t{tokens[i]} * embd.row_bytes, st, e);
-    for (uint32_t h = 1; h < hc; ++h) std::copy_n(st, e, st + h * e);
-  }
   const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
-  // The chunk is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
+  // The pass is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
   // last position and starts before layer 0, so the hints below target this pass.
   planner_.begin_token();
   start_prefill_cursor(source_, last, p_.n_layer, stats_);
@@ -701,16 +734,27 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
   if (hash_hints) {
     hint_hash_layer(source_, w_, 0, p_.n_expert_used, tokens, hash_mark_, hash_hints_, stats_);
   }
+  // The per-position code works on s_ at pos_: each row's sequence and position in turn, the
+  // selected sequence's put back whatever happens.
+  const uint32_t selected_pos = pos_;
+  auto at_row = [&](uint32_t i) {
+    s_ = &seqs_[rseq_[i]];
+    pos_ = rpos_[i];
+  };
+  auto back = [&] {
+    s_ = &seqs_[cur_];
+    pos_ = selected_pos;
+  };
   for (uint32_t layer = 0; layer < p_.n_layer; ++layer) {
     const Ds4LayerWeights& l = w_.layers[layer];
     if (hash_hints && layer + 1 < d_.hash_layers) {  // one hash layer ahead
       hint_hash_layer(source_, w_, layer + 1, p_.n_expert_used, tokens, hash_mark_, hash_hints_,
                       stats_);
     }
-    // Position by position: the attention's running state (window, compressors) advances one
-    // position at a time. pos_ walks the chunk for the per-position code.
+    // Row by row: the attention's running state (window, compressors) advances one position at
+    // a time, in each row's own sequence.
     for (uint32_t i = 0; i < n; ++i) {
-      pos_ = p0 + i;
+      at_row(i);
       std::copy_n(cstreams_.data() + i * se, se, streams_.data());
       hc_mix(l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale);
       attention(layer);
@@ -725,13 +769,13 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
       std::copy_n(selected_.data(), k, csel_.data() + uint64_t{i} * k);
       std::copy_n(weights_.data(), k, cweights_.data() + uint64_t{i} * k);
     }
-    pos_ = p0;
+    back();
     flush_hints();
     groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
     if (layer >= d_.hash_layers) {
       routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
     }
-    EXPERTD_TRY(prefill_moe(layer, n));
+    EXPERTD_TRY(prefill_moe(layer, n, last));
     // Each position's MoE output (in out_) goes into its streams with its own post and comb.
     for (uint32_t i = 0; i < n; ++i) {
       std::copy_n(cstreams_.data() + i * se, se, streams_.data());
@@ -741,25 +785,69 @@ Status Ds4CpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
       std::copy_n(streams_.data(), se, cstreams_.data() + i * se);
     }
   }
-  if (!logits.empty()) {
-    std::copy_n(cstreams_.data() + (n - 1) * se, se, streams_.data());
-    head(logits);
-  }
-  pos_ = p0 + n;
-  std::copy(tokens.begin(), tokens.end(), fed_.begin() + p0);
-  if (!replaying_) save_checkpoint();
-  // Token-major routing records (the chunk logged them layer by layer), the positions counted.
-  finish_prefill_chunk(routing_log_, logged, n, stats_);
   return Ok{};
 }
 
-Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n) {
+Status Ds4CpuEngine::select_sequence(uint32_t sequence) {
+  EXPERTD_TRY(Engine::select_sequence(sequence));
+  switch_sequence(seq_pos_, cur_, pos_, sequence);
+  s_ = &seqs_[cur_];
+  return Ok{};
+}
+
+Status Ds4CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  const auto n = static_cast<uint32_t>(rows.size());
+  seq_pos_[cur_] = pos_;
+  for (const BatchRow& r : rows) {
+    if (seq_pos_[r.sequence] >= opts_.max_context) {
+      return make_error(ENOSPC, fmt::format("sequence {}: the context is full ({} positions)",
+                                            r.sequence, opts_.max_context));
+    }
+  }
+  const uint64_t t0 = monotonic_ns();
+  const uint64_t se = uint64_t{d_.hc} * p_.n_embd;
+  uint32_t last = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    rseq_[i] = rows[i].sequence;
+    rpos_[i] = seq_pos_[rows[i].sequence];
+    rtok_[i] = rows[i].token;
+    last = std::max(last, rpos_[i]);
+    embed(rows[i].token, cstreams_.data() + i * se);
+  }
+  const uint64_t experts_before = stats_.prefill_experts;
+  const Status st = forward_rows(std::span<const uint32_t>(rtok_.data(), n), last);
+  // The pass counts the step's acquires as prefill's; they are the batch's.
+  stats_.batch_experts += stats_.prefill_experts - experts_before;
+  stats_.prefill_experts = experts_before;
+  EXPERTD_TRY(st);
+  // Each row's head, and its sequence moved on as decode() moves it (its id kept, a checkpoint
+  // every kCheckpointEvery positions).
+  for (uint32_t i = 0; i < n; ++i) {
+    std::copy_n(cstreams_.data() + i * se, se, streams_.data());
+    head(logits.subspan(uint64_t{i} * p_.n_vocab, p_.n_vocab));
+    s_ = &seqs_[rseq_[i]];
+    pos_ = rpos_[i];
+    s_->fed[pos_] = rtok_[i];
+    ++pos_;
+    if (pos_ % kCheckpointEvery == 0) save_checkpoint();
+    seq_pos_[rseq_[i]] = pos_;
+  }
+  s_ = &seqs_[cur_];
+  pos_ = seq_pos_[cur_];
+  stats_.tokens += n;
+  stats_.batch_rows += n;
+  ++stats_.batch_steps;
+  stats_.decode_ns += monotonic_ns() - t0;
+  return Ok{};
+}
+
+Status Ds4CpuEngine::prefill_moe(uint32_t layer, uint32_t n, uint32_t last) {
   const Ds4LayerWeights& l = w_.layers[layer];
   const uint32_t k = p_.n_expert_used;
   const uint64_t e = p_.n_embd;
   const uint64_t ff = p_.n_ff_exp;
   const bool hash = layer < d_.hash_layers;
-  const uint32_t last = pos_ + n - 1;
   const std::span<const uint32_t> needed = groups_.needed();
   const auto n_needed = static_cast<uint32_t>(needed.size());
   // Learned layers: every needed expert hinted before any is acquired (hash layers were hinted

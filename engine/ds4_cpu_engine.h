@@ -38,9 +38,16 @@
 // to what decode() or prefill() computed the first time). The emitted compressed entries are
 // append-only and need only their count. The ids fed so far are kept for that.
 //
+// Sequences (EngineOptions::sequences, at most CpuEngine::kMaxSequences), as CpuEngine's: each
+// has its own running attention state (window, compressors, entries), fed ids and checkpoints;
+// decode(), prefill(), truncate(), reset() and position() act on the selected one. decode_batch()
+// is the prefill's own pass over rows whose sequences and positions differ: each row's attention
+// runs on its sequence's state, the MoE is grouped across the rows (each routed expert of the step
+// acquired once for all its rows), so each row's logits are its sequence's decode() to the bit.
+//
 // Owns every cache (sliding window, compressor buffers and entries) and scratch buffer (the
-// prefill ones sized by the chunk), sized at create(); decode() and prefill() allocate nothing
-// unless a routing log is attached. Not thread-safe.
+// prefill ones sized by the chunk or the sequences, whichever is more), sized at create();
+// decode() and prefill() allocate nothing unless a routing log is attached. Not thread-safe.
 #pragma once
 
 #include <array>
@@ -56,9 +63,10 @@
 
 namespace expertd::engine {
 
-// What both DeepSeek-V4 engines check at create(): a deepseek4 model, the options, a context
-// whose caches are not absurd.
-Status check_ds4_engine(const DenseModel& model, const EngineOptions& options);
+// What both DeepSeek-V4 engines check at create(): a deepseek4 model, the options (at most
+// `max_sequences` sequences), a context whose caches are not absurd.
+Status check_ds4_engine(const DenseModel& model, const EngineOptions& options,
+                        uint32_t max_sequences = 1);
 
 // truncate()'s bookkeeping for both DeepSeek-V4 engines (each keeps the copies, on the host or the
 // device): which position each of kCount checkpoint slots holds, where the next one goes and which
@@ -105,6 +113,10 @@ class Ds4CpuEngine final : public Engine {
   const ModelParams& params() const override { return p_; }
   const EngineOptions& options() const override { return opts_; }
   void set_routing_log(std::vector<RoutingRecord>* log) override { routing_log_ = log; }
+  uint32_t sequences() const override { return opts_.sequences; }
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override { return cur_; }
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   std::string name() const override { return "cpu"; }
   std::string description() const override;
 
@@ -142,7 +154,15 @@ class Ds4CpuEngine final : public Engine {
   struct Checkpoint {
     std::vector<LayerCheckpoint> layers;
   };
-  // Saves the state at pos_ into the slot saved_ picks (nothing when one holds pos_ already).
+  // What a sequence carries from one position to the next, besides its position.
+  struct Sequence {
+    std::vector<LayerState> layers;
+    std::vector<uint32_t> fed;            // [max_context]: the id at each position
+    std::vector<Checkpoint> checkpoints;  // [kCheckpoints], by slot
+    Ds4CheckpointSlots saved;             // which position each checkpoint holds
+  };
+  // Saves the state of s_ at pos_ into the slot its `saved` picks (nothing when one holds pos_
+  // already).
   void save_checkpoint();
   void restore_checkpoint(int slot);
 
@@ -167,11 +187,17 @@ class Ds4CpuEngine final : public Engine {
   // route() without the planner: selected_/weights_ and the routing log.
   void route_position(uint32_t layer, uint32_t token);
   Status moe(uint32_t layer);
+  // Token `token`'s embedding into every one of a position's hc streams ([hc][n_embd]).
+  void embed(uint32_t token, float* streams) const;
   // HyperHead, output norm and head on streams_.
   void head(std::span<float> logits);
   uint32_t prefill_chunk_size() const override { return chunk_; }
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits) override;
-  Status prefill_moe(uint32_t layer, uint32_t n);
+  // One pass over the layers for n rows whose mHC streams are in cstreams_: row i is tokens[i] of
+  // sequence rseq_[i] at position rpos_[i] (`last`: the latest of them, for the daemon's cursor).
+  // The prefill chunk and the batch step. Leaves s_ and pos_ at the selected sequence's.
+  Status forward_rows(std::span<const uint32_t> tokens, uint32_t last);
+  Status prefill_moe(uint32_t layer, uint32_t n, uint32_t last);
   // Interleaved RoPE on the trailing n_rot of a `dim`-long head at `pos` (the compress base and
   // YaRN when `compress`; the conjugate rotation when `inverse`).
   void rope(float* v, uint32_t dim, uint32_t pos, bool compress, bool inverse) const;
@@ -182,18 +208,20 @@ class Ds4CpuEngine final : public Engine {
   const Ds4Params& d_;
   const Ds4Weights& w_;
   EngineOptions opts_;
+  // The position the per-position code works at: the selected sequence's between calls (the
+  // others' are in seq_pos_), a row's during a pass over rows.
   uint32_t pos_ = 0;
   EngineStats stats_;
-  std::vector<uint32_t> fed_;            // [max_context]: the id at each position
-  std::vector<Checkpoint> checkpoints_;  // [kCheckpoints], by slot
-  Ds4CheckpointSlots saved_;             // which position each checkpoint holds
-  bool replaying_ = false;               // truncate() is feeding positions again
+  std::vector<Sequence> seqs_;     // [sequences]
+  std::vector<uint32_t> seq_pos_;  // [sequences]: positions (the selected one's is pos_)
+  uint32_t cur_ = 0;               // the selected sequence
+  Sequence* s_ = nullptr;          // the state the per-position code works on (as pos_)
+  bool replaying_ = false;         // truncate() is feeding positions again
   uint64_t refed_ = 0;
   std::vector<RoutingRecord>* routing_log_ = nullptr;
 
   std::vector<double> inv_freq_main_;      // n_rot / 2
   std::vector<double> inv_freq_compress_;  // n_rot / 2 (YaRN when the file has it)
-  std::vector<LayerState> layers_;
 
   std::vector<float> streams_;             // [hc][n_embd]
   std::vector<float> flat_;                // hc * n_embd, normalised
@@ -230,8 +258,12 @@ class Ds4CpuEngine final : public Engine {
   std::vector<ExpertHint> hash_hints_;
   HintPlanner planner_;
 
-  // prefill(): C = min(prefill_chunk, max_context) positions.
+  // prefill(): C = min(prefill_chunk, max_context) positions; the buffers below hold
+  // max(C, sequences) rows (a batch step's rows).
   uint32_t chunk_ = 0;
+  std::vector<uint32_t> rseq_;      // each row's sequence
+  std::vector<uint32_t> rpos_;      // and position
+  std::vector<uint32_t> rtok_;      // a batch step's tokens
   std::vector<float> cstreams_;     // every position's mHC streams, [C][hc][n_embd]
   std::vector<double> cpost_;       // the FFN site's post mix per position, [C][hc]
   std::vector<double> ccomb_;       // and comb, [C][hc][hc]

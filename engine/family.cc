@@ -43,7 +43,7 @@ constexpr std::array kFamilies = {
                "DeepSeek-V4-Flash", "", EngineClass::DeepSeek4,
                {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = true,
                 .prefix_truncate = true, .cuda_prefix_truncate = true,
-                .hash_hints = true, .mtp_blocks = true}},
+                .hash_hints = true, .mtp_blocks = true, .cpu_batched_decode = true}},
 };
 // clang-format on
 
