@@ -438,13 +438,8 @@ Status cpu_batch_step(const Engine& engine, const DenseModel& model, uint32_t ma
   const auto n = static_cast<uint32_t>(rows.size());
   const uint64_t e = p.n_embd;
   const uint64_t v = p.n_vocab;
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint32_t s = rows[i].sequence;
-    if (seq_pos[s] >= max_context) {
-      return make_error(
-          ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)", s, max_context));
-    }
-  }
+  EXPERTD_TRY(
+      check_batch_room(rows, max_context, [&](uint32_t s) -> uint32_t { return seq_pos[s]; }));
   const uint64_t t0 = monotonic_ns();
   const Matrix& embd = model.token_embd();
   uint32_t last = 0;
@@ -466,10 +461,7 @@ Status cpu_batch_step(const Engine& engine, const DenseModel& model, uint32_t ma
     ++seq_pos[rows[i].sequence];
   }
   pos = seq_pos[cur];
-  stats.tokens += n;
-  stats.batch_rows += n;
-  ++stats.batch_steps;
-  stats.decode_ns += monotonic_ns() - t0;
+  count_batch_step(stats, n, t0);
   return Ok{};
 }
 

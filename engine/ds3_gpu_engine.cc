@@ -9,6 +9,7 @@
 #include "base/clock.h"
 #include "engine/ds3_cpu_engine.h"
 #include "engine/gpu_experts.h"
+#include "engine/routing.h"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
 #include "kernels/cuda_raii.h"
@@ -61,7 +62,11 @@ struct Ds3GpuEngine::Impl {
   HintPlanner planner;
   EngineStats stats;
   std::vector<RoutingRecord>* routing_log = nullptr;
-  uint32_t pos = 0;
+  uint32_t pos = 0;  // the selected sequence's
+  // Sequences (EngineOptions::sequences): each has its own latent and rope-key cache; `latent` and
+  // `krope` below point at the selected one's (select()).
+  uint32_t seq = 0;
+  std::vector<uint32_t> seq_pos;
   std::string device_name;
   uint64_t dense_device_bytes = 0;
   double kq_scale = 1.0;
@@ -69,9 +74,10 @@ struct Ds3GpuEngine::Impl {
   // The CUDA resources, destroyed last to first after ~Impl's body synchronised both streams:
   // the experts' owner (gives back its holds, then its events, registration and tier memory),
   // the streams (nothing is enqueued on them), then the pinned mirrors and device memory.
-  DeviceBytes dense_mem;  // the dense weights, as in the file
-  DeviceBytes work_mem;   // the latent cache and activations
-  PinnedBytes host_mem;   // pinned mirrors of the router logits, the weights and the logits
+  DeviceBytes dense_mem;   // the dense weights, as in the file
+  DeviceBytes work_mem;    // the latent caches and activations (decode_batch()'s rows too)
+  PinnedBytes host_mem;    // pinned mirrors of the router logits, the weights and the logits
+  PinnedBytes batch_host;  // decode_batch()'s: each row's router logits, weights and logits
   CudaStream copy;
   CudaStream compute;
   CublasHandle blas;  // prefill's expert GEMMs (f32, CUBLAS_PEDANTIC_MATH)
@@ -83,10 +89,12 @@ struct Ds3GpuEngine::Impl {
   const float* output_norm = nullptr;
   const double* freq = nullptr;  // n_rot / 2
 
-  // Cache and activations.
-  float* latent = nullptr;  // [layer][max_context][kv_lora_rank]
-  float* krope = nullptr;   // [layer][max_context][n_rot]
-  float* x = nullptr;       // residual, n_embd
+  // Caches and activations.
+  float* latent_all = nullptr;  // [sequence][layer][max_context][kv_lora_rank]
+  float* krope_all = nullptr;   // [sequence][layer][max_context][n_rot]
+  float* latent = nullptr;      // the selected sequence's [layer][max_context][kv_lora_rank]
+  float* krope = nullptr;       // the selected sequence's [layer][max_context][n_rot]
+  float* x = nullptr;           // residual, n_embd
   float* xn = nullptr;
   float* qa = nullptr;       // q_lora_rank
   float* q = nullptr;        // n_head * head_dim
@@ -138,6 +146,32 @@ struct Ds3GpuEngine::Impl {
   std::vector<uint32_t> csel;   // [chunk][k] the chunk's routes
   std::vector<uint8_t> needed;  // per expert: routed to by the chunk at this layer
   std::vector<ExpertHint> chunk_hints;
+  // decode_batch() (sequences > 1; bx null otherwise): a row per sequence at most (S), each with
+  // decode()'s per-row state in its own buffers, rows 256-byte aligned: the residual, the
+  // normalised input (attention's, then the FFN's), the router logits ([1 + depth][n_expert], as
+  // rlogits), the routing weights (k) and the routed experts' outputs ([k][n_embd], as eo), the
+  // logits. bgate, bup, bh: one group of experts' uses (a row's route slot each, at most S * k),
+  // gate and up outputs and their SwiGLU, n_ff_exp floats apart.
+  uint64_t be = 0;    // row stride of bx and bxn: n_embd rounded up to 64 floats
+  uint64_t brs = 0;   // of brl and h_brl: (1 + depth) * n_expert rounded up
+  uint64_t bws = 0;   // of bw and h_bw: k rounded up
+  uint64_t beos = 0;  // of beo: k * n_embd rounded up
+  float* bx = nullptr;
+  float* bxn = nullptr;
+  float* brl = nullptr;
+  float* bw = nullptr;
+  float* beo = nullptr;
+  float* bgate = nullptr;
+  float* bup = nullptr;
+  float* bh = nullptr;
+  float* d_blogits = nullptr;  // [S][n_vocab]
+  float* h_brl = nullptr;      // pinned mirrors
+  float* h_bw = nullptr;
+  float* h_blogits = nullptr;
+  std::vector<uint32_t> bpos;      // [row] its sequence's position
+  std::vector<uint32_t> bsel;      // [row][k] the step's routes at the current layer
+  std::vector<ExpertHint> bhints;  // the step's hints at the current layer, every row's
+  gpu::StepExperts step_experts;   // batch_moe's grouping of the step's routes by expert
 
   // Host scratch.
   gpu::HostRouter router;  // the routing decisions and hints
@@ -174,11 +208,29 @@ struct Ds3GpuEngine::Impl {
   // cache and attn_v_b into out_row.
   Status attend(uint32_t layer, uint32_t at, float* qrow, const float* kv, float* out_row);
   Status mlp(const DevMat& gate, const DevMat& up, const DevMat& down, float* y);
+  // route()'s device half: this layer's router on xn (unless scripted) and the lookahead layers'
+  // on x through their own norms, into rl ([1 + depth][n_expert]); `rows` = 1 + the deepest
+  // lookahead computed (the rows to copy back).
+  Status routers(uint32_t layer, float* rl, uint32_t& rows);
   Status route(uint32_t layer);
   Status moe(uint32_t layer);
   Status head(std::span<float> logits);
   Status prefill_chunk(std::span<const uint32_t> tokens, std::span<float> logits);
   Status prefill_layers(uint32_t n);
+  // Sequence s selected: its position, and its caches for attend().
+  void select(uint32_t s) {
+    seq_pos[seq] = pos;
+    seq = s;
+    pos = seq_pos[s];
+    const uint64_t per = uint64_t{p.n_layer} * opts.max_context;
+    latent = latent_all + uint64_t{s} * per * d.kv_lora_rank;
+    krope = krope_all + uint64_t{s} * per * p.n_rot;
+  }
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits);
+  // The step's routed experts of `layer` (bsel, n rows), each distinct one acquired once.
+  Status batch_moe(uint32_t layer, uint32_t n);
+  // One group's uses (their experts at ptrs) through decode()'s run_experts kernels.
+  Status run_uses(uint32_t layer, std::span<const gpu::StepUse> list);
 };
 
 Ds3GpuEngine::Impl::~Impl() {
@@ -233,8 +285,11 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
   const uint64_t ff = std::max<uint64_t>(d.n_ff, uint64_t{p.n_ff_exp} * std::max(1u, d.n_shared));
-  latent = c.take_n<float>(p.n_layer * ctx * lat);
-  krope = c.take_n<float>(p.n_layer * ctx * p.n_rot);
+  const uint64_t seqs = opts.sequences;
+  latent_all = c.take_n<float>(seqs * p.n_layer * ctx * lat);
+  krope_all = c.take_n<float>(seqs * p.n_layer * ctx * p.n_rot);
+  latent = latent_all;
+  krope = krope_all;
   x = c.take_n<float>(e);
   xn = c.take_n<float>(e);
   qa = c.take_n<float>(d.q_lora_rank);
@@ -291,6 +346,21 @@ void Ds3GpuEngine::Impl::carve_work(Carver& c) {
     }
     ca.tile = ca.tile_floats > 0 ? c.take_n<float>(ca.tile_floats) : nullptr;
   }
+  if (seqs > 1) {
+    be = gpu::align_up(e, 64);
+    brs = gpu::align_up(uint64_t{1 + depth} * p.n_expert, 64);
+    bws = gpu::align_up(k, 64);
+    beos = gpu::align_up(uint64_t{k} * e, 64);
+    bx = c.take_n<float>(seqs * be);
+    bxn = c.take_n<float>(seqs * be);
+    brl = c.take_n<float>(seqs * brs);
+    bw = c.take_n<float>(seqs * bws);
+    beo = c.take_n<float>(seqs * beos);
+    bgate = c.take_n<float>(seqs * k * p.n_ff_exp);
+    bup = c.take_n<float>(seqs * k * p.n_ff_exp);
+    bh = c.take_n<float>(seqs * k * p.n_ff_exp);
+    d_blogits = c.take_n<float>(seqs * p.n_vocab);
+  }
 }
 
 Status Ds3GpuEngine::Impl::init() {
@@ -324,7 +394,20 @@ Status Ds3GpuEngine::Impl::init() {
                       carve_work(c);
                       return Ok{};
                     },
-                    [&](uint64_t n) { return gpu::alloc_work(n, opts.max_context, device_name); }));
+                    [&](uint64_t n) -> Result<DeviceBytes> {
+                      Result<DeviceBytes> mem = DeviceBytes::alloc(n);
+                      if (!mem) {
+                        return make_error(
+                            ENOMEM,
+                            fmt::format("cannot allocate {} of device memory for "
+                                        "the latent caches ({} positions x {} "
+                                        "sequences) and activations on {}",
+                                        gib(n), opts.max_context, opts.sequences, device_name));
+                      }
+                      EXPERTD_CUDA_TRY(cudaMemset(mem->get(), 0, n));
+                      return mem;
+                    }));
+  seq_pos.assign(opts.sequences, 0);
 
   const uint32_t k = p.n_expert_used;
   const uint32_t depth = opts.prefetch_depth;
@@ -344,6 +427,17 @@ Status Ds3GpuEngine::Impl::init() {
   csel.resize(uint64_t{chunk} * k);
   needed.resize(p.n_expert);
   chunk_hints.reserve(p.n_expert);
+  if (bx != nullptr) {
+    const uint64_t S = opts.sequences;
+    EXPERTD_TRY_ASSIGN(batch_host, PinnedBytes::alloc(S * (brs + bws + p.n_vocab) * 4));
+    h_brl = batch_host.get<float>();
+    h_bw = h_brl + S * brs;
+    h_blogits = h_bw + S * bws;
+    bpos.resize(S);
+    bsel.resize(S * k);
+    step_experts.reserve(p.n_expert, S * k);
+    bhints.reserve(uint64_t{std::max(depth, 1u)} * p.n_expert);
+  }
 
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
   EXPERTD_TRY(experts->init(device_name));
@@ -459,23 +553,31 @@ Status Ds3GpuEngine::Impl::mlp(const DevMat& gate, const DevMat& up, const DevMa
   return gpu::run_mlp(gate, up, down, xn, sg, su, y, compute.get());
 }
 
-Status Ds3GpuEngine::Impl::route(uint32_t layer) {
+Status Ds3GpuEngine::Impl::routers(uint32_t layer, float* rl, uint32_t& rows) {
   const cudaStream_t st = compute.get();
-  const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
-  const bool dense = layer < d.dense_lead;
   // The routers on the device: this layer's, and the lookahead layers' on the same residual
   // through their own norms.
-  if (router.computes(pos, layer)) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rlogits));
-  uint32_t rows = 1;
+  if (router.computes(pos, layer)) EXPERTD_TRY(mv(layers[layer].gate_inp, xn, rl));
+  rows = 1;
   for (uint32_t j = 1; j <= opts.prefetch_depth; ++j) {
     if (!router.looks_ahead(layer, j)) continue;
     float* in = pxn + uint64_t{j - 1} * p.n_embd;
     EXPERTD_CUDA_TRY(
         kernels::ds4_rms_norm(x, layers[layer + j].ffn_norm, in, 1, p.n_embd, p.rms_eps, st));
-    EXPERTD_TRY(mv(layers[layer + j].gate_inp, in, rlogits + uint64_t{j} * ne));
+    EXPERTD_TRY(mv(layers[layer + j].gate_inp, in, rl + uint64_t{j} * ne));
     rows = j + 1;
   }
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::route(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const bool dense = layer < d.dense_lead;
+  uint32_t rows = 1;
+  EXPERTD_TRY(routers(layer, rlogits, rows));
   // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
   if (!dense || rows > 1) {
     EXPERTD_CUDA_TRY(
@@ -599,6 +701,197 @@ Status Ds3GpuEngine::Impl::prefill_layers(uint32_t n) {
   return Ok{};
 }
 
+// --- decode_batch: one step of several sequences ----------------------------------------------
+
+Status Ds3GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  const auto n = static_cast<uint32_t>(rows.size());
+  const uint32_t k = p.n_expert_used;
+  const uint32_t ne = p.n_expert;
+  const uint64_t v = p.n_vocab;
+  const cudaStream_t st = compute.get();
+  seq_pos[seq] = pos;
+  EXPERTD_TRY(
+      check_batch_room(rows, opts.max_context, [&](uint32_t s) -> uint32_t { return seq_pos[s]; }));
+  const uint64_t t0 = monotonic_ns();
+  uint32_t last = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    bpos[i] = seq_pos[rows[i].sequence];
+    last = std::max(last, bpos[i]);
+  }
+  // attention(), routers() and mlp() work on `x`, `xn`, `pos` and the selected sequence's cache:
+  // pointed at each row's in turn; put back whatever happens.
+  const uint32_t was = seq;
+  float* const x0 = x;
+  float* const xn0 = xn;
+  auto use_row = [&](uint32_t i) {
+    select(rows[i].sequence);
+    x = bx + i * be;
+    xn = bxn + i * be;
+  };
+  auto forward = [&]() -> Status {
+    for (uint32_t i = 0; i < n; ++i) {
+      EXPERTD_CUDA_TRY(kernels::dequantize(embd.type,
+                                           embd.data + uint64_t{rows[i].token} * embd.row_bytes,
+                                           bx + i * be, p.n_embd, st));
+    }
+    planner.begin_token();  // one step: each (layer, expert) hinted once for all the rows
+    for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
+      if (!source.set_cursor(last, layer)) ++stats.hint_errors;
+      const DevLayer& l = layers[layer];
+      const bool dense = layer < d.dense_lead;
+      // Each row as decode() runs it up to its routing: attention over its own sequence's cache,
+      // the FFN norm, the routers (the dense MLP too, which the routing does not read); every
+      // row's logits copied back behind one sync.
+      bool copied = false;
+      for (uint32_t i = 0; i < n; ++i) {
+        use_row(i);
+        EXPERTD_TRY(attention(layer));
+        EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(x, l.ffn_norm, xn, 1, p.n_embd, p.rms_eps, st));
+        float* rl = brl + i * brs;
+        uint32_t copy_rows = 1;
+        EXPERTD_TRY(routers(layer, rl, copy_rows));
+        if (!dense || copy_rows > 1) {
+          EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_brl + i * brs, rl, uint64_t{copy_rows} * ne * 4,
+                                           cudaMemcpyDeviceToHost, st));
+          copied = true;
+        }
+        if (dense) {
+          EXPERTD_TRY(mlp(l.moe.ffn_gate, l.moe.ffn_up, l.moe.ffn_down, out));
+          EXPERTD_CUDA_TRY(kernels::add(x, out, p.n_embd, st));
+        }
+      }
+      // MoE layers always sync here: it is where the previous layer's holds go back.
+      if (copied) EXPERTD_TRY(experts->sync_compute());
+      // Every row's candidates, once each, scored by all the rows: one message to the daemon.
+      planner.from_layer(layer);
+      for (uint32_t i = 0; i < n; ++i)
+        router.add_lookahead(bpos[i], layer, h_brl + i * brs, ne, planner);
+      const std::span<const ExpertHint> hints = planner.take(stats);
+      bhints.assign(hints.begin(), hints.end());
+      if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
+      if (dense) {
+        planner.routed(layer, {}, stats, nullptr);  // routes nothing: closes the layer's hints
+      } else {
+        // Each row's routing decision (logged and counted as decode()'s), then its weights.
+        for (uint32_t i = 0; i < n; ++i) {
+          router.decide(bpos[i], layer, h_brl + i * brs, planner, stats, routing_log);
+          for (uint32_t j = 0; j < k; ++j) {
+            const uint32_t ex = router.selected[j];
+            if (ex >= ne) {
+              return make_error(EIO, fmt::format("layer {} sequence {}: routed to expert {} of {}",
+                                                 layer, rows[i].sequence, ex, ne));
+            }
+            bsel[uint64_t{i} * k + j] = ex;
+          }
+          std::memcpy(h_bw + i * bws, router.weights.data(), uint64_t{k} * 4);
+        }
+        EXPERTD_CUDA_TRY(
+            cudaMemcpyAsync(bw, h_bw, uint64_t{n} * bws * 4, cudaMemcpyHostToDevice, st));
+        EXPERTD_TRY(batch_moe(layer, n));
+        // Each row as run_sigmoid_moe ends: its shared experts, the weighted sum, the residual.
+        const bool shared = l.moe.shexp_gate.rows > 0;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (shared) {
+            EXPERTD_TRY(gpu::run_mlp(l.moe.shexp_gate, l.moe.shexp_up, l.moe.shexp_down,
+                                     bxn + i * be, sg, su, sout, st));
+          }
+          EXPERTD_CUDA_TRY(kernels::ds4_moe_sum(beo + i * beos, bw + i * bws, k,
+                                                shared ? sout : nullptr, p.n_embd, out, st));
+          EXPERTD_CUDA_TRY(kernels::add(bx + i * be, out, p.n_embd, st));
+        }
+      }
+      EXPERTD_TRY(experts->prefetch(layer, opts.prefetch_depth, p.n_layer, bhints));
+    }
+    // decode()'s head for each row; the logits back behind one sync.
+    for (uint32_t i = 0; i < n; ++i) {
+      EXPERTD_CUDA_TRY(kernels::ds4_rms_norm(bx + i * be, output_norm, bxn + i * be, 1, p.n_embd,
+                                             p.rms_eps, st));
+      EXPERTD_TRY(mv(output, bxn + i * be, d_blogits + i * v));
+    }
+    return experts->logits_to_host(d_blogits, h_blogits, logits.first(n * v));
+  };
+  const Status done = forward();
+  x = x0;
+  xn = xn0;
+  select(was);
+  EXPERTD_TRY(done);
+  experts->measure_tiers();
+  for (const BatchRow& r : rows) ++seq_pos[r.sequence];
+  pos = seq_pos[seq];
+  count_batch_step(stats, n, t0);
+  return Ok{};
+}
+
+Status Ds3GpuEngine::Impl::batch_moe(uint32_t layer, uint32_t n) {
+  const uint32_t k = p.n_expert_used;
+  // Each distinct expert of the step acquired once (gpu::StepExperts) and applied to every row
+  // that routes to it.
+  return step_experts.run(*experts, layer, std::span<const uint32_t>(bsel.data(), uint64_t{n} * k),
+                          k, ptrs, stats,
+                          [&](std::span<const uint32_t>, std::span<const gpu::StepUse> uses) {
+                            return run_uses(layer, uses);
+                          });
+}
+
+Status Ds3GpuEngine::Impl::run_uses(uint32_t layer, std::span<const gpu::StepUse> list) {
+  // run_experts' kernels on each use (its expert on its row's normalised input): gate and up (one
+  // launch of 2k jobs when they share a type and row size, else a matvec each), SwiGLU (an
+  // elementwise kernel: any span gives the same bits), down (a launch of k jobs). Every launch
+  // has decode()'s job count -- a last, partial one is filled with repeats of its first use that
+  // write into decode()'s own gu / eo, unused by the step -- because the matvec's launch plan
+  // depends on the jobs per launch (kernels/matvec_quant.cu: whether a split-K plan fits), and a
+  // split sums a row in another order: with decode()'s count, a use's output is decode()'s to the
+  // bit. A job's result depends only on its weights and input, not on the other jobs.
+  const GpuExperts::LayerShape& sh = experts->shape(layer);
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  const uint32_t e = p.n_embd;
+  const uint32_t ff = p.n_ff_exp;
+  const auto uses = static_cast<uint32_t>(list.size());
+  if (uses == 0) return Ok{};
+  auto input = [&](const gpu::StepUse& u) -> const float* { return bxn + u.row * be; };
+  if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes) {
+    for (uint32_t first = 0; first < uses; first += k) {
+      const uint32_t real = std::min(k, uses - first);
+      kernels::MatvecBatch b;
+      b.count = 2 * k;
+      for (uint32_t j = 0; j < k; ++j) {
+        const gpu::StepUse& u = list[first + (j < real ? j : 0)];
+        b.w[j] = ptrs[u.expert].gate;
+        b.x[j] = input(u);
+        b.y[j] = j < real ? bgate + uint64_t{first + j} * ff : gu + uint64_t{j} * ff;
+        b.w[k + j] = ptrs[u.expert].up;
+        b.x[k + j] = input(u);
+        b.y[k + j] = j < real ? bup + uint64_t{first + j} * ff : gu + uint64_t{k + j} * ff;
+      }
+      EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
+    }
+  } else {
+    for (uint32_t i = 0; i < uses; ++i) {
+      const gpu::StepUse& u = list[i];
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, ptrs[u.expert].gate, sh.gate.row_bytes, ff, e,
+                                       input(u), bgate + uint64_t{i} * ff, st));
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, ptrs[u.expert].up, sh.up.row_bytes, ff, e,
+                                       input(u), bup + uint64_t{i} * ff, st));
+    }
+  }
+  EXPERTD_CUDA_TRY(kernels::ds4_swiglu(bgate, bup, bh, uint64_t{uses} * ff, 0.0f, st));
+  for (uint32_t first = 0; first < uses; first += k) {
+    const uint32_t real = std::min(k, uses - first);
+    kernels::MatvecBatch b;
+    b.count = k;
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint32_t at = first + (j < real ? j : 0);
+      const gpu::StepUse& u = list[at];
+      b.w[j] = ptrs[u.expert].down;
+      b.x[j] = bh + uint64_t{at} * ff;
+      b.y[j] = j < real ? beo + u.row * beos + uint64_t{u.slot} * e : eo + uint64_t{j} * e;
+    }
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  }
+  return Ok{};
+}
+
 // --- Ds3GpuEngine ------------------------------------------------------------------------------
 
 Ds3GpuEngine::Ds3GpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -608,7 +901,7 @@ Result<std::unique_ptr<Ds3GpuEngine>> Ds3GpuEngine::create(const DenseModel& mod
                                                            ExpertSource& source,
                                                            const EngineOptions& options,
                                                            const GpuOptions& gpu) {
-  EXPERTD_TRY(check_ds3_engine(model, options));
+  EXPERTD_TRY(check_ds3_engine(model, options, GpuEngine::kMaxSequences));
   auto impl = std::make_unique<Impl>(model, source, options, gpu);
   EXPERTD_TRY(impl->init());
   return std::unique_ptr<Ds3GpuEngine>(new Ds3GpuEngine(std::move(impl)));
@@ -655,6 +948,22 @@ Status Ds3GpuEngine::prefill_chunk(std::span<const uint32_t> tokens, std::span<f
 
 void Ds3GpuEngine::reset() { impl_->pos = 0; }
 
+uint32_t Ds3GpuEngine::sequences() const { return impl_->opts.sequences; }
+uint32_t Ds3GpuEngine::selected_sequence() const { return impl_->seq; }
+
+Status Ds3GpuEngine::select_sequence(uint32_t sequence) {
+  EXPERTD_TRY(Engine::select_sequence(sequence));
+  impl_->select(sequence);
+  return Ok{};
+}
+
+Status Ds3GpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
+  EXPERTD_TRY(check_batch(*this, rows, logits.size()));
+  // An engine of one sequence has no rows' buffers: decode() is its step.
+  if (impl_->bx == nullptr) return Engine::decode_batch(rows, logits);
+  return impl_->decode_batch(rows, logits);
+}
+
 bool Ds3GpuEngine::truncate(uint32_t n) {
   if (n > impl_->pos) return false;
   impl_->pos = n;
@@ -673,9 +982,14 @@ std::string Ds3GpuEngine::description() const {
   const GpuExperts& x = *m.experts;
   return fmt::format(
       "CUDA engine ({}) on {}: dense weights {} as in the file (fused "
-      "matvec), latent KV cache, prefill in chunks of {} (layer by layer, each layer's experts "
+      "matvec), latent KV cache{}, prefill in chunks of {} (layer by layer, each layer's experts "
       "hinted once per chunk and run as GEMMs over its rows{}), {}{}",
-      family_info(Family::DeepSeek3).arch, m.device_name, gib(m.dense_device_bytes), m.chunk,
+      family_info(Family::DeepSeek3).arch, m.device_name, gib(m.dense_device_bytes),
+      m.opts.sequences > 1
+          ? fmt::format(" for each of {} sequences (batched steps: each expert once per step)",
+                        m.opts.sequences)
+          : std::string(),
+      m.chunk,
       m.ca.xn != nullptr
           ? fmt::format(", the attention's projections too from {} rows", gpu::kDenseGemmRows)
           : std::string(),

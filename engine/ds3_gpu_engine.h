@@ -16,8 +16,21 @@
 // Experts reach the device through GpuExperts (in place from the registered arena, or a VRAM
 // tier), as in GpuEngine.
 //
-// prefill() is decode() of each token (Engine's default). decode() allocates nothing unless a
-// routing log is attached. Not thread-safe.
+// prefill() runs chunks layer by layer (prefill_chunk below).
+//
+// Sequences (EngineOptions::sequences, at most GpuEngine::kMaxSequences): each has its own latent
+// and rope-key cache of max_context positions on the device; decode(), prefill(), truncate(),
+// reset() and position() act on the selected one. decode_batch() runs one step of several layer
+// by layer, as GpuEngine's: each row's attention (over its own sequence's cache) and routing as
+// decode() computes them, into the row's own buffers, one sync and one hint message per layer for
+// all the rows; then each distinct (layer, expert) of the step acquired once (ascending, top-k at
+// a time) and applied to every row routing to it with decode()'s kernels, launched in decode()'s
+// batch sizes (so the matvec picks the same plan), and each row combined as decode() combines it.
+// Each row's logits are those of its sequence decoded alone, to the bit, while a step reads each
+// expert once for all its rows. An engine of one sequence decodes the rows in turn.
+//
+// decode() and decode_batch() allocate nothing unless a routing log is attached. Not
+// thread-safe.
 #pragma once
 
 #include <memory>
@@ -41,10 +54,17 @@ class Ds3GpuEngine final : public Engine {
   ~Ds3GpuEngine() override;
 
   Status decode(uint32_t token, std::span<float> logits) override;
+  // Forgets the selected sequence.
   void reset() override;
   // The cache holds positions independently: any prefix can be kept.
   bool truncate(uint32_t n) override;
   uint32_t position() const override;
+  uint32_t sequences() const override;
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override;
+  // One step of distinct sequences, each row's logits its sequence's decode() to the bit; a row
+  // whose sequence's cache is full is refused naming the sequence, before anything runs.
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   const EngineStats& stats() const override;
   const ModelParams& params() const override;
   const EngineOptions& options() const override;

@@ -799,12 +799,8 @@ Status Ds4CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<floa
   EXPERTD_TRY(check_batch(*this, rows, logits.size()));
   const auto n = static_cast<uint32_t>(rows.size());
   seq_pos_[cur_] = pos_;
-  for (const BatchRow& r : rows) {
-    if (seq_pos_[r.sequence] >= opts_.max_context) {
-      return make_error(ENOSPC, fmt::format("sequence {}: the context is full ({} positions)",
-                                            r.sequence, opts_.max_context));
-    }
-  }
+  EXPERTD_TRY(check_batch_room(rows, opts_.max_context,
+                               [&](uint32_t s) -> uint32_t { return seq_pos_[s]; }));
   const uint64_t t0 = monotonic_ns();
   const uint64_t se = uint64_t{d_.hc} * p_.n_embd;
   uint32_t last = 0;
@@ -835,10 +831,7 @@ Status Ds4CpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<floa
   }
   s_ = &seqs_[cur_];
   pos_ = seq_pos_[cur_];
-  stats_.tokens += n;
-  stats_.batch_rows += n;
-  ++stats_.batch_steps;
-  stats_.decode_ns += monotonic_ns() - t0;
+  count_batch_step(stats_, n, t0);
   return Ok{};
 }
 

@@ -1,5 +1,6 @@
 // The CUDA engine for DeepSeek-V4 (`deepseek4`): the forward of Ds4CpuEngine (the specification,
-// engine/ds4_cpu_engine.h) on the GPU, one token per decode().
+// engine/ds4_cpu_engine.h) on the GPU, one token per decode(), or one per sequence per
+// decode_batch().
 //
 // Device: every dense weight in its GGUF encoding (the fused matvec kernels of kernels/matvec.cuh
 // read them as they read experts), the norm vectors and biases as f32, the sliding-window K=V
@@ -35,8 +36,20 @@
 // fresh engine reaches through the same calls (the kernels are deterministic), not decode()'s to
 // the bit: prefill's expert GEMMs round differently from decode's fused matvecs.
 //
-// decode(), prefill() and truncate() allocate nothing unless a routing log is attached. Not
-// thread-safe.
+// Sequences (EngineOptions::sequences, at most GpuEngine::kMaxSequences): each has its own
+// position, window ring, compressors and entries, checkpoints and fed ids on the device, all sized
+// at create(); decode(), prefill(), truncate(), reset() and position() act on the selected one.
+// decode_batch() runs one step of several sequences layer by layer: each row's mHC mixes, attention
+// (on its own sequence's state) and routers as decode() runs them, on the row's own buffers
+// (allocated only for sequences > 1), one sync per layer for every row's router logits; then each
+// distinct routed expert of the step's layer is acquired once (ascending, top-k at a time) and
+// applied to every row routing to it with decode()'s launches (same job counts and shapes), and
+// each row's shared expert, MoE sum, expansion and head are decode()'s. So each row's logits are
+// its sequence's decode() alone, to the bit. The hash layers' experts of all the rows' tokens are
+// hinted once per step, the learned layers' lookahead for all the rows in one message per layer.
+//
+// decode(), prefill(), truncate() and decode_batch() allocate nothing unless a routing log is
+// attached. Not thread-safe.
 #pragma once
 
 #include <memory>
@@ -75,6 +88,13 @@ class Ds4GpuEngine final : public Engine {
   const EngineStats& stats() const override;
   const ModelParams& params() const override;
   const EngineOptions& options() const override;
+  uint32_t sequences() const override;
+  Status select_sequence(uint32_t sequence) override;
+  uint32_t selected_sequence() const override;
+  // One step of distinct sequences (see above); refuses a row whose sequence's context is full,
+  // before anything runs. The selected sequence is unchanged. After an error, reset the rows'
+  // sequences. An engine of one sequence decodes the row (Engine::decode_batch).
+  Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits) override;
   void set_routing_log(std::vector<RoutingRecord>* log) override;
   std::string name() const override { return "gpu"; }
   std::string description() const override;

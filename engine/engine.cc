@@ -378,6 +378,24 @@ Status check_batch(const Engine& engine, std::span<const BatchRow> rows, size_t 
   return Ok{};
 }
 
+Status check_batch_room(std::span<const BatchRow> rows, uint32_t max_context,
+                        const std::function<uint32_t(uint32_t sequence)>& position) {
+  for (const BatchRow& r : rows) {
+    if (position(r.sequence) >= max_context) {
+      return make_error(ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)",
+                                            r.sequence, max_context));
+    }
+  }
+  return Ok{};
+}
+
+void count_batch_step(EngineStats& stats, uint32_t rows, uint64_t t0) {
+  stats.tokens += rows;
+  stats.batch_rows += rows;
+  ++stats.batch_steps;
+  stats.decode_ns += monotonic_ns() - t0;
+}
+
 bool Engine::truncate(uint32_t n) {
   if (n == position()) return true;
   if (n == 0) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -342,6 +343,13 @@ Status check_engine_options(const ModelParams& p, const EngineOptions& o,
 // decode_batch()'s checks: rows, each a distinct sequence of the engine with a token inside the
 // vocabulary, and room for their logits.
 Status check_batch(const Engine& engine, std::span<const BatchRow> rows, size_t logits);
+// And that each row's sequence, at `position(sequence)`, has room for one more position: else an
+// error naming the sequence, before the step runs anything.
+Status check_batch_room(std::span<const BatchRow> rows, uint32_t max_context,
+                        const std::function<uint32_t(uint32_t sequence)>& position);
+// A decode_batch() step of `rows` rows done, begun at `t0` (monotonic_ns): its rows counted as
+// tokens and batch rows, the step and its time.
+void count_batch_step(EngineStats& stats, uint32_t rows, uint64_t t0);
 // The CPU engines' check of the model: its dense weights in memory (not DenseLoad::Deferred).
 Status check_cpu_model(const DenseModel& model);
 Status check_decode(const ModelParams& p, const EngineOptions& o, uint32_t pos, uint32_t token,

@@ -38,12 +38,14 @@ constexpr std::array kFamilies = {
                "DeepSeek-V3, DeepSeek-R1, Kimi-K2", "", EngineClass::DeepSeek3,
                {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = true,
                 .prefix_truncate = true, .cuda_prefix_truncate = true,
-                .hash_hints = false, .mtp_blocks = false, .cpu_batched_decode = true}},
+                .hash_hints = false, .mtp_blocks = false, .cpu_batched_decode = true,
+                .cuda_batched_decode = true}},
     FamilyInfo{Family::DeepSeek4, "deepseek4", "DeepSeek-V4", "", "deepseek4",
                "DeepSeek-V4-Flash", "", EngineClass::DeepSeek4,
                {.cpu_batched_prefill = true, .cuda = true, .cuda_batched_prefill = true,
                 .prefix_truncate = true, .cuda_prefix_truncate = true,
-                .hash_hints = true, .mtp_blocks = true, .cpu_batched_decode = true}},
+                .hash_hints = true, .mtp_blocks = true, .cpu_batched_decode = true,
+                .cuda_batched_decode = true}},
 };
 // clang-format on
 

@@ -17,6 +17,7 @@
 #include "engine/ds3_gpu_engine.h"
 #include "engine/ds4_gpu_engine.h"
 #include "engine/gpu_experts.h"
+#include "engine/routing.h"
 #include "kernels/attention.cuh"
 #include "kernels/check.h"
 #include "kernels/combine.cuh"
@@ -239,7 +240,6 @@ struct GpuEngine::Impl {
   uint32_t* h_routes = nullptr;  // pinned mirrors of d_routes and d_rows
   uint32_t* h_rows = nullptr;
   std::vector<uint32_t> expert_rows;  // [n_expert] rows routed to each expert this layer
-  std::vector<uint32_t> needed;       // batch_moe: the distinct experts of the step, ascending
   std::vector<ExpertHint> needed_hints;
   std::vector<RoutingRecord> chunk_log;  // [row][layer], appended in decode's order
   // glm4moe's and gpt-oss's prefill, layer by layer over the chunk (prefill_layerwise): cx, cxn
@@ -259,7 +259,7 @@ struct GpuEngine::Impl {
   float* lqkv = nullptr;
   float* latt = nullptr;
 
-  // decode_batch() (Softmax routers): each row's residual, normalised input, routing weights
+  // decode_batch() (sequences > 1): each row's residual, normalised input, routing weights
   // ([1 + depth][k], as d_weights), gate/up, SwiGLU and expert outputs (as gu, h, eo), logits;
   // row strides 256-byte aligned.
   uint64_t bs_e = 0, bs_w = 0, bs_gu = 0, bs_h = 0, bs_eo = 0;
@@ -271,9 +271,14 @@ struct GpuEngine::Impl {
   float* beo = nullptr;
   float* d_blogits = nullptr;  // [sequences][n_vocab]
   float* h_blogits = nullptr;
-  std::vector<uint32_t> bsel;       // [row][k] the step's routes at the current layer
-  std::vector<uint32_t> bgroup_of;  // [n_expert] a needed expert's index in `needed`
-  std::vector<ExpertHint> bhints;   // the step's hints at the current layer, every row's
+  // glm4moe and gpt-oss (host routing): each row's router logits copied back (as h_probs, rows
+  // bs_rl floats apart) and its routing weights on their way to bw ([sequences][k]), pinned.
+  uint64_t bs_rl = 0;
+  float* h_brl = nullptr;
+  float* h_bw = nullptr;
+  std::vector<uint32_t> bsel;      // [row][k] the step's routes at the current layer
+  gpu::StepExperts step_experts;   // batch_moe's grouping of the step's routes by expert
+  std::vector<ExpertHint> bhints;  // the step's hints at the current layer, every row's
   // decode_batch: route_and_hint() adds a row's candidates to the planner and leaves the rest
   // (take, send, routed()) to the step, so an expert several rows want is hinted once, scored by
   // all of them (HintPlanner: 1 - prod(1 - p)).
@@ -304,8 +309,22 @@ struct GpuEngine::Impl {
   Status init();
   Status init_batch();
   Status decode_batch(std::span<const BatchRow> rows, std::span<float> logits);
+  // decode()'s single-row buffers (x, xn, d_weights, gu, h, eo) and sequence pointed at row i's.
+  void use_row(uint32_t i, uint32_t sequence) {
+    select(sequence);
+    x = bx + i * bs_e;
+    xn = bxn + i * bs_e;
+    d_weights = bw + i * bs_w;
+    gu = bgu + i * bs_gu;
+    h = bh + i * bs_h;
+    eo = beo + i * bs_eo;
+  }
   // The routed experts of every row at `layer` (bsel), each distinct one acquired once.
   Status batch_moe(uint32_t layer, uint32_t rows);
+  // decode_batch()'s layer for glm4moe and gpt-oss: each row's attention and host routing, every
+  // row's hints in one message, the routed experts by batch_moe, each row's FFN finished as
+  // decode() finishes it.
+  Status batch_host_layer(uint32_t layer, std::span<const BatchRow> rows);
   void select(uint32_t s) {
     seq_pos[seq] = pos;
     seq = s;
@@ -345,7 +364,7 @@ struct GpuEngine::Impl {
   Status route_rows(uint32_t layer, uint32_t rows, float* normed, uint64_t words);
   Status moe(uint32_t layer);
   // One routed expert applied to one row: its weights, the row's normalised input, and where its
-  // gate, up, SwiGLU and output go.
+  // gate, up, SwiGLU and output go; `expert` is its index in the layer (gpt-oss's biases).
   struct ExpertUse {
     ExpertPtrs w;
     const float* x;
@@ -353,6 +372,7 @@ struct GpuEngine::Impl {
     float* up;
     float* h;
     float* out;
+    uint32_t expert = 0;
   };
   std::vector<ExpertUse> uses;
   Status run_uses(uint32_t layer, std::span<const ExpertUse> list);
@@ -360,10 +380,18 @@ struct GpuEngine::Impl {
   // glm4moe and gpt-oss: the router logits (this layer's and the lookahead's) copied back, the
   // routing and hints made on the host (HostRouter) as CpuEngine makes them.
   Status host_route(uint32_t layer);
-  // glm4moe: the dense MLP, or the routed experts plus the shared expert, into x.
-  Status glm_ffn(uint32_t layer);
-  // gpt-oss: the routed experts with their biases and clamped SwiGLU, weighted into x.
-  Status gptoss_ffn(uint32_t layer);
+  // host_route()'s device half for the row at x: the FFN norm into xn, the layer's router and the
+  // lookahead's into rlogits, copied to `out` (pinned, [1 + depth][n_expert]) when the layer's
+  // routing or hints need them (*copied set; the caller then synchronises before reading them).
+  Status host_logits(uint32_t layer, float* out, bool* copied);
+  // The host's routing weights (router.weights) to the device at `dev` through pinned `host`.
+  Status weights_to_device(float* host, float* dev);
+  // glm4moe and gpt-oss, after host_route: the dense MLP (glm4moe's leading layers), or the routed
+  // experts (run_uses) then host_combine, into x.
+  Status host_ffn(uint32_t layer);
+  // The routed experts' outputs (eo) weighted by d_weights into x: gpt-oss's moe_combine, or
+  // glm4moe's sum with its shared expert on xn.
+  Status host_combine(uint32_t layer);
   Status gemv(const float* w, uint32_t rows, uint32_t cols, const float* in, float* out,
               float beta);
   uint64_t kv_index(uint32_t layer, uint32_t p_) const {
@@ -476,7 +504,7 @@ Status GpuEngine::Impl::init() {
   // rows_attention's.
   EXPERTD_TRY(host_routed(p) ? init_layerwise_prefill() : init_prefill());
   seq_pos.assign(opts.sequences, 0);
-  if (opts.sequences > 1 && !host_routed(p)) EXPERTD_TRY(init_batch());
+  if (opts.sequences > 1) EXPERTD_TRY(init_batch());
 
   // The source's host memory (registered once) and the VRAM tier.
   experts = std::make_unique<GpuExperts>(model, source, gpu, stats, compute.get(), copy.get());
@@ -749,16 +777,27 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
   // gate and up of every use, SwiGLU, down. Each use's result depends only on its own inputs, and
   // the kernels are chosen by the layer's shape and top-k alone, so decode() (one row's k uses)
   // and decode_batch() (every row's) compute a row's experts to the same bits.
+  // glm4moe and gpt-oss: the launches gpu::run_experts makes for one row's k experts (its
+  // unclamped ds4_swiglu, or gpt-oss's biases and clamped SwiGLU), at most k uses per launch so
+  // that no launch has more jobs than decode()'s (matvec_batched plans its split by the jobs).
   const GpuExperts::LayerShape& sh = experts->shape(layer);
   if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
+  const cudaStream_t st = compute.get();
+  const DevLayer& l = layers[layer];
   const uint32_t ff = p.n_ff_exp;
+  const uint32_t e = p.n_embd;
   const uint32_t per = kernels::kMaxBatch;
   const uint32_t n = static_cast<uint32_t>(list.size());
+  const bool host = host_routed(p);
+  const bool oai = p.act == ExpertAct::ClampedSwiglu;
+  // Uses per gate + up launch and per down launch.
+  const uint32_t per_gu = host ? p.n_expert_used : per / 2;
+  const uint32_t per_down = host ? p.n_expert_used : per;
   if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes &&
       2 * p.n_expert_used <= per) {
-    for (uint32_t first = 0; first < n; first += per / 2) {
+    for (uint32_t first = 0; first < n; first += per_gu) {
       kernels::MatvecBatch b;
-      const uint32_t count = std::min(per / 2, n - first);
+      const uint32_t count = std::min(per_gu, n - first);
       b.count = 2 * count;
       for (uint32_t j = 0; j < count; ++j) {
         const ExpertUse& u = list[first + j];
@@ -769,28 +808,44 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
         b.x[count + j] = u.x;
         b.y[count + j] = u.up;
       }
-      EXPERTD_CUDA_TRY(
-          kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, p.n_embd, compute.get()));
+      EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
     }
   } else {
     for (const ExpertUse& u : list) {
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.gate.type, u.w.gate, sh.gate.row_bytes, ff, p.n_embd, u.x,
-                                       u.gate, compute.get()));
-      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, u.w.up, sh.up.row_bytes, ff, p.n_embd, u.x, u.up,
-                                       compute.get()));
+      EXPERTD_CUDA_TRY(
+          kernels::matvec(sh.gate.type, u.w.gate, sh.gate.row_bytes, ff, e, u.x, u.gate, st));
+      EXPERTD_CUDA_TRY(kernels::matvec(sh.up.type, u.w.up, sh.up.row_bytes, ff, e, u.x, u.up, st));
     }
   }
-  // SwiGLU inside the down projection's launch (MatvecBatch::up, bit-identical) when
-  // kernels::matvec_fuse_swiglu() says so; else its own launch into h.
-  const bool fuse = kernels::matvec_fuse_swiglu();
-  if (!fuse) {
+  // qwen3moe, Mixtral: SwiGLU inside the down projection's launch (MatvecBatch::up,
+  // bit-identical) when kernels::matvec_fuse_swiglu() says so; else its own launch into h.
+  const bool fuse = !host && kernels::matvec_fuse_swiglu();
+  if (oai) {
+    // gpt-oss: each expert's biased, clamped SwiGLU (run_experts' OaiExperts).
     for (const ExpertUse& u : list) {
-      EXPERTD_CUDA_TRY(kernels::swiglu(u.gate, u.up, u.h, ff, compute.get()));
+      const uint64_t at = uint64_t{u.expert} * ff;
+      EXPERTD_CUDA_TRY(kernels::oai_swiglu(u.gate, u.up, l.exp_gate_b + at, l.exp_up_b + at, u.h,
+                                           ff, kGptOssAlpha, kGptOssLimit, st));
     }
+  } else if (host) {
+    // glm4moe: run_experts' unclamped ds4_swiglu, elementwise, one launch per run of uses whose
+    // gate, up and h follow the previous use's (decode()'s k uses are one run: its one launch).
+    for (uint32_t a = 0; a < n;) {
+      uint32_t z = a + 1;
+      while (z < n && list[z].gate == list[z - 1].gate + ff && list[z].up == list[z - 1].up + ff &&
+             list[z].h == list[z - 1].h + ff) {
+        ++z;
+      }
+      EXPERTD_CUDA_TRY(
+          kernels::ds4_swiglu(list[a].gate, list[a].up, list[a].h, uint64_t{z - a} * ff, 0.0f, st));
+      a = z;
+    }
+  } else if (!fuse) {
+    for (const ExpertUse& u : list) EXPERTD_CUDA_TRY(kernels::swiglu(u.gate, u.up, u.h, ff, st));
   }
-  for (uint32_t first = 0; first < n; first += per) {
+  for (uint32_t first = 0; first < n; first += per_down) {
     kernels::MatvecBatch b;
-    b.count = std::min(per, n - first);
+    b.count = std::min(per_down, n - first);
     for (uint32_t j = 0; j < b.count; ++j) {
       const ExpertUse& u = list[first + j];
       b.w[j] = u.w.down;
@@ -802,8 +857,11 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
       }
       b.y[j] = u.out;
     }
-    EXPERTD_CUDA_TRY(
-        kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, p.n_embd, ff, compute.get()));
+    EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
+  }
+  // gpt-oss: the down projection's bias, after it (run_experts').
+  for (uint32_t i = 0; oai && i < n; ++i) {
+    EXPERTD_CUDA_TRY(kernels::add(list[i].out, l.exp_down_b + uint64_t{list[i].expert} * e, e, st));
   }
   return Ok{};
 }
@@ -824,12 +882,10 @@ Status GpuEngine::Impl::moe(uint32_t layer) {
   return experts->finish_layer();
 }
 
-Status GpuEngine::Impl::host_route(uint32_t layer) {
+Status GpuEngine::Impl::host_logits(uint32_t layer, float* out, bool* copied) {
   const cudaStream_t st = compute.get();
-  const uint32_t k = p.n_expert_used;
   const uint32_t ne = p.n_expert;
   const uint32_t e = p.n_embd;
-  const bool dense = p.dense_layer(layer);
   EXPERTD_CUDA_TRY(kernels::rms_norm(x, layers[layer].ffn_norm, xn, 1, e, p.rms_eps, st));
   // The routers on the device (f32 GEMVs): this layer's, and the lookahead layers' on the same
   // residual through their own norms, as CpuEngine::send_hints applies them.
@@ -851,52 +907,79 @@ Status GpuEngine::Impl::host_route(uint32_t layer) {
     }
     rows = j + 1;
   }
-  // MoE layers always sync here, scripted or not: it is where the previous layer's holds go back.
-  // h_probs is the pinned mirror of the logits ([1 + depth][n_expert]).
-  if (!dense || rows > 1) {
+  // MoE layers always copy (and their caller syncs), scripted or not: it is where the previous
+  // layer's holds go back.
+  *copied = !p.dense_layer(layer) || rows > 1;
+  if (*copied) {
     EXPERTD_CUDA_TRY(
-        cudaMemcpyAsync(h_probs, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_TRY(experts->sync_compute());
+        cudaMemcpyAsync(out, rlogits, uint64_t{rows} * ne * 4, cudaMemcpyDeviceToHost, st));
   }
-  // Hints and the routing decision, as CpuEngine makes them.
-  router.route(pos, layer, h_probs, planner, stats, experts->hint_source(), routing_log);
-  if (dense) return Ok{};
-  std::memcpy(h_weights, router.weights.data(), uint64_t{k} * 4);
-  EXPERTD_CUDA_TRY(
-      cudaMemcpyAsync(d_weights, h_weights, uint64_t{k} * 4, cudaMemcpyHostToDevice, st));
   return Ok{};
 }
 
-Status GpuEngine::Impl::glm_ffn(uint32_t layer) {
+Status GpuEngine::Impl::weights_to_device(float* host, float* dev) {
+  const uint64_t k = p.n_expert_used;
+  std::memcpy(host, router.weights.data(), k * 4);
+  EXPERTD_CUDA_TRY(cudaMemcpyAsync(dev, host, k * 4, cudaMemcpyHostToDevice, compute.get()));
+  return Ok{};
+}
+
+Status GpuEngine::Impl::host_route(uint32_t layer) {
+  // h_probs is the pinned mirror of the logits ([1 + depth][n_expert]).
+  bool copied = false;
+  EXPERTD_TRY(host_logits(layer, h_probs, &copied));
+  if (copied) EXPERTD_TRY(experts->sync_compute());
+  // Hints and the routing decision, as CpuEngine makes them.
+  router.route(pos, layer, h_probs, planner, stats, experts->hint_source(), routing_log);
+  if (p.dense_layer(layer)) return Ok{};
+  return weights_to_device(h_weights, d_weights);
+}
+
+Status GpuEngine::Impl::host_ffn(uint32_t layer) {
   const cudaStream_t st = compute.get();
-  const gpu::DevSigmoidMoe& m = layers[layer].moe;
   if (p.dense_layer(layer)) {
+    // glm4moe's leading dense layers: the MLP as in the file.
+    const gpu::DevSigmoidMoe& m = layers[layer].moe;
     EXPERTD_TRY(gpu::run_mlp(m.ffn_gate, m.ffn_up, m.ffn_down, xn, sg, su, sout, st));
     EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
     return Ok{};
   }
-  // x += the weighted routed sum plus the shared expert, as CpuEngine::moe adds them.
-  EXPERTD_TRY(gpu::run_sigmoid_moe(*experts, layer, router.selected, ptrs, m, p, xn, d_weights,
-                                   gpu::SigmoidMoeScratch{gu, h, eo, sg, su, sout}, mout, stats,
-                                   st));
-  EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
-  return Ok{};
-}
-
-Status GpuEngine::Impl::gptoss_ffn(uint32_t layer) {
-  const cudaStream_t st = compute.get();
-  const DevLayer& l = layers[layer];
   const uint32_t k = p.n_expert_used;
+  const uint64_t ff = p.n_ff_exp;
   const std::span<const uint32_t> selected_k(router.selected.data(), k);
   uint64_t waited = 0;
   EXPERTD_TRY(experts->acquire(layer, selected_k, ptrs, &waited));
   stats.experts_used += k;
-  const gpu::OaiExperts oai{l.exp_gate_b, l.exp_up_b, l.exp_down_b, selected_k};
-  EXPERTD_TRY(gpu::run_experts(experts->shape(layer), std::span<const ExpertPtrs>(ptrs.data(), k),
-                               p.n_ff_exp, p.n_embd, xn, 0.0f, gu, h, eo, st, &oai));
+  // gu [2k][n_ff] (gates, then ups), h [k][n_ff], eo [k][n_embd], as run_experts lays them out.
+  uses.resize(k);
+  for (uint32_t i = 0; i < k; ++i) {
+    uses[i] = ExpertUse{ptrs[i],           xn,         gu + i * ff,
+                        gu + (k + i) * ff, h + i * ff, eo + uint64_t{i} * p.n_embd,
+                        selected_k[i]};
+  }
+  EXPERTD_TRY(run_uses(layer, uses));
   EXPERTD_TRY(experts->finish_layer());
-  // x += the experts' outputs weighted (double sum, one rounding), as CpuEngine::moe.
-  EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, st));
+  return host_combine(layer);
+}
+
+Status GpuEngine::Impl::host_combine(uint32_t layer) {
+  const cudaStream_t st = compute.get();
+  const uint32_t k = p.n_expert_used;
+  if (p.act == ExpertAct::ClampedSwiglu) {
+    // gpt-oss: x += the experts' outputs weighted (double sum, one rounding), as CpuEngine::moe.
+    EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, st));
+    return Ok{};
+  }
+  // glm4moe: x += the weighted routed sum plus the shared expert, as CpuEngine::moe adds them
+  // (gpu::run_sigmoid_moe's sum).
+  const gpu::DevSigmoidMoe& m = layers[layer].moe;
+  const bool shared = m.shexp_gate.rows > 0;
+  if (shared) {
+    EXPERTD_TRY(gpu::run_mlp(m.shexp_gate, m.shexp_up, m.shexp_down, xn, sg, su, sout, st));
+  }
+  EXPERTD_CUDA_TRY(
+      kernels::ds4_moe_sum(eo, d_weights, k, shared ? sout : nullptr, p.n_embd, mout, st));
+  EXPERTD_CUDA_TRY(kernels::add(x, mout, p.n_embd, st));
   return Ok{};
 }
 
@@ -1449,7 +1532,7 @@ Status GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens, bool las
   return Ok{};
 }
 
-// --- decode_batch: one step of several sequences (Softmax routers) -----------------------------
+// --- decode_batch: one step of several sequences ------------------------------------------------
 
 Status GpuEngine::Impl::init_batch() {
   const uint64_t S = opts.sequences;
@@ -1462,6 +1545,9 @@ Status GpuEngine::Impl::init_batch() {
   bs_eo = align_up(k * p.n_embd, 64);
   const uint64_t vocab = align_up(p.n_vocab, 64);
   const uint64_t floats = S * (2 * bs_e + bs_w + bs_gu + bs_h + bs_eo + vocab);
+  // Host routing: each row's logits as host_logits copies them, and its k routing weights.
+  bs_rl = host_routed(p) ? uint64_t{1 + opts.prefetch_depth} * p.n_expert : 0;
+  const uint64_t host_floats = S * (p.n_vocab + bs_rl + (host_routed(p) ? k : 0));
   Result<DeviceBytes> mem = DeviceBytes::alloc(floats * 4);
   if (!mem) {
     return make_error(ENOMEM, fmt::format("cannot allocate {} of device memory for the rows of {} "
@@ -1482,10 +1568,14 @@ Status GpuEngine::Impl::init_batch() {
   bh = take(S * bs_h);
   beo = take(S * bs_eo);
   d_blogits = take(S * p.n_vocab);
-  EXPERTD_TRY_ASSIGN(batch_host, PinnedBytes::alloc(S * p.n_vocab * 4));
+  EXPERTD_TRY_ASSIGN(batch_host, PinnedBytes::alloc(host_floats * 4));
   h_blogits = batch_host.get<float>();
+  if (host_routed(p)) {
+    h_brl = h_blogits + S * p.n_vocab;
+    h_bw = h_brl + S * bs_rl;
+  }
   bsel.resize(S * k);
-  bgroup_of.resize(p.n_expert);
+  step_experts.reserve(p.n_expert, S * k);
   return Ok{};
 }
 
@@ -1496,14 +1586,11 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
   const uint64_t v = p.n_vocab;
   const cudaStream_t st = compute.get();
   seq_pos[seq] = pos;
-  for (const BatchRow& r : rows) {
-    if (seq_pos[r.sequence] >= opts.max_context) {
-      return make_error(ENOSPC, fmt::format("sequence {}: the KV cache is full ({} positions)",
-                                            r.sequence, opts.max_context));
-    }
-  }
+  EXPERTD_TRY(
+      check_batch_room(rows, opts.max_context, [&](uint32_t s) -> uint32_t { return seq_pos[s]; }));
   const uint64_t t0 = monotonic_ns();
-  // decode()'s single-row buffers point at each row's in turn; put back whatever happens.
+  // decode()'s single-row buffers point at each row's in turn (use_row); put back whatever
+  // happens.
   const uint32_t was = seq;
   float* const x0 = x;
   float* const xn0 = xn;
@@ -1511,15 +1598,6 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
   float* const gu0 = gu;
   float* const h0 = h;
   float* const eo0 = eo;
-  auto use_row = [&](uint32_t i) {
-    select(rows[i].sequence);
-    x = bx + i * bs_e;
-    xn = bxn + i * bs_e;
-    d_weights = bw + i * bs_w;
-    gu = bgu + i * bs_gu;
-    h = bh + i * bs_h;
-    eo = beo + i * bs_eo;
-  };
   auto forward = [&]() -> Status {
     uint32_t last = 0;
     for (uint32_t i = 0; i < n; ++i) {
@@ -1530,9 +1608,13 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
     planner.begin_token();  // one step: each (layer, expert) hinted once for all the rows
     for (uint32_t layer = 0; layer < p.n_layer; ++layer) {
       if (!source.set_cursor(last, layer)) ++stats.hint_errors;
+      if (host_routed(p)) {
+        EXPERTD_TRY(batch_host_layer(layer, rows));
+        continue;
+      }
       brec.clear();
       for (uint32_t i = 0; i < n; ++i) {
-        use_row(i);
+        use_row(i, rows[i].sequence);
         EXPERTD_TRY(attention(layer));
         EXPERTD_TRY(route_and_hint(layer));
         std::copy(selected.begin(), selected.end(), bsel.begin() + uint64_t{i} * k);
@@ -1578,52 +1660,85 @@ Status GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::span<f
   experts->measure_tiers();
   for (const BatchRow& r : rows) ++seq_pos[r.sequence];
   pos = seq_pos[seq];
-  stats.tokens += n;
-  stats.batch_rows += n;
-  ++stats.batch_steps;
-  stats.decode_ns += monotonic_ns() - t0;
+  count_batch_step(stats, n, t0);
   return Ok{};
+}
+
+Status GpuEngine::Impl::batch_host_layer(uint32_t layer, std::span<const BatchRow> rows) {
+  const uint32_t n = static_cast<uint32_t>(rows.size());
+  const uint32_t k = p.n_expert_used;
+  const bool dense = p.dense_layer(layer);
+  // Each row's attention and router logits, as decode()'s host_route computes them (its logits
+  // into its own pinned rows: rlogits and pxn are reused row after row, in stream order), then
+  // one sync for all the rows: where the previous layer's holds go back.
+  bool copied = false;
+  for (uint32_t i = 0; i < n; ++i) {
+    use_row(i, rows[i].sequence);
+    EXPERTD_TRY(attention(layer));
+    EXPERTD_TRY(host_logits(layer, h_brl + i * bs_rl, &copied));
+  }
+  if (copied) EXPERTD_TRY(experts->sync_compute());
+  // Every row's lookahead candidates, once each, scored by all the rows (HintPlanner): one
+  // message to the daemon, as the Softmax step sends them.
+  planner.from_layer(layer);
+  for (uint32_t i = 0; i < n; ++i) {
+    router.add_lookahead(seq_pos[rows[i].sequence], layer, h_brl + i * bs_rl, p.n_expert, planner);
+  }
+  const std::span<const ExpertHint> hints = planner.take(stats);
+  bhints.assign(hints.begin(), hints.end());
+  if (!hints.empty() && !experts->hint_source().prefetch(hints)) ++stats.hint_errors;
+  if (dense) {
+    // glm4moe's leading dense layers: routes nothing (this closes the layer's hints), then each
+    // row's MLP as decode() runs it.
+    planner.routed(layer, {}, stats, nullptr);
+    for (uint32_t i = 0; i < n; ++i) {
+      use_row(i, rows[i].sequence);
+      EXPERTD_TRY(host_ffn(layer));
+    }
+  } else {
+    // Each row's routing decision (logged and counted as decode()'s), its weights to the device.
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t at = seq_pos[rows[i].sequence];
+      router.decide(at, layer, h_brl + i * bs_rl, planner, stats, routing_log);
+      for (uint32_t j = 0; j < k; ++j) {
+        const uint32_t ex = router.selected[j];
+        if (ex >= p.n_expert) {
+          return make_error(EIO, fmt::format("layer {} position {}: routed to expert {} of {}",
+                                             layer, at, ex, p.n_expert));
+        }
+        bsel[uint64_t{i} * k + j] = ex;
+      }
+      EXPERTD_TRY(weights_to_device(h_bw + uint64_t{i} * k, bw + i * bs_w));
+    }
+    // The step's distinct experts, each acquired once, applied to every row routing to it with
+    // decode()'s kernels (run_uses); then each row's sum as decode() makes it.
+    EXPERTD_TRY(batch_moe(layer, n));
+    for (uint32_t i = 0; i < n; ++i) {
+      use_row(i, rows[i].sequence);
+      EXPERTD_TRY(host_combine(layer));
+    }
+  }
+  return experts->prefetch(layer, opts.prefetch_depth, p.n_layer, bhints);
 }
 
 Status GpuEngine::Impl::batch_moe(uint32_t layer, uint32_t rows) {
   const uint32_t k = p.n_expert_used;
   const uint64_t ff = p.n_ff_exp;
-  // The distinct experts of the step, ascending; each acquired once, top-k at a time (what a
-  // daemon cache sized for decode holds, as prefill takes them), and applied to every row that
-  // routes to it with decode()'s kernels.
-  std::fill(bgroup_of.begin(), bgroup_of.end(), UINT32_MAX);
-  needed.clear();
-  for (uint64_t j = 0; j < uint64_t{rows} * k; ++j) bgroup_of[bsel[j]] = 0;
-  for (uint32_t ex = 0; ex < p.n_expert; ++ex) {
-    if (bgroup_of[ex] == UINT32_MAX) continue;
-    bgroup_of[ex] = static_cast<uint32_t>(needed.size());
-    needed.push_back(ex);
-  }
-  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
-    const uint32_t count = static_cast<uint32_t>(std::min<size_t>(k, needed.size() - g0));
-    uint64_t waited = 0;
-    EXPERTD_TRY(experts->acquire(layer, std::span<const uint32_t>(needed.data() + g0, count), ptrs,
-                                 &waited));
-    uses.clear();
-    for (uint32_t i = 0; i < rows; ++i) {
-      for (uint32_t j = 0; j < k; ++j) {
-        const uint32_t g = bgroup_of[bsel[uint64_t{i} * k + j]];
-        if (g < g0 || g >= g0 + count) continue;
-        float* gu_i = bgu + i * bs_gu;
-        uses.push_back(ExpertUse{ptrs[g - g0], bxn + i * bs_e, gu_i + j * ff, gu_i + (k + j) * ff,
-                                 bh + i * bs_h + j * ff, beo + i * bs_eo + uint64_t{j} * p.n_embd});
-      }
-    }
-    EXPERTD_TRY(run_uses(layer, uses));
-    EXPERTD_TRY(experts->finish_layer());
-    if (g0 + k < needed.size()) {
-      EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
-      EXPERTD_TRY(experts->release_demand_holds());
-    }
-  }
-  stats.experts_used += uint64_t{rows} * k;
-  stats.batch_experts += needed.size();
-  return Ok{};
+  // Each distinct expert of the step acquired once (gpu::StepExperts) and applied to every row
+  // that routes to it with decode()'s kernels.
+  return step_experts.run(
+      *experts, layer, std::span<const uint32_t>(bsel.data(), uint64_t{rows} * k), k, ptrs, stats,
+      [&](std::span<const uint32_t> group, std::span<const gpu::StepUse> list) {
+        uses.clear();
+        for (const gpu::StepUse& u : list) {
+          float* gu_i = bgu + u.row * bs_gu;
+          uses.push_back(ExpertUse{ptrs[u.expert], bxn + u.row * bs_e, gu_i + u.slot * ff,
+                                   gu_i + (k + u.slot) * ff, bh + u.row * bs_h + u.slot * ff,
+                                   beo + u.row * bs_eo + uint64_t{u.slot} * p.n_embd,
+                                   group[u.expert]});
+        }
+        return run_uses(layer, uses);
+      });
 }
 
 // --- GpuEngine ---------------------------------------------------------------------------------
@@ -1701,7 +1816,7 @@ Status GpuEngine::decode(uint32_t token, std::span<float> logits) {
     EXPERTD_TRY(m.attention(layer));
     if (host_routed(p)) {
       EXPERTD_TRY(m.host_route(layer));
-      EXPERTD_TRY(p.act == ExpertAct::ClampedSwiglu ? m.gptoss_ffn(layer) : m.glm_ffn(layer));
+      EXPERTD_TRY(m.host_ffn(layer));
     } else {
       EXPERTD_TRY(m.route_and_hint(layer));
       EXPERTD_TRY(m.moe(layer));
@@ -1741,10 +1856,9 @@ Status GpuEngine::select_sequence(uint32_t sequence) {
 
 Status GpuEngine::decode_batch(std::span<const BatchRow> rows, std::span<float> logits) {
   EXPERTD_TRY(check_batch(*this, rows, logits.size()));
-  // glm4moe and gpt-oss (host routing, shared experts, biases): decode() of each row in turn,
-  // whose reads the next rows find cached.
-  // An engine of one sequence has no rows' buffers: decode() is its step.
-  if (host_routed(impl_->p) || impl_->bx == nullptr) return Engine::decode_batch(rows, logits);
+  // An engine of one sequence has no rows' buffers: decode() is its step. Otherwise every family
+  // runs the rows layer by layer, each distinct (layer, expert) of the step acquired once.
+  if (impl_->bx == nullptr) return Engine::decode_batch(rows, logits);
   return impl_->decode_batch(rows, logits);
 }
 

@@ -6,14 +6,15 @@
 // glm4moe: the q/k/v biases are added after the fused q/k/v GEMV; the q/k norms and the NEOX RoPE
 // (on the first n_rot dimensions of each head) are the qwen3moe kernels. Its FFN half is
 // Ds3GpuEngine's (DeepSeek-V3's MoE block, engine/gpu_experts.h): dense MLPs and the shared expert
-// in their GGUF encoding (run_mlp), routed experts through run_experts, and the routing on the
-// host with the CPU engine's ds3_route / ds3_hint_probs after one copy of the router logits per
-// layer. Its prefill() is decode() of each token (Engine's default).
+// in their GGUF encoding (run_mlp), routed experts with run_experts' kernels, and the routing on
+// the host with the CPU engine's ds3_route / ds3_hint_probs after one copy of the router logits
+// per layer. Its prefill() runs layer by layer over each chunk, the experts grouped by expert.
 //
 // gpt-oss: the q/k/v biases as glm4moe's, the output bias after the Wo GEMV, YaRN's frequencies
 // (kernels::rope_neox_freqs), the sliding window and sinks in the decode attention kernel, the
 // router bias, the routing on the host (gpu::HostRouter: the softmax over the top-k logits), the
-// experts' biases and clamped SwiGLU in run_experts (gpu::OaiExperts). Prefill as glm4moe's.
+// experts' biases and clamped SwiGLU as run_experts applies them (gpu::OaiExperts). Prefill as
+// glm4moe's.
 //
 // Experts: the source's host memory (the daemon's arena mapping) is cudaHostRegister'ed once,
 // read-only and mapped. With a VRAM tier (GpuOptions::tier != InPlace) the engine keeps its own
@@ -100,11 +101,13 @@ class GpuEngine final : public Engine {
   bool truncate(uint32_t n) override;
   uint32_t position() const override;
   // Sequences (EngineOptions::sequences, at most kMaxSequences): a KV cache of max_context
-  // positions each. decode_batch() with a Softmax router (qwen3moe, Mixtral) runs every row layer
-  // by layer: each row's attention and routing as decode() computes them, then each distinct
-  // (layer, expert) of the step acquired once and applied to every row routing to it, with
-  // decode()'s kernels, so a row's logits are those of the sequence decoded alone, to the bit.
-  // glm4moe and gpt-oss decode the rows in turn (Engine's default).
+  // positions each. decode_batch() runs every row layer by layer: each row's attention and
+  // routing as decode() computes them (glm4moe's and gpt-oss's on the host, glm4moe's leading
+  // dense layers' MLP per row), every row's lookahead hints of the layer in one message, then each
+  // distinct (layer, expert) of the step acquired once, top-k at a time, and applied to every row
+  // routing to it with decode()'s kernels (gpt-oss's expert biases and clamped SwiGLU; glm4moe's
+  // shared expert per row), so a row's logits are those of the sequence decoded alone, to the bit.
+  // An engine of one sequence decodes the rows in turn (Engine's default).
   static constexpr uint32_t kMaxSequences = 64;
   uint32_t sequences() const override;
   Status select_sequence(uint32_t sequence) override;

@@ -1086,4 +1086,52 @@ std::string GpuExperts::description() const {
                      gpu_.coordinate ? ", coordinated with the daemon" : "", filled);
 }
 
+void StepExperts::reserve(uint32_t n_expert, uint64_t slots) {
+  group_of_.resize(n_expert);
+  needed_.reserve(n_expert);
+  uses_.reserve(slots);
+}
+
+Status StepExperts::run(
+    GpuExperts& experts, uint32_t layer, std::span<const uint32_t> routes, uint32_t k,
+    std::span<ExpertPtrs> ptrs, EngineStats& stats,
+    const std::function<Status(std::span<const uint32_t> group, std::span<const StepUse> uses)>&
+        apply,
+    const std::function<void(std::span<const uint32_t> group)>& before_acquire,
+    const std::function<void(std::span<const uint32_t> group, uint64_t waited)>& acquired) {
+  const auto n_expert = static_cast<uint32_t>(group_of_.size());
+  std::fill(group_of_.begin(), group_of_.end(), UINT32_MAX);
+  needed_.clear();
+  for (const uint32_t ex : routes) group_of_[ex] = 0;
+  for (uint32_t ex = 0; ex < n_expert; ++ex) {
+    if (group_of_[ex] == UINT32_MAX) continue;
+    group_of_[ex] = static_cast<uint32_t>(needed_.size());
+    needed_.push_back(ex);
+  }
+  const auto rows = static_cast<uint32_t>(routes.size() / k);
+  for (size_t g0 = 0; g0 < needed_.size(); g0 += k) {
+    const auto count = static_cast<uint32_t>(std::min<size_t>(k, needed_.size() - g0));
+    const std::span<const uint32_t> group(needed_.data() + g0, count);
+    if (before_acquire) before_acquire(group);
+    uint64_t waited = 0;
+    EXPERTD_TRY(experts.acquire(layer, group, ptrs.first(count), &waited));
+    if (acquired) acquired(group, waited);
+    uses_.clear();
+    for (uint32_t i = 0; i < rows; ++i) {
+      for (uint32_t j = 0; j < k; ++j) {
+        const uint32_t g = group_of_[routes[uint64_t{i} * k + j]];
+        if (g < g0 || g >= g0 + count) continue;
+        uses_.push_back(StepUse{static_cast<uint32_t>(g - g0), i, j});
+      }
+    }
+    EXPERTD_TRY(apply(group, uses_));
+    EXPERTD_TRY(experts.finish_layer());
+    // The next group's acquire may need this one's slots and holds back.
+    if (g0 + k < needed_.size()) EXPERTD_TRY(experts.sync_compute());
+  }
+  stats.experts_used += uint64_t{rows} * k;
+  stats.batch_experts += needed_.size();
+  return Ok{};
+}
+
 }  // namespace expertd::engine::gpu

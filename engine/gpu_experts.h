@@ -187,14 +187,11 @@ struct HostRouter {
   std::vector<uint32_t> selected;            // the layer's experts (k)
   std::vector<float> weights;                // and their weights
   std::vector<ExpertHint> last_hints;        // route()'s hints, for GpuExperts::prefetch
-
- private:
   // The planner's candidates for layers layer+1..layer+depth from one position's lookahead
-  // logits (layer + j's at logits + j * ahead), or the script's.
+  // logits (layer + j's at logits + j * ahead), or the script's; not sent (route() sends them;
+  // a batched decode step adds every row's, then sends them as one message).
   void add_lookahead(uint32_t pos, uint32_t layer, const float* logits, uint64_t ahead,
                      HintPlanner& planner);
-
- public:
   std::vector<double> probs, sel;  // n_expert scratch
   std::vector<uint32_t> order;
 };
@@ -538,5 +535,36 @@ uint64_t dense_rows_tile(const DevMat& m, uint64_t cap);
 // chunk's attention projections as dense_rows GEMMs from this many rows; fewer run decode()'s
 // attention row by row. Dequantising a matrix for a GEMM costs about what eight rows' matvecs read.
 inline constexpr uint32_t kDenseGemmRows = 8;
+
+// The routed experts of one layer of a batched decode step (every CUDA engine's decode_batch):
+// the rows' routes ([rows][k], row by row) grouped by expert, the distinct experts acquired once
+// each, ascending, top-k at a time (what a cache sized for decode holds), and each group's uses
+// handed to the engine, which applies them with decode()'s kernels. A group's holds go back
+// (GpuExperts::sync_compute) before the next group's acquire. Counts experts_used (k per row) and
+// batch_experts (the distinct experts).
+struct StepUse {
+  uint32_t expert;  // index into the group's ExpertPtrs
+  uint32_t row;
+  uint32_t slot;  // the row's route slot (0..k)
+};
+class StepExperts {
+ public:
+  void reserve(uint32_t n_expert, uint64_t slots);
+  // `before_acquire(group)` and `acquired(group, waited ns)`, when set, surround each acquire
+  // (DeepSeek-V4's hash / learned counters); `run(uses)` gets a group's uses, row by row, with
+  // their experts at ptrs[use.expert] (the ids at group[use.expert]). `ptrs` holds at least k.
+  Status run(
+      GpuExperts& experts, uint32_t layer, std::span<const uint32_t> routes, uint32_t k,
+      std::span<ExpertPtrs> ptrs, EngineStats& stats,
+      const std::function<Status(std::span<const uint32_t> group, std::span<const StepUse> uses)>&
+          apply,
+      const std::function<void(std::span<const uint32_t> group)>& before_acquire = {},
+      const std::function<void(std::span<const uint32_t> group, uint64_t waited)>& acquired = {});
+
+ private:
+  std::vector<uint32_t> group_of_;  // [n_expert]: a needed expert's index in needed_
+  std::vector<uint32_t> needed_;
+  std::vector<StepUse> uses_;
+};
 
 }  // namespace expertd::engine::gpu

@@ -1573,16 +1573,18 @@ TEST(FamilyCuda, TheCudaEnginesDoWhatTheRegistrySays) {
 
 // decode_batch() on the CUDA engine (issue 25), as the CPU engine's in family_test.cc: four
 // sequences decoded together give each one's logits as it decoded alone, to the bit, while rows
-// join and leave. qwen3moe and Mixtral run the rows layer by layer and acquire each distinct
-// expert of a step once (fewer acquires than the rows alone), through a VRAM tier of 8 slots that
-// evicts and through the q8_0 kernels; glm4moe and gpt-oss decode the rows in turn.
+// join and leave. Every family runs the rows layer by layer and acquires each distinct expert of a
+// step once (fewer acquires than the rows alone), through a VRAM tier of 8 slots that evicts and
+// through each quantised type's kernels.
 TEST(FamilyCuda, ABatchedStepIsEachSequenceAloneToTheBit) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
   const std::tuple<const char*, const char*, bool> cases[] = {
-      {"qwen3moe-tiny", "q8_0", true}, {"mixtral-tiny", "q8_0", true},
-      {"qwen3moe-tiny", "f32", true},  {"gptoss-tiny", "mxfp4", false},
-      {"glm4moe-tiny", "q8_0", false},
+      {"qwen3moe-tiny", "q8_0", true},   {"mixtral-tiny", "q8_0", true},
+      {"qwen3moe-tiny", "f32", true},    {"gptoss-tiny", "mxfp4", true},
+      {"glm4moe-tiny", "q8_0", true},    {"deepseek3-tiny", "q8_0", true},
+      {"deepseek3-tiny", "f32", true},   {"deepseek4-tiny", "q8_0", true},
+      {"deepseek4-tiny", "mxfp4", true},
   };
   for (const auto& [dir, variant, grouped] : cases) {
     SCOPED_TRACE(fmt::format("{} {}", dir, variant));
