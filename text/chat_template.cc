@@ -1332,6 +1332,22 @@ bool valid_reasoning_effort(std::string_view effort) {
   return effort == "low" || effort == "medium" || effort == "high";
 }
 
+Status read_chat_flags(std::string_view kwargs_json, std::string_view reasoning_effort,
+                       ChatOptions& out) {
+  if (!kwargs_json.empty()) {
+    EXPERTD_TRY(read_chat_template_kwargs(kwargs_json, "--chat-template-kwargs", out));
+  }
+  if (!reasoning_effort.empty()) {
+    if (!out.reasoning_effort.empty() && out.reasoning_effort != reasoning_effort) {
+      return make_error(EINVAL, fmt::format("--reasoning-effort {} and --chat-template-kwargs' "
+                                            "reasoning_effort {} differ",
+                                            reasoning_effort, out.reasoning_effort));
+    }
+    out.reasoning_effort = std::string(reasoning_effort);
+  }
+  return Ok{};
+}
+
 Status read_chat_template_kwargs(std::string_view kwargs_json, std::string_view where,
                                  ChatOptions& out, std::string* param) {
   using json = nlohmann::json;

@@ -86,6 +86,11 @@ struct ChatOptions {
 // (null counts as unset); `param`, when given, is set to the field at fault ("" for the object).
 Status read_chat_template_kwargs(std::string_view kwargs_json, std::string_view where,
                                  ChatOptions& out, std::string* param = nullptr);
+// The command-line switches of expert-run and expert-serve: --chat-template-kwargs (JSON, read as
+// above; empty: none) and --reasoning-effort (empty: none) into `out`. Errors name the flag; both
+// giving a reasoning effort must agree.
+Status read_chat_flags(std::string_view kwargs_json, std::string_view reasoning_effort,
+                       ChatOptions& out);
 // The reasoning_effort values the templates are given (OpenAI's): "low", "medium", "high".
 bool valid_reasoning_effort(std::string_view effort);
 inline constexpr const char* kReasoningEfforts = "low, medium, high";

@@ -343,19 +343,9 @@ int run(Options o) {
                       "need --chat"});
   }
   ChatOptions chat_options;
-  if (!o.chat_template_kwargs.empty()) {
-    auto read =
-        read_chat_template_kwargs(o.chat_template_kwargs, "--chat-template-kwargs", chat_options);
-    if (!read) return fail(read.error());
-  }
-  if (!o.reasoning_effort.empty()) {
-    if (!chat_options.reasoning_effort.empty() &&
-        chat_options.reasoning_effort != o.reasoning_effort) {
-      return fail(Error{EINVAL, fmt::format("--reasoning-effort {} and --chat-template-kwargs' "
-                                            "reasoning_effort {} differ",
-                                            o.reasoning_effort, chat_options.reasoning_effort)});
-    }
-    chat_options.reasoning_effort = o.reasoning_effort;
+  if (auto read = read_chat_flags(o.chat_template_kwargs, o.reasoning_effort, chat_options);
+      !read) {
+    return fail(read.error());
   }
   // --chat: how the answer carries reasoning (set once the prompt is rendered).
   ReasoningSyntax reasoning = ReasoningSyntax::kNone;

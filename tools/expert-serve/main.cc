@@ -1788,20 +1788,10 @@ int main(int argc, char** argv) {
         "weights come from the files expertd passes");
   }
   o.model = o.models.front();
-  if (!o.chat_template_kwargs.empty()) {
-    const expertd::Status read = read_chat_template_kwargs(
-        o.chat_template_kwargs, "--chat-template-kwargs", o.chat_defaults);
-    if (!read) return fail(read.error().message);
-  }
-  if (!o.reasoning_effort.empty()) {
-    if (!o.chat_defaults.reasoning_effort.empty() &&
-        o.chat_defaults.reasoning_effort != o.reasoning_effort) {
-      return fail(
-          fmt::format("--reasoning-effort {} and --chat-template-kwargs' reasoning_effort "
-                      "{} differ",
-                      o.reasoning_effort, o.chat_defaults.reasoning_effort));
-    }
-    o.chat_defaults.reasoning_effort = o.reasoning_effort;
+  if (const expertd::Status read =
+          read_chat_flags(o.chat_template_kwargs, o.reasoning_effort, o.chat_defaults);
+      !read) {
+    return fail(read.error().message);
   }
   return run(o);
 }
