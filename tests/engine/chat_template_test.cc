@@ -214,6 +214,29 @@ TEST(ChatTemplate, ChatTemplateKwargsAreReadStrictlyNamingTheField) {
   EXPECT_EQ(bad.error().message, "--chat-template-kwargs: not JSON: '{nope'");
 }
 
+// The two tools' flags (expert-run --chat, expert-serve's defaults): both empty change nothing;
+// --reasoning-effort sets what the kwargs leave unset, agrees with them or is refused naming both.
+TEST(ChatTemplate, ChatFlagsJoinTheKwargsAndTheReasoningEffort) {
+  ChatOptions o;
+  ASSERT_TRUE(read_chat_flags("", "", o));
+  EXPECT_EQ(o.reasoning_effort, "");
+  ASSERT_TRUE(read_chat_flags(R"({"enable_thinking": false})", "high", o));
+  EXPECT_EQ(o.enable_thinking, false);
+  EXPECT_EQ(o.reasoning_effort, "high");
+  ChatOptions same;
+  ASSERT_TRUE(read_chat_flags(R"({"reasoning_effort": "low"})", "low", same));
+  EXPECT_EQ(same.reasoning_effort, "low");
+  ChatOptions differ;
+  const Status bad = read_chat_flags(R"({"reasoning_effort": "low"})", "high", differ);
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.error().message,
+            "--reasoning-effort high and --chat-template-kwargs' reasoning_effort low differ");
+  ChatOptions broken;
+  const Status not_json = read_chat_flags("{nope", "", broken);
+  ASSERT_FALSE(not_json);
+  EXPECT_EQ(not_json.error().message, "--chat-template-kwargs: not JSON: '{nope'");
+}
+
 TEST(ChatTemplate, UnknownTemplateIsRefusedNamingItsFirstLine) {
   auto t = ChatTemplate::from_text(
       "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
