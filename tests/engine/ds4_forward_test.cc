@@ -271,6 +271,91 @@ TEST(Ds4Forward, TruncateToAnyPositionGivesTheLogitsOfAFreshRun) {
   }
 }
 
+// The same cuts on sequence 0 of an engine of two, while sequence 1 (other ids) decodes between
+// them through decode_batch(): each sequence keeps its own checkpoints, window and compressors, so
+// sequence 0's cuts feed the same positions again as alone and give a fresh run's logits, and
+// sequence 1's logits stay its own run's throughout.
+TEST(Ds4Forward, TruncateOneSequenceLeavesTheOtherAlone) {
+  auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  constexpr uint32_t kTokens = test::kDs4CutTokens;
+  constexpr uint32_t kPrompt = test::kDs4CutPrompt;
+  std::vector<uint32_t> ids(kTokens), other(kTokens);
+  for (uint32_t i = 0; i < kTokens; ++i) {
+    ids[i] = (i * 37 + 11) % vocab;
+    other[i] = (i * 53 + 5) % vocab;
+  }
+  EngineOptions o{kTokens + 8, 1, 0};
+  o.prefill_chunk = test::kDs4CutChunk;
+  auto reference = [&](const std::vector<uint32_t>& stream) {
+    auto src = FileExpertSource::open(*model);
+    EXPECT_TRUE(src);
+    auto ref = create_cpu_engine(*model, **src, o);
+    EXPECT_TRUE(ref);
+    std::vector<std::vector<float>> want(kTokens, std::vector<float>(vocab));
+    for (uint32_t t = 0; t < kTokens; ++t) EXPECT_TRUE((*ref)->decode(stream[t], want[t]));
+    return want;
+  };
+  const std::vector<std::vector<float>> want = reference(ids);
+  const std::vector<std::vector<float>> want_other = reference(other);
+
+  auto source = FileExpertSource::open(*model);
+  ASSERT_TRUE(source);
+  EngineOptions two = o;
+  two.sequences = 2;
+  auto made = Ds4CpuEngine::create(*model, **source, two);
+  ASSERT_TRUE(made) << made.error().message;
+  Ds4CpuEngine& eng = **made;
+  std::vector<float> logits(vocab);
+  ASSERT_TRUE(eng.select_sequence(1));
+  ASSERT_TRUE(eng.prefill(std::span<const uint32_t>(other.data(), 4), logits));
+  EXPECT_EQ(logits, want_other[3]);
+  uint32_t next_other = 4;
+  ASSERT_TRUE(eng.select_sequence(0));
+  ASSERT_TRUE(eng.prefill(std::span<const uint32_t>(ids.data(), kPrompt), logits));
+  EXPECT_EQ(logits, want[kPrompt - 1]);
+  std::vector<float> both(2 * uint64_t{vocab});
+  // Sequence 0 decodes to the first cut, sequence 1 beside it while it has ids.
+  for (uint32_t t = kPrompt; t < test::kDs4CutDecoded; ++t) {
+    if (next_other < kTokens / 2) {
+      const BatchRow rows[] = {{0, ids[t]}, {1, other[next_other]}};
+      ASSERT_TRUE(eng.decode_batch(rows, both));
+      EXPECT_TRUE(std::equal(both.begin(), both.begin() + vocab, want[t].begin())) << t;
+      EXPECT_TRUE(std::equal(both.begin() + vocab, both.end(), want_other[next_other].begin()))
+          << next_other;
+      ++next_other;
+    } else {
+      ASSERT_TRUE(eng.decode(ids[t], logits));
+    }
+  }
+  ASSERT_EQ(eng.position(), test::kDs4CutDecoded);
+  for (const test::Ds4Cut& c : test::kDs4Cuts) {
+    const uint64_t before = eng.refed_positions();
+    ASSERT_TRUE(eng.truncate(c.n)) << c.n;
+    EXPECT_EQ(eng.position(), c.n);
+    EXPECT_EQ(eng.refed_positions() - before, c.refed) << "n " << c.n;
+    for (uint32_t t = c.n; t < c.n + 3; ++t) {
+      // Sequence 1 takes a step with each of sequence 0's while it has ids left.
+      if (next_other < kTokens) {
+        const BatchRow rows[] = {{0, ids[t]}, {1, other[next_other]}};
+        ASSERT_TRUE(eng.decode_batch(rows, both));
+        EXPECT_TRUE(std::equal(both.begin(), both.begin() + vocab, want[t].begin()))
+            << "cut at " << c.n << ", position " << t;
+        EXPECT_TRUE(std::equal(both.begin() + vocab, both.end(), want_other[next_other].begin()))
+            << "sequence 1 at " << next_other;
+        ++next_other;
+      } else {
+        ASSERT_TRUE(eng.decode(ids[t], logits));
+        EXPECT_EQ(logits, want[t]) << "cut at " << c.n << ", position " << t;
+      }
+    }
+  }
+  EXPECT_EQ(eng.selected_sequence(), 0u);
+  ASSERT_TRUE(eng.select_sequence(1));
+  EXPECT_EQ(eng.position(), next_other);
+}
+
 // --- Malformed files: a copy of the fixture with one thing changed must fail to load with an
 // error that names the tensor or key.
 
