@@ -29,8 +29,8 @@
 // Each row's logits are those of its sequence decoded alone, to the bit, while a step reads each
 // expert once for all its rows. An engine of one sequence decodes the rows in turn.
 //
-// decode() and decode_batch() allocate nothing unless a routing log is attached. Not
-// thread-safe.
+// decode() allocates nothing unless a routing log is attached (decode_batch() allocates only
+// its checks' small vectors). Not thread-safe.
 #pragma once
 
 #include <memory>

@@ -725,7 +725,6 @@ Status Ds4CpuEngine::forward_rows(std::span<const uint32_t> tokens, uint32_t las
   const uint64_t e = p_.n_embd;
   const uint64_t se = hc * e;  // one position's streams
   const uint32_t k = p_.n_expert_used;
-  const size_t logged = routing_log_ != nullptr ? routing_log_->size() : 0;
   // The pass is one pass over the layers (see CpuEngine::prefill_chunk): the cursor names its
   // last position and starts before layer 0, so the hints below target this pass.
   planner_.begin_token();
@@ -752,7 +751,8 @@ Status Ds4CpuEngine::forward_rows(std::span<const uint32_t> tokens, uint32_t las
                       stats_);
     }
     // Row by row: the attention's running state (window, compressors) advances one position at
-    // a time, in each row's own sequence.
+    // a time, in each row's own sequence. This layer's routing records start at layer_first.
+    const size_t layer_first = routing_log_ != nullptr ? routing_log_->size() : 0;
     for (uint32_t i = 0; i < n; ++i) {
       at_row(i);
       std::copy_n(cstreams_.data() + i * se, se, streams_.data());
@@ -773,7 +773,7 @@ Status Ds4CpuEngine::forward_rows(std::span<const uint32_t> tokens, uint32_t las
     flush_hints();
     groups_.build(std::span<const uint32_t>(csel_.data(), uint64_t{n} * k));
     if (layer >= d_.hash_layers) {
-      routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, logged);
+      routed_chunk(planner_, layer, groups_.needed(), stats_, routing_log_, layer_first);
     }
     EXPERTD_TRY(prefill_moe(layer, n, last));
     // Each position's MoE output (in out_) goes into its streams with its own post and comb.

@@ -1150,11 +1150,13 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     EXPERTD_TRY(experts->release_demand_holds());
     EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
     EXPERTD_TRY(experts->account_copy_time());
+    // This layer's records start here: the chunk's predictions go to them, not to earlier layers'.
+    const size_t layer_first = routing_log != nullptr ? routing_log->size() : 0;
     chunk_route(layer, tokens);
     ExpertGroups& groups = rows_scratch.groups;
     groups.build(std::span<const uint32_t>(csel.data(), uint64_t{n} * p.n_expert_used));
     if (layer >= d.hash_layers) {
-      routed_chunk(planner, layer, groups.needed(), stats, routing_log, logged);
+      routed_chunk(planner, layer, groups.needed(), stats, routing_log, layer_first);
     }
     EXPERTD_TRY(prefill_moe(layer, n));
     // Each position's MoE output goes into its streams with its own post and comb.
@@ -1335,7 +1337,8 @@ Status Ds4GpuEngine::Impl::batch_moe(uint32_t layer, uint32_t rows) {
   const bool hash = layer < d.hash_layers;
   // Each distinct expert of the step acquired once (gpu::StepExperts) and applied to every row
   // that routes to it with decode()'s kernels (run_uses, k uses a launch as decode()'s), into the
-  // row's eo at the route slot's place; the hash / learned counters as decode() keeps them.
+  // row's eo at the route slot's place; the hash / learned counters count the step's acquires
+  // (distinct experts), as prefill's do.
   return step_experts.run(
       *experts, layer, std::span<const uint32_t>(bsel.data(), uint64_t{rows} * k), k, ptrs, stats,
       [&](std::span<const uint32_t>, std::span<const gpu::StepUse> list) -> Status {
@@ -1450,11 +1453,15 @@ Status Ds4GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::spa
   cur = &seqs[seq];
   if (!done) return done;
   experts->measure_tiers();
-  // Each row's sequence moves on, with decode()'s checkpoints.
+  // Every row's sequence moves on, then decode()'s checkpoints are saved (a failed save leaves
+  // no row behind the device state it already holds).
+  for (uint32_t i = 0; i < n; ++i) {
+    Seq& s = seqs[rows[i].sequence];
+    s.fed[s.pos] = rows[i].token;
+    ++s.pos;
+  }
   for (uint32_t i = 0; i < n && done; ++i) {
     cur = &seqs[rows[i].sequence];
-    cur->fed[cur->pos] = rows[i].token;
-    ++cur->pos;
     if (cur->pos % kCheckpointEvery == 0) done = save_checkpoint();
   }
   cur = &seqs[seq];

@@ -48,8 +48,8 @@
 // its sequence's decode() alone, to the bit. The hash layers' experts of all the rows' tokens are
 // hinted once per step, the learned layers' lookahead for all the rows in one message per layer.
 //
-// decode(), prefill(), truncate() and decode_batch() allocate nothing unless a routing log is
-// attached. Not thread-safe.
+// decode(), prefill() and truncate() allocate nothing unless a routing log is attached
+// (decode_batch() allocates only its checks' small vectors). Not thread-safe.
 #pragma once
 
 #include <memory>

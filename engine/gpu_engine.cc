@@ -269,6 +269,7 @@ struct GpuEngine::Impl {
   float* bgu = nullptr;
   float* bh = nullptr;
   float* beo = nullptr;
+  float* bpad = nullptr;  // run_uses: a partial launch's filler outputs ([2k][ff] + [k][n_embd])
   float* d_blogits = nullptr;  // [sequences][n_vocab]
   float* h_blogits = nullptr;
   // glm4moe and gpt-oss (host routing): each row's router logits copied back (as h_probs, rows
@@ -774,39 +775,42 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
 }
 
 Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list) {
-  // gate and up of every use, SwiGLU, down. Each use's result depends only on its own inputs, and
-  // the kernels are chosen by the layer's shape and top-k alone, so decode() (one row's k uses)
-  // and decode_batch() (every row's) compute a row's experts to the same bits.
-  // glm4moe and gpt-oss: the launches gpu::run_experts makes for one row's k experts (its
-  // unclamped ds4_swiglu, or gpt-oss's biases and clamped SwiGLU), at most k uses per launch so
-  // that no launch has more jobs than decode()'s (matvec_batched plans its split by the jobs).
+  // gate and up of every use, SwiGLU, down. Each use's result depends only on its own weights and
+  // input, and on the launch's shape: matvec_batched plans a split-K launch by the jobs in it
+  // (kernels/matvec_quant.cu: too many rows per CTA take the plain kernel, which sums a row in
+  // another order). So every launch has decode()'s shape -- k uses, gate and up together as 2k
+  // jobs, down as k -- a last, partial one filled with repeats of its first use that write into
+  // bpad: decode() (one row's k uses) and decode_batch() (every row's) compute a row's experts to
+  // the same bits. glm4moe and gpt-oss: the launches gpu::run_experts makes for one row's k
+  // experts (its unclamped ds4_swiglu, or gpt-oss's biases and clamped SwiGLU).
   const GpuExperts::LayerShape& sh = experts->shape(layer);
   if (!sh.present) return make_error(EINVAL, fmt::format("layer {} has no routed experts", layer));
   const cudaStream_t st = compute.get();
   const DevLayer& l = layers[layer];
   const uint32_t ff = p.n_ff_exp;
   const uint32_t e = p.n_embd;
-  const uint32_t per = kernels::kMaxBatch;
+  const uint32_t k = p.n_expert_used;
   const uint32_t n = static_cast<uint32_t>(list.size());
   const bool host = host_routed(p);
   const bool oai = p.act == ExpertAct::ClampedSwiglu;
-  // Uses per gate + up launch and per down launch.
-  const uint32_t per_gu = host ? p.n_expert_used : per / 2;
-  const uint32_t per_down = host ? p.n_expert_used : per;
+  if (n % k != 0 && bpad == nullptr) {
+    return make_error(
+        EINVAL, fmt::format("layer {}: {} expert uses, not whole launches of {}", layer, n, k));
+  }
   if (sh.gate.type == sh.up.type && sh.gate.row_bytes == sh.up.row_bytes &&
-      2 * p.n_expert_used <= per) {
-    for (uint32_t first = 0; first < n; first += per_gu) {
+      2 * k <= kernels::kMaxBatch) {
+    for (uint32_t first = 0; first < n; first += k) {
       kernels::MatvecBatch b;
-      const uint32_t count = std::min(per_gu, n - first);
-      b.count = 2 * count;
-      for (uint32_t j = 0; j < count; ++j) {
-        const ExpertUse& u = list[first + j];
+      const uint32_t real = std::min(k, n - first);
+      b.count = 2 * k;
+      for (uint32_t j = 0; j < k; ++j) {
+        const ExpertUse& u = list[first + (j < real ? j : 0)];
         b.w[j] = u.w.gate;
         b.x[j] = u.x;
-        b.y[j] = u.gate;
-        b.w[count + j] = u.w.up;
-        b.x[count + j] = u.x;
-        b.y[count + j] = u.up;
+        b.y[j] = j < real ? u.gate : bpad + uint64_t{j} * ff;
+        b.w[k + j] = u.w.up;
+        b.x[k + j] = u.x;
+        b.y[k + j] = j < real ? u.up : bpad + uint64_t{k + j} * ff;
       }
       EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.gate.type, b, sh.gate.row_bytes, ff, e, st));
     }
@@ -843,11 +847,12 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
   } else if (!fuse) {
     for (const ExpertUse& u : list) EXPERTD_CUDA_TRY(kernels::swiglu(u.gate, u.up, u.h, ff, st));
   }
-  for (uint32_t first = 0; first < n; first += per_down) {
+  for (uint32_t first = 0; first < n; first += k) {
     kernels::MatvecBatch b;
-    b.count = std::min(per_down, n - first);
-    for (uint32_t j = 0; j < b.count; ++j) {
-      const ExpertUse& u = list[first + j];
+    const uint32_t real = std::min(k, n - first);
+    b.count = k;
+    for (uint32_t j = 0; j < k; ++j) {
+      const ExpertUse& u = list[first + (j < real ? j : 0)];
       b.w[j] = u.w.down;
       if (fuse) {
         b.x[j] = u.gate;
@@ -855,7 +860,7 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
       } else {
         b.x[j] = u.h;
       }
-      b.y[j] = u.out;
+      b.y[j] = j < real ? u.out : bpad + 2 * uint64_t{k} * ff + uint64_t{j} * e;
     }
     EXPERTD_CUDA_TRY(kernels::matvec_batched(sh.down.type, b, sh.down.row_bytes, e, ff, st));
   }
@@ -1544,7 +1549,8 @@ Status GpuEngine::Impl::init_batch() {
   bs_h = align_up(k * ff, 64);
   bs_eo = align_up(k * p.n_embd, 64);
   const uint64_t vocab = align_up(p.n_vocab, 64);
-  const uint64_t floats = S * (2 * bs_e + bs_w + bs_gu + bs_h + bs_eo + vocab);
+  // The rows' buffers, and bpad: a partial launch's filler outputs (run_uses).
+  const uint64_t floats = S * (2 * bs_e + bs_w + bs_gu + bs_h + bs_eo + vocab) + bs_gu + bs_eo;
   // Host routing: each row's logits as host_logits copies them, and its k routing weights.
   bs_rl = host_routed(p) ? uint64_t{1 + opts.prefetch_depth} * p.n_expert : 0;
   const uint64_t host_floats = S * (p.n_vocab + bs_rl + (host_routed(p) ? k : 0));
@@ -1567,6 +1573,7 @@ Status GpuEngine::Impl::init_batch() {
   bgu = take(S * bs_gu);
   bh = take(S * bs_h);
   beo = take(S * bs_eo);
+  bpad = take(bs_gu + bs_eo);  // 64-float aligned, as the rows' buffers
   d_blogits = take(S * p.n_vocab);
   EXPERTD_TRY_ASSIGN(batch_host, PinnedBytes::alloc(host_floats * 4));
   h_blogits = batch_host.get<float>();

@@ -1129,7 +1129,7 @@ Status StepExperts::run(
     // The next group's acquire may need this one's slots and holds back.
     if (g0 + k < needed_.size()) EXPERTD_TRY(experts.sync_compute());
   }
-  stats.experts_used += uint64_t{rows} * k;
+  stats.experts_used += needed_.size();  // acquired and computed, as a prefill chunk counts them
   stats.batch_experts += needed_.size();
   return Ok{};
 }

@@ -540,8 +540,8 @@ inline constexpr uint32_t kDenseGemmRows = 8;
 // the rows' routes ([rows][k], row by row) grouped by expert, the distinct experts acquired once
 // each, ascending, top-k at a time (what a cache sized for decode holds), and each group's uses
 // handed to the engine, which applies them with decode()'s kernels. A group's holds go back
-// (GpuExperts::sync_compute) before the next group's acquire. Counts experts_used (k per row) and
-// batch_experts (the distinct experts).
+// (GpuExperts::sync_compute) before the next group's acquire. Counts the distinct experts in
+// experts_used (as a prefill chunk and the CPU engines' steps count them) and batch_experts.
 struct StepUse {
   uint32_t expert;  // index into the group's ExpertPtrs
   uint32_t row;

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <functional>
+#include <map>
 #include <set>
 
 #include "engine/cpu_engine.h"
@@ -354,6 +355,65 @@ TEST(Ds4Forward, TruncateOneSequenceLeavesTheOtherAlone) {
   EXPECT_EQ(eng.selected_sequence(), 0u);
   ASSERT_TRUE(eng.select_sequence(1));
   EXPECT_EQ(eng.position(), next_other);
+}
+
+// Records the predicted hints (not exact ones) by layer; everything else passes through.
+class PredictedHints final : public ForwardingSource {
+ public:
+  using ForwardingSource::ForwardingSource;
+  Status prefetch(std::span<const ExpertHint> hints) override {
+    for (const ExpertHint& h : hints) {
+      if (!h.exact) by_layer[h.layer].insert(h.expert);
+    }
+    return inner_.prefetch(hints);
+  }
+  std::map<uint32_t, std::set<uint32_t>> by_layer;
+};
+
+// A prefill chunk's and a batch step's routing records: each record's `predicted` holds the
+// experts predicted for its own layer (the pass's lookahead hints for that layer), not another
+// layer's: the pass logs layer by layer, and each layer's predictions go to that layer's records.
+TEST(Ds4Forward, APassesRoutingRecordsCarryTheirOwnLayersPredictions) {
+  auto model = DenseModel::load(Ds4Fixture::gguf("q8_0"));
+  ASSERT_TRUE(model) << model.error().message;
+  const uint32_t vocab = model->params().n_vocab;
+  auto file_source = FileExpertSource::open(*model);
+  ASSERT_TRUE(file_source);
+  PredictedHints source(**file_source);
+  EngineOptions o{64, 2, 0};
+  o.prefill_chunk = 8;
+  o.sequences = 2;
+  auto made = Ds4CpuEngine::create(*model, source, o);
+  ASSERT_TRUE(made) << made.error().message;
+  Ds4CpuEngine& eng = **made;
+  std::vector<RoutingRecord> log;
+  eng.set_routing_log(&log);
+  std::vector<uint32_t> prompt(8);
+  for (uint32_t i = 0; i < 8; ++i) prompt[i] = (i * 29 + 3) % vocab;
+  std::vector<float> logits(2 * uint64_t{vocab});
+  auto check = [&](const char* what) {
+    uint64_t with_predictions = 0;
+    for (const RoutingRecord& r : log) {
+      std::set<uint32_t> got;
+      for (const auto& [depth, experts] : r.predicted) got.insert(experts.begin(), experts.end());
+      EXPECT_EQ(got, source.by_layer[r.layer])
+          << what << ": position " << r.token << ", layer " << r.layer;
+      with_predictions += !got.empty();
+    }
+    EXPECT_GT(with_predictions, 0u) << what;
+    log.clear();
+    source.by_layer.clear();
+  };
+  ASSERT_TRUE(eng.prefill(prompt, std::span<float>(logits.data(), vocab)));
+  check("prefill");
+  ASSERT_TRUE(eng.select_sequence(1));
+  ASSERT_TRUE(eng.prefill(std::span<const uint32_t>(prompt.data(), 3),
+                          std::span<float>(logits.data(), vocab)));
+  log.clear();
+  source.by_layer.clear();
+  const BatchRow rows[] = {{0, 7}, {1, 11}};
+  ASSERT_TRUE(eng.decode_batch(rows, logits));
+  check("decode_batch");
 }
 
 // --- Malformed files: a copy of the fixture with one thing changed must fail to load with an

@@ -1597,5 +1597,38 @@ TEST(FamilyCuda, ABatchedStepIsEachSequenceAloneToTheBit) {
   }
 }
 
+// The same at the real models' expert shapes (two layers of each, forged): the quantised matvec
+// plans a split-K launch by the jobs in it, and the tiny fixtures' rows are too short for any
+// split, so only real widths show whether the batched step's launches keep decode()'s plan (each
+// launch of k uses, a partial one padded). Mixtral-8x7B (q4_k, 4096 x 14336, top-2), Qwen3-30B-A3B
+// (q4_k, 2048 x 768, 128 experts top-8) and a DeepSeek-V3 layer (q4_k, 7168 x 2048, top-8).
+TEST(FamilyCuda, ABatchedStepIsEachSequenceAloneToTheBitAtRealShapes) {
+  REQUIRE_GPU();
+  TempDir dir;
+  const std::pair<const char*, const char*> shapes[] = {
+      {"mixtral",
+       "--arch mixtral --layers 2 --experts 8 --top-k 2 --embd 4096 --ff 14336 --heads 32 "
+       "--kv-heads 8 --head-dim 128"},
+      {"qwen3",
+       "--arch qwen3moe --layers 2 --experts 128 --top-k 8 --embd 2048 --ff 768 --heads 32 "
+       "--kv-heads 4 --head-dim 128"},
+      {"deepseek3",
+       "--arch deepseek3 --layers 2 --experts 32 --top-k 8 --embd 7168 --ff 2048 --heads 16 "
+       "--kv-heads 1 --head-dim 128 --dense-layers 1"},
+  };
+  for (const auto& [name, shape] : shapes) {
+    SCOPED_TRACE(name);
+    const std::string path = expertd::test::forge(
+        dir.path(), name,
+        fmt::format("{} --vocab 512 --expert-type q4_k --dense-type f16 --seed 5", shape));
+    test::expect_batch_is_each_alone(
+        path, DenseLoad::Deferred,
+        [](const DenseModel& m, ExpertSource& s, const EngineOptions& o) {
+          return create_gpu_engine(m, s, o, tier(GpuOptions::Tier::Experts, 24));
+        },
+        true);
+  }
+}
+
 }  // namespace
 }  // namespace expertd::engine
