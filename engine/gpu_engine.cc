@@ -364,6 +364,9 @@ struct GpuEngine::Impl {
   // experts then weights in d_routes, the first `words` of them copied to h_routes, synchronised.
   Status route_rows(uint32_t layer, uint32_t rows, float* normed, uint64_t words);
   Status moe(uint32_t layer);
+  // decode()'s routed experts of one row: `chosen` (k) acquired and run (run_uses) on xn into gu,
+  // h and eo; the caller combines them and finishes the layer.
+  Status row_experts(uint32_t layer, std::span<const uint32_t> chosen);
   // One routed expert applied to one row: its weights, the row's normalised input, and where its
   // gate, up, SwiGLU and output go; `expert` is its index in the layer (gpt-oss's biases).
   struct ExpertUse {
@@ -871,19 +874,26 @@ Status GpuEngine::Impl::run_uses(uint32_t layer, std::span<const ExpertUse> list
   return Ok{};
 }
 
-Status GpuEngine::Impl::moe(uint32_t layer) {
+Status GpuEngine::Impl::row_experts(uint32_t layer, std::span<const uint32_t> chosen) {
   const uint32_t k = p.n_expert_used;
   uint64_t waited = 0;
-  EXPERTD_TRY(experts->acquire(layer, selected, ptrs, &waited));
+  EXPERTD_TRY(experts->acquire(layer, chosen, ptrs, &waited));
   stats.experts_used += k;
+  // gu [2k][n_ff] (gates, then ups), h [k][n_ff], eo [k][n_embd], as run_experts lays them out.
   const uint64_t ff = p.n_ff_exp;
   uses.resize(k);
   for (uint32_t i = 0; i < k; ++i) {
     uses[i] = ExpertUse{ptrs[i],           xn,         gu + i * ff,
-                        gu + (k + i) * ff, h + i * ff, eo + uint64_t{i} * p.n_embd};
+                        gu + (k + i) * ff, h + i * ff, eo + uint64_t{i} * p.n_embd,
+                        chosen[i]};
   }
-  EXPERTD_TRY(run_uses(layer, uses));
-  EXPERTD_CUDA_TRY(kernels::moe_combine(eo, d_weights, x, k, p.n_embd, compute.get()));
+  return run_uses(layer, uses);
+}
+
+Status GpuEngine::Impl::moe(uint32_t layer) {
+  EXPERTD_TRY(row_experts(layer, selected));
+  EXPERTD_CUDA_TRY(
+      kernels::moe_combine(eo, d_weights, x, p.n_expert_used, p.n_embd, compute.get()));
   return experts->finish_layer();
 }
 
@@ -949,20 +959,8 @@ Status GpuEngine::Impl::host_ffn(uint32_t layer) {
     EXPERTD_CUDA_TRY(kernels::add(x, sout, p.n_embd, st));
     return Ok{};
   }
-  const uint32_t k = p.n_expert_used;
-  const uint64_t ff = p.n_ff_exp;
-  const std::span<const uint32_t> selected_k(router.selected.data(), k);
-  uint64_t waited = 0;
-  EXPERTD_TRY(experts->acquire(layer, selected_k, ptrs, &waited));
-  stats.experts_used += k;
-  // gu [2k][n_ff] (gates, then ups), h [k][n_ff], eo [k][n_embd], as run_experts lays them out.
-  uses.resize(k);
-  for (uint32_t i = 0; i < k; ++i) {
-    uses[i] = ExpertUse{ptrs[i],           xn,         gu + i * ff,
-                        gu + (k + i) * ff, h + i * ff, eo + uint64_t{i} * p.n_embd,
-                        selected_k[i]};
-  }
-  EXPERTD_TRY(run_uses(layer, uses));
+  EXPERTD_TRY(
+      row_experts(layer, std::span<const uint32_t>(router.selected.data(), p.n_expert_used)));
   EXPERTD_TRY(experts->finish_layer());
   return host_combine(layer);
 }

@@ -1087,8 +1087,7 @@ std::string GpuExperts::description() const {
 }
 
 void StepExperts::reserve(uint32_t n_expert, uint64_t slots) {
-  group_of_.resize(n_expert);
-  needed_.reserve(n_expert);
+  groups_.reserve(n_expert, slots);
   uses_.reserve(slots);
 }
 
@@ -1099,38 +1098,30 @@ Status StepExperts::run(
         apply,
     const std::function<void(std::span<const uint32_t> group)>& before_acquire,
     const std::function<void(std::span<const uint32_t> group, uint64_t waited)>& acquired) {
-  const auto n_expert = static_cast<uint32_t>(group_of_.size());
-  std::fill(group_of_.begin(), group_of_.end(), UINT32_MAX);
-  needed_.clear();
-  for (const uint32_t ex : routes) group_of_[ex] = 0;
-  for (uint32_t ex = 0; ex < n_expert; ++ex) {
-    if (group_of_[ex] == UINT32_MAX) continue;
-    group_of_[ex] = static_cast<uint32_t>(needed_.size());
-    needed_.push_back(ex);
-  }
-  const auto rows = static_cast<uint32_t>(routes.size() / k);
-  for (size_t g0 = 0; g0 < needed_.size(); g0 += k) {
-    const auto count = static_cast<uint32_t>(std::min<size_t>(k, needed_.size() - g0));
-    const std::span<const uint32_t> group(needed_.data() + g0, count);
+  groups_.build(routes);
+  const std::span<const uint32_t> needed = groups_.needed();
+  for (size_t g0 = 0; g0 < needed.size(); g0 += k) {
+    const std::span<const uint32_t> group =
+        needed.subspan(g0, std::min<size_t>(k, needed.size() - g0));
     if (before_acquire) before_acquire(group);
     uint64_t waited = 0;
-    EXPERTD_TRY(experts.acquire(layer, group, ptrs.first(count), &waited));
+    EXPERTD_TRY(experts.acquire(layer, group, ptrs.first(group.size()), &waited));
     if (acquired) acquired(group, waited);
+    // The group's route slots (row * k + slot), row by row as the rows route to them.
     uses_.clear();
-    for (uint32_t i = 0; i < rows; ++i) {
-      for (uint32_t j = 0; j < k; ++j) {
-        const uint32_t g = group_of_[routes[uint64_t{i} * k + j]];
-        if (g < g0 || g >= g0 + count) continue;
-        uses_.push_back(StepUse{static_cast<uint32_t>(g - g0), i, j});
-      }
+    for (uint32_t g = 0; g < group.size(); ++g) {
+      for (const uint32_t s : groups_.slots(group[g])) uses_.push_back(StepUse{g, s / k, s % k});
     }
+    std::sort(uses_.begin(), uses_.end(), [](const StepUse& a, const StepUse& b) {
+      return a.row != b.row ? a.row < b.row : a.slot < b.slot;
+    });
     EXPERTD_TRY(apply(group, uses_));
     EXPERTD_TRY(experts.finish_layer());
     // The next group's acquire may need this one's slots and holds back.
-    if (g0 + k < needed_.size()) EXPERTD_TRY(experts.sync_compute());
+    if (g0 + k < needed.size()) EXPERTD_TRY(experts.sync_compute());
   }
-  stats.experts_used += needed_.size();  // acquired and computed, as a prefill chunk counts them
-  stats.batch_experts += needed_.size();
+  stats.experts_used += needed.size();  // acquired and computed, as a prefill chunk counts them
+  stats.batch_experts += needed.size();
   return Ok{};
 }
 

@@ -562,8 +562,7 @@ class StepExperts {
       const std::function<void(std::span<const uint32_t> group, uint64_t waited)>& acquired = {});
 
  private:
-  std::vector<uint32_t> group_of_;  // [n_expert]: a needed expert's index in needed_
-  std::vector<uint32_t> needed_;
+  ExpertGroups groups_;  // the step's route slots by expert
   std::vector<StepUse> uses_;
 };
 
