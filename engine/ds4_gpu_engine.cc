@@ -821,11 +821,8 @@ Status Ds4GpuEngine::Impl::route(uint32_t layer, uint32_t token) {
   const uint32_t k = p.n_expert_used;
   const bool hash = layer < d.hash_layers;
   EXPERTD_TRY(route_logits(layer));
-  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
   // Everything launched before (the previous layer's experts among it) has finished.
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  EXPERTD_TRY(experts->account_copy_time());
+  EXPERTD_TRY(experts->sync_compute());
 
   add_hints(layer);
   const std::span<const ExpertHint> hints = planner.take(stats);
@@ -1146,10 +1143,7 @@ Status Ds4GpuEngine::Impl::prefill_chunk(std::span<const uint32_t> tokens,
     // The chunk's router logits: one copy, one sync per layer.
     const uint64_t rl = uint64_t{n} * (1 + opts.prefetch_depth) * p.n_expert;
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_crl, crl, rl * 4, cudaMemcpyDeviceToHost, st));
-    EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-    EXPERTD_TRY(experts->release_demand_holds());
-    EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-    EXPERTD_TRY(experts->account_copy_time());
+    EXPERTD_TRY(experts->sync_compute());
     // This layer's records start here: the chunk's predictions go to them, not to earlier layers'.
     const size_t layer_first = routing_log != nullptr ? routing_log->size() : 0;
     chunk_route(layer, tokens);
@@ -1406,10 +1400,7 @@ Status Ds4GpuEngine::Impl::decode_batch(std::span<const BatchRow> rows, std::spa
         EXPERTD_TRY(route_logits(layer));
       }
       // One sync for the rows' logits (the previous layer's experts have finished too).
-      EXPERTD_CUDA_TRY(gpu::timed_sync(st, stats));
-      EXPERTD_TRY(experts->release_demand_holds());
-      EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-      EXPERTD_TRY(experts->account_copy_time());
+      EXPERTD_TRY(experts->sync_compute());
       // Each row's candidates and routing decision; the candidates go out once each, scored by
       // all the rows, in one message.
       brec.clear();

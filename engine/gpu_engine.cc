@@ -719,11 +719,8 @@ Status GpuEngine::Impl::route_and_hint(uint32_t layer) {
     EXPERTD_CUDA_TRY(cudaMemcpyAsync(h_probs, d_probs + p.n_expert, uint64_t{d} * p.n_expert * 4,
                                      cudaMemcpyDeviceToHost, compute.get()));
   }
-  EXPERTD_CUDA_TRY(gpu::timed_sync(compute.get(), stats));
   // Everything launched before (the previous layer's experts among it) has finished.
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  EXPERTD_TRY(experts->account_copy_time());
+  EXPERTD_TRY(experts->sync_compute());
 
   // Hints for the next layers.
   planner.from_layer(layer);
@@ -1424,9 +1421,7 @@ Status GpuEngine::Impl::chunk_moe(uint32_t layer, uint32_t rows) {
   const uint32_t pos0 = pos;
   // The chunk's routes (experts and weights): one copy, one sync per layer.
   EXPERTD_TRY(route_rows(layer, rows, cxn, rk * 2));
-  EXPERTD_TRY(experts->release_demand_holds());
-  EXPERTD_TRY(experts->release_finished_prefetch_holds(false));
-  EXPERTD_TRY(experts->account_copy_time());
+  EXPERTD_TRY(experts->synced());
 
   // The decisions (the script's where it has one), counted per expert; the log and the hint
   // statistics per position, as decode() keeps them.
